@@ -1,0 +1,98 @@
+//! `proxy-agent explain`: the decisions `run` would program, in words.
+//! It calls the same `decision::decide` as `run`; nothing is decided here.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Args, ValueEnum};
+use proxy_agent::decision::{self, PortDecision};
+use proxy_agent::{manifest, objects};
+use serde_json::json;
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Args)]
+pub struct ExplainArgs {
+    /// The node whose point of view is explained.
+    #[arg(long, env = "NODE_NAME")]
+    node: String,
+    /// Manifest files or directories with Nodes, Services and EndpointSlices.
+    #[arg(long, num_args = 1.., required = true)]
+    manifests: Vec<PathBuf>,
+    #[arg(long, value_enum, default_value_t = Output::Table)]
+    output: Output,
+}
+
+pub fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
+    let (docs, read_errors) = manifest::load(&args.manifests);
+    let (cluster, object_errors) = objects::build_cluster(&docs);
+    let decisions = decision::decide(&cluster, &args.node);
+    let mut warnings: Vec<String> = read_errors.iter().map(ToString::to_string).collect();
+    warnings.extend(object_errors.iter().map(ToString::to_string));
+    for d in &decisions {
+        warnings.extend(d.problems.iter().map(|p| format!("Service {}: {p}", d.service)));
+    }
+    warnings.dedup();
+    let mut out = std::io::stdout().lock();
+    match args.output {
+        Output::Json => {
+            let doc = json!({
+                "node": args.node,
+                "services": decisions.iter().map(to_json).collect::<Vec<_>>(),
+                "warnings": warnings,
+            });
+            writeln!(out, "{}", serde_json::to_string_pretty(&doc)?)?;
+        }
+        Output::Table => {
+            writeln!(out, "node {}", args.node)?;
+            for d in &decisions {
+                writeln!(out, "\n{} port {}", d.service, port_label(d))?;
+                writeln!(out, "  frontends: {}", join(d.frontends.iter().map(|f| sockaddr(f.ip, f.port))))?;
+                writeln!(out, "  model:     {}", d.model)?;
+                writeln!(out, "  decision:  {}", d.decision)?;
+                writeln!(out, "  cluster:   {}", join(d.cluster.iter().map(ToString::to_string)))?;
+                writeln!(out, "  local:     {}", join(d.local.iter().map(ToString::to_string)))?;
+            }
+            for w in &warnings {
+                writeln!(out, "\nwarning: {w}")?;
+            }
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn sockaddr(ip: std::net::IpAddr, port: u16) -> String {
+    std::net::SocketAddr::new(ip, port).to_string()
+}
+
+fn join(items: impl Iterator<Item = String>) -> String {
+    let v: Vec<String> = items.collect();
+    if v.is_empty() { "(none)".into() } else { v.join(", ") }
+}
+
+fn port_label(d: &PortDecision) -> String {
+    if d.port.name.is_empty() {
+        format!("{}/{}", d.port.port, d.port.protocol)
+    } else {
+        format!("{} ({}/{})", d.port.name, d.port.port, d.port.protocol)
+    }
+}
+
+/// The documented, stable JSON shape (README, "explain").
+fn to_json(d: &PortDecision) -> serde_json::Value {
+    json!({
+        "namespace": d.service.namespace,
+        "name": d.service.name,
+        "port": {"name": d.port.name, "port": d.port.port, "protocol": d.port.protocol.as_str()},
+        "frontends": d.frontends.iter().map(|f| sockaddr(f.ip, f.port)).collect::<Vec<_>>(),
+        "model": d.model,
+        "decision": d.decision,
+        "clusterEndpoints": d.cluster.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        "localEndpoints": d.local.iter().map(ToString::to_string).collect::<Vec<_>>(),
+    })
+}

@@ -1,0 +1,112 @@
+//! `proxy-agent probe`: connect like an application and print, per attempt,
+//! one JSON line with what the socket API reported. Used by the tests and the
+//! demo, and handy on a node to see what a pod would see.
+
+use std::io::{Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpStream, UdpSocket};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::Args;
+use serde_json::json;
+
+#[derive(Args)]
+pub struct ProbeArgs {
+    /// Address to reach, e.g. 10.96.0.10:80 or [fd00::10]:80.
+    #[arg(long)]
+    to: SocketAddr,
+    /// Use UDP instead of TCP.
+    #[arg(long)]
+    udp: bool,
+    /// With --udp: connect() the socket first instead of using sendto().
+    #[arg(long)]
+    connected: bool,
+    /// Number of attempts, each on a new socket.
+    #[arg(long, default_value_t = 1)]
+    count: u32,
+    /// With --udp: datagrams per socket (all must reach the same backend).
+    #[arg(long, default_value_t = 1)]
+    per_socket: u32,
+    /// Payload sent to the backend.
+    #[arg(long, default_value = "ping")]
+    message: String,
+    #[arg(long, default_value_t = 2000)]
+    timeout_ms: u64,
+}
+
+pub fn probe(args: ProbeArgs) -> anyhow::Result<ExitCode> {
+    let timeout = Duration::from_millis(args.timeout_ms.max(1));
+    let mut failed = false;
+    let out = std::io::stdout();
+    for _ in 0..args.count {
+        let line = if args.udp { udp_once(&args, timeout) } else { tcp_once(&args, timeout) };
+        failed |= line.get("ok") != Some(&json!(true));
+        let mut lock = out.lock();
+        writeln!(lock, "{line}")?;
+        lock.flush()?;
+    }
+    Ok(if failed { ExitCode::from(1) } else { ExitCode::SUCCESS })
+}
+
+fn failure(stage: &str, e: &std::io::Error) -> serde_json::Value {
+    json!({"ok": false, "stage": stage, "errno": e.raw_os_error(), "error": e.to_string()})
+}
+
+fn tcp_once(args: &ProbeArgs, timeout: Duration) -> serde_json::Value {
+    let mut s = match TcpStream::connect_timeout(&args.to, timeout) {
+        Ok(s) => s,
+        Err(e) => return failure("connect", &e),
+    };
+    let peer = s.peer_addr().map(|p| p.to_string()).unwrap_or_default();
+    let _ = s.set_read_timeout(Some(timeout));
+    if let Err(e) = s.write_all(args.message.as_bytes()) {
+        return failure("send", &e);
+    }
+    let _ = s.shutdown(Shutdown::Write);
+    let mut reply = String::new();
+    if let Err(e) = s.read_to_string(&mut reply) {
+        return failure("recv", &e);
+    }
+    json!({"ok": true, "peer": peer, "reply": reply.trim()})
+}
+
+fn udp_once(args: &ProbeArgs, timeout: Duration) -> serde_json::Value {
+    let bind: SocketAddr = if args.to.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("literal address");
+    let s = match UdpSocket::bind(bind) {
+        Ok(s) => s,
+        Err(e) => return failure("bind", &e),
+    };
+    let _ = s.set_read_timeout(Some(timeout));
+    if args.connected
+        && let Err(e) = s.connect(args.to)
+    {
+        return failure("connect", &e);
+    }
+    let mut replies = Vec::new();
+    let mut peers = Vec::new();
+    let mut buf = [0u8; 1500];
+    for _ in 0..args.per_socket.max(1) {
+        let sent = if args.connected { s.send(args.message.as_bytes()) } else { s.send_to(args.message.as_bytes(), args.to) };
+        if let Err(e) = sent {
+            return failure("send", &e);
+        }
+        match s.recv_from(&mut buf) {
+            Ok((n, from)) => {
+                replies.push(String::from_utf8_lossy(&buf[..n]).trim().to_string());
+                peers.push(from.to_string());
+            }
+            Err(e) => return failure("recv", &e),
+        }
+    }
+    let connected_peer = if args.connected { s.peer_addr().map(|p| p.to_string()).ok() } else { None };
+    let same = replies.windows(2).all(|w| w[0] == w[1]);
+    json!({
+        "ok": true,
+        "peer": peers.first().cloned().unwrap_or_default(),
+        "reply": replies.first().cloned().unwrap_or_default(),
+        "peers": peers,
+        "replies": replies,
+        "sameBackend": same,
+        "connectedPeer": connected_peer,
+    })
+}

@@ -1,0 +1,281 @@
+//! Installing the socket programs: maps pinned under the pin directory,
+//! programs attached to the cgroup through pinned bpf_links, and adoption of
+//! whatever an earlier agent pinned there.
+//!
+//! Restart without a gap works like this: maps are pinned by name, so a new
+//! agent's programs use the very same maps (aya reuses a pinned map at
+//! `map_pin_path` instead of creating one). The new programs are attached
+//! *before* the old links go away; for a short while both run, which is
+//! harmless because the second program sees an already translated backend
+//! address, finds no frontend and passes. The new link is pinned beside the
+//! old one and renamed over it; the rename drops the last reference to the
+//! old link, which detaches it (kernel/bpf/inode.c: links live while pinned
+//! or open).
+
+use std::fs;
+use std::io;
+use std::mem::size_of;
+use std::path::{Path, PathBuf};
+
+use aya::maps::{MapInfo, MapType};
+use aya::programs::links::{FdLink, PinnedLink};
+use aya::programs::{CgroupAttachMode, CgroupSockAddr};
+use aya::{Ebpf, EbpfLoader};
+use proxy_common as pc;
+
+use crate::mounts;
+
+/// The eBPF object, built by build.rs from the `proxy-ebpf` crate.
+static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
+
+/// Socket programs, by function name in the object.
+pub const PROGRAMS: [&str; 8] = [
+    "connect4",
+    "connect6",
+    "sendmsg4",
+    "sendmsg6",
+    "recvmsg4",
+    "recvmsg6",
+    "getpeername4",
+    "getpeername6",
+];
+
+/// Sub-directory of the pin directory that holds the program links.
+pub const LINKS_DIR: &str = "links";
+
+/// Map capacities (`max_entries`). They apply when a map is created; a map
+/// adopted from a pin keeps the size it was created with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacities {
+    pub services: u32,
+    pub slots: u32,
+    pub backends: u32,
+    pub sock_revnat: u32,
+}
+
+impl Default for Capacities {
+    fn default() -> Self {
+        Capacities {
+            services: pc::DEFAULT_MAX_SERVICES,
+            slots: pc::DEFAULT_MAX_SLOTS,
+            backends: pc::DEFAULT_MAX_BACKENDS,
+            sock_revnat: pc::DEFAULT_MAX_SOCK_REVNAT,
+        }
+    }
+}
+
+/// What each pinned map must look like for this agent to adopt it.
+struct MapSpec {
+    name: &'static str,
+    map_type: MapType,
+    key_size: usize,
+    value_size: usize,
+    flag: &'static str,
+}
+
+const MAPS: [MapSpec; 5] = [
+    MapSpec {
+        name: pc::SERVICES_MAP,
+        map_type: MapType::Hash,
+        key_size: size_of::<pc::ServiceKey>(),
+        value_size: size_of::<pc::ServiceValue>(),
+        flag: "--max-services",
+    },
+    MapSpec {
+        name: pc::SLOTS_MAP,
+        map_type: MapType::Hash,
+        key_size: size_of::<pc::SlotKey>(),
+        value_size: size_of::<pc::SlotValue>(),
+        flag: "--max-slots",
+    },
+    MapSpec {
+        name: pc::BACKENDS_MAP,
+        map_type: MapType::Hash,
+        key_size: size_of::<pc::BackendKey>(),
+        value_size: size_of::<pc::BackendValue>(),
+        flag: "--max-backends",
+    },
+    MapSpec {
+        name: pc::SOCK_REVNAT_MAP,
+        map_type: MapType::LruHash,
+        key_size: size_of::<pc::SockRevNatKey>(),
+        value_size: size_of::<pc::SockRevNatValue>(),
+        flag: "--max-sock-revnat",
+    },
+    MapSpec { name: pc::COUNTERS_MAP, map_type: MapType::PerCpuArray, key_size: 4, value_size: 8, flag: "" },
+];
+
+/// The `--max-*` flag that sizes a map, for error messages.
+pub fn capacity_flag(map: &str) -> &'static str {
+    MAPS.iter().find(|m| m.name == map).map(|m| m.flag).unwrap_or("")
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error(transparent)]
+    Mount(#[from] mounts::MountError),
+    #[error("pinned map {path} does not match this agent ({what}); it was made by an incompatible version. Run `proxy-agent reset` with the same --bpffs to remove it (traffic to Services stops until the agent programs the maps again)")]
+    IncompatiblePin { path: PathBuf, what: String },
+    #[error("cannot inspect pinned map {path}: {source}")]
+    Inspect { path: PathBuf, source: aya::maps::MapError },
+    #[error("loading the eBPF object failed: {0}")]
+    Object(#[from] aya::EbpfError),
+    #[error("program {program} is missing from the eBPF object")]
+    MissingProgram { program: &'static str },
+    #[error("program {program}: {source}. cgroup socket programs need Linux >= 5.18 (bpf_set_retval) and bpf_link support; see the README's requirements")]
+    Program { program: &'static str, source: aya::programs::ProgramError },
+    #[error("program {program}: cannot use a bpf_link ({source}); Linux >= 5.7 is required for pinned cgroup links")]
+    Link { program: &'static str, source: aya::programs::links::LinkError },
+    #[error("program {program}: cannot pin its link at {path}: {reason}")]
+    Pin { program: &'static str, path: PathBuf, reason: String },
+    #[error("cannot open cgroup {path}: {source}")]
+    Cgroup { path: PathBuf, source: io::Error },
+    #[error("cannot remove {path}: {source}")]
+    Remove { path: PathBuf, source: io::Error },
+}
+
+/// Installs (or adopts and upgrades) the datapath. Returns warnings that do
+/// not stop the agent, e.g. a pinned map whose capacity differs from the one
+/// requested.
+pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<String>, LoadError> {
+    mounts::ensure_pin_dir(pin_dir)?;
+    let warnings = check_pinned_maps(pin_dir, caps)?;
+
+    let pins: Vec<(&str, PathBuf)> = MAPS.iter().map(|m| (m.name, pin_dir.join(m.name))).collect();
+    let mut loader = EbpfLoader::new();
+    for (name, path) in &pins {
+        loader.map_pin_path(name, path.as_path());
+    }
+    loader
+        .map_max_entries(pc::SERVICES_MAP, caps.services)
+        .map_max_entries(pc::SLOTS_MAP, caps.slots)
+        .map_max_entries(pc::BACKENDS_MAP, caps.backends)
+        .map_max_entries(pc::SOCK_REVNAT_MAP, caps.sock_revnat);
+    let mut ebpf: Ebpf = loader.load(EBPF_OBJECT)?;
+
+    let cg = fs::File::open(cgroup).map_err(|source| LoadError::Cgroup { path: cgroup.into(), source })?;
+    let links = pin_dir.join(LINKS_DIR);
+    fs::create_dir_all(&links).map_err(|source| mounts::MountError::Create { path: links.clone(), source })?;
+
+    for program in PROGRAMS {
+        let prog: &mut CgroupSockAddr = ebpf
+            .program_mut(program)
+            .ok_or(LoadError::MissingProgram { program })?
+            .try_into()
+            .map_err(|source| LoadError::Program { program, source })?;
+        prog.load().map_err(|source| LoadError::Program { program, source })?;
+        // The old and the new program must be attached at the same time
+        // during an upgrade. bpf_link attachments always coexist like
+        // BPF_F_ALLOW_MULTI ones, and BPF_LINK_CREATE rejects any flag
+        // (kernel/bpf/cgroup.c:cgroup_bpf_link_attach), hence the default mode.
+        let id = prog
+            .attach(&cg, CgroupAttachMode::default())
+            .map_err(|source| LoadError::Program { program, source })?;
+        let link = prog.take_link(id).map_err(|source| LoadError::Program { program, source })?;
+        let link: FdLink = link.try_into().map_err(|source| LoadError::Link { program, source })?;
+        let final_path = links.join(program);
+        // bpffs refuses names with a dot (kernel/bpf/inode.c:bpf_lookup).
+        let staging = links.join(format!("{program}-next"));
+        let _ = fs::remove_file(&staging); // left over by an agent killed mid-install
+        let pin_err = |reason: String| LoadError::Pin { program, path: final_path.clone(), reason };
+        let pinned = link.pin(&staging).map_err(|e| pin_err(error_chain(&e)))?;
+        // rename(2) replaces the old pin atomically; bpffs implements it
+        // with simple_rename.
+        fs::rename(&staging, &final_path).map_err(|e| pin_err(e.to_string()))?;
+        drop(pinned); // the pin keeps the link attached
+    }
+    Ok(warnings)
+}
+
+/// An error with its sources, for messages where aya's top-level text alone
+/// ("`BPF_OBJ_PIN` failed") would hide the errno.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+fn check_pinned_maps(pin_dir: &Path, caps: Capacities) -> Result<Vec<String>, LoadError> {
+    let mut warnings = Vec::new();
+    for m in &MAPS {
+        let path = pin_dir.join(m.name);
+        if !path.exists() {
+            continue;
+        }
+        let info = MapInfo::from_pin(&path).map_err(|source| LoadError::Inspect { path: path.clone(), source })?;
+        let incompatible = |what: String| LoadError::IncompatiblePin { path: path.clone(), what };
+        let ty = info.map_type().map_err(|source| LoadError::Inspect { path: path.clone(), source })?;
+        if ty != m.map_type {
+            return Err(incompatible(format!("type {ty:?}, expected {:?}", m.map_type)));
+        }
+        if info.key_size() as usize != m.key_size || info.value_size() as usize != m.value_size {
+            return Err(incompatible(format!(
+                "key/value size {}/{}, expected {}/{}",
+                info.key_size(),
+                info.value_size(),
+                m.key_size,
+                m.value_size
+            )));
+        }
+        let wanted = match m.name {
+            pc::SERVICES_MAP => caps.services,
+            pc::SLOTS_MAP => caps.slots,
+            pc::BACKENDS_MAP => caps.backends,
+            pc::SOCK_REVNAT_MAP => caps.sock_revnat,
+            _ => info.max_entries(),
+        };
+        if wanted != info.max_entries() {
+            warnings.push(format!(
+                "map {} was created with {} entries and is kept at that size to keep traffic flowing; {} {} takes effect after `proxy-agent reset`",
+                m.name,
+                info.max_entries(),
+                m.flag,
+                wanted
+            ));
+        }
+    }
+    Ok(warnings)
+}
+
+/// Removes everything `install` created under `pin_dir`: links first (which
+/// detaches the programs), then maps. Missing pieces are fine, so reset is
+/// idempotent.
+pub fn reset(pin_dir: &Path) -> Result<(), LoadError> {
+    let links = pin_dir.join(LINKS_DIR);
+    if let Ok(rd) = fs::read_dir(&links) {
+        for entry in rd.flatten() {
+            let path = entry.path();
+            match PinnedLink::from_pin(&path) {
+                // Unpinning drops the last reference: the link detaches.
+                Ok(link) => {
+                    link.unpin().map_err(|source| LoadError::Remove { path: path.clone(), source })?;
+                }
+                Err(_) => remove(&path)?,
+            }
+        }
+        remove_dir(&links)?;
+    }
+    for m in &MAPS {
+        remove(&pin_dir.join(m.name))?;
+    }
+    remove_dir(pin_dir)
+}
+
+fn remove(path: &Path) -> Result<(), LoadError> {
+    match fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(LoadError::Remove { path: path.into(), source: e }),
+        _ => Ok(()),
+    }
+}
+
+fn remove_dir(path: &Path) -> Result<(), LoadError> {
+    match fs::remove_dir(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(LoadError::Remove { path: path.into(), source: e }),
+        _ => Ok(()),
+    }
+}

@@ -1,0 +1,465 @@
+//! Turning Kubernetes objects (as JSON) into the model, with the checks the
+//! API server would have made on what the datapath relies on. An object that
+//! fails is reported with its kind, name and the reason, and left out; the
+//! rest of the cluster is built as usual.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::net::IpAddr;
+
+use k8s_openapi::api::core::v1 as core;
+use k8s_openapi::api::discovery::v1 as discovery;
+use serde_json::Value;
+
+use crate::manifest::Document;
+use crate::model::{
+    Cluster, Endpoint, EndpointSlice, Family, Node, ObjectRef, Protocol, Service, ServicePort,
+    ServiceType, SlicePort,
+};
+
+/// Label that ties an EndpointSlice to its Service (discovery.k8s.io/v1).
+pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+/// Services labelled with this belong to another proxy (kube-proxy honours
+/// it too, pkg/proxy/config).
+pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+/// Marks a Service whose endpoints are consumed only through DNS.
+pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
+
+/// Why an object was left out.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub struct ObjectError {
+    pub kind: String,
+    /// `namespace/name`, or the manifest location when the object has no name.
+    pub object: String,
+    pub reason: String,
+}
+
+impl fmt::Display for ObjectError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} {}: {}", self.kind, self.object, self.reason)
+    }
+}
+
+/// What happened to one object.
+#[derive(Debug)]
+pub enum Converted<T> {
+    Ok(T),
+    /// Deliberately not handled by this proxy (headless, ExternalName,
+    /// another proxy's Service, FQDN slices); not an error.
+    Ignored(&'static str),
+}
+
+/// Builds the model from manifest documents. Kinds other than Service,
+/// EndpointSlice and Node are skipped silently: a manifest directory often
+/// carries Deployments and the like.
+pub fn build_cluster(docs: &[Document]) -> (Cluster, Vec<ObjectError>) {
+    let mut cluster = Cluster::default();
+    let mut errors = Vec::new();
+    for doc in docs {
+        let kind = doc.value.get("kind").and_then(Value::as_str).unwrap_or_default();
+        let result = match kind {
+            "Service" => service_from_json(&doc.value).map(|c| {
+                if let Converted::Ok(s) = c {
+                    let id = s.id.clone();
+                    if cluster.services.insert(id.clone(), s).is_some() {
+                        errors.push(dup("Service", &id));
+                    }
+                }
+            }),
+            "EndpointSlice" => slice_from_json(&doc.value).map(|(c, problems)| {
+                errors.extend(problems);
+                if let Converted::Ok(s) = c {
+                    let id = s.id.clone();
+                    if cluster.slices.insert(id.clone(), s).is_some() {
+                        errors.push(dup("EndpointSlice", &id));
+                    }
+                }
+            }),
+            "Node" => node_from_json(&doc.value).map(|n| {
+                cluster.nodes.insert(n.name.clone(), n);
+            }),
+            "" => Err(ObjectError { kind: "object".into(), object: doc.location.clone(), reason: "has no kind".into() }),
+            _ => Ok(()),
+        };
+        if let Err(mut e) = result {
+            if e.object.is_empty() {
+                e.object = doc.location.clone();
+            }
+            errors.push(e);
+        }
+    }
+    (cluster, errors)
+}
+
+fn dup(kind: &str, id: &ObjectRef) -> ObjectError {
+    ObjectError { kind: kind.into(), object: id.to_string(), reason: "defined more than once; the last definition wins".into() }
+}
+
+fn object_ref(v: &Value) -> (String, String) {
+    let meta = v.get("metadata");
+    let ns = meta.and_then(|m| m.get("namespace")).and_then(Value::as_str).unwrap_or("default");
+    let name = meta.and_then(|m| m.get("name")).and_then(Value::as_str).unwrap_or_default();
+    (ns.to_string(), name.to_string())
+}
+
+fn fail(kind: &str, ns: &str, name: &str, reason: impl Into<String>) -> ObjectError {
+    let object = if name.is_empty() { String::new() } else { format!("{ns}/{name}") };
+    ObjectError { kind: kind.into(), object, reason: reason.into() }
+}
+
+fn parse_ip(s: &str) -> Option<IpAddr> {
+    s.trim().parse().ok()
+}
+
+fn port_u16(p: i32) -> Option<u16> {
+    u16::try_from(p).ok().filter(|p| *p != 0)
+}
+
+fn protocol(p: Option<&str>) -> Result<Protocol, String> {
+    match p.unwrap_or("TCP") {
+        "TCP" => Ok(Protocol::Tcp),
+        "UDP" => Ok(Protocol::Udp),
+        other => Err(format!("protocol {other} is not supported (TCP and UDP are)")),
+    }
+}
+
+/// Converts a Service. Headless, ExternalName and other proxies' Services
+/// are `Ignored`.
+pub fn service_from_json(v: &Value) -> Result<Converted<Service>, ObjectError> {
+    const K: &str = "Service";
+    let (ns, name) = object_ref(v);
+    if name.is_empty() {
+        return Err(fail(K, &ns, &name, "metadata.name is missing"));
+    }
+    let svc: core::Service =
+        serde_json::from_value(v.clone()).map_err(|e| fail(K, &ns, &name, format!("malformed: {e}")))?;
+    let labels = svc.metadata.labels.clone().unwrap_or_default();
+    if labels.contains_key(SERVICE_PROXY_NAME_LABEL) {
+        return Ok(Converted::Ignored("served by another proxy"));
+    }
+    if labels.contains_key(HEADLESS_LABEL) {
+        return Ok(Converted::Ignored("headless"));
+    }
+    let spec = svc.spec.unwrap_or_default();
+    let service_type = match spec.type_.as_deref().unwrap_or("ClusterIP") {
+        "ClusterIP" => ServiceType::ClusterIp,
+        "NodePort" => ServiceType::NodePort,
+        "LoadBalancer" => ServiceType::LoadBalancer,
+        "ExternalName" => return Ok(Converted::Ignored("ExternalName")),
+        other => return Err(fail(K, &ns, &name, format!("spec.type {other} is unknown"))),
+    };
+    let mut ip_strings: Vec<String> = spec.cluster_ips.clone().unwrap_or_default();
+    if ip_strings.is_empty()
+        && let Some(ip) = spec.cluster_ip.clone()
+    {
+        ip_strings.push(ip);
+    }
+    if ip_strings.iter().any(|s| s == "None") {
+        return Ok(Converted::Ignored("headless"));
+    }
+    if ip_strings.is_empty() || ip_strings.iter().all(|s| s.is_empty()) {
+        return Err(fail(K, &ns, &name, "has no spec.clusterIP (the API server allocates one; manifests must carry it)"));
+    }
+    let mut cluster_ips = Vec::new();
+    for s in &ip_strings {
+        let ip = parse_ip(s).ok_or_else(|| fail(K, &ns, &name, format!("spec.clusterIPs: {s:?} is not an IP address")))?;
+        if !cluster_ips.contains(&ip) {
+            cluster_ips.push(ip);
+        }
+    }
+    let mut ports = Vec::new();
+    for (i, p) in spec.ports.clone().unwrap_or_default().into_iter().enumerate() {
+        let port = port_u16(p.port).ok_or_else(|| fail(K, &ns, &name, format!("spec.ports[{i}].port {} is out of range 1-65535", p.port)))?;
+        let protocol = protocol(p.protocol.as_deref()).map_err(|r| fail(K, &ns, &name, format!("spec.ports[{i}]: {r}")))?;
+        let node_port = match p.node_port {
+            None | Some(0) => None,
+            Some(n) => Some(port_u16(n).ok_or_else(|| fail(K, &ns, &name, format!("spec.ports[{i}].nodePort {n} is out of range")))?),
+        };
+        ports.push(ServicePort { name: p.name.unwrap_or_default(), port, protocol, node_port });
+    }
+    // spec.topologyKeys left the API in 1.22 and the typed structs with it,
+    // so it is read from the raw object.
+    let topology_keys = match v.get("spec").and_then(|s| s.get("topologyKeys")) {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(items)) => Some(
+            items
+                .iter()
+                .map(|k| k.as_str().map(str::to_string))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| fail(K, &ns, &name, "spec.topologyKeys must be a list of strings"))?,
+        ),
+        Some(_) => return Err(fail(K, &ns, &name, "spec.topologyKeys must be a list of strings")),
+    };
+    let ips = |list: &[String], field: &str| -> Result<Vec<IpAddr>, ObjectError> {
+        list.iter()
+            .map(|s| parse_ip(s).ok_or_else(|| fail(K, &ns, &name, format!("{field}: {s:?} is not an IP address"))))
+            .collect()
+    };
+    let external_ips = ips(&spec.external_ips.clone().unwrap_or_default(), "spec.externalIPs")?;
+    let lb: Vec<String> = svc
+        .status
+        .and_then(|s| s.load_balancer)
+        .and_then(|lb| lb.ingress)
+        .unwrap_or_default()
+        .into_iter()
+        .filter_map(|i| i.ip)
+        .collect();
+    let load_balancer_ips = ips(&lb, "status.loadBalancer.ingress[].ip")?;
+    let external_policy = spec.external_traffic_policy.as_deref().unwrap_or("Cluster");
+    Ok(Converted::Ok(Service {
+        id: ObjectRef::new(ns.clone(), name.clone()),
+        service_type,
+        cluster_ips,
+        ports,
+        topology_keys,
+        annotations: svc.metadata.annotations.unwrap_or_default(),
+        internal_policy_local: spec.internal_traffic_policy.as_deref() == Some("Local"),
+        // "OnlyLocal" is the pre-1.14 spelling the API server still maps to Local.
+        external_policy_local: matches!(external_policy, "Local" | "OnlyLocal"),
+        traffic_distribution: spec.traffic_distribution.clone(),
+        external_ips,
+        load_balancer_ips,
+        health_check_node_port: spec.health_check_node_port.and_then(port_u16),
+    }))
+}
+
+/// Converts an EndpointSlice. Problems confined to one endpoint or port are
+/// returned beside the slice (that part is left out); problems with the
+/// slice as a whole are the `Err`.
+pub fn slice_from_json(v: &Value) -> Result<(Converted<EndpointSlice>, Vec<ObjectError>), ObjectError> {
+    const K: &str = "EndpointSlice";
+    let (ns, name) = object_ref(v);
+    if name.is_empty() {
+        return Err(fail(K, &ns, &name, "metadata.name is missing"));
+    }
+    let slice: discovery::EndpointSlice =
+        serde_json::from_value(v.clone()).map_err(|e| fail(K, &ns, &name, format!("malformed: {e}")))?;
+    let service_name = slice
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(SERVICE_NAME_LABEL))
+        .cloned()
+        .ok_or_else(|| fail(K, &ns, &name, format!("has no {SERVICE_NAME_LABEL} label, so it belongs to no Service")))?;
+    let family = match slice.address_type.as_str() {
+        "IPv4" => Family::V4,
+        "IPv6" => Family::V6,
+        "FQDN" => return Ok((Converted::Ignored("FQDN addresses"), Vec::new())),
+        other => return Err(fail(K, &ns, &name, format!("addressType {other} is unknown"))),
+    };
+    let mut problems = Vec::new();
+    let mut ports = Vec::new();
+    for (i, p) in slice.ports.unwrap_or_default().into_iter().enumerate() {
+        // A port without a number means "all ports"; the socket datapath
+        // cannot express that, and kube-proxy skips such ports too.
+        let Some(num) = p.port else { continue };
+        let Some(port) = port_u16(num) else {
+            problems.push(fail(K, &ns, &name, format!("ports[{i}].port {num} is out of range 1-65535; port skipped")));
+            continue;
+        };
+        match protocol(p.protocol.as_deref()) {
+            Ok(protocol) => ports.push(SlicePort { name: p.name.unwrap_or_default(), port, protocol }),
+            Err(r) => problems.push(fail(K, &ns, &name, format!("ports[{i}]: {r}; port skipped"))),
+        }
+    }
+    let mut endpoints = Vec::new();
+    for (i, ep) in slice.endpoints.unwrap_or_default().into_iter().enumerate() {
+        let Some(first) = ep.addresses.first() else {
+            problems.push(fail(K, &ns, &name, format!("endpoints[{i}] has no address; endpoint skipped")));
+            continue;
+        };
+        let Some(address) = parse_ip(first) else {
+            problems.push(fail(K, &ns, &name, format!("endpoints[{i}] address {first:?} is not an IP address; endpoint skipped")));
+            continue;
+        };
+        if Family::of(&address) != family {
+            problems.push(fail(K, &ns, &name, format!("endpoints[{i}] address {address} does not match addressType {}; endpoint skipped", slice.address_type)));
+            continue;
+        }
+        let cond = ep.conditions.unwrap_or_default();
+        // discovery.k8s.io/v1: nil ready means ready; nil serving means the
+        // same as ready; nil terminating means not terminating.
+        let ready = cond.ready.unwrap_or(true);
+        let hints = ep.hints.unwrap_or_default();
+        endpoints.push(Endpoint {
+            address,
+            ready,
+            serving: cond.serving.unwrap_or(ready),
+            terminating: cond.terminating.unwrap_or(false),
+            node_name: ep.node_name,
+            zone: ep.zone,
+            hint_zones: hints.for_zones.map(|z| z.into_iter().map(|z| z.name).collect()),
+            hint_nodes: hints.for_nodes.map(|n| n.into_iter().map(|n| n.name).collect()),
+        });
+    }
+    Ok((
+        Converted::Ok(EndpointSlice { id: ObjectRef::new(ns, name), service_name, family, ports, endpoints }),
+        problems,
+    ))
+}
+
+pub fn node_from_json(v: &Value) -> Result<Node, ObjectError> {
+    let (_, name) = object_ref(v);
+    if name.is_empty() {
+        return Err(fail("Node", "", "", "metadata.name is missing"));
+    }
+    let labels: BTreeMap<String, String> = match v.get("metadata").and_then(|m| m.get("labels")) {
+        None | Some(Value::Null) => BTreeMap::new(),
+        Some(l) => serde_json::from_value(l.clone())
+            .map_err(|e| ObjectError { kind: "Node".into(), object: name.clone(), reason: format!("metadata.labels: {e}") })?,
+    };
+    Ok(Node { name, labels })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::parse_into;
+
+    fn cluster(yaml: &str) -> (Cluster, Vec<String>) {
+        let mut docs = Vec::new();
+        let mut errs = Vec::new();
+        parse_into("t.yaml", yaml, &mut docs, &mut errs);
+        assert!(errs.is_empty(), "{errs:?}");
+        let (c, e) = build_cluster(&docs);
+        (c, e.iter().map(ToString::to_string).collect())
+    }
+
+    const GOOD: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: shop}
+spec:
+  clusterIP: 10.96.0.10
+  clusterIPs: [10.96.0.10, "fd00:96::10"]
+  topologyKeys: ["kubernetes.io/hostname", "*"]
+  ports:
+  - {name: http, port: 80, targetPort: 8080}
+  - {name: dns, port: 53, protocol: UDP}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: web-abc
+  namespace: shop
+  labels: {kubernetes.io/service-name: web}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints:
+- addresses: [10.244.0.1]
+  nodeName: n1
+  zone: z1
+  hints: {forZones: [{name: z1}]}
+- addresses: [10.244.0.2]
+  conditions: {ready: false, serving: true, terminating: true}
+---
+apiVersion: v1
+kind: Node
+metadata: {name: n1, labels: {topology.kubernetes.io/zone: z1}}
+"#;
+
+    #[test]
+    fn converts_services_slices_nodes() {
+        let (c, e) = cluster(GOOD);
+        assert!(e.is_empty(), "{e:?}");
+        let svc = &c.services[&ObjectRef::new("shop", "web")];
+        assert_eq!(svc.cluster_ips.len(), 2);
+        assert_eq!(svc.ports[1].protocol, Protocol::Udp);
+        assert_eq!(svc.topology_keys.as_deref(), Some(&["kubernetes.io/hostname".to_string(), "*".to_string()][..]));
+        let slice = &c.slices[&ObjectRef::new("shop", "web-abc")];
+        assert_eq!(slice.service_name, "web");
+        assert!(slice.endpoints[0].ready && !slice.endpoints[0].terminating);
+        assert_eq!(slice.endpoints[0].hint_zones.as_deref(), Some(&["z1".to_string()][..]));
+        assert!(!slice.endpoints[1].ready && slice.endpoints[1].serving && slice.endpoints[1].terminating);
+        assert_eq!(c.nodes["n1"].labels["topology.kubernetes.io/zone"], "z1");
+    }
+
+    #[test]
+    fn ignores_headless_externalname_and_other_proxies() {
+        let (c, e) = cluster(
+            r#"
+apiVersion: v1
+kind: Service
+metadata: {name: h}
+spec: {clusterIP: None, ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: x}
+spec: {type: ExternalName, externalName: example.org}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: o, labels: {service.kubernetes.io/service-proxy-name: other}}
+spec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: d}
+"#,
+        );
+        assert!(e.is_empty(), "{e:?}");
+        assert!(c.services.is_empty());
+    }
+
+    #[test]
+    fn bad_objects_are_named_and_skipped() {
+        let (c, e) = cluster(
+            r#"
+apiVersion: v1
+kind: Service
+metadata: {name: badip}
+spec: {clusterIP: 10.96.0.999, ports: [{port: 80}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: badport}
+spec: {clusterIP: 10.96.0.2, ports: [{port: 70000}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: sctp}
+spec: {clusterIP: 10.96.0.3, ports: [{port: 80, protocol: SCTP}]}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: ok}
+spec: {clusterIP: 10.96.0.4, ports: [{port: 80}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: orphan}
+addressType: IPv4
+endpoints: []
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: partial, labels: {kubernetes.io/service-name: ok}}
+addressType: IPv4
+ports: [{port: 8080}]
+endpoints:
+- addresses: [not-an-ip]
+- addresses: ["fd00::1"]
+- addresses: [10.244.0.9]
+"#,
+        );
+        assert_eq!(c.services.len(), 1, "{e:?}");
+        assert_eq!(c.slices[&ObjectRef::new("default", "partial")].endpoints.len(), 1);
+        let want = [
+            "Service default/badip: spec.clusterIPs: \"10.96.0.999\" is not an IP address",
+            "Service default/badport: spec.ports[0].port 70000 is out of range 1-65535",
+            "Service default/sctp: spec.ports[0]: protocol SCTP is not supported (TCP and UDP are)",
+            "EndpointSlice default/orphan: has no kubernetes.io/service-name label, so it belongs to no Service",
+            "EndpointSlice default/partial: endpoints[0] address \"not-an-ip\" is not an IP address; endpoint skipped",
+            "EndpointSlice default/partial: endpoints[1] address fd00::1 does not match addressType IPv4; endpoint skipped",
+        ];
+        assert_eq!(e, want);
+    }
+
+    #[test]
+    fn malformed_typed_fields_are_reported() {
+        let (_, e) = cluster("apiVersion: v1\nkind: Service\nmetadata: {name: m}\nspec: {ports: [{port: eighty}]}\n");
+        assert_eq!(e.len(), 1);
+        assert!(e[0].starts_with("Service default/m: malformed:"), "{e:?}");
+    }
+}

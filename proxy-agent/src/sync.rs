@@ -1,0 +1,33 @@
+//! One pass of the data flow: model -> decisions -> desired state -> plan ->
+//! maps. Shared by every way the agent learns about the cluster.
+
+use crate::decision::{self, PortDecision};
+use crate::map_writer::{ApplyError, MapWriter};
+use crate::model::Cluster;
+use crate::plan;
+
+/// What one pass did.
+#[derive(Debug, Default)]
+pub struct SyncOutcome {
+    pub upserts: usize,
+    pub deletes: usize,
+    /// Configuration problems found while deciding, each naming its Service.
+    pub problems: Vec<String>,
+    /// Frontends that could not be written (left as they were).
+    pub failures: Vec<ApplyError>,
+    pub decisions: Vec<PortDecision>,
+}
+
+pub fn sync(writer: &mut MapWriter, cluster: &Cluster, node: &str) -> SyncOutcome {
+    let decisions = decision::decide(cluster, node);
+    let desired = decision::desired_state(&decisions);
+    let plan = plan::diff(&writer.state(), &desired);
+    let failures = writer.apply(&plan);
+    let problems = decisions
+        .iter()
+        .flat_map(|d| d.problems.iter().map(move |p| format!("Service {}: {p}", d.service)))
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    SyncOutcome { upserts: plan.upserts.len(), deletes: plan.deletes.len(), problems, failures, decisions }
+}

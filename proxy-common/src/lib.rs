@@ -1,0 +1,190 @@
+//! Map keys and values shared by the eBPF programs and the agent.
+//!
+//! Every type here is `#[repr(C)]` with explicit padding so that the kernel
+//! and userspace agree on the byte layout without relying on compiler
+//! choices. There is no `bool`, enum or `Option`: the kernel sees raw bytes,
+//! and every bit pattern of these structs must be a valid value. Fields that
+//! hold network-order data say so with a `_be` suffix.
+//!
+//! The datapath's view of a Service is split over three hash maps, in the
+//! style of Cilium's `lb4_services`/`lb4_backends` and Katran's reals:
+//!
+//! * [`SERVICES_MAP`]: frontend (address, port, protocol) to
+//!   [`ServiceValue`], which names the service id, the number of backend
+//!   slots and the *generation* those slots belong to.
+//! * [`SLOTS_MAP`]: (service id, generation, slot index) to a backend id.
+//! * [`BACKENDS_MAP`]: backend id to backend address and port.
+//!
+//! The agent writes a new backend set under a fresh generation and only then
+//! replaces the service entry. A BPF hash map update replaces the element as
+//! a whole (the kernel links a new element in and unlinks the old one under
+//! RCU, `kernel/bpf/hashtab.c:htab_map_update_elem`), so a reader sees either
+//! the old (count, generation) pair or the new one, never a mix.
+
+#![no_std]
+
+/// `AF_INET` as the kernel reports it in `bpf_sock_addr.user_family`.
+pub const FAMILY_V4: u8 = 2;
+/// `AF_INET6` as the kernel reports it in `bpf_sock_addr.user_family`.
+pub const FAMILY_V6: u8 = 10;
+
+/// `IPPROTO_TCP`.
+pub const PROTO_TCP: u8 = 6;
+/// `IPPROTO_UDP`.
+pub const PROTO_UDP: u8 = 17;
+
+/// Map names as they appear in the object file and under the pin directory.
+pub const SERVICES_MAP: &str = "SERVICES";
+pub const SLOTS_MAP: &str = "SLOTS";
+pub const BACKENDS_MAP: &str = "BACKENDS";
+pub const SOCK_REVNAT_MAP: &str = "SOCK_REVNAT";
+pub const COUNTERS_MAP: &str = "COUNTERS";
+
+/// Default capacities; the agent can override each at load time.
+pub const DEFAULT_MAX_SERVICES: u32 = 65_536;
+pub const DEFAULT_MAX_SLOTS: u32 = 1_048_576;
+pub const DEFAULT_MAX_BACKENDS: u32 = 262_144;
+pub const DEFAULT_MAX_SOCK_REVNAT: u32 = 262_144;
+
+/// A frontend: what a client dials. IPv4 addresses live in `ip_be[0]`, the
+/// other three words are zero, so the key stays the same size for both
+/// families and the family byte keeps them apart.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ServiceKey {
+    pub ip_be: [u32; 4],
+    pub port_be: u16,
+    /// `PROTO_TCP` or `PROTO_UDP`: the same port over TCP and UDP are
+    /// different Services in Kubernetes, so the protocol is part of the key.
+    pub proto: u8,
+    /// `FAMILY_V4` or `FAMILY_V6`.
+    pub family: u8,
+}
+
+/// What a frontend resolves to.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ServiceValue {
+    /// Stable id of this frontend; slots are keyed by it.
+    pub service_id: u32,
+    /// Number of slots `0..backend_count` written under `generation`. Zero
+    /// means the Service exists but has no usable backend: connect() is
+    /// refused.
+    pub backend_count: u32,
+    /// Generation of the slot set this entry points at.
+    pub generation: u32,
+    /// Reserved; always zero today.
+    pub flags: u32,
+}
+
+/// One slot of a service's backend set.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SlotKey {
+    pub service_id: u32,
+    pub generation: u32,
+    pub slot: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SlotValue {
+    pub backend_id: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BackendKey {
+    pub backend_id: u32,
+}
+
+/// A backend address. Same address layout as [`ServiceKey`].
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct BackendValue {
+    pub ip_be: [u32; 4],
+    pub port_be: u16,
+    pub family: u8,
+    pub _pad: u8,
+}
+
+/// Reverse translation for one socket: which frontend a socket meant when
+/// the kernel now reports the backend as its peer (getpeername, recvmsg).
+/// Keyed by the socket cookie (`bpf_get_socket_cookie`) so that two sockets
+/// talking to the same backend through different frontends stay apart.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevNatKey {
+    pub cookie: u64,
+    pub ip_be: [u32; 4],
+    pub port_be: u16,
+    pub family: u8,
+    pub _pad: [u8; 5],
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockRevNatValue {
+    pub ip_be: [u32; 4],
+    pub port_be: u16,
+    pub family: u8,
+    pub _pad: u8,
+}
+
+/// Indexes into the per-CPU `COUNTERS` array. The programs count by reason
+/// instead of logging per packet.
+pub mod counter {
+    /// A connect/sendmsg to a frontend was translated to a backend.
+    pub const TRANSLATED: u32 = 0;
+    /// A frontend with zero backends refused a connect/sendmsg.
+    pub const REFUSED_NO_BACKEND: u32 = 1;
+    /// A slot or backend lookup missed twice in a row (the agent rewrote the
+    /// service twice during one program run); the socket was left untouched.
+    pub const SLOT_MISS: u32 = 2;
+    /// The reverse-translation entry could not be stored.
+    pub const REVNAT_UPDATE_FAILED: u32 = 3;
+    /// getpeername/recvmsg reported a backend and was translated back.
+    pub const REVERSED: u32 = 4;
+    /// A context field could not be read (unexpected kernel behaviour).
+    pub const CTX_ERROR: u32 = 5;
+    pub const COUNT: u32 = 8;
+
+    /// Names for display, indexed by counter id.
+    pub const NAMES: [&str; COUNT as usize] = [
+        "translated",
+        "refused_no_backend",
+        "slot_miss",
+        "revnat_update_failed",
+        "reversed",
+        "ctx_error",
+        "reserved6",
+        "reserved7",
+    ];
+}
+
+// Layout is part of the kernel ABI between object and agent: pin it down.
+const _: () = {
+    assert!(core::mem::size_of::<ServiceKey>() == 20);
+    assert!(core::mem::size_of::<ServiceValue>() == 16);
+    assert!(core::mem::size_of::<SlotKey>() == 12);
+    assert!(core::mem::size_of::<SlotValue>() == 4);
+    assert!(core::mem::size_of::<BackendKey>() == 4);
+    assert!(core::mem::size_of::<BackendValue>() == 20);
+    assert!(core::mem::size_of::<SockRevNatKey>() == 32);
+    assert!(core::mem::size_of::<SockRevNatValue>() == 20);
+};
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: all types are repr(C), contain only integers and explicit
+    // padding fields, so every bit pattern is valid.
+    unsafe impl aya::Pod for ServiceKey {}
+    unsafe impl aya::Pod for ServiceValue {}
+    unsafe impl aya::Pod for SlotKey {}
+    unsafe impl aya::Pod for SlotValue {}
+    unsafe impl aya::Pod for BackendKey {}
+    unsafe impl aya::Pod for BackendValue {}
+    unsafe impl aya::Pod for SockRevNatKey {}
+    unsafe impl aya::Pod for SockRevNatValue {}
+}

@@ -1,0 +1,257 @@
+//! Socket-level load balancing for ClusterIP traffic.
+//!
+//! cgroup `sock_addr` hooks run when a process in the attached cgroup calls
+//! connect() or sendmsg() with a destination, and when the kernel reports a
+//! peer back through getpeername() or recvmsg(). Translating at that point
+//! (as Cilium's `bpf_sock.c` does) means the packets themselves carry the
+//! backend address, so no per-packet NAT and no conntrack are needed.
+//!
+//! Every entry point is a thin wrapper around a `try_` function. Errors of
+//! our own (a context read that fails, a slot that vanished under us) are
+//! counted and the socket is left exactly as the application asked: we never
+//! break a connection that is not ours.
+
+#![no_std]
+#![no_main]
+
+mod maps;
+mod sockaddr;
+
+use aya_ebpf::{
+    EbpfContext,
+    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
+    macros::cgroup_sock_addr,
+    programs::SockAddrContext,
+};
+use proxy_common::{
+    BackendKey, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, ServiceKey, ServiceValue, SlotKey,
+    SockRevNatKey, SockRevNatValue, counter,
+};
+
+use maps::{BACKENDS, SERVICES, SLOTS, SOCK_REVNAT, count};
+use sockaddr::{Addr, read_peer, write_peer};
+
+/// sock_addr programs return 1 to let the call proceed.
+const ALLOW: i32 = 1;
+/// ... and 0 to fail it; the errno is -EPERM unless bpf_set_retval() chose
+/// another (kernel >= 5.18, `__cgroup_bpf_run_filter_sock_addr`).
+const REJECT: i32 = 0;
+const ECONNREFUSED: i32 = 111;
+
+/// How a backend is picked for this call.
+#[derive(Clone, Copy)]
+enum Pick {
+    /// connect(): a fresh random choice per connection. For UDP, connect()
+    /// happens once per socket, so the choice is stable for its lifetime.
+    Random,
+    /// sendmsg() on an unconnected UDP socket runs per datagram: hash the
+    /// socket cookie so every datagram of one socket goes to one backend.
+    PerSocket,
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn connect4(ctx: SockAddrContext) -> i32 {
+    verdict(try_forward::<FAMILY_V4>(&ctx, Pick::Random))
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn connect6(ctx: SockAddrContext) -> i32 {
+    verdict(try_forward::<FAMILY_V6>(&ctx, Pick::Random))
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn sendmsg4(ctx: SockAddrContext) -> i32 {
+    verdict(try_forward::<FAMILY_V4>(&ctx, Pick::PerSocket))
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn sendmsg6(ctx: SockAddrContext) -> i32 {
+    verdict(try_forward::<FAMILY_V6>(&ctx, Pick::PerSocket))
+}
+
+// recvmsg and getpeername programs must return 1: the kernel rejects any
+// other value for these attach types (`bpf_prog_attach_check_attach_type` /
+// verifier return range), so they only ever rewrite the reported address.
+#[cgroup_sock_addr(recvmsg4)]
+pub fn recvmsg4(ctx: SockAddrContext) -> i32 {
+    verdict(try_reverse::<FAMILY_V4>(&ctx).map(|()| ALLOW))
+}
+
+#[cgroup_sock_addr(recvmsg6)]
+pub fn recvmsg6(ctx: SockAddrContext) -> i32 {
+    verdict(try_reverse::<FAMILY_V6>(&ctx).map(|()| ALLOW))
+}
+
+#[cgroup_sock_addr(getpeername4)]
+pub fn getpeername4(ctx: SockAddrContext) -> i32 {
+    verdict(try_reverse::<FAMILY_V4>(&ctx).map(|()| ALLOW))
+}
+
+#[cgroup_sock_addr(getpeername6)]
+pub fn getpeername6(ctx: SockAddrContext) -> i32 {
+    verdict(try_reverse::<FAMILY_V6>(&ctx).map(|()| ALLOW))
+}
+
+/// Our own failures (the `Err` side carries a counter id) are counted and
+/// fail open.
+#[inline(always)]
+fn verdict(result: Result<i32, u32>) -> i32 {
+    match result {
+        Ok(v) => v,
+        Err(reason) => {
+            count(reason);
+            ALLOW
+        }
+    }
+}
+
+// The family is a const parameter so that each program gets its own copy
+// with fixed context offsets: the verifier rejects a store through a context
+// pointer whose offset was computed at run time ("dereference of modified
+// ctx ptr").
+#[inline(always)]
+fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i32, u32> {
+    let family = FAMILY;
+    let sa = ctx.sock_addr;
+    // SAFETY: the kernel hands sock_addr programs a valid context pointer.
+    let proto = unsafe { (*sa).protocol } as u8;
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return Ok(ALLOW);
+    }
+    let dst = read_peer::<FAMILY>(sa);
+    let key = ServiceKey {
+        ip_be: dst.ip_be,
+        port_be: dst.port_be,
+        proto,
+        family,
+    };
+    // SAFETY: the value is copied out before any other map operation.
+    let Some(svc) = (unsafe { SERVICES.get(&key) }).copied() else {
+        return Ok(ALLOW); // not a frontend: none of our business
+    };
+    if svc.backend_count == 0 {
+        // Kubernetes promises "connection refused" for a Service with no
+        // endpoint for this client; bpf_set_retval exists on >= 5.18 and the
+        // agent refuses to load on older kernels.
+        count(counter::REFUSED_NO_BACKEND);
+        // SAFETY: plain helper call.
+        unsafe { bpf_set_retval(-ECONNREFUSED) };
+        return Ok(REJECT);
+    }
+
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let hash = match pick {
+        Pick::Random => unsafe { bpf_get_prandom_u32() },
+        Pick::PerSocket => mix(cookie, svc.service_id),
+    };
+
+    // The agent replaces a service's (count, generation) in one hash-map
+    // update and only then deletes the previous generation's slots. A reader
+    // that loaded the old entry just before may find its slot gone; looking
+    // the service up once more then sees the new generation.
+    let backend = match lookup_backend(&svc, hash) {
+        Some(b) => b,
+        None => {
+            let Some(fresh) = (unsafe { SERVICES.get(&key) }).copied() else {
+                return Ok(ALLOW); // deleted meanwhile: behave as for a non-service
+            };
+            if fresh.backend_count == 0 {
+                count(counter::REFUSED_NO_BACKEND);
+                unsafe { bpf_set_retval(-ECONNREFUSED) };
+                return Ok(REJECT);
+            }
+            lookup_backend(&fresh, hash).ok_or(counter::SLOT_MISS)?
+        }
+    };
+    if backend.family != family {
+        return Err(counter::CTX_ERROR);
+    }
+
+    let rev_key = SockRevNatKey {
+        cookie,
+        ip_be: backend.ip_be,
+        port_be: backend.port_be,
+        family,
+        _pad: [0; 5],
+    };
+    let rev_val = SockRevNatValue {
+        ip_be: dst.ip_be,
+        port_be: dst.port_be,
+        family,
+        _pad: 0,
+    };
+    if SOCK_REVNAT.insert(&rev_key, &rev_val, 0).is_err() {
+        // The LRU map evicts rather than fills, so this is unexpected; the
+        // connection still works, only getpeername shows the backend.
+        count(counter::REVNAT_UPDATE_FAILED);
+    }
+    write_peer::<FAMILY>(sa, &backend);
+    count(counter::TRANSLATED);
+    Ok(ALLOW)
+}
+
+#[inline(always)]
+fn lookup_backend(svc: &ServiceValue, hash: u32) -> Option<Addr> {
+    let slot = SlotKey {
+        service_id: svc.service_id,
+        generation: svc.generation,
+        slot: hash % svc.backend_count,
+    };
+    let id = unsafe { SLOTS.get(&slot) }?.backend_id;
+    let b = unsafe { BACKENDS.get(&BackendKey { backend_id: id }) }?;
+    Some(Addr {
+        ip_be: b.ip_be,
+        port_be: b.port_be,
+        family: b.family,
+    })
+}
+
+/// Spreads a socket cookie over the slots; the service id is mixed in so one
+/// socket talking to several Services does not land on the same slot index
+/// everywhere.
+#[inline(always)]
+fn mix(cookie: u64, service_id: u32) -> u32 {
+    let mut h = (cookie as u32) ^ ((cookie >> 32) as u32) ^ service_id.wrapping_mul(0x9e37_79b9);
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h
+}
+
+#[inline(always)]
+fn try_reverse<const FAMILY: u8>(ctx: &SockAddrContext) -> Result<(), u32> {
+    let family = FAMILY;
+    let sa = ctx.sock_addr;
+    let peer = read_peer::<FAMILY>(sa);
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let key = SockRevNatKey {
+        cookie,
+        ip_be: peer.ip_be,
+        port_be: peer.port_be,
+        family,
+        _pad: [0; 5],
+    };
+    let Some(orig) = (unsafe { SOCK_REVNAT.get(&key) }).copied() else {
+        return Ok(()); // this socket never went through a frontend
+    };
+    write_peer::<FAMILY>(
+        sa,
+        &Addr {
+            ip_be: orig.ip_be,
+            port_be: orig.port_be,
+            family: orig.family,
+        },
+    );
+    count(counter::REVERSED);
+    Ok(())
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
