@@ -13,6 +13,7 @@ pub mod model;
 pub mod mounts;
 pub mod objects;
 pub mod plan;
+pub mod sandbox;
 pub mod sync;
 pub mod topology;
 

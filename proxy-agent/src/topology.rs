@@ -268,7 +268,7 @@ impl Usable {
 /// Ready endpoints among the candidates `keep` accepts; when none is ready,
 /// the ones that are serving and terminating (kube-proxy's fallback,
 /// KEP-1669 / `CategorizeEndpoints`).
-fn usable<'a>(candidates: Vec<Indexed<'a>>, keep: impl Fn(&Endpoint) -> bool) -> Usable {
+fn usable(candidates: Vec<Indexed<'_>>, keep: impl Fn(&Endpoint) -> bool) -> Usable {
     let pick = |f: &dyn Fn(&Endpoint) -> bool| -> Vec<usize> {
         candidates.iter().filter(|(_, e)| keep(e) && f(e)).map(|(i, _)| *i).collect()
     };
@@ -302,39 +302,57 @@ enum Constraint {
 /// topology at all (the lower sources are not consulted), as if it had no
 /// keys, until it is fixed.
 fn constraint(svc: &Service, problems: &mut Vec<String>, notes: &mut Vec<String>) -> Option<Constraint> {
-    let spec = svc.topology_keys.as_ref().filter(|k| !k.is_empty()).map(|k| ("spec.topologyKeys".to_string(), k.clone()));
-    let ours = svc.annotations.get(ANNOTATION_TOPOLOGY_KEYS).map(|raw| {
-        let keys: Vec<String> =
-            raw.split(',').map(str::trim).filter(|k| !k.is_empty()).map(str::to_string).collect();
-        (format!("annotation {ANNOTATION_TOPOLOGY_KEYS}"), keys)
-    });
-    let ours = ours.filter(|(_, k)| !k.is_empty());
+    let spec = svc.topology_keys.as_ref().filter(|k| !k.is_empty()).map(|k| (KeySource::Spec, k.clone()));
+    let ours = svc
+        .annotations
+        .get(ANNOTATION_TOPOLOGY_KEYS)
+        .map(|raw| raw.split(',').map(str::trim).filter(|k| !k.is_empty()).map(str::to_string).collect::<Vec<_>>())
+        .filter(|k| !k.is_empty())
+        .map(|k| (KeySource::Annotation, k));
     let yurt = svc.annotations.get(ANNOTATION_OPENYURT_TOPOLOGY_KEYS);
 
-    if let Some((source, keys)) = spec.or(ours) {
-        if source.starts_with("spec") && svc.annotations.contains_key(ANNOTATION_TOPOLOGY_KEYS) {
-            notes.push(format!("annotation {ANNOTATION_TOPOLOGY_KEYS} ignored: spec.topologyKeys takes precedence"));
+    let Some((source, keys)) = spec.or(ours) else {
+        return parse_openyurt(yurt?, problems).map(Constraint::OpenYurt);
+    };
+    if source == KeySource::Spec && svc.annotations.contains_key(ANNOTATION_TOPOLOGY_KEYS) {
+        notes.push(format!("annotation {ANNOTATION_TOPOLOGY_KEYS} ignored: spec.topologyKeys takes precedence"));
+    }
+    if yurt.is_some() {
+        notes.push(format!("annotation {ANNOTATION_OPENYURT_TOPOLOGY_KEYS} ignored: {} takes precedence", source.label()));
+    }
+    let errors = validate_topology_keys(source.path(), &keys, svc.external_policy_local);
+    if !errors.is_empty() {
+        problems.push(format!("{} ignored until fixed: {}", source.label(), errors.join("; ")));
+        notes.push(format!("{} is invalid and ignored (see problems)", source.label()));
+        return None;
+    }
+    let source = format!("{} [{}]", source.label(), keys.join(", "));
+    Some(Constraint::Keys { source, keys })
+}
+
+/// Where a Kubernetes-style topology key list was read from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum KeySource {
+    Spec,
+    Annotation,
+}
+
+impl KeySource {
+    /// How the decision and problems name the list.
+    fn label(self) -> &'static str {
+        match self {
+            KeySource::Spec => "spec.topologyKeys",
+            KeySource::Annotation => "annotation topoproxy.io/topology-keys",
         }
-        if yurt.is_some() {
-            notes.push(format!("annotation {ANNOTATION_OPENYURT_TOPOLOGY_KEYS} ignored: {source} takes precedence"));
-        }
-        let path = if source.starts_with("spec") {
-            "spec.topologyKeys".to_string()
-        } else {
-            format!("metadata.annotations[{ANNOTATION_TOPOLOGY_KEYS}]")
-        };
-        let errors = validate_topology_keys(&path, &keys, svc.external_policy_local);
-        if !errors.is_empty() {
-            problems.push(format!("{source} ignored until fixed: {}", errors.join("; ")));
-            notes.push(format!("{source} is invalid and ignored (see problems)"));
-            return None;
-        }
-        let source = format!("{source} [{}]", keys.join(", "));
-        return Some(Constraint::Keys { source, keys });
     }
 
-    let raw = yurt?;
-    parse_openyurt(raw, problems).map(Constraint::OpenYurt)
+    /// The field path validation errors refer to.
+    fn path(self) -> &'static str {
+        match self {
+            KeySource::Spec => "spec.topologyKeys",
+            KeySource::Annotation => "metadata.annotations[topoproxy.io/topology-keys]",
+        }
+    }
 }
 
 /// Validates a topology key list as the API server did for
@@ -451,8 +469,9 @@ fn starts_and_ends_alnum(s: &str, alnum: impl Fn(char) -> bool) -> bool {
 /// no backends that match the topology of the client, the service has no
 /// backends for that client and connections should fail").
 ///
-/// A key matches only with an available endpoint: the tiers are tried over
-/// ready endpoints first. When no tier has a ready endpoint, they are tried
+/// A key matches only with an available endpoint (kube-proxy 1.17-1.19 kept
+/// only ready endpoints in its endpoint cache, so the filter only ever saw
+/// those): the tiers are tried over ready endpoints first. When no tier has a ready endpoint, they are tried
 /// again over serving terminating endpoints: kube-proxy's fallback
 /// (KEP-1669), but keeping the keys, which are hard constraints (a
 /// `["kubernetes.io/hostname"]` Service must never reach another node).
@@ -674,12 +693,12 @@ fn hints_requested_by(svc: &Service) -> Option<String> {
     None
 }
 
-fn has_hints(h: &Option<Vec<String>>) -> bool {
-    h.as_ref().is_some_and(|v| !v.is_empty())
+fn has_hints(h: Option<&[String]>) -> bool {
+    h.is_some_and(|v| !v.is_empty())
 }
 
-fn hinted_for(h: &Option<Vec<String>>, name: &str) -> bool {
-    h.as_ref().is_some_and(|v| v.iter().any(|x| x == name))
+fn hinted_for(h: Option<&[String]>, name: &str) -> bool {
+    h.is_some_and(|v| v.iter().any(|x| x == name))
 }
 
 /// No topology keys: kube-proxy's `CategorizeEndpoints` for the Cluster
@@ -731,13 +750,13 @@ fn rank_by_preference(svc: &Service, view: &View<'_>, problems: &mut Vec<String>
     };
     let mut log = Vec::new();
 
-    let node_hinted = ready.iter().filter(|(_, e)| has_hints(&e.hint_nodes)).count();
-    let zone_hinted = ready.iter().filter(|(_, e)| has_hints(&e.hint_zones)).count();
+    let node_hinted = ready.iter().filter(|(_, e)| has_hints(e.hint_nodes.as_deref())).count();
+    let zone_hinted = ready.iter().filter(|(_, e)| has_hints(e.hint_zones.as_deref())).count();
 
     // PreferSameNode from hints (kube-proxy: behind the
     // PreferSameTrafficDistribution gate, on by default since it went beta).
     if node_hinted == ready.len() {
-        let sel = select(&|e| hinted_for(&e.hint_nodes, view.node_name));
+        let sel = select(&|e| hinted_for(e.hint_nodes.as_deref(), view.node_name));
         if !sel.is_empty() {
             log.push(format!("node hints{requested}: {} hinted for {}", sel.len(), view.node_name));
             return (Model::HintsNode, sel, log.join("; "));
@@ -751,7 +770,7 @@ fn rank_by_preference(svc: &Service, view: &View<'_>, problems: &mut Vec<String>
         match zone {
             None => log.push(format!("zone hints ignored: node lacks label {LABEL_ZONE}")),
             Some(z) => {
-                let sel = select(&|e| hinted_for(&e.hint_zones, z));
+                let sel = select(&|e| hinted_for(e.hint_zones.as_deref(), z));
                 if !sel.is_empty() {
                     log.push(format!("zone hints{requested}: {} hinted for zone {z}", sel.len()));
                     return (Model::HintsZone, sel, log.join("; "));
@@ -1477,6 +1496,8 @@ mod tests {
             assert!(qualified_name_errors(good).is_empty(), "{good:?} should be valid: {:?}", qualified_name_errors(good));
         }
         assert!(!qualified_name_errors(&format!("{}/a", "a".repeat(254))).is_empty());
+        assert!(KeySource::Annotation.label().ends_with(ANNOTATION_TOPOLOGY_KEYS));
+        assert_eq!(KeySource::Annotation.path(), format!("metadata.annotations[{ANNOTATION_TOPOLOGY_KEYS}]"));
     }
 
     // ----- OpenYurt service topology (servicetopology filter_test.go) -----
