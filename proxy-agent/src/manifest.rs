@@ -168,7 +168,8 @@ mod tests {
         let (d, e) = parse("---\nkind: Service\nmetadata: {name: a}\n---\n---\nkind: Node\nmetadata: {name: n}\n");
         assert!(e.is_empty(), "{e:?}");
         assert_eq!(d.len(), 2);
-        assert_eq!(d[0].location, "t.yaml#2");
+        assert_eq!(d[0].location, "t.yaml#1");
+        assert_eq!(d[1].location, "t.yaml#3", "empty documents still count, so locations match what editors show");
     }
 
     #[test]

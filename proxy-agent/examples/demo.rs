@@ -1,0 +1,582 @@
+//! The driver behind `cargo xtask demo`: a simulated cluster on this machine.
+//!
+//! Layout (all of it made here and removed at the end, also on failure,
+//! panic or Ctrl-C):
+//!
+//! - one "cluster network" namespace with no link to the host: every pod
+//!   address sits on its loopback, there is no default route, so a ClusterIP
+//!   that is not translated ends in "network unreachable";
+//! - per node from the manifests: a cgroup v2 directory (the node's pods run
+//!   in it), a pin directory under /sys/fs/bpf and one `proxy-agent run`
+//!   attached to that cgroup, reading the same manifests;
+//! - one `proxy-agent serve-hostname` backend per pod named in the
+//!   EndpointSlices, in its node's cgroup and the cluster namespace;
+//! - a client pod per node (`proxy-agent probe`, in the node's cgroup and the
+//!   cluster namespace) that requests every Service's ClusterIP.
+//!
+//! Everything comes from the manifests (`examples/demo/` by default): Nodes
+//! give the nodes, Services the ClusterIPs, EndpointSlices the pods (by
+//! `targetRef.name`), their addresses and nodes.
+//!
+//! Run it with `cargo xtask demo`; it needs root.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::io::{BufRead, BufReader};
+use std::net::{IpAddr, SocketAddr};
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use clap::Parser;
+use proxy_agent::manifest;
+use proxy_agent::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in};
+use serde_json::Value;
+
+const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
+const LABEL_POOL: &str = "apps.openyurt.io/nodepool";
+const ANNOTATION_OPENYURT: &str = "openyurt.io/topologyKeys";
+const ANNOTATION_TOPOPROXY: &str = "topoproxy.io/topology-keys";
+/// ENETUNREACH: what a client sees before its node's agent programmed the
+/// ClusterIP (the namespace has no route for it).
+const ENETUNREACH: i64 = 101;
+const STEPS: usize = 6;
+
+#[derive(Parser)]
+#[command(name = "demo", about = "A simulated 3-node cluster with topology-aware Services (run via `cargo xtask demo`)")]
+struct Args {
+    /// The proxy-agent binary.
+    #[arg(long)]
+    agent: Option<PathBuf>,
+    /// Manifest directory with Nodes, Services and EndpointSlices.
+    #[arg(long)]
+    manifests: Option<PathBuf>,
+    /// Requests per Service from each node's client pod.
+    #[arg(long, default_value_t = 20)]
+    requests: u32,
+    /// Keep the cluster running after the table until Ctrl-C, to look
+    /// around (bpftool, proxy-agent probe, explain).
+    #[arg(long)]
+    hold: bool,
+}
+
+// ---------------------------------------------------------------------------
+// Signals: Ctrl-C, SIGTERM and SIGHUP only raise a flag; the main flow checks
+// it between steps and unwinds, so every Drop below runs.
+// ---------------------------------------------------------------------------
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+fn install_signal_handlers() {
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: the handler only stores to an atomic (async-signal-safe);
+        // the sigaction struct is fully initialised.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as *const () as libc::sighandler_t;
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut());
+        }
+    }
+}
+
+fn check_interrupted() -> Result<()> {
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        bail!("interrupted");
+    }
+    Ok(())
+}
+
+/// Children get SIGTERM when the demo dies, even by SIGKILL, so no agent or
+/// client outlives it. (Leftover namespaces, cgroups and pin directories of
+/// a killed run are swept by the next run: their names carry our pid.)
+fn die_with_parent(cmd: &mut Command) {
+    // SAFETY: prctl is async-signal-safe.
+    unsafe {
+        cmd.pre_exec(|| {
+            libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+            Ok(())
+        });
+    }
+}
+
+// ---------------------------------------------------------------------------
+// What the manifests describe.
+// ---------------------------------------------------------------------------
+
+struct NodeSpec {
+    name: String,
+    zone: String,
+    pool: String,
+}
+
+struct ServiceSpec {
+    name: String,
+    frontend: SocketAddr,
+    udp: bool,
+    topology: String,
+}
+
+struct PodSpec {
+    name: String,
+    node: String,
+    ip: IpAddr,
+    ports: BTreeSet<u16>,
+}
+
+struct Scenario {
+    nodes: Vec<NodeSpec>,
+    services: Vec<ServiceSpec>,
+    pods: Vec<PodSpec>,
+}
+
+fn str_at<'a>(v: &'a Value, path: &[&str]) -> Option<&'a str> {
+    path.iter().try_fold(v, |v, k| v.get(*k))?.as_str()
+}
+
+fn read_scenario(dir: &Path) -> Result<Scenario> {
+    let (docs, errors) = manifest::load(&[dir.to_path_buf()]);
+    if let Some(e) = errors.first() {
+        bail!("reading {}: {e}", dir.display());
+    }
+    let mut nodes = Vec::new();
+    let mut services = Vec::new();
+    let mut pods: BTreeMap<String, PodSpec> = BTreeMap::new();
+    for d in &docs {
+        let v = &d.value;
+        let name = str_at(v, &["metadata", "name"]).unwrap_or_default().to_string();
+        match str_at(v, &["kind"]) {
+            Some("Node") => {
+                let label = |k: &str| str_at(v, &["metadata", "labels", k]).unwrap_or("-").to_string();
+                nodes.push(NodeSpec { name, zone: label(LABEL_ZONE), pool: label(LABEL_POOL) });
+            }
+            Some("Service") => {
+                let Some(ip) = str_at(v, &["spec", "clusterIP"]).and_then(|s| s.parse::<IpAddr>().ok()) else { continue };
+                let Some(port) = v.pointer("/spec/ports/0") else { continue };
+                let number = port.get("port").and_then(Value::as_u64).and_then(|p| u16::try_from(p).ok()).unwrap_or(0);
+                let udp = port.get("protocol").and_then(Value::as_str) == Some("UDP");
+                let annotation = |k: &str| str_at(v, &["metadata", "annotations", k]).map(|a| format!("{k}: {a}"));
+                let topology = annotation(ANNOTATION_OPENYURT)
+                    .or_else(|| annotation(ANNOTATION_TOPOPROXY))
+                    .or_else(|| {
+                        v.pointer("/spec/topologyKeys").map(|k| format!("spec.topologyKeys: {k}"))
+                    })
+                    .or_else(|| str_at(v, &["spec", "trafficDistribution"]).map(|t| format!("trafficDistribution: {t}")))
+                    .unwrap_or_else(|| "no topology".into());
+                services.push(ServiceSpec { name, frontend: SocketAddr::new(ip, number), udp, topology });
+            }
+            Some("EndpointSlice") => {
+                let port_numbers: Vec<u16> = v
+                    .get("ports")
+                    .and_then(Value::as_array)
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|p| p.get("port").and_then(Value::as_u64).and_then(|p| u16::try_from(p).ok()))
+                    .collect();
+                for ep in v.get("endpoints").and_then(Value::as_array).into_iter().flatten() {
+                    let Some(ip) = ep.pointer("/addresses/0").and_then(Value::as_str).and_then(|s| s.parse::<IpAddr>().ok())
+                    else {
+                        continue;
+                    };
+                    let pod_name = str_at(ep, &["targetRef", "name"]).map(str::to_string).unwrap_or_else(|| ip.to_string());
+                    let node = str_at(ep, &["nodeName"]).unwrap_or("-").to_string();
+                    let pod = pods.entry(pod_name.clone()).or_insert_with(|| PodSpec {
+                        name: pod_name.clone(),
+                        node,
+                        ip,
+                        ports: BTreeSet::new(),
+                    });
+                    if pod.ip != ip {
+                        bail!("pod {pod_name} has two addresses in the EndpointSlices ({} and {ip})", pod.ip);
+                    }
+                    pod.ports.extend(&port_numbers);
+                }
+            }
+            _ => {}
+        }
+    }
+    nodes.sort_by(|a, b| a.name.cmp(&b.name));
+    if nodes.is_empty() || services.is_empty() || pods.is_empty() {
+        bail!("{} needs Nodes, Services with a clusterIP and EndpointSlices", dir.display());
+    }
+    Ok(Scenario { nodes, services, pods: pods.into_values().collect() })
+}
+
+// ---------------------------------------------------------------------------
+// The running cluster. Fields drop in declaration order, which is the
+// teardown order: agents stop, their programs and maps are removed, then
+// the pods' cgroups (killing what runs in them) and the namespace go.
+// ---------------------------------------------------------------------------
+
+struct Agent {
+    node: String,
+    process: Guarded,
+    log: PathBuf,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.process.terminate(Duration::from_secs(3));
+    }
+}
+
+struct NodeRuntime {
+    spec: NodeSpec,
+    cgroup: Cgroup,
+}
+
+struct Cluster {
+    agents: Vec<Agent>,
+    pins: Vec<PinDir>,
+    pods: Vec<Guarded>,
+    nodes: Vec<NodeRuntime>,
+    netns: Netns,
+    workdir: WorkDir,
+}
+
+/// A scratch directory for the agents' logs.
+struct WorkDir(PathBuf);
+
+impl Drop for WorkDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+impl Cluster {
+    fn cgroup_of(&self, node: &str) -> Option<&Cgroup> {
+        self.nodes.iter().find(|n| n.spec.name == node).map(|n| &n.cgroup)
+    }
+
+    /// What is left on the machine if the teardown failed.
+    fn footprint(&self) -> Vec<PathBuf> {
+        let mut v = vec![self.netns.path(), self.workdir.0.clone()];
+        v.extend(self.pins.iter().map(|p| p.path().to_path_buf()));
+        v.extend(self.nodes.iter().map(|n| n.cgroup.path().to_path_buf()));
+        v
+    }
+}
+
+fn step(n: usize, text: &str) {
+    println!("[{n}/{STEPS}] {text}");
+}
+
+fn main() -> std::process::ExitCode {
+    install_signal_handlers();
+    let args = Args::parse();
+    match run(&args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("demo failed: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<()> {
+    let agent = match &args.agent {
+        Some(p) => p.clone(),
+        // target/debug/examples/demo -> target/debug/proxy-agent
+        None => std::env::current_exe()?.parent().and_then(Path::parent).context("locating proxy-agent")?.join("proxy-agent"),
+    };
+    let manifests = args.manifests.clone().unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/demo"));
+    let manifests = manifests.canonicalize().with_context(|| format!("manifest directory {}", manifests.display()))?;
+    anyhow::ensure!(agent.is_file(), "{} not found; build it with `cargo build -p proxy-agent`", agent.display());
+    let scenario = read_scenario(&manifests)?;
+
+    let (cluster, started) = start(&agent, &manifests, scenario.nodes, &scenario.pods);
+    let result = started.and_then(|()| exercise(&agent, &manifests, &cluster, &scenario.services, &scenario.pods, args));
+    if result.is_err() {
+        for a in cluster.iter().flat_map(|c| &c.agents) {
+            print_log_tail(a);
+        }
+    }
+    step(6, "tearing down: agents stopped, pinned programs and maps reset, cgroups and namespace removed");
+    let footprint = cluster.as_ref().map(Cluster::footprint).unwrap_or_default();
+    drop(cluster);
+    let left: Vec<String> = footprint.iter().filter(|p| p.exists()).map(|p| p.display().to_string()).collect();
+    if left.is_empty() {
+        println!("      nothing left behind");
+    } else {
+        eprintln!("warning: could not remove: {}", left.join(", "));
+    }
+    result
+}
+
+/// Builds the cluster. What was made is handed back even when a later part
+/// fails, so that the caller's teardown removes all of it.
+fn start(agent: &Path, manifests: &Path, nodes: Vec<NodeSpec>, pods: &[PodSpec]) -> (Option<Cluster>, Result<()>) {
+    step(2, &format!("creating {} nodes: a cluster network namespace (pod addresses on its loopback, no route out) and a cgroup per node", nodes.len()));
+    let netns = match Netns::new("tpdemo").context("creating the network namespace") {
+        Ok(n) => n,
+        Err(e) => return (None, Err(e)),
+    };
+    let workdir = WorkDir(std::env::temp_dir().join(format!("tpdemo-{}", std::process::id())));
+    let mut cluster = Cluster { agents: Vec::new(), pins: Vec::new(), pods: Vec::new(), nodes: Vec::new(), netns, workdir };
+    let result = populate(&mut cluster, agent, manifests, nodes, pods);
+    (Some(cluster), result)
+}
+
+fn populate(cluster: &mut Cluster, agent: &Path, manifests: &Path, nodes: Vec<NodeSpec>, pods: &[PodSpec]) -> Result<()> {
+    fs::create_dir_all(&cluster.workdir.0)?;
+    let addrs: Vec<String> = pods.iter().map(|p| format!("{}/{}", p.ip, if p.ip.is_ipv4() { 32 } else { 128 })).collect();
+    let addrs: Vec<&str> = addrs.iter().map(String::as_str).collect();
+    cluster.netns.add_loopback_addrs(&addrs).context("adding pod addresses")?;
+    for spec in nodes {
+        let cgroup = Cgroup::new(&format!("tpdemo-{}", spec.name)).with_context(|| format!("creating the cgroup of {}", spec.name))?;
+        cluster.nodes.push(NodeRuntime { spec, cgroup });
+    }
+    for n in &cluster.nodes {
+        println!("      {:<8} zone {:<8} pool {:<10} cgroup {}", n.spec.name, n.spec.zone, n.spec.pool, n.cgroup.path().display());
+    }
+    check_interrupted()?;
+
+    step(3, &format!("starting {} backend pods (serve_hostname: they answer with their own name)", pods.len()));
+    for pod in pods {
+        let cgroup = cluster.cgroup_of(&pod.node);
+        let listen: Vec<String> = pod.ports.iter().map(|p| SocketAddr::new(pod.ip, *p).to_string()).collect();
+        let backend = spawn_pod(agent, &cluster.netns, cgroup, &pod.name, &listen)?;
+        cluster.pods.push(backend);
+        println!("      {:<12} on {:<8} {}", pod.name, pod.node, listen.join(", "));
+        check_interrupted()?;
+    }
+
+    step(4, &format!("starting one proxy-agent per node ({} agents)", cluster.nodes.len()));
+    for i in 0..cluster.nodes.len() {
+        let name = cluster.nodes[i].spec.name.clone();
+        let pin = PinDir::new(&format!("tpdemo-{name}")).with_context(|| format!("creating the pin directory of {name}"))?;
+        let log = cluster.workdir.0.join(format!("agent-{name}.log"));
+        let mut cmd = command_in(agent, None, None)?;
+        cmd.arg("run")
+            .args(["--node", &name, "--manifests"])
+            .arg(manifests)
+            .arg("--cgroup")
+            .arg(cluster.nodes[i].cgroup.path())
+            .arg("--bpffs")
+            .arg(pin.path())
+            // Small maps: a demo needs a handful of entries.
+            .args(["--max-services", "64", "--max-slots", "1024", "--max-backends", "256", "--max-sock-revnat", "1024"])
+            .env("LOG_LEVEL", "info")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(&log)?);
+        die_with_parent(&mut cmd);
+        println!("      {name}: proxy-agent run --node {name} --cgroup {} --bpffs {}", cluster.nodes[i].cgroup.path().display(), pin.path().display());
+        cluster.pins.push(pin);
+        let process = Guarded::spawn(&mut cmd).context("starting proxy-agent run")?;
+        cluster.agents.push(Agent { node: name, process, log });
+    }
+    Ok(())
+}
+
+/// A backend pod: `proxy-agent serve-hostname` in its node's cgroup and the
+/// cluster namespace; returns once it reports its sockets bound.
+fn spawn_pod(agent: &Path, netns: &Netns, cgroup: Option<&Cgroup>, name: &str, listen: &[String]) -> Result<Guarded> {
+    let mut cmd = command_in(agent, Some(netns), cgroup)?;
+    cmd.arg("serve-hostname").args(["--name", name, "--listen"]).args(listen);
+    cmd.env("LOG_LEVEL", "warn").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    let mut g = Guarded::spawn(&mut cmd).with_context(|| format!("starting pod {name}"))?;
+    let out = g.0.stdout.take().context("no stdout")?;
+    let mut line = String::new();
+    BufReader::new(out).read_line(&mut line)?;
+    if line.trim() != "ready" {
+        bail!("pod {name} did not start on {listen:?}");
+    }
+    Ok(g)
+}
+
+/// One `proxy-agent probe` run from a client pod on `node`.
+fn probe(agent: &Path, cluster: &Cluster, node: &str, svc: &ServiceSpec, count: u32, timeout_ms: u64) -> Result<Vec<Value>> {
+    let mut cmd = command_in(agent, Some(&cluster.netns), cluster.cgroup_of(node))?;
+    cmd.arg("probe").arg("--to").arg(svc.frontend.to_string()).arg("--count").arg(count.to_string());
+    cmd.arg("--timeout-ms").arg(timeout_ms.to_string()).arg("--message").arg(format!("GET / from {node}"));
+    if svc.udp {
+        cmd.arg("--udp");
+    }
+    cmd.env("LOG_LEVEL", "warn").stdin(Stdio::null());
+    die_with_parent(&mut cmd);
+    let out = cmd.output().context("running proxy-agent probe")?;
+    let lines: Vec<Value> =
+        String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    if lines.is_empty() {
+        bail!("proxy-agent probe printed nothing ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
+    }
+    Ok(lines)
+}
+
+fn errno(v: &Value) -> Option<i64> {
+    v.get("errno").and_then(Value::as_i64)
+}
+
+/// Waits until every node's agent has programmed every ClusterIP: a client
+/// then no longer gets "network unreachable".
+fn wait_programmed(agent: &Path, cluster: &Cluster, services: &[ServiceSpec]) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for a in &cluster.agents {
+        for svc in services {
+            loop {
+                check_interrupted()?;
+                let first = probe(agent, cluster, &a.node, svc, 1, 500)?.remove(0);
+                if errno(&first) != Some(ENETUNREACH) {
+                    break;
+                }
+                if exited(a) {
+                    bail!("the agent of {} exited", a.node);
+                }
+                if Instant::now() > deadline {
+                    bail!("the agent of {} did not program {} within 30 s", a.node, svc.frontend);
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reply counts per backend name, or per failure reason.
+type Tally = BTreeMap<String, u32>;
+
+fn exercise(agent: &Path, manifests: &Path, cluster: &Option<Cluster>, services: &[ServiceSpec], pods: &[PodSpec], args: &Args) -> Result<()> {
+    let cluster = cluster.as_ref().context("no cluster")?;
+    wait_for_agents(agent, cluster, services)?;
+
+    step(5, &format!("requesting each ClusterIP {} times from a client pod on every node", args.requests));
+    for s in services {
+        println!("      {:<26} {:<16} {}", s.name, s.frontend, s.topology);
+    }
+    let mut results: Vec<(String, Vec<Tally>)> = Vec::new();
+    for n in &cluster.nodes {
+        let mut row = Vec::new();
+        for svc in services {
+            check_interrupted()?;
+            let mut tally = Tally::new();
+            for line in probe(agent, cluster, &n.spec.name, svc, args.requests, 2000)? {
+                let key = if line.get("ok") == Some(&Value::Bool(true)) {
+                    line.get("reply").and_then(Value::as_str).unwrap_or("?").to_string()
+                } else {
+                    match errno(&line) {
+                        Some(111) => "(refused)".to_string(),
+                        Some(101) => "(unreachable)".to_string(),
+                        _ => format!("({})", line.get("error").and_then(Value::as_str).unwrap_or("failed")),
+                    }
+                };
+                *tally.entry(key).or_default() += 1;
+            }
+            row.push(tally);
+        }
+        results.push((format!("{} ({}, {})", n.spec.name, n.spec.zone, n.spec.pool), row));
+    }
+    check_interrupted()?;
+
+    println!();
+    print_table(services, &results);
+    println!();
+    let where_is = |name: &str| pods.iter().find(|p| p.name == name).map(|p| p.node.as_str()).unwrap_or("?");
+    let mut placement: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for p in pods {
+        placement.entry(where_is(&p.name)).or_default().push(&p.name);
+    }
+    let placement: Vec<String> = placement.iter().map(|(node, names)| format!("{} on {node}", names.join(" and "))).collect();
+    println!("Pods: {}.", placement.join("; "));
+    println!(
+        "Notice: without topology every node reaches all pods; with the node-pool annotation each node only reaches \
+         pods in its own pool; with the zone key node-2 (pool hangzhou, zone zone-b) is kept in zone-b instead."
+    );
+    println!(
+        "Why: `{} explain --node NODE --manifests {}` prints each node's decision.",
+        agent.display(),
+        manifests.display()
+    );
+
+    if args.hold {
+        println!();
+        println!("Holding the cluster; press Ctrl-C to tear it down. Try:");
+        if let Some(pin) = cluster.pins.first() {
+            println!("  bpftool map dump pinned {}/SERVICES", pin.path().display());
+        }
+        if let (Some(n), Some(s)) = (cluster.nodes.first(), services.first()) {
+            println!(
+                "  bash -c 'echo $$ > {}/cgroup.procs; exec nsenter --net={} {} probe --to {} --count 5'",
+                n.cgroup.path().display(),
+                cluster.netns.path().display(),
+                agent.display(),
+                s.frontend
+            );
+        }
+        while !INTERRUPTED.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+    Ok(())
+}
+
+/// Waits for the agents, and notices one that exits early.
+fn wait_for_agents(agent: &Path, cluster: &Cluster, services: &[ServiceSpec]) -> Result<()> {
+    wait_programmed(agent, cluster, services)?;
+    if let Some(a) = cluster.agents.iter().find(|a| exited(a)) {
+        bail!("the agent of {} exited", a.node);
+    }
+    Ok(())
+}
+
+/// Whether an agent has exited (a zombie not yet reaped, or gone). Reading
+/// /proc keeps the Child untouched for the teardown.
+fn exited(a: &Agent) -> bool {
+    fs::read_to_string(format!("/proc/{}/stat", a.process.0.id()))
+        .map(|s| s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')))
+        .unwrap_or(true)
+}
+
+fn print_log_tail(a: &Agent) {
+    let Ok(text) = fs::read_to_string(&a.log) else { return };
+    let lines: Vec<&str> = text.lines().collect();
+    eprintln!("--- last lines of the agent log of {} ---", a.node);
+    for l in &lines[lines.len().saturating_sub(15)..] {
+        eprintln!("{l}");
+    }
+}
+
+/// Rows: client node; columns: Services; cells: one line per backend that
+/// answered, with its count.
+fn print_table(services: &[ServiceSpec], results: &[(String, Vec<Tally>)]) {
+    let cell_lines = |t: &Tally| -> Vec<String> { t.iter().map(|(k, v)| format!("{k} x{v}")).collect() };
+    let mut widths = vec![results.iter().map(|(r, _)| r.len()).chain(["client pod on node".len()]).max().unwrap_or(0)];
+    for (i, s) in services.iter().enumerate() {
+        let w = results
+            .iter()
+            .flat_map(|(_, row)| cell_lines(&row[i]))
+            .map(|l| l.len())
+            .chain([s.name.len()])
+            .max()
+            .unwrap_or(0);
+        widths.push(w);
+    }
+    let line = |cells: &[&str]| {
+        let s: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
+        println!("{}", s.join("  |  ").trim_end());
+    };
+    let header: Vec<&str> = std::iter::once("client pod on node").chain(services.iter().map(|s| s.name.as_str())).collect();
+    line(&header);
+    let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
+    println!("{}", rule.join("--+--"));
+    for (label, row) in results {
+        let cells: Vec<Vec<String>> = row.iter().map(cell_lines).collect();
+        let height = cells.iter().map(Vec::len).max().unwrap_or(1).max(1);
+        for k in 0..height {
+            let first = if k == 0 { label.as_str() } else { "" };
+            let mut out: Vec<&str> = vec![first];
+            out.extend(cells.iter().map(|c| c.get(k).map(String::as_str).unwrap_or("")));
+            line(&out);
+        }
+        println!("{}", rule.join("--+--"));
+    }
+}

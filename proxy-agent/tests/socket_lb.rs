@@ -1,0 +1,137 @@
+//! The socket load balancer end to end: a real agent programs real BPF
+//! programs attached to a test cgroup; clients in that cgroup and in an
+//! isolated namespace connect to ClusterIPs.
+
+mod support;
+
+use support::*;
+
+const WEB: &str = "10.96.0.10";
+const WEB6: &str = "fd00:96::10";
+
+fn web(endpoints: &[(&str, bool, &str)]) -> String {
+    ServiceSpec {
+        name: "web",
+        cluster_ips: &[WEB, WEB6],
+        // Same port number over TCP and UDP: two different Services as far
+        // as the datapath is concerned.
+        ports: &[("http", 80, "TCP", 8080), ("dns", 80, "UDP", 5353)],
+        endpoints,
+        extra_spec: "",
+        annotations: "",
+    }
+    .yaml()
+}
+
+/// Three pods, each serving TCP 8080 (as pod-*) and UDP 5353 (as dns-*).
+/// pod-* answer on UDP 8080 as well: if the protocol were not part of the
+/// service key, UDP to port 80 would reach them.
+fn setup() -> (PodNetwork, Node) {
+    let mut net = PodNetwork::new();
+    net.backend("pod-a", "10.244.0.1", &[8080]);
+    net.backend("pod-b", "10.244.0.2", &[8080]);
+    net.backend("pod-c", "10.244.0.3", &[8080]);
+    net.backend("dns-a", "10.244.0.1", &[5353]);
+    net.backend("dns-b", "10.244.0.2", &[5353]);
+    net.backend("dns-c", "10.244.0.3", &[5353]);
+    net.backend("pod-6a", "fd00:244::1", &[8080, 5353]);
+    net.backend("pod-6b", "fd00:244::2", &[8080, 5353]);
+    let mut node = Node::new("node-a");
+    node.write_manifest(
+        "web.yaml",
+        &web(&[
+            ("10.244.0.1", true, "node-a"),
+            ("10.244.0.2", true, "node-a"),
+            ("10.244.0.3", true, "node-a"),
+            ("fd00:244::1", true, "node-a"),
+            ("fd00:244::2", true, "node-a"),
+        ]),
+    );
+    node.start_agent();
+    (net, node)
+}
+
+#[test]
+fn tcp_reaches_every_backend_and_getpeername_reports_the_cluster_ip() {
+    let (net, node) = setup();
+    wait_for_backends(&node, &net, "10.96.0.10:80", &[], &["pod-a", "pod-b", "pod-c"]);
+    for r in node.probe(&net, &["--to", "10.96.0.10:80", "--count", "10"]) {
+        assert_eq!(r["ok"], true, "{r}");
+        assert_eq!(r["peer"], "10.96.0.10:80", "getpeername must show the ClusterIP: {r}");
+    }
+}
+
+#[test]
+fn udp_is_translated_both_ways_and_sticks_to_one_backend_per_socket() {
+    let (net, node) = setup();
+    // Unconnected sockets: sendmsg picks per socket, recvmsg reports the
+    // ClusterIP as the source.
+    wait_for_backends(&node, &net, "10.96.0.10:80", &["--udp", "--per-socket", "4"], &["dns-a", "dns-b", "dns-c"]);
+    let results = node.probe(&net, &["--to", "10.96.0.10:80", "--udp", "--per-socket", "4", "--count", "20"]);
+    for r in &results {
+        assert_eq!(r["ok"], true, "{r}");
+        assert_eq!(r["sameBackend"], true, "all datagrams of one socket go to one backend: {r}");
+        for p in r["peers"].as_array().expect("peers") {
+            assert_eq!(p, "10.96.0.10:80", "recvfrom must report the ClusterIP: {r}");
+        }
+    }
+    // Connected sockets: the choice is made once, at connect().
+    let results = node.probe(&net, &["--to", "10.96.0.10:80", "--udp", "--connected", "--per-socket", "3", "--count", "20"]);
+    for r in &results {
+        assert_eq!(r["ok"], true, "{r}");
+        assert_eq!(r["sameBackend"], true, "{r}");
+        assert_eq!(r["connectedPeer"], "10.96.0.10:80", "getpeername on a connected UDP socket: {r}");
+    }
+    assert_eq!(replies(&results), set(&["dns-a", "dns-b", "dns-c"]), "UDP and TCP on port 80 are different Services");
+}
+
+#[test]
+fn ipv6_tcp_and_udp() {
+    let (net, node) = setup();
+    wait_for_backends(&node, &net, "[fd00:96::10]:80", &[], &["pod-6a", "pod-6b"]);
+    wait_for_backends(&node, &net, "[fd00:96::10]:80", &["--udp"], &["pod-6a", "pod-6b"]);
+    for r in node.probe(&net, &["--to", "[fd00:96::10]:80", "--count", "5"]) {
+        assert_eq!(r["peer"], "[fd00:96::10]:80", "{r}");
+    }
+    for r in node.probe(&net, &["--to", "[fd00:96::10]:80", "--udp", "--count", "5"]) {
+        assert_eq!(r["peer"], "[fd00:96::10]:80", "{r}");
+    }
+}
+
+#[test]
+fn a_service_without_usable_backends_refuses_connections() {
+    let mut net = PodNetwork::new();
+    net.backend("pod-a", "10.244.0.1", &[8080]);
+    let mut node = Node::new("node-a");
+    node.write_manifest("web.yaml", &web(&[("10.244.0.1", false, "node-a")]));
+    node.start_agent();
+    eventually("ECONNREFUSED for a Service whose only endpoint is not ready", || {
+        let r = node.probe(&net, &["--to", "10.96.0.10:80"]);
+        if r[0]["errno"] == 111 { Ok(()) } else { Err(r) }
+    });
+    // UDP too: sendmsg fails with ECONNREFUSED.
+    let r = node.probe(&net, &["--to", "10.96.0.10:80", "--udp"]);
+    assert_eq!(r[0]["errno"], 111, "{}", r[0]);
+    let r = node.probe(&net, &["--to", "[fd00:96::10]:80"]);
+    assert_eq!(r[0]["errno"], 111, "{}", r[0]);
+}
+
+#[test]
+fn traffic_that_is_not_for_a_service_is_untouched() {
+    let (net, node) = setup();
+    wait_for_backends(&node, &net, "10.96.0.10:80", &[], &["pod-a", "pod-b", "pod-c"]);
+    // A direct connection to a pod keeps its address.
+    let r = node.probe(&net, &["--to", "10.244.0.2:8080"]);
+    assert_eq!(r[0]["reply"], "pod-b", "{}", r[0]);
+    assert_eq!(r[0]["peer"], "10.244.0.2:8080", "{}", r[0]);
+    // Another port of the ClusterIP, and an address that is no Service, are
+    // not ours: they fail as they would without us (no route).
+    for to in ["10.96.0.10:81", "10.96.0.11:80", "[fd00:96::11]:80"] {
+        let r = node.probe(&net, &["--to", to]);
+        assert_eq!(r[0]["errno"], 101, "{to}: {}", r[0]);
+    }
+    // A process outside the node's cgroup is not load balanced at all.
+    let outside = support::Node::new("elsewhere");
+    let r = outside.probe(&net, &["--to", "10.96.0.10:80"]);
+    assert_eq!(r[0]["errno"], 101, "{}", r[0]);
+}

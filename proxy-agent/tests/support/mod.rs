@@ -1,0 +1,268 @@
+//! Shared pieces of the privileged tests: a simulated node (cgroup, pin
+//! directory, agent process) on an isolated "cluster network" namespace
+//! whose pod addresses live on loopback.
+#![allow(dead_code)] // each test binary uses a different subset
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use proxy_agent::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in, spawn_backend};
+use serde_json::Value;
+
+pub fn agent_bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_proxy-agent"))
+}
+
+/// These tests need root; say so plainly instead of failing obscurely.
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(unsafe { libc::geteuid() }, 0, "the datapath tests need root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN)");
+}
+
+/// A temporary directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(prefix: &str) -> TempDir {
+        let p = std::env::temp_dir().join(format!("{prefix}-{}-{}", std::process::id(), unique_suffix()));
+        fs::create_dir_all(&p).expect("create temp dir");
+        TempDir(p)
+    }
+}
+
+fn unique_suffix() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.0);
+    }
+}
+
+/// The namespace where pods (backends and clients) live.
+pub struct PodNetwork {
+    pub netns: Netns,
+    backends: Vec<Guarded>,
+}
+
+impl PodNetwork {
+    pub fn new() -> PodNetwork {
+        require_root();
+        PodNetwork { netns: Netns::new("tpt").expect("create netns"), backends: Vec::new() }
+    }
+
+    /// A serve-hostname backend named `name` on `ip` with the given ports
+    /// (TCP and UDP each).
+    pub fn backend(&mut self, name: &str, ip: &str, ports: &[u16]) {
+        let cidr = if ip.contains(':') { format!("{ip}/128") } else { format!("{ip}/32") };
+        // The address may already exist when several backends share an IP.
+        let _ = self.netns.add_loopback_addrs(&[&cidr]);
+        let listen: Vec<String> = ports
+            .iter()
+            .map(|p| if ip.contains(':') { format!("[{ip}]:{p}") } else { format!("{ip}:{p}") })
+            .collect();
+        self.backends.push(spawn_backend(&agent_bin(), &self.netns, name, &listen).expect("start backend"));
+    }
+}
+
+/// One simulated node: its pods' cgroup, its pin directory and its agent.
+pub struct Node {
+    pub name: String,
+    pub cgroup: Cgroup,
+    pub pins: PinDir,
+    pub manifests: TempDir,
+    agent: Option<Guarded>,
+    pub log: PathBuf,
+}
+
+impl Node {
+    pub fn new(name: &str) -> Node {
+        require_root();
+        let manifests = TempDir::new("tpt-manifests");
+        let log = manifests.0.join("agent.log.txt");
+        Node {
+            name: name.to_string(),
+            cgroup: Cgroup::new("tpt").expect("create cgroup"),
+            pins: PinDir::new("tpt").expect("create pin dir"),
+            manifests,
+            agent: None,
+            log,
+        }
+    }
+
+    /// Writes `file` atomically (write aside, then rename), as the agent
+    /// expects of anyone editing its manifests.
+    pub fn write_manifest(&self, file: &str, yaml: &str) {
+        let tmp = self.manifests.0.join(format!(".{file}.tmp"));
+        fs::write(&tmp, yaml).expect("write manifest");
+        fs::rename(&tmp, self.manifests.0.join(file)).expect("rename manifest");
+    }
+
+    pub fn start_agent(&mut self) {
+        self.start_agent_with(&[]);
+    }
+
+    pub fn start_agent_with(&mut self, extra: &[&str]) {
+        let log = fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("open log");
+        let mut cmd = std::process::Command::new(agent_bin());
+        cmd.arg("run")
+            .arg("--node")
+            .arg(&self.name)
+            .arg("--manifests")
+            .arg(&self.manifests.0)
+            .arg("--cgroup")
+            .arg(self.cgroup.path())
+            .arg("--bpffs")
+            .arg(self.pins.path())
+            .arg("--poll-interval-ms")
+            .arg("50")
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("dup log"))
+            .stderr(log);
+        self.agent = Some(Guarded::spawn(&mut cmd).expect("start agent"));
+    }
+
+    /// SIGTERM, as a DaemonSet rollout would.
+    pub fn stop_agent(&mut self) {
+        if let Some(mut a) = self.agent.take() {
+            a.terminate(Duration::from_secs(10)).expect("stop agent");
+        }
+    }
+
+    /// SIGKILL: the agent gets no chance to do anything.
+    pub fn kill_agent(&mut self) {
+        if let Some(mut a) = self.agent.take() {
+            let _ = a.0.kill();
+            let _ = a.0.wait();
+        }
+    }
+
+    pub fn agent_log(&self) -> String {
+        fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Runs `proxy-agent probe ARGS` as a pod of this node and returns one
+    /// JSON value per attempt.
+    pub fn probe(&self, net: &PodNetwork, args: &[&str]) -> Vec<Value> {
+        let mut cmd = command_in(agent_bin(), Some(&net.netns), Some(&self.cgroup)).expect("probe command");
+        cmd.arg("probe").args(args).stdin(Stdio::null()).stderr(Stdio::inherit());
+        let out = cmd.output().expect("run probe");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("probe printed {l:?}: {e}")))
+            .collect()
+    }
+
+    /// Starts a long probe in the background.
+    pub fn probe_background(&self, net: &PodNetwork, args: &[&str]) -> Guarded {
+        let mut cmd = command_in(agent_bin(), Some(&net.netns), Some(&self.cgroup)).expect("probe command");
+        cmd.arg("probe").args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        Guarded::spawn(&mut cmd).expect("start probe")
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        self.kill_agent();
+        if std::thread::panicking() {
+            eprintln!("--- agent log of {} ---\n{}", self.name, self.agent_log());
+        }
+    }
+}
+
+/// The set of backend names that answered successful probes.
+pub fn replies(results: &[Value]) -> BTreeSet<String> {
+    results
+        .iter()
+        .filter(|r| r["ok"] == true)
+        .filter_map(|r| r["reply"].as_str().map(str::to_string))
+        .collect()
+}
+
+pub fn set(names: &[&str]) -> BTreeSet<String> {
+    names.iter().map(|s| s.to_string()).collect()
+}
+
+/// Polls `check` until it returns `Some`, or panics with `what` and the last
+/// observation after a generous deadline. This waits for the agent to catch
+/// up; it asserts nothing about speed.
+pub fn eventually<T, D: std::fmt::Debug>(what: &str, mut check: impl FnMut() -> Result<T, D>) -> T {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        match check() {
+            Ok(v) => return v,
+            Err(last) if Instant::now() > deadline => panic!("timed out waiting for {what}; last saw {last:?}"),
+            Err(_) => std::thread::sleep(Duration::from_millis(50)),
+        }
+    }
+}
+
+/// Probes until the set of answering backends is exactly `want`.
+pub fn wait_for_backends(node: &Node, net: &PodNetwork, to: &str, extra: &[&str], want: &[&str]) {
+    let want = set(want);
+    eventually(&format!("{to} {extra:?} from {} to reach exactly {want:?}", node.name), || {
+        let mut args = vec!["--to", to, "--count", "30", "--timeout-ms", "1000"];
+        args.extend_from_slice(extra);
+        let r = node.probe(net, &args);
+        let got = replies(&r);
+        if got == want && r.iter().all(|x| x["ok"] == true) { Ok(()) } else { Err((got, r.into_iter().find(|x| x["ok"] != true))) }
+    })
+}
+
+/// A ClusterIP Service with one EndpointSlice per family, as YAML.
+pub struct ServiceSpec<'a> {
+    pub name: &'a str,
+    pub cluster_ips: &'a [&'a str],
+    /// (port name, port, protocol, target port)
+    pub ports: &'a [(&'a str, u16, &'a str, u16)],
+    /// (address, ready, nodeName)
+    pub endpoints: &'a [(&'a str, bool, &'a str)],
+    pub extra_spec: &'a str,
+    pub annotations: &'a str,
+}
+
+impl ServiceSpec<'_> {
+    pub fn yaml(&self) -> String {
+        let ips = self.cluster_ips.iter().map(|i| format!("\"{i}\"")).collect::<Vec<_>>().join(", ");
+        let ports = self
+            .ports
+            .iter()
+            .map(|(n, p, proto, t)| format!("  - {{name: \"{n}\", port: {p}, protocol: {proto}, targetPort: {t}}}\n"))
+            .collect::<String>();
+        let mut out = format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: {}\n  namespace: default\n  annotations: {{{}}}\nspec:\n  clusterIP: \"{}\"\n  clusterIPs: [{ips}]\n{}  ports:\n{ports}",
+            self.name, self.annotations, self.cluster_ips[0], self.extra_spec
+        );
+        for (fam, v6) in [("IPv4", false), ("IPv6", true)] {
+            let eps: Vec<_> = self.endpoints.iter().filter(|(a, _, _)| a.contains(':') == v6).collect();
+            let slice_ports = self
+                .ports
+                .iter()
+                .map(|(n, _, proto, t)| format!("- {{name: \"{n}\", port: {t}, protocol: {proto}}}\n"))
+                .collect::<String>();
+            let endpoints = eps
+                .iter()
+                .map(|(a, ready, node)| format!("- addresses: [\"{a}\"]\n  conditions: {{ready: {ready}}}\n  nodeName: {node}\n"))
+                .collect::<String>();
+            out.push_str(&format!(
+                "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: {}-{}\n  namespace: default\n  labels: {{kubernetes.io/service-name: {}}}\naddressType: {fam}\nports:\n{slice_ports}endpoints:{}\n{endpoints}",
+                self.name,
+                fam.to_lowercase(),
+                self.name,
+                if endpoints.is_empty() { " []" } else { "" }
+            ));
+        }
+        out
+    }
+}
+
+pub fn path_exists(p: &Path) -> bool {
+    p.exists()
+}
