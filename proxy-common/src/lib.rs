@@ -162,6 +162,31 @@ pub mod counter {
     ];
 }
 
+/// The slot a connection lands on: `hash` spread over `count` slots.
+/// `count` must be non-zero (the datapath refuses zero-backend services
+/// before selecting).
+#[inline(always)]
+pub fn select_slot(hash: u32, count: u32) -> u32 {
+    if count == 0 { 0 } else { hash % count }
+}
+
+/// Hash for sendmsg() on unconnected UDP sockets: every datagram of one
+/// socket must reach the same backend, so the hash depends only on the
+/// socket cookie (`bpf_get_socket_cookie`) and the service. Mixing in the
+/// service id keeps one socket that talks to several Services from landing
+/// on the same slot index everywhere. The finaliser is MurmurHash3's fmix32
+/// so that consecutive cookies spread evenly.
+#[inline(always)]
+pub fn socket_hash(cookie: u64, service_id: u32) -> u32 {
+    let mut h = (cookie as u32) ^ ((cookie >> 32) as u32) ^ service_id.wrapping_mul(0x9e37_79b9);
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^= h >> 16;
+    h
+}
+
 // Layout is part of the kernel ABI between object and agent: pin it down.
 const _: () = {
     assert!(core::mem::size_of::<ServiceKey>() == 20);
@@ -187,4 +212,49 @@ mod pod {
     unsafe impl aya::Pod for BackendValue {}
     unsafe impl aya::Pod for SockRevNatKey {}
     unsafe impl aya::Pod for SockRevNatValue {}
+}
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+    use super::*;
+
+    #[test]
+    fn slots_stay_in_range() {
+        for count in [1u32, 2, 3, 7, 1000] {
+            for hash in [0u32, 1, 2, 12345, u32::MAX - 1, u32::MAX] {
+                assert!(select_slot(hash, count) < count);
+            }
+        }
+        assert_eq!(select_slot(5, 0), 0, "zero count never divides by zero");
+    }
+
+    #[test]
+    fn socket_hash_is_stable_and_spreads_consecutive_cookies() {
+        assert_eq!(socket_hash(42, 7), socket_hash(42, 7));
+        // Cookies are handed out sequentially by the kernel; they must not
+        // all land on a few slots.
+        let count = 3u32;
+        let mut hits = [0u32; 3];
+        for cookie in 1000u64..4000 {
+            hits[select_slot(socket_hash(cookie, 1), count) as usize] += 1;
+        }
+        for h in hits {
+            assert!((800..1200).contains(&h), "{hits:?}");
+        }
+        // Different services see the same socket differently.
+        let differs = (0u64..100).filter(|c| select_slot(socket_hash(*c, 1), 8) != select_slot(socket_hash(*c, 2), 8)).count();
+        assert!(differs > 50, "{differs}");
+    }
+
+    #[test]
+    fn key_field_offsets() {
+        use core::mem::offset_of;
+        assert_eq!(offset_of!(ServiceKey, port_be), 16);
+        assert_eq!(offset_of!(ServiceKey, proto), 18);
+        assert_eq!(offset_of!(ServiceKey, family), 19);
+        assert_eq!(offset_of!(SockRevNatKey, ip_be), 8);
+        assert_eq!(offset_of!(SockRevNatKey, family), 26);
+        assert_eq!(offset_of!(BackendValue, port_be), 16);
+    }
 }

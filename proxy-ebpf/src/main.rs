@@ -25,7 +25,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     BackendKey, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, ServiceKey, ServiceValue, SlotKey,
-    SockRevNatKey, SockRevNatValue, counter,
+    SockRevNatKey, SockRevNatValue, counter, select_slot, socket_hash,
 };
 
 use maps::{BACKENDS, SERVICES, SLOTS, SOCK_REVNAT, count};
@@ -142,7 +142,7 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let hash = match pick {
         Pick::Random => unsafe { bpf_get_prandom_u32() },
-        Pick::PerSocket => mix(cookie, svc.service_id),
+        Pick::PerSocket => socket_hash(cookie, svc.service_id),
     };
 
     // The agent replaces a service's (count, generation) in one hash-map
@@ -195,7 +195,7 @@ fn lookup_backend(svc: &ServiceValue, hash: u32) -> Option<Addr> {
     let slot = SlotKey {
         service_id: svc.service_id,
         generation: svc.generation,
-        slot: hash % svc.backend_count,
+        slot: select_slot(hash, svc.backend_count),
     };
     let id = unsafe { SLOTS.get(&slot) }?.backend_id;
     let b = unsafe { BACKENDS.get(&BackendKey { backend_id: id }) }?;
@@ -204,18 +204,6 @@ fn lookup_backend(svc: &ServiceValue, hash: u32) -> Option<Addr> {
         port_be: b.port_be,
         family: b.family,
     })
-}
-
-/// Spreads a socket cookie over the slots; the service id is mixed in so one
-/// socket talking to several Services does not land on the same slot index
-/// everywhere.
-#[inline(always)]
-fn mix(cookie: u64, service_id: u32) -> u32 {
-    let mut h = (cookie as u32) ^ ((cookie >> 32) as u32) ^ service_id.wrapping_mul(0x9e37_79b9);
-    h ^= h >> 16;
-    h = h.wrapping_mul(0x85eb_ca6b);
-    h ^= h >> 13;
-    h
 }
 
 #[inline(always)]
