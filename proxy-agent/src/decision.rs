@@ -94,11 +94,22 @@ pub fn decide(cluster: &Cluster, node: &str) -> Vec<PortDecision> {
 }
 
 /// The datapath state these decisions call for: each frontend with the
-/// backends of its own family.
-pub fn desired_state(decisions: &[PortDecision]) -> BTreeMap<Frontend, BTreeSet<Backend>> {
+/// backends of its own family. When two Service ports claim the same
+/// frontend (a manifest mistake the API server would have refused), the
+/// first in namespace/name order keeps it and the clash is reported.
+pub fn desired_state(decisions: &[PortDecision]) -> (BTreeMap<Frontend, BTreeSet<Backend>>, Vec<String>) {
     let mut out = BTreeMap::new();
+    let mut owner: BTreeMap<Frontend, &ObjectRef> = BTreeMap::new();
+    let mut clashes = Vec::new();
     for d in decisions {
         for fe in &d.frontends {
+            if let Some(first) = owner.get(fe) {
+                if *first != &d.service {
+                    clashes.push(format!("Service {}: frontend {fe} is already used by Service {first}; ignored", d.service));
+                }
+                continue;
+            }
+            owner.insert(*fe, &d.service);
             let fam = Family::of(&fe.ip);
             let set: BTreeSet<Backend> = d
                 .internal_backends()
@@ -109,5 +120,89 @@ pub fn desired_state(decisions: &[PortDecision]) -> BTreeMap<Frontend, BTreeSet<
             out.insert(*fe, set);
         }
     }
-    out
+    (out, clashes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::manifest::parse_into;
+    use crate::objects::build_cluster;
+
+    fn cluster(yaml: &str) -> Cluster {
+        let mut docs = Vec::new();
+        let mut errs = Vec::new();
+        parse_into("t.yaml", yaml, &mut docs, &mut errs);
+        assert!(errs.is_empty(), "{errs:?}");
+        let (c, e) = build_cluster(&docs);
+        assert!(e.is_empty(), "{e:?}");
+        c
+    }
+
+    const TWO_PORTS: &str = r#"
+apiVersion: v1
+kind: Service
+metadata: {name: web}
+spec:
+  clusterIPs: [10.96.0.10, "fd00::10"]
+  ports: [{name: http, port: 80}, {name: metrics, port: 9090}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-v4, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, port: 8080}, {name: metrics, port: 9100}]
+endpoints:
+- addresses: [10.244.0.1]
+  nodeName: a
+- addresses: [10.244.0.2]
+  nodeName: b
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-v4-dup, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints:
+- addresses: [10.244.0.2]
+  nodeName: b
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-v6, labels: {kubernetes.io/service-name: web}}
+addressType: IPv6
+ports: [{name: http, port: 8080}]
+endpoints:
+- addresses: ["fd00::1"]
+  nodeName: a
+"#;
+
+    #[test]
+    fn ports_match_slices_by_name_and_families_stay_apart() {
+        let c = cluster(TWO_PORTS);
+        let d = decide(&c, "a");
+        assert_eq!(d.len(), 2);
+        let http = &d[0];
+        assert_eq!(http.port.name, "http");
+        assert_eq!(http.frontends.len(), 2);
+        // 10.244.0.2 is in two slices; it counts once.
+        assert_eq!(http.cluster.len(), 3);
+        assert_eq!(http.local.iter().map(ToString::to_string).collect::<Vec<_>>(), ["10.244.0.1:8080", "[fd00::1]:8080"]);
+        let metrics = &d[1];
+        assert_eq!(metrics.cluster.iter().map(|b| b.port).collect::<Vec<_>>(), [9100, 9100]);
+        let (state, clashes) = desired_state(&d);
+        assert!(clashes.is_empty());
+        let v6 = Frontend { ip: "fd00::10".parse().unwrap(), port: 80, protocol: crate::model::Protocol::Tcp };
+        assert_eq!(state[&v6].len(), 1, "IPv6 frontends get IPv6 backends only");
+        let v6_metrics = Frontend { port: 9090, ..v6 };
+        assert!(state[&v6_metrics].is_empty(), "no IPv6 endpoint serves metrics: refused, not mixed families");
+    }
+
+    #[test]
+    fn a_frontend_claimed_twice_is_reported() {
+        let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n---\napiVersion: v1\nkind: Service\nmetadata: {name: b}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n";
+        let (state, clashes) = desired_state(&decide(&cluster(yaml), "n"));
+        assert_eq!(state.len(), 1);
+        assert_eq!(clashes, ["Service default/b: frontend 10.96.0.1:80/TCP is already used by Service default/a; ignored"]);
+    }
 }

@@ -20,12 +20,13 @@ pub struct SyncOutcome {
 
 pub fn sync(writer: &mut MapWriter, cluster: &Cluster, node: &str) -> SyncOutcome {
     let decisions = decision::decide(cluster, node);
-    let desired = decision::desired_state(&decisions);
+    let (desired, clashes) = decision::desired_state(&decisions);
     let plan = plan::diff(&writer.state(), &desired);
     let failures = writer.apply(&plan);
     let problems = decisions
         .iter()
         .flat_map(|d| d.problems.iter().map(move |p| format!("Service {}: {p}", d.service)))
+        .chain(clashes)
         .collect::<std::collections::BTreeSet<_>>()
         .into_iter()
         .collect();
