@@ -1,0 +1,454 @@
+//! `cargo xtask bench`: the project measured next to what users run today,
+//! on this machine, in one run. Writes `results/bench/report.md` (tables),
+//! SVG plots and `report.json`.
+//!
+//! Everything runs in namespaces this program creates, with no link to the
+//! host: Service addresses are unroutable unless translated. Targets from
+//! the benchmark issue are checked here and reported, never asserted in
+//! tests.
+
+mod report;
+mod rules;
+mod workload;
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::fmt::Write as _;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use proxy_agent::loader::{self, Capacities};
+use proxy_agent::map_writer::MapWriter;
+use proxy_agent::model::{Backend, Frontend, Protocol};
+use proxy_agent::plan;
+use proxy_agent::sandbox::{Cgroup, Netns, PinDir};
+use report::{Spread, Target, percentile, spread};
+use serde_json::json;
+use workload::Proto;
+
+const BPF_BASE: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 0);
+const IPT_BASE: Ipv4Addr = Ipv4Addr::new(10, 112, 0, 0);
+const NFT_BASE: Ipv4Addr = Ipv4Addr::new(10, 128, 0, 0);
+
+struct Args {
+    sizes: Vec<usize>,
+    repeats: usize,
+    rounds: usize,
+    rules_max: usize,
+    out: PathBuf,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut a = Args { sizes: vec![1_000, 10_000, 100_000], repeats: 5, rounds: 2_000, rules_max: 10_000, out: PathBuf::from("results/bench") };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut val = || it.next().with_context(|| format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--sizes" => a.sizes = val()?.split(',').map(|s| s.trim().parse()).collect::<Result<_, _>>()?,
+            "--repeats" => a.repeats = val()?.parse()?,
+            "--rounds" => a.rounds = val()?.parse()?,
+            "--rules-max" => a.rules_max = val()?.parse()?,
+            "--out" => a.out = PathBuf::from(val()?),
+            other => bail!("unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 5 --rounds 2000 --rules-max 10000 --out results/bench"),
+        }
+    }
+    if a.repeats < 1 || a.rounds < 10 || a.sizes.is_empty() {
+        bail!("need --repeats >= 1, --rounds >= 10 and at least one size");
+    }
+    Ok(a)
+}
+
+fn step(msg: &str) {
+    eprintln!("[bench] {msg}");
+}
+
+/// The benchmark's own process joins the cgroup the socket programs are
+/// attached to (so its client sockets are load balanced like a pod's) and
+/// leaves it again before the cgroup is removed.
+struct InCgroup {
+    root: PathBuf,
+}
+
+impl InCgroup {
+    fn join(cg: &Cgroup) -> Result<InCgroup> {
+        let root = proxy_agent::mounts::cgroup2_root()?;
+        fs::write(cg.path().join("cgroup.procs"), std::process::id().to_string()).context("joining the bench cgroup")?;
+        Ok(InCgroup { root })
+    }
+}
+
+impl Drop for InCgroup {
+    fn drop(&mut self) {
+        let _ = fs::write(self.root.join("cgroup.procs"), std::process::id().to_string());
+    }
+}
+
+fn pod_namespace(name: &str) -> Result<Netns> {
+    let ns = Netns::new(name)?;
+    let addrs: Vec<String> = (0..rules::ENDPOINTS).map(|j| format!("{}/32", rules::endpoint_ip(j))).collect();
+    let refs: Vec<&str> = addrs.iter().map(String::as_str).collect();
+    ns.add_loopback_addrs(&refs)?;
+    // Thousands of short connections to one address would run out of
+    // ephemeral ports in TIME_WAIT otherwise.
+    run(Command::new("ip").args(["netns", "exec", ns.name(), "sysctl", "-qw", "net.ipv4.tcp_tw_reuse=1"]))?;
+    Ok(ns)
+}
+
+fn run(cmd: &mut Command) -> Result<Duration> {
+    let t = Instant::now();
+    let out = cmd.stdin(Stdio::null()).output().with_context(|| format!("running {cmd:?}"))?;
+    if !out.status.success() {
+        bail!("{cmd:?} failed: {}", String::from_utf8_lossy(&out.stderr).lines().take(5).collect::<Vec<_>>().join(" / "));
+    }
+    Ok(t.elapsed())
+}
+
+fn load_file(ns: &Netns, tool: &[&str], text: &str, scratch: &Path, name: &str) -> Result<Duration> {
+    let path = scratch.join(name);
+    fs::write(&path, text)?;
+    let mut cmd = Command::new("ip");
+    cmd.args(["netns", "exec", ns.name()]).args(tool).arg(&path);
+    run(&mut cmd)
+}
+
+fn frontends(size: usize) -> plan::State {
+    let backends: std::collections::BTreeSet<Backend> =
+        (0..rules::ENDPOINTS).map(|j| Backend { ip: IpAddr::V4(rules::endpoint_ip(j)), port: rules::ENDPOINT_PORT }).collect();
+    let mut st = plan::State::new();
+    for i in 0..size {
+        let ip = IpAddr::V4(rules::service_ip(BPF_BASE, i));
+        for protocol in [Protocol::Tcp, Protocol::Udp] {
+            st.insert(Frontend { ip, port: 80, protocol }, backends.clone());
+        }
+    }
+    st
+}
+
+/// Memory the kernel charges for a pinned map (`memlock` in fdinfo).
+fn map_memlock(pin: &Path) -> u64 {
+    let Ok(data) = aya::maps::MapData::from_pin(pin) else { return 0 };
+    use std::os::fd::{AsFd, AsRawFd};
+    let fd = data.fd().as_fd().as_raw_fd();
+    fs::read_to_string(format!("/proc/self/fdinfo/{fd}"))
+        .ok()
+        .and_then(|s| s.lines().find_map(|l| l.strip_prefix("memlock:").and_then(|v| v.trim().parse().ok())))
+        .unwrap_or(0)
+}
+
+#[derive(Default)]
+struct Cell {
+    p50: Vec<f64>,
+    p99: Vec<f64>,
+    rate: Vec<f64>,
+    failed: usize,
+}
+
+/// Cold start of the real agent binary on a manifest of `size` Services
+/// x 10 endpoints: time until its first sync is logged, and its peak RSS.
+fn agent_cold_sync(size: usize, scratch: &Path) -> Result<(Duration, u64)> {
+    let exe = std::env::current_exe()?;
+    let agent = exe.parent().and_then(Path::parent).map(|d| d.join("proxy-agent")).context("locating the agent binary")?;
+    let dir = scratch.join(format!("manifests-{size}"));
+    fs::create_dir_all(&dir)?;
+    let mut y = String::with_capacity(size * 900);
+    for i in 0..size {
+        let ip = rules::service_ip(BPF_BASE, i);
+        y.push_str(&format!("---\napiVersion: v1\nkind: Service\nmetadata: {{name: s{i}}}\nspec: {{clusterIP: {ip}, ports: [{{name: p, port: 80}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: s{i}-1, labels: {{kubernetes.io/service-name: s{i}}}}}\naddressType: IPv4\nports: [{{name: p, port: 8080}}]\nendpoints:\n"));
+        for j in 0..rules::ENDPOINTS {
+            y.push_str(&format!("- addresses: [\"{}\"]\n", rules::endpoint_ip(j)));
+        }
+    }
+    fs::write(dir.join("cluster.yaml"), y)?;
+    let cg = Cgroup::new("tpb")?;
+    let pins = PinDir::new("tpb")?;
+    let log = scratch.join(format!("agent-{size}.log"));
+    let t = Instant::now();
+    let mut child = proxy_agent::sandbox::Guarded::spawn(
+        Command::new(&agent)
+            .args(["run", "--node", "bench", "--poll-interval-ms", "20", "--manifests"])
+            .arg(&dir)
+            .arg("--cgroup")
+            .arg(cg.path())
+            .arg("--bpffs")
+            .arg(pins.path())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(&log)?),
+    )?;
+    let deadline = Instant::now() + Duration::from_secs(300);
+    loop {
+        if fs::read_to_string(&log).unwrap_or_default().contains(" synced") {
+            break;
+        }
+        if Instant::now() > deadline || child.0.try_wait()?.is_some() {
+            bail!("agent did not sync: {}", fs::read_to_string(&log).unwrap_or_default());
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let took = t.elapsed();
+    let status = fs::read_to_string(format!("/proc/{}/status", child.0.id())).unwrap_or_default();
+    let hwm_kib: u64 = status.lines().find_map(|l| l.strip_prefix("VmHWM:")).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0);
+    child.terminate(Duration::from_secs(5))?;
+    Ok((took, hwm_kib * 1024))
+}
+
+fn main() -> Result<()> {
+    let args = parse_args()?;
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the benchmark loads BPF programs and creates namespaces: run it as root");
+    }
+    let scratch = std::env::temp_dir().join(format!("topoproxy-bench-{}", std::process::id()));
+    fs::create_dir_all(&scratch)?;
+    let result = bench(&args, &scratch);
+    let _ = fs::remove_dir_all(&scratch);
+    result
+}
+
+fn bench(args: &Args, scratch: &Path) -> Result<()> {
+    let max = *args.sizes.iter().max().unwrap_or(&1000);
+    step("creating namespaces, cgroup and datapath");
+    let ns_bpf = pod_namespace("tpb")?;
+    let ns_ipt = pod_namespace("tpb")?;
+    let ns_nft = pod_namespace("tpb")?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let listeners: Vec<SocketAddr> = (0..rules::ENDPOINTS).map(|j| SocketAddr::new(IpAddr::V4(rules::endpoint_ip(j)), rules::ENDPOINT_PORT)).collect();
+    let mut servers = Vec::new();
+    for ns in [&ns_bpf, &ns_ipt, &ns_nft] {
+        servers.extend(workload::start_echo(&ns.path(), &listeners, stop.clone())?);
+    }
+    // iptables and nftables DNAT in the OUTPUT hook, after connect() has
+    // looked up a route, so (as on a real node with a default route) the
+    // Service ranges need one. It points at loopback inside these isolated
+    // namespaces: an untranslated packet still goes nowhere. The socket
+    // load balancer needs no route at all.
+    for (ns, cidr) in [(&ns_ipt, "10.112.0.0/12"), (&ns_nft, "10.128.0.0/12")] {
+        ns.ip(&["route", "add", cidr, "dev", "lo"])?;
+    }
+    let cg = Cgroup::new("tpb")?;
+    let pins = PinDir::new("tpb")?;
+    let frontends_needed = (2 * max) as u32;
+    let caps = Capacities {
+        services: frontends_needed + 16,
+        slots: 2 * frontends_needed * rules::ENDPOINTS as u32 + 64,
+        backends: 64,
+        ..Capacities::default()
+    };
+    loader::install(cg.path(), pins.path(), caps)?;
+    let mut writer = MapWriter::open(pins.path())?;
+    let _member = InCgroup::join(&cg)?;
+
+    let mut results: BTreeMap<(usize, &str, &str), Cell> = BTreeMap::new();
+    let mut sync_in_process: BTreeMap<usize, f64> = BTreeMap::new();
+    let mut load_times: BTreeMap<(usize, &str), f64> = BTreeMap::new();
+    let mut sizes = args.sizes.clone();
+    sizes.sort_unstable();
+    for &size in &sizes {
+        step(&format!("{size} Services x 10 endpoints: programming maps"));
+        let desired = frontends(size);
+        let t = Instant::now();
+        let errors = writer.apply(&plan::diff(&writer.state(), &desired));
+        if !errors.is_empty() {
+            bail!("programming {size} services failed: {}", errors[0]);
+        }
+        sync_in_process.insert(size, t.elapsed().as_secs_f64());
+        let with_rules = size <= args.rules_max;
+        if with_rules {
+            step(&format!("{size}: loading kube-proxy-shaped iptables and nftables rules"));
+            let mut text = rules::iptables_restore(IPT_BASE, size, "tcp");
+            // Both protocols in one table, as kube-proxy writes them.
+            let udp = rules::iptables_restore(IPT_BASE, size, "udp");
+            text = merge_iptables(&text, &udp);
+            load_times.insert((size, "iptables-restore"), load_file(&ns_ipt, &["iptables-legacy-restore"], &text, scratch, "ipt.rules")?.as_secs_f64());
+            let _ = run(Command::new("ip").args(["netns", "exec", ns_nft.name(), "nft", "delete", "table", "ip", "kube-proxy"]));
+            let nft = rules::nft_ruleset(NFT_BASE, size, "tcp");
+            let nft_udp = nft_udp_variant(size);
+            load_times.insert((size, "nft -f"), load_file(&ns_nft, &["nft", "-f"], &format!("{nft}{nft_udp}"), scratch, "rules.nft")?.as_secs_f64());
+        }
+        let last = size - 1;
+        let targets: Vec<(&str, &Netns, SocketAddr)> = {
+            let mut v = vec![
+                ("direct", &ns_bpf, listeners[0]),
+                ("topoproxy", &ns_bpf, SocketAddr::new(IpAddr::V4(rules::service_ip(BPF_BASE, last)), 80)),
+            ];
+            if with_rules {
+                v.push(("iptables", &ns_ipt, SocketAddr::new(IpAddr::V4(rules::service_ip(IPT_BASE, last)), 80)));
+                v.push(("nftables", &ns_nft, SocketAddr::new(IpAddr::V4(rules::service_ip(NFT_BASE, last)), 80)));
+            }
+            v
+        };
+        for rep in 0..args.repeats {
+            step(&format!("{size}: repeat {}/{}", rep + 1, args.repeats));
+            // Interleaved: every variant runs once per repeat, so drift on
+            // the machine affects them alike.
+            for proto in [Proto::Tcp, Proto::Udp] {
+                for (name, ns, to) in &targets {
+                    let t = Instant::now();
+                    let (mut lat, failed) = workload::measure(&ns.path(), *to, proto, args.rounds)?;
+                    let wall = t.elapsed().as_secs_f64();
+                    lat.sort_unstable();
+                    let pname = if proto == Proto::Tcp { "tcp" } else { "udp" };
+                    let cell = results.entry((size, pname, name)).or_default();
+                    cell.p50.push(percentile(&lat, 0.5));
+                    cell.p99.push(percentile(&lat, 0.99));
+                    cell.rate.push(lat.len() as f64 / wall);
+                    cell.failed += failed;
+                }
+            }
+        }
+    }
+    // Listener threads block in accept(); they end with the process.
+    stop.store(true, Ordering::Relaxed);
+    drop(servers);
+
+    step("map memory");
+    let map_mem: u64 = ["SERVICES", "SLOTS", "BACKENDS"].iter().map(|m| map_memlock(&pins.path().join(m))).sum();
+    drop(_member);
+    step("cold start of the agent binary at 10k Services x 10 endpoints");
+    let (cold, rss) = agent_cold_sync(10_000, scratch)?;
+    write_report(args, &results, &sync_in_process, &load_times, map_mem, max, cold, rss)
+}
+
+/// Merges two iptables-restore texts of the nat table into one (chains
+/// declared once, then all rules).
+fn merge_iptables(tcp: &str, udp: &str) -> String {
+    let mut seen = std::collections::HashSet::new();
+    let mut decl = Vec::new();
+    let mut rules = Vec::new();
+    for text in [tcp, udp] {
+        for line in text.lines() {
+            if !seen.insert(line) {
+                continue;
+            }
+            if line.starts_with(':') {
+                decl.push(line);
+            } else if line.starts_with("-A") {
+                rules.push(line);
+            }
+        }
+    }
+    // Chains are shared between protocols: every DNAT rule matches its own
+    // protocol, so TCP and UDP each end at the right rule.
+    let mut out = String::from("*nat\n");
+    for d in decl {
+        out.push_str(d);
+        out.push('\n');
+    }
+    for r in rules {
+        out.push_str(r);
+        out.push('\n');
+    }
+    out.push_str("COMMIT\n");
+    out
+}
+
+/// UDP Services for nftables in a second table (kube-proxy keeps both
+/// protocols in one map; the key includes the protocol, so the lookup cost
+/// is the same).
+fn nft_udp_variant(size: usize) -> String {
+    rules::nft_ruleset(NFT_BASE, size, "udp").replace("table ip kube-proxy", "table ip kube-proxy-udp").replace("priority -100", "priority -99")
+}
+
+#[allow(clippy::too_many_arguments)]
+fn write_report(
+    args: &Args,
+    results: &BTreeMap<(usize, &str, &str), Cell>,
+    sync_in_process: &BTreeMap<usize, f64>,
+    load_times: &BTreeMap<(usize, &str), f64>,
+    map_mem: u64,
+    max: usize,
+    cold: Duration,
+    rss: u64,
+) -> Result<()> {
+    let get = |size: usize, proto: &str, v: &str| -> (Spread, Spread, Spread, usize) {
+        match results.get(&(size, proto, v)) {
+            Some(c) => (spread(&c.p50), spread(&c.p99), spread(&c.rate), c.failed),
+            None => (Spread { median: f64::NAN, min: f64::NAN, max: f64::NAN }, Spread::default(), Spread::default(), 0),
+        }
+    };
+    let mut md = String::new();
+    let _ = writeln!(md, "# topoproxy benchmark\n\nMachine: {} cores; kernel {}. {} repeats of {} rounds per cell, variants interleaved. Figures are the median over repeats with the spread (min–max) in brackets.\n",
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+        args.repeats, args.rounds);
+    let variants = ["direct", "topoproxy", "iptables", "nftables"];
+    let mut json_cells = Vec::new();
+    for proto in ["tcp", "udp"] {
+        let what = if proto == "tcp" { "TCP connect + 1-byte exchange + close" } else { "UDP sendto + recvfrom on a fresh socket" };
+        let _ = writeln!(md, "## {what}\n\n| Services | variant | p50 | p99 | rate (/s) | failed |\n|---|---|---|---|---|---|");
+        for (&(size, p, v), _) in results.iter().filter(|((_, p, _), _)| *p == proto) {
+            let (p50, p99, rate, failed) = get(size, p, v);
+            let _ = writeln!(md, "| {size} | {v} | {} | {} | {:.0} | {failed} |", p50.us(), p99.us(), rate.median);
+            json_cells.push(json!({"services": size, "protocol": p, "variant": v, "p50_ns": p50.json(), "p99_ns": p99.json(), "rate_per_s": rate.json(), "failed": failed}));
+        }
+        md.push('\n');
+    }
+
+    // Targets, as ratios of medians.
+    let sizes: Vec<usize> = sync_in_process.keys().copied().collect();
+    let p50 = |size: usize, v: &str| get(size, "tcp", v).0.median;
+    let mut targets = Vec::new();
+    let big = *sizes.iter().max().unwrap_or(&0);
+    let small = *sizes.iter().min().unwrap_or(&0);
+    let ratio = |a: f64, b: f64| a / b;
+    let overhead_big = ratio(p50(big, "topoproxy"), p50(big, "direct"));
+    targets.push(Target { name: format!("socket LB adds at most 3 % to connect latency at {big} Services"), goal: "<= 1.03".into(), measured: format!("{overhead_big:.3}"), met: Some(overhead_big <= 1.03) });
+    let growth = ratio(p50(big, "topoproxy"), p50(small, "topoproxy"));
+    targets.push(Target { name: format!("latency at {big} Services vs {small}"), goal: "<= 1.02".into(), measured: format!("{growth:.3}"), met: Some(growth <= 1.02) });
+    let s10 = if sizes.contains(&10_000) { 10_000 } else { small };
+    let added = |v: &str| p50(s10, v) - p50(s10, "direct");
+    let ipt = ratio(added("iptables"), added("topoproxy").max(1.0));
+    targets.push(Target { name: format!("added latency vs iptables at {s10} Services (iptables added / ours added)"), goal: ">= 20".into(), measured: format!("{ipt:.1}"), met: ipt.is_finite().then_some(ipt >= 20.0) });
+    let nft = ratio(added("topoproxy").max(1.0), added("nftables"));
+    targets.push(Target { name: format!("added latency vs nftables at {s10} Services (ours added / nft added)"), goal: "<= 0.5".into(), measured: format!("{nft:.2}"), met: nft.is_finite().then_some(nft <= 0.5) });
+    targets.push(Target { name: format!("cold sync of the agent binary, {} Services x 10 endpoints from manifests", 10_000), goal: "<= 1 s".into(), measured: format!("{:.2} s", cold.as_secs_f64()), met: Some(cold.as_secs_f64() <= 1.0) });
+    targets.push(Target { name: "agent peak RSS at 10k x 10".into(), goal: "<= 100 MiB".into(), measured: format!("{:.1} MiB", rss as f64 / 1048576.0), met: Some(rss <= 100 * 1048576) });
+    targets.push(Target { name: "NodePort program cost vs a minimal program".into(), goal: "<= 2x".into(), measured: "not measured yet (no TC program in this build)".into(), met: None });
+    targets.push(Target { name: "change latency p99 under 1,000 EndpointSlice events/s".into(), goal: "<= 10 ms".into(), measured: "not measured yet (needs the API-server mode)".into(), met: None });
+
+    let _ = writeln!(md, "## Control plane\n\n| what | time |\n|---|---|");
+    for (size, secs) in sync_in_process {
+        let _ = writeln!(md, "| topoproxy map writer, {size} Services x 10 endpoints (TCP+UDP frontends) | {:.3} s |", secs);
+    }
+    for ((size, tool), secs) in load_times {
+        let _ = writeln!(md, "| {tool}, {size} Services x 10 endpoints (TCP+UDP) | {:.3} s |", secs);
+    }
+    let _ = writeln!(md, "| agent binary cold start to first sync, 10k x 10 from manifests | {:.3} s |\n", cold.as_secs_f64());
+    let _ = writeln!(md, "Agent peak RSS (VmHWM) at 10k x 10: {:.1} MiB. Kernel memory of the service maps sized for {max} Services: {:.1} MiB.\n", rss as f64 / 1048576.0, map_mem as f64 / 1048576.0);
+    let _ = writeln!(md, "## Targets\n\n| target | goal | measured | met |\n|---|---|---|---|");
+    for t in &targets {
+        let met = match t.met { Some(true) => "yes", Some(false) => "**no**", None => "not measured" };
+        let _ = writeln!(md, "| {} | {} | {} | {met} |", t.name, t.goal, t.measured);
+    }
+    md.push_str("\nPlots: `tcp_p50.svg`, `udp_p50.svg`.\n");
+
+    let mut svgs = Vec::new();
+    for proto in ["tcp", "udp"] {
+        let xs: Vec<String> = sizes.iter().map(|s| format!("{s} Services")).collect();
+        let series: Vec<(String, Vec<f64>)> = variants
+            .iter()
+            .map(|v| (v.to_string(), sizes.iter().map(|s| get(*s, proto, v).0.median / 1e3).collect()))
+            .collect();
+        svgs.push((format!("{proto}_p50.svg"), report::svg_bars(&format!("{} p50 latency", proto.to_uppercase()), "µs", &xs, &series)));
+    }
+    let doc = json!({
+        "cells": json_cells,
+        "control_plane": {
+            "map_writer_seconds": sync_in_process,
+            "rule_load_seconds": load_times.iter().map(|((s, t), v)| json!({"services": s, "tool": t, "seconds": v})).collect::<Vec<_>>(),
+            "agent_cold_sync_seconds_10k": cold.as_secs_f64(),
+            "agent_peak_rss_bytes_10k": rss,
+            "map_memlock_bytes": map_mem,
+        },
+        "targets": targets.iter().map(|t| json!({"name": t.name, "goal": t.goal, "measured": t.measured, "met": t.met})).collect::<Vec<_>>(),
+    });
+    report::write_all(&args.out, &md, &doc, &svgs)?;
+    println!("{md}");
+    println!("report written to {}", args.out.join("report.md").display());
+    Ok(())
+}

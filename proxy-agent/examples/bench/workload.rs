@@ -1,0 +1,137 @@
+//! The measured work: TCP connect + 1-byte exchange + close, and UDP
+//! send + receive, from a client thread inside the benchmark namespace.
+//!
+//! Listener and client threads enter the namespace with setns(2), which
+//! switches only the calling thread's network namespace; the process as a
+//! whole sits in the benchmark cgroup so its sockets meet the socket
+//! programs exactly as a pod's would.
+
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Moves the calling thread into the network namespace at `ns_path`.
+pub fn enter_netns(ns_path: &Path) -> io::Result<()> {
+    let f = File::open(ns_path)?;
+    // SAFETY: setns on a valid namespace fd; affects this thread only.
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// Echo servers (TCP and UDP, one byte back per request) on `addrs`, inside
+/// the namespace. They stop when `stop` is set.
+pub fn start_echo(ns_path: &Path, addrs: &[SocketAddr], stop: Arc<AtomicBool>) -> io::Result<Vec<JoinHandle<()>>> {
+    let mut handles = Vec::new();
+    for addr in addrs {
+        let (ns, addr, stop_tcp, stop_udp) = (ns_path.to_path_buf(), *addr, stop.clone(), stop.clone());
+        let (tx, rx) = std::sync::mpsc::channel();
+        handles.push(std::thread::spawn(move || {
+            let bound = enter_netns(&ns).and_then(|()| TcpListener::bind(addr));
+            let l = match bound {
+                Ok(l) => {
+                    let _ = tx.send(Ok(()));
+                    l
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+            };
+            // Blocking accept: polling would add its own latency to every
+            // round. The thread ends with the process.
+            while !stop_tcp.load(Ordering::Relaxed) {
+                if let Ok((mut c, _)) = l.accept() {
+                    let mut b = [0u8; 1];
+                    if c.read_exact(&mut b).is_ok() {
+                        let _ = c.write_all(&b);
+                    }
+                }
+            }
+        }));
+        rx.recv().map_err(io::Error::other)??;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let ns = ns_path.to_path_buf();
+        handles.push(std::thread::spawn(move || {
+            let s = match enter_netns(&ns).and_then(|()| UdpSocket::bind(addr)) {
+                Ok(s) => {
+                    let _ = tx.send(Ok(()));
+                    s
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+            };
+            let _ = s.set_read_timeout(Some(Duration::from_millis(50)));
+            let mut b = [0u8; 64];
+            while !stop_udp.load(Ordering::Relaxed) {
+                if let Ok((n, from)) = s.recv_from(&mut b) {
+                    let _ = s.send_to(&b[..n], from);
+                }
+            }
+        }));
+        rx.recv().map_err(io::Error::other)??;
+    }
+    Ok(handles)
+}
+
+/// One TCP round: connect, send a byte, read it back, close.
+fn tcp_round(to: SocketAddr) -> io::Result<()> {
+    let mut s = TcpStream::connect(to)?;
+    s.set_nodelay(true)?;
+    s.write_all(b"x")?;
+    let mut b = [0u8; 1];
+    s.read_exact(&mut b)?;
+    Ok(())
+}
+
+/// One UDP round on a fresh unconnected socket: sendto, recvfrom.
+fn udp_round(to: SocketAddr) -> io::Result<()> {
+    let s = UdpSocket::bind("0.0.0.0:0")?;
+    s.set_read_timeout(Some(Duration::from_secs(1)))?;
+    s.send_to(b"x", to)?;
+    let mut b = [0u8; 8];
+    s.recv_from(&mut b)?;
+    Ok(())
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Proto {
+    Tcp,
+    Udp,
+}
+
+/// Runs `rounds` rounds against `to` from a thread inside `ns_path` and
+/// returns each round's latency in nanoseconds (failures are counted
+/// separately).
+pub fn measure(ns_path: &Path, to: SocketAddr, proto: Proto, rounds: usize) -> io::Result<(Vec<u64>, usize)> {
+    let ns = ns_path.to_path_buf();
+    std::thread::spawn(move || -> io::Result<(Vec<u64>, usize)> {
+        enter_netns(&ns)?;
+        // Warm up caches, the route and the conntrack tables.
+        for _ in 0..50 {
+            let _ = if proto == Proto::Tcp { tcp_round(to) } else { udp_round(to) };
+        }
+        let mut lat = Vec::with_capacity(rounds);
+        let mut failed = 0;
+        for _ in 0..rounds {
+            let t = Instant::now();
+            let r = if proto == Proto::Tcp { tcp_round(to) } else { udp_round(to) };
+            match r {
+                Ok(()) => lat.push(t.elapsed().as_nanos() as u64),
+                Err(_) => failed += 1,
+            }
+        }
+        Ok((lat, failed))
+    })
+    .join()
+    .map_err(|_| io::Error::other("measuring thread panicked"))?
+}
