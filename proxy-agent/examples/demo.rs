@@ -44,9 +44,16 @@ const ANNOTATION_TOPOPROXY: &str = "topoproxy.io/topology-keys";
 /// ClusterIP (the namespace has no route for it).
 const ENETUNREACH: i64 = 101;
 const STEPS: usize = 6;
+/// The manifests this demo ships with (the closing remark is about them).
+const BUNDLED_MANIFESTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../examples/demo");
+/// Prefix of everything the demo creates; names continue `-PID-N`.
+const PREFIX: &str = "tpdemo";
 
 #[derive(Parser)]
-#[command(name = "demo", about = "A simulated 3-node cluster with topology-aware Services (run via `cargo xtask demo`)")]
+#[command(
+    name = "demo",
+    about = "A simulated 3-node cluster with topology-aware Services (run via `cargo xtask demo`)"
+)]
 struct Args {
     /// The proxy-agent binary.
     #[arg(long)]
@@ -95,8 +102,8 @@ fn check_interrupted() -> Result<()> {
     Ok(())
 }
 
-/// Children get SIGTERM when the demo dies, even by SIGKILL, so no agent or
-/// client outlives it. (Leftover namespaces, cgroups and pin directories of
+/// Children get SIGTERM when the demo dies, even by SIGKILL, so no agent,
+/// pod or client outlives it. (Leftover namespaces, cgroups and pin directories of
 /// a killed run are swept by the next run: their names carry our pid.)
 fn die_with_parent(cmd: &mut Command) {
     // SAFETY: prctl is async-signal-safe.
@@ -159,17 +166,19 @@ fn read_scenario(dir: &Path) -> Result<Scenario> {
                 nodes.push(NodeSpec { name, zone: label(LABEL_ZONE), pool: label(LABEL_POOL) });
             }
             Some("Service") => {
-                let Some(ip) = str_at(v, &["spec", "clusterIP"]).and_then(|s| s.parse::<IpAddr>().ok()) else { continue };
+                let Some(ip) = str_at(v, &["spec", "clusterIP"]).and_then(|s| s.parse::<IpAddr>().ok()) else {
+                    continue;
+                };
                 let Some(port) = v.pointer("/spec/ports/0") else { continue };
                 let number = port.get("port").and_then(Value::as_u64).and_then(|p| u16::try_from(p).ok()).unwrap_or(0);
                 let udp = port.get("protocol").and_then(Value::as_str) == Some("UDP");
                 let annotation = |k: &str| str_at(v, &["metadata", "annotations", k]).map(|a| format!("{k}: {a}"));
                 let topology = annotation(ANNOTATION_OPENYURT)
                     .or_else(|| annotation(ANNOTATION_TOPOPROXY))
+                    .or_else(|| v.pointer("/spec/topologyKeys").map(|k| format!("spec.topologyKeys: {k}")))
                     .or_else(|| {
-                        v.pointer("/spec/topologyKeys").map(|k| format!("spec.topologyKeys: {k}"))
+                        str_at(v, &["spec", "trafficDistribution"]).map(|t| format!("trafficDistribution: {t}"))
                     })
-                    .or_else(|| str_at(v, &["spec", "trafficDistribution"]).map(|t| format!("trafficDistribution: {t}")))
                     .unwrap_or_else(|| "no topology".into());
                 services.push(ServiceSpec { name, frontend: SocketAddr::new(ip, number), udp, topology });
             }
@@ -182,11 +191,13 @@ fn read_scenario(dir: &Path) -> Result<Scenario> {
                     .filter_map(|p| p.get("port").and_then(Value::as_u64).and_then(|p| u16::try_from(p).ok()))
                     .collect();
                 for ep in v.get("endpoints").and_then(Value::as_array).into_iter().flatten() {
-                    let Some(ip) = ep.pointer("/addresses/0").and_then(Value::as_str).and_then(|s| s.parse::<IpAddr>().ok())
+                    let Some(ip) =
+                        ep.pointer("/addresses/0").and_then(Value::as_str).and_then(|s| s.parse::<IpAddr>().ok())
                     else {
                         continue;
                     };
-                    let pod_name = str_at(ep, &["targetRef", "name"]).map(str::to_string).unwrap_or_else(|| ip.to_string());
+                    let pod_name =
+                        str_at(ep, &["targetRef", "name"]).map(str::to_string).unwrap_or_else(|| ip.to_string());
                     let node = str_at(ep, &["nodeName"]).unwrap_or("-").to_string();
                     let pod = pods.entry(pod_name.clone()).or_insert_with(|| PodSpec {
                         name: pod_name.clone(),
@@ -251,6 +262,30 @@ impl Drop for WorkDir {
     }
 }
 
+/// Removes the scratch directories of earlier runs that were killed (the
+/// sandbox sweeps their namespaces, cgroups and pin directories the same way).
+fn sweep_workdirs() {
+    let Ok(rd) = fs::read_dir(std::env::temp_dir()) else { return };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name.strip_prefix(PREFIX).and_then(|r| r.strip_prefix('-')).and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
+            let _ = fs::remove_dir_all(e.path());
+        }
+    }
+}
+
+/// `path` relative to the current directory when it lies below it.
+fn relative(path: &Path) -> PathBuf {
+    std::env::current_dir()
+        .ok()
+        .and_then(|cwd| path.strip_prefix(cwd).ok().map(Path::to_path_buf))
+        .unwrap_or_else(|| path.to_path_buf())
+}
+
 impl Cluster {
     fn cgroup_of(&self, node: &str) -> Option<&Cgroup> {
         self.nodes.iter().find(|n| n.spec.name == node).map(|n| &n.cgroup)
@@ -285,15 +320,20 @@ fn run(args: &Args) -> Result<()> {
     let agent = match &args.agent {
         Some(p) => p.clone(),
         // target/debug/examples/demo -> target/debug/proxy-agent
-        None => std::env::current_exe()?.parent().and_then(Path::parent).context("locating proxy-agent")?.join("proxy-agent"),
+        None => std::env::current_exe()?
+            .parent()
+            .and_then(Path::parent)
+            .context("locating proxy-agent")?
+            .join("proxy-agent"),
     };
-    let manifests = args.manifests.clone().unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("../examples/demo"));
+    let manifests = args.manifests.clone().unwrap_or_else(|| PathBuf::from(BUNDLED_MANIFESTS));
     let manifests = manifests.canonicalize().with_context(|| format!("manifest directory {}", manifests.display()))?;
     anyhow::ensure!(agent.is_file(), "{} not found; build it with `cargo build -p proxy-agent`", agent.display());
     let scenario = read_scenario(&manifests)?;
 
     let (cluster, started) = start(&agent, &manifests, scenario.nodes, &scenario.pods);
-    let result = started.and_then(|()| exercise(&agent, &manifests, &cluster, &scenario.services, &scenario.pods, args));
+    let result =
+        started.and_then(|()| exercise(&agent, &manifests, &cluster, &scenario.services, &scenario.pods, args));
     if result.is_err() {
         for a in cluster.iter().flat_map(|c| &c.agents) {
             print_log_tail(a);
@@ -314,28 +354,50 @@ fn run(args: &Args) -> Result<()> {
 /// Builds the cluster. What was made is handed back even when a later part
 /// fails, so that the caller's teardown removes all of it.
 fn start(agent: &Path, manifests: &Path, nodes: Vec<NodeSpec>, pods: &[PodSpec]) -> (Option<Cluster>, Result<()>) {
-    step(2, &format!("creating {} nodes: a cluster network namespace (pod addresses on its loopback, no route out) and a cgroup per node", nodes.len()));
-    let netns = match Netns::new("tpdemo").context("creating the network namespace") {
+    step(
+        2,
+        &format!(
+            "creating {} nodes: a cluster network namespace (pod addresses on its loopback, no route out) and a cgroup per node",
+            nodes.len()
+        ),
+    );
+    let netns = match Netns::new(PREFIX).context("creating the network namespace") {
         Ok(n) => n,
         Err(e) => return (None, Err(e)),
     };
-    let workdir = WorkDir(std::env::temp_dir().join(format!("tpdemo-{}", std::process::id())));
-    let mut cluster = Cluster { agents: Vec::new(), pins: Vec::new(), pods: Vec::new(), nodes: Vec::new(), netns, workdir };
+    sweep_workdirs();
+    let workdir = WorkDir(std::env::temp_dir().join(format!("{PREFIX}-{}", std::process::id())));
+    let mut cluster =
+        Cluster { agents: Vec::new(), pins: Vec::new(), pods: Vec::new(), nodes: Vec::new(), netns, workdir };
     let result = populate(&mut cluster, agent, manifests, nodes, pods);
     (Some(cluster), result)
 }
 
-fn populate(cluster: &mut Cluster, agent: &Path, manifests: &Path, nodes: Vec<NodeSpec>, pods: &[PodSpec]) -> Result<()> {
+fn populate(
+    cluster: &mut Cluster,
+    agent: &Path,
+    manifests: &Path,
+    nodes: Vec<NodeSpec>,
+    pods: &[PodSpec],
+) -> Result<()> {
     fs::create_dir_all(&cluster.workdir.0)?;
-    let addrs: Vec<String> = pods.iter().map(|p| format!("{}/{}", p.ip, if p.ip.is_ipv4() { 32 } else { 128 })).collect();
+    let addrs: Vec<String> =
+        pods.iter().map(|p| format!("{}/{}", p.ip, if p.ip.is_ipv4() { 32 } else { 128 })).collect();
     let addrs: Vec<&str> = addrs.iter().map(String::as_str).collect();
     cluster.netns.add_loopback_addrs(&addrs).context("adding pod addresses")?;
     for spec in nodes {
-        let cgroup = Cgroup::new(&format!("tpdemo-{}", spec.name)).with_context(|| format!("creating the cgroup of {}", spec.name))?;
+        let cgroup = Cgroup::new(&format!("{PREFIX}-{}", spec.name))
+            .with_context(|| format!("creating the cgroup of {}", spec.name))?;
         cluster.nodes.push(NodeRuntime { spec, cgroup });
     }
     for n in &cluster.nodes {
-        println!("      {:<8} zone {:<8} pool {:<10} cgroup {}", n.spec.name, n.spec.zone, n.spec.pool, n.cgroup.path().display());
+        println!(
+            "      {:<8} zone {:<8} pool {:<10} cgroup {}",
+            n.spec.name,
+            n.spec.zone,
+            n.spec.pool,
+            n.cgroup.path().display()
+        );
     }
     check_interrupted()?;
 
@@ -352,7 +414,8 @@ fn populate(cluster: &mut Cluster, agent: &Path, manifests: &Path, nodes: Vec<No
     step(4, &format!("starting one proxy-agent per node ({} agents)", cluster.nodes.len()));
     for i in 0..cluster.nodes.len() {
         let name = cluster.nodes[i].spec.name.clone();
-        let pin = PinDir::new(&format!("tpdemo-{name}")).with_context(|| format!("creating the pin directory of {name}"))?;
+        let pin = PinDir::new(&format!("{PREFIX}-{name}"))
+            .with_context(|| format!("creating the pin directory of {name}"))?;
         let log = cluster.workdir.0.join(format!("agent-{name}.log"));
         let mut cmd = command_in(agent, None, None)?;
         cmd.arg("run")
@@ -370,7 +433,12 @@ fn populate(cluster: &mut Cluster, agent: &Path, manifests: &Path, nodes: Vec<No
             .stdout(Stdio::null())
             .stderr(fs::File::create(&log)?);
         die_with_parent(&mut cmd);
-        println!("      {name}: proxy-agent run --node {name} --cgroup {} --bpffs {}", cluster.nodes[i].cgroup.path().display(), pin.path().display());
+        println!(
+            "      {name}: proxy-agent run --node {name} --manifests {} --cgroup {} --bpffs {}",
+            relative(manifests).display(),
+            cluster.nodes[i].cgroup.path().display(),
+            pin.path().display()
+        );
         cluster.pins.push(pin);
         let process = Guarded::spawn(&mut cmd).context("starting proxy-agent run")?;
         cluster.agents.push(Agent { node: name, process, log });
@@ -384,6 +452,7 @@ fn spawn_pod(agent: &Path, netns: &Netns, cgroup: Option<&Cgroup>, name: &str, l
     let mut cmd = command_in(agent, Some(netns), cgroup)?;
     cmd.arg("serve-hostname").args(["--name", name, "--listen"]).args(listen);
     cmd.env("LOG_LEVEL", "warn").stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    die_with_parent(&mut cmd);
     let mut g = Guarded::spawn(&mut cmd).with_context(|| format!("starting pod {name}"))?;
     let out = g.0.stdout.take().context("no stdout")?;
     let mut line = String::new();
@@ -395,7 +464,14 @@ fn spawn_pod(agent: &Path, netns: &Netns, cgroup: Option<&Cgroup>, name: &str, l
 }
 
 /// One `proxy-agent probe` run from a client pod on `node`.
-fn probe(agent: &Path, cluster: &Cluster, node: &str, svc: &ServiceSpec, count: u32, timeout_ms: u64) -> Result<Vec<Value>> {
+fn probe(
+    agent: &Path,
+    cluster: &Cluster,
+    node: &str,
+    svc: &ServiceSpec,
+    count: u32,
+    timeout_ms: u64,
+) -> Result<Vec<Value>> {
     let mut cmd = command_in(agent, Some(&cluster.netns), cluster.cgroup_of(node))?;
     cmd.arg("probe").arg("--to").arg(svc.frontend.to_string()).arg("--count").arg(count.to_string());
     cmd.arg("--timeout-ms").arg(timeout_ms.to_string()).arg("--message").arg(format!("GET / from {node}"));
@@ -445,7 +521,14 @@ fn wait_programmed(agent: &Path, cluster: &Cluster, services: &[ServiceSpec]) ->
 /// Reply counts per backend name, or per failure reason.
 type Tally = BTreeMap<String, u32>;
 
-fn exercise(agent: &Path, manifests: &Path, cluster: &Option<Cluster>, services: &[ServiceSpec], pods: &[PodSpec], args: &Args) -> Result<()> {
+fn exercise(
+    agent: &Path,
+    manifests: &Path,
+    cluster: &Option<Cluster>,
+    services: &[ServiceSpec],
+    pods: &[PodSpec],
+    args: &Args,
+) -> Result<()> {
     let cluster = cluster.as_ref().context("no cluster")?;
     wait_for_agents(agent, cluster, services)?;
 
@@ -480,21 +563,23 @@ fn exercise(agent: &Path, manifests: &Path, cluster: &Option<Cluster>, services:
     println!();
     print_table(services, &results);
     println!();
-    let where_is = |name: &str| pods.iter().find(|p| p.name == name).map(|p| p.node.as_str()).unwrap_or("?");
     let mut placement: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     for p in pods {
-        placement.entry(where_is(&p.name)).or_default().push(&p.name);
+        placement.entry(p.node.as_str()).or_default().push(&p.name);
     }
-    let placement: Vec<String> = placement.iter().map(|(node, names)| format!("{} on {node}", names.join(" and "))).collect();
+    let placement: Vec<String> =
+        placement.iter().map(|(node, names)| format!("{} on {node}", names.join(" and "))).collect();
     println!("Pods: {}.", placement.join("; "));
-    println!(
-        "Notice: without topology every node reaches all pods; with the node-pool annotation each node only reaches \
-         pods in its own pool; with the zone key node-2 (pool hangzhou, zone zone-b) is kept in zone-b instead."
-    );
+    if Path::new(BUNDLED_MANIFESTS).canonicalize().is_ok_and(|b| b == manifests) {
+        println!(
+            "Notice: without topology every node reaches all pods; with the node-pool annotation each node only reaches \
+             pods in its own pool; with the zone key node-2 (pool hangzhou, zone zone-b) is kept in zone-b instead."
+        );
+    }
     println!(
         "Why: `{} explain --node NODE --manifests {}` prints each node's decision.",
-        agent.display(),
-        manifests.display()
+        relative(agent).display(),
+        relative(manifests).display()
     );
 
     if args.hold {
@@ -521,6 +606,7 @@ fn exercise(agent: &Path, manifests: &Path, cluster: &Option<Cluster>, services:
 
 /// Waits for the agents, and notices one that exits early.
 fn wait_for_agents(agent: &Path, cluster: &Cluster, services: &[ServiceSpec]) -> Result<()> {
+    println!("      waiting until every agent has programmed every ClusterIP");
     wait_programmed(agent, cluster, services)?;
     if let Some(a) = cluster.agents.iter().find(|a| exited(a)) {
         bail!("the agent of {} exited", a.node);
@@ -564,7 +650,8 @@ fn print_table(services: &[ServiceSpec], results: &[(String, Vec<Tally>)]) {
         let s: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
         println!("{}", s.join("  |  ").trim_end());
     };
-    let header: Vec<&str> = std::iter::once("client pod on node").chain(services.iter().map(|s| s.name.as_str())).collect();
+    let header: Vec<&str> =
+        std::iter::once("client pod on node").chain(services.iter().map(|s| s.name.as_str())).collect();
     line(&header);
     let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
     println!("{}", rule.join("--+--"));

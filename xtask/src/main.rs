@@ -1,1 +1,80 @@
-fn main(){}
+//! `cargo xtask`: the project's developer commands.
+//!
+//! - `setup`: install what is missing (nightly rust-src, Debian packages,
+//!   bpf-linker). Idempotent, and a fast no-op when everything is present.
+//! - `build-ebpf`: build the agent, which builds and embeds the eBPF object.
+//! - `test`: every test, including the privileged datapath tests (root).
+//! - `demo`: a simulated 3-node cluster on this machine.
+//! - `bench`: the benchmark report, next to iptables and nftables.
+//!
+//! Every command runs the `setup` checks first. xtask depends on nothing of
+//! the project's own, so it builds before the eBPF toolchain exists.
+
+mod bench;
+mod build_ebpf;
+mod chart_env;
+mod demo;
+mod setup;
+mod test;
+mod util;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(
+    name = "cargo xtask",
+    bin_name = "cargo xtask",
+    about = "Developer commands for the topology-aware eBPF load balancer"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Install what is missing: nightly + rust-src, Debian packages (LLVM 22,
+    /// iproute2, bpftool) and bpf-linker 0.13 built against LLVM 22.
+    Setup,
+    /// Build the agent and the eBPF object it embeds; print the object's path.
+    BuildEbpf,
+    /// Run every test (`cargo test --workspace`); needs root for the datapath
+    /// tests. Arguments after `--` go to `cargo test`.
+    Test {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Start a simulated 3-node cluster on this machine, send requests to
+    /// ClusterIPs from every node, print which backends answered, tear down.
+    /// Needs root. Arguments after `--` go to the demo (try `-- --help`).
+    Demo {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Benchmark the datapath and control plane next to kube-proxy-shaped
+    /// iptables and nftables rules; writes results/bench/report.md, SVG plots
+    /// and report.json. Needs root. Arguments after `--` go to the benchmark
+    /// (`--sizes 1000,10000,100000 --repeats 5 --rounds 2000 --rules-max 10000`).
+    Bench {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Setup => setup::run(),
+        Command::BuildEbpf => build_ebpf::run(),
+        Command::Test { args } => test::run(&args),
+        Command::Demo { args } => demo::run(&args),
+        Command::Bench { args } => bench::run(&args),
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("xtask: error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

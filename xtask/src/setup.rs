@@ -1,0 +1,147 @@
+//! `cargo xtask setup`: installs what the build and the tests need on a
+//! fresh Debian 12 machine (root, no stdin). Every step checks first and
+//! does nothing when its piece is present, so the whole run is a fast no-op
+//! on a machine that has everything: no apt-get update, no network.
+//! The last step, the chart tests' Python venv, lives in `chart_env.rs`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::{Context, Result, bail};
+
+use crate::util;
+
+/// Debian packages: LLVM 22 and the libraries bpf-linker links against,
+/// `ip` for the demo's namespaces, bpftool to inspect pinned maps, and
+/// iptables/nftables, which `cargo xtask bench` compares against.
+const DEBIAN_PACKAGES: [&str; 8] =
+    ["llvm-22-dev", "libpolly-22-dev", "libzstd-dev", "zlib1g-dev", "iproute2", "bpftool", "iptables", "nftables"];
+
+/// bpf-linker release that builds against Debian's LLVM 22.
+const BPF_LINKER_VERSION: &str = "0.13.0";
+/// Any 0.13.x is accepted as present.
+const BPF_LINKER_SERIES: &str = "0.13.";
+const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
+
+/// `cargo xtask setup`.
+pub fn run() -> Result<()> {
+    ensure()
+}
+
+/// The checks every xtask command runs first; installs what is missing.
+pub fn ensure() -> Result<()> {
+    nightly()?;
+    rust_src()?;
+    debian_packages()?;
+    bpf_linker()?;
+    crate::chart_env::ensure()?;
+    Ok(())
+}
+
+fn nightly() -> Result<()> {
+    let list = util::output(util::cmd("rustup").args(["toolchain", "list"]))
+        .context("`rustup toolchain list` failed; is rustup installed and ~/.cargo/bin on PATH?")?;
+    if list.lines().any(|l| l.starts_with("nightly-") || l.split_whitespace().next() == Some("nightly")) {
+        println!("ok: nightly toolchain present");
+        return Ok(());
+    }
+    println!("installing: nightly toolchain (rustup toolchain install nightly --profile minimal)");
+    util::run(util::cmd("rustup").args(["toolchain", "install", "nightly", "--profile", "minimal"]))
+}
+
+fn nightly_sysroot() -> Option<PathBuf> {
+    util::output(util::cmd("rustup").args(["run", "nightly", "rustc", "--print", "sysroot"]))
+        .map(|s| PathBuf::from(s.trim()))
+}
+
+fn rust_src() -> Result<()> {
+    let has_src = |root: &Path| root.join("lib/rustlib/src/rust/library/core").is_dir();
+    if nightly_sysroot().is_some_and(|s| has_src(&s)) {
+        println!("ok: rust-src for nightly present");
+        return Ok(());
+    }
+    println!("installing: rust-src for nightly (rustup component add rust-src --toolchain nightly)");
+    util::run(util::cmd("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))?;
+    match nightly_sysroot() {
+        Some(s) if has_src(&s) => Ok(()),
+        _ => bail!("rust-src was installed but library/core is still missing from the nightly sysroot"),
+    }
+}
+
+fn installed(package: &str) -> bool {
+    util::output(util::cmd("dpkg-query").args(["-W", "-f=${db:Status-Status}", package]))
+        .is_some_and(|s| s.trim() == "installed")
+}
+
+fn debian_packages() -> Result<()> {
+    if util::output(util::cmd("dpkg-query").arg("--version")).is_none() {
+        println!("skip: dpkg-query not found (not Debian?); install by hand: {}", DEBIAN_PACKAGES.join(" "));
+        return Ok(());
+    }
+    let missing: Vec<&str> = DEBIAN_PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
+    if missing.is_empty() {
+        println!("ok: Debian packages present ({})", DEBIAN_PACKAGES.join(" "));
+        return Ok(());
+    }
+    if !util::is_root() {
+        bail!("Debian packages missing: {}; run `cargo xtask setup` as root to install them", missing.join(" "));
+    }
+    println!("installing: Debian packages {} (apt-get update; apt-get install -y)", missing.join(" "));
+    let apt = || {
+        let mut c = util::cmd("apt-get");
+        c.env("DEBIAN_FRONTEND", "noninteractive");
+        c
+    };
+    util::run(apt().arg("update"))?;
+    util::run(apt().args(["install", "-y"]).args(&missing))?;
+    let still: Vec<&str> = missing.iter().copied().filter(|p| !installed(p)).collect();
+    if !still.is_empty() {
+        bail!("apt-get install finished but these packages are still missing: {}", still.join(" "));
+    }
+    Ok(())
+}
+
+fn bpf_linker_version(bin: &Path) -> Option<String> {
+    let out = util::output(util::cmd(bin).arg("--version"))?;
+    // "bpf-linker 0.13.0"
+    out.split_whitespace().nth(1).map(str::to_string)
+}
+
+fn bpf_linker() -> Result<()> {
+    let bin = util::cargo_home().join("bin/bpf-linker");
+    let found = bpf_linker_version(&bin);
+    if let Some(v) = &found
+        && v.starts_with(BPF_LINKER_SERIES)
+    {
+        println!("ok: bpf-linker {v} present");
+        return Ok(());
+    }
+    match &found {
+        Some(v) => println!("installing: bpf-linker {BPF_LINKER_VERSION} against LLVM 22 (found {v}; about a minute)"),
+        None => println!("installing: bpf-linker {BPF_LINKER_VERSION} against LLVM 22 (about a minute)"),
+    }
+    if !Path::new(LLVM_PREFIX).join("bin/llvm-config").exists() {
+        bail!("{LLVM_PREFIX}/bin/llvm-config is missing; bpf-linker needs llvm-22-dev");
+    }
+    // Without LLVM_PREFIX the build finds Debian's default LLVM 14 and fails
+    // to link -lLLVM.
+    let llvm_bin = PathBuf::from(LLVM_PREFIX).join("bin");
+    let mut path = vec![llvm_bin];
+    path.extend(std::env::split_paths(&util::path_with_cargo_bin()));
+    let mut c = util::cmd("cargo");
+    c.args(["install", "bpf-linker", "--version", BPF_LINKER_VERSION, "--locked", "--force"])
+        .args(["--no-default-features", "--features", "llvm-22"])
+        .env("LLVM_PREFIX", LLVM_PREFIX)
+        .env("PATH", std::env::join_paths(path)?)
+        // Our own build's settings must not leak into the install.
+        .env_remove("CARGO_TARGET_DIR")
+        .env_remove("RUSTFLAGS")
+        .env_remove("RUSTUP_TOOLCHAIN");
+    util::run(&mut c)?;
+    match bpf_linker_version(&bin) {
+        Some(v) if v.starts_with(BPF_LINKER_SERIES) => {
+            println!("ok: bpf-linker {v} installed");
+            Ok(())
+        }
+        other => bail!("bpf-linker was installed but `{} --version` reports {other:?}", bin.display()),
+    }
+}
