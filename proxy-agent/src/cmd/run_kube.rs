@@ -1,0 +1,169 @@
+//! `proxy-agent run` without `--manifests`: a node agent of a Kubernetes
+//! cluster. Watches Services, EndpointSlices and Nodes, keeps the pinned
+//! maps in sync, serves /healthz, /readyz and /metrics and posts Events
+//! about Services it cannot program.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use proxy_agent::events::EventReporter;
+use proxy_agent::health_server::{self, DEFAULT_STALE_AFTER, Health};
+use proxy_agent::kube_source;
+use proxy_agent::kube_sync::{SyncConfig, SyncLoop};
+use proxy_agent::{loader, sync};
+use proxy_agent::map_writer::MapWriter;
+use proxy_agent::metrics::Metrics;
+use tokio::signal::unix::{SignalKind, signal};
+
+use super::datapath_args::DatapathArgs;
+
+/// kube-proxy serves /healthz on 10256; the agent replaces kube-proxy, so
+/// it takes the same port and probes written for kube-proxy keep working.
+pub const DEFAULT_METRICS_ADDRESS: &str = "0.0.0.0:10256";
+
+#[derive(Args, Clone, Debug)]
+pub struct KubeArgs {
+    /// kubeconfig file to reach the API server (Kubernetes mode). Without
+    /// it the in-cluster configuration is used (service account token and
+    /// KUBERNETES_SERVICE_HOST/PORT, as in a DaemonSet pod).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Address for /healthz, /readyz and /metrics (HTTP). Kubernetes mode
+    /// serves on 0.0.0.0:10256 unless told otherwise; manifests mode only
+    /// when this is given. `off` disables the server; port 0 picks a free
+    /// port (the address is logged).
+    #[arg(long)]
+    pub metrics_address: Option<String>,
+    /// Minimum time between two syncs in Kubernetes mode; changes arriving
+    /// meanwhile are applied together (like kube-proxy's --min-sync-period).
+    #[arg(long, default_value_t = 100)]
+    pub min_sync_period_ms: u64,
+    /// A full sync runs at least this often in Kubernetes mode, retrying
+    /// frontends that did not fit into the maps (like kube-proxy's
+    /// --sync-period).
+    #[arg(long, default_value_t = 30)]
+    pub sync_period_secs: u64,
+}
+
+/// The health/metrics address to serve on, if any.
+pub fn metrics_address(flag: Option<&str>, default: Option<&str>) -> anyhow::Result<Option<SocketAddr>> {
+    match flag.or(default) {
+        None | Some("off") | Some("") => Ok(None),
+        Some(a) => a.parse().map(Some).with_context(|| format!("--metrics-address {a:?} is not an IP:port")),
+    }
+}
+
+/// Binds and starts the health/metrics server on the current runtime.
+pub async fn start_health_server(addr: Option<SocketAddr>, health: Arc<Health>, metrics: Arc<Metrics>) -> anyhow::Result<()> {
+    if let Some(addr) = addr {
+        let (listener, bound) = health_server::bind(addr).await?;
+        // Tests and operators read the bound address from this line when
+        // port 0 was asked for.
+        tracing::info!(metrics_address = %bound, "serving /healthz, /readyz and /metrics");
+        tokio::spawn(health_server::serve(listener, health, metrics));
+    }
+    Ok(())
+}
+
+pub fn run(node: String, args: KubeArgs, datapath: DatapathArgs) -> anyhow::Result<ExitCode> {
+    // Two workers: the watchers keep reading the API server while a large
+    // sync writes maps on the other.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    let result = rt.block_on(run_async(node, args, datapath));
+    // Watcher tasks may sit in a backoff sleep or a long poll: do not wait.
+    rt.shutdown_background();
+    result
+}
+
+async fn client(args: &KubeArgs) -> anyhow::Result<kube::Client> {
+    let config = match &args.kubeconfig {
+        Some(path) => {
+            let kc = Kubeconfig::read_from(path).with_context(|| format!("reading kubeconfig {}", path.display()))?;
+            kube::Config::from_custom_kubeconfig(kc, &KubeConfigOptions::default())
+                .await
+                .with_context(|| format!("loading kubeconfig {}", path.display()))?
+        }
+        None => kube::Config::incluster().context(
+            "no in-cluster configuration (KUBERNETES_SERVICE_HOST and the service account token); pass --kubeconfig, or --manifests for standalone mode",
+        )?,
+    };
+    // kube's client-level retry re-sends 429/503/504 answers up to 15 times
+    // with backoff of its own, for minutes. The watchers already back off
+    // (kube-runtime's default_backoff) and the Event poster retries; more
+    // importantly a 504 "Too large resource version" must reach the watcher
+    // promptly so that it relists (see kube_source::classify).
+    let mut config = config;
+    config.default_retry = false;
+    kube::Client::try_from(config).context("creating the Kubernetes client")
+}
+
+async fn run_async(node: String, args: KubeArgs, datapath: DatapathArgs) -> anyhow::Result<ExitCode> {
+    anyhow::ensure!(!node.is_empty(), "--node (or NODE_NAME) must name this node");
+    let client = client(&args).await?;
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::new(DEFAULT_STALE_AFTER));
+    health.waiting_for("the datapath to be installed");
+    let addr = metrics_address(args.metrics_address.as_deref(), Some(DEFAULT_METRICS_ADDRESS))?;
+    start_health_server(addr, health.clone(), metrics.clone()).await?;
+
+    let cgroup = datapath.cgroup()?;
+    let pin_dir = datapath.bpffs.clone();
+    let caps = datapath.capacities()?;
+    let warnings = loader::install(&cgroup, &pin_dir, caps)
+        .with_context(|| format!("installing the datapath on cgroup {} with pins in {}", cgroup.display(), pin_dir.display()))?;
+    for w in warnings {
+        tracing::warn!("{w}");
+    }
+    let writer = MapWriter::open(&pin_dir).context("opening the pinned maps")?;
+    tracing::info!(
+        node = %node,
+        cgroup = %cgroup.display(),
+        bpffs = %pin_dir.display(),
+        adopted_frontends = writer.state().len(),
+        "datapath installed; the maps keep their state until the API server has been listed"
+    );
+
+    // External traffic (issue #5) as in manifests mode: TC programs on
+    // --devices, NodePorts on the node's addresses, health check node ports.
+    let (mut external, external_warnings) = proxy_agent::nodeport::ExternalDatapath::install(&pin_dir, &datapath.external()?)
+        .context("installing the external-traffic datapath")?;
+    for w in external_warnings {
+        tracing::warn!("{w}");
+    }
+    tracing::info!(devices = ?external.devices, node_addresses = ?external.node_addrs, "external traffic datapath ready");
+
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let stores = kube_source::start(client.clone(), tx);
+    let events = EventReporter::spawn(client, format!("{}-{node}", proxy_agent::events::REPORTING_CONTROLLER), metrics.clone());
+    let config = SyncConfig {
+        node,
+        min_sync_interval: Duration::from_millis(args.min_sync_period_ms),
+        sync_period: Duration::from_secs(args.sync_period_secs.max(1)),
+    };
+    let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let shutdown = async move {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = int.recv() => {}
+        }
+    };
+    SyncLoop::new(config, writer, stores, metrics, health, Some(events))
+        .with_step(Box::new(move |writer, cluster, node| sync::sync_with_external(writer, &mut external, cluster, node)))
+        .run(rx, shutdown)
+        .await;
+    // Nothing to tear down: pinned links and maps keep serving until the
+    // next agent adopts them or `proxy-agent reset` removes them.
+    tracing::info!("stopping; the pinned datapath keeps serving");
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,233 @@
+//! Kubernetes Events about Services the agent could not program as asked,
+//! so that `kubectl describe service` shows why.
+//!
+//! Events are `events.k8s.io/v1` Events (the API that replaced core/v1
+//! Events for new writers) with `reportingController: topoproxy` and
+//! `reportingInstance: topoproxy-<node>`, type Warning, regarding the
+//! Service. Every node sees the same bad object; each node's agent reports
+//! it once (per problem, while it lasts), which matches how kube-proxy and
+//! the kubelet report per-node observations.
+//!
+//! Deduplication: a problem is posted once and remembered while it is
+//! current. When it goes away and later comes back it is posted again. A
+//! failed post is forgotten, so it is retried on a later round.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::ObjectReference;
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, PostParams};
+use kube::Client;
+use tokio::sync::watch;
+
+use crate::metrics::{Metrics, reason as metric_reason};
+use crate::model::ObjectRef;
+
+/// `reportingController` of every Event the agent posts.
+pub const REPORTING_CONTROLLER: &str = "topoproxy";
+
+/// Event reasons (CamelCase, as Kubernetes components use).
+pub const REASON_INVALID_SERVICE: &str = "InvalidService";
+pub const REASON_INVALID_ENDPOINT_SLICE: &str = "InvalidEndpointSlice";
+pub const REASON_INVALID_TOPOLOGY_KEYS: &str = "InvalidTopologyKeys";
+pub const REASON_INVALID_TOPOLOGY: &str = "InvalidTopologyConfiguration";
+
+/// The API server rejects Event notes longer than this (events.k8s.io/v1
+/// validation: note must be at most 1 kB).
+const MAX_NOTE: usize = 1024;
+
+/// reportingInstance, action and reason are limited to 128 characters.
+const MAX_FIELD: usize = 128;
+
+fn truncate(s: &str, max: usize) -> &str {
+    let mut cut = s.len().min(max);
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    &s[..cut]
+}
+
+/// One thing wrong with one Service (or with a slice of it), as it would
+/// be reported in an Event.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ServiceProblem {
+    pub service: ObjectRef,
+    /// The Service's metadata.uid when known; Events refer to it so that a
+    /// recreated Service does not inherit its predecessor's Events.
+    pub uid: Option<String>,
+    pub reason: &'static str,
+    pub message: String,
+}
+
+/// Chooses the Event reason for a problem `decision::decide` found in a
+/// Service's topology configuration. The problems are sentences naming the
+/// field they are about (see `topology.rs`).
+pub fn topology_reason(problem: &str) -> &'static str {
+    if problem.contains("topologyKeys") || problem.contains("topology-keys") {
+        REASON_INVALID_TOPOLOGY_KEYS
+    } else {
+        REASON_INVALID_TOPOLOGY
+    }
+}
+
+/// Remembers which problems were reported.
+#[derive(Debug, Default)]
+pub struct Deduper {
+    reported: BTreeSet<ServiceProblem>,
+}
+
+impl Deduper {
+    /// The problems of `current` not reported yet. Problems reported before
+    /// that are no longer current are forgotten.
+    pub fn fresh(&mut self, current: &[ServiceProblem]) -> Vec<ServiceProblem> {
+        let now: BTreeSet<&ServiceProblem> = current.iter().collect();
+        self.reported.retain(|p| now.contains(p));
+        let mut out = Vec::new();
+        for p in now {
+            if self.reported.insert(p.clone()) {
+                out.push(p.clone());
+            }
+        }
+        out
+    }
+
+    /// Forgets a problem whose Event could not be posted, so that it is
+    /// tried again.
+    pub fn forget(&mut self, p: &ServiceProblem) {
+        self.reported.remove(p);
+    }
+}
+
+/// Builds the Event for a problem.
+pub fn event_for(p: &ServiceProblem, instance: &str, now: Timestamp) -> Event {
+    let note = if p.message.len() > MAX_NOTE {
+        format!("{}...", truncate(&p.message, MAX_NOTE - 3))
+    } else {
+        p.message.clone()
+    };
+    Event {
+        metadata: ObjectMeta {
+            // The naming client-go's recorder uses: object name, a dot, a
+            // unique hex suffix.
+            name: Some(format!("{}.{:x}", p.service.name, now.as_nanosecond())),
+            namespace: Some(p.service.namespace.clone()),
+            ..Default::default()
+        },
+        event_time: Some(MicroTime(now)),
+        action: Some("Skipped".into()),
+        reason: Some(p.reason.into()),
+        note: Some(note),
+        type_: Some("Warning".into()),
+        reporting_controller: Some(REPORTING_CONTROLLER.into()),
+        reporting_instance: Some(truncate(instance, MAX_FIELD).to_string()),
+        regarding: Some(ObjectReference {
+            api_version: Some("v1".into()),
+            kind: Some("Service".into()),
+            namespace: Some(p.service.namespace.clone()),
+            name: Some(p.service.name.clone()),
+            uid: p.uid.clone(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Posts Events in the background. The sync loop publishes the complete
+/// list of current problems after each sync (`publish`); only the latest
+/// list matters, so a slow or unavailable API server never holds up the
+/// datapath.
+pub struct EventReporter {
+    tx: watch::Sender<Arc<Vec<ServiceProblem>>>,
+}
+
+impl EventReporter {
+    /// Starts the posting task. `instance` is the reportingInstance (the
+    /// API server limits it to 128 characters).
+    pub fn spawn(client: Client, instance: String, metrics: Arc<Metrics>) -> EventReporter {
+        let (tx, rx) = watch::channel(Arc::new(Vec::new()));
+        tokio::spawn(post_loop(client, instance, metrics, rx));
+        EventReporter { tx }
+    }
+
+    pub fn publish(&self, problems: Vec<ServiceProblem>) {
+        let _ = self.tx.send(Arc::new(problems));
+    }
+}
+
+async fn post_loop(client: Client, instance: String, metrics: Arc<Metrics>, mut rx: watch::Receiver<Arc<Vec<ServiceProblem>>>) {
+    let mut dedup = Deduper::default();
+    let mut retry = false;
+    loop {
+        if retry {
+            // Some posts failed: look again after a while even if nothing
+            // new is published.
+            tokio::select! {
+                r = rx.changed() => if r.is_err() { return },
+                _ = tokio::time::sleep(Duration::from_secs(10)) => {}
+            }
+        } else if rx.changed().await.is_err() {
+            return;
+        }
+        let current = rx.borrow_and_update().clone();
+        retry = false;
+        for p in dedup.fresh(&current) {
+            let api: Api<Event> = Api::namespaced(client.clone(), &p.service.namespace);
+            match api.create(&PostParams::default(), &event_for(&p, &instance, Timestamp::now())).await {
+                Ok(_) => metrics.event_posted(),
+                Err(e) => {
+                    tracing::debug!(service = %p.service, reason = p.reason, error = %e, "posting Event failed; will retry");
+                    metrics.error(metric_reason::EVENT_POST);
+                    dedup.forget(&p);
+                    retry = true;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(name: &str, msg: &str) -> ServiceProblem {
+        ServiceProblem { service: ObjectRef::new("default", name), uid: None, reason: REASON_INVALID_SERVICE, message: msg.into() }
+    }
+
+    #[test]
+    fn dedup_reports_once_while_current_and_again_after_it_went_away() {
+        let mut d = Deduper::default();
+        assert_eq!(d.fresh(&[p("a", "x"), p("b", "y")]).len(), 2);
+        assert!(d.fresh(&[p("a", "x"), p("b", "y")]).is_empty(), "same problems are not re-reported");
+        assert_eq!(d.fresh(&[p("a", "x"), p("b", "z")]), vec![p("b", "z")], "a changed message is a new problem");
+        assert!(d.fresh(&[]).is_empty());
+        assert_eq!(d.fresh(&[p("a", "x")]), vec![p("a", "x")], "fixed and broken again is reported again");
+        d.forget(&p("a", "x"));
+        assert_eq!(d.fresh(&[p("a", "x")]), vec![p("a", "x")], "a failed post is retried");
+    }
+
+    #[test]
+    fn event_shape() {
+        let mut prob = p("web", &"é".repeat(600));
+        prob.uid = Some("u-1".into());
+        let e = event_for(&prob, "topoproxy-node-a", Timestamp::UNIX_EPOCH);
+        assert_eq!(e.reporting_controller.as_deref(), Some("topoproxy"));
+        assert_eq!(e.reason.as_deref(), Some("InvalidService"));
+        assert!(e.note.as_ref().is_some_and(|n| n.len() <= MAX_NOTE && n.ends_with("...")));
+        let r = e.regarding.as_ref().expect("regarding");
+        assert_eq!((r.kind.as_deref(), r.name.as_deref(), r.uid.as_deref()), (Some("Service"), Some("web"), Some("u-1")));
+        assert_eq!(e.metadata.namespace.as_deref(), Some("default"));
+        let long = event_for(&prob, &"n".repeat(300), Timestamp::UNIX_EPOCH);
+        assert_eq!(long.reporting_instance.map(|i| i.len()), Some(MAX_FIELD));
+    }
+
+    #[test]
+    fn topology_reasons() {
+        assert_eq!(topology_reason("spec.topologyKeys ignored until fixed: ..."), REASON_INVALID_TOPOLOGY_KEYS);
+        assert_eq!(topology_reason("annotation topoproxy.io/topology-keys ignored until fixed"), REASON_INVALID_TOPOLOGY_KEYS);
+        assert_eq!(topology_reason("spec.trafficDistribution: Unsupported value"), REASON_INVALID_TOPOLOGY);
+    }
+}

@@ -1,0 +1,382 @@
+//! The API server as a source of the model: kube-runtime watchers feeding
+//! reflector stores for Services, EndpointSlices and Nodes, and the
+//! conversion of the stores' contents into a `model::Cluster`.
+//!
+//! Objects are converted by the same `objects::*_from_json` functions that
+//! read manifests, so both sources agree on every check. Services are
+//! watched as `DynamicObject`: `spec.topologyKeys` (Kubernetes 1.17-1.21)
+//! is not in today's typed `Service`, and a typed watch would drop it on
+//! deserialization. Nodes are watched metadata-only
+//! (`PartialObjectMetadata`): labels are all the agent reads of a Node, and
+//! Node status is large and changes every few seconds (heartbeats), which
+//! would wake the agent for nothing.
+//!
+//! The stores only ever change by whole relists or single events, and a
+//! relist replaces a store's contents only once it is complete
+//! (`watcher::Event::InitDone`), so an API server outage or an expired
+//! watch never shows the sync loop an empty or half-listed store.
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::hash::Hash;
+use std::time::{Duration, SystemTime};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Node, Service};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::{Api, ApiResource, DynamicObject, PartialObjectMeta};
+use kube::runtime::reflector::store::Writer;
+use kube::runtime::reflector::Store;
+use kube::runtime::watcher::{self, DefaultBackoff};
+use kube::runtime::WatchStreamExt;
+use kube::{Client, Resource};
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+use serde_json::Value;
+use tokio::sync::mpsc::UnboundedSender;
+
+use crate::model::{Cluster, ObjectRef};
+use crate::objects::{self, Converted, ObjectError, SERVICE_NAME_LABEL};
+
+/// Services another proxy implements, and headless Services, are not
+/// watched at all; kube-proxy uses the same selector
+/// (pkg/proxy/apis/config: `!service.kubernetes.io/service-proxy-name`,
+/// `!service.kubernetes.io/headless`). The conversion checks both labels
+/// again, so manifests behave the same.
+pub const SERVICE_LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
+
+/// The EndpointSlice controller stamps this on slices: the time of the
+/// last change (Pod, Service) that caused the slice to be updated. It is
+/// what kube-proxy measures network programming latency from
+/// (pkg/proxy/metrics: NetworkProgrammingLatency).
+pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    Service,
+    EndpointSlice,
+    Node,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 3] = [Kind::Service, Kind::EndpointSlice, Kind::Node];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Service => "Service",
+            Kind::EndpointSlice => "EndpointSlice",
+            Kind::Node => "Node",
+        }
+    }
+}
+
+/// What the watchers tell the sync loop. The stores hold the data; signals
+/// only say that something changed and when.
+#[derive(Debug)]
+pub enum Signal {
+    /// An object was added, changed or deleted while watching. `trigger`
+    /// is when the change happened, as far as the agent can tell.
+    Changed { kind: Kind, trigger: SystemTime },
+    /// A complete (re)list landed in the store.
+    Listed { kind: Kind },
+    /// A list or watch failed; the watcher retries with backoff.
+    /// `expired` marks an expired resourceVersion (410 Gone or "too large
+    /// resource version"), after which a relist follows.
+    Failed { kind: Kind, expired: bool, message: String },
+}
+
+/// Read handles on the reflector stores.
+#[derive(Clone)]
+pub struct Stores {
+    pub services: Store<DynamicObject>,
+    pub slices: Store<EndpointSlice>,
+    pub nodes: Store<PartialObjectMeta<Node>>,
+}
+
+/// Starts one watcher task per kind and returns the stores they fill.
+/// The tasks run until the runtime shuts down.
+pub fn start(client: Client, tx: UnboundedSender<Signal>) -> Stores {
+    let svc_resource = ApiResource::erase::<Service>(&());
+    let services: Api<DynamicObject> = Api::all_with(client.clone(), &svc_resource);
+    let svc_writer = Writer::<DynamicObject>::new(svc_resource);
+    let svc_store = svc_writer.as_reader();
+    let svc_config = watcher::Config::default().labels(SERVICE_LABEL_SELECTOR);
+    tokio::spawn(watch_kind(services, svc_config, svc_writer, Kind::Service, tx.clone(), |_| None));
+
+    let slices: Api<EndpointSlice> = Api::all(client.clone());
+    let slice_writer = Writer::<EndpointSlice>::default();
+    let slice_store = slice_writer.as_reader();
+    tokio::spawn(watch_kind(slices, watcher::Config::default(), slice_writer, Kind::EndpointSlice, tx.clone(), slice_trigger_time));
+
+    // `Api<PartialObjectMeta<K>>` makes list and watch send the
+    // `as=PartialObjectMetadata[List];g=meta.k8s.io;v=v1` Accept header
+    // (what kube's deprecated `metadata_watcher` did).
+    let nodes: Api<PartialObjectMeta<Node>> = Api::all(client);
+    let node_writer = Writer::<PartialObjectMeta<Node>>::default();
+    let node_store = node_writer.as_reader();
+    tokio::spawn(watch_kind(nodes, watcher::Config::default(), node_writer, Kind::Node, tx, |_| None));
+
+    Stores { services: svc_store, slices: slice_store, nodes: node_store }
+}
+
+fn slice_trigger_time(s: &EndpointSlice) -> Option<SystemTime> {
+    let raw = s.metadata.annotations.as_ref()?.get(TRIGGER_TIME_ANNOTATION)?;
+    parse_trigger_time(raw)
+}
+
+/// Parses an RFC 3339 time as the EndpointSlice controller writes it.
+pub fn parse_trigger_time(raw: &str) -> Option<SystemTime> {
+    raw.parse::<k8s_openapi::jiff::Timestamp>().ok().map(SystemTime::from)
+}
+
+/// Whether a watcher error means our resourceVersion is unusable and only
+/// a relist helps.
+///
+/// - 410 Gone as a watch ERROR event: the watcher relists by itself.
+/// - 410 Gone as the HTTP status of the watch request (some proxies and
+///   older servers answer so), and 504 "Too large resource version" (the
+///   API server's watch cache is behind our version, e.g. after etcd was
+///   restored or replaced, apiserver storage/cacher): kube-runtime's
+///   watcher would retry the same version forever, so the caller restarts
+///   it, as client-go's reflector does for both
+///   (`isExpiredError`/`isTooLargeResourceVersionError` -> relist).
+fn classify(e: &watcher::Error) -> (bool, bool) {
+    let status = match e {
+        watcher::Error::WatchError(s) => return (s.code == 410, false),
+        watcher::Error::WatchStartFailed(kube::Error::Api(s)) => s,
+        watcher::Error::InitialListFailed(kube::Error::Api(s)) => return (s.code == 410, false),
+        _ => return (false, false),
+    };
+    let too_large = status.code == 504
+        && (status.message.contains("Too large resource version")
+            || status
+                .details
+                .as_ref()
+                .is_some_and(|d| d.causes.iter().any(|c| c.reason == "ResourceVersionTooLarge")));
+    let expired = status.code == 410 || too_large;
+    (expired, expired)
+}
+
+async fn watch_kind<K>(
+    api: Api<K>,
+    config: watcher::Config,
+    mut writer: Writer<K>,
+    kind: Kind,
+    tx: UnboundedSender<Signal>,
+    trigger_of: fn(&K) -> Option<SystemTime>,
+) where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + Hash + Clone + Send + Sync,
+{
+    let mut restart_backoff = DefaultBackoff::default();
+    loop {
+        // default_backoff: exponential 0.8 s .. 30 s with jitter between
+        // failed attempts (client-go's reflector values), reset by success.
+        let mut stream = watcher::watcher(api.clone(), config.clone()).default_backoff().boxed();
+        let mut restart = false;
+        while let Some(item) = stream.next().await {
+            match item {
+                Ok(event) => {
+                    // Applying events ourselves (rather than `.reflect()`)
+                    // keeps the writer when the watcher must be restarted.
+                    writer.apply_watcher_event(&event);
+                    let signal = match &event {
+                        watcher::Event::Apply(obj) => {
+                            Some(Signal::Changed { kind, trigger: trigger_of(obj).unwrap_or_else(SystemTime::now) })
+                        }
+                        // A deleted slice's trigger annotation describes its
+                        // last update, not the deletion.
+                        watcher::Event::Delete(_) => Some(Signal::Changed { kind, trigger: SystemTime::now() }),
+                        watcher::Event::InitDone => Some(Signal::Listed { kind }),
+                        watcher::Event::Init | watcher::Event::InitApply(_) => None,
+                    };
+                    if let Some(s) = signal
+                        && tx.send(s).is_err()
+                    {
+                        return; // the sync loop is gone: shutting down
+                    }
+                }
+                Err(e) => {
+                    let (expired, needs_restart) = classify(&e);
+                    let message = error_chain(&e);
+                    if tx.send(Signal::Failed { kind, expired, message }).is_err() {
+                        return;
+                    }
+                    if needs_restart {
+                        restart = true;
+                        break;
+                    }
+                }
+            }
+        }
+        // The watcher stream never ends by itself; getting here means a
+        // restart was asked for. Wait like the backoff would have.
+        let delay = if restart { restart_backoff.next().unwrap_or(Duration::from_secs(1)) } else { Duration::from_secs(1) };
+        tokio::time::sleep(delay).await;
+    }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let text = c.to_string();
+        if !s.contains(&text) {
+            s.push_str(": ");
+            s.push_str(&text);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+/// An object left out of the model, and the Service it concerns (for the
+/// Event), if any.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectProblem {
+    pub kind: Kind,
+    pub error: ObjectError,
+    /// The Service the problem belongs to: the Service itself, or the owner
+    /// named by an EndpointSlice's `kubernetes.io/service-name` label.
+    pub service: Option<ObjectRef>,
+}
+
+/// The model built from the stores, with what was left out.
+#[derive(Debug, Default)]
+pub struct Snapshot {
+    pub cluster: Cluster,
+    pub problems: Vec<ObjectProblem>,
+    /// metadata.uid of every watched Service, valid or not (for Events).
+    pub service_uids: BTreeMap<ObjectRef, String>,
+}
+
+impl Stores {
+    /// Converts what the stores hold right now.
+    pub fn snapshot(&self) -> Snapshot {
+        snapshot_from_values(&values(self.services.state()), &values(self.slices.state()), &values(self.nodes.state()))
+    }
+
+    /// Object counts per kind, as held in the stores.
+    pub fn len(&self, kind: Kind) -> usize {
+        match kind {
+            Kind::Service => self.services.len(),
+            Kind::EndpointSlice => self.slices.len(),
+            Kind::Node => self.nodes.len(),
+        }
+    }
+}
+
+fn values<T: Serialize>(objects: Vec<std::sync::Arc<T>>) -> Vec<Value> {
+    // Serializing a value that was deserialized from JSON cannot fail in
+    // practice; an object that somehow does is skipped like a bad object.
+    objects.iter().filter_map(|o| serde_json::to_value(&**o).ok()).collect()
+}
+
+fn meta_ref(v: &Value) -> ObjectRef {
+    let meta = v.get("metadata");
+    let s = |k: &str| meta.and_then(|m| m.get(k)).and_then(Value::as_str).unwrap_or_default().to_string();
+    ObjectRef::new(s("namespace"), s("name"))
+}
+
+/// Builds the model from objects as JSON (the API server's or a test's).
+pub fn snapshot_from_values(services: &[Value], slices: &[Value], nodes: &[Value]) -> Snapshot {
+    let mut snap = Snapshot::default();
+    for v in services {
+        let id = meta_ref(v);
+        if let Some(uid) = v.get("metadata").and_then(|m| m.get("uid")).and_then(Value::as_str) {
+            snap.service_uids.insert(id.clone(), uid.to_string());
+        }
+        match objects::service_from_json(v) {
+            Ok(Converted::Ok(s)) => {
+                snap.cluster.services.insert(s.id.clone(), s);
+            }
+            Ok(Converted::Ignored(_)) => {}
+            Err(error) => snap.problems.push(ObjectProblem { kind: Kind::Service, error, service: Some(id) }),
+        }
+    }
+    for v in slices {
+        let id = meta_ref(v);
+        let owner = v
+            .get("metadata")
+            .and_then(|m| m.get("labels"))
+            .and_then(|l| l.get(SERVICE_NAME_LABEL))
+            .and_then(Value::as_str)
+            .map(|name| ObjectRef::new(id.namespace.clone(), name));
+        let problem = |error| ObjectProblem { kind: Kind::EndpointSlice, error, service: owner.clone() };
+        match objects::slice_from_json(v) {
+            Ok((converted, partial)) => {
+                snap.problems.extend(partial.into_iter().map(problem));
+                if let Converted::Ok(s) = converted {
+                    snap.cluster.slices.insert(s.id.clone(), s);
+                }
+            }
+            Err(error) => snap.problems.push(problem(error)),
+        }
+    }
+    for v in nodes {
+        match objects::node_from_json(v) {
+            Ok(n) => {
+                snap.cluster.nodes.insert(n.name.clone(), n);
+            }
+            Err(error) => snap.problems.push(ObjectProblem { kind: Kind::Node, error, service: None }),
+        }
+    }
+    snap
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn converts_like_manifests_and_keeps_topology_keys() {
+        let svc = json!({
+            "metadata": {"name": "web", "namespace": "shop", "uid": "u1"},
+            "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 80}], "topologyKeys": ["kubernetes.io/hostname", "*"]}
+        });
+        let bad = json!({"metadata": {"name": "bad", "namespace": "shop", "uid": "u2"}, "spec": {"clusterIP": "10.96.0.999", "ports": [{"port": 80}]}});
+        let slice = json!({
+            "metadata": {"name": "web-1", "namespace": "shop", "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4", "ports": [{"port": 8080}],
+            "endpoints": [{"addresses": ["10.244.0.1"]}, {"addresses": ["nope"]}]
+        });
+        let orphan = json!({"metadata": {"name": "orphan", "namespace": "shop"}, "addressType": "IPv4", "endpoints": []});
+        let node = json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata", "metadata": {"name": "n1", "labels": {"topology.kubernetes.io/zone": "z1"}}});
+        let s = snapshot_from_values(&[svc, bad], &[slice, orphan], &[node]);
+        let web = &s.cluster.services[&ObjectRef::new("shop", "web")];
+        assert_eq!(web.topology_keys.as_deref().map(<[String]>::len), Some(2));
+        assert_eq!(s.cluster.slices[&ObjectRef::new("shop", "web-1")].endpoints.len(), 1);
+        assert_eq!(s.cluster.nodes["n1"].labels["topology.kubernetes.io/zone"], "z1");
+        assert_eq!(s.service_uids[&ObjectRef::new("shop", "bad")], "u2");
+        let got: Vec<(Kind, Option<String>, String)> =
+            s.problems.iter().map(|p| (p.kind, p.service.as_ref().map(ToString::to_string), p.error.to_string())).collect();
+        assert_eq!(got.len(), 3, "{got:?}");
+        assert_eq!(got[0].1.as_deref(), Some("shop/bad"));
+        assert!(got[0].2.contains("is not an IP address"));
+        assert_eq!((got[1].0, got[1].1.as_deref()), (Kind::EndpointSlice, Some("shop/web")), "a bad endpoint is reported on its Service");
+        assert_eq!((got[2].0, got[2].1.as_deref()), (Kind::EndpointSlice, None), "an orphan slice has no Service");
+    }
+
+    #[test]
+    fn trigger_time_parses_rfc3339() {
+        let t = parse_trigger_time("2024-05-01T10:00:00Z").expect("parses");
+        assert_eq!(t.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs()).ok(), Some(1_714_557_600));
+        assert!(parse_trigger_time("yesterday").is_none());
+    }
+
+    #[test]
+    fn expired_versions_are_recognised() {
+        let status = |code: u16, message: &str| kube::core::Status {
+            code,
+            message: message.into(),
+            ..Default::default()
+        };
+        let e = watcher::Error::WatchError(Box::new(status(410, "too old resource version")));
+        assert_eq!(classify(&e), (true, false), "the watcher relists on a 410 event itself");
+        let e = watcher::Error::WatchStartFailed(kube::Error::Api(Box::new(status(504, "Too large resource version: 9, current: 3"))));
+        assert_eq!(classify(&e), (true, true));
+        let e = watcher::Error::WatchStartFailed(kube::Error::Api(Box::new(status(500, "boom"))));
+        assert_eq!(classify(&e), (false, false));
+    }
+}

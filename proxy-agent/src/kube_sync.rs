@@ -1,0 +1,316 @@
+//! The level-triggered sync loop of Kubernetes mode.
+//!
+//! Watch events only mark the state dirty; a sync reads the complete
+//! stores, builds the model and lets `sync::sync` rank, diff against the
+//! pinned maps and write the difference. A burst of events therefore costs
+//! one recomputation, and a missed or duplicated event cannot leave the
+//! maps wrong: the next sync computes from the whole state (kube-proxy's
+//! design: pkg/proxy/runner BoundedFrequencyRunner + full syncProxyRules).
+//!
+//! Nothing is written before every kind has been listed once. Until then
+//! the maps keep what the previous agent left (adopted from the pins), so a
+//! restart or an unreachable API server never empties the datapath.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime};
+
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::sync::mpsc::error::TryRecvError;
+
+use crate::events::{self, EventReporter, ServiceProblem};
+use crate::health_server::Health;
+use crate::kube_source::{Kind, ObjectProblem, Signal, Stores};
+use crate::map_writer::MapWriter;
+use crate::metrics::{Metrics, reason};
+use crate::model::Cluster;
+use crate::sync::{self, SyncOutcome};
+
+/// One pass from the model to the maps. `sync::sync` programs the socket
+/// datapath; the binary can put a pass that also programs other parts
+/// (e.g. `sync::sync_with_external`) in its place.
+pub type SyncStep = Box<dyn FnMut(&mut MapWriter, &Cluster, &str) -> SyncOutcome + Send>;
+
+#[derive(Clone, Debug)]
+pub struct SyncConfig {
+    pub node: String,
+    /// Minimum time between two syncs (kube-proxy's --min-sync-period):
+    /// changes arriving meanwhile are applied together.
+    pub min_sync_interval: Duration,
+    /// A sync runs at least this often even without changes: it retries
+    /// frontends that failed (e.g. a full map) and refreshes the metrics
+    /// (kube-proxy's --sync-period).
+    pub sync_period: Duration,
+}
+
+pub struct SyncLoop {
+    config: SyncConfig,
+    writer: MapWriter,
+    stores: Stores,
+    metrics: Arc<Metrics>,
+    health: Arc<Health>,
+    events: Option<EventReporter>,
+    step: SyncStep,
+    listed: BTreeSet<Kind>,
+    /// Changes seen since the last sync, with their trigger times.
+    pending: Vec<(Kind, SystemTime)>,
+    dirty: bool,
+    last_sync: Option<Instant>,
+    /// Problems already logged, so a bad object is logged (and counted)
+    /// when it appears, not on every sync.
+    logged: BTreeSet<String>,
+    /// Whether the last attempt of each kind failed, to log recoveries.
+    failing: BTreeMap<Kind, bool>,
+}
+
+impl SyncLoop {
+    pub fn new(
+        config: SyncConfig,
+        writer: MapWriter,
+        stores: Stores,
+        metrics: Arc<Metrics>,
+        health: Arc<Health>,
+        events: Option<EventReporter>,
+    ) -> SyncLoop {
+        health.waiting_for("Services, EndpointSlices and Nodes to be listed from the API server");
+        SyncLoop {
+            config,
+            writer,
+            stores,
+            metrics,
+            health,
+            events,
+            step: Box::new(sync::sync),
+            listed: BTreeSet::new(),
+            pending: Vec::new(),
+            dirty: false,
+            last_sync: None,
+            logged: BTreeSet::new(),
+            failing: BTreeMap::new(),
+        }
+    }
+
+    /// Replaces the sync pass (default: `sync::sync`).
+    pub fn with_step(mut self, step: SyncStep) -> SyncLoop {
+        self.step = step;
+        self
+    }
+
+    /// Runs until `shutdown` completes or the watchers are gone.
+    pub async fn run(mut self, mut signals: UnboundedReceiver<Signal>, shutdown: impl Future<Output = ()>) {
+        tokio::pin!(shutdown);
+        loop {
+            let due = self.next_sync_at();
+            tokio::select! {
+                _ = &mut shutdown => return,
+                s = signals.recv() => match s {
+                    Some(s) => self.handle(s),
+                    None => return,
+                },
+                _ = sleep_until(due), if due.is_some() => {
+                    // Take everything that queued up meanwhile into this
+                    // sync: that is the coalescing.
+                    loop {
+                        match signals.try_recv() {
+                            Ok(s) => self.handle(s),
+                            Err(TryRecvError::Empty) => break,
+                            Err(TryRecvError::Disconnected) => return,
+                        }
+                    }
+                    if self.all_listed() {
+                        self.sync_now();
+                    }
+                }
+            }
+        }
+    }
+
+    fn all_listed(&self) -> bool {
+        Kind::ALL.iter().all(|k| self.listed.contains(k))
+    }
+
+    fn next_sync_at(&self) -> Option<Instant> {
+        if !self.all_listed() {
+            return None;
+        }
+        Some(match self.last_sync {
+            None => Instant::now(),
+            Some(last) if self.dirty => last + self.config.min_sync_interval,
+            Some(last) => last + self.config.sync_period,
+        })
+    }
+
+    fn handle(&mut self, s: Signal) {
+        match s {
+            Signal::Changed { kind, trigger } => {
+                self.metrics.watch_event(kind.as_str());
+                self.recovered(kind);
+                self.pending.push((kind, trigger));
+                self.dirty = true;
+                self.mark_pending();
+            }
+            Signal::Listed { kind } => {
+                self.recovered(kind);
+                if self.listed.insert(kind) {
+                    tracing::info!(kind = kind.as_str(), objects = self.stores.len(kind), "listed");
+                    let missing: Vec<&str> = Kind::ALL.iter().filter(|k| !self.listed.contains(k)).map(|k| k.as_str()).collect();
+                    if !missing.is_empty() {
+                        self.health.waiting_for(format!("{} to be listed from the API server", missing.join(", ")));
+                    }
+                } else {
+                    tracing::info!(kind = kind.as_str(), objects = self.stores.len(kind), "relisted");
+                }
+                self.dirty = true;
+                self.mark_pending();
+            }
+            Signal::Failed { kind, expired, message } => {
+                if expired {
+                    // Normal after compaction or an API server restart: the
+                    // maps stay as they are while the relist runs.
+                    self.metrics.error(reason::WATCH_EXPIRED);
+                    tracing::info!(kind = kind.as_str(), "watch expired, relisting without touching the maps: {message}");
+                } else {
+                    self.metrics.error(reason::WATCH);
+                    let first = !self.failing.insert(kind, true).unwrap_or(false);
+                    if first {
+                        tracing::warn!(kind = kind.as_str(), "API server list/watch failed; keeping the datapath as it is and retrying with backoff: {message}");
+                    } else {
+                        tracing::debug!(kind = kind.as_str(), "API server list/watch still failing: {message}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Tells /healthz that a change waits for a sync. Only once every kind
+    /// is listed: before that nothing can be synced, which /readyz reports,
+    /// and an API server that is slow to answer is no reason to restart
+    /// the agent.
+    fn mark_pending(&self) {
+        if self.all_listed() {
+            self.health.pending();
+        }
+    }
+
+    fn recovered(&mut self, kind: Kind) {
+        if self.failing.insert(kind, false) == Some(true) {
+            tracing::info!(kind = kind.as_str(), "API server reachable again");
+        }
+    }
+
+    fn sync_now(&mut self) {
+        let started = Instant::now();
+        let snap = self.stores.snapshot();
+        let outcome = (self.step)(&mut self.writer, &snap.cluster, &self.config.node);
+        let took = started.elapsed();
+
+        // Bad objects and configuration problems: log and count each when it
+        // first appears; the Event reporter posts each once.
+        let mut current_logs = BTreeSet::new();
+        let mut problems: Vec<ServiceProblem> = Vec::new();
+        for p in &snap.problems {
+            let line = p.error.to_string();
+            if !self.logged.contains(&line) {
+                tracing::warn!(kind = %p.error.kind, object = %p.error.object, "object skipped: {}", p.error.reason);
+                self.metrics.error(object_reason(p));
+            }
+            current_logs.insert(line);
+            if let Some(svc) = &p.service
+                && let Some(uid) = snap.service_uids.get(svc)
+            {
+                problems.push(ServiceProblem {
+                    service: svc.clone(),
+                    uid: Some(uid.clone()),
+                    reason: match p.kind {
+                        Kind::EndpointSlice => events::REASON_INVALID_ENDPOINT_SLICE,
+                        _ => events::REASON_INVALID_SERVICE,
+                    },
+                    message: match p.kind {
+                        Kind::EndpointSlice => format!("EndpointSlice {}: {}", p.error.object, p.error.reason),
+                        _ => p.error.reason.clone(),
+                    },
+                });
+            }
+        }
+        for d in &outcome.decisions {
+            for problem in &d.problems {
+                let line = format!("Service {}: {problem}", d.service);
+                if !self.logged.contains(&line) && !current_logs.contains(&line) {
+                    tracing::warn!(service = %d.service, "{problem}");
+                    self.metrics.error(reason::INVALID_TOPOLOGY);
+                }
+                current_logs.insert(line);
+                problems.push(ServiceProblem {
+                    service: d.service.clone(),
+                    uid: snap.service_uids.get(&d.service).cloned(),
+                    reason: events::topology_reason(problem),
+                    message: problem.clone(),
+                });
+            }
+        }
+        // Problems of the pass itself that no decision carries (e.g. address
+        // clashes, external datapath): logged when they appear.
+        for problem in &outcome.problems {
+            if !current_logs.contains(problem) {
+                if !self.logged.contains(problem) {
+                    tracing::warn!("{problem}");
+                }
+                current_logs.insert(problem.clone());
+            }
+        }
+        self.logged = current_logs;
+        problems.sort();
+        problems.dedup();
+        if let Some(e) = &self.events {
+            e.publish(problems);
+        }
+
+        for f in &outcome.failures {
+            tracing::error!(frontend = %f.frontend, "not programmed, left as it was: {}", f.error);
+        }
+        self.metrics.record_sync(&outcome, &self.writer, took);
+        for kind in Kind::ALL {
+            self.metrics.set_objects(kind.as_str(), self.stores.len(kind));
+        }
+        for (kind, trigger) in self.pending.drain(..) {
+            self.metrics.programmed(kind.as_str(), trigger);
+        }
+        let first = !self.health.is_ready();
+        self.health.synced();
+        self.dirty = false;
+        self.last_sync = Some(Instant::now());
+        let changed = outcome.upserts + outcome.deletes > 0;
+        if first || changed || !outcome.failures.is_empty() {
+            tracing::info!(
+                services = snap.cluster.services.len(),
+                slices = snap.cluster.slices.len(),
+                nodes = snap.cluster.nodes.len(),
+                frontends = self.writer.state().len(),
+                upserts = outcome.upserts,
+                deletes = outcome.deletes,
+                failed = outcome.failures.len(),
+                took_ms = took.as_millis() as u64,
+                "synced"
+            );
+        }
+        if first {
+            tracing::info!("first sync applied; ready");
+        }
+    }
+}
+
+fn object_reason(p: &ObjectProblem) -> &'static str {
+    match p.kind {
+        Kind::Service => reason::INVALID_SERVICE,
+        Kind::EndpointSlice => reason::INVALID_ENDPOINT_SLICE,
+        Kind::Node => reason::INVALID_NODE,
+    }
+}
+
+async fn sleep_until(at: Option<Instant>) {
+    match at {
+        Some(t) => tokio::time::sleep_until(t.into()).await,
+        None => std::future::pending().await,
+    }
+}

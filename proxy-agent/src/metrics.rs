@@ -1,0 +1,224 @@
+//! Prometheus metrics of the agent, served on `/metrics` by
+//! `health_server`. Names follow kube-proxy's where there is a counterpart
+//! (`kubeproxy_sync_proxy_rules_duration_seconds`,
+//! `kubeproxy_network_programming_duration_seconds`), with the `topoproxy_`
+//! prefix so both can be scraped side by side during a migration.
+//!
+//! Every metric is an atomic: the sync loop, the watchers and the HTTP
+//! server share one `Metrics` through an `Arc` without locks of their own.
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::map_writer::MapWriter;
+use crate::sync::SyncOutcome;
+
+/// Label sets are small `(name, value)` lists; the names are fixed strings.
+type Labels = Vec<(&'static str, String)>;
+
+/// Reasons used with `topoproxy_errors_total{reason=...}`. Kept in one
+/// place so dashboards and alerts can rely on them.
+pub mod reason {
+    /// A Service failed conversion (bad IP, port, protocol, type...).
+    pub const INVALID_SERVICE: &str = "invalid_service";
+    /// An EndpointSlice, or one of its endpoints or ports, was rejected.
+    pub const INVALID_ENDPOINT_SLICE: &str = "invalid_endpoint_slice";
+    pub const INVALID_NODE: &str = "invalid_node";
+    /// A Service's topology configuration (topologyKeys, annotations,
+    /// trafficDistribution) is invalid and was ignored.
+    pub const INVALID_TOPOLOGY: &str = "invalid_topology";
+    /// A frontend did not fit into a map (raise the `--max-*` flag).
+    pub const MAP_FULL: &str = "map_full";
+    /// Any other failure to write a frontend.
+    pub const MAP_WRITE: &str = "map_write";
+    /// A list or watch against the API server failed (retried with backoff).
+    pub const WATCH: &str = "watch";
+    /// The API server expired our resourceVersion (410 Gone): a relist follows.
+    pub const WATCH_EXPIRED: &str = "watch_expired";
+    /// A Kubernetes Event could not be posted.
+    pub const EVENT_POST: &str = "event_post";
+    /// A manifest file could not be read (manifests mode).
+    pub const MANIFEST: &str = "manifest";
+}
+
+pub struct Metrics {
+    registry: Registry,
+    sync_duration: Histogram,
+    network_programming: Family<Labels, Histogram, fn() -> Histogram>,
+    syncs: Counter,
+    last_sync: Gauge<f64, std::sync::atomic::AtomicU64>,
+    services_programmed: Gauge,
+    frontends_programmed: Gauge,
+    endpoints_programmed: Gauge,
+    objects: Family<Labels, Gauge>,
+    errors: Family<Labels, Counter>,
+    map_entries: Family<Labels, Gauge>,
+    map_capacity: Family<Labels, Gauge>,
+    watch_events: Family<Labels, Counter>,
+    events_posted: Counter,
+}
+
+fn latency_histogram() -> Histogram {
+    // 1 ms .. ~9 min, doubling: programming latency spans a quick local
+    // update to an API server outage.
+    Histogram::new(exponential_buckets(0.001, 2.0, 20))
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("topoproxy");
+        let sync_duration = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
+        registry.register_with_unit(
+            "sync_duration",
+            "Time one sync took: building the model, ranking, diffing and writing the maps",
+            Unit::Seconds,
+            sync_duration.clone(),
+        );
+        let network_programming: Family<Labels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(latency_histogram);
+        registry.register_with_unit(
+            "network_programming_duration",
+            "Time from an object's change (EndpointSlice endpoints.kubernetes.io/last-change-trigger-time, else the moment the watch event arrived) to the maps being written, by object kind",
+            Unit::Seconds,
+            network_programming.clone(),
+        );
+        let syncs = Counter::default();
+        registry.register("syncs", "Syncs run", syncs.clone());
+        let last_sync = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register("last_sync_timestamp_seconds", "Unix time of the last completed sync", last_sync.clone());
+        let services_programmed = Gauge::default();
+        registry.register("services_programmed", "Services with at least one frontend in the maps", services_programmed.clone());
+        let frontends_programmed = Gauge::default();
+        registry.register("frontends_programmed", "Frontends (ClusterIP, port, protocol) in the maps", frontends_programmed.clone());
+        let endpoints_programmed = Gauge::default();
+        registry.register("endpoints_programmed", "Backends programmed, summed over all frontends", endpoints_programmed.clone());
+        let objects = Family::<Labels, Gauge>::default();
+        registry.register("objects", "Objects in the watch caches (Kubernetes mode), by kind", objects.clone());
+        let errors = Family::<Labels, Counter>::default();
+        registry.register("errors", "Errors by reason (bad objects, map writes, API server failures)", errors.clone());
+        let map_entries = Family::<Labels, Gauge>::default();
+        registry.register("map_entries", "Entries in use per BPF map", map_entries.clone());
+        let map_capacity = Family::<Labels, Gauge>::default();
+        registry.register("map_capacity", "Capacity (max_entries) per BPF map", map_capacity.clone());
+        let watch_events = Family::<Labels, Counter>::default();
+        registry.register("watch_events", "Watch events received from the API server, by kind", watch_events.clone());
+        let events_posted = Counter::default();
+        registry.register("kubernetes_events_posted", "Kubernetes Events posted about bad objects", events_posted.clone());
+        Metrics {
+            registry,
+            sync_duration,
+            network_programming,
+            syncs,
+            last_sync,
+            services_programmed,
+            frontends_programmed,
+            endpoints_programmed,
+            objects,
+            errors,
+            map_entries,
+            map_capacity,
+            watch_events,
+            events_posted,
+        }
+    }
+
+    /// The text exposition (OpenMetrics, which Prometheus scrapes as is).
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode(&mut out, &self.registry);
+        out
+    }
+
+    pub fn error(&self, reason: &str) {
+        self.errors.get_or_create(&vec![("reason", reason.to_string())]).inc();
+    }
+
+    pub fn errors_by(&self, reason: &str, n: usize) {
+        if n > 0 {
+            self.errors.get_or_create(&vec![("reason", reason.to_string())]).inc_by(n as u64);
+        }
+    }
+
+    pub fn watch_event(&self, kind: &str) {
+        self.watch_events.get_or_create(&vec![("kind", kind.to_string())]).inc();
+    }
+
+    pub fn event_posted(&self) {
+        self.events_posted.inc();
+    }
+
+    pub fn set_objects(&self, kind: &str, n: usize) {
+        self.objects.get_or_create(&vec![("kind", kind.to_string())]).set(n as i64);
+    }
+
+    /// Records the time from `trigger` until now for a change of `kind`.
+    /// A trigger in the future (clock skew between the API server's node
+    /// and ours) counts as zero rather than being dropped.
+    pub fn programmed(&self, kind: &str, trigger: SystemTime) {
+        let secs = SystemTime::now().duration_since(trigger).unwrap_or_default().as_secs_f64();
+        self.network_programming.get_or_create(&vec![("kind", kind.to_string())]).observe(secs);
+    }
+
+    /// Records one completed sync: its duration, what the maps now hold and
+    /// the map failures it returned.
+    pub fn record_sync(&self, outcome: &SyncOutcome, writer: &MapWriter, took: Duration) {
+        self.sync_duration.observe(took.as_secs_f64());
+        self.syncs.inc();
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64();
+        self.last_sync.set(now);
+        let state = writer.state();
+        self.frontends_programmed.set(state.len() as i64);
+        self.endpoints_programmed.set(state.values().map(|b| b.len() as i64).sum());
+        let programmed: std::collections::BTreeSet<_> = outcome
+            .decisions
+            .iter()
+            .filter(|d| d.frontends.iter().any(|f| state.contains_key(f)))
+            .map(|d| &d.service)
+            .collect();
+        self.services_programmed.set(programmed.len() as i64);
+        for (map, used, max) in writer.occupancy() {
+            self.map_entries.get_or_create(&vec![("map", map.to_string())]).set(i64::from(used));
+            self.map_capacity.get_or_create(&vec![("map", map.to_string())]).set(i64::from(max));
+        }
+        for f in &outcome.failures {
+            let r = match f.error {
+                crate::map_writer::WriteError::Full { .. } => reason::MAP_FULL,
+                _ => reason::MAP_WRITE,
+            };
+            self.error(r);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn exposition_names_and_labels() {
+        let m = Metrics::new();
+        m.error(reason::INVALID_SERVICE);
+        m.error(reason::INVALID_SERVICE);
+        m.set_objects("Service", 3);
+        m.programmed("EndpointSlice", SystemTime::now());
+        let text = m.encode();
+        assert!(text.contains("topoproxy_errors_total{reason=\"invalid_service\"} 2"), "{text}");
+        assert!(text.contains("topoproxy_objects{kind=\"Service\"} 3"), "{text}");
+        assert!(text.contains("topoproxy_network_programming_duration_seconds_count{kind=\"EndpointSlice\"} 1"), "{text}");
+        assert!(text.contains("# TYPE topoproxy_sync_duration_seconds histogram"), "{text}");
+        assert!(text.trim_end().ends_with("# EOF"));
+    }
+}

@@ -1,0 +1,582 @@
+//! The agent as a Kubernetes node agent: the real `proxy-agent run
+//! --kubeconfig` against the stand-in API server (`support::apiserver`,
+//! real list/watch protocol over HTTP), with clients in an isolated
+//! namespace connecting through the datapath.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use proxy_agent::sandbox::Guarded;
+use serde_json::{Value, json};
+use support::apiserver::ApiServer;
+use support::*;
+
+const ZONE: &str = "topology.kubernetes.io/zone";
+
+fn service(name: &str, ip: &str, port: u16, extra_spec: Value, labels: Value) -> Value {
+    let mut spec = json!({
+        "type": "ClusterIP",
+        "clusterIP": ip,
+        "clusterIPs": [ip],
+        "ports": [{"name": "http", "port": port, "protocol": "TCP", "targetPort": 8080}],
+    });
+    if let (Some(s), Some(extra)) = (spec.as_object_mut(), extra_spec.as_object()) {
+        s.extend(extra.clone());
+    }
+    json!({"apiVersion": "v1", "kind": "Service", "metadata": {"name": name, "namespace": "default", "labels": labels}, "spec": spec})
+}
+
+/// An EndpointSlice of Service `svc` with ready endpoints (address, node).
+fn slice(svc: &str, name: &str, endpoints: &[(&str, &str)]) -> Value {
+    let eps: Vec<Value> = endpoints
+        .iter()
+        .map(|(ip, node)| json!({"addresses": [ip], "conditions": {"ready": true}, "nodeName": node}))
+        .collect();
+    json!({
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": name,
+            "namespace": "default",
+            "labels": {"kubernetes.io/service-name": svc, "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"},
+        },
+        "addressType": "IPv4",
+        "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}],
+        "endpoints": eps,
+    })
+}
+
+fn node_obj(name: &str, zone: &str) -> Value {
+    json!({
+        "apiVersion": "v1",
+        "kind": "Node",
+        "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, ZONE: zone}},
+        // Status is large on real nodes; the agent asks for metadata only.
+        "status": {"conditions": [{"type": "Ready", "status": "True"}], "nodeInfo": {"kubeletVersion": "v1.33.0"}},
+    })
+}
+
+/// The API server, the kubeconfig that points at it, and one node.
+struct Cluster {
+    api: Option<ApiServer>,
+    dir: TempDir,
+}
+
+impl Cluster {
+    fn new(first_rv: u64) -> Cluster {
+        let dir = TempDir::new("tpt-kube");
+        let api = ApiServer::start(first_rv);
+        api.write_kubeconfig(&dir.0.join("kubeconfig"));
+        Cluster { api: Some(api), dir }
+    }
+
+    fn api(&self) -> &ApiServer {
+        self.api.as_ref().expect("the API server is running")
+    }
+
+    fn kubeconfig(&self) -> std::path::PathBuf {
+        self.dir.0.join("kubeconfig")
+    }
+}
+
+fn pod_ips(net: &mut PodNetwork, base: &str, n: usize) {
+    for i in 1..=n {
+        net.backend(&format!("pod-{i}"), &format!("{base}.{i}"), &[8080]);
+    }
+}
+
+fn unreachable(node: &Node, net: &PodNetwork, to: &str) {
+    eventually(&format!("{to} to be no longer translated"), || {
+        let r = node.probe(net, &["--to", to, "--timeout-ms", "1000"]);
+        if r[0]["errno"] == 101 { Ok(()) } else { Err(r) }
+    });
+}
+
+/// A client connecting in a loop in the background; `finish` stops it and
+/// returns (successful connects, failure lines).
+struct Client {
+    probe: Guarded,
+    reader: JoinHandle<(u64, Vec<String>)>,
+}
+
+impl Client {
+    fn start(node: &Node, net: &PodNetwork, to: &str) -> Client {
+        let mut probe = node.probe_background(net, &["--to", to, "--count", "1000000", "--timeout-ms", "2000"]);
+        let stdout = probe.0.stdout.take().expect("client stdout");
+        let reader = std::thread::spawn(move || {
+            let mut ok = 0u64;
+            let mut failures = Vec::new();
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if line.contains("\"ok\":true") {
+                    ok += 1;
+                } else {
+                    failures.push(line);
+                }
+            }
+            (ok, failures)
+        });
+        Client { probe, reader }
+    }
+
+    fn finish(mut self) -> (u64, Vec<String>) {
+        self.probe.terminate(Duration::from_secs(5)).expect("stop client");
+        self.reader.join().expect("client reader")
+    }
+}
+
+fn assert_no_failures(what: &str, (ok, failures): (u64, Vec<String>)) {
+    assert!(ok > 20, "{what}: the client made only {ok} connects");
+    assert!(
+        failures.is_empty(),
+        "{what}: {} of {} connects failed, e.g. {:?}",
+        failures.len(),
+        ok + failures.len() as u64,
+        failures.first()
+    );
+}
+
+fn metrics_text(node: &Node) -> String {
+    let addr = node.metrics_address();
+    eventually("/metrics to answer", || match http_get(addr, "/metrics") {
+        Ok((200, body)) => Ok(body),
+        other => Err(other),
+    })
+}
+
+fn wait_metric(node: &Node, series: &str, ok: impl Fn(f64) -> bool) {
+    eventually(&format!("metric {series}"), || {
+        let text = metrics_text(node);
+        match metric(&text, series) {
+            Some(v) if ok(v) => Ok(()),
+            v => Err(v),
+        }
+    });
+}
+
+#[test]
+fn services_and_slices_follow_the_api_server() {
+    let mut net = PodNetwork::new();
+    pod_ips(&mut net, "10.244.21", 3);
+    let cluster = Cluster::new(100);
+    let api = cluster.api();
+    // Frequent bookmarks, and watches that end after a while: the agent
+    // keeps resuming from the versions the bookmarks gave it.
+    api.set_bookmark_interval(Duration::from_millis(100));
+    api.set_watch_cutoff(Duration::from_millis(700));
+    api.apply(node_obj("node-a", "z1"));
+    api.apply(service("web", "10.96.21.10", 80, json!({}), json!({})));
+    api.apply(slice("web", "web-1", &[("10.244.21.1", "node-a"), ("10.244.21.2", "node-a")]));
+    let mut node = Node::new("node-a");
+    node.start_kube_agent(&cluster.kubeconfig(), &[]);
+    let web = "10.96.21.10:80";
+    wait_for_backends(&node, &net, web, &[], &["pod-1", "pod-2"]);
+
+    // Endpoint changes.
+    api.apply(slice("web", "web-1", &[("10.244.21.1", "node-a"), ("10.244.21.2", "node-a"), ("10.244.21.3", "node-a")]));
+    wait_for_backends(&node, &net, web, &[], &["pod-1", "pod-2", "pod-3"]);
+    api.apply(slice("web", "web-1", &[("10.244.21.3", "node-a")]));
+    wait_for_backends(&node, &net, web, &[], &["pod-3"]);
+    // A Service's endpoints are the union of its slices.
+    api.apply(slice("web", "web-2", &[("10.244.21.1", "node-a")]));
+    wait_for_backends(&node, &net, web, &[], &["pod-1", "pod-3"]);
+    assert!(api.delete("EndpointSlice", "default", "web-2"));
+    wait_for_backends(&node, &net, web, &[], &["pod-3"]);
+
+    // A Service update: the old port goes away, the new one appears.
+    api.apply(service("web", "10.96.21.10", 81, json!({}), json!({})));
+    wait_for_backends(&node, &net, "10.96.21.10:81", &[], &["pod-3"]);
+    unreachable(&node, &net, web);
+
+    // A second Service; then the first is deleted and nothing of it is left.
+    api.apply(service("api", "10.96.21.11", 80, json!({}), json!({})));
+    api.apply(slice("api", "api-1", &[("10.244.21.2", "node-a")]));
+    wait_for_backends(&node, &net, "10.96.21.11:80", &[], &["pod-2"]);
+    assert!(api.delete("Service", "default", "web"));
+    unreachable(&node, &net, "10.96.21.10:81");
+    wait_for_backends(&node, &net, "10.96.21.11:80", &[], &["pod-2"]);
+
+    // Services of another proxy and headless Services are not ours, and a
+    // Service that becomes another proxy's is removed.
+    api.apply(service("other", "10.96.21.12", 80, json!({}), json!({"service.kubernetes.io/service-proxy-name": "someone-else"})));
+    api.apply(slice("other", "other-1", &[("10.244.21.1", "node-a")]));
+    api.apply(service("dns", "None", 53, json!({"clusterIPs": ["None"]}), json!({})));
+    api.apply(service("api", "10.96.21.11", 80, json!({}), json!({"service.kubernetes.io/service-proxy-name": "someone-else"})));
+    unreachable(&node, &net, "10.96.21.11:80");
+    let r = node.probe(&net, &["--to", "10.96.21.12:80", "--timeout-ms", "1000"]);
+    assert_eq!(r[0]["errno"], 101, "another proxy's Service must not be translated: {}", r[0]);
+
+    // The watches were set up as intended, and bookmarks were understood:
+    // not one list or watch failed.
+    assert!(ApiServer::bookmarks_sent() > 0);
+    let log = node.agent_log();
+    assert!(!log.contains("list/watch failed") && !log.contains("relist"), "{log}");
+    let reqs = api.requests();
+    let lists = reqs.iter().filter(|r| r.starts_with("GET") && !r.contains("watch=true")).count();
+    let watches = reqs.iter().filter(|r| r.contains("watch=true")).count();
+    assert_eq!(lists, 3, "one list per kind, then only resumed watches: {reqs:#?}");
+    assert!(watches > 3, "watches were resumed: {reqs:#?}");
+    let services_watch = reqs.iter().find(|r| r.contains("/api/v1/services?") && r.contains("watch=true")).expect("a Service watch");
+    assert!(
+        services_watch.contains("labelSelector=%21service.kubernetes.io%2Fservice-proxy-name%2C%21service.kubernetes.io%2Fheadless"),
+        "{services_watch}"
+    );
+    assert!(
+        reqs.iter().any(|r| r.contains("/api/v1/nodes?") && r.contains("watch=true") && r.contains("as=PartialObjectMetadata;")),
+        "Nodes are watched metadata-only: {reqs:#?}"
+    );
+    assert!(
+        reqs.iter().any(|r| r.contains("/api/v1/nodes?") && !r.contains("watch=true") && r.contains("as=PartialObjectMetadataList")),
+        "Nodes are listed metadata-only: {reqs:#?}"
+    );
+}
+
+#[test]
+fn a_node_label_change_reranks_topology_services() {
+    let mut net = PodNetwork::new();
+    net.backend("pod-b", "10.244.22.2", &[8080]);
+    net.backend("pod-c", "10.244.22.3", &[8080]);
+    let cluster = Cluster::new(1);
+    let api = cluster.api();
+    api.apply_all(vec![
+        node_obj("node-a", "z1"),
+        node_obj("node-b", "z1"),
+        node_obj("node-c", "z2"),
+        service("zonal", "10.96.22.10", 80, json!({"topologyKeys": [ZONE]}), json!({})),
+        slice("zonal", "zonal-1", &[("10.244.22.2", "node-b"), ("10.244.22.3", "node-c")]),
+        service("plain", "10.96.22.11", 80, json!({}), json!({})),
+        slice("plain", "plain-1", &[("10.244.22.2", "node-b"), ("10.244.22.3", "node-c")]),
+    ]);
+    let mut node = Node::new("node-a");
+    node.start_kube_agent(&cluster.kubeconfig(), &[]);
+    wait_for_backends(&node, &net, "10.96.22.10:80", &[], &["pod-b"]);
+    wait_for_backends(&node, &net, "10.96.22.11:80", &[], &["pod-b", "pod-c"]);
+
+    // node-a moves to z2: only Node metadata changed, and the zonal Service
+    // follows it.
+    api.apply(node_obj("node-a", "z2"));
+    wait_for_backends(&node, &net, "10.96.22.10:80", &[], &["pod-c"]);
+    // node-b joins z2 as well: both endpoints are in our zone now.
+    api.apply(node_obj("node-b", "z2"));
+    wait_for_backends(&node, &net, "10.96.22.10:80", &[], &["pod-b", "pod-c"]);
+    wait_for_backends(&node, &net, "10.96.22.11:80", &[], &["pod-b", "pod-c"]);
+}
+
+/// The API server goes away while clients connect and comes back with a
+/// new history (a fresh etcd: resourceVersions restart far below the
+/// agent's, so resuming the watches fails with "too large resource
+/// version"); then it goes away again and the agent is restarted without
+/// it. Traffic to Services whose backends stayed up never fails, and the
+/// agent converges to each new server's state.
+#[test]
+fn api_server_outage_and_new_history_keep_traffic_flowing() {
+    let mut net = PodNetwork::new();
+    pod_ips(&mut net, "10.244.23", 3);
+    let mut cluster = Cluster::new(50_000);
+    let addr = cluster.api().addr();
+    cluster.api().apply_all(vec![
+        node_obj("node-a", "z1"),
+        service("stable", "10.96.23.10", 80, json!({}), json!({})),
+        slice("stable", "stable-1", &[("10.244.23.1", "node-a"), ("10.244.23.2", "node-a")]),
+        service("moving", "10.96.23.11", 80, json!({}), json!({})),
+        slice("moving", "moving-1", &[("10.244.23.3", "node-a")]),
+    ]);
+    let mut node = Node::new("node-a");
+    node.start_kube_agent(&cluster.kubeconfig(), &[]);
+    wait_for_backends(&node, &net, "10.96.23.10:80", &[], &["pod-1", "pod-2"]);
+    wait_for_backends(&node, &net, "10.96.23.11:80", &[], &["pod-3"]);
+    eventually("three open watches", || if cluster.api().open_watches() >= 3 { Ok(()) } else { Err(cluster.api().open_watches()) });
+    let client = Client::start(&node, &net, "10.96.23.10:80");
+
+    // Outage 1.
+    let objects = cluster.api().objects();
+    if let Some(api) = cluster.api.take() {
+        api.stop();
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    assert!(node.agent_running(), "the agent must survive an API server outage: {}", node.agent_log());
+    let (code, body) = http_get(node.metrics_address(), "/readyz").expect("readyz");
+    assert_eq!(code, 200, "an agent that synced once stays ready through an outage: {body}");
+    let (code, _) = http_get(node.metrics_address(), "/healthz").expect("healthz");
+    assert_eq!(code, 200);
+    wait_for_backends(&node, &net, "10.96.23.11:80", &[], &["pod-3"]);
+
+    // Back with a new history, versions from 10, and "moving" changed
+    // meanwhile.
+    let moved = |objects: Vec<Value>, to: &str| -> Vec<Value> {
+        objects
+            .into_iter()
+            .map(|o| if o["metadata"]["name"] == "moving-1" { slice("moving", "moving-1", &[(to, "node-a")]) } else { o })
+            .collect()
+    };
+    cluster.api = Some(ApiServer::start_on(addr, 10, moved(objects, "10.244.23.1")));
+    wait_for_backends(&node, &net, "10.96.23.11:80", &[], &["pod-1"]);
+    let text = metrics_text(&node);
+    assert!(
+        metric(&text, "topoproxy_errors_total{reason=\"watch_expired\"}").is_some_and(|v| v >= 1.0),
+        "the new history's lower versions must be detected (504 too large resource version): {text}"
+    );
+    // And it is followed from then on.
+    cluster.api().apply(slice("stable", "stable-1", &[("10.244.23.1", "node-a"), ("10.244.23.2", "node-a"), ("10.244.23.3", "node-a")]));
+    wait_for_backends(&node, &net, "10.96.23.10:80", &[], &["pod-1", "pod-2", "pod-3"]);
+
+    // Outage 2, and a new agent that never reaches the API server keeps
+    // the pinned state.
+    let objects = cluster.api().objects();
+    if let Some(api) = cluster.api.take() {
+        api.stop();
+    }
+    node.stop_agent();
+    node.start_kube_agent(&cluster.kubeconfig(), &[]);
+    std::thread::sleep(Duration::from_secs(2));
+    let (code, body) = http_get(node.metrics_address(), "/readyz").expect("readyz");
+    assert_eq!(code, 503, "not ready before the first list: {body}");
+    assert!(body.contains("waiting for"), "{body}");
+    wait_for_backends(&node, &net, "10.96.23.11:80", &[], &["pod-1"]);
+    cluster.api = Some(ApiServer::start_on(addr, 1_000_000, moved(objects, "10.244.23.2")));
+    wait_for_backends(&node, &net, "10.96.23.11:80", &[], &["pod-2"]);
+    eventually("readiness after the API server returned", || match http_get(node.metrics_address(), "/readyz") {
+        Ok((200, _)) => Ok(()),
+        other => Err(other),
+    });
+    wait_for_backends(&node, &net, "10.96.23.10:80", &[], &["pod-1", "pod-2", "pod-3"]);
+    assert_no_failures("stable Service during the outages", client.finish());
+}
+
+#[test]
+fn agent_restarts_do_not_interrupt_traffic() {
+    let mut net = PodNetwork::new();
+    pod_ips(&mut net, "10.244.24", 2);
+    let cluster = Cluster::new(1);
+    let api = cluster.api();
+    api.apply_all(vec![
+        node_obj("node-a", "z1"),
+        service("web", "10.96.24.10", 80, json!({}), json!({})),
+        slice("web", "web-1", &[("10.244.24.1", "node-a"), ("10.244.24.2", "node-a")]),
+    ]);
+    let mut node = Node::new("node-a");
+    node.start_kube_agent(&cluster.kubeconfig(), &[]);
+    wait_for_backends(&node, &net, "10.96.24.10:80", &[], &["pod-1", "pod-2"]);
+    let client = Client::start(&node, &net, "10.96.24.10:80");
+    std::thread::sleep(Duration::from_millis(300));
+    for round in 0..3 {
+        if round == 1 {
+            node.kill_agent();
+        } else {
+            node.stop_agent();
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        node.start_kube_agent(&cluster.kubeconfig(), &[]);
+        std::thread::sleep(Duration::from_millis(1500));
+    }
+    api.apply(slice("web", "web-1", &[("10.244.24.2", "node-a")]));
+    wait_for_backends(&node, &net, "10.96.24.10:80", &[], &["pod-2"]);
+    assert_no_failures("restarts", client.finish());
+    assert!(node.agent_log().contains("adopted_frontends=1"), "{}", node.agent_log());
+}
+
+/// Every open watch is told its version expired (410 Gone, as after an etcd
+/// compaction): the agent relists, keeps the maps meanwhile and converges,
+/// including a change made while it was relisting.
+#[test]
+fn an_expired_watch_relists_without_flushing() {
+    let mut net = PodNetwork::new();
+    pod_ips(&mut net, "10.244.25", 3);
+    let cluster = Cluster::new(1);
+    let api = cluster.api();
+    api.apply_all(vec![
+        node_obj("node-a", "z1"),
+        service("a", "10.96.25.10", 80, json!({}), json!({})),
+        slice("a", "a-1", &[("10.244.25.1", "node-a"), ("10.244.25.2", "node-a")]),
+        service("b", "10.96.25.11", 80, json!({}), json!({})),
+        slice("b", "b-1", &[("10.244.25.3", "node-a")]),
+    ]);
+    let mut node = Node::new("node-a");
+    node.start_kube_agent(&cluster.kubeconfig(), &[]);
+    wait_for_backends(&node, &net, "10.96.25.10:80", &[], &["pod-1", "pod-2"]);
+    wait_for_backends(&node, &net, "10.96.25.11:80", &[], &["pod-3"]);
+    eventually("three open watches", || if api.open_watches() >= 3 { Ok(()) } else { Err(api.open_watches()) });
+    let lists_before = api.requests().iter().filter(|r| !r.contains("watch=true") && r.starts_with("GET")).count();
+    let client = Client::start(&node, &net, "10.96.25.10:80");
+    std::thread::sleep(Duration::from_millis(300));
+
+    api.expire_watches();
+    api.apply(slice("b", "b-1", &[("10.244.25.1", "node-a")]));
+    wait_for_backends(&node, &net, "10.96.25.11:80", &[], &["pod-1"]);
+    wait_metric(&node, "topoproxy_errors_total{reason=\"watch_expired\"}", |v| v >= 3.0);
+    eventually("a relist of every kind", || {
+        let lists = api.requests().iter().filter(|r| !r.contains("watch=true") && r.starts_with("GET")).count();
+        if lists >= lists_before + 3 { Ok(()) } else { Err(lists) }
+    });
+    // Converged on a change made after the relist too.
+    api.apply(slice("a", "a-1", &[("10.244.25.2", "node-a")]));
+    wait_for_backends(&node, &net, "10.96.25.10:80", &[], &["pod-2"]);
+    assert_no_failures("relist", client.finish());
+}
+
+/// /healthz, /readyz and /metrics; Events for bad Services, posted once.
+#[test]
+fn health_metrics_and_events() {
+    let mut net = PodNetwork::new();
+    pod_ips(&mut net, "10.244.26", 2);
+    let mut cluster = Cluster::new(1);
+    let addr = cluster.api().addr();
+    // The API server is down when the agent starts.
+    if let Some(api) = cluster.api.take() {
+        api.stop();
+    }
+    let mut node = Node::new("node-a");
+    // Frequent periodic syncs, to show they do not repeat Events.
+    node.start_kube_agent(&cluster.kubeconfig(), &["--sync-period-secs", "1"]);
+    let maddr = node.metrics_address();
+    eventually("/readyz to say what it waits for", || match http_get(maddr, "/readyz") {
+        Ok((503, body)) if body.contains("waiting for Services, EndpointSlices and Nodes to be listed") => Ok(()),
+        other => Err(other),
+    });
+    let (code, body) = http_get(maddr, "/healthz").expect("healthz");
+    assert_eq!(code, 200, "an unreachable API server does not make the agent unhealthy: {body}");
+    let (code, _) = http_get(maddr, "/nope").expect("404");
+    assert_eq!(code, 404);
+
+    let trigger = "2020-01-01T00:00:00Z";
+    let mut with_trigger = slice("web", "web-1", &[("not-an-ip", "node-a"), ("10.244.26.1", "node-a"), ("10.244.26.2", "node-a")]);
+    with_trigger["metadata"]["annotations"] = json!({"endpoints.kubernetes.io/last-change-trigger-time": trigger});
+    cluster.api = Some(ApiServer::start_on(
+        addr,
+        1,
+        vec![
+            node_obj("node-a", "z1"),
+            service("web", "10.96.26.10", 80, json!({}), json!({})),
+            with_trigger,
+            // "*" must be last (ValidateService in 1.17-1.21).
+            service("keys", "10.96.26.11", 80, json!({"topologyKeys": ["*", ZONE]}), json!({})),
+            slice("keys", "keys-1", &[("10.244.26.1", "node-a")]),
+            service("badip", "10.96.26.300", 80, json!({}), json!({})),
+        ],
+    ));
+    let api = cluster.api();
+    wait_for_backends(&node, &net, "10.96.26.10:80", &[], &["pod-1", "pod-2"]);
+    // Invalid topology keys are ignored (reported), the Service still works.
+    wait_for_backends(&node, &net, "10.96.26.11:80", &[], &["pod-1"]);
+    let (code, body) = http_get(maddr, "/readyz").expect("readyz");
+    assert_eq!((code, body.trim()), (200, "ok"));
+
+    let want = [("web", "InvalidEndpointSlice"), ("keys", "InvalidTopologyKeys"), ("badip", "InvalidService")];
+    let summary = |evs: &[Value]| -> Vec<(String, String)> {
+        let mut v: Vec<(String, String)> = evs
+            .iter()
+            .map(|e| (e["regarding"]["name"].as_str().unwrap_or("").to_string(), e["reason"].as_str().unwrap_or("").to_string()))
+            .collect();
+        v.sort();
+        v
+    };
+    let mut expected: Vec<(String, String)> = want.iter().map(|(a, b)| (a.to_string(), b.to_string())).collect();
+    expected.sort();
+    eventually("an Event for each bad Service", || {
+        let got = summary(&api.events());
+        if got == expected { Ok(()) } else { Err(got) }
+    });
+    for e in api.events() {
+        assert_eq!(e["reportingController"], "topoproxy", "{e}");
+        assert_eq!(e["reportingInstance"], "topoproxy-node-a", "{e}");
+        assert_eq!(e["type"], "Warning", "{e}");
+        assert_eq!(e["regarding"]["kind"], "Service", "{e}");
+        assert!(e["regarding"]["uid"].as_str().is_some_and(|u| !u.is_empty()), "{e}");
+        assert_eq!(e["metadata"]["namespace"], "default", "{e}");
+    }
+    let badip = api.events().into_iter().find(|e| e["regarding"]["name"] == "badip").expect("badip event");
+    assert!(badip["note"].as_str().is_some_and(|n| n.contains("10.96.26.300") && n.contains("is not an IP address")), "{badip}");
+    let keys = api.events().into_iter().find(|e| e["regarding"]["name"] == "keys").expect("keys event");
+    assert!(keys["note"].as_str().is_some_and(|n| n.contains("topologyKeys")), "{keys}");
+
+    // More syncs (an EndpointSlice change that keeps the bad endpoint, a
+    // periodic resync) do not repeat the Events.
+    let mut changed = slice("web", "web-1", &[("not-an-ip", "node-a"), ("10.244.26.1", "node-a")]);
+    changed["metadata"]["annotations"] = json!({"endpoints.kubernetes.io/last-change-trigger-time": trigger});
+    api.apply(changed);
+    wait_for_backends(&node, &net, "10.96.26.10:80", &[], &["pod-1"]);
+    let syncs = metric(&metrics_text(&node), "topoproxy_syncs_total").unwrap_or(0.0);
+    wait_metric(&node, "topoproxy_syncs_total", |v| v >= syncs + 2.0);
+    assert_eq!(summary(&api.events()), expected, "Events are posted once per problem");
+
+    let text = metrics_text(&node);
+    let m = |s: &str| metric(&text, s).unwrap_or_else(|| panic!("{s} missing from\n{text}"));
+    assert!(m("topoproxy_sync_duration_seconds_count") >= 2.0);
+    assert_eq!(m("topoproxy_services_programmed"), 2.0);
+    assert_eq!(m("topoproxy_frontends_programmed"), 2.0);
+    assert_eq!(m("topoproxy_endpoints_programmed"), 2.0);
+    assert_eq!(m("topoproxy_map_entries{map=\"SERVICES\"}"), 2.0);
+    assert_eq!(m("topoproxy_map_entries{map=\"BACKENDS\"}"), 1.0);
+    assert!(m("topoproxy_map_capacity{map=\"SLOTS\"}") > 0.0);
+    assert_eq!(m("topoproxy_objects{kind=\"Service\"}"), 3.0);
+    assert!(m("topoproxy_errors_total{reason=\"invalid_service\"}") >= 1.0);
+    assert!(m("topoproxy_errors_total{reason=\"invalid_endpoint_slice\"}") >= 1.0);
+    assert!(m("topoproxy_errors_total{reason=\"invalid_topology\"}") >= 1.0);
+    assert!(m("topoproxy_errors_total{reason=\"watch\"}") >= 1.0, "the initial outage is counted");
+    assert_eq!(m("topoproxy_kubernetes_events_posted_total"), 3.0);
+    // The slice change carried a trigger time years ago: programming latency
+    // is measured from it, like kube-proxy does.
+    assert_eq!(m("topoproxy_network_programming_duration_seconds_count{kind=\"EndpointSlice\"}"), 1.0);
+    assert!(m("topoproxy_network_programming_duration_seconds_sum{kind=\"EndpointSlice\"}") > 86_400.0 * 365.0);
+    let log = node.agent_log();
+    assert!(log.contains("default/badip") && log.contains("is not an IP address"), "{log}");
+    assert_eq!(log.matches("object skipped: spec.clusterIPs: \"10.96.26.300\"").count(), 1, "a bad object is logged once: {log}");
+}
+
+/// A map that is too small: what does not fit is logged and counted, the
+/// rest works, and the Service is programmed once there is room.
+#[test]
+fn a_full_map_is_reported_and_retried() {
+    let mut net = PodNetwork::new();
+    pod_ips(&mut net, "10.244.27", 1);
+    let cluster = Cluster::new(1);
+    let api = cluster.api();
+    api.apply(node_obj("node-a", "z1"));
+    for (i, name) in ["s1", "s2", "s3"].iter().enumerate() {
+        api.apply(service(name, &format!("10.96.27.{}", 10 + i), 80, json!({}), json!({})));
+        api.apply(slice(name, &format!("{name}-1"), &[("10.244.27.1", "node-a")]));
+    }
+    let mut node = Node::new("node-a");
+    node.start_kube_agent(&cluster.kubeconfig(), &["--max-services", "2"]);
+    wait_metric(&node, "topoproxy_errors_total{reason=\"map_full\"}", |v| v >= 1.0);
+    wait_metric(&node, "topoproxy_frontends_programmed", |v| v == 2.0);
+    let log = node.agent_log();
+    assert!(log.contains("map SERVICES is full") && log.contains("--max-services"), "{log}");
+    // Frontends are written in address order: s3 (10.96.27.12) did not fit.
+    wait_for_backends(&node, &net, "10.96.27.10:80", &[], &["pod-1"]);
+    let r = node.probe(&net, &["--to", "10.96.27.12:80", "--timeout-ms", "1000"]);
+    assert_eq!(r[0]["errno"], 101, "{}", r[0]);
+    // Room again: the next sync programs it.
+    assert!(api.delete("Service", "default", "s1"));
+    wait_for_backends(&node, &net, "10.96.27.12:80", &[], &["pod-1"]);
+    unreachable(&node, &net, "10.96.27.10:80");
+}
+
+/// The same health and metrics server in manifests mode, when asked for.
+#[test]
+fn manifests_mode_serves_health_and_metrics_when_asked() {
+    let mut net = PodNetwork::new();
+    pod_ips(&mut net, "10.244.28", 1);
+    let mut node = Node::new("node-a");
+    node.write_manifest(
+        "web.yaml",
+        &ServiceSpec {
+            name: "web",
+            cluster_ips: &["10.96.28.10"],
+            ports: &[("", 80, "TCP", 8080)],
+            endpoints: &[("10.244.28.1", true, "node-a")],
+            extra_spec: "",
+            annotations: "",
+        }
+        .yaml(),
+    );
+    node.start_agent_with(&["--metrics-address", "127.0.0.1:0"]);
+    wait_for_backends(&node, &net, "10.96.28.10:80", &[], &["pod-1"]);
+    let (code, body) = http_get(node.metrics_address(), "/readyz").expect("readyz");
+    assert_eq!((code, body.trim()), (200, "ok"));
+    wait_metric(&node, "topoproxy_frontends_programmed", |v| v == 1.0);
+    wait_metric(&node, "topoproxy_map_entries{map=\"BACKENDS\"}", |v| v == 1.0);
+}
