@@ -6,15 +6,24 @@
 //! (aya) -> kernel. `loader` installs the programs; `sync` runs one pass.
 
 pub mod decision;
+pub mod events;
+pub mod health_server;
+pub mod healthcheck_server;
+pub mod kube_source;
+pub mod kube_sync;
 pub mod loader;
 pub mod manifest;
+pub mod map_dump;
 pub mod map_writer;
+pub mod metrics;
 pub mod model;
+pub mod nodeport;
 pub mod mounts;
 pub mod objects;
 pub mod plan;
 pub mod sandbox;
 pub mod sync;
+pub mod tc_loader;
 pub mod topology;
 
 /// Default pin directory under the BPF filesystem.

@@ -26,7 +26,7 @@ use proxy_common as pc;
 use crate::mounts;
 
 /// The eBPF object, built by build.rs from the `proxy-ebpf` crate.
-static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
+pub(crate) static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
 /// Socket programs, by function name in the object.
 pub const PROGRAMS: [&str; 8] = [
@@ -51,6 +51,8 @@ pub struct Capacities {
     pub slots: u32,
     pub backends: u32,
     pub sock_revnat: u32,
+    /// `NP_CT`, the TC datapath's connection tracking (LRU).
+    pub np_conntrack: u32,
 }
 
 impl Default for Capacities {
@@ -60,6 +62,7 @@ impl Default for Capacities {
             slots: pc::DEFAULT_MAX_SLOTS,
             backends: pc::DEFAULT_MAX_BACKENDS,
             sock_revnat: pc::DEFAULT_MAX_SOCK_REVNAT,
+            np_conntrack: pc::DEFAULT_MAX_NP_CT,
         }
     }
 }
@@ -146,11 +149,24 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
     }
+    // The TC programs' maps live in the same object; pin them too so that the
+    // TC loader (tc_loader.rs) and this one share a single copy.
+    let np_pins = crate::tc_loader::np_map_pins(pin_dir);
+    for (name, path) in &np_pins {
+        loader.map_pin_path(name, path.as_path());
+    }
     loader
         .map_max_entries(pc::SERVICES_MAP, caps.services)
         .map_max_entries(pc::SLOTS_MAP, caps.slots)
         .map_max_entries(pc::BACKENDS_MAP, caps.backends)
-        .map_max_entries(pc::SOCK_REVNAT_MAP, caps.sock_revnat);
+        .map_max_entries(pc::SOCK_REVNAT_MAP, caps.sock_revnat)
+        // The TC datapath's copies follow the same limits (hash maps are
+        // preallocated, so unused capacity costs memory).
+        .map_max_entries(pc::NP_SERVICES_MAP, caps.services)
+        .map_max_entries(pc::NP_FLAGS_MAP, caps.services)
+        .map_max_entries(pc::NP_SLOTS_MAP, caps.slots)
+        .map_max_entries(pc::NP_BACKENDS_MAP, caps.backends)
+        .map_max_entries(pc::NP_CT_MAP, caps.np_conntrack);
     let mut ebpf: Ebpf = loader.load(EBPF_OBJECT)?;
 
     let cg = fs::File::open(cgroup).map_err(|source| LoadError::Cgroup { path: cgroup.into(), source })?;
@@ -263,6 +279,7 @@ pub fn reset(pin_dir: &Path) -> Result<(), LoadError> {
     for m in &MAPS {
         remove(&pin_dir.join(m.name))?;
     }
+    crate::tc_loader::reset(pin_dir).map_err(|(path, source)| LoadError::Remove { path, source })?;
     remove_dir(pin_dir)
 }
 

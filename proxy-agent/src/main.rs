@@ -25,6 +25,8 @@ enum Command {
     Explain(cmd::explain::ExplainArgs),
     /// Connect to an address the way an application would and report what it saw.
     Probe(cmd::probe::ProbeArgs),
+    /// Print what the pinned maps hold (frontends, slots, backends, counters) and check their consistency.
+    Dump(cmd::dump::DumpArgs),
     /// Answer every TCP connection and UDP datagram with a name (a test backend).
     #[command(hide = true)]
     ServeHostname(cmd::serve_hostname::ServeArgs),
@@ -41,6 +43,7 @@ fn main() -> std::process::ExitCode {
         Command::Reset(a) => cmd::reset::reset(a),
         Command::Explain(a) => cmd::explain::explain(a),
         Command::Probe(a) => cmd::probe::probe(a),
+        Command::Dump(a) => cmd::dump::dump(a),
         Command::ServeHostname(a) => cmd::serve_hostname::serve(a),
     };
     match result {

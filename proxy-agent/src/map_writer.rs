@@ -53,6 +53,9 @@ struct Programmed {
 }
 
 pub struct MapWriter {
+    /// Names of the (services, slots, backends) maps this writer owns: the
+    /// socket datapath's, or the TC datapath's `NP_*` maps.
+    names: [&'static str; 3],
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     slots: HashMap<MapData, SlotKey, SlotValue>,
     backends: HashMap<MapData, BackendKey, BackendValue>,
@@ -148,10 +151,17 @@ impl MapWriter {
     /// backends that no current service references (left by an agent that
     /// died mid-update) are removed.
     pub fn open(pin_dir: &Path) -> Result<MapWriter, WriteError> {
-        let (services, max_services) = open_hash(pin_dir, pc::SERVICES_MAP)?;
-        let (slots, max_slots) = open_hash(pin_dir, pc::SLOTS_MAP)?;
-        let (backends, max_backends) = open_hash(pin_dir, pc::BACKENDS_MAP)?;
+        Self::open_maps(pin_dir, [pc::SERVICES_MAP, pc::SLOTS_MAP, pc::BACKENDS_MAP])
+    }
+
+    /// Like [`MapWriter::open`] for another set of maps with the same
+    /// layouts, named (services, slots, backends).
+    pub fn open_maps(pin_dir: &Path, names: [&'static str; 3]) -> Result<MapWriter, WriteError> {
+        let (services, max_services) = open_hash(pin_dir, names[0])?;
+        let (slots, max_slots) = open_hash(pin_dir, names[1])?;
+        let (backends, max_backends) = open_hash(pin_dir, names[2])?;
         let mut w = MapWriter {
+            names,
             services,
             slots,
             backends,
@@ -260,15 +270,15 @@ impl MapWriter {
         // new ones must fit beside them.
         if old.is_none() && self.programmed.len() as u32 >= self.max_services {
             let used = self.programmed.len() as u32;
-            return Err(full(pc::SERVICES_MAP, used, self.max_services, 1));
+            return Err(full(self.names[0], used, self.max_services, 1));
         }
         if self.slots_used.saturating_add(n) > self.max_slots {
-            return Err(full(pc::SLOTS_MAP, self.slots_used, self.max_slots, n));
+            return Err(full(self.names[1], self.slots_used, self.max_slots, n));
         }
         let new_backends: Vec<Backend> = backends.iter().filter(|b| !self.backend_ids.contains_key(b)).copied().collect();
         let used_backends = self.backend_ids.len() as u32;
         if used_backends.saturating_add(new_backends.len() as u32) > self.max_backends {
-            return Err(full(pc::BACKENDS_MAP, used_backends, self.max_backends, new_backends.len() as u32));
+            return Err(full(self.names[2], used_backends, self.max_backends, new_backends.len() as u32));
         }
 
         // (1) new backends
@@ -284,7 +294,7 @@ impl MapWriter {
             };
             if let Err(source) = self.backends.insert(BackendKey { backend_id: id }, backend_value(b), 0) {
                 self.undo_backends(&created);
-                return Err(WriteError::Syscall { map: pc::BACKENDS_MAP, source });
+                return Err(WriteError::Syscall { map: self.names[2], source });
             }
             self.backend_id_set.insert(id);
             created.push((*b, id));
@@ -319,7 +329,7 @@ impl MapWriter {
             if let Err(source) = self.slots.insert(sk, SlotValue { backend_id: *backend_id }, 0) {
                 self.undo_slots(service_id, generation, written);
                 self.undo_backends(&created);
-                return Err(WriteError::Syscall { map: pc::SLOTS_MAP, source });
+                return Err(WriteError::Syscall { map: self.names[1], source });
             }
             written += 1;
         }
@@ -329,7 +339,7 @@ impl MapWriter {
         if let Err(source) = self.services.insert(key, value, 0) {
             self.undo_slots(service_id, generation, written);
             self.undo_backends(&created);
-            return Err(WriteError::Syscall { map: pc::SERVICES_MAP, source });
+            return Err(WriteError::Syscall { map: self.names[0], source });
         }
 
         // Book-keeping: take references on the new set before dropping the

@@ -100,6 +100,59 @@ impl Netns {
     }
 }
 
+impl Netns {
+    /// A veth pair between this namespace (`name`) and `peer` (`peer_name`),
+    /// both ends created directly inside their namespaces (never in the
+    /// host's) and brought up. Deleting either namespace deletes the pair.
+    pub fn veth(&self, name: &str, peer: &Netns, peer_name: &str) -> io::Result<()> {
+        run(Command::new("ip").args([
+            "link", "add", name, "netns", &self.name, "type", "veth", "peer", "name", peer_name, "netns", &peer.name,
+        ]))?;
+        self.ip(&["link", "set", name, "up"])?;
+        peer.ip(&["link", "set", peer_name, "up"])
+    }
+
+    /// Sets a sysctl inside the namespace (e.g. `net.ipv4.ip_forward=1`).
+    /// /proc/sys/net is per network namespace, so a thread that entered the
+    /// namespace writes the namespace's own copy.
+    pub fn sysctl(&self, key: &str, value: &str) -> io::Result<()> {
+        let path = format!("/proc/sys/{}", key.replace('.', "/"));
+        let value = value.to_string();
+        in_netns(self, move || fs::write(&path, value))?
+    }
+}
+
+/// Runs `f` on a fresh thread that has joined `netns` (setns(2) changes
+/// only the calling thread's namespace), so sockets `f` creates belong to
+/// that namespace. Tests use it for in-process clients and servers.
+pub fn in_netns<T: Send + 'static>(netns: &Netns, f: impl FnOnce() -> T + Send + 'static) -> io::Result<T> {
+    let file = fs::File::open(netns.path())?;
+    std::thread::spawn(move || -> io::Result<T> {
+        // SAFETY: setns on an open namespace file; affects this thread only.
+        if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(f())
+    })
+    .join()
+    .map_err(|_| io::Error::other("thread in netns panicked"))?
+}
+
+/// Like [`in_netns`] but returns the thread's handle instead of waiting.
+pub fn spawn_in_netns<T: Send + 'static>(
+    netns: &Netns,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> io::Result<std::thread::JoinHandle<io::Result<T>>> {
+    let file = fs::File::open(netns.path())?;
+    Ok(std::thread::spawn(move || -> io::Result<T> {
+        // SAFETY: as in `in_netns`.
+        if unsafe { libc::setns(file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(f())
+    }))
+}
+
 impl Drop for Netns {
     fn drop(&mut self) {
         let _ = run(Command::new("ip").args(["netns", "del", &self.name]));

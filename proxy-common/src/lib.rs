@@ -258,3 +258,224 @@ mod tests {
         assert_eq!(offset_of!(BackendValue, port_be), 16);
     }
 }
+
+// ---------------------------------------------------------------------------
+// External traffic at TC (issue #5): NodePort, LoadBalancer ingress IPs and
+// externalIPs, translated per packet on the node's devices.
+//
+// The TC programs keep their own service/slot/backend maps (same layouts as
+// the socket ones) because the same frontend can need a different backend
+// set depending on where the client is: traffic from outside a node follows
+// `externalTrafficPolicy` (Local: only this node's endpoints), while traffic
+// from the node itself to the same address uses the cluster-wide set, as
+// kube-proxy does for node-originated traffic.
+// ---------------------------------------------------------------------------
+
+pub const NP_SERVICES_MAP: &str = "NP_SERVICES";
+pub const NP_SLOTS_MAP: &str = "NP_SLOTS";
+pub const NP_BACKENDS_MAP: &str = "NP_BACKENDS";
+/// Per-frontend policy flags ([`NpFlagsValue`]), keyed by [`ServiceKey`].
+pub const NP_FLAGS_MAP: &str = "NP_FLAGS";
+/// Addresses of endpoints that live on this node ([`AddrKey`] -> u32).
+pub const NP_LOCAL_MAP: &str = "NP_LOCAL";
+/// Connection tracking ([`CtKey`] -> [`CtValue`]), LRU.
+pub const NP_CT_MAP: &str = "NP_CT";
+/// One-element array holding [`NpConfig`].
+pub const NP_CONFIG_MAP: &str = "NP_CONFIG";
+pub const NP_COUNTERS_MAP: &str = "NP_COUNTERS";
+
+pub const DEFAULT_MAX_NP_CT: u32 = 262_144;
+pub const DEFAULT_MAX_NP_LOCAL: u32 = 65_536;
+
+/// `NpFlagsValue.flags`: the frontend follows `externalTrafficPolicy:
+/// Local`. With no local endpoint its packets are dropped (kube-proxy drops
+/// them too) instead of rejected.
+pub const NP_FLAG_POLICY_LOCAL: u32 = 1;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NpFlagsValue {
+    pub flags: u32,
+}
+
+/// An address on its own (same layout rules as [`ServiceKey`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AddrKey {
+    pub ip_be: [u32; 4],
+    pub family: u8,
+    pub _pad: [u8; 3],
+}
+
+// `CtKey.dir`: which hook and which leg of a flow an entry is for. A flow
+// to a remote backend is translated in two steps per direction, because
+// IPv4 drops packets that arrive with one of the node's own addresses as
+// source unless `accept_local` is set (`fib_validate_source`): so the source
+// is rewritten to the node address only at egress, after routing, and a
+// reply's destination is rewritten at ingress (so the stack forwards it to
+// the client) while its source becomes the frontend again at egress.
+
+/// Ingress, client -> frontend: DNAT to the backend.
+pub const CT_DIR_FORWARD: u8 = 0;
+/// Egress, backend -> client: the source becomes the frontend again.
+pub const CT_DIR_REPLY: u8 = 1;
+/// Egress, client -> remote backend (after DNAT): SNAT to the node address
+/// and a port of the SNAT range.
+pub const CT_DIR_SNAT: u8 = 2;
+/// Ingress, remote backend -> SNAT address and port: the destination
+/// becomes the client again.
+pub const CT_DIR_REPLY_SNAT: u8 = 3;
+
+/// A packet's 5-tuple as it is seen on the wire at the TC hook.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct CtKey {
+    pub saddr_be: [u32; 4],
+    pub daddr_be: [u32; 4],
+    pub sport_be: u16,
+    pub dport_be: u16,
+    pub proto: u8,
+    pub family: u8,
+    /// `CT_DIR_FORWARD` or `CT_DIR_REPLY`.
+    pub dir: u8,
+    pub _pad: u8,
+}
+
+/// `CtValue.flags`: the forward translation also rewrote the source (the
+/// backend is on another node).
+pub const CT_FLAG_SNAT: u32 = 1;
+/// `CtValue.flags`: a TCP FIN or RST was seen from the backend.
+pub const CT_FLAG_CLOSING: u32 = 2;
+
+/// How long a SNAT port stays reserved without replies, by state (seconds).
+/// The values follow Cilium's conntrack defaults: established TCP 6 h,
+/// closing TCP 10 s, everything else 60 s.
+pub const CT_TIMEOUT_TCP_S: u32 = 21_600;
+pub const CT_TIMEOUT_TCP_CLOSING_S: u32 = 10;
+pub const CT_TIMEOUT_OTHER_S: u32 = 60;
+
+/// What a tracked packet becomes: every matching packet gets exactly this
+/// source and destination. Forward entries also carry the backend id so a
+/// flow can check its backend still exists.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CtValue {
+    pub saddr_be: [u32; 4],
+    pub daddr_be: [u32; 4],
+    pub sport_be: u16,
+    pub dport_be: u16,
+    pub flags: u32,
+    /// `NP_BACKENDS` id the flow was sent to (forward entries only).
+    pub backend_id: u32,
+    /// Seconds of `bpf_ktime_get_ns` when the entry was written or (for
+    /// `CT_DIR_REPLY_SNAT` entries, which hold the SNAT port) last saw a
+    /// reply. A SNAT port whose entry is older than its timeout may be
+    /// taken over by a new flow.
+    pub seen_s: u32,
+}
+
+/// Node-wide settings written by the agent.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NpConfig {
+    /// Source address for flows sent to another node's backend, so that the
+    /// reply comes back through this node. Zero: such flows are passed
+    /// untranslated (and counted).
+    pub snat_v4_be: u32,
+    pub _pad0: u32,
+    pub snat_v6_be: [u32; 4],
+    /// SNAT source ports are taken from `snat_port_min..=snat_port_max`
+    /// (host order); the default range lies above Linux's ephemeral range
+    /// (net.ipv4.ip_local_port_range 32768-60999) so that it never collides
+    /// with the node's own connections.
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+    pub _pad1: u32,
+}
+
+pub const DEFAULT_SNAT_PORT_MIN: u16 = 61_000;
+pub const DEFAULT_SNAT_PORT_MAX: u16 = 65_535;
+
+/// Indexes into the per-CPU `NP_COUNTERS` array.
+pub mod np_counter {
+    /// A new external flow was translated to a backend.
+    pub const NEW_FLOW: u32 = 0;
+    /// A packet of a tracked flow was translated (either direction).
+    pub const TRACKED: u32 = 1;
+    /// A tracked flow's backend was gone; the flow picked a new one.
+    pub const STALE_BACKEND: u32 = 2;
+    /// A frontend without a usable backend: the packet was rejected.
+    pub const REJECTED_NO_BACKEND: u32 = 3;
+    /// externalTrafficPolicy Local without a local endpoint: dropped.
+    pub const DROPPED_NO_LOCAL: u32 = 4;
+    /// Not parseable as ours (truncated, IP options on IPv6 extension
+    /// headers, unknown protocol): passed untouched.
+    pub const PASS_UNPARSED: u32 = 5;
+    /// An IPv4 fragment: passed untouched (no L4 header to translate).
+    pub const PASS_FRAGMENT: u32 = 6;
+    /// No free SNAT port, or no SNAT address configured: passed untouched.
+    pub const SNAT_FAILED: u32 = 7;
+    /// A conntrack entry could not be stored.
+    pub const CT_UPDATE_FAILED: u32 = 8;
+    /// A slot or backend lookup missed twice.
+    pub const SLOT_MISS: u32 = 9;
+    /// A packet rewrite helper failed (the packet is dropped: it may be half
+    /// rewritten).
+    pub const REWRITE_FAILED: u32 = 10;
+    /// An ICMP error about a tracked flow was translated back.
+    pub const ICMP_TRANSLATED: u32 = 11;
+    pub const COUNT: u32 = 16;
+
+    pub const NAMES: [&str; COUNT as usize] = [
+        "new_flow",
+        "tracked",
+        "stale_backend",
+        "rejected_no_backend",
+        "dropped_no_local",
+        "pass_unparsed",
+        "pass_fragment",
+        "snat_failed",
+        "ct_update_failed",
+        "slot_miss",
+        "rewrite_failed",
+        "icmp_translated",
+        "reserved12",
+        "reserved13",
+        "reserved14",
+        "reserved15",
+    ];
+}
+
+/// Hash of a flow's 5-tuple (fmix32 finaliser, as [`socket_hash`]). Every
+/// packet of a flow hashes alike, so a flow whose conntrack entry was lost
+/// lands on the same slot again while the backend set is unchanged.
+#[inline(always)]
+pub fn flow_hash(saddr: &[u32; 4], sport_be: u16, proto: u8) -> u32 {
+    let mut h = saddr[0] ^ saddr[1].rotate_left(7) ^ saddr[2].rotate_left(13) ^ saddr[3].rotate_left(19);
+    h ^= (u32::from(sport_be) << 16) | u32::from(proto);
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^= h >> 16;
+    h
+}
+
+const _: () = {
+    assert!(core::mem::size_of::<NpFlagsValue>() == 4);
+    assert!(core::mem::size_of::<AddrKey>() == 20);
+    assert!(core::mem::size_of::<CtKey>() == 40);
+    assert!(core::mem::size_of::<CtValue>() == 48);
+    assert!(core::mem::size_of::<NpConfig>() == 32);
+};
+
+#[cfg(feature = "user")]
+mod np_pod {
+    use super::*;
+    // SAFETY: repr(C), integers and explicit padding only.
+    unsafe impl aya::Pod for NpFlagsValue {}
+    unsafe impl aya::Pod for AddrKey {}
+    unsafe impl aya::Pod for CtKey {}
+    unsafe impl aya::Pod for CtValue {}
+    unsafe impl aya::Pod for NpConfig {}
+}

@@ -14,7 +14,11 @@
 #![no_std]
 #![no_main]
 
+mod icmp;
 mod maps;
+mod nodeport;
+mod nodeport_maps;
+mod packet;
 mod sockaddr;
 
 use aya_ebpf::{

@@ -31,9 +31,55 @@ pub struct DatapathArgs {
     /// Capacity of the SOCK_REVNAT LRU map (sockets remembered for getpeername/recvmsg).
     #[arg(long, default_value_t = pc::DEFAULT_MAX_SOCK_REVNAT)]
     pub max_sock_revnat: u32,
+    /// Capacity of the NP_CT LRU map (connection tracking of external
+    /// traffic at TC; four entries per flow to a remote backend, two to a
+    /// local one).
+    #[arg(long, default_value_t = pc::DEFAULT_MAX_NP_CT)]
+    pub max_np_conntrack: u32,
+    /// Node interfaces that get the TC programs for traffic from outside
+    /// (NodePort, LoadBalancer IPs, externalIPs), e.g. `eth0,eth1`; `auto`
+    /// means the interfaces that hold the node's addresses. Without this
+    /// flag no TC program is attached (NodePorts then work only from the
+    /// node itself, through the socket programs).
+    #[arg(long, value_delimiter = ',')]
+    pub devices: Option<Vec<String>>,
+    /// Node address to SNAT to for backends on other nodes (one per family),
+    /// also served as a NodePort address. Default: the first address of the
+    /// first device.
+    #[arg(long, value_delimiter = ',')]
+    pub node_ip: Vec<std::net::IpAddr>,
+    /// Source ports for SNAT, `MIN-MAX`; keep it outside
+    /// net.ipv4.ip_local_port_range so it never collides with the node's own
+    /// connections.
+    #[arg(long, default_value = "61000-65535")]
+    pub snat_port_range: String,
+    /// How the TC programs attach: `auto` (tcx on Linux >= 6.6, clsact
+    /// before), `tcx` or `netlink` (clsact + cls_bpf).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "tcx", "netlink"])]
+    pub tc_mode: String,
 }
 
 impl DatapathArgs {
+    /// The external-traffic settings (`--devices`, `--node-ip`,
+    /// `--snat-port-range`).
+    pub fn external(&self) -> anyhow::Result<proxy_agent::nodeport::ExternalConfig> {
+        let (lo, hi) = self
+            .snat_port_range
+            .split_once('-')
+            .and_then(|(a, b)| Some((a.trim().parse::<u16>().ok()?, b.trim().parse::<u16>().ok()?)))
+            .filter(|(a, b)| a <= b && *a > 0)
+            .with_context(|| format!("--snat-port-range {:?}: expected MIN-MAX", self.snat_port_range))?;
+        let devices = self.devices.as_ref().map(|d| {
+            if d.iter().any(|x| x == "auto") { Vec::new() } else { d.iter().filter(|x| !x.is_empty()).cloned().collect() }
+        });
+        let tc_mode = match self.tc_mode.as_str() {
+            "tcx" => proxy_agent::tc_loader::TcMode::Tcx,
+            "netlink" => proxy_agent::tc_loader::TcMode::Netlink,
+            _ => proxy_agent::tc_loader::TcMode::Auto,
+        };
+        Ok(proxy_agent::nodeport::ExternalConfig { devices, node_ips: self.node_ip.clone(), snat_ports: (lo, hi), tc_mode })
+    }
+
     pub fn cgroup(&self) -> anyhow::Result<PathBuf> {
         match &self.cgroup {
             Some(p) => Ok(p.clone()),
@@ -47,6 +93,7 @@ impl DatapathArgs {
             ("--max-slots", self.max_slots),
             ("--max-backends", self.max_backends),
             ("--max-sock-revnat", self.max_sock_revnat),
+            ("--max-np-conntrack", self.max_np_conntrack),
         ] {
             anyhow::ensure!(v > 0, "{flag} must be at least 1");
         }
@@ -55,6 +102,7 @@ impl DatapathArgs {
             slots: self.max_slots,
             backends: self.max_backends,
             sock_revnat: self.max_sock_revnat,
+            np_conntrack: self.max_np_conntrack,
         })
     }
 }

@@ -53,6 +53,12 @@ pub fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
             for d in &decisions {
                 writeln!(out, "\n{} port {}", d.service, port_label(d))?;
                 writeln!(out, "  frontends: {}", join(d.frontends.iter().map(|f| sockaddr(f.ip, f.port))))?;
+                if d.port.node_port.is_some() || !d.external_ips.is_empty() {
+                    let mut ext: Vec<String> = d.port.node_port.map(|p| format!("nodePort {p}")).into_iter().collect();
+                    ext.extend(d.external_frontends(&[]).iter().map(|f| sockaddr(f.ip, f.port)));
+                    let policy = if d.external_local { "Local" } else { "Cluster" };
+                    writeln!(out, "  external:  {} (externalTrafficPolicy {policy})", ext.join(", "))?;
+                }
                 writeln!(out, "  model:     {}", d.model)?;
                 writeln!(out, "  decision:  {}", d.decision)?;
                 writeln!(out, "  cluster:   {}", join(d.cluster.iter().map(ToString::to_string)))?;
@@ -90,6 +96,13 @@ fn to_json(d: &PortDecision) -> serde_json::Value {
         "name": d.service.name,
         "port": {"name": d.port.name, "port": d.port.port, "protocol": d.port.protocol.as_str()},
         "frontends": d.frontends.iter().map(|f| sockaddr(f.ip, f.port)).collect::<Vec<_>>(),
+        // External traffic (issue #5). NodePorts are served on every node
+        // address, which explain does not know: they are listed by port.
+        "nodePort": d.port.node_port,
+        "externalFrontends": d.external_frontends(&[]).iter().map(|f| sockaddr(f.ip, f.port)).collect::<Vec<_>>(),
+        "externalTrafficPolicy": if d.external_local { "Local" } else { "Cluster" },
+        "externalEndpoints": d.external_backends().iter().map(ToString::to_string).collect::<Vec<_>>(),
+        "healthCheckNodePort": if d.external_local { d.health_check_node_port } else { None },
         "model": d.model,
         "decision": d.decision,
         "clusterEndpoints": d.cluster.iter().map(ToString::to_string).collect::<Vec<_>>(),

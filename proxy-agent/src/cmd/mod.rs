@@ -1,8 +1,10 @@
 //! One module per subcommand.
 
 pub mod datapath_args;
+pub mod dump;
 pub mod explain;
 pub mod probe;
 pub mod reset;
 pub mod run;
+pub mod run_kube;
 pub mod serve_hostname;

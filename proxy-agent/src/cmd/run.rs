@@ -3,15 +3,19 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
 use proxy_agent::map_writer::MapWriter;
+use proxy_agent::health_server::{DEFAULT_STALE_AFTER, Health};
+use proxy_agent::metrics::{Metrics, reason};
 use proxy_agent::{loader, manifest, objects, sync};
 use tokio::signal::unix::{SignalKind, signal};
 
 use super::datapath_args::DatapathArgs;
+use super::run_kube::{self, KubeArgs};
 
 #[derive(Args)]
 pub struct RunArgs {
@@ -21,16 +25,23 @@ pub struct RunArgs {
     /// Manifest files or directories (YAML or JSON, multi-document, List
     /// objects) holding Services, EndpointSlices and Nodes. Watched for
     /// changes; write them atomically (write elsewhere, then rename).
-    #[arg(long, num_args = 1.., required = true)]
+    /// Without --manifests the agent watches the Kubernetes API server
+    /// (in-cluster configuration, or --kubeconfig).
+    #[arg(long, num_args = 1..)]
     manifests: Vec<PathBuf>,
     /// How often manifests are checked for changes.
     #[arg(long, default_value_t = 200)]
     poll_interval_ms: u64,
     #[command(flatten)]
     datapath: DatapathArgs,
+    #[command(flatten)]
+    kube: KubeArgs,
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    if args.manifests.is_empty() {
+        return run_kube::run(args.node, args.kube, args.datapath);
+    }
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().context("starting the runtime")?;
     rt.block_on(run_async(args))
 }
@@ -52,6 +63,22 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
         adopted_frontends = writer.state().len(),
         "datapath installed"
     );
+    // External traffic (issue #5): TC programs on --devices, NodePorts on
+    // the node's addresses, health check node ports.
+    let (mut external, external_warnings) =
+        proxy_agent::nodeport::ExternalDatapath::install(&pin_dir, &args.datapath.external()?)
+            .context("installing the external-traffic datapath")?;
+    for w in external_warnings {
+        tracing::warn!("{w}");
+    }
+    tracing::info!(devices = ?external.devices, node_addresses = ?external.node_addrs, "external traffic datapath ready");
+
+    // Health and metrics only when --metrics-address is given: several
+    // standalone agents often share a host (tests, demos).
+    let metrics = Arc::new(Metrics::new());
+    let health = Arc::new(Health::new(DEFAULT_STALE_AFTER));
+    let addr = run_kube::metrics_address(args.kube.metrics_address.as_deref(), None)?;
+    run_kube::start_health_server(addr, health.clone(), metrics.clone()).await?;
 
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
@@ -61,7 +88,8 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
         let fp = manifest::fingerprint(&args.manifests);
         if last != Some(fp) {
             last = Some(fp);
-            sync_once(&mut writer, &args.manifests, &args.node);
+            sync_once(&mut writer, &mut external, &args.manifests, &args.node, &metrics);
+            health.synced();
         }
         tokio::select! {
             _ = tokio::time::sleep(interval) => {}
@@ -75,16 +103,32 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn sync_once(writer: &mut MapWriter, paths: &[PathBuf], node: &str) {
+fn sync_once(
+    writer: &mut MapWriter,
+    external: &mut proxy_agent::nodeport::ExternalDatapath,
+    paths: &[PathBuf],
+    node: &str,
+    metrics: &Metrics,
+) {
+    let started = Instant::now();
     let (docs, read_errors) = manifest::load(paths);
+    metrics.errors_by(reason::MANIFEST, read_errors.len());
     for e in &read_errors {
         tracing::warn!(location = %e.location, "manifest skipped: {}", e.reason);
     }
     let (cluster, object_errors) = objects::build_cluster(&docs);
     for e in &object_errors {
         tracing::warn!(kind = %e.kind, object = %e.object, "object skipped: {}", e.reason);
+        metrics.error(match e.kind.as_str() {
+            "Service" => reason::INVALID_SERVICE,
+            "EndpointSlice" => reason::INVALID_ENDPOINT_SLICE,
+            "Node" => reason::INVALID_NODE,
+            _ => reason::MANIFEST,
+        });
     }
-    let outcome = sync::sync(writer, &cluster, node);
+    let outcome = sync::sync_with_external(writer, external, &cluster, node);
+    metrics.record_sync(&outcome, writer, started.elapsed());
+    metrics.errors_by(reason::INVALID_TOPOLOGY, outcome.decisions.iter().map(|d| d.problems.len()).sum());
     for p in &outcome.problems {
         tracing::warn!("{p}");
     }
@@ -96,6 +140,7 @@ fn sync_once(writer: &mut MapWriter, paths: &[PathBuf], node: &str) {
         slices = cluster.slices.len(),
         nodes = cluster.nodes.len(),
         frontends = writer.state().len(),
+        external_frontends = external.tc_frontends(),
         upserts = outcome.upserts,
         deletes = outcome.deletes,
         failed = outcome.failures.len(),

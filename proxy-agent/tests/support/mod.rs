@@ -3,6 +3,8 @@
 //! whose pod addresses live on loopback.
 #![allow(dead_code)] // each test binary uses a different subset
 
+pub mod apiserver;
+
 use std::collections::BTreeSet;
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -265,4 +267,66 @@ impl ServiceSpec<'_> {
 
 pub fn path_exists(p: &Path) -> bool {
     p.exists()
+}
+
+/// Kubernetes mode: the agent watches an API server through `kubeconfig`
+/// and serves /healthz, /readyz and /metrics on a free loopback port.
+impl Node {
+    pub fn start_kube_agent(&mut self, kubeconfig: &Path, extra: &[&str]) {
+        let log = fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("open log");
+        let mut cmd = std::process::Command::new(agent_bin());
+        cmd.arg("run")
+            .arg("--node")
+            .arg(&self.name)
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .arg("--cgroup")
+            .arg(self.cgroup.path())
+            .arg("--bpffs")
+            .arg(self.pins.path())
+            .args(["--metrics-address", "127.0.0.1:0"])
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("dup log"))
+            .stderr(log);
+        self.agent = Some(Guarded::spawn(&mut cmd).expect("start agent"));
+    }
+
+    /// Whether the agent process is still running.
+    pub fn agent_running(&mut self) -> bool {
+        self.agent.as_mut().is_some_and(|a| matches!(a.0.try_wait(), Ok(None)))
+    }
+
+    /// The health/metrics address the current agent logged (the last one
+    /// in the log, so a restarted agent's).
+    pub fn metrics_address(&self) -> std::net::SocketAddr {
+        eventually("the agent to log its metrics address", || {
+            let log = self.agent_log();
+            log.rmatch_indices("metrics_address=")
+                .next()
+                .and_then(|(i, _)| log[i + "metrics_address=".len()..].split_whitespace().next()?.parse().ok())
+                .ok_or(())
+        })
+    }
+}
+
+/// A plain HTTP/1.0 GET on loopback: (status code, body).
+pub fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<(u16, String), String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(|e| e.to_string())?;
+    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").map_err(|e| e.to_string())?;
+    let mut buf = String::new();
+    s.read_to_string(&mut buf).map_err(|e| e.to_string())?;
+    let code = buf.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or(format!("bad response {buf:?}"))?;
+    let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    Ok((code, body))
+}
+
+/// The value of one sample line of a Prometheus exposition, e.g.
+/// `topoproxy_errors_total{reason="watch_expired"}`.
+pub fn metric(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
+        .and_then(|l| l[series.len()..].split_whitespace().next()?.parse().ok())
 }

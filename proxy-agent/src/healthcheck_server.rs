@@ -1,0 +1,155 @@
+//! Health check node ports for Services with `externalTrafficPolicy: Local`,
+//! answered as kube-proxy does (pkg/proxy/healthcheck/service_health.go):
+//! `GET` on `spec.healthCheckNodePort` returns 200 with a JSON body naming
+//! the Service and its number of local endpoints when this node has at least
+//! one, and 503 with the same body otherwise. External load balancers use it
+//! to send traffic only to nodes that can serve it (the TC datapath drops
+//! Local-policy traffic on nodes without a local endpoint).
+
+use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use crate::decision::HealthCheck;
+use crate::model::ObjectRef;
+
+type Table = Arc<Mutex<BTreeMap<u16, (ObjectRef, usize)>>>;
+
+/// The set of health check servers, one listener per port.
+#[derive(Default)]
+pub struct HealthServers {
+    table: Table,
+    tasks: BTreeMap<u16, JoinHandle<()>>,
+}
+
+impl HealthServers {
+    pub fn new() -> HealthServers {
+        HealthServers::default()
+    }
+
+    /// Starts listeners for new ports, stops those no longer wanted and
+    /// updates the counts the others report. Must run inside a tokio runtime.
+    /// Returns the ports that could not be bound, with the reason.
+    pub fn update(&mut self, checks: &[HealthCheck]) -> Vec<(u16, String)> {
+        let mut failed = Vec::new();
+        {
+            let mut t = self.table.lock().unwrap_or_else(|e| e.into_inner());
+            t.clear();
+            for c in checks {
+                t.insert(c.port, (c.service.clone(), c.local_endpoints));
+            }
+        }
+        let wanted: Vec<u16> = checks.iter().map(|c| c.port).collect();
+        self.tasks.retain(|port, task| {
+            let keep = wanted.contains(port);
+            if !keep {
+                task.abort();
+            }
+            keep
+        });
+        for port in wanted {
+            if self.tasks.contains_key(&port) {
+                continue;
+            }
+            match bind(port) {
+                Ok(listener) => {
+                    let table = self.table.clone();
+                    self.tasks.insert(port, tokio::spawn(accept_loop(listener, port, table)));
+                }
+                Err(e) => failed.push((port, e.to_string())),
+            }
+        }
+        failed
+    }
+
+    pub fn ports(&self) -> Vec<u16> {
+        self.tasks.keys().copied().collect()
+    }
+}
+
+impl Drop for HealthServers {
+    fn drop(&mut self) {
+        for t in self.tasks.values() {
+            t.abort();
+        }
+    }
+}
+
+/// `[::]:port` accepts IPv4 too unless net.ipv6.bindv6only is set; fall
+/// back to IPv4 only when IPv6 is unavailable.
+fn bind(port: u16) -> std::io::Result<TcpListener> {
+    let v6 = std::net::TcpListener::bind(SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)))
+        .or_else(|_| std::net::TcpListener::bind(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port))))?;
+    v6.set_nonblocking(true)?;
+    TcpListener::from_std(v6)
+}
+
+async fn accept_loop(listener: TcpListener, port: u16, table: Table) {
+    loop {
+        let Ok((mut conn, _)) = listener.accept().await else { continue };
+        let table = table.clone();
+        tokio::spawn(async move {
+            // Read the request head (we answer every path and method alike,
+            // as kube-proxy does); give up on slow or oversized requests.
+            let mut buf = vec![0u8; 4096];
+            let mut n = 0;
+            let read = async {
+                while n < buf.len() {
+                    match conn.read(&mut buf[n..]).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(m) => n += m,
+                    }
+                    if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                        break;
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(std::time::Duration::from_secs(5), read).await;
+            let entry = table.lock().unwrap_or_else(|e| e.into_inner()).get(&port).cloned();
+            let _ = conn.write_all(response(entry.as_ref()).as_bytes()).await;
+            let _ = conn.shutdown().await;
+        });
+    }
+}
+
+/// The full HTTP response for one request.
+pub fn response(entry: Option<&(ObjectRef, usize)>) -> String {
+    let (svc, count) = match entry {
+        Some((s, c)) => (s.clone(), *c),
+        None => (ObjectRef::new("", ""), 0),
+    };
+    let body = serde_json::json!({
+        "service": {"namespace": svc.namespace, "name": svc.name},
+        "localEndpoints": count,
+        "serviceProxyHealthy": true,
+    })
+    .to_string();
+    let status = if count > 0 { "200 OK" } else { "503 Service Unavailable" };
+    format!(
+        "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nX-Content-Type-Options: nosniff\r\nX-Load-Balancing-Endpoint-Weight: {count}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn answers_like_kube_proxy() {
+        let r = response(Some(&(ObjectRef::new("default", "web"), 2)));
+        assert!(r.starts_with("HTTP/1.1 200 OK\r\n"), "{r}");
+        assert!(
+            r.ends_with(
+                r#"{"localEndpoints":2,"service":{"name":"web","namespace":"default"},"serviceProxyHealthy":true}"#
+            ),
+            "{r}"
+        );
+        let r = response(Some(&(ObjectRef::new("default", "web"), 0)));
+        assert!(r.starts_with("HTTP/1.1 503 Service Unavailable\r\n"), "{r}");
+    }
+}

@@ -1,0 +1,302 @@
+//! Installing the TC programs for external traffic (NodePort, LoadBalancer,
+//! externalIPs) on the node's devices.
+//!
+//! On Linux >= 6.6 the programs are attached with tcx links
+//! (`BPF_LINK_CREATE` with `BPF_TCX_INGRESS`/`BPF_TCX_EGRESS`), pinned under
+//! `<bpffs>/links/tc-<device>-<ingress|egress>`. A pinned link outlives the
+//! agent, and a restarted agent swaps its new program into the existing link
+//! with `BPF_LINK_UPDATE` (`SchedClassifier::attach_to_link`): the kernel
+//! replaces the program atomically (`tcx_link_update` ->
+//! `bpf_mprog_attach` with `BPF_F_REPLACE`), so no packet passes
+//! untranslated during a restart and conntrack (pinned `NP_CT`) keeps every
+//! established flow on its backend.
+//!
+//! On older kernels a clsact qdisc is added and the programs are attached as
+//! direct-action cls_bpf filters over netlink. Such filters belong to the
+//! qdisc, not to a file descriptor, so they also stay after the agent exits;
+//! a restart adds the new filter and then deletes the old one.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use aya::programs::links::{FdLink, PinnedLink};
+use aya::programs::tc::{self, SchedClassifierLink, TcAttachOptions};
+use aya::programs::{LinkOrder, SchedClassifier, TcAttachType};
+use aya::util::KernelVersion;
+use aya::{Ebpf, EbpfLoader};
+use proxy_common as pc;
+
+use crate::loader::{EBPF_OBJECT, LINKS_DIR};
+
+/// The TC programs' maps, all pinned under the pin directory.
+pub const NP_MAPS: [&str; 8] = [
+    pc::NP_SERVICES_MAP,
+    pc::NP_SLOTS_MAP,
+    pc::NP_BACKENDS_MAP,
+    pc::NP_FLAGS_MAP,
+    pc::NP_LOCAL_MAP,
+    pc::NP_CT_MAP,
+    pc::NP_CONFIG_MAP,
+    pc::NP_COUNTERS_MAP,
+];
+
+/// Every map of the object, for loads that must reuse the pinned ones.
+const SOCKET_MAPS: [&str; 5] =
+    [pc::SERVICES_MAP, pc::SLOTS_MAP, pc::BACKENDS_MAP, pc::SOCK_REVNAT_MAP, pc::COUNTERS_MAP];
+
+pub const INGRESS_PROGRAM: &str = "np_ingress";
+pub const EGRESS_PROGRAM: &str = "np_egress";
+
+/// Prefix of the TC link pins in the links directory.
+const LINK_PREFIX: &str = "tc-";
+
+/// Directory (under the pin directory) that records the devices holding a
+/// legacy cls_bpf filter of ours, one empty directory `<device>-<hook>` each
+/// (bpffs holds no regular files), so that a later run or `reset` can find
+/// and remove them.
+const LEGACY_DIR: &str = "tc-legacy";
+/// Our cls_bpf filters' priority and handle on the clsact hooks: fixed, so
+/// that a restarted agent replaces its own filter instead of adding one.
+const LEGACY_PRIORITY: u16 = 0x4e50;
+const LEGACY_HANDLE: u32 = 0x4e50;
+
+/// How the TC programs are attached.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TcMode {
+    /// tcx on Linux >= 6.6, clsact + netlink before.
+    #[default]
+    Auto,
+    Tcx,
+    /// clsact + cls_bpf over netlink, also where tcx exists.
+    Netlink,
+}
+
+pub fn np_map_pins(pin_dir: &Path) -> Vec<(&'static str, PathBuf)> {
+    NP_MAPS.iter().map(|n| (*n, pin_dir.join(n))).collect()
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TcError {
+    #[error("loading the eBPF object failed: {0}")]
+    Object(#[from] aya::EbpfError),
+    #[error("program {program} is missing from the eBPF object")]
+    MissingProgram { program: &'static str },
+    #[error("program {program}: {source}")]
+    Program { program: &'static str, source: aya::programs::ProgramError },
+    #[error("device {device}: {what}: {reason}")]
+    Attach { device: String, what: &'static str, reason: String },
+    #[error("{path}: {source}")]
+    Io { path: PathBuf, source: io::Error },
+}
+
+/// Attaches (or upgrades in place) the ingress and egress programs on every
+/// device in `devices`, and detaches them from pinned devices that are no
+/// longer listed. The socket datapath (`loader::install`) must have created
+/// and pinned the maps first.
+pub fn install(pin_dir: &Path, devices: &[String], mode: TcMode) -> Result<Vec<String>, TcError> {
+    let mut warnings = Vec::new();
+    let mut loader = EbpfLoader::new();
+    let pins: Vec<(&str, PathBuf)> = SOCKET_MAPS.iter().chain(NP_MAPS.iter()).map(|n| (*n, pin_dir.join(n))).collect();
+    for (name, path) in &pins {
+        loader.map_pin_path(name, path.as_path());
+    }
+    let mut ebpf: Ebpf = loader.load(EBPF_OBJECT)?;
+    let links = pin_dir.join(LINKS_DIR);
+    fs::create_dir_all(&links).map_err(|source| TcError::Io { path: links.clone(), source })?;
+    // tcx (NET_XGRESS) arrived in Linux 6.6.
+    let tcx = match mode {
+        TcMode::Auto => KernelVersion::current().map(|v| v >= KernelVersion::new(6, 6, 0)).unwrap_or(false),
+        TcMode::Tcx => true,
+        TcMode::Netlink => false,
+    };
+    let legacy = pin_dir.join(LEGACY_DIR);
+
+    for (program, attach_type, dir) in
+        [(INGRESS_PROGRAM, TcAttachType::Ingress, "ingress"), (EGRESS_PROGRAM, TcAttachType::Egress, "egress")]
+    {
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(program)
+            .ok_or(TcError::MissingProgram { program })?
+            .try_into()
+            .map_err(|source| TcError::Program { program, source })?;
+        prog.load().map_err(|source| TcError::Program { program, source })?;
+        for device in devices {
+            let pin = links.join(format!("{LINK_PREFIX}{device}-{dir}"));
+            let err = |what: &'static str, reason: String| TcError::Attach { device: device.clone(), what, reason };
+            if tcx {
+                attach_tcx(prog, device, attach_type, &pin).map_err(|(what, reason)| err(what, reason))?;
+            } else {
+                // Legacy path: the filter lives in the qdisc and stays after
+                // we exit. A restart replaces the program of our filter in
+                // place (cls_bpf_change on an existing handle swaps the
+                // program under RCU), so no packet goes untranslated.
+                if let Err(e) = tc::qdisc_add_clsact(device)
+                    && !matches!(&e, tc::TcError::IoError(io) if io.kind() == io::ErrorKind::AlreadyExists)
+                {
+                    warnings.push(format!("device {device}: adding clsact: {e}"));
+                }
+                let replaced =
+                    tc::SchedClassifierLink::attached(device, attach_type, LEGACY_PRIORITY, LEGACY_HANDLE.into(), None)
+                        .ok()
+                        .and_then(|old| prog.attach_to_link(old).ok());
+                let id = match replaced {
+                    Some(id) => id,
+                    None => {
+                        let opts = tc::NlOptions {
+                            priority: LEGACY_PRIORITY,
+                            handle: LEGACY_HANDLE.into(),
+                            ..Default::default()
+                        };
+                        prog.attach_with_options(device, attach_type, TcAttachOptions::Netlink(opts))
+                            .map_err(|e| err("netlink attach", error_chain(&e)))?
+                    }
+                };
+                let link = prog.take_link(id).map_err(|e| err("take link", error_chain(&e)))?;
+                // Dropping the link would detach the filter.
+                std::mem::forget(link);
+                let mark = legacy.join(format!("{device}-{dir}"));
+                fs::create_dir_all(&mark).map_err(|source| TcError::Io { path: mark.clone(), source })?;
+            }
+        }
+    }
+
+    // Devices that were attached by an earlier run but are not listed now.
+    if let Ok(rd) = fs::read_dir(&links) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let Some(rest) = name.strip_prefix(LINK_PREFIX) else { continue };
+            let listed = devices.iter().any(|d| rest == format!("{d}-ingress") || rest == format!("{d}-egress"));
+            if !listed {
+                if let Ok(link) = PinnedLink::from_pin(e.path()) {
+                    let _ = link.unpin();
+                } else {
+                    let _ = fs::remove_file(e.path());
+                }
+                warnings.push(format!("detached the TC program from {rest} (no longer in --devices)"));
+            }
+        }
+    }
+    if let Ok(rd) = fs::read_dir(&legacy) {
+        for e in rd.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let listed =
+                !tcx && devices.iter().any(|d| name == format!("{d}-ingress") || name == format!("{d}-egress"));
+            if !listed {
+                detach_legacy(&name);
+                let _ = fs::remove_dir(e.path());
+                warnings.push(format!("detached the clsact filter from {name}"));
+            }
+        }
+    }
+    Ok(warnings)
+}
+
+/// Removes our cls_bpf filter named by a `tc-legacy` entry (best effort: the
+/// device may be gone or in another network namespace).
+fn detach_legacy(entry: &str) {
+    use aya::programs::links::Link;
+    let Some((device, hook)) = entry.rsplit_once('-') else { return };
+    let t = if hook == "ingress" { TcAttachType::Ingress } else { TcAttachType::Egress };
+    if let Ok(link) = tc::SchedClassifierLink::attached(device, t, LEGACY_PRIORITY, LEGACY_HANDLE.into(), None) {
+        let _ = link.detach();
+    }
+}
+
+/// Removes what this module keeps under the pin directory: legacy filter
+/// records (detaching the filters where the devices are visible) and the
+/// `NP_*` map pins. Called by `loader::reset`; tcx link pins live in the
+/// links directory, which `loader::reset` clears itself.
+pub fn reset(pin_dir: &Path) -> Result<(), (PathBuf, io::Error)> {
+    let legacy = pin_dir.join(LEGACY_DIR);
+    if let Ok(rd) = fs::read_dir(&legacy) {
+        for e in rd.flatten() {
+            detach_legacy(&e.file_name().to_string_lossy());
+            fs::remove_dir(e.path()).map_err(|err| (e.path(), err))?;
+        }
+        fs::remove_dir(&legacy).map_err(|e| (legacy.clone(), e))?;
+    }
+    for (_, path) in np_map_pins(pin_dir) {
+        match fs::remove_file(&path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err((path, e)),
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn attach_tcx(
+    prog: &mut SchedClassifier,
+    device: &str,
+    attach_type: TcAttachType,
+    pin: &Path,
+) -> Result<(), (&'static str, String)> {
+    // Upgrade in place when a link is pinned and still attached.
+    if let Ok(old) = PinnedLink::from_pin(pin) {
+        let fd: FdLink = old.into();
+        match SchedClassifierLink::try_from(fd) {
+            Ok(link) => match prog.attach_to_link(link) {
+                Ok(id) => {
+                    let link = prog.take_link(id).map_err(|e| ("take link", error_chain(&e)))?;
+                    // The pin still refers to this link; keep it pinned by
+                    // forgetting our handle (dropping would only close the fd,
+                    // but be explicit that the pin owns it).
+                    let fd: FdLink = link.try_into().map_err(|e| ("link fd", error_chain(&e)))?;
+                    drop(fd);
+                    return Ok(());
+                }
+                Err(e) => {
+                    // The device may have been recreated: the old link is
+                    // defunct. Fall through to a fresh attach.
+                    tracing::warn!(device, error = %error_chain(&e), "cannot update the pinned TC link; attaching anew");
+                }
+            },
+            Err(e) => {
+                tracing::warn!(device, error = %error_chain(&e), "pinned TC link is not a tcx link; attaching anew")
+            }
+        }
+        let _ = fs::remove_file(pin);
+    }
+    let id = prog
+        .attach_with_options(device, attach_type, TcAttachOptions::TcxOrder(LinkOrder::default()))
+        .map_err(|e| ("tcx attach", error_chain(&e)))?;
+    let link = prog.take_link(id).map_err(|e| ("take link", error_chain(&e)))?;
+    let fd: FdLink = link.try_into().map_err(|e| ("link fd", error_chain(&e)))?;
+    fd.pin(pin).map_err(|e| ("pin link", error_chain(&e)))?;
+    Ok(())
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// Loads the TC programs into the kernel without attaching them, with every
+/// map pinned under `pin_dir` (created there when missing). For running the
+/// programs alone with `BPF_PROG_TEST_RUN`; the returned object keeps them
+/// loaded.
+pub fn load_unattached(pin_dir: &Path) -> Result<Ebpf, TcError> {
+    crate::mounts::ensure_pin_dir(pin_dir)
+        .map_err(|e| TcError::Io { path: pin_dir.into(), source: io::Error::other(e) })?;
+    let mut loader = EbpfLoader::new();
+    let pins: Vec<(&str, PathBuf)> = SOCKET_MAPS.iter().chain(NP_MAPS.iter()).map(|n| (*n, pin_dir.join(n))).collect();
+    for (name, path) in &pins {
+        loader.map_pin_path(name, path.as_path());
+    }
+    let mut ebpf = loader.load(EBPF_OBJECT)?;
+    for program in [INGRESS_PROGRAM, EGRESS_PROGRAM] {
+        let prog: &mut SchedClassifier = ebpf
+            .program_mut(program)
+            .ok_or(TcError::MissingProgram { program })?
+            .try_into()
+            .map_err(|source| TcError::Program { program, source })?;
+        prog.load().map_err(|source| TcError::Program { program, source })?;
+    }
+    Ok(ebpf)
+}

@@ -1,0 +1,499 @@
+//! Per-packet load balancing of traffic that enters the node from outside:
+//! NodePort on the node's addresses, LoadBalancer ingress IPs and
+//! externalIPs. Attached at TC ingress and egress of the node's devices
+//! (tcx links on Linux >= 6.6, clsact otherwise).
+//!
+//! A new flow to a frontend in `NP_SERVICES` picks a backend from
+//! `NP_SLOTS`/`NP_BACKENDS` and is DNAT'ed to it at ingress. Conntrack
+//! entries in `NP_CT` (see `CT_DIR_*` in proxy-common) carry the flow on:
+//!
+//! * local backend (in `NP_LOCAL`): ingress DNAT keeps the client's source;
+//!   the backend's reply is routed by this node and its source becomes the
+//!   frontend again at egress of the device towards the client.
+//! * remote backend: ingress DNAT, then at egress (after routing) SNAT to
+//!   this node's address and a port of the SNAT range, so the reply comes
+//!   back here. The reply's destination becomes the client at ingress (the
+//!   stack then forwards it) and its source the frontend at egress. Source
+//!   rewrites happen only at egress because IPv4 drops packets that arrive
+//!   with a local source address (`fib_validate_source`, `accept_local`).
+//!
+//! tcx runs the programs of one hook in order, and an ingress program's
+//! rewrite happens before `ip_rcv`, so the stack routes the translated
+//! packet as if it had arrived that way. Anything that is not ours (and
+//! every packet we translated) returns `TC_ACT_UNSPEC`: for tcx that is
+//! `TCX_NEXT`, so programs attached after ours (another CNI's) still run,
+//! and at the end of the chain the packet passes
+//! (`include/uapi/linux/bpf.h`, `tcx_action_code`); for a clsact
+//! direct-action filter it means "default action", which is pass.
+
+use aya_ebpf::{
+    bindings::{BPF_NOEXIST, TC_ACT_SHOT, TC_ACT_UNSPEC},
+    helpers::bpf_ktime_get_ns,
+    macros::classifier,
+    programs::TcContext,
+};
+use proxy_common::{
+    AddrKey, BackendKey, CT_DIR_FORWARD, CT_DIR_REPLY, CT_DIR_REPLY_SNAT, CT_DIR_SNAT,
+    CT_FLAG_CLOSING, CT_FLAG_SNAT, CT_TIMEOUT_OTHER_S, CT_TIMEOUT_TCP_CLOSING_S, CT_TIMEOUT_TCP_S,
+    CtKey, CtValue, FAMILY_V4, NP_FLAG_POLICY_LOCAL, PROTO_TCP, ServiceKey, ServiceValue, SlotKey,
+    flow_hash, np_counter, select_slot,
+};
+
+use crate::nodeport_maps::{
+    NP_BACKENDS, NP_CONFIG, NP_CT, NP_FLAGS, NP_LOCAL, NP_SCRATCH, NP_SERVICES, NP_SLOTS, np_count,
+};
+use crate::packet::{Parsed, Pkt, TCP_FIN, TCP_RST, parse, rewrite};
+
+/// Let the packet continue (see the module comment).
+const PASS: i32 = TC_ACT_UNSPEC;
+
+/// How many SNAT ports a new flow tries before giving up.
+const SNAT_TRIES: u32 = 8;
+
+#[classifier]
+pub fn np_ingress(ctx: TcContext) -> i32 {
+    tc_verdict(try_nodeport(&ctx, true))
+}
+
+#[classifier]
+pub fn np_egress(ctx: TcContext) -> i32 {
+    tc_verdict(try_nodeport(&ctx, false))
+}
+
+/// `Err` carries a counter id: count it and let the packet through as it is
+/// (fail open: a bug of ours must not black-hole unrelated traffic).
+#[inline(always)]
+fn tc_verdict(r: Result<i32, u32>) -> i32 {
+    match r {
+        Ok(v) => v,
+        Err(reason) => {
+            np_count(reason);
+            PASS
+        }
+    }
+}
+
+#[inline(always)]
+fn try_nodeport(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
+    let p = match parse(ctx) {
+        Parsed::L4(p) => p,
+        Parsed::Icmp(i) => return Ok(crate::icmp::handle(ctx, &i, ingress)),
+        Parsed::Other(reason) => return Err(reason),
+        Parsed::NotIp => return Ok(PASS),
+    };
+
+    // A reply of a tracked flow. One key on the stack, reused for each
+    // lookup, and values used in place: the verifier allows 512 bytes of
+    // stack for the whole call chain.
+    let mut key = ct_key(
+        &p,
+        if ingress {
+            CT_DIR_REPLY_SNAT
+        } else {
+            CT_DIR_REPLY
+        },
+    );
+    // SAFETY: the value stays valid under RCU for this program run; a
+    // concurrent update replaces the element as a whole.
+    if let Some(v) = NP_CT.get_ptr_mut(&key) {
+        // SAFETY: as above; the writes below are single aligned words (a
+        // racing reader sees the old or the new value).
+        let v = unsafe { &mut *v };
+        if ingress {
+            // A reply to our SNAT port: the port is still in use.
+            v.seen_s = now_s();
+            if p.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+                v.flags |= CT_FLAG_CLOSING;
+            }
+        }
+        return apply(ctx, &p, v);
+    }
+    if !ingress {
+        // The forward leg of a flow to a remote backend, after routing.
+        key.dir = CT_DIR_SNAT;
+        if let Some(v) = unsafe { NP_CT.get(&key) } {
+            return apply(ctx, &p, v);
+        }
+        return Ok(PASS);
+    }
+
+    // A packet of a tracked flow: keep its backend while that backend still
+    // exists (the agent removes a backend from NP_BACKENDS once no frontend
+    // uses it), even if the slots changed meanwhile.
+    key.dir = CT_DIR_FORWARD;
+    if let Some(v) = unsafe { NP_CT.get(&key) } {
+        if backend_alive(v) {
+            return apply(ctx, &p, v);
+        }
+        np_count(np_counter::STALE_BACKEND);
+    }
+    match new_flow(&p, &key)? {
+        // The packet is rewritten here rather than inside new_flow so that
+        // the deepest call chain is main -> rewrite -> rewrite_addr or
+        // main -> new_flow, never all four frames at once.
+        TRANSLATE => {
+            let Some(s) = NP_SCRATCH.get_ptr(0) else {
+                return Err(np_counter::CT_UPDATE_FAILED);
+            };
+            // SAFETY: this CPU's scratch slot, filled by new_flow just now.
+            match rewrite(ctx, &p, unsafe { &(*s).fwd }) {
+                Ok(()) => Ok(PASS),
+                Err(_) => {
+                    np_count(np_counter::REWRITE_FAILED);
+                    Ok(TC_ACT_SHOT)
+                }
+            }
+        }
+        verdict => Ok(verdict),
+    }
+}
+
+#[inline(always)]
+fn now_s() -> u32 {
+    // SAFETY: plain helper call. CLOCK_MONOTONIC seconds fit u32 for 136
+    // years of uptime.
+    (unsafe { bpf_ktime_get_ns() } / 1_000_000_000) as u32
+}
+
+/// Whether a SNAT port reservation may be taken over.
+#[inline(always)]
+fn expired(v: &CtValue, now: u32, proto: u8) -> bool {
+    let limit = if proto != PROTO_TCP {
+        CT_TIMEOUT_OTHER_S
+    } else if v.flags & CT_FLAG_CLOSING != 0 {
+        CT_TIMEOUT_TCP_CLOSING_S
+    } else {
+        CT_TIMEOUT_TCP_S
+    };
+    now.wrapping_sub(v.seen_s) > limit
+}
+
+/// `new_flow`'s answer for "translate with the scratch area's `fwd`"; no TC
+/// verdict has this value.
+const TRANSLATE: i32 = 0x7fff_0000;
+
+/// A new flow (or one whose backend went away): look the frontend up, pick
+/// a backend, reserve the reply tuple, remember the flow, translate.
+///
+/// Not inlined, and its keys and values live in the per-CPU `NP_SCRATCH`
+/// area rather than on the stack: the verifier allows 512 bytes of stack for
+/// the deepest call chain (`check_max_stack_depth`), and the conntrack
+/// key/value pairs alone would take a third of it. `fwd_key` is the
+/// caller's forward key.
+#[inline(never)]
+fn new_flow(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
+    let now = now_s();
+    let skey = ServiceKey {
+        ip_be: p.daddr,
+        port_be: p.dport_be,
+        proto: p.proto,
+        family: p.family,
+    };
+    let Some(svc) = (unsafe { NP_SERVICES.get(&skey) }) else {
+        return Ok(PASS); // not a frontend
+    };
+    if svc.backend_count == 0 {
+        return no_backend(p, &skey);
+    }
+    let hash = flow_hash(&p.saddr, p.sport_be, p.proto) ^ svc.service_id.wrapping_mul(0x9e37_79b9);
+    let backend_id = match pick(svc, hash) {
+        Some(b) => b,
+        None => {
+            // Rewritten by the agent under us: look once more (see the
+            // socket programs for the generation protocol).
+            let Some(fresh) = (unsafe { NP_SERVICES.get(&skey) }) else {
+                return Ok(PASS);
+            };
+            if fresh.backend_count == 0 {
+                return no_backend(p, &skey);
+            }
+            pick(fresh, hash).ok_or(np_counter::SLOT_MISS)?
+        }
+    };
+    let Some(b) = (unsafe { NP_BACKENDS.get(&BackendKey { backend_id }) }) else {
+        return Err(np_counter::SLOT_MISS);
+    };
+    if b.family != p.family {
+        return Err(np_counter::PASS_UNPARSED);
+    }
+    let Some(s) = NP_SCRATCH.get_ptr_mut(0) else {
+        return Err(np_counter::CT_UPDATE_FAILED);
+    };
+    // SAFETY: this CPU's scratch slot; TC programs do not nest on a CPU.
+    let s = unsafe { &mut *s };
+    // Ingress: DNAT only; the client's address is kept here in every case.
+    s.fwd = CtValue {
+        saddr_be: p.saddr,
+        daddr_be: b.ip_be,
+        sport_be: p.sport_be,
+        dport_be: b.port_be,
+        flags: 0,
+        backend_id,
+        seen_s: now,
+    };
+    // Egress, backend -> client: the reply's source becomes the frontend.
+    s.rev = CtValue {
+        saddr_be: p.daddr,
+        daddr_be: p.saddr,
+        sport_be: p.dport_be,
+        dport_be: p.sport_be,
+        flags: 0,
+        backend_id,
+        seen_s: now,
+    };
+    s.key = CtKey {
+        saddr_be: b.ip_be,
+        daddr_be: p.saddr,
+        sport_be: b.port_be,
+        dport_be: p.sport_be,
+        proto: p.proto,
+        family: p.family,
+        dir: CT_DIR_REPLY,
+        _pad: 0,
+    };
+    let local = unsafe {
+        NP_LOCAL.get(&AddrKey {
+            ip_be: b.ip_be,
+            family: p.family,
+            _pad: [0; 3],
+        })
+    }
+    .is_some();
+    if !local {
+        // Remote backend. First reserve a SNAT port: the reply will arrive
+        // as backend -> (node address, port) and must get the client back
+        // as destination.
+        let Some(cfg) = NP_CONFIG.get(0) else {
+            return Err(np_counter::SNAT_FAILED);
+        };
+        s.key.dir = CT_DIR_REPLY_SNAT;
+        if p.family == FAMILY_V4 {
+            s.key.daddr_be = [cfg.snat_v4_be, 0, 0, 0];
+        } else {
+            s.key.daddr_be = cfg.snat_v6_be;
+        }
+        if s.key.daddr_be == [0u32; 4] || cfg.snat_port_max < cfg.snat_port_min {
+            return Err(np_counter::SNAT_FAILED);
+        }
+        s.val = CtValue {
+            saddr_be: b.ip_be,
+            daddr_be: p.saddr,
+            sport_be: b.port_be,
+            dport_be: p.sport_be,
+            flags: CT_FLAG_SNAT,
+            backend_id,
+            seen_s: now,
+        };
+        let span = u32::from(cfg.snat_port_max - cfg.snat_port_min) + 1;
+        let mut chosen = 0u16;
+        let mut i = 0u32;
+        while i < SNAT_TRIES {
+            // Successive candidates spread over the range.
+            let port = u32::from(cfg.snat_port_min)
+                + (hash.wrapping_add(i.wrapping_mul(0x9e37_79b1)) % span);
+            s.key.dport_be = (port as u16).to_be();
+            // BPF_NOEXIST makes the insert the port reservation: two CPUs
+            // racing for one port cannot both win.
+            if NP_CT.insert(&s.key, &s.val, BPF_NOEXIST as u64).is_ok() {
+                chosen = s.key.dport_be;
+                break;
+            }
+            // Taken. Entries are never deleted when a flow ends (we do not
+            // follow TCP state to the end, and LRU eviction only happens
+            // when the map is full), so take over a holder that has been
+            // silent for longer than its timeout.
+            if let Some(old) = unsafe { NP_CT.get(&s.key) }
+                && expired(old, now, p.proto)
+                && NP_CT.insert(&s.key, &s.val, 0).is_ok()
+            {
+                chosen = s.key.dport_be;
+                break;
+            }
+            i += 1;
+        }
+        if chosen == 0 {
+            return Err(np_counter::SNAT_FAILED);
+        }
+        // Egress, client -> backend: the source becomes (node, port).
+        s.val = CtValue {
+            saddr_be: s.key.daddr_be,
+            daddr_be: b.ip_be,
+            sport_be: chosen,
+            dport_be: b.port_be,
+            flags: CT_FLAG_SNAT,
+            backend_id,
+            seen_s: now,
+        };
+        s.key = CtKey {
+            saddr_be: p.saddr,
+            daddr_be: b.ip_be,
+            sport_be: p.sport_be,
+            dport_be: b.port_be,
+            proto: p.proto,
+            family: p.family,
+            dir: CT_DIR_SNAT,
+            _pad: 0,
+        };
+        if NP_CT.insert(&s.key, &s.val, 0).is_err() {
+            return Err(np_counter::CT_UPDATE_FAILED);
+        }
+        s.fwd.flags = CT_FLAG_SNAT;
+        // Back to the backend -> client reply key for the common insert.
+        s.key = CtKey {
+            saddr_be: b.ip_be,
+            daddr_be: p.saddr,
+            sport_be: b.port_be,
+            dport_be: p.sport_be,
+            proto: p.proto,
+            family: p.family,
+            dir: CT_DIR_REPLY,
+            _pad: 0,
+        };
+    }
+    // Local backends deliver directly with the client's address
+    // (externalTrafficPolicy Local requires it; for Cluster it saves a
+    // translation); the reply is reversed at egress.
+    if NP_CT.insert(&s.key, &s.rev, 0).is_err() {
+        return Err(np_counter::CT_UPDATE_FAILED);
+    }
+    if NP_CT.insert(fwd_key, &s.fwd, 0).is_err() {
+        return Err(np_counter::CT_UPDATE_FAILED);
+    }
+    np_count(np_counter::NEW_FLOW);
+    Ok(TRANSLATE)
+}
+
+#[inline(always)]
+fn ct_key(p: &Pkt, dir: u8) -> CtKey {
+    CtKey {
+        saddr_be: p.saddr,
+        daddr_be: p.daddr,
+        sport_be: p.sport_be,
+        dport_be: p.dport_be,
+        proto: p.proto,
+        family: p.family,
+        dir,
+        _pad: 0,
+    }
+}
+
+#[inline(always)]
+fn apply(ctx: &TcContext, p: &Pkt, v: &CtValue) -> Result<i32, u32> {
+    match rewrite(ctx, p, v) {
+        Ok(()) => {
+            np_count(np_counter::TRACKED);
+            Ok(PASS)
+        }
+        // A failed helper may have left the packet half rewritten (one
+        // checksum updated, the field not): drop it rather than deliver a
+        // corrupt packet; TCP retransmits.
+        Err(_) => {
+            np_count(np_counter::REWRITE_FAILED);
+            Ok(TC_ACT_SHOT)
+        }
+    }
+}
+
+#[inline(always)]
+fn backend_alive(v: &CtValue) -> bool {
+    match unsafe {
+        NP_BACKENDS.get(&BackendKey {
+            backend_id: v.backend_id,
+        })
+    } {
+        Some(b) => b.ip_be == v.daddr_be && b.port_be == v.dport_be,
+        None => false,
+    }
+}
+
+#[inline(always)]
+fn pick(svc: &ServiceValue, hash: u32) -> Option<u32> {
+    let slot = SlotKey {
+        service_id: svc.service_id,
+        generation: svc.generation,
+        slot: select_slot(hash, svc.backend_count),
+    };
+    let id = unsafe { NP_SLOTS.get(&slot) }?.backend_id;
+    // The backend must exist too (a slot may briefly point at a backend
+    // that an interrupted agent never wrote).
+    unsafe { NP_BACKENDS.get(&BackendKey { backend_id: id }) }?;
+    Some(id)
+}
+
+/// A frontend without a usable backend.
+///
+/// * `externalTrafficPolicy: Local` without a local endpoint: drop, as
+///   kube-proxy does ("has no local endpoints" filter rule); the load
+///   balancer's health check (served by the agent) steers clients away.
+/// * Otherwise the flow must be rejected, not black-holed. The packet is
+///   DNAT'ed to port 0 of this node's address: no socket can listen on
+///   port 0, so the node's stack answers with a TCP RST
+///   (`tcp_v4_send_reset`/`tcp_v6_send_reset`) or an ICMP port unreachable
+///   (`__udp4_lib_rcv`/`__udp6_lib_rcv`), with correct checksums and
+///   sequence numbers and under the stack's ICMP rate limits. A reply
+///   conntrack entry turns that answer's source back into the frontend at
+///   egress (for ICMP through the quoted header, see icmp.rs), so the client
+///   sees the rejection from the address it used, also for LoadBalancer and
+///   external IPs that are not assigned to the node. No forward entry is
+///   kept: the next packet looks at the Service again.
+#[inline(always)]
+fn no_backend(p: &Pkt, skey: &ServiceKey) -> Result<i32, u32> {
+    let now = now_s();
+    let flags = unsafe { NP_FLAGS.get(skey) }.map(|f| f.flags).unwrap_or(0);
+    if flags & NP_FLAG_POLICY_LOCAL != 0 {
+        np_count(np_counter::DROPPED_NO_LOCAL);
+        return Ok(TC_ACT_SHOT);
+    }
+    let Some(cfg) = NP_CONFIG.get(0) else {
+        return Err(np_counter::SNAT_FAILED);
+    };
+    let local = if p.family == FAMILY_V4 {
+        [cfg.snat_v4_be, 0, 0, 0]
+    } else {
+        cfg.snat_v6_be
+    };
+    if local == [0u32; 4] {
+        // No node address known: drop (and count) rather than forward a
+        // packet for a VIP that may loop.
+        np_count(np_counter::SNAT_FAILED);
+        return Ok(TC_ACT_SHOT);
+    }
+    let Some(s) = NP_SCRATCH.get_ptr_mut(0) else {
+        return Err(np_counter::CT_UPDATE_FAILED);
+    };
+    // SAFETY: this CPU's scratch slot.
+    let s = unsafe { &mut *s };
+    s.fwd = CtValue {
+        saddr_be: p.saddr,
+        daddr_be: local,
+        sport_be: p.sport_be,
+        dport_be: 0,
+        flags: 0,
+        backend_id: 0,
+        seen_s: now,
+    };
+    s.rev = CtValue {
+        saddr_be: p.daddr,
+        daddr_be: p.saddr,
+        sport_be: p.dport_be,
+        dport_be: p.sport_be,
+        flags: 0,
+        backend_id: 0,
+        seen_s: now,
+    };
+    s.key = CtKey {
+        saddr_be: local,
+        daddr_be: p.saddr,
+        sport_be: 0,
+        dport_be: p.sport_be,
+        proto: p.proto,
+        family: p.family,
+        dir: CT_DIR_REPLY,
+        _pad: 0,
+    };
+    if NP_CT.insert(&s.key, &s.rev, 0).is_err() {
+        return Err(np_counter::CT_UPDATE_FAILED);
+    }
+    np_count(np_counter::REJECTED_NO_BACKEND);
+    Ok(TRANSLATE)
+}

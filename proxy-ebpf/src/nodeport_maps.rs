@@ -1,0 +1,67 @@
+//! Maps of the TC programs for external traffic (NodePort, LoadBalancer
+//! ingress IPs, externalIPs). The agent pins all of them under its bpffs
+//! directory, so connection tracking survives agent restarts and program
+//! upgrades. Legacy `maps`-section definitions: the TC side does not need
+//! field-level BTF, and keeping its maps in their own file keeps the two
+//! datapaths' definitions apart.
+
+use aya_ebpf::{
+    macros::map,
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+};
+use proxy_common::{
+    AddrKey, BackendKey, BackendValue, CtKey, CtValue, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_NP_CT,
+    DEFAULT_MAX_NP_LOCAL, DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, NpConfig, NpFlagsValue,
+    ServiceKey, ServiceValue, SlotKey, SlotValue, np_counter,
+};
+
+#[map(name = "NP_SERVICES")]
+pub static NP_SERVICES: HashMap<ServiceKey, ServiceValue> =
+    HashMap::with_max_entries(DEFAULT_MAX_SERVICES, 0);
+
+#[map(name = "NP_SLOTS")]
+pub static NP_SLOTS: HashMap<SlotKey, SlotValue> = HashMap::with_max_entries(DEFAULT_MAX_SLOTS, 0);
+
+#[map(name = "NP_BACKENDS")]
+pub static NP_BACKENDS: HashMap<BackendKey, BackendValue> =
+    HashMap::with_max_entries(DEFAULT_MAX_BACKENDS, 0);
+
+#[map(name = "NP_FLAGS")]
+pub static NP_FLAGS: HashMap<ServiceKey, NpFlagsValue> =
+    HashMap::with_max_entries(DEFAULT_MAX_SERVICES, 0);
+
+#[map(name = "NP_LOCAL")]
+pub static NP_LOCAL: HashMap<AddrKey, u32> = HashMap::with_max_entries(DEFAULT_MAX_NP_LOCAL, 0);
+
+/// LRU: flows end without telling us (no FIN tracking), so idle entries
+/// must age out; an LRU map evicts the least recently used entry instead of
+/// failing an insert when full (kernel/bpf/bpf_lru_list.c).
+#[map(name = "NP_CT")]
+pub static NP_CT: LruHashMap<CtKey, CtValue> = LruHashMap::with_max_entries(DEFAULT_MAX_NP_CT, 0);
+
+#[map(name = "NP_CONFIG")]
+pub static NP_CONFIG: Array<NpConfig> = Array::with_max_entries(1, 0);
+
+#[map(name = "NP_COUNTERS")]
+pub static NP_COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(np_counter::COUNT, 0);
+
+/// Per-CPU scratch space for the new-flow path (see `nodeport::new_flow`).
+/// Not pinned: it holds nothing between program runs.
+#[repr(C)]
+pub struct NpScratch {
+    pub key: CtKey,
+    pub fwd: CtValue,
+    pub rev: CtValue,
+    pub val: CtValue,
+}
+
+#[map(name = "NP_SCRATCH")]
+pub static NP_SCRATCH: PerCpuArray<NpScratch> = PerCpuArray::with_max_entries(1, 0);
+
+#[inline(always)]
+pub fn np_count(reason: u32) {
+    if let Some(p) = NP_COUNTERS.get_ptr_mut(reason) {
+        // SAFETY: this CPU's slot of a live per-CPU array element.
+        unsafe { *p += 1 };
+    }
+}
