@@ -259,7 +259,8 @@ mod tests {
     use crate::manifest::parse_into;
     use crate::objects::build_cluster;
 
-    fn cluster(yaml: &str) -> Cluster {
+    /// The model of a manifest that must convert without problems.
+    pub(super) fn cluster(yaml: &str) -> Cluster {
         let mut docs = Vec::new();
         let mut errs = Vec::new();
         parse_into("t.yaml", yaml, &mut docs, &mut errs);
@@ -339,21 +340,10 @@ endpoints:
 
 #[cfg(test)]
 mod external_tests {
+    use super::tests::cluster;
     use super::*;
-    use crate::manifest::parse_into;
     use crate::model::Protocol;
-    use crate::objects::build_cluster;
     use std::net::IpAddr;
-
-    fn cluster(yaml: &str) -> Cluster {
-        let mut docs = Vec::new();
-        let mut errs = Vec::new();
-        parse_into("t.yaml", yaml, &mut docs, &mut errs);
-        assert!(errs.is_empty(), "{errs:?}");
-        let (c, e) = build_cluster(&docs);
-        assert!(e.is_empty(), "{e:?}");
-        c
-    }
 
     fn svc(policy: &str) -> String {
         format!(

@@ -287,10 +287,16 @@ pub fn snapshot_from_values(services: &[Value], slices: &[Value], nodes: &[Value
             snap.service_uids.insert(id.clone(), uid.to_string());
         }
         match objects::service_from_json(v) {
-            Ok(Converted::Ok(s)) => {
-                snap.cluster.services.insert(s.id.clone(), s);
+            Ok((converted, partial)) => {
+                snap.problems.extend(partial.into_iter().map(|error| ObjectProblem {
+                    kind: Kind::Service,
+                    error,
+                    service: Some(id.clone()),
+                }));
+                if let Converted::Ok(s) = converted {
+                    snap.cluster.services.insert(s.id.clone(), s);
+                }
             }
-            Ok(Converted::Ignored(_)) => {}
             Err(error) => snap.problems.push(ObjectProblem { kind: Kind::Service, error, service: Some(id) }),
         }
     }

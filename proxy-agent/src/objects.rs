@@ -58,7 +58,8 @@ pub fn build_cluster(docs: &[Document]) -> (Cluster, Vec<ObjectError>) {
     for doc in docs {
         let kind = doc.value.get("kind").and_then(Value::as_str).unwrap_or_default();
         let result = match kind {
-            "Service" => service_from_json(&doc.value).map(|c| {
+            "Service" => service_from_json(&doc.value).map(|(c, problems)| {
+                errors.extend(problems);
                 if let Converted::Ok(s) = c {
                     let id = s.id.clone();
                     if cluster.services.insert(id.clone(), s).is_some() {
@@ -124,8 +125,10 @@ fn protocol(p: Option<&str>) -> Result<Protocol, String> {
 }
 
 /// Converts a Service. Headless, ExternalName and other proxies' Services
-/// are `Ignored`.
-pub fn service_from_json(v: &Value) -> Result<Converted<Service>, ObjectError> {
+/// are `Ignored`. Problems confined to one port (a protocol the datapath
+/// cannot translate) are returned beside the Service, whose other ports
+/// keep working; problems with the Service as a whole are the `Err`.
+pub fn service_from_json(v: &Value) -> Result<(Converted<Service>, Vec<ObjectError>), ObjectError> {
     const K: &str = "Service";
     let (ns, name) = object_ref(v);
     if name.is_empty() {
@@ -135,17 +138,17 @@ pub fn service_from_json(v: &Value) -> Result<Converted<Service>, ObjectError> {
         serde_json::from_value(v.clone()).map_err(|e| fail(K, &ns, &name, format!("malformed: {e}")))?;
     let labels = svc.metadata.labels.clone().unwrap_or_default();
     if labels.contains_key(SERVICE_PROXY_NAME_LABEL) {
-        return Ok(Converted::Ignored("served by another proxy"));
+        return Ok((Converted::Ignored("served by another proxy"), Vec::new()));
     }
     if labels.contains_key(HEADLESS_LABEL) {
-        return Ok(Converted::Ignored("headless"));
+        return Ok((Converted::Ignored("headless"), Vec::new()));
     }
     let spec = svc.spec.unwrap_or_default();
     let service_type = match spec.type_.as_deref().unwrap_or("ClusterIP") {
         "ClusterIP" => ServiceType::ClusterIp,
         "NodePort" => ServiceType::NodePort,
         "LoadBalancer" => ServiceType::LoadBalancer,
-        "ExternalName" => return Ok(Converted::Ignored("ExternalName")),
+        "ExternalName" => return Ok((Converted::Ignored("ExternalName"), Vec::new())),
         other => return Err(fail(K, &ns, &name, format!("spec.type {other} is unknown"))),
     };
     let mut ip_strings: Vec<String> = spec.cluster_ips.clone().unwrap_or_default();
@@ -155,7 +158,7 @@ pub fn service_from_json(v: &Value) -> Result<Converted<Service>, ObjectError> {
         ip_strings.push(ip);
     }
     if ip_strings.iter().any(|s| s == "None") {
-        return Ok(Converted::Ignored("headless"));
+        return Ok((Converted::Ignored("headless"), Vec::new()));
     }
     if ip_strings.is_empty() || ip_strings.iter().all(|s| s.is_empty()) {
         return Err(fail(K, &ns, &name, "has no spec.clusterIP (the API server allocates one; manifests must carry it)"));
@@ -168,9 +171,16 @@ pub fn service_from_json(v: &Value) -> Result<Converted<Service>, ObjectError> {
         }
     }
     let mut ports = Vec::new();
+    let mut problems = Vec::new();
     for (i, p) in spec.ports.clone().unwrap_or_default().into_iter().enumerate() {
         let port = port_u16(p.port).ok_or_else(|| fail(K, &ns, &name, format!("spec.ports[{i}].port {} is out of range 1-65535", p.port)))?;
-        let protocol = protocol(p.protocol.as_deref()).map_err(|r| fail(K, &ns, &name, format!("spec.ports[{i}]: {r}")))?;
+        let protocol = match protocol(p.protocol.as_deref()) {
+            Ok(p) => p,
+            Err(r) => {
+                problems.push(fail(K, &ns, &name, format!("spec.ports[{i}]: {r}; port skipped")));
+                continue;
+            }
+        };
         let node_port = match p.node_port {
             None | Some(0) => None,
             Some(n) => Some(port_u16(n).ok_or_else(|| fail(K, &ns, &name, format!("spec.ports[{i}].nodePort {n} is out of range")))?),
@@ -206,7 +216,7 @@ pub fn service_from_json(v: &Value) -> Result<Converted<Service>, ObjectError> {
         .collect();
     let load_balancer_ips = ips(&lb, "status.loadBalancer.ingress[].ip")?;
     let external_policy = spec.external_traffic_policy.as_deref().unwrap_or("Cluster");
-    Ok(Converted::Ok(Service {
+    let service = Service {
         id: ObjectRef::new(ns.clone(), name.clone()),
         service_type,
         cluster_ips,
@@ -220,7 +230,8 @@ pub fn service_from_json(v: &Value) -> Result<Converted<Service>, ObjectError> {
         external_ips,
         load_balancer_ips,
         health_check_node_port: spec.health_check_node_port.and_then(port_u16),
-    }))
+    };
+    Ok((Converted::Ok(service), problems))
 }
 
 /// Converts an EndpointSlice. Problems confined to one endpoint or port are
@@ -419,7 +430,7 @@ spec: {clusterIP: 10.96.0.2, ports: [{port: 70000}]}
 apiVersion: v1
 kind: Service
 metadata: {name: sctp}
-spec: {clusterIP: 10.96.0.3, ports: [{port: 80, protocol: SCTP}]}
+spec: {clusterIP: 10.96.0.3, ports: [{name: a, port: 80, protocol: SCTP}, {name: b, port: 81}]}
 ---
 apiVersion: v1
 kind: Service
@@ -443,12 +454,14 @@ endpoints:
 - addresses: [10.244.0.9]
 "#,
         );
-        assert_eq!(c.services.len(), 1, "{e:?}");
+        assert_eq!(c.services.len(), 2, "{e:?}");
+        let sctp = &c.services[&ObjectRef::new("default", "sctp")];
+        assert_eq!(sctp.ports.len(), 1, "the TCP port of a Service with an SCTP port keeps working");
         assert_eq!(c.slices[&ObjectRef::new("default", "partial")].endpoints.len(), 1);
         let want = [
             "Service default/badip: spec.clusterIPs: \"10.96.0.999\" is not an IP address",
             "Service default/badport: spec.ports[0].port 70000 is out of range 1-65535",
-            "Service default/sctp: spec.ports[0]: protocol SCTP is not supported (TCP and UDP are)",
+            "Service default/sctp: spec.ports[0]: protocol SCTP is not supported (TCP and UDP are); port skipped",
             "EndpointSlice default/orphan: has no kubernetes.io/service-name label, so it belongs to no Service",
             "EndpointSlice default/partial: endpoints[0] address \"not-an-ip\" is not an IP address; endpoint skipped",
             "EndpointSlice default/partial: endpoints[1] address fd00::1 does not match addressType IPv4; endpoint skipped",

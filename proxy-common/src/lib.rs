@@ -178,7 +178,13 @@ pub fn select_slot(hash: u32, count: u32) -> u32 {
 /// so that consecutive cookies spread evenly.
 #[inline(always)]
 pub fn socket_hash(cookie: u64, service_id: u32) -> u32 {
-    let mut h = (cookie as u32) ^ ((cookie >> 32) as u32) ^ service_id.wrapping_mul(0x9e37_79b9);
+    fmix32((cookie as u32) ^ ((cookie >> 32) as u32) ^ service_id.wrapping_mul(0x9e37_79b9))
+}
+
+/// MurmurHash3's 32-bit finaliser: every input bit affects every output bit,
+/// so nearby inputs (sequential cookies, neighbouring ports) spread evenly.
+#[inline(always)]
+pub fn fmix32(mut h: u32) -> u32 {
     h ^= h >> 16;
     h = h.wrapping_mul(0x85eb_ca6b);
     h ^= h >> 13;
@@ -451,14 +457,8 @@ pub mod np_counter {
 /// lands on the same slot again while the backend set is unchanged.
 #[inline(always)]
 pub fn flow_hash(saddr: &[u32; 4], sport_be: u16, proto: u8) -> u32 {
-    let mut h = saddr[0] ^ saddr[1].rotate_left(7) ^ saddr[2].rotate_left(13) ^ saddr[3].rotate_left(19);
-    h ^= (u32::from(sport_be) << 16) | u32::from(proto);
-    h ^= h >> 16;
-    h = h.wrapping_mul(0x85eb_ca6b);
-    h ^= h >> 13;
-    h = h.wrapping_mul(0xc2b2_ae35);
-    h ^= h >> 16;
-    h
+    let h = saddr[0] ^ saddr[1].rotate_left(7) ^ saddr[2].rotate_left(13) ^ saddr[3].rotate_left(19);
+    fmix32(h ^ ((u32::from(sport_be) << 16) | u32::from(proto)))
 }
 
 const _: () = {
