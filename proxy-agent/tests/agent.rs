@@ -3,7 +3,6 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
 use std::time::Duration;
 
 use support::*;
@@ -94,21 +93,7 @@ fn agent_restarts_do_not_interrupt_traffic() {
     node.start_agent();
     wait_for_backends(&node, &net, "10.96.0.20:80", &[], &["pod-1", "pod-2"]);
 
-    let mut client = node.probe_background(&net, &["--to", "10.96.0.20:80", "--count", "100000", "--timeout-ms", "2000"]);
-    let stdout = client.0.stdout.take().expect("client stdout");
-    let reader = std::thread::spawn(move || {
-        let mut ok = 0u64;
-        let mut failures = Vec::new();
-        for line in BufReader::new(stdout).lines() {
-            let Ok(line) = line else { break };
-            if line.contains("\"ok\":true") {
-                ok += 1;
-            } else {
-                failures.push(line);
-            }
-        }
-        (ok, failures)
-    });
+    let client = Client::start(&node, &net, "10.96.0.20:80");
 
     std::thread::sleep(Duration::from_millis(300));
     for round in 0..3 {
@@ -125,10 +110,9 @@ fn agent_restarts_do_not_interrupt_traffic() {
     node.write_manifest("web.yaml", &web(&eps(&["10.244.1.2"])));
     wait_for_backends(&node, &net, "10.96.0.20:80", &[], &["pod-2"]);
 
-    client.terminate(Duration::from_secs(5)).expect("stop client");
-    let (ok, failures) = reader.join().expect("reader thread");
-    assert!(ok > 100, "the client made only {ok} connects");
-    assert!(failures.is_empty(), "{} of {} connects failed during restarts, e.g. {:?}", failures.len(), ok + failures.len() as u64, failures.first());
+    let result = client.finish();
+    assert!(result.0 > 100, "the client made only {} connects", result.0);
+    assert_no_failures("agent restarts", result);
     let log = node.agent_log();
     assert!(log.contains("adopted_frontends=1"), "a restarted agent adopts the pinned state: {log}");
 }

@@ -5,11 +5,8 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
-use std::thread::JoinHandle;
 use std::time::Duration;
 
-use proxy_agent::sandbox::Guarded;
 use serde_json::{Value, json};
 use support::apiserver::ApiServer;
 use support::*;
@@ -95,49 +92,6 @@ fn unreachable(node: &Node, net: &PodNetwork, to: &str) {
     });
 }
 
-/// A client connecting in a loop in the background; `finish` stops it and
-/// returns (successful connects, failure lines).
-struct Client {
-    probe: Guarded,
-    reader: JoinHandle<(u64, Vec<String>)>,
-}
-
-impl Client {
-    fn start(node: &Node, net: &PodNetwork, to: &str) -> Client {
-        let mut probe = node.probe_background(net, &["--to", to, "--count", "1000000", "--timeout-ms", "2000"]);
-        let stdout = probe.0.stdout.take().expect("client stdout");
-        let reader = std::thread::spawn(move || {
-            let mut ok = 0u64;
-            let mut failures = Vec::new();
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                if line.contains("\"ok\":true") {
-                    ok += 1;
-                } else {
-                    failures.push(line);
-                }
-            }
-            (ok, failures)
-        });
-        Client { probe, reader }
-    }
-
-    fn finish(mut self) -> (u64, Vec<String>) {
-        self.probe.terminate(Duration::from_secs(5)).expect("stop client");
-        self.reader.join().expect("client reader")
-    }
-}
-
-fn assert_no_failures(what: &str, (ok, failures): (u64, Vec<String>)) {
-    assert!(ok > 20, "{what}: the client made only {ok} connects");
-    assert!(
-        failures.is_empty(),
-        "{what}: {} of {} connects failed, e.g. {:?}",
-        failures.len(),
-        ok + failures.len() as u64,
-        failures.first()
-    );
-}
 
 fn metrics_text(node: &Node) -> String {
     let addr = node.metrics_address();

@@ -7,8 +7,10 @@ pub mod apiserver;
 
 use std::collections::BTreeSet;
 use std::fs;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use proxy_agent::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in, spawn_backend};
@@ -329,4 +331,48 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
     text.lines()
         .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
         .and_then(|l| l[series.len()..].split_whitespace().next()?.parse().ok())
+}
+
+/// A client connecting in a loop in the background; `finish` stops it and
+/// returns (successful connects, failure lines).
+pub struct Client {
+    probe: Guarded,
+    reader: JoinHandle<(u64, Vec<String>)>,
+}
+
+impl Client {
+    pub fn start(node: &Node, net: &PodNetwork, to: &str) -> Client {
+        let mut probe = node.probe_background(net, &["--to", to, "--count", "1000000", "--timeout-ms", "2000"]);
+        let stdout = probe.0.stdout.take().expect("client stdout");
+        let reader = std::thread::spawn(move || {
+            let mut ok = 0u64;
+            let mut failures = Vec::new();
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                if line.contains("\"ok\":true") {
+                    ok += 1;
+                } else {
+                    failures.push(line);
+                }
+            }
+            (ok, failures)
+        });
+        Client { probe, reader }
+    }
+
+    pub fn finish(mut self) -> (u64, Vec<String>) {
+        self.probe.terminate(Duration::from_secs(5)).expect("stop client");
+        self.reader.join().expect("client reader")
+    }
+}
+
+pub fn assert_no_failures(what: &str, (ok, failures): (u64, Vec<String>)) {
+    assert!(ok > 20, "{what}: the client made only {ok} connects");
+    assert!(
+        failures.is_empty(),
+        "{what}: {} of {} connects failed, e.g. {:?}",
+        failures.len(),
+        ok + failures.len() as u64,
+        failures.first()
+    );
 }
