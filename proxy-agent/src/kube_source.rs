@@ -35,6 +35,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
 
+use crate::error_chain::error_chain;
 use crate::model::{Cluster, ObjectRef};
 use crate::objects::{self, Converted, ObjectError, SERVICE_NAME_LABEL};
 
@@ -216,19 +217,6 @@ async fn watch_kind<K>(
     }
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let text = c.to_string();
-        if !s.contains(&text) {
-            s.push_str(": ");
-            s.push_str(&text);
-        }
-        cur = c.source();
-    }
-    s
-}
 
 /// An object left out of the model, and the Service it concerns (for the
 /// Event), if any.

@@ -6,6 +6,7 @@
 //! (aya) -> kernel. `loader` installs the programs; `sync` runs one pass.
 
 pub mod decision;
+pub mod error_chain;
 pub mod events;
 pub mod health_server;
 pub mod healthcheck_server;

@@ -23,6 +23,7 @@ use aya::programs::{CgroupAttachMode, CgroupSockAddr};
 use aya::{Ebpf, EbpfLoader};
 use proxy_common as pc;
 
+use crate::error_chain::error_chain;
 use crate::mounts;
 
 /// The eBPF object, built by build.rs from the `proxy-ebpf` crate.
@@ -203,18 +204,6 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
     Ok(warnings)
 }
 
-/// An error with its sources, for messages where aya's top-level text alone
-/// ("`BPF_OBJ_PIN` failed") would hide the errno.
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
 
 fn check_pinned_maps(pin_dir: &Path, caps: Capacities) -> Result<Vec<String>, LoadError> {
     let mut warnings = Vec::new();

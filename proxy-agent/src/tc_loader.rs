@@ -27,6 +27,7 @@ use aya::util::KernelVersion;
 use aya::{Ebpf, EbpfLoader};
 use proxy_common as pc;
 
+use crate::error_chain::error_chain;
 use crate::loader::{EBPF_OBJECT, LINKS_DIR};
 
 /// The TC programs' maps, all pinned under the pin directory.
@@ -96,12 +97,7 @@ pub enum TcError {
 /// and pinned the maps first.
 pub fn install(pin_dir: &Path, devices: &[String], mode: TcMode) -> Result<Vec<String>, TcError> {
     let mut warnings = Vec::new();
-    let mut loader = EbpfLoader::new();
-    let pins: Vec<(&str, PathBuf)> = SOCKET_MAPS.iter().chain(NP_MAPS.iter()).map(|n| (*n, pin_dir.join(n))).collect();
-    for (name, path) in &pins {
-        loader.map_pin_path(name, path.as_path());
-    }
-    let mut ebpf: Ebpf = loader.load(EBPF_OBJECT)?;
+    let mut ebpf = load_programs(pin_dir)?;
     let links = pin_dir.join(LINKS_DIR);
     fs::create_dir_all(&links).map_err(|source| TcError::Io { path: links.clone(), source })?;
     // tcx (NET_XGRESS) arrived in Linux 6.6.
@@ -115,12 +111,7 @@ pub fn install(pin_dir: &Path, devices: &[String], mode: TcMode) -> Result<Vec<S
     for (program, attach_type, dir) in
         [(INGRESS_PROGRAM, TcAttachType::Ingress, "ingress"), (EGRESS_PROGRAM, TcAttachType::Egress, "egress")]
     {
-        let prog: &mut SchedClassifier = ebpf
-            .program_mut(program)
-            .ok_or(TcError::MissingProgram { program })?
-            .try_into()
-            .map_err(|source| TcError::Program { program, source })?;
-        prog.load().map_err(|source| TcError::Program { program, source })?;
+        let prog = classifier(&mut ebpf, program)?;
         for device in devices {
             let pin = links.join(format!("{LINK_PREFIX}{device}-{dir}"));
             let err = |what: &'static str, reason: String| TcError::Attach { device: device.clone(), what, reason };
@@ -266,16 +257,6 @@ fn attach_tcx(
     Ok(())
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
 
 /// Loads the TC programs into the kernel without attaching them, with every
 /// map pinned under `pin_dir` (created there when missing). For running the
@@ -284,6 +265,12 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 pub fn load_unattached(pin_dir: &Path) -> Result<Ebpf, TcError> {
     crate::mounts::ensure_pin_dir(pin_dir)
         .map_err(|e| TcError::Io { path: pin_dir.into(), source: io::Error::other(e) })?;
+    load_programs(pin_dir)
+}
+
+/// The eBPF object with every map at its pin under `pin_dir` and both TC
+/// programs loaded (verified), not attached.
+fn load_programs(pin_dir: &Path) -> Result<Ebpf, TcError> {
     let mut loader = EbpfLoader::new();
     let pins: Vec<(&str, PathBuf)> = SOCKET_MAPS.iter().chain(NP_MAPS.iter()).map(|n| (*n, pin_dir.join(n))).collect();
     for (name, path) in &pins {
@@ -291,12 +278,16 @@ pub fn load_unattached(pin_dir: &Path) -> Result<Ebpf, TcError> {
     }
     let mut ebpf = loader.load(EBPF_OBJECT)?;
     for program in [INGRESS_PROGRAM, EGRESS_PROGRAM] {
-        let prog: &mut SchedClassifier = ebpf
-            .program_mut(program)
-            .ok_or(TcError::MissingProgram { program })?
-            .try_into()
+        classifier(&mut ebpf, program)?
+            .load()
             .map_err(|source| TcError::Program { program, source })?;
-        prog.load().map_err(|source| TcError::Program { program, source })?;
     }
     Ok(ebpf)
+}
+
+fn classifier<'a>(ebpf: &'a mut Ebpf, program: &'static str) -> Result<&'a mut SchedClassifier, TcError> {
+    ebpf.program_mut(program)
+        .ok_or(TcError::MissingProgram { program })?
+        .try_into()
+        .map_err(|source| TcError::Program { program, source })
 }
