@@ -77,6 +77,15 @@ pub struct ServiceValue {
     pub flags: u32,
 }
 
+impl ServiceValue {
+    /// The slot of this service's current generation that `hash` selects.
+    /// `backend_count` must be non-zero (see [`select_slot`]).
+    #[inline(always)]
+    pub fn slot_for(&self, hash: u32) -> SlotKey {
+        SlotKey { service_id: self.service_id, generation: self.generation, slot: select_slot(hash, self.backend_count) }
+    }
+}
+
 /// One slot of a service's backend set.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]

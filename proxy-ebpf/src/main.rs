@@ -28,8 +28,8 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    BackendKey, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, ServiceKey, ServiceValue, SlotKey,
-    SockRevNatKey, SockRevNatValue, counter, select_slot, socket_hash,
+    BackendKey, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, ServiceKey, ServiceValue,
+    SockRevNatKey, SockRevNatValue, counter, socket_hash,
 };
 
 use maps::{BACKENDS, SERVICES, SLOTS, SOCK_REVNAT, count};
@@ -196,12 +196,7 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
 
 #[inline(always)]
 fn lookup_backend(svc: &ServiceValue, hash: u32) -> Option<Addr> {
-    let slot = SlotKey {
-        service_id: svc.service_id,
-        generation: svc.generation,
-        slot: select_slot(hash, svc.backend_count),
-    };
-    let id = unsafe { SLOTS.get(&slot) }?.backend_id;
+    let id = unsafe { SLOTS.get(&svc.slot_for(hash)) }?.backend_id;
     let b = unsafe { BACKENDS.get(&BackendKey { backend_id: id }) }?;
     Some(Addr {
         ip_be: b.ip_be,

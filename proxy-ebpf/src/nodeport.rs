@@ -35,8 +35,8 @@ use aya_ebpf::{
 use proxy_common::{
     AddrKey, BackendKey, CT_DIR_FORWARD, CT_DIR_REPLY, CT_DIR_REPLY_SNAT, CT_DIR_SNAT,
     CT_FLAG_CLOSING, CT_FLAG_SNAT, CT_TIMEOUT_OTHER_S, CT_TIMEOUT_TCP_CLOSING_S, CT_TIMEOUT_TCP_S,
-    CtKey, CtValue, FAMILY_V4, NP_FLAG_POLICY_LOCAL, PROTO_TCP, ServiceKey, ServiceValue, SlotKey,
-    flow_hash, np_counter, select_slot,
+    CtKey, CtValue, FAMILY_V4, NP_FLAG_POLICY_LOCAL, PROTO_TCP, ServiceKey, ServiceValue,
+    flow_hash, np_counter,
 };
 
 use crate::nodeport_maps::{
@@ -408,12 +408,7 @@ fn backend_alive(v: &CtValue) -> bool {
 
 #[inline(always)]
 fn pick(svc: &ServiceValue, hash: u32) -> Option<u32> {
-    let slot = SlotKey {
-        service_id: svc.service_id,
-        generation: svc.generation,
-        slot: select_slot(hash, svc.backend_count),
-    };
-    let id = unsafe { NP_SLOTS.get(&slot) }?.backend_id;
+    let id = unsafe { NP_SLOTS.get(&svc.slot_for(hash)) }?.backend_id;
     // The backend must exist too (a slot may briefly point at a backend
     // that an interrupted agent never wrote).
     unsafe { NP_BACKENDS.get(&BackendKey { backend_id: id }) }?;
