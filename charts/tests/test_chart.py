@@ -241,6 +241,7 @@ def test_agent_arguments_environment_and_probes(default_objects):
         "--max-sock-revnat": "262144",
         "--log-level": "info",
         "--metrics-address": "0.0.0.0:10256",
+        "--devices": "auto",
     }
     assert c["env"] == [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
     assert c["ports"] == [{"name": "metrics", "containerPort": 10256, "protocol": "TCP"}]
@@ -332,9 +333,15 @@ def test_values_reach_the_agent(custom_objects):
     assert ds["spec"]["template"]["metadata"]["annotations"] == NON_DEFAULT["podAnnotations"]
 
 
-def test_no_external_traffic_flags_by_default(default_objects):
+def test_devices_default_to_auto_and_take_a_list_or_none(default_objects, custom_objects):
+    # The agent's own default is auto too; the chart says it explicitly so
+    # that the DaemonSet shows where the TC programs go.
     args = args_of(one(default_objects, "DaemonSet"))
-    assert not {"--devices", "--node-ip", "--snat-port-range"} & set(args)
+    assert args["--devices"] == "auto"
+    assert not {"--node-ip", "--snat-port-range"} & set(args)
+    assert args_of(one(custom_objects, "DaemonSet"))["--devices"] == "eth0,bond0"
+    assert args_of(one(render({"devices": "none"}), "DaemonSet"))["--devices"] == "none"
+    assert args_of(one(render({"devices": ["eth1"]}), "DaemonSet"))["--devices"] == "eth1"
 
 
 def test_privileged_mode_replaces_capabilities():
@@ -382,7 +389,10 @@ def test_rbac_and_service_account_can_be_turned_off():
     [
         ({"maps": {"maxSlots": 0}}, "/maps/maxSlots"),
         ({"maps": {"maxServices": "many"}}, "/maps/maxServices"),
-        ({"devices": ["eth0,eth1"]}, "/devices/0"),
+        ({"devices": ["eth0,eth1"]}, "/devices"),
+        ({"devices": ["eth0", "none"]}, "/devices"),
+        ({"devices": []}, "/devices"),
+        ({"devices": "eth0"}, "/devices"),
         ({"snatPortRange": "40000"}, "/snatPortRange"),
         ({"metrics": {"port": 70000}}, "/metrics/port"),
         ({"logLevl": "debug"}, "logLevl"),

@@ -7,8 +7,10 @@
 //!   address sits on its loopback, there is no default route, so a ClusterIP
 //!   that is not translated ends in "network unreachable";
 //! - per node from the manifests: a cgroup v2 directory (the node's pods run
-//!   in it), a pin directory under /sys/fs/bpf and one `proxy-agent run`
-//!   attached to that cgroup, reading the same manifests;
+//!   in it), a pin directory under /sys/fs/bpf and one `proxy-agent run
+//!   --devices none` attached to that cgroup, reading the same manifests
+//!   (the agents share the host's network namespace, whose interfaces must
+//!   never get TC programs);
 //! - one `proxy-agent serve-hostname` backend per pod named in the
 //!   EndpointSlices, in its node's cgroup and the cluster namespace;
 //! - a client pod per node (`proxy-agent probe`, in the node's cgroup and the
@@ -427,6 +429,9 @@ fn populate(
             .arg(pin.path())
             // Small maps: a demo needs a handful of entries.
             .args(["--max-services", "64", "--max-slots", "1024", "--max-backends", "256", "--max-sock-revnat", "1024"])
+            // The agents run in the host's network namespace (the nodes are
+            // cgroups): no TC program may go on the host's interfaces.
+            .args(["--devices", "none"])
             .env("LOG_LEVEL", "info")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())
@@ -434,7 +439,7 @@ fn populate(
             .stderr(fs::File::create(&log)?);
         die_with_parent(&mut cmd);
         println!(
-            "      {name}: proxy-agent run --node {name} --manifests {} --cgroup {} --bpffs {}",
+            "      {name}: proxy-agent run --node {name} --manifests {} --cgroup {} --bpffs {} --devices none",
             relative(manifests).display(),
             cluster.nodes[i].cgroup.path().display(),
             pin.path().display()

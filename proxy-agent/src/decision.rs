@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::model::{Backend, Cluster, Endpoint, Family, Frontend, ObjectRef, ServicePort};
+use crate::model::{Backend, Cluster, Endpoint, EndpointSlice, Family, Frontend, ObjectRef, Service, ServicePort};
 use crate::topology::{self, NodeContext};
 
 /// The outcome for one Service port on this node.
@@ -69,7 +69,7 @@ pub fn decide(cluster: &Cluster, node: &str) -> Vec<PortDecision> {
     let ctx = NodeContext { name: node, nodes: &cluster.nodes };
     // Slices grouped by owning Service once, so deciding stays linear in the
     // number of objects (a scan per Service is quadratic at 10k Services).
-    let mut slices_by_service: BTreeMap<(&str, &str), Vec<&crate::model::EndpointSlice>> = BTreeMap::new();
+    let mut slices_by_service: BTreeMap<(&str, &str), Vec<&EndpointSlice>> = BTreeMap::new();
     for slice in cluster.slices.values() {
         slices_by_service.entry((slice.id.namespace.as_str(), slice.service_name.as_str())).or_default().push(slice);
     }
@@ -77,59 +77,67 @@ pub fn decide(cluster: &Cluster, node: &str) -> Vec<PortDecision> {
     let mut out = Vec::new();
     for svc in cluster.services.values() {
         let slices = slices_by_service.get(&(svc.id.namespace.as_str(), svc.id.name.as_str())).unwrap_or(&no_slices);
-        for port in &svc.ports {
-            // Endpoints of this port: slice ports are matched to Service
-            // ports by name and protocol (discovery.k8s.io/v1 EndpointPort).
-            let mut seen = BTreeSet::new();
-            let mut endpoints: Vec<&Endpoint> = Vec::new();
-            let mut ports: Vec<u16> = Vec::new();
-            for slice in slices {
-                let Some(sp) = slice
-                    .ports
-                    .iter()
-                    .find(|p| p.name == port.name && p.protocol == port.protocol)
-                else {
-                    continue;
-                };
-                for ep in &slice.endpoints {
-                    // During slice rebalancing an endpoint may briefly appear in
-                    // two slices; keep the first.
-                    if seen.insert((ep.address, sp.port)) {
-                        endpoints.push(ep);
-                        ports.push(sp.port);
-                    }
-                }
-            }
-            let ranking = topology::rank(svc, &endpoints, ctx);
-            let to_backends = |idx: &[usize]| -> Vec<Backend> {
-                let mut v: Vec<Backend> = idx
-                    .iter()
-                    .filter_map(|&i| Some(Backend { ip: endpoints.get(i)?.address, port: *ports.get(i)? }))
-                    .collect();
-                v.sort();
-                v
-            };
-            out.push(PortDecision {
-                service: svc.id.clone(),
-                port: port.clone(),
-                frontends: svc
-                    .cluster_ips
-                    .iter()
-                    .map(|ip| Frontend { ip: *ip, port: port.port, protocol: port.protocol })
-                    .collect(),
-                model: ranking.model.as_str(),
-                decision: ranking.decision,
-                cluster: to_backends(&ranking.cluster),
-                local: to_backends(&ranking.local),
-                internal_local: svc.internal_policy_local,
-                external_local: svc.external_policy_local,
-                external_ips: svc.external_ips.iter().chain(&svc.load_balancer_ips).copied().collect(),
-                health_check_node_port: svc.health_check_node_port,
-                problems: ranking.problems,
-            });
-        }
+        decide_service(svc, slices, ctx, &mut out);
     }
     out
+}
+
+/// Decides every port of one Service from its slices (those labelled with
+/// its name in its namespace), appending to `out`. `decide` and the
+/// incremental `decision_cache` both go through here, so a Service is
+/// decided the same way whichever path asks.
+pub fn decide_service(svc: &Service, slices: &[&EndpointSlice], ctx: NodeContext<'_>, out: &mut Vec<PortDecision>) {
+    for port in &svc.ports {
+        // Endpoints of this port: slice ports are matched to Service
+        // ports by name and protocol (discovery.k8s.io/v1 EndpointPort).
+        let mut seen = BTreeSet::new();
+        let mut endpoints: Vec<&Endpoint> = Vec::new();
+        let mut ports: Vec<u16> = Vec::new();
+        for slice in slices {
+            let Some(sp) = slice
+                .ports
+                .iter()
+                .find(|p| p.name == port.name && p.protocol == port.protocol)
+            else {
+                continue;
+            };
+            for ep in &slice.endpoints {
+                // During slice rebalancing an endpoint may briefly appear in
+                // two slices; keep the first.
+                if seen.insert((ep.address, sp.port)) {
+                    endpoints.push(ep);
+                    ports.push(sp.port);
+                }
+            }
+        }
+        let ranking = topology::rank(svc, &endpoints, ctx);
+        let to_backends = |idx: &[usize]| -> Vec<Backend> {
+            let mut v: Vec<Backend> = idx
+                .iter()
+                .filter_map(|&i| Some(Backend { ip: endpoints.get(i)?.address, port: *ports.get(i)? }))
+                .collect();
+            v.sort();
+            v
+        };
+        out.push(PortDecision {
+            service: svc.id.clone(),
+            port: port.clone(),
+            frontends: svc
+                .cluster_ips
+                .iter()
+                .map(|ip| Frontend { ip: *ip, port: port.port, protocol: port.protocol })
+                .collect(),
+            model: ranking.model.as_str(),
+            decision: ranking.decision,
+            cluster: to_backends(&ranking.cluster),
+            local: to_backends(&ranking.local),
+            internal_local: svc.internal_policy_local,
+            external_local: svc.external_policy_local,
+            external_ips: svc.external_ips.iter().chain(&svc.load_balancer_ips).copied().collect(),
+            health_check_node_port: svc.health_check_node_port,
+            problems: ranking.problems,
+        });
+    }
 }
 
 /// The datapath state these decisions call for: each frontend with the
@@ -193,20 +201,46 @@ pub struct ExternalState {
     pub problems: Vec<String>,
 }
 
-pub fn external_state(decisions: &[PortDecision], node_addrs: &[std::net::IpAddr]) -> ExternalState {
-    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-    let mut out = ExternalState::default();
-    let mut owner: BTreeMap<Frontend, &ObjectRef> = BTreeMap::new();
+pub fn external_state<'a, I>(decisions: I, node_addrs: &[std::net::IpAddr]) -> ExternalState
+where
+    I: IntoIterator<Item = &'a PortDecision> + Clone,
+{
+    let mut cluster_ips: BTreeMap<Frontend, &ObjectRef> = BTreeMap::new();
     // ClusterIPs keep priority in the socket map.
-    for d in decisions {
+    for d in decisions.clone() {
         for fe in &d.frontends {
-            owner.entry(*fe).or_insert(&d.service);
+            cluster_ips.entry(*fe).or_insert(&d.service);
         }
     }
-    let loopback = [IpAddr::V4(Ipv4Addr::LOCALHOST), IpAddr::V6(Ipv6Addr::LOCALHOST)];
-    let mut health: BTreeMap<u16, HealthCheck> = BTreeMap::new();
+    let mut out = external_state_of(decisions.clone(), |fe| cluster_ips.get(fe).copied(), node_addrs);
     for d in decisions {
         out.local_endpoints.extend(d.local.iter().map(|b| b.ip));
+    }
+    out
+}
+
+/// Whether a decision contributes anything to [`external_state`] besides
+/// its local endpoints: external frontends or a health check node port.
+pub fn has_external(d: &PortDecision) -> bool {
+    d.port.node_port.is_some() || !d.external_ips.is_empty() || (d.external_local && d.health_check_node_port.is_some())
+}
+
+/// [`external_state`] computed from the decisions that [`has_external`]
+/// (decisions without are skipped, as they contribute nothing), given the
+/// owner of each ClusterIP frontend. `local_endpoints` is left empty: it
+/// comes from every decision, which the caller may keep track of itself.
+pub fn external_state_of<'a>(
+    decisions: impl IntoIterator<Item = &'a PortDecision>,
+    cluster_ip_owner: impl Fn(&Frontend) -> Option<&'a ObjectRef>,
+    node_addrs: &[std::net::IpAddr],
+) -> ExternalState {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    let mut out = ExternalState::default();
+    // External frontends claimed so far (ClusterIPs come first).
+    let mut owner: BTreeMap<Frontend, &ObjectRef> = BTreeMap::new();
+    let loopback = [IpAddr::V4(Ipv4Addr::LOCALHOST), IpAddr::V6(Ipv6Addr::LOCALHOST)];
+    let mut health: BTreeMap<u16, HealthCheck> = BTreeMap::new();
+    for d in decisions.into_iter().filter(|d| has_external(d)) {
         let of_family = |set: &[Backend], fe: &Frontend| -> BTreeSet<Backend> {
             set.iter().filter(|b| Family::of(&b.ip) == Family::of(&fe.ip)).copied().collect()
         };
@@ -216,8 +250,8 @@ pub fn external_state(decisions: &[PortDecision], node_addrs: &[std::net::IpAddr
             socket_fes.extend(loopback.iter().map(|ip| Frontend { ip: *ip, port: np, protocol: d.port.protocol }));
         }
         for fe in &socket_fes {
-            match owner.get(fe) {
-                Some(first) if *first != &d.service => {
+            match cluster_ip_owner(fe).or_else(|| owner.get(fe).copied()) {
+                Some(first) if first != &d.service => {
                     out.problems.push(format!("Service {}: frontend {fe} is already used by Service {first}; ignored", d.service));
                     continue;
                 }

@@ -1,6 +1,6 @@
-//! The API server as a source of the model: kube-runtime watchers feeding
-//! reflector stores for Services, EndpointSlices and Nodes, and the
-//! conversion of the stores' contents into a `model::Cluster`.
+//! The API server as a source of the model: kube-runtime watchers for
+//! Services, EndpointSlices and Nodes that convert each object once, when
+//! it arrives, and queue the result for the sync loop (`kube_model`).
 //!
 //! Objects are converted by the same `objects::*_from_json` functions that
 //! read manifests, so both sources agree on every check. Services are
@@ -11,22 +11,25 @@
 //! Node status is large and changes every few seconds (heartbeats), which
 //! would wake the agent for nothing.
 //!
-//! The stores only ever change by whole relists or single events, and a
-//! relist replaces a store's contents only once it is complete
+//! The model only ever changes by whole relists or single events, and a
+//! relist replaces a kind's objects only once it is complete
 //! (`watcher::Event::InitDone`), so an API server outage or an expired
-//! watch never shows the sync loop an empty or half-listed store.
+//! watch never shows the sync loop an empty or half-listed kind. No copy
+//! of the API server's objects is kept (kube-runtime's reflector stores
+//! would hold every object as received): only the converted model and, per
+//! object, its resourceVersion, so a relist converts only what changed.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Debug;
 use std::hash::Hash;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Node, Service};
 use k8s_openapi::api::discovery::v1::EndpointSlice;
 use kube::api::{Api, ApiResource, DynamicObject, PartialObjectMeta};
-use kube::runtime::reflector::store::Writer;
-use kube::runtime::reflector::Store;
 use kube::runtime::watcher::{self, DefaultBackoff};
 use kube::runtime::WatchStreamExt;
 use kube::{Client, Resource};
@@ -36,8 +39,10 @@ use serde_json::Value;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::error_chain::error_chain;
+pub use crate::kube_model::ObjectProblem;
+use crate::kube_model::{Delta, Model, Object};
 use crate::model::{Cluster, ObjectRef};
-use crate::objects::{self, Converted, ObjectError, SERVICE_NAME_LABEL};
+use crate::objects::{self, Converted, SERVICE_NAME_LABEL};
 
 /// Services another proxy implements, and headless Services, are not
 /// watched at all; kube-proxy uses the same selector
@@ -84,40 +89,55 @@ pub enum Signal {
     /// `expired` marks an expired resourceVersion (410 Gone or "too large
     /// resource version"), after which a relist follows.
     Failed { kind: Kind, expired: bool, message: String },
+    /// Something outside the API server that the sync depends on changed
+    /// (e.g. the node's addresses, which NodePorts are served on): sync
+    /// again.
+    Resync { reason: &'static str },
 }
 
-/// Read handles on the reflector stores.
-#[derive(Clone)]
+/// What the watchers have converted and not yet handed to the sync loop,
+/// and how many objects of each kind exist.
+#[derive(Clone, Default)]
 pub struct Stores {
-    pub services: Store<DynamicObject>,
-    pub slices: Store<EndpointSlice>,
-    pub nodes: Store<PartialObjectMeta<Node>>,
+    queue: Arc<Mutex<Vec<Delta>>>,
+    counts: Arc<[AtomicUsize; 3]>,
 }
 
-/// Starts one watcher task per kind and returns the stores they fill.
+impl Stores {
+    /// Takes every delta queued so far, oldest first.
+    pub fn drain(&self) -> Vec<Delta> {
+        std::mem::take(&mut *self.queue.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    fn push(&self, deltas: impl IntoIterator<Item = Delta>) {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner()).extend(deltas);
+    }
+
+    /// Objects of `kind` the API server holds, as of the last event.
+    pub fn len(&self, kind: Kind) -> usize {
+        self.counts[kind as usize].load(Ordering::Relaxed)
+    }
+}
+
+/// Starts one watcher task per kind and returns the queue they fill.
 /// The tasks run until the runtime shuts down.
 pub fn start(client: Client, tx: UnboundedSender<Signal>) -> Stores {
+    let stores = Stores::default();
     let svc_resource = ApiResource::erase::<Service>(&());
     let services: Api<DynamicObject> = Api::all_with(client.clone(), &svc_resource);
-    let svc_writer = Writer::<DynamicObject>::new(svc_resource);
-    let svc_store = svc_writer.as_reader();
     let svc_config = watcher::Config::default().labels(SERVICE_LABEL_SELECTOR);
-    tokio::spawn(watch_kind(services, svc_config, svc_writer, Kind::Service, tx.clone(), |_| None));
+    tokio::spawn(watch_kind(services, svc_config, stores.clone(), Kind::Service, tx.clone(), |_| None, |o| convert(Kind::Service, &o)));
 
     let slices: Api<EndpointSlice> = Api::all(client.clone());
-    let slice_writer = Writer::<EndpointSlice>::default();
-    let slice_store = slice_writer.as_reader();
-    tokio::spawn(watch_kind(slices, watcher::Config::default(), slice_writer, Kind::EndpointSlice, tx.clone(), slice_trigger_time));
+    tokio::spawn(watch_kind(slices, watcher::Config::default(), stores.clone(), Kind::EndpointSlice, tx.clone(), slice_trigger_time, |s| Some(slice_delta(s))));
 
     // `Api<PartialObjectMeta<K>>` makes list and watch send the
     // `as=PartialObjectMetadata[List];g=meta.k8s.io;v=v1` Accept header
     // (what kube's deprecated `metadata_watcher` did).
     let nodes: Api<PartialObjectMeta<Node>> = Api::all(client);
-    let node_writer = Writer::<PartialObjectMeta<Node>>::default();
-    let node_store = node_writer.as_reader();
-    tokio::spawn(watch_kind(nodes, watcher::Config::default(), node_writer, Kind::Node, tx, |_| None));
+    tokio::spawn(watch_kind(nodes, watcher::Config::default(), stores.clone(), Kind::Node, tx, |_| None, |o| convert(Kind::Node, &o)));
 
-    Stores { services: svc_store, slices: slice_store, nodes: node_store }
+    stores
 }
 
 fn slice_trigger_time(s: &EndpointSlice) -> Option<SystemTime> {
@@ -158,18 +178,42 @@ fn classify(e: &watcher::Error) -> (bool, bool) {
     (expired, expired)
 }
 
+/// namespace/name (Nodes: empty namespace) and resourceVersion of an object.
+fn key_of<K: Resource>(obj: &K) -> (ObjectRef, String) {
+    let m = obj.meta();
+    (
+        ObjectRef::new(m.namespace.clone().unwrap_or_default(), m.name.clone().unwrap_or_default()),
+        m.resource_version.clone().unwrap_or_default(),
+    )
+}
+
+/// Converts one object as received.
+fn convert<K: Serialize>(kind: Kind, obj: &K) -> Option<Delta> {
+    // Serializing a value that was deserialized from JSON cannot fail in
+    // practice; an object that somehow does is skipped like a bad object.
+    let v = serde_json::to_value(obj).ok()?;
+    Some(delta_from_value(kind, &v))
+}
+
 async fn watch_kind<K>(
     api: Api<K>,
     config: watcher::Config,
-    mut writer: Writer<K>,
+    stores: Stores,
     kind: Kind,
     tx: UnboundedSender<Signal>,
     trigger_of: fn(&K) -> Option<SystemTime>,
+    convert_of: fn(K) -> Option<Delta>,
 ) where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     K::DynamicType: Eq + Hash + Clone + Send + Sync,
 {
     let mut restart_backoff = DefaultBackoff::default();
+    // The objects the model holds for this kind, with their
+    // resourceVersions; kept across watcher restarts like a store would be.
+    let mut known: HashMap<ObjectRef, String> = HashMap::new();
+    // A relist in progress: what it has seen, and the deltas it will hand
+    // over when complete.
+    let mut relist: Option<(HashMap<ObjectRef, String>, Vec<Delta>)> = None;
     loop {
         // default_backoff: exponential 0.8 s .. 30 s with jitter between
         // failed attempts (client-go's reflector values), reset by success.
@@ -178,18 +222,46 @@ async fn watch_kind<K>(
         while let Some(item) = stream.next().await {
             match item {
                 Ok(event) => {
-                    // Applying events ourselves (rather than `.reflect()`)
-                    // keeps the writer when the watcher must be restarted.
-                    writer.apply_watcher_event(&event);
-                    let signal = match &event {
+                    let signal = match event {
                         watcher::Event::Apply(obj) => {
-                            Some(Signal::Changed { kind, trigger: trigger_of(obj).unwrap_or_else(SystemTime::now) })
+                            let (id, rv) = key_of(&obj);
+                            let trigger = trigger_of(&obj).unwrap_or_else(SystemTime::now);
+                            stores.push(convert_of(obj));
+                            known.insert(id, rv);
+                            stores.counts[kind as usize].store(known.len(), Ordering::Relaxed);
+                            Some(Signal::Changed { kind, trigger })
                         }
                         // A deleted slice's trigger annotation describes its
                         // last update, not the deletion.
-                        watcher::Event::Delete(_) => Some(Signal::Changed { kind, trigger: SystemTime::now() }),
-                        watcher::Event::InitDone => Some(Signal::Listed { kind }),
-                        watcher::Event::Init | watcher::Event::InitApply(_) => None,
+                        watcher::Event::Delete(obj) => {
+                            let (id, _) = key_of(&obj);
+                            known.remove(&id);
+                            stores.push([Delta::removed(kind, id)]);
+                            stores.counts[kind as usize].store(known.len(), Ordering::Relaxed);
+                            Some(Signal::Changed { kind, trigger: SystemTime::now() })
+                        }
+                        watcher::Event::Init => {
+                            relist = Some((HashMap::new(), Vec::new()));
+                            None
+                        }
+                        watcher::Event::InitApply(obj) => {
+                            let (id, rv) = key_of(&obj);
+                            let (seen, deltas) = relist.get_or_insert_with(Default::default);
+                            // Unchanged since we last saw it: nothing to convert.
+                            if known.get(&id) != Some(&rv) {
+                                deltas.extend(convert_of(obj));
+                            }
+                            seen.insert(id, rv);
+                            None
+                        }
+                        watcher::Event::InitDone => {
+                            let (seen, mut deltas) = relist.take().unwrap_or_default();
+                            deltas.extend(known.keys().filter(|k| !seen.contains_key(*k)).map(|k| Delta::removed(kind, k.clone())));
+                            known = seen;
+                            stores.push(deltas);
+                            stores.counts[kind as usize].store(known.len(), Ordering::Relaxed);
+                            Some(Signal::Listed { kind })
+                        }
                     };
                     if let Some(s) = signal
                         && tx.send(s).is_err()
@@ -217,19 +289,7 @@ async fn watch_kind<K>(
     }
 }
 
-
-/// An object left out of the model, and the Service it concerns (for the
-/// Event), if any.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ObjectProblem {
-    pub kind: Kind,
-    pub error: ObjectError,
-    /// The Service the problem belongs to: the Service itself, or the owner
-    /// named by an EndpointSlice's `kubernetes.io/service-name` label.
-    pub service: Option<ObjectRef>,
-}
-
-/// The model built from the stores, with what was left out.
+/// The model built from a set of objects, with what was left out.
 #[derive(Debug, Default)]
 pub struct Snapshot {
     pub cluster: Cluster,
@@ -238,84 +298,93 @@ pub struct Snapshot {
     pub service_uids: BTreeMap<ObjectRef, String>,
 }
 
-impl Stores {
-    /// Converts what the stores hold right now.
-    pub fn snapshot(&self) -> Snapshot {
-        snapshot_from_values(&values(self.services.state()), &values(self.slices.state()), &values(self.nodes.state()))
-    }
-
-    /// Object counts per kind, as held in the stores.
-    pub fn len(&self, kind: Kind) -> usize {
-        match kind {
-            Kind::Service => self.services.len(),
-            Kind::EndpointSlice => self.slices.len(),
-            Kind::Node => self.nodes.len(),
-        }
-    }
-}
-
-fn values<T: Serialize>(objects: Vec<std::sync::Arc<T>>) -> Vec<Value> {
-    // Serializing a value that was deserialized from JSON cannot fail in
-    // practice; an object that somehow does is skipped like a bad object.
-    objects.iter().filter_map(|o| serde_json::to_value(&**o).ok()).collect()
-}
-
 fn meta_ref(v: &Value) -> ObjectRef {
     let meta = v.get("metadata");
     let s = |k: &str| meta.and_then(|m| m.get(k)).and_then(Value::as_str).unwrap_or_default().to_string();
-    ObjectRef::new(s("namespace"), s("name"))
+    // As objects.rs names objects: no namespace means "default".
+    let ns = s("namespace");
+    ObjectRef::new(if ns.is_empty() { "default".to_string() } else { ns }, s("name"))
+}
+
+/// Converts one object of `kind` (as JSON, the API server's or a test's)
+/// into what the model needs. The same `objects::*_from_json` functions
+/// read manifests, so both sources agree on every check.
+pub fn delta_from_value(kind: Kind, v: &Value) -> Delta {
+    let id = meta_ref(v);
+    let mut d = Delta { kind, id: id.clone(), present: true, uid: None, object: None, problems: Vec::new() };
+    match kind {
+        Kind::Service => {
+            d.uid = v.get("metadata").and_then(|m| m.get("uid")).and_then(Value::as_str).map(str::to_string);
+            match objects::service_from_json(v) {
+                Ok((converted, partial)) => {
+                    d.problems.extend(partial.into_iter().map(|error| ObjectProblem {
+                        kind: Kind::Service,
+                        error,
+                        service: Some(id.clone()),
+                    }));
+                    if let Converted::Ok(s) = converted {
+                        d.object = Some(Object::Service(s));
+                    }
+                }
+                Err(error) => d.problems.push(ObjectProblem { kind: Kind::Service, error, service: Some(id) }),
+            }
+        }
+        Kind::EndpointSlice => {
+            let owner = v
+                .get("metadata")
+                .and_then(|m| m.get("labels"))
+                .and_then(|l| l.get(SERVICE_NAME_LABEL))
+                .and_then(Value::as_str)
+                .map(|name| ObjectRef::new(id.namespace.clone(), name));
+            slice_result(&mut d, owner, objects::slice_from_json(v));
+        }
+        Kind::Node => match objects::node_from_json(v) {
+            Ok(n) => d.object = Some(Object::Node(n)),
+            Err(error) => d.problems.push(ObjectProblem { kind: Kind::Node, error, service: None }),
+        },
+    }
+    d
+}
+
+/// A typed slice as the watcher receives it, converted like
+/// [`delta_from_value`] converts one given as JSON.
+fn slice_delta(s: EndpointSlice) -> Delta {
+    let (id, _) = key_of(&s);
+    let id = ObjectRef::new(if id.namespace.is_empty() { "default".to_string() } else { id.namespace }, id.name);
+    let owner = s.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL)).map(|name| ObjectRef::new(id.namespace.clone(), name));
+    let mut d = Delta { kind: Kind::EndpointSlice, id, present: true, uid: None, object: None, problems: Vec::new() };
+    slice_result(&mut d, owner, objects::slice_from_typed(s));
+    d
+}
+
+fn slice_result(
+    d: &mut Delta,
+    owner: Option<ObjectRef>,
+    result: Result<(Converted<crate::model::EndpointSlice>, Vec<objects::ObjectError>), objects::ObjectError>,
+) {
+    let problem = |error| ObjectProblem { kind: Kind::EndpointSlice, error, service: owner.clone() };
+    match result {
+        Ok((converted, partial)) => {
+            d.problems.extend(partial.into_iter().map(problem));
+            if let Converted::Ok(s) = converted {
+                d.object = Some(Object::Slice(s));
+            }
+        }
+        Err(error) => d.problems.push(problem(error)),
+    }
 }
 
 /// Builds the model from objects as JSON (the API server's or a test's).
 pub fn snapshot_from_values(services: &[Value], slices: &[Value], nodes: &[Value]) -> Snapshot {
-    let mut snap = Snapshot::default();
-    for v in services {
-        let id = meta_ref(v);
-        if let Some(uid) = v.get("metadata").and_then(|m| m.get("uid")).and_then(Value::as_str) {
-            snap.service_uids.insert(id.clone(), uid.to_string());
-        }
-        match objects::service_from_json(v) {
-            Ok((converted, partial)) => {
-                snap.problems.extend(partial.into_iter().map(|error| ObjectProblem {
-                    kind: Kind::Service,
-                    error,
-                    service: Some(id.clone()),
-                }));
-                if let Converted::Ok(s) = converted {
-                    snap.cluster.services.insert(s.id.clone(), s);
-                }
-            }
-            Err(error) => snap.problems.push(ObjectProblem { kind: Kind::Service, error, service: Some(id) }),
-        }
-    }
-    for v in slices {
-        let id = meta_ref(v);
-        let owner = v
-            .get("metadata")
-            .and_then(|m| m.get("labels"))
-            .and_then(|l| l.get(SERVICE_NAME_LABEL))
-            .and_then(Value::as_str)
-            .map(|name| ObjectRef::new(id.namespace.clone(), name));
-        let problem = |error| ObjectProblem { kind: Kind::EndpointSlice, error, service: owner.clone() };
-        match objects::slice_from_json(v) {
-            Ok((converted, partial)) => {
-                snap.problems.extend(partial.into_iter().map(problem));
-                if let Converted::Ok(s) = converted {
-                    snap.cluster.slices.insert(s.id.clone(), s);
-                }
-            }
-            Err(error) => snap.problems.push(problem(error)),
-        }
-    }
-    for v in nodes {
-        match objects::node_from_json(v) {
-            Ok(n) => {
-                snap.cluster.nodes.insert(n.name.clone(), n);
-            }
-            Err(error) => snap.problems.push(ObjectProblem { kind: Kind::Node, error, service: None }),
-        }
-    }
-    snap
+    let mut model = Model::default();
+    let deltas = services
+        .iter()
+        .map(|v| delta_from_value(Kind::Service, v))
+        .chain(slices.iter().map(|v| delta_from_value(Kind::EndpointSlice, v)))
+        .chain(nodes.iter().map(|v| delta_from_value(Kind::Node, v)));
+    model.apply(deltas);
+    let problems = model.problems().cloned().collect();
+    Snapshot { problems, service_uids: std::mem::take(&mut model.service_uids), cluster: model.cluster }
 }
 
 #[cfg(test)]
@@ -348,8 +417,24 @@ mod tests {
         assert_eq!(got.len(), 3, "{got:?}");
         assert_eq!(got[0].1.as_deref(), Some("shop/bad"));
         assert!(got[0].2.contains("is not an IP address"));
-        assert_eq!((got[1].0, got[1].1.as_deref()), (Kind::EndpointSlice, Some("shop/web")), "a bad endpoint is reported on its Service");
-        assert_eq!((got[2].0, got[2].1.as_deref()), (Kind::EndpointSlice, None), "an orphan slice has no Service");
+        // Problems come by kind, then namespace/name: shop/orphan, shop/web-1.
+        assert_eq!((got[1].0, got[1].1.as_deref()), (Kind::EndpointSlice, None), "an orphan slice has no Service");
+        assert_eq!((got[2].0, got[2].1.as_deref()), (Kind::EndpointSlice, Some("shop/web")), "a bad endpoint is reported on its Service");
+    }
+
+    #[test]
+    fn typed_slices_convert_like_json_ones() {
+        let v = json!({
+            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+            "metadata": {"name": "web-1", "namespace": "shop", "resourceVersion": "7", "labels": {"kubernetes.io/service-name": "web"}},
+            "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}, {"port": 0}],
+            "endpoints": [{"addresses": ["10.244.0.1"], "nodeName": "a", "conditions": {"ready": false}}, {"addresses": ["nope"]}]
+        });
+        let typed: EndpointSlice = serde_json::from_value(v.clone()).expect("typed slice");
+        let d = slice_delta(typed);
+        assert_eq!(d, delta_from_value(Kind::EndpointSlice, &v));
+        assert_eq!(d.problems.len(), 2, "{:?}", d.problems);
+        assert!(matches!(&d.object, Some(Object::Slice(s)) if s.endpoints.len() == 1 && s.ports.len() == 1));
     }
 
     #[test]

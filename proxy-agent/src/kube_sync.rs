@@ -1,11 +1,14 @@
 //! The level-triggered sync loop of Kubernetes mode.
 //!
-//! Watch events only mark the state dirty; a sync reads the complete
-//! stores, builds the model and lets `sync::sync` rank, diff against the
-//! pinned maps and write the difference. A burst of events therefore costs
-//! one recomputation, and a missed or duplicated event cannot leave the
-//! maps wrong: the next sync computes from the whole state (kube-proxy's
-//! design: pkg/proxy/runner BoundedFrequencyRunner + full syncProxyRules).
+//! Watch events only mark the state dirty (the watchers queue the
+//! converted objects, `kube_source`); a sync applies the queue to the model
+//! and lets `sync::CachedSync` decide again the Services that changed, diff
+//! their frontends against the pinned maps and write the difference. A
+//! burst of events therefore costs one pass, and a duplicated event changes
+//! nothing. The first sync and the periodic one (--sync-period) compare the
+//! whole state with the maps, so nothing can stay wrong for longer
+//! (kube-proxy's design: pkg/proxy/runner BoundedFrequencyRunner, with
+//! partial syncs between full ones as its nftables proxier does).
 //!
 //! Nothing is written before every kind has been listed once. Until then
 //! the maps keep what the previous agent left (adopted from the pins), so a
@@ -21,16 +24,19 @@ use tokio::sync::mpsc::error::TryRecvError;
 
 use crate::events::{self, EventReporter, ServiceProblem};
 use crate::health_server::Health;
+use crate::decision_cache::Changes;
+use crate::kube_model::Model;
 use crate::kube_source::{Kind, ObjectProblem, Signal, Stores};
 use crate::map_writer::MapWriter;
 use crate::metrics::{Metrics, reason};
 use crate::model::Cluster;
-use crate::sync::{self, SyncOutcome};
+use crate::sync::{CachedSync, SyncOutcome};
 
-/// One pass from the model to the maps. `sync::sync` programs the socket
-/// datapath; the binary can put a pass that also programs other parts
-/// (e.g. `sync::sync_with_external`) in its place.
-pub type SyncStep = Box<dyn FnMut(&mut MapWriter, &Cluster, &str) -> SyncOutcome + Send>;
+/// One pass from the model to the maps, given what changed since the last
+/// one and whether to compare everything (`full`). The default programs
+/// the socket datapath; the binary can put a pass that also programs other
+/// parts (the external datapath) in its place.
+pub type SyncStep = Box<dyn FnMut(&mut MapWriter, &mut CachedSync, &Cluster, &Changes, bool) -> SyncOutcome + Send>;
 
 #[derive(Clone, Debug)]
 pub struct SyncConfig {
@@ -52,6 +58,10 @@ pub struct SyncLoop {
     health: Arc<Health>,
     events: Option<EventReporter>,
     step: SyncStep,
+    /// The cluster as converted from watch events, and the decisions kept
+    /// between syncs.
+    model: Model,
+    cached: CachedSync,
     listed: BTreeSet<Kind>,
     /// Changes seen since the last sync, with their trigger times.
     pending: Vec<(Kind, SystemTime)>,
@@ -74,6 +84,7 @@ impl SyncLoop {
         events: Option<EventReporter>,
     ) -> SyncLoop {
         health.waiting_for("Services, EndpointSlices and Nodes to be listed from the API server");
+        let cached = CachedSync::new(&config.node);
         SyncLoop {
             config,
             writer,
@@ -81,7 +92,9 @@ impl SyncLoop {
             metrics,
             health,
             events,
-            step: Box::new(sync::sync),
+            step: Box::new(|writer, cached, cluster, changes, full| cached.pass(writer, None, cluster, changes, full)),
+            model: Model::default(),
+            cached,
             listed: BTreeSet::new(),
             pending: Vec::new(),
             dirty: false,
@@ -91,7 +104,8 @@ impl SyncLoop {
         }
     }
 
-    /// Replaces the sync pass (default: `sync::sync`).
+    /// Replaces the sync pass (default: `CachedSync::pass` without the
+    /// external datapath).
     pub fn with_step(mut self, step: SyncStep) -> SyncLoop {
         self.step = step;
         self
@@ -164,6 +178,11 @@ impl SyncLoop {
                 self.dirty = true;
                 self.mark_pending();
             }
+            Signal::Resync { reason } => {
+                tracing::info!(reason, "sync requested");
+                self.dirty = true;
+                self.mark_pending();
+            }
             Signal::Failed { kind, expired, message } => {
                 if expired {
                     // Normal after compaction or an API server restart: the
@@ -201,15 +220,21 @@ impl SyncLoop {
 
     fn sync_now(&mut self) {
         let started = Instant::now();
-        let snap = self.stores.snapshot();
-        let outcome = (self.step)(&mut self.writer, &snap.cluster, &self.config.node);
+        let first = !self.health.is_ready();
+        let mut changes = self.model.apply(self.stores.drain());
+        // The first pass decides everything; a pass without pending changes
+        // is the periodic resync (--sync-period), which compares the whole
+        // state with the maps and retries frontends that failed.
+        changes.all |= first;
+        let full = first || !self.dirty;
+        let outcome = (self.step)(&mut self.writer, &mut self.cached, &self.model.cluster, &changes, full);
         let took = started.elapsed();
 
         // Bad objects and configuration problems: log and count each when it
         // first appears; the Event reporter posts each once.
         let mut current_logs = BTreeSet::new();
         let mut problems: Vec<ServiceProblem> = Vec::new();
-        for p in &snap.problems {
+        for p in self.model.problems() {
             let line = p.error.to_string();
             if !self.logged.contains(&line) {
                 tracing::warn!(kind = %p.error.kind, object = %p.error.object, "object skipped: {}", p.error.reason);
@@ -217,7 +242,7 @@ impl SyncLoop {
             }
             current_logs.insert(line);
             if let Some(svc) = &p.service
-                && let Some(uid) = snap.service_uids.get(svc)
+                && let Some(uid) = self.model.service_uids.get(svc)
             {
                 problems.push(ServiceProblem {
                     service: svc.clone(),
@@ -233,7 +258,7 @@ impl SyncLoop {
                 });
             }
         }
-        for d in &outcome.decisions {
+        for d in self.cached.decisions_with_problems() {
             for problem in &d.problems {
                 let line = format!("Service {}: {problem}", d.service);
                 if !self.logged.contains(&line) && !current_logs.contains(&line) {
@@ -243,7 +268,7 @@ impl SyncLoop {
                 current_logs.insert(line);
                 problems.push(ServiceProblem {
                     service: d.service.clone(),
-                    uid: snap.service_uids.get(&d.service).cloned(),
+                    uid: self.model.service_uids.get(&d.service).cloned(),
                     reason: events::topology_reason(problem),
                     message: problem.clone(),
                 });
@@ -276,17 +301,16 @@ impl SyncLoop {
         for (kind, trigger) in self.pending.drain(..) {
             self.metrics.programmed(kind.as_str(), trigger);
         }
-        let first = !self.health.is_ready();
         self.health.synced();
         self.dirty = false;
         self.last_sync = Some(Instant::now());
         let changed = outcome.upserts + outcome.deletes > 0;
         if first || changed || !outcome.failures.is_empty() {
             tracing::info!(
-                services = snap.cluster.services.len(),
-                slices = snap.cluster.slices.len(),
-                nodes = snap.cluster.nodes.len(),
-                frontends = self.writer.state().len(),
+                services = self.model.cluster.services.len(),
+                slices = self.model.cluster.slices.len(),
+                nodes = self.model.cluster.nodes.len(),
+                frontends = self.writer.frontends(),
                 upserts = outcome.upserts,
                 deletes = outcome.deletes,
                 failed = outcome.failures.len(),

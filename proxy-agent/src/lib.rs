@@ -5,11 +5,14 @@
 //! `topology` and `decision` (pure) -> `plan` (pure diff) -> `map_writer`
 //! (aya) -> kernel. `loader` installs the programs; `sync` runs one pass.
 
+pub mod conntrack_gc;
 pub mod decision;
+pub mod decision_cache;
 pub mod error_chain;
 pub mod events;
 pub mod health_server;
 pub mod healthcheck_server;
+pub mod kube_model;
 pub mod kube_source;
 pub mod kube_sync;
 pub mod loader;
@@ -18,6 +21,7 @@ pub mod map_dump;
 pub mod map_writer;
 pub mod metrics;
 pub mod model;
+pub mod node_addresses;
 pub mod nodeport;
 pub mod mounts;
 pub mod objects;

@@ -71,15 +71,23 @@ fn walk(p: &Path, explicit: bool, out: &mut Vec<PathBuf>, errors: &mut Vec<Manif
 
 /// Reads every object from `paths`.
 pub fn load(paths: &[PathBuf]) -> (Vec<Document>, Vec<ManifestError>) {
-    let (files, mut errors) = files(paths);
     let mut docs = Vec::new();
-    for f in files {
-        match fs::read_to_string(&f) {
-            Ok(text) => parse_into(&f.display().to_string(), &text, &mut docs, &mut errors),
-            Err(e) => errors.push(ManifestError { location: f.display().to_string(), reason: format!("cannot read: {e}") }),
+    let errors = for_each(paths, |d| docs.push(d));
+    (docs, errors)
+}
+
+/// Hands every object from `paths` to `f` as soon as it is parsed, one
+/// document at a time, so the caller need not hold them all (the agent
+/// converts each into its model and drops it).
+pub fn for_each(paths: &[PathBuf], mut f: impl FnMut(Document)) -> Vec<ManifestError> {
+    let (files, mut errors) = files(paths);
+    for file in files {
+        match fs::read_to_string(&file) {
+            Ok(text) => parse_each(&file.display().to_string(), &text, &mut f, &mut errors),
+            Err(e) => errors.push(ManifestError { location: file.display().to_string(), reason: format!("cannot read: {e}") }),
         }
     }
-    (docs, errors)
+    errors
 }
 
 /// A cheap fingerprint of the manifest set (names, sizes and contents) so
@@ -101,6 +109,11 @@ pub fn fingerprint(paths: &[PathBuf]) -> u64 {
 /// Parses one file's text. YAML is a superset of JSON, so one parser serves
 /// both; every `---` document is an object or a `List` of objects.
 pub fn parse_into(source: &str, text: &str, docs: &mut Vec<Document>, errors: &mut Vec<ManifestError>) {
+    parse_each(source, text, &mut |d| docs.push(d), errors);
+}
+
+/// [`parse_into`], handing each object to `f`.
+fn parse_each(source: &str, text: &str, f: &mut impl FnMut(Document), errors: &mut Vec<ManifestError>) {
     for (i, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
         let src = format!("{source}#{}", i + 1);
         let value = match Value::deserialize(de) {
@@ -111,27 +124,27 @@ pub fn parse_into(source: &str, text: &str, docs: &mut Vec<Document>, errors: &m
                 break;
             }
         };
-        push_object(&src, value, docs, errors);
+        push_object(&src, value, f, errors);
     }
 }
 
-fn push_object(src: &str, value: Value, docs: &mut Vec<Document>, errors: &mut Vec<ManifestError>) {
+fn push_object(src: &str, value: Value, f: &mut impl FnMut(Document), errors: &mut Vec<ManifestError>) {
     match value {
         Value::Null => {} // empty document between separators
-        Value::Object(ref map) => {
-            let kind = map.get("kind").and_then(Value::as_str).unwrap_or_default();
+        Value::Object(mut map) => {
+            let kind = map.get("kind").and_then(Value::as_str).unwrap_or_default().to_string();
             if kind.ends_with("List") && map.contains_key("items") {
-                match map.get("items") {
+                match map.remove("items") {
                     Some(Value::Array(items)) => {
-                        for (j, item) in items.iter().enumerate() {
-                            push_object(&format!("{src}[{j}]"), item.clone(), docs, errors);
+                        for (j, item) in items.into_iter().enumerate() {
+                            push_object(&format!("{src}[{j}]"), item, f, errors);
                         }
                     }
                     Some(Value::Null) => {}
                     _ => errors.push(ManifestError { location: src.into(), reason: format!("{kind}.items is not a list") }),
                 }
             } else {
-                docs.push(Document { location: src.into(), value });
+                f(Document { location: src.into(), value: Value::Object(map) });
             }
         }
         other => errors.push(ManifestError {

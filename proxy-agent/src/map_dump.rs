@@ -19,9 +19,12 @@ use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
-use aya::maps::{HashMap, Map, MapData, MapError, PerCpuArray};
+use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray};
 use proxy_common as pc;
-use proxy_common::{BackendKey, BackendValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SockRevNatKey, SockRevNatValue};
+use proxy_common::{
+    AddrKey, BackendKey, BackendValue, CtKey, CtValue, NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey,
+    SlotValue, SockRevNatKey, SockRevNatValue,
+};
 use serde::Serialize;
 
 use crate::map_writer::{backend_of, frontend_of};
@@ -47,6 +50,26 @@ pub struct Snapshot {
     /// Per-CPU values summed, indexed by counter id.
     pub counters: Vec<u64>,
     pub maps: Vec<MapUsage>,
+    /// The TC datapath's `NP_*` maps; `None` when they are not pinned (a
+    /// datapath installed by an agent without external-traffic support).
+    pub nodeport: Option<NpSnapshot>,
+}
+
+/// Everything the `NP_*` maps hold, as raw entries.
+#[derive(Clone, Debug, Default)]
+pub struct NpSnapshot {
+    pub services: Vec<(ServiceKey, ServiceValue)>,
+    pub slots: Vec<(SlotKey, SlotValue)>,
+    pub backends: Vec<(BackendKey, BackendValue)>,
+    pub flags: Vec<(ServiceKey, NpFlagsValue)>,
+    pub local: Vec<(AddrKey, u32)>,
+    pub conntrack: Vec<(CtKey, CtValue)>,
+    pub config: Option<NpConfig>,
+    /// `NP_COUNTERS` summed over CPUs, indexed by counter id.
+    pub counters: Vec<u64>,
+    /// CLOCK_MONOTONIC seconds when the conntrack table was read, to show
+    /// entries' ages (`seen_s` is on that clock).
+    pub now_s: Option<u32>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -157,14 +180,78 @@ pub fn read(pin_dir: &Path) -> Result<Snapshot, DumpError> {
     snap.slots = slots;
     snap.backends = backends;
     snap.counters = sums;
+    if pin_dir.join(pc::NP_SERVICES_MAP).exists() {
+        let np = read_nodeport(pin_dir, &mut snap.maps)?;
+        snap.nodeport = Some(np);
+    }
     Ok(snap)
+}
+
+fn hash_entries<K: aya::Pod + Ord, V: aya::Pod>(
+    pin_dir: &Path,
+    name: &'static str,
+    maps: &mut Vec<MapUsage>,
+) -> Result<Vec<(K, V)>, DumpError> {
+    let (map, max) = open(pin_dir, name)?;
+    let out = entries::<K, V>(map, name, pin_dir, max)?;
+    maps.push(MapUsage { name, entries: out.len() as u64, max_entries: max });
+    Ok(out)
+}
+
+fn per_cpu_sums(pin_dir: &Path, name: &'static str) -> Result<(Vec<u64>, u32), DumpError> {
+    let (map, max) = open(pin_dir, name)?;
+    let arr = PerCpuArray::<MapData, u64>::try_from(map).map_err(|error| DumpError::Kind { path: pin_dir.join(name), error })?;
+    let mut sums = Vec::with_capacity(max as usize);
+    for i in 0..max {
+        let per_cpu = arr.get(&i, 0).map_err(|error| DumpError::Read { map: name, error })?;
+        sums.push(per_cpu.iter().fold(0u64, |a, v| a.wrapping_add(*v)));
+    }
+    Ok((sums, max))
+}
+
+/// The TC programs' `NP_COUNTERS` summed over CPUs, indexed by counter id
+/// (`proxy_common::np_counter::NAMES`). Read-only; used by `/metrics`.
+pub fn np_counter_sums(pin_dir: &Path) -> Result<Vec<u64>, DumpError> {
+    per_cpu_sums(pin_dir, pc::NP_COUNTERS_MAP).map(|(s, _)| s)
+}
+
+fn read_nodeport(pin_dir: &Path, maps: &mut Vec<MapUsage>) -> Result<NpSnapshot, DumpError> {
+    let mut np = NpSnapshot {
+        services: hash_entries(pin_dir, pc::NP_SERVICES_MAP, maps)?,
+        slots: hash_entries(pin_dir, pc::NP_SLOTS_MAP, maps)?,
+        backends: hash_entries(pin_dir, pc::NP_BACKENDS_MAP, maps)?,
+        flags: hash_entries(pin_dir, pc::NP_FLAGS_MAP, maps)?,
+        local: hash_entries(pin_dir, pc::NP_LOCAL_MAP, maps)?,
+        // NP_CT is an LRU hash; aya reads it through the same HashMap type.
+        conntrack: hash_entries(pin_dir, pc::NP_CT_MAP, maps)?,
+        ..NpSnapshot::default()
+    };
+    np.now_s = crate::conntrack_gc::monotonic_now_s().ok();
+    let (map, max) = open(pin_dir, pc::NP_CONFIG_MAP)?;
+    let config = Array::<MapData, NpConfig>::try_from(map)
+        .map_err(|error| DumpError::Kind { path: pin_dir.join(pc::NP_CONFIG_MAP), error })?;
+    np.config = Some(config.get(&0, 0).map_err(|error| DumpError::Read { map: pc::NP_CONFIG_MAP, error })?);
+    maps.push(MapUsage { name: pc::NP_CONFIG_MAP, entries: u64::from(max), max_entries: max });
+    let (sums, max) = per_cpu_sums(pin_dir, pc::NP_COUNTERS_MAP)?;
+    maps.push(MapUsage { name: pc::NP_COUNTERS_MAP, entries: u64::from(max), max_entries: max });
+    np.counters = sums;
+    Ok(np)
 }
 
 /// Counter values by name (`proxy_common::counter::NAMES`).
 pub fn named_counters(sums: &[u64]) -> BTreeMap<String, u64> {
+    named(sums, &pc::counter::NAMES)
+}
+
+/// `NP_COUNTERS` values by name (`proxy_common::np_counter::NAMES`).
+pub fn named_np_counters(sums: &[u64]) -> BTreeMap<String, u64> {
+    named(sums, &pc::np_counter::NAMES)
+}
+
+fn named(sums: &[u64], names: &[&str]) -> BTreeMap<String, u64> {
     sums.iter()
         .enumerate()
-        .map(|(i, v)| (pc::counter::NAMES.get(i).map_or_else(|| format!("counter{i}"), |n| (*n).to_string()), *v))
+        .map(|(i, v)| (names.get(i).map_or_else(|| format!("counter{i}"), |n| (*n).to_string()), *v))
         .collect()
 }
 
@@ -197,22 +284,41 @@ pub enum FindingKind {
     OrphanSlots,
     /// A backend that no live slot uses.
     UnreferencedBackend,
+    /// An `NP_FLAGS` entry for a frontend that `NP_SERVICES` does not hold.
+    OrphanFlags,
+    /// A conntrack forward entry whose backend left `NP_BACKENDS`: its next
+    /// packet picks a new backend, and the conntrack GC deletes the flow.
+    StaleFlow,
+    /// A conntrack entry with a direction, protocol or family the programs
+    /// never write.
+    UnknownConntrackEntry,
+    /// `NP_CONFIG`'s SNAT port range is empty (min above max, or port 0).
+    BadSnatConfig,
 }
 
 impl FindingKind {
     pub fn severity(self) -> Severity {
         match self {
-            FindingKind::OrphanSlots | FindingKind::UnreferencedBackend => Severity::Warning,
+            FindingKind::OrphanSlots
+            | FindingKind::UnreferencedBackend
+            | FindingKind::OrphanFlags
+            | FindingKind::StaleFlow => Severity::Warning,
             _ => Severity::Error,
         }
     }
 }
+
+/// Which datapath's maps a finding is about.
+pub const DATAPATH_SOCKET: &str = "socket";
+pub const DATAPATH_TC: &str = "tc";
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct Finding {
     pub severity: Severity,
     pub kind: FindingKind,
+    /// `socket` (SERVICES, SLOTS, BACKENDS) or `tc` (the NP_* maps).
+    pub datapath: &'static str,
     pub message: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub service_id: Option<u32>,
@@ -226,7 +332,16 @@ pub struct Finding {
 
 impl Finding {
     fn new(kind: FindingKind, message: String) -> Finding {
-        Finding { severity: kind.severity(), kind, message, service_id: None, generation: None, slot: None, backend_id: None }
+        Finding {
+            severity: kind.severity(),
+            kind,
+            datapath: DATAPATH_SOCKET,
+            message,
+            service_id: None,
+            generation: None,
+            slot: None,
+            backend_id: None,
+        }
     }
     fn service(mut self, id: u32, generation: u32) -> Finding {
         self.service_id = Some(id);
@@ -254,6 +369,9 @@ pub struct ServiceView {
     pub generation: u32,
     pub backend_count: u32,
     pub slots: Vec<SlotView>,
+    /// TC frontends only: `Local` or `Cluster` (from `NP_FLAGS`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub external_traffic_policy: Option<&'static str>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -292,8 +410,30 @@ fn raw_key(k: &ServiceKey) -> String {
     format!("ip_be={:08x?} port_be={} proto={} family={}", k.ip_be, k.port_be, k.proto, k.family)
 }
 
-/// The consistency rules, over plain entries.
+/// The consistency rules, over plain entries of the socket maps.
 pub fn check(
+    services: &[(ServiceKey, ServiceValue)],
+    slots: &[(SlotKey, SlotValue)],
+    backends: &[(BackendKey, BackendValue)],
+) -> Analysis {
+    check_maps(&SOCKET_MAPS, services, slots, backends)
+}
+
+/// Which maps a service/slot/backend triple came from, for messages.
+pub struct MapNames {
+    pub datapath: &'static str,
+    pub services: &'static str,
+    pub backends: &'static str,
+}
+
+pub const SOCKET_MAPS: MapNames = MapNames { datapath: DATAPATH_SOCKET, services: pc::SERVICES_MAP, backends: pc::BACKENDS_MAP };
+pub const TC_MAPS: MapNames = MapNames { datapath: DATAPATH_TC, services: pc::NP_SERVICES_MAP, backends: pc::NP_BACKENDS_MAP };
+
+/// The same rules for either datapath's service, slot and backend maps
+/// (the TC ones have the socket ones' layout and are written by the same
+/// map writer).
+pub fn check_maps(
+    names: &MapNames,
     services: &[(ServiceKey, ServiceValue)],
     slots: &[(SlotKey, SlotValue)],
     backends: &[(BackendKey, BackendValue)],
@@ -325,7 +465,10 @@ pub fn check(
             None => {
                 let raw = raw_key(key);
                 findings.push(
-                    Finding::new(FindingKind::UnknownServiceKey, format!("SERVICES key {raw} has a protocol or family this agent never writes"))
+                    Finding::new(
+                        FindingKind::UnknownServiceKey,
+                        format!("{} key {raw} has a protocol or family this agent never writes", names.services),
+                    )
                         .service(value.service_id, value.generation),
                 );
                 raw
@@ -358,7 +501,7 @@ pub fn check(
                 None => findings.push(
                     Finding::new(
                         FindingKind::MissingBackend,
-                        format!("{name}: slot {slot} names backend #{backend_id}, which is not in BACKENDS"),
+                        format!("{name}: slot {slot} names backend #{backend_id}, which is not in {}", names.backends),
                     )
                     .service(sid, generation)
                     .slot(*slot)
@@ -405,7 +548,14 @@ pub fn check(
             );
         }
         slot_views.sort_by_key(|v| v.slot);
-        views.push(ServiceView { frontend: name, service_id: sid, generation, backend_count: value.backend_count, slots: slot_views });
+        views.push(ServiceView {
+            frontend: name,
+            service_id: sid,
+            generation,
+            backend_count: value.backend_count,
+            slots: slot_views,
+            external_traffic_policy: None,
+        });
     }
 
     for (sid, names) in &users {
@@ -453,13 +603,214 @@ pub fn check(
         backend_views.push(BackendView { backend_id: *id, address, slots: used });
     }
 
-    // Errors first; within a severity, grouped by kind and in map order.
-    findings.sort_by(|a, b| {
-        b.severity
-            .cmp(&a.severity)
-            .then_with(|| (a.kind, a.service_id, a.slot, a.backend_id).cmp(&(b.kind, b.service_id, b.slot, b.backend_id)))
-    });
+    for f in &mut findings {
+        f.datapath = names.datapath;
+    }
+    sort_findings(&mut findings);
     Analysis { services: views, backends: backend_views, findings }
+}
+
+/// Errors first; within a severity, socket before TC, grouped by kind and
+/// in map order.
+fn sort_findings(findings: &mut [Finding]) {
+    findings.sort_by(|a, b| {
+        b.severity.cmp(&a.severity).then_with(|| {
+            (a.datapath != DATAPATH_SOCKET, a.kind, a.service_id, a.slot, a.backend_id).cmp(&(
+                b.datapath != DATAPATH_SOCKET,
+                b.kind,
+                b.service_id,
+                b.slot,
+                b.backend_id,
+            ))
+        })
+    });
+}
+
+/// One `NP_CT` entry, decoded.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct CtView {
+    /// `forward` (ingress, client -> frontend), `reply` (egress, backend ->
+    /// client), `snat` (egress, client -> remote backend), `reply-snat`
+    /// (ingress, remote backend -> node:SNAT port); `dir N` if unknown.
+    pub direction: String,
+    /// `TCP`, `UDP`, or `proto N`.
+    pub protocol: String,
+    /// The packet as it is matched: `source -> destination`.
+    pub tuple: String,
+    /// What the packet becomes.
+    pub translated: String,
+    pub backend_id: u32,
+    /// `snat`, `closing`, `fin-client`, `fin-backend`.
+    pub flags: Vec<&'static str>,
+    /// CLOCK_MONOTONIC seconds of the last matching packet.
+    pub seen_s: u32,
+    /// Seconds since then, when the clock could be read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub age_seconds: Option<u32>,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct NpConfigView {
+    pub snat_v4: Option<String>,
+    pub snat_v6: Option<String>,
+    pub snat_port_min: u16,
+    pub snat_port_max: u16,
+}
+
+/// The TC datapath's maps, decoded (`nodeport` in `dump --output json`).
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct NodePortReport {
+    pub config: Option<NpConfigView>,
+    /// NP_SERVICES with their slots (NP_SLOTS) and policy (NP_FLAGS).
+    pub services: Vec<ServiceView>,
+    pub backends: Vec<BackendView>,
+    /// NP_LOCAL: endpoint addresses on this node (never SNAT'ed).
+    pub local_endpoints: Vec<String>,
+    pub conntrack: Vec<CtView>,
+    pub counters: BTreeMap<String, u64>,
+}
+
+fn endpoint(ip_be: [u32; 4], port_be: u16, family: u8) -> String {
+    match backend_of(&BackendValue { ip_be, port_be, family, _pad: 0 }) {
+        Some(b) => b.to_string(),
+        None => format!("family {family} {ip_be:08x?}:{}", u16::from_be(port_be)),
+    }
+}
+
+fn ct_flag_names(flags: u32) -> Vec<&'static str> {
+    [
+        (pc::CT_FLAG_SNAT, "snat"),
+        (pc::CT_FLAG_CLOSING, "closing"),
+        (pc::CT_FLAG_FIN_CLIENT, "fin-client"),
+        (pc::CT_FLAG_FIN_BACKEND, "fin-backend"),
+    ]
+    .into_iter()
+    .filter(|(bit, _)| flags & bit != 0)
+    .map(|(_, n)| n)
+    .collect()
+}
+
+/// Decodes the `NP_*` maps and applies the consistency rules: those of the
+/// socket maps to NP_SERVICES/NP_SLOTS/NP_BACKENDS, plus policy flags
+/// without a frontend, conntrack entries naming a backend that is gone or
+/// holding what the programs never write, and an empty SNAT port range.
+pub fn check_nodeport(np: &NpSnapshot) -> (NodePortReport, Vec<Finding>) {
+    let a = check_maps(&TC_MAPS, &np.services, &np.slots, &np.backends);
+    let mut findings = a.findings;
+    let tc = |kind, message| Finding { datapath: DATAPATH_TC, ..Finding::new(kind, message) };
+
+    let flags: BTreeMap<ServiceKey, u32> = np.flags.iter().map(|(k, v)| (*k, v.flags)).collect();
+    let services: BTreeSet<ServiceKey> = np.services.iter().map(|(k, _)| *k).collect();
+    let mut views = a.services;
+    let keys_by_name: BTreeMap<String, ServiceKey> =
+        np.services.iter().map(|(k, _)| (frontend_of(k).map_or_else(|| raw_key(k), |f| f.to_string()), *k)).collect();
+    for v in &mut views {
+        let local = keys_by_name.get(&v.frontend).and_then(|k| flags.get(k)).is_some_and(|f| f & pc::NP_FLAG_POLICY_LOCAL != 0);
+        v.external_traffic_policy = Some(if local { "Local" } else { "Cluster" });
+    }
+    for k in flags.keys().filter(|k| !services.contains(k)) {
+        let name = frontend_of(k).map_or_else(|| raw_key(k), |f| f.to_string());
+        findings.push(tc(FindingKind::OrphanFlags, format!("{}: policy flags for {name}, which is not in {}", pc::NP_FLAGS_MAP, pc::NP_SERVICES_MAP)));
+    }
+
+    let backends: BTreeMap<u32, &BackendValue> = np.backends.iter().map(|(k, v)| (k.backend_id, v)).collect();
+    let mut conntrack = Vec::with_capacity(np.conntrack.len());
+    for (k, v) in &np.conntrack {
+        let direction = match k.dir {
+            pc::CT_DIR_FORWARD => "forward".to_string(),
+            pc::CT_DIR_REPLY => "reply".to_string(),
+            pc::CT_DIR_SNAT => "snat".to_string(),
+            pc::CT_DIR_REPLY_SNAT => "reply-snat".to_string(),
+            d => format!("dir {d}"),
+        };
+        let protocol = match k.proto {
+            pc::PROTO_TCP => "TCP".to_string(),
+            pc::PROTO_UDP => "UDP".to_string(),
+            p => format!("proto {p}"),
+        };
+        let tuple = format!("{} -> {}", endpoint(k.saddr_be, k.sport_be, k.family), endpoint(k.daddr_be, k.dport_be, k.family));
+        let translated = format!("{} -> {}", endpoint(v.saddr_be, v.sport_be, k.family), endpoint(v.daddr_be, v.dport_be, k.family));
+        let known = k.dir <= pc::CT_DIR_REPLY_SNAT
+            && (k.proto == pc::PROTO_TCP || k.proto == pc::PROTO_UDP)
+            && (k.family == pc::FAMILY_V4 || k.family == pc::FAMILY_V6);
+        if !known {
+            findings.push(tc(
+                FindingKind::UnknownConntrackEntry,
+                format!("{}: entry {direction} {protocol} family {} {tuple} is nothing the TC programs write", pc::NP_CT_MAP, k.family),
+            ));
+        } else if k.dir == pc::CT_DIR_FORWARD {
+            // The datapath's own test (backend_alive in nodeport.rs).
+            let alive = backends.get(&v.backend_id).is_some_and(|b| b.ip_be == v.daddr_be && b.port_be == v.dport_be);
+            if !alive {
+                findings.push(
+                    tc(
+                        FindingKind::StaleFlow,
+                        format!(
+                            "{}: flow {protocol} {tuple} names backend #{} ({}), which is not in {}; its next packet picks another backend and the conntrack GC removes it",
+                            pc::NP_CT_MAP,
+                            v.backend_id,
+                            endpoint(v.daddr_be, v.dport_be, k.family),
+                            pc::NP_BACKENDS_MAP
+                        ),
+                    )
+                    .backend(v.backend_id),
+                );
+            }
+        }
+        conntrack.push(CtView {
+            direction,
+            protocol,
+            tuple,
+            translated,
+            backend_id: v.backend_id,
+            flags: ct_flag_names(v.flags),
+            seen_s: v.seen_s,
+            age_seconds: np.now_s.map(|now| now.saturating_sub(v.seen_s)),
+        });
+    }
+
+    let config = np.config.map(|c| {
+        let v4 = (c.snat_v4_be != 0).then(|| std::net::Ipv4Addr::from(c.snat_v4_be.to_ne_bytes()).to_string());
+        let v6 = (c.snat_v6_be != [0; 4])
+            .then(|| backend_of(&BackendValue { ip_be: c.snat_v6_be, port_be: 0, family: pc::FAMILY_V6, _pad: 0 }))
+            .flatten()
+            .map(|b| b.ip.to_string());
+        // An all-zero config is "no TC datapath configured", not an error.
+        if (v4.is_some() || v6.is_some()) && (c.snat_port_min == 0 || c.snat_port_min > c.snat_port_max) {
+            findings.push(tc(
+                FindingKind::BadSnatConfig,
+                format!(
+                    "{}: SNAT port range {}-{} is empty; flows to backends on other nodes pass untranslated",
+                    pc::NP_CONFIG_MAP,
+                    c.snat_port_min,
+                    c.snat_port_max
+                ),
+            ));
+        }
+        NpConfigView { snat_v4: v4, snat_v6: v6, snat_port_min: c.snat_port_min, snat_port_max: c.snat_port_max }
+    });
+    let mut local_endpoints: Vec<String> = np
+        .local
+        .iter()
+        .map(|(k, _)| match backend_of(&BackendValue { ip_be: k.ip_be, port_be: 0, family: k.family, _pad: 0 }) {
+            Some(b) => b.ip.to_string(),
+            None => format!("family {} {:08x?}", k.family, k.ip_be),
+        })
+        .collect();
+    local_endpoints.sort();
+    sort_findings(&mut findings);
+    let report = NodePortReport {
+        config,
+        services: views,
+        backends: a.backends,
+        local_endpoints,
+        conntrack,
+        counters: named_np_counters(&np.counters),
+    };
+    (report, findings)
 }
 
 /// What `proxy-agent dump --output json` prints. Field names are part of
@@ -474,19 +825,32 @@ pub struct Report {
     pub services: Vec<ServiceView>,
     pub backends: Vec<BackendView>,
     pub counters: BTreeMap<String, u64>,
+    /// Findings about both datapaths (`datapath` says which).
     pub findings: Vec<Finding>,
+    /// The TC datapath (NodePort, LoadBalancer IPs, externalIPs); absent
+    /// when its maps are not pinned.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub nodeport: Option<NodePortReport>,
 }
 
 pub fn report(pin_dir: &Path, snap: &Snapshot) -> Report {
     let a = check(&snap.services, &snap.slots, &snap.backends);
+    let mut findings = a.findings;
+    let nodeport = snap.nodeport.as_ref().map(|np| {
+        let (r, f) = check_nodeport(np);
+        findings.extend(f);
+        r
+    });
+    sort_findings(&mut findings);
     Report {
         pin_dir: pin_dir.display().to_string(),
-        consistent: a.findings.is_empty(),
+        consistent: findings.is_empty(),
         maps: snap.maps.clone(),
         services: a.services,
         backends: a.backends,
         counters: named_counters(&snap.counters),
-        findings: a.findings,
+        findings,
+        nodeport,
     }
 }
 
@@ -645,6 +1009,121 @@ mod tests {
         let a = check(&s, &sl, &b);
         assert_eq!(a.findings.first().map(|f| f.severity), Some(Severity::Error));
         assert_eq!(a.findings.last().map(|f| f.severity), Some(Severity::Warning));
+    }
+
+    fn ct(dir: u8, s: (&str, u16), d: (&str, u16), to: ((&str, u16), (&str, u16)), backend_id: u32) -> (CtKey, CtValue) {
+        let a = |ip: &str, port: u16| backend_value(&Backend { ip: ip.parse().expect("literal"), port });
+        let (ks, kd, vs, vd) = (a(s.0, s.1), a(d.0, d.1), a(to.0.0, to.0.1), a(to.1.0, to.1.1));
+        (
+            CtKey {
+                saddr_be: ks.ip_be,
+                daddr_be: kd.ip_be,
+                sport_be: ks.port_be,
+                dport_be: kd.port_be,
+                proto: pc::PROTO_TCP,
+                family: ks.family,
+                dir,
+                _pad: 0,
+            },
+            CtValue {
+                saddr_be: vs.ip_be,
+                daddr_be: vd.ip_be,
+                sport_be: vs.port_be,
+                dport_be: vd.port_be,
+                flags: pc::CT_FLAG_CLOSING,
+                backend_id,
+                seen_s: 90,
+            },
+        )
+    }
+
+    fn healthy_np() -> NpSnapshot {
+        let (services, slots, backends) = healthy();
+        let local = fe("10.96.0.10", 80);
+        NpSnapshot {
+            services,
+            slots,
+            backends,
+            flags: vec![(local, NpFlagsValue { flags: pc::NP_FLAG_POLICY_LOCAL })],
+            local: vec![(AddrKey { ip_be: be(10, "10.244.1.2").1.ip_be, family: pc::FAMILY_V4, _pad: [0; 3] }, 1)],
+            conntrack: vec![
+                ct(pc::CT_DIR_FORWARD, ("10.0.0.1", 40000), ("10.96.0.10", 80), (("10.0.0.1", 40000), ("10.244.1.2", 8080)), 10),
+                ct(pc::CT_DIR_REPLY, ("10.244.1.2", 8080), ("10.0.0.1", 40000), (("10.96.0.10", 80), ("10.0.0.1", 40000)), 10),
+            ],
+            config: Some(NpConfig { snat_v4_be: u32::from_ne_bytes([10, 0, 3, 1]), snat_port_min: 61000, snat_port_max: 65535, ..Default::default() }),
+            counters: vec![3, 7],
+            now_s: Some(100),
+        }
+    }
+
+    #[test]
+    fn the_tc_maps_are_decoded() {
+        let (r, findings) = check_nodeport(&healthy_np());
+        assert_eq!(findings, vec![]);
+        assert_eq!(r.services[0].frontend, "10.96.0.10:80/TCP");
+        assert_eq!(r.services[0].external_traffic_policy, Some("Local"));
+        assert_eq!(r.services[1].external_traffic_policy, Some("Cluster"));
+        assert_eq!(r.local_endpoints, vec!["10.244.1.2"]);
+        assert_eq!(r.config.as_ref().and_then(|c| c.snat_v4.clone()), Some("10.0.3.1".into()));
+        assert_eq!(r.counters["new_flow"], 3);
+        assert_eq!(r.counters["tracked"], 7);
+        let fwd = &r.conntrack[0];
+        assert_eq!(
+            (fwd.direction.as_str(), fwd.protocol.as_str(), fwd.tuple.as_str(), fwd.translated.as_str()),
+            ("forward", "TCP", "10.0.0.1:40000 -> 10.96.0.10:80", "10.0.0.1:40000 -> 10.244.1.2:8080")
+        );
+        assert_eq!((fwd.flags.clone(), fwd.age_seconds), (vec!["closing"], Some(10)));
+        assert_eq!(r.conntrack[1].direction, "reply");
+    }
+
+    #[test]
+    fn tc_inconsistencies_are_found() {
+        // (name, corruption, expected kind)
+        type Corrupt = fn(&mut NpSnapshot);
+        let cases: [(&str, Corrupt, FindingKind); 6] = [
+            ("slot naming a missing backend", |np| np.backends.retain(|(k, _)| k.backend_id != 10), FindingKind::MissingBackend),
+            ("flags without a frontend", |np| np.services.retain(|(k, _)| *k != fe("10.96.0.10", 80)), FindingKind::OrphanFlags),
+            ("flow to a removed backend", |np| np.conntrack[0].1.backend_id = 12, FindingKind::StaleFlow),
+            ("flow to a backend id now at another address", |np| np.conntrack[0].1.dport_be = 9u16.to_be(), FindingKind::StaleFlow),
+            ("unknown direction", |np| np.conntrack[1].0.dir = 9, FindingKind::UnknownConntrackEntry),
+            (
+                "empty SNAT port range",
+                |np| {
+                    if let Some(c) = np.config.as_mut() {
+                        c.snat_port_min = 65000;
+                        c.snat_port_max = 64000;
+                    }
+                },
+                FindingKind::BadSnatConfig,
+            ),
+        ];
+        for (name, corrupt, kind) in cases {
+            let mut np = healthy_np();
+            corrupt(&mut np);
+            let (_, findings) = check_nodeport(&np);
+            assert!(findings.iter().any(|f| f.kind == kind && f.datapath == DATAPATH_TC), "{name}: {findings:?}");
+            if kind == FindingKind::MissingBackend {
+                assert!(findings.iter().any(|f| f.message.contains("not in NP_BACKENDS")), "{name}: {findings:?}");
+            }
+        }
+        // No TC datapath configured: an all-zero NP_CONFIG is fine.
+        let mut np = healthy_np();
+        np.config = Some(NpConfig::default());
+        assert_eq!(check_nodeport(&np).1, vec![]);
+    }
+
+    #[test]
+    fn reports_merge_both_datapaths_findings_errors_first() {
+        let (services, slots, backends) = healthy();
+        let mut np = healthy_np();
+        np.conntrack[0].1.backend_id = 12; // warning
+        let mut snap = Snapshot { services, slots, backends, nodeport: Some(np), ..Snapshot::default() };
+        snap.backends.retain(|(k, _)| k.backend_id != 10); // socket error
+        let r = report(Path::new("/x"), &snap);
+        assert!(!r.consistent);
+        assert_eq!((r.findings[0].datapath, r.findings[0].severity), (DATAPATH_SOCKET, Severity::Error));
+        assert_eq!(r.findings.last().map(|f| (f.datapath, f.kind)), Some((DATAPATH_TC, FindingKind::StaleFlow)));
+        assert!(r.nodeport.is_some());
     }
 
     #[test]

@@ -408,6 +408,22 @@ impl MapWriter {
     }
 
     /// Entries in use per map, for metrics and `dump`.
+    /// The backends programmed for `fe`, in slot order (without copying
+    /// the whole state as [`MapWriter::state`] does).
+    pub fn backends_of(&self, fe: &Frontend) -> Option<&[Backend]> {
+        self.programmed.get(fe).map(|p| p.backends.as_slice())
+    }
+
+    /// Frontends programmed.
+    pub fn frontends(&self) -> usize {
+        self.programmed.len()
+    }
+
+    /// Backends programmed, summed over all frontends (the slots in use).
+    pub fn endpoints(&self) -> usize {
+        self.slots_used as usize
+    }
+
     pub fn occupancy(&self) -> [(&'static str, u32, u32); 3] {
         [
             (pc::SERVICES_MAP, self.programmed.len() as u32, self.max_services),

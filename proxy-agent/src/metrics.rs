@@ -9,8 +9,11 @@
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use prometheus_client::collector::Collector;
 use prometheus_client::encoding::text::encode;
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -45,6 +48,51 @@ pub mod reason {
     pub const EVENT_POST: &str = "event_post";
     /// A manifest file could not be read (manifests mode).
     pub const MANIFEST: &str = "manifest";
+    /// A conntrack GC sweep of `NP_CT` failed (retried next interval).
+    pub const CONNTRACK_GC: &str = "conntrack_gc";
+}
+
+/// `topoproxy_nodeport_packets_total{reason}`: the TC programs' per-CPU
+/// `NP_COUNTERS`, read from the pinned map at scrape time and summed over
+/// CPUs. Read per scrape rather than copied periodically, so the values are
+/// current and the agent keeps no second copy that could drift (the map
+/// outlives agent restarts, and so do its counts). Reserved slots are
+/// skipped. Until a pin directory is set, or when the map cannot be read
+/// (not installed yet, removed by `reset`), the family is absent rather
+/// than zero.
+#[derive(Debug, Default)]
+struct NodePortCounters {
+    pin_dir: std::sync::OnceLock<std::path::PathBuf>,
+}
+
+impl Collector for NodePortCounters {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let Some(dir) = self.pin_dir.get() else {
+            return Ok(());
+        };
+        let sums = match crate::map_dump::np_counter_sums(dir) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::debug!("NP_COUNTERS not exported: {e}");
+                return Ok(());
+            }
+        };
+        let mut family = encoder.encode_descriptor(
+            "nodeport_packets",
+            "Packets of external traffic (NodePort, LoadBalancer IPs, externalIPs) seen by the TC programs, by outcome (NP_COUNTERS, summed over CPUs)",
+            None,
+            MetricType::Counter,
+        )?;
+        for (i, value) in sums.iter().enumerate() {
+            let Some(name) = proxy_common::np_counter::NAMES.get(i) else { continue };
+            if name.starts_with("reserved") {
+                continue;
+            }
+            let labels: Labels = vec![("reason", (*name).to_string())];
+            ConstCounter::new(*value).encode(family.encode_family(&labels)?)?;
+        }
+        Ok(())
+    }
 }
 
 pub struct Metrics {
@@ -62,6 +110,10 @@ pub struct Metrics {
     map_capacity: Family<Labels, Gauge>,
     watch_events: Family<Labels, Counter>,
     events_posted: Counter,
+    conntrack_gc_runs: Counter,
+    conntrack_gc_flows: Family<Labels, Counter>,
+    conntrack_gc_entries: Family<Labels, Counter>,
+    nodeport_counters: std::sync::Arc<NodePortCounters>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -116,6 +168,22 @@ impl Metrics {
         registry.register("watch_events", "Watch events received from the API server, by kind", watch_events.clone());
         let events_posted = Counter::default();
         registry.register("kubernetes_events_posted", "Kubernetes Events posted about bad objects", events_posted.clone());
+        let conntrack_gc_runs = Counter::default();
+        registry.register("conntrack_gc_runs", "Sweeps of the TC conntrack map NP_CT completed", conntrack_gc_runs.clone());
+        let conntrack_gc_flows = Family::<Labels, Counter>::default();
+        registry.register(
+            "conntrack_gc_flows_deleted",
+            "Flows deleted from NP_CT by the conntrack GC, by reason (expired: idle past its timeout; stale_backend: its backend left NP_BACKENDS)",
+            conntrack_gc_flows.clone(),
+        );
+        let conntrack_gc_entries = Family::<Labels, Counter>::default();
+        registry.register(
+            "conntrack_gc_entries_deleted",
+            "Entries deleted from NP_CT by the conntrack GC (two to four per flow), by reason",
+            conntrack_gc_entries.clone(),
+        );
+        let nodeport_counters = std::sync::Arc::new(NodePortCounters::default());
+        registry.register_collector(Box::new(nodeport_counters.clone()));
         Metrics {
             registry,
             sync_duration,
@@ -131,7 +199,37 @@ impl Metrics {
             map_capacity,
             watch_events,
             events_posted,
+            conntrack_gc_runs,
+            conntrack_gc_flows,
+            conntrack_gc_entries,
+            nodeport_counters,
         }
+    }
+
+    /// Exports the TC programs' `NP_COUNTERS` pinned under `pin_dir` from
+    /// now on (`topoproxy_nodeport_packets_total`). Only the first call
+    /// counts: an agent has one pin directory.
+    pub fn export_nodeport_counters(&self, pin_dir: &std::path::Path) {
+        let _ = self.nodeport_counters.pin_dir.set(pin_dir.to_path_buf());
+    }
+
+    /// Records one conntrack GC sweep: deletions, and `NP_CT`'s occupancy in
+    /// `topoproxy_map_entries`/`topoproxy_map_capacity` (the sweep walks the
+    /// map anyway, so the gauge costs nothing extra).
+    pub fn record_conntrack_gc(&self, s: &crate::conntrack_gc::SweepStats) {
+        use crate::conntrack_gc::Reason;
+        self.conntrack_gc_runs.inc();
+        for (reason, flows, entries) in
+            [(Reason::Expired, s.expired_flows, s.deleted_expired), (Reason::StaleBackend, s.stale_flows, s.deleted_stale)]
+        {
+            let labels = vec![("reason", reason.label().to_string())];
+            // get_or_create also for zero, so the series exist from the first sweep.
+            self.conntrack_gc_flows.get_or_create(&labels).inc_by(flows as u64);
+            self.conntrack_gc_entries.get_or_create(&labels).inc_by(entries as u64);
+        }
+        let map = vec![("map", proxy_common::NP_CT_MAP.to_string())];
+        self.map_entries.get_or_create(&map).set(s.entries as i64);
+        self.map_capacity.get_or_create(&map).set(i64::from(s.capacity));
     }
 
     /// The text exposition (OpenMetrics, which Prometheus scrapes as is).
@@ -179,16 +277,20 @@ impl Metrics {
         self.syncs.inc();
         let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64();
         self.last_sync.set(now);
-        let state = writer.state();
-        self.frontends_programmed.set(state.len() as i64);
-        self.endpoints_programmed.set(state.values().map(|b| b.len() as i64).sum());
-        let programmed: std::collections::BTreeSet<_> = outcome
-            .decisions
-            .iter()
-            .filter(|d| d.frontends.iter().any(|f| state.contains_key(f)))
-            .map(|d| &d.service)
-            .collect();
-        self.services_programmed.set(programmed.len() as i64);
+        // From the writer's counters: copying the state back out would cost
+        // as much as a sync at 10k Services.
+        self.frontends_programmed.set(writer.frontends() as i64);
+        self.endpoints_programmed.set(writer.endpoints() as i64);
+        let services = outcome.services_programmed.unwrap_or_else(|| {
+            let programmed: std::collections::BTreeSet<_> = outcome
+                .decisions
+                .iter()
+                .filter(|d| d.frontends.iter().any(|f| writer.backends_of(f).is_some()))
+                .map(|d| &d.service)
+                .collect();
+            programmed.len()
+        });
+        self.services_programmed.set(services as i64);
         for (map, used, max) in writer.occupancy() {
             self.map_entries.get_or_create(&vec![("map", map.to_string())]).set(i64::from(used));
             self.map_capacity.get_or_create(&vec![("map", map.to_string())]).set(i64::from(max));
@@ -220,5 +322,31 @@ mod tests {
         assert!(text.contains("topoproxy_network_programming_duration_seconds_count{kind=\"EndpointSlice\"} 1"), "{text}");
         assert!(text.contains("# TYPE topoproxy_sync_duration_seconds histogram"), "{text}");
         assert!(text.trim_end().ends_with("# EOF"));
+    }
+
+    #[test]
+    fn conntrack_gc_sweeps_are_counted_by_reason() {
+        let m = Metrics::new();
+        let stats = crate::conntrack_gc::SweepStats {
+            entries: 10,
+            capacity: 100,
+            expired_flows: 2,
+            deleted_expired: 6,
+            ..Default::default()
+        };
+        m.record_conntrack_gc(&stats);
+        m.record_conntrack_gc(&stats);
+        let text = m.encode();
+        assert!(text.contains("topoproxy_conntrack_gc_runs_total 2"), "{text}");
+        assert!(text.contains("topoproxy_conntrack_gc_flows_deleted_total{reason=\"expired\"} 4"), "{text}");
+        assert!(text.contains("topoproxy_conntrack_gc_entries_deleted_total{reason=\"expired\"} 12"), "{text}");
+        assert!(text.contains("topoproxy_conntrack_gc_entries_deleted_total{reason=\"stale_backend\"} 0"), "{text}");
+        assert!(text.contains("topoproxy_map_entries{map=\"NP_CT\"} 10"), "{text}");
+        assert!(text.contains("topoproxy_map_capacity{map=\"NP_CT\"} 100"), "{text}");
+        // No pin directory: no NodePort counters, and the exposition is intact.
+        assert!(!text.contains("nodeport_packets"), "{text}");
+        m.export_nodeport_counters(std::path::Path::new("/nonexistent/topoproxy"));
+        let text = m.encode();
+        assert!(!text.contains("nodeport_packets") && text.trim_end().ends_with("# EOF"), "{text}");
     }
 }

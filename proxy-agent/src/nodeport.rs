@@ -1,11 +1,11 @@
-//! The agent's side of external traffic at TC: which devices and node
-//! addresses to serve, and writing `external_state` into the `NP_*` maps.
+//! The agent's side of external traffic at TC: attaching the programs to
+//! the devices `node_addresses` resolves (and following address changes),
+//! and writing `external_state` into the `NP_*` maps.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::ffi::CStr;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
 use proxy_common as pc;
@@ -14,100 +14,8 @@ use proxy_common::{AddrKey, NpConfig, NpFlagsValue, ServiceKey};
 use crate::decision::ExternalState;
 use crate::map_writer::{ApplyError, MapWriter, WriteError, frontend_of, service_key};
 use crate::model::Frontend;
+use crate::node_addresses::{self, Devices, Resolved};
 use crate::plan;
-
-/// One address of an interface.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct IfAddr {
-    pub device: String,
-    pub ip: IpAddr,
-}
-
-/// Addresses usable as node addresses: not loopback, not IPv6 link-local
-/// (a NodePort on fe80:: would need a zone), on interfaces that are up.
-pub fn interface_addresses() -> io::Result<Vec<IfAddr>> {
-    let mut out = Vec::new();
-    let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
-    // SAFETY: getifaddrs fills `head` with a list we free below.
-    if unsafe { libc::getifaddrs(&mut head) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    let mut cur = head;
-    while !cur.is_null() {
-        // SAFETY: a node of the list returned by getifaddrs.
-        let ifa = unsafe { &*cur };
-        cur = ifa.ifa_next;
-        if ifa.ifa_addr.is_null()
-            || ifa.ifa_flags & libc::IFF_UP as u32 == 0
-            || ifa.ifa_flags & libc::IFF_LOOPBACK as u32 != 0
-        {
-            continue;
-        }
-        // SAFETY: ifa_name is a NUL-terminated string owned by the list.
-        let device = unsafe { CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned();
-        // SAFETY: the family says which sockaddr type this is.
-        let ip = unsafe {
-            match i32::from((*ifa.ifa_addr).sa_family) {
-                libc::AF_INET => {
-                    let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
-                    IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)))
-                }
-                libc::AF_INET6 => {
-                    let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
-                    IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr))
-                }
-                _ => continue,
-            }
-        };
-        if let IpAddr::V6(v6) = ip
-            && (v6.segments()[0] & 0xffc0) == 0xfe80
-        {
-            continue;
-        }
-        out.push(IfAddr { device, ip });
-    }
-    // SAFETY: frees the list returned above.
-    unsafe { libc::freeifaddrs(head) };
-    Ok(out)
-}
-
-/// `--devices auto`: the interfaces that hold the node's addresses.
-pub fn default_devices(addrs: &[IfAddr]) -> Vec<String> {
-    addrs.iter().map(|a| a.device.clone()).collect::<BTreeSet<_>>().into_iter().collect()
-}
-
-/// The node addresses NodePorts are served on: those of `devices`.
-pub fn node_addresses(addrs: &[IfAddr], devices: &[String]) -> Vec<IpAddr> {
-    let set: BTreeSet<IpAddr> = addrs.iter().filter(|a| devices.contains(&a.device)).map(|a| a.ip).collect();
-    set.into_iter().collect()
-}
-
-/// The SNAT source per family: the first address of the first device that
-/// has one, unless given explicitly.
-pub fn snat_addresses(
-    addrs: &[IfAddr],
-    devices: &[String],
-    explicit: &[IpAddr],
-) -> (Option<Ipv4Addr>, Option<Ipv6Addr>) {
-    let mut v4 = explicit.iter().find_map(|ip| match ip {
-        IpAddr::V4(a) => Some(*a),
-        _ => None,
-    });
-    let mut v6 = explicit.iter().find_map(|ip| match ip {
-        IpAddr::V6(a) => Some(*a),
-        _ => None,
-    });
-    for d in devices {
-        for a in addrs.iter().filter(|a| &a.device == d) {
-            match a.ip {
-                IpAddr::V4(x) if v4.is_none() => v4 = Some(x),
-                IpAddr::V6(x) if v6.is_none() => v6 = Some(x),
-                _ => {}
-            }
-        }
-    }
-    (v4, v6)
-}
 
 fn addr_key(ip: &IpAddr) -> AddrKey {
     // Same encoding as the service keys.
@@ -218,62 +126,163 @@ pub fn counters(pin_dir: &Path) -> io::Result<BTreeMap<&'static str, u64>> {
     Ok(out)
 }
 
-/// Everything the agent runs for external traffic: the node addresses
-/// NodePorts are served on, the TC maps (when `--devices` attached the TC
-/// programs) and the health check servers.
-pub struct ExternalDatapath {
-    pub node_addrs: Vec<IpAddr>,
-    pub devices: Vec<String>,
-    tc: Option<NodePortWriter>,
-    health: crate::healthcheck_server::HealthServers,
-}
-
-/// `--devices`, `--node-ip`, `--snat-port-range` resolved.
+/// `--devices`, `--node-ip`, `--snat-port-range` and `--tc-mode` resolved.
 #[derive(Clone, Debug, Default)]
 pub struct ExternalConfig {
-    /// `None`: no TC datapath (NodePorts still work from the node itself).
-    /// `Some(empty)`: auto-detect.
-    pub devices: Option<Vec<String>>,
+    /// Where the TC programs go; `Devices::None` turns the TC datapath off
+    /// (NodePorts still work from the node itself).
+    pub devices: Devices,
+    /// `--node-ip`: fixed SNAT addresses (one per family), also served.
     pub node_ips: Vec<IpAddr>,
     pub snat_ports: (u16, u16),
     pub tc_mode: crate::tc_loader::TcMode,
 }
 
+/// Everything the agent runs for external traffic: the node addresses
+/// NodePorts are served on, the TC programs and maps (unless `--devices
+/// none`) and the health check servers. The addresses are not fixed at
+/// start: [`ExternalDatapath::refresh`] follows them.
+pub struct ExternalDatapath {
+    /// Addresses NodePorts are served on, as last resolved.
+    pub node_addrs: Vec<IpAddr>,
+    /// Devices that should carry the TC programs, as last resolved.
+    pub devices: Vec<String>,
+    cfg: ExternalConfig,
+    pin_dir: PathBuf,
+    resolved: Resolved,
+    /// Devices the TC programs are attached to, with the interface index
+    /// they had then (a device recreated under the same name needs a new
+    /// attachment).
+    attached: Vec<(String, u32)>,
+    /// A set of devices whose attachment failed; not retried until the
+    /// devices or their indexes change (loading the programs again every
+    /// poll would only repeat the error).
+    failed_attach: Option<Vec<(String, u32)>>,
+    tc: Option<NodePortWriter>,
+    health: crate::healthcheck_server::HealthServers,
+}
+
+fn with_ifindex(devices: &[String]) -> Vec<(String, u32)> {
+    devices.iter().map(|d| (d.clone(), node_addresses::ifindex(d))).collect()
+}
+
 impl ExternalDatapath {
-    /// Attaches the TC programs (when devices are configured) and opens the
+    /// Attaches the TC programs (unless `--devices none`) and opens the
     /// maps. `loader::install` must have run on `pin_dir` first.
     pub fn install(pin_dir: &Path, cfg: &ExternalConfig) -> anyhow::Result<(ExternalDatapath, Vec<String>)> {
         use anyhow::Context;
-        let addrs = interface_addresses().context("listing interface addresses")?;
+        let addrs = node_addresses::interface_addresses().context("listing interface addresses")?;
+        let resolved = node_addresses::resolve(&addrs, &cfg.devices, &cfg.node_ips, &node_addresses::default_route_devices());
         let mut warnings = Vec::new();
-        let (devices, tc) = match &cfg.devices {
-            None => (Vec::new(), None),
-            Some(list) => {
-                let devices = if list.is_empty() { default_devices(&addrs) } else { list.clone() };
-                anyhow::ensure!(!devices.is_empty(), "--devices auto found no interface with an address");
-                warnings.extend(
-                    crate::tc_loader::install(pin_dir, &devices, cfg.tc_mode).context("attaching the TC programs")?,
+        let mut attached = Vec::new();
+        let tc = if cfg.devices.enabled() {
+            if resolved.devices.is_empty() {
+                // Possible with `auto` on a node whose network is not up
+                // yet: start anyway, `refresh` attaches once an address
+                // appears.
+                warnings.push(
+                    "--devices auto found no interface with an address yet; the TC programs are attached when one appears"
+                        .to_string(),
                 );
-                let mut w = NodePortWriter::open(pin_dir).context("opening the TC maps")?;
-                let (v4, v6) = snat_addresses(&addrs, &devices, &cfg.node_ips);
-                w.set_config(v4, v6, cfg.snat_ports).context("writing the TC configuration")?;
-                (devices, Some(w))
             }
-        };
-        let mut node_addrs: Vec<IpAddr> = if devices.is_empty() {
-            addrs.iter().map(|a| a.ip).collect::<BTreeSet<_>>().into_iter().collect()
+            warnings.extend(
+                crate::tc_loader::install(pin_dir, &resolved.devices, cfg.tc_mode)
+                    .context("attaching the TC programs")?,
+            );
+            attached = with_ifindex(&resolved.devices);
+            let mut w = NodePortWriter::open(pin_dir).context("opening the TC maps")?;
+            w.set_config(resolved.snat_v4, resolved.snat_v6, cfg.snat_ports)
+                .context("writing the TC configuration")?;
+            Some(w)
         } else {
-            node_addresses(&addrs, &devices)
+            // `none`: take down what an earlier agent with devices attached
+            // through this pin directory, so that `none` really means no
+            // TC program (only our own pinned links and recorded filters
+            // are touched).
+            warnings.extend(crate::tc_loader::detach_all(pin_dir));
+            None
         };
-        for ip in &cfg.node_ips {
-            if !node_addrs.contains(ip) {
-                node_addrs.push(*ip);
-            }
-        }
         Ok((
-            ExternalDatapath { node_addrs, devices, tc, health: crate::healthcheck_server::HealthServers::new() },
+            ExternalDatapath {
+                node_addrs: resolved.node_addrs.clone(),
+                devices: resolved.devices.clone(),
+                cfg: cfg.clone(),
+                pin_dir: pin_dir.to_path_buf(),
+                resolved,
+                attached,
+                failed_attach: None,
+                tc,
+                health: crate::healthcheck_server::HealthServers::new(),
+            },
             warnings,
         ))
+    }
+
+    /// Re-reads the interface addresses and follows what changed: with
+    /// `--devices auto` the TC programs are attached to devices that gained
+    /// an address and detached from those that lost all (a listed device
+    /// that was recreated is attached again), and the SNAT addresses move
+    /// unless `--node-ip` fixed them. Returns whether the NodePort addresses
+    /// (or the devices) changed: the caller then syncs, so that frontends on
+    /// a new address appear and those on a removed one go.
+    pub fn refresh(&mut self) -> bool {
+        let addrs = match node_addresses::interface_addresses() {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "listing interface addresses failed; keeping the last known ones");
+                return false;
+            }
+        };
+        let new = node_addresses::resolve(&addrs, &self.cfg.devices, &self.cfg.node_ips, &node_addresses::default_route_devices());
+        let mut changed = false;
+        if self.cfg.devices.enabled() {
+            let want = with_ifindex(&new.devices);
+            if want != self.attached && self.failed_attach.as_ref() != Some(&want) {
+                match crate::tc_loader::install(&self.pin_dir, &new.devices, self.cfg.tc_mode) {
+                    Ok(notes) => {
+                        for n in notes {
+                            tracing::info!("{n}");
+                        }
+                        tracing::info!(devices = ?new.devices, "TC programs attached to the devices now holding node addresses");
+                        self.attached = want;
+                        self.failed_attach = None;
+                        changed = true;
+                    }
+                    Err(e) => {
+                        tracing::warn!(devices = ?new.devices, error = %crate::error_chain::error_chain(&e), "attaching the TC programs failed; retrying when the devices change");
+                        self.failed_attach = Some(want);
+                    }
+                }
+            }
+            if (new.snat_v4, new.snat_v6) != (self.resolved.snat_v4, self.resolved.snat_v6)
+                && let Some(w) = &mut self.tc
+            {
+                match w.set_config(new.snat_v4, new.snat_v6, self.cfg.snat_ports) {
+                    Ok(()) => tracing::info!(v4 = ?new.snat_v4, v6 = ?new.snat_v6, "SNAT addresses changed"),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "writing the new SNAT addresses failed; retrying");
+                        return changed;
+                    }
+                }
+            }
+        }
+        if new.node_addrs != self.resolved.node_addrs {
+            let added: Vec<&IpAddr> = new.node_addrs.iter().filter(|a| !self.resolved.node_addrs.contains(a)).collect();
+            let removed: Vec<&IpAddr> =
+                self.resolved.node_addrs.iter().filter(|a| !new.node_addrs.contains(a)).collect();
+            tracing::info!(?added, ?removed, "node addresses changed; NodePorts follow");
+            changed = true;
+        }
+        self.node_addrs = new.node_addrs.clone();
+        self.devices = new.devices.clone();
+        self.resolved = new;
+        changed
+    }
+
+    /// Whether `apply` reads `ExternalState::local_endpoints` (only the TC
+    /// maps need them), so a caller may skip collecting them.
+    pub fn uses_local_endpoints(&self) -> bool {
+        self.tc.is_some()
     }
 
     /// Number of TC frontends programmed.

@@ -53,31 +53,46 @@ pub enum Converted<T> {
 /// EndpointSlice and Node are skipped silently: a manifest directory often
 /// carries Deployments and the like.
 pub fn build_cluster(docs: &[Document]) -> (Cluster, Vec<ObjectError>) {
-    let mut cluster = Cluster::default();
-    let mut errors = Vec::new();
+    let mut b = ClusterBuilder::default();
     for doc in docs {
+        b.add(doc);
+    }
+    b.finish()
+}
+
+/// [`build_cluster`] one document at a time, so a caller can convert
+/// documents as it reads them and drop each right after (at 10k Services,
+/// keeping every document as JSON costs more than the model itself).
+#[derive(Default)]
+pub struct ClusterBuilder {
+    cluster: Cluster,
+    errors: Vec<ObjectError>,
+}
+
+impl ClusterBuilder {
+    pub fn add(&mut self, doc: &Document) {
         let kind = doc.value.get("kind").and_then(Value::as_str).unwrap_or_default();
         let result = match kind {
             "Service" => service_from_json(&doc.value).map(|(c, problems)| {
-                errors.extend(problems);
+                self.errors.extend(problems);
                 if let Converted::Ok(s) = c {
                     let id = s.id.clone();
-                    if cluster.services.insert(id.clone(), s).is_some() {
-                        errors.push(dup("Service", &id));
+                    if self.cluster.services.insert(id.clone(), s).is_some() {
+                        self.errors.push(dup("Service", &id));
                     }
                 }
             }),
             "EndpointSlice" => slice_from_json(&doc.value).map(|(c, problems)| {
-                errors.extend(problems);
+                self.errors.extend(problems);
                 if let Converted::Ok(s) = c {
                     let id = s.id.clone();
-                    if cluster.slices.insert(id.clone(), s).is_some() {
-                        errors.push(dup("EndpointSlice", &id));
+                    if self.cluster.slices.insert(id.clone(), s).is_some() {
+                        self.errors.push(dup("EndpointSlice", &id));
                     }
                 }
             }),
             "Node" => node_from_json(&doc.value).map(|n| {
-                cluster.nodes.insert(n.name.clone(), n);
+                self.cluster.nodes.insert(n.name.clone(), n);
             }),
             "" => Err(ObjectError { kind: "object".into(), object: doc.location.clone(), reason: "has no kind".into() }),
             _ => Ok(()),
@@ -86,10 +101,13 @@ pub fn build_cluster(docs: &[Document]) -> (Cluster, Vec<ObjectError>) {
             if e.object.is_empty() {
                 e.object = doc.location.clone();
             }
-            errors.push(e);
+            self.errors.push(e);
         }
     }
-    (cluster, errors)
+
+    pub fn finish(self) -> (Cluster, Vec<ObjectError>) {
+        (self.cluster, self.errors)
+    }
 }
 
 fn dup(kind: &str, id: &ObjectRef) -> ObjectError {
@@ -245,6 +263,19 @@ pub fn slice_from_json(v: &Value) -> Result<(Converted<EndpointSlice>, Vec<Objec
     }
     let slice: discovery::EndpointSlice =
         serde_json::from_value(v.clone()).map_err(|e| fail(K, &ns, &name, format!("malformed: {e}")))?;
+    slice_from_typed(slice)
+}
+
+/// [`slice_from_json`] for a slice already deserialized (the watchers
+/// receive typed slices; converting them back to JSON first would cost
+/// two more passes over every slice).
+pub fn slice_from_typed(slice: discovery::EndpointSlice) -> Result<(Converted<EndpointSlice>, Vec<ObjectError>), ObjectError> {
+    const K: &str = "EndpointSlice";
+    let ns = slice.metadata.namespace.clone().unwrap_or_else(|| "default".to_string());
+    let name = slice.metadata.name.clone().unwrap_or_default();
+    if name.is_empty() {
+        return Err(fail(K, &ns, &name, "metadata.name is missing"));
+    }
     let service_name = slice
         .metadata
         .labels
@@ -273,8 +304,11 @@ pub fn slice_from_json(v: &Value) -> Result<(Converted<EndpointSlice>, Vec<Objec
             Err(r) => problems.push(fail(K, &ns, &name, format!("ports[{i}]: {r}; port skipped"))),
         }
     }
-    let mut endpoints = Vec::new();
-    for (i, ep) in slice.endpoints.unwrap_or_default().into_iter().enumerate() {
+    let eps = slice.endpoints.unwrap_or_default();
+    // Exact capacity: the model keeps these for as long as the slice exists
+    // (at 10k slices, doubling growth would hold a third more than needed).
+    let mut endpoints = Vec::with_capacity(eps.len());
+    for (i, ep) in eps.into_iter().enumerate() {
         let Some(first) = ep.addresses.first() else {
             problems.push(fail(K, &ns, &name, format!("endpoints[{i}] has no address; endpoint skipped")));
             continue;

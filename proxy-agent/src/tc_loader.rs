@@ -107,6 +107,7 @@ pub fn install(pin_dir: &Path, devices: &[String], mode: TcMode) -> Result<Vec<S
         TcMode::Netlink => false,
     };
     let legacy = pin_dir.join(LEGACY_DIR);
+    let netns = current_netns();
 
     for (program, attach_type, dir) in
         [(INGRESS_PROGRAM, TcAttachType::Ingress, "ingress"), (EGRESS_PROGRAM, TcAttachType::Egress, "egress")]
@@ -146,12 +147,31 @@ pub fn install(pin_dir: &Path, devices: &[String], mode: TcMode) -> Result<Vec<S
                 let link = prog.take_link(id).map_err(|e| err("take link", error_chain(&e)))?;
                 // Dropping the link would detach the filter.
                 std::mem::forget(link);
-                let mark = legacy.join(format!("{device}-{dir}"));
+                let mark = legacy.join(legacy_record(device, dir, netns));
                 fs::create_dir_all(&mark).map_err(|source| TcError::Io { path: mark.clone(), source })?;
             }
         }
     }
 
+    detach_unlisted(pin_dir, devices, tcx, &mut warnings);
+    Ok(warnings)
+}
+
+/// Detaches the TC programs from every device this pin directory attached
+/// them to (`--devices none`): our pinned tcx links, and our recorded
+/// cls_bpf filters in this network namespace. Returns what was detached.
+pub fn detach_all(pin_dir: &Path) -> Vec<String> {
+    let mut notes = Vec::new();
+    detach_unlisted(pin_dir, &[], true, &mut notes);
+    notes
+}
+
+/// Detaches pinned links and recorded filters of devices not in `devices`
+/// (all recorded filters when `tcx`: the programs then live in links).
+fn detach_unlisted(pin_dir: &Path, devices: &[String], tcx: bool, warnings: &mut Vec<String>) {
+    let links = pin_dir.join(LINKS_DIR);
+    let legacy = pin_dir.join(LEGACY_DIR);
+    let netns = current_netns();
     // Devices that were attached by an earlier run but are not listed now.
     if let Ok(rd) = fs::read_dir(&links) {
         for e in rd.flatten() {
@@ -171,31 +191,60 @@ pub fn install(pin_dir: &Path, devices: &[String], mode: TcMode) -> Result<Vec<S
     if let Ok(rd) = fs::read_dir(&legacy) {
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            let listed =
-                !tcx && devices.iter().any(|d| name == format!("{d}-ingress") || name == format!("{d}-egress"));
+            let listed = !tcx
+                && devices.iter().any(|d| {
+                    name == legacy_record(d, "ingress", netns) || name == legacy_record(d, "egress", netns)
+                });
             if !listed {
-                detach_legacy(&name);
+                if detach_legacy(&name) {
+                    warnings.push(format!("detached the clsact filter from {name}"));
+                }
                 let _ = fs::remove_dir(e.path());
-                warnings.push(format!("detached the clsact filter from {name}"));
             }
         }
     }
-    Ok(warnings)
 }
 
-/// Removes our cls_bpf filter named by a `tc-legacy` entry (best effort: the
-/// device may be gone or in another network namespace).
-fn detach_legacy(entry: &str) {
+/// The network namespace this thread is in: the nsfs inode of
+/// /proc/thread-self/ns/net (stable while the namespace exists; two
+/// namespaces never share one at the same time).
+fn current_netns() -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    fs::metadata("/proc/thread-self/ns/net").map(|m| m.ino()).unwrap_or(0)
+}
+
+/// A `tc-legacy` record's name: the device, the hook and the network
+/// namespace the filter lives in. Device names are per namespace, so a
+/// record is acted on only in the namespace that made it: an agent, a
+/// `reset` or a test's cleanup running elsewhere (e.g. in the host's
+/// namespace, for a pin directory whose agent ran in a test namespace)
+/// must never detach a filter from a same-named device of its own
+/// namespace.
+fn legacy_record(device: &str, hook: &str, netns: u64) -> String {
+    format!("{device}-{hook}@netns{netns}")
+}
+
+/// Removes our cls_bpf filter named by a `tc-legacy` record (best effort:
+/// the device may be gone). Only in the namespace that made the record
+/// (see `legacy_record`); records of other namespaces, and records without
+/// a namespace, are never acted on. Returns whether it detached a filter.
+fn detach_legacy(entry: &str) -> bool {
     use aya::programs::links::Link;
-    let Some((device, hook)) = entry.rsplit_once('-') else { return };
+    let Some((device_hook, ns)) = entry.rsplit_once("@netns") else { return false };
+    if ns.parse::<u64>().ok() != Some(current_netns()) {
+        return false;
+    }
+    let Some((device, hook)) = device_hook.rsplit_once('-') else { return false };
     let t = if hook == "ingress" { TcAttachType::Ingress } else { TcAttachType::Egress };
-    if let Ok(link) = tc::SchedClassifierLink::attached(device, t, LEGACY_PRIORITY, LEGACY_HANDLE.into(), None) {
-        let _ = link.detach();
+    match tc::SchedClassifierLink::attached(device, t, LEGACY_PRIORITY, LEGACY_HANDLE.into(), None) {
+        Ok(link) => link.detach().is_ok(),
+        Err(_) => false,
     }
 }
 
 /// Removes what this module keeps under the pin directory: legacy filter
-/// records (detaching the filters where the devices are visible) and the
+/// records (detaching the filters when run in the namespace that attached
+/// them; never touching a device of another namespace) and the
 /// `NP_*` map pins. Called by `loader::reset`; tcx link pins live in the
 /// links directory, which `loader::reset` clears itself.
 pub fn reset(pin_dir: &Path) -> Result<(), (PathBuf, io::Error)> {

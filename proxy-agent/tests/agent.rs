@@ -142,3 +142,21 @@ fn reset_removes_everything_the_agent_installed() {
     let again = std::process::Command::new(agent_bin()).args(["reset", "--bpffs"]).arg(node.pins.path()).output().expect("reset");
     assert!(again.status.success());
 }
+
+#[test]
+fn devices_none_mixed_with_interface_names_is_rejected_before_anything_runs() {
+    // `reset` shares the datapath flags with `run`; clap rejects the value
+    // while parsing, so nothing is installed or removed (the pin directory
+    // does not even exist).
+    let dir = TempDir::new("tpt-devices");
+    for value in ["eth0,none", "none,eth0", "auto,eth0"] {
+        let out = std::process::Command::new(agent_bin())
+            .args(["reset", "--devices", value, "--bpffs"])
+            .arg(dir.0.join("pins"))
+            .output()
+            .expect("run reset");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "--devices {value} accepted: {stderr}");
+        assert!(stderr.contains("cannot be combined with interface names (eth0)"), "--devices {value}: {stderr}");
+    }
+}

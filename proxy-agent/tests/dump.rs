@@ -174,3 +174,127 @@ fn bpftool_prints_map_fields_by_name() {
         }
     }
 }
+
+/// The TC datapath's maps: frontends with their policy, slots and
+/// backends, local endpoints, SNAT configuration, conntrack entries and
+/// counters, and what is wrong with them.
+#[test]
+fn dump_decodes_the_tc_maps_and_flags_their_inconsistencies() {
+    use proxy_agent::decision::ExternalState;
+    use proxy_common as pc;
+    use proxy_common::{CtKey, CtValue};
+
+    let cg = Cgroup::new("tpt").expect("cgroup");
+    let pins = PinDir::new("tpt").expect("pins");
+    loader::install(cg.path(), pins.path(), Capacities::default()).expect("install");
+    let mut np = proxy_agent::nodeport::NodePortWriter::open(pins.path()).expect("open the TC maps");
+    np.set_config(Some("10.0.3.1".parse().expect("literal")), None, (61000, 65535)).expect("config");
+    let local_fe = fe("10.0.1.2", 30080, Protocol::Tcp);
+    let cluster_fe = fe("10.0.1.2", 30053, Protocol::Udp);
+    let ext = ExternalState {
+        tc: [(local_fe, [be("10.244.1.1", 8080)].into()), (cluster_fe, [be("10.244.2.1", 5353), be("10.244.1.1", 5353)].into())]
+            .into(),
+        local_endpoints: ["10.244.1.1".parse().expect("literal")].into(),
+        policy_local: [local_fe].into(),
+        ..Default::default()
+    };
+    assert!(np.sync(&ext).failures.is_empty());
+
+    // A tracked flow to the local backend, as the TC programs write it:
+    // forward (client -> frontend) and reply (backend -> client).
+    let ip = |s: &str| [u32::from_ne_bytes(s.parse::<std::net::Ipv4Addr>().expect("literal").octets()), 0, 0, 0];
+    let key = |s: &str, sp: u16, d: &str, dp: u16, dir| CtKey {
+        saddr_be: ip(s),
+        daddr_be: ip(d),
+        sport_be: sp.to_be(),
+        dport_be: dp.to_be(),
+        proto: pc::PROTO_TCP,
+        family: pc::FAMILY_V4,
+        dir,
+        _pad: 0,
+    };
+    let doc = dump_json(pins.path()).1;
+    let backend_id = doc["nodeport"]["backends"]
+        .as_array()
+        .and_then(|b| b.iter().find(|b| b["address"] == "10.244.1.1:8080"))
+        .and_then(|b| b["backendId"].as_u64())
+        .and_then(|id| u32::try_from(id).ok())
+        .unwrap_or_else(|| panic!("local backend in {doc:#}"));
+    let seen_s = proxy_agent::conntrack_gc::monotonic_now_s().expect("clock");
+    let value = |s: &str, sp: u16, d: &str, dp: u16| CtValue {
+        saddr_be: ip(s),
+        daddr_be: ip(d),
+        sport_be: sp.to_be(),
+        dport_be: dp.to_be(),
+        flags: pc::CT_FLAG_FIN_CLIENT,
+        backend_id,
+        seen_s,
+    };
+    let data = MapData::from_pin(pins.path().join("NP_CT")).expect("open NP_CT");
+    let mut ct: HashMap<MapData, CtKey, CtValue> = HashMap::try_from(Map::LruHashMap(data)).expect("LRU hash");
+    ct.insert(key("10.0.1.1", 40000, "10.0.1.2", 30080, pc::CT_DIR_FORWARD), value("10.0.1.1", 40000, "10.244.1.1", 8080), 0)
+        .expect("forward entry");
+    ct.insert(key("10.244.1.1", 8080, "10.0.1.1", 40000, pc::CT_DIR_REPLY), value("10.0.1.2", 30080, "10.0.1.1", 40000), 0)
+        .expect("reply entry");
+
+    let (code, doc) = dump_json(pins.path());
+    assert_eq!(code, Some(0), "{doc:#}");
+    let n = &doc["nodeport"];
+    let np_service = |frontend: &str| {
+        n["services"].as_array().and_then(|s| s.iter().find(|s| s["frontend"] == frontend)).cloned().unwrap_or_else(|| panic!("{frontend} in {n:#}"))
+    };
+    let local = np_service("10.0.1.2:30080/TCP");
+    assert_eq!(local["externalTrafficPolicy"], "Local");
+    assert_eq!(slot_backends(&local), ["10.244.1.1:8080"]);
+    let cluster = np_service("10.0.1.2:30053/UDP");
+    assert_eq!(cluster["externalTrafficPolicy"], "Cluster");
+    let mut got = slot_backends(&cluster);
+    got.sort();
+    assert_eq!(got, ["10.244.1.1:5353", "10.244.2.1:5353"]);
+    assert_eq!(n["localEndpoints"], serde_json::json!(["10.244.1.1"]));
+    assert_eq!(n["config"]["snatV4"], "10.0.3.1");
+    assert_eq!((n["config"]["snatPortMin"].as_u64(), n["config"]["snatPortMax"].as_u64()), (Some(61000), Some(65535)));
+    let ct_view = n["conntrack"].as_array().cloned().unwrap_or_default();
+    assert_eq!(ct_view.len(), 2, "{n:#}");
+    let fwd = ct_view.iter().find(|c| c["direction"] == "forward").expect("forward entry");
+    assert_eq!(fwd["protocol"], "TCP");
+    assert_eq!(fwd["tuple"], "10.0.1.1:40000 -> 10.0.1.2:30080");
+    assert_eq!(fwd["translated"], "10.0.1.1:40000 -> 10.244.1.1:8080");
+    assert_eq!(fwd["flags"], serde_json::json!(["fin-client"]));
+    assert!(fwd["ageSeconds"].as_u64().is_some_and(|a| a < 60), "{fwd}");
+    assert_eq!(n["counters"]["new_flow"], 0);
+    let usage = |name: &str| doc["maps"].as_array().and_then(|m| m.iter().find(|m| m["name"] == name)).cloned().unwrap_or_else(|| panic!("{name} usage"));
+    assert_eq!(usage("NP_CT")["entries"], 2);
+    assert_eq!(usage("NP_SERVICES")["entries"], 2);
+    assert_eq!(usage("NP_BACKENDS")["entries"], 3);
+    assert_eq!(usage("NP_FLAGS")["entries"], 1);
+    assert_eq!(usage("NP_COUNTERS")["entries"], usage("NP_COUNTERS")["maxEntries"]);
+
+    let table = dump(pins.path(), "table");
+    assert!(table.status.success());
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains("external traffic (TC"), "{text}");
+    assert!(text.contains("10.0.1.2:30080/TCP  id ") && text.contains("policy Local"), "{text}");
+    assert!(text.contains("forward    TCP 10.0.1.1:40000 -> 10.0.1.2:30080  =>  10.0.1.1:40000 -> 10.244.1.1:8080"), "{text}");
+    assert!(text.contains("local endpoints: 10.244.1.1") && text.contains("SNAT: 10.0.3.1"), "{text}");
+
+    // Corrupt: remove the local backend behind the agent's back. Its slots
+    // now name nothing, and the tracked flow's backend is gone.
+    let data = MapData::from_pin(pins.path().join("NP_BACKENDS")).expect("open NP_BACKENDS");
+    let mut backends: HashMap<MapData, BackendKey, BackendValue> = HashMap::try_from(Map::HashMap(data)).expect("hash map");
+    backends.remove(&BackendKey { backend_id }).expect("delete backend");
+    let (code, doc) = dump_json(pins.path());
+    assert_eq!(code, Some(2), "{doc:#}");
+    let findings = doc["findings"].as_array().cloned().unwrap_or_default();
+    let missing: Vec<&Value> = findings.iter().filter(|f| f["kind"] == "missing-backend").collect();
+    assert_eq!(missing.len(), 1, "the one slot naming it: {findings:#?}");
+    assert!(missing.iter().all(|f| f["datapath"] == "tc" && f["severity"] == "error" && f["backendId"] == backend_id), "{findings:#?}");
+    assert!(missing.iter().any(|f| f["message"].as_str().is_some_and(|m| m.contains("not in NP_BACKENDS"))), "{findings:#?}");
+    let stale: Vec<&Value> = findings.iter().filter(|f| f["kind"] == "stale-flow").collect();
+    assert_eq!(stale.len(), 1, "{findings:#?}");
+    assert_eq!((&stale[0]["severity"], &stale[0]["datapath"]), (&Value::from("warning"), &Value::from("tc")));
+    let table = dump(pins.path(), "table");
+    assert_eq!(table.status.code(), Some(2));
+    let text = String::from_utf8_lossy(&table.stdout);
+    assert!(text.contains(&format!("#{backend_id} (no such backend)")), "{text}");
+}

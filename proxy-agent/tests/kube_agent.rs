@@ -166,6 +166,12 @@ fn services_and_slices_follow_the_api_server() {
     // The watches were set up as intended, and bookmarks were understood:
     // not one list or watch failed.
     assert!(ApiServer::bookmarks_sent() > 0);
+    // The agent may have followed every change above within one watch
+    // window (700 ms); give the cutoff time to end the first watches.
+    eventually("a watch to be resumed", || {
+        let n = api.requests().iter().filter(|r| r.contains("watch=true")).count();
+        if n > 3 { Ok(()) } else { Err(n) }
+    });
     let log = node.agent_log();
     assert!(!log.contains("list/watch failed") && !log.contains("relist"), "{log}");
     let reqs = api.requests();

@@ -1,22 +1,30 @@
 //! External traffic at TC (issue #5): NodePort and externalIPs from a client
 //! outside the cluster, through two simulated nodes.
 //!
-//! Three isolated namespaces, no link to the host's:
+//! Five isolated namespaces, no link to the host's:
 //!
 //! ```text
 //!            client (10.0.1.1 / 10.0.2.1, fd00:1::1 / fd00:2::1)
 //!            /                       \
 //!   c-a -- a-c 10.0.1.2         c-b -- b-c 10.0.2.2
 //!   node-a                           node-b
-//!   lo: 10.244.1.1 (pod-a)          lo: 10.244.2.1 (pod-b)
 //!        a-b 10.0.3.1 ---------- b-a 10.0.3.2
+//!   a-pod 10.244.1.1                 b-pod 10.244.2.1
+//!     |                                |
+//!   eth0 10.244.1.10 (pod-a)         eth0 10.244.2.10 (pod-b)
 //! ```
 //!
 //! Each node runs its own agent inside its namespace (TC attach needs the
-//! device in the agent's namespace) with `--devices` naming both of its
-//! links. Backends listen on the nodes' loopback addresses; the nodes route
-//! each other's pod range over the a-b link. The client has no route to
-//! any pod: it can only reach backends through the nodes' translation.
+//! device in the agent's namespace). node-a names its two external links
+//! in `--devices`; node-b runs with the default, `auto` (every device with
+//! an address: b-a, b-c and the pod veth b-pod). Each node has a pod
+//! namespace behind a veth pair, as a CNI would set it up: the node side
+//! holds the pod subnet's gateway, the pod's default route points there.
+//! Backends run in the pod namespaces; the nodes route each other's pod
+//! range over the a-b link. The client has no route to any pod: it can only
+//! reach backends through the nodes' translation. Replies of local backends
+//! come in from the pod veth and are forwarded to the client-facing device,
+//! whose TC egress turns their source back into the frontend.
 
 mod support;
 
@@ -39,10 +47,13 @@ struct World {
 struct SimNode {
     name: &'static str,
     ns: Netns,
+    /// The namespace of this node's backend pod.
+    pod: Netns,
     cgroup: Cgroup,
     pins: PinDir,
     manifests: TempDir,
-    devices: &'static str,
+    /// `--devices`; `None` runs the agent with the default (`auto`).
+    devices: Option<&'static str>,
     extra: Vec<&'static str>,
     agent: Option<Guarded>,
     log: PathBuf,
@@ -60,7 +71,8 @@ impl SimNode {
             .arg(self.cgroup.path())
             .arg("--bpffs")
             .arg(self.pins.path())
-            .args(["--poll-interval-ms", "50", "--devices", self.devices])
+            .args(["--poll-interval-ms", "50"])
+            .args(self.devices.map(|d| ["--devices", d]).into_iter().flatten())
             .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("dup log"))
@@ -104,10 +116,10 @@ impl Drop for SimNode {
 const NODE_A: &str = "10.0.1.2";
 const NODE_B: &str = "10.0.2.2";
 const NODE_A6: &str = "fd00:1::2";
-const POD_A: &str = "10.244.1.1";
-const POD_B: &str = "10.244.2.1";
-const POD_A6: &str = "fd00:244:1::1";
-const POD_B6: &str = "fd00:244:2::1";
+const POD_A: &str = "10.244.1.10";
+const POD_B: &str = "10.244.2.10";
+const POD_A6: &str = "fd00:244:1::10";
+const POD_B6: &str = "fd00:244:2::10";
 
 impl World {
     fn new() -> World {
@@ -117,17 +129,20 @@ impl World {
         for (name, dev_c, dev_n, dev_peer) in [("node-a", "a-c", "c-a", "a-b"), ("node-b", "b-c", "c-b", "b-a")] {
             let ns = Netns::new("tnp").expect("node netns");
             ns.veth(dev_c, &client, dev_n).expect("veth client-node");
+            let pod = Netns::new("tnp").expect("pod netns");
             let manifests = TempDir::new("tnp-manifests");
             let log = manifests.0.join("agent.log.txt");
             nodes.push(SimNode {
                 name,
                 ns,
+                pod,
                 cgroup: Cgroup::new("tnp").expect("cgroup"),
                 pins: PinDir::new("tnp").expect("pins"),
                 manifests,
                 // node-b finds its devices itself (every interface with an
-                // address); its SNAT address is then b-a's 10.0.3.2.
-                devices: if name == "node-a" { "a-c,a-b" } else { "auto" },
+                // address: b-a, b-c, b-pod); its SNAT address is then the
+                // first one's (sorted by name), b-a's 10.0.3.2.
+                devices: if name == "node-a" { Some("a-c,a-b") } else { None },
                 extra: Vec::new(),
                 agent: None,
                 log,
@@ -155,8 +170,16 @@ impl World {
         addr(b, "fd00:2::2/64", "b-c");
         addr(b, "10.0.3.2/24", "b-a");
         addr(b, "fd00:3::2/64", "b-a");
-        a.add_loopback_addrs(&["10.244.1.1/32", "fd00:244:1::1/128"]).expect("pod-a address");
-        b.add_loopback_addrs(&["10.244.2.1/32", "fd00:244:2::1/128"]).expect("pod-b address");
+        // The pods: a veth pair per node, the gateway on the node side.
+        for (node, dev, subnet) in [(&nodes[0], "a-pod", "1"), (&nodes[1], "b-pod", "2")] {
+            node.ns.veth(dev, &node.pod, "eth0").expect("veth node-pod");
+            addr(&node.ns, &format!("10.244.{subnet}.1/24"), dev);
+            addr(&node.ns, &format!("fd00:244:{subnet}::1/64"), dev);
+            addr(&node.pod, &format!("10.244.{subnet}.10/24"), "eth0");
+            addr(&node.pod, &format!("fd00:244:{subnet}::10/64"), "eth0");
+            node.pod.ip(&["route", "add", "default", "via", &format!("10.244.{subnet}.1")]).expect("pod route");
+            node.pod.ip(&["-6", "route", "add", "default", "via", &format!("fd00:244:{subnet}::1")]).expect("pod route6");
+        }
         // Static routes between the nodes only: pod ranges, and each node's
         // client-facing subnet (the SNAT address lives there).
         for (ns, args) in [
@@ -180,7 +203,7 @@ impl World {
             ns.sysctl("net.ipv6.conf.all.forwarding", "1").expect("ipv6 forwarding");
         }
         let mut backends = Vec::new();
-        for (node, name, ips) in [(a, "pod-a", [POD_A, POD_A6]), (b, "pod-b", [POD_B, POD_B6])] {
+        for (node, name, ips) in [(&nodes[0].pod, "pod-a", [POD_A, POD_A6]), (&nodes[1].pod, "pod-b", [POD_B, POD_B6])] {
             let listen: Vec<String> = ips
                 .iter()
                 .flat_map(|ip| {
@@ -377,7 +400,7 @@ fn local_policy_keeps_the_client_address_drops_without_local_endpoints_and_serve
         "- {name: dns, port: 5353, protocol: UDP}\n- {name: peer, port: 8081, protocol: TCP}\n",
     );
     w.publish(&yaml);
-    let peers = peer_reporting_server(&w.nodes[1].ns, &format!("{POD_B}:8081"));
+    let peers = peer_reporting_server(&w.nodes[1].pod, &format!("{POD_B}:8081"));
     w.start();
     w.wait_for(&format!("{NODE_B}:30080"), &[], &["pod-b"]);
     w.wait_for(&format!("{NODE_B}:30053"), &["--udp"], &["pod-b"]);
@@ -385,6 +408,8 @@ fn local_policy_keeps_the_client_address_drops_without_local_endpoints_and_serve
     let r = w.probe(&["--to", &format!("{NODE_B}:30081"), "--message", "hi\n", "--timeout-ms", "1000"]);
     assert_eq!(r[0]["ok"], true, "{}", r[0]);
     let seen = peers.recv_timeout(Duration::from_secs(5)).expect("backend saw a connection");
+    // The pod sees the client's own address (no SNAT; node-b forwarded the
+    // DNAT'ed packet over the pod veth).
     assert_eq!(seen.ip().to_string(), "10.0.2.1", "externalTrafficPolicy Local preserves the client address");
     // node-a has no local endpoint: its NodePort drops (no RST, no reply).
     // (Until node-a's agent has synced, nothing translates and node-a's
@@ -476,6 +501,14 @@ fn with_clsact_filters_an_established_flow_survives_an_agent_restart() {
     established_flow_survives_restart("netlink");
 }
 
+/// Auto mode, the default: tcx on Linux >= 6.6, clsact + cls_bpf before.
+/// `cargo xtask vmtest` runs this on 6.1 and 6.12 with
+/// TOPOPROXY_EXPECT_TC_MODE set to the mechanism that kernel must get.
+#[test]
+fn in_auto_mode_an_established_flow_survives_an_agent_restart() {
+    established_flow_survives_restart("auto");
+}
+
 fn established_flow_survives_restart(mode: &'static str) {
     let mut w = World::new();
     for n in &mut w.nodes {
@@ -490,7 +523,7 @@ fn established_flow_survives_restart(mode: &'static str) {
         )
     };
     w.publish(&with_peer(&["node-b"]));
-    let _peers = peer_reporting_server(&w.nodes[1].ns, &format!("{POD_B}:8081"));
+    let _peers = peer_reporting_server(&w.nodes[1].pod, &format!("{POD_B}:8081"));
     w.start();
     w.wait_for(&format!("{NODE_A}:30080"), &[], &["pod-b"]);
     let (cmd_tx, cmd_rx) = mpsc::channel::<String>();
@@ -519,7 +552,7 @@ fn established_flow_survives_restart(mode: &'static str) {
     .expect("client thread");
     let say = |m: &str| -> String {
         cmd_tx.send(m.to_string()).unwrap();
-        res_rx.recv_timeout(Duration::from_secs(10)).expect("client answered").unwrap_or_else(|e| panic!("{m}: {e}"))
+        res_rx.recv_timeout(wait_limit()).expect("client answered").unwrap_or_else(|e| panic!("{m}: {e}"))
     };
     assert_eq!(say("one"), "echo one");
     // Restart node-a's agent: the pinned tcx links get the new program in
@@ -542,31 +575,40 @@ fn established_flow_survives_restart(mode: &'static str) {
     }
     drop(cmd_tx);
     // The restart replaced the program inside the pinned tcx links (or our
-    // cls_bpf filters): one program per hook, not two.
-    if mode == "netlink" {
-        for dev in ["a-c", "a-b"] {
-            for hook in ["ingress", "egress"] {
-                let out = std::process::Command::new("tc")
-                    .args(["-n", w.nodes[0].ns.name(), "filter", "show", "dev", dev, hook])
-                    .output()
-                    .expect("tc");
-                let text = String::from_utf8_lossy(&out.stdout);
-                assert_eq!(text.matches(" handle ").count(), 1, "{dev} {hook}: {text}");
-            }
-        }
-        return;
-    }
+    // cls_bpf filters): one program per hook, not two, and by one mechanism
+    // only. A tcx query fails on kernels without tcx (before 6.6), which
+    // counts as no tcx program.
+    let mut used = std::collections::BTreeSet::new();
     for dev in ["a-c", "a-b"] {
         for (hook, t) in
             [("ingress", aya::programs::TcAttachType::Ingress), ("egress", aya::programs::TcAttachType::Egress)]
         {
-            let n = in_netns(&w.nodes[0].ns, move || {
-                aya::programs::SchedClassifier::query_tcx(dev, t).map(|(_, p)| p.len())
+            let tcx = in_netns(&w.nodes[0].ns, move || {
+                aya::programs::SchedClassifier::query_tcx(dev, t).map(|(_, p)| p.len()).unwrap_or(0)
             })
-            .expect("netns")
-            .expect("query tcx");
-            assert_eq!(n, 1, "{dev} {hook}");
+            .expect("netns");
+            let out = std::process::Command::new("tc")
+                .args(["-n", w.nodes[0].ns.name(), "filter", "show", "dev", dev, hook])
+                .output()
+                .expect("tc");
+            let text = String::from_utf8_lossy(&out.stdout);
+            let filters = text.matches(" handle ").count();
+            match (tcx, filters) {
+                (1, 0) => used.insert("tcx"),
+                (0, 1) => used.insert("netlink"),
+                other => panic!("{dev} {hook}: (tcx programs, cls_bpf filters) = {other:?}: {text}"),
+            };
         }
+    }
+    // In auto mode the agent must pick what the kernel has; `cargo xtask
+    // vmtest` names it for the kernel it boots (clsact on 6.1, tcx on 6.12).
+    let want = match mode {
+        "auto" => std::env::var("TOPOPROXY_EXPECT_TC_MODE").ok(),
+        forced => Some(forced.to_string()),
+    };
+    assert_eq!(used.len(), 1, "mixed attach mechanisms: {used:?}");
+    if let Some(want) = want {
+        assert_eq!(used.into_iter().next(), Some(want.as_str()), "TC attach mechanism in {mode} mode");
     }
 }
 
@@ -584,8 +626,69 @@ fn explain_shows_the_external_frontends_of_the_one_decision_path() {
     assert_eq!(http["nodePort"], 30080, "{http}");
     assert_eq!(http["externalFrontends"], serde_json::json!(["192.0.2.10:80", "198.51.100.7:80"]), "{http}");
     assert_eq!(http["externalTrafficPolicy"], "Local");
-    assert_eq!(http["externalEndpoints"], serde_json::json!(["10.244.1.1:8080", "[fd00:244:1::1]:8080"]), "{http}");
+    assert_eq!(http["externalEndpoints"], serde_json::json!([format!("{POD_A}:8080"), format!("[{POD_A6}]:8080")]), "{http}");
     assert_eq!(http["healthCheckNodePort"], 32000);
+}
+
+#[test]
+fn node_address_changes_are_followed_without_a_restart() {
+    let mut w = World::new();
+    w.publish(&service("web", "Cluster", None, &["node-a", "node-b"], ""));
+    w.start();
+    w.wait_for(&format!("{NODE_A}:30080"), &[], &["pod-a", "pod-b"]);
+    let pids: Vec<u32> = w.nodes.iter().map(|n| n.agent.as_ref().expect("agent").0.id()).collect();
+
+    // A second address on node-a's listed device: its NodePorts appear
+    // there (TC frontends for the client, socket entries for the node).
+    const EXTRA: &str = "10.0.1.3";
+    w.nodes[0].ns.ip(&["addr", "add", &format!("{EXTRA}/24"), "dev", "a-c"]).expect("add address");
+    w.wait_for(&format!("{EXTRA}:30080"), &[], &["pod-a", "pod-b"]);
+    w.wait_for(&format!("{EXTRA}:30053"), &["--udp"], &["pod-a", "pod-b"]);
+    // ... and go when the address goes (no address, no frontend: the
+    // client's SYN is no longer translated and gets no answer).
+    w.nodes[0].ns.ip(&["addr", "del", &format!("{EXTRA}/24"), "dev", "a-c"]).expect("delete address");
+    eventually(&format!("{EXTRA}:30080 to stop answering"), || {
+        let r = w.probe(&["--to", &format!("{EXTRA}:30080"), "--count", "3", "--timeout-ms", "500"]);
+        if r.iter().all(|x| x["ok"] == false) { Ok(()) } else { Err(r) }
+    });
+    w.wait_for(&format!("{NODE_A}:30080"), &[], &["pod-a", "pod-b"]);
+
+    // node-b runs with `--devices auto`: a new link with an address gets
+    // the TC programs (a reply from either backend leaves through b-x and
+    // must be translated at its egress), and loses them when it goes.
+    let (b, client) = (&w.nodes[1].ns, &w.client);
+    b.veth("b-x", client, "c-x").expect("veth b-x");
+    client.ip(&["addr", "add", "10.0.4.1/24", "dev", "c-x"]).expect("client address");
+    b.ip(&["addr", "add", "10.0.4.2/24", "dev", "b-x"]).expect("node address");
+    w.wait_for("10.0.4.2:30080", &[], &["pod-a", "pod-b"]);
+    w.wait_for("10.0.4.2:30053", &["--udp"], &["pod-a", "pod-b"]);
+    let links = w.nodes[1].pins.path().join("links");
+    let attached = || {
+        std::fs::read_dir(&links)
+            .map(|rd| rd.flatten().any(|e| e.file_name().to_string_lossy().starts_with("tc-b-x-")))
+            .unwrap_or(false)
+    };
+    let legacy_marked = || {
+        std::fs::read_dir(w.nodes[1].pins.path().join("tc-legacy"))
+            .map(|rd| rd.flatten().any(|e| e.file_name().to_string_lossy().starts_with("b-x-")))
+            .unwrap_or(false)
+    };
+    assert!(attached() || legacy_marked(), "no TC attachment recorded for b-x");
+    w.nodes[1].ns.ip(&["link", "del", "b-x"]).expect("delete link");
+    eventually("the TC attachment of the deleted b-x to go", || {
+        if attached() || legacy_marked() { Err(()) } else { Ok(()) }
+    });
+    w.wait_for(&format!("{NODE_B}:30080"), &[], &["pod-a", "pod-b"]);
+
+    // The same agent processes did all of it.
+    for (n, pid) in w.nodes.iter_mut().zip(pids) {
+        let a = n.agent.as_mut().expect("agent");
+        assert_eq!(a.0.id(), pid);
+        assert!(matches!(a.0.try_wait(), Ok(None)), "the agent of {} exited", n.name);
+        let log = std::fs::read_to_string(&n.log).unwrap_or_default();
+        assert_eq!(log.matches("external traffic datapath ready").count(), 1, "{} restarted", n.name);
+        assert!(log.contains("node addresses changed"), "{}: {log}", n.name);
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -1116,5 +1219,79 @@ mod test_run {
         assert_eq!(&out[q + 40..q + 42], &40000u16.to_be_bytes());
         assert_eq!(&out[q + 42..q + 44], &30053u16.to_be_bytes());
         assert_eq!(csum(&out[54..], pseudo6(&out[22..38], &out[38..54], out.len() - 54, 58)), 0, "ICMPv6 checksum");
+    }
+
+    /// An IPv6 TCP SYN from [fd00:1::1]:`sport` to [fd00:1::2]:30080 behind
+    /// the extension headers `exts` (type, header bytes with the next-header
+    /// byte left to fill in); the TCP checksum is valid (its pseudo header
+    /// names TCP, not the extension headers: RFC 8200 8.1).
+    fn ipv6_with_ext(exts: &[(u8, Vec<u8>)], sport: u16) -> Vec<u8> {
+        let src: std::net::Ipv6Addr = "fd00:1::1".parse().unwrap();
+        let dst: std::net::Ipv6Addr = "fd00:1::2".parse().unwrap();
+        let mut t = tcp_syn(sport, 30080);
+        let c = csum(&t, pseudo6(&src.octets(), &dst.octets(), t.len(), 6));
+        t[16..18].copy_from_slice(&c.to_be_bytes());
+        let mut chain = Vec::new();
+        for (i, (_, h)) in exts.iter().enumerate() {
+            let mut h = h.clone();
+            h[0] = exts.get(i + 1).map_or(6, |(ty, _)| *ty);
+            chain.extend_from_slice(&h);
+        }
+        chain.extend_from_slice(&t);
+        let mut f = vec![0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2, 0x86, 0xdd, 0x60, 0, 0, 0];
+        f.extend_from_slice(&(chain.len() as u16).to_be_bytes());
+        f.extend_from_slice(&[exts.first().map_or(6, |(ty, _)| *ty), 64]);
+        f.extend_from_slice(&src.octets());
+        f.extend_from_slice(&dst.octets());
+        f.extend_from_slice(&chain);
+        f
+    }
+
+    #[test]
+    fn ipv6_extension_headers_are_skipped_and_ipv6_fragments_pass() {
+        let l = load(&[(fe("[fd00:1::2]:30080", Protocol::Tcp), &[be("[fd00:244:1::1]:8080")])], &["fd00:244:1::1"], &[]);
+        // Hop-by-hop and destination options with one PadN option, a
+        // routing header with no segments left, fragment headers.
+        let hop = || (0u8, vec![0, 0, 1, 4, 0, 0, 0, 0]);
+        let dst = || (60u8, vec![0, 0, 1, 4, 0, 0, 0, 0]);
+        let dst16 = || (60u8, vec![0, 1, 1, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+        let routing = |segments_left: u8| (43u8, vec![0, 0, 4, segments_left, 0, 0, 0, 0]);
+        let fragment = |offset_and_m: u16| {
+            let o = offset_and_m.to_be_bytes();
+            (44u8, vec![0, 0, o[0], o[1], 0, 0, 0, 7])
+        };
+        type Chain = Vec<(u8, Vec<u8>)>;
+        let translated: Vec<(&str, Chain)> = vec![
+            ("hop-by-hop", vec![hop()]),
+            ("hop-by-hop + destination options (16 bytes)", vec![hop(), dst16()]),
+            ("four headers", vec![hop(), dst(), routing(0), dst()]),
+            ("atomic fragment (RFC 6946)", vec![fragment(0)]),
+        ];
+        for (i, (name, exts)) in translated.iter().enumerate() {
+            let frame = ipv6_with_ext(exts, 41000 + i as u16);
+            let (rc, out) = run(l.ingress, &frame);
+            assert_eq!(rc, PASS, "{name}");
+            let l4 = 14 + 40 + exts.iter().map(|(_, h)| h.len()).sum::<usize>();
+            assert_eq!(v6_at(&out, 38), "fd00:244:1::1", "{name}: DNAT");
+            assert_eq!(&out[l4 + 2..l4 + 4], &8080u16.to_be_bytes(), "{name}: port");
+            assert_eq!(&out[14 + 40..l4], &frame[14 + 40..l4], "{name}: extension headers kept");
+            assert_eq!(csum(&out[l4..], pseudo6(&out[22..38], &out[38..54], out.len() - l4, 6)), 0, "{name}: TCP checksum");
+        }
+        let passed: Vec<(&str, Vec<u8>)> = vec![
+            ("five headers", ipv6_with_ext(&[hop(), dst(), routing(0), dst(), dst()], 42000)),
+            ("routing header with segments left", ipv6_with_ext(&[routing(1)], 42001)),
+            ("first fragment", ipv6_with_ext(&[fragment(1)], 42002)),
+            ("later fragment", ipv6_with_ext(&[fragment(8 << 3)], 42003)),
+            ("extension header longer than the frame", {
+                let mut f = ipv6_with_ext(&[hop()], 42004);
+                f[14 + 40 + 1] = 200;
+                f
+            }),
+        ];
+        for (name, frame) in passed {
+            assert_eq!(run(l.ingress, &frame), (PASS, frame.clone()), "{name}: untouched");
+        }
+        let c = proxy_agent::nodeport::counters(l.pins.path()).unwrap();
+        assert_eq!((c["new_flow"], c["pass_fragment"], c["pass_unparsed"]), (4, 2, 3), "{c:?}");
     }
 }

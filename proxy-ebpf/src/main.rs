@@ -14,6 +14,7 @@
 #![no_std]
 #![no_main]
 
+mod baseline;
 mod icmp;
 mod maps;
 mod nodeport;

@@ -28,19 +28,21 @@
 
 use aya_ebpf::{
     bindings::{BPF_NOEXIST, TC_ACT_SHOT, TC_ACT_UNSPEC},
-    helpers::bpf_ktime_get_ns,
+    helpers::bpf_ktime_get_coarse_ns,
     macros::classifier,
     programs::TcContext,
 };
 use proxy_common::{
     AddrKey, BackendKey, CT_DIR_FORWARD, CT_DIR_REPLY, CT_DIR_REPLY_SNAT, CT_DIR_SNAT,
-    CT_FLAG_CLOSING, CT_FLAG_SNAT, CT_TIMEOUT_OTHER_S, CT_TIMEOUT_TCP_CLOSING_S, CT_TIMEOUT_TCP_S,
-    CtKey, CtValue, FAMILY_V4, NP_FLAG_POLICY_LOCAL, PROTO_TCP, ServiceKey, ServiceValue,
-    flow_hash, np_counter,
+    CT_FLAG_CLOSING, CT_FLAG_REPLIED, CT_FLAG_SNAT, CT_REFRESH_S, CT_TIMEOUT_OTHER_S, CT_TIMEOUT_TCP_CLOSING_S,
+    CT_TIMEOUT_TCP_SYN_S,
+    CT_TIMEOUT_TCP_S, CtKey, CtValue, FAMILY_V4, NP_FLAG_POLICY_LOCAL, PROTO_TCP, ServiceKey,
+    ServiceValue, ct_dir_from_client, ct_flags_after, flow_hash, np_counter,
 };
 
 use crate::nodeport_maps::{
-    NP_BACKENDS, NP_CONFIG, NP_CT, NP_FLAGS, NP_LOCAL, NP_SCRATCH, NP_SERVICES, NP_SLOTS, np_count,
+    NP_BACKENDS, NP_CONFIG, NP_CT, NP_FLAGS, NP_LOCAL, NP_SCRATCH, NP_SERVICES, NP_SLOTS, NpScratch,
+    np_count,
 };
 use crate::packet::{Parsed, Pkt, TCP_FIN, TCP_RST, parse, rewrite};
 
@@ -93,25 +95,29 @@ fn try_nodeport(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
             CT_DIR_REPLY
         },
     );
+    let reply = if ingress && !may_be_snat_reply(&p) {
+        None
+    } else {
+        NP_CT.get_ptr_mut(&key)
+    };
     // SAFETY: the value stays valid under RCU for this program run; a
     // concurrent update replaces the element as a whole.
-    if let Some(v) = NP_CT.get_ptr_mut(&key) {
+    if let Some(v) = reply {
         // SAFETY: as above; the writes below are single aligned words (a
         // racing reader sees the old or the new value).
         let v = unsafe { &mut *v };
-        if ingress {
-            // A reply to our SNAT port: the port is still in use.
-            v.seen_s = now_s();
-            if p.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
-                v.flags |= CT_FLAG_CLOSING;
-            }
-        }
+        // A reply to our SNAT port (ingress) or a backend's reply towards
+        // the client (egress): the flow, and the SNAT port, are in use.
+        touch(&p, v, key.dir);
         return apply(ctx, &p, v);
     }
     if !ingress {
         // The forward leg of a flow to a remote backend, after routing.
         key.dir = CT_DIR_SNAT;
-        if let Some(v) = unsafe { NP_CT.get(&key) } {
+        if let Some(v) = NP_CT.get_ptr_mut(&key) {
+            // SAFETY: as above.
+            let v = unsafe { &mut *v };
+            touch(&p, v, CT_DIR_SNAT);
             return apply(ctx, &p, v);
         }
         return Ok(PASS);
@@ -121,13 +127,20 @@ fn try_nodeport(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
     // exists (the agent removes a backend from NP_BACKENDS once no frontend
     // uses it), even if the slots changed meanwhile.
     key.dir = CT_DIR_FORWARD;
-    if let Some(v) = unsafe { NP_CT.get(&key) } {
+    if let Some(v) = NP_CT.get_ptr_mut(&key) {
+        // SAFETY: as above.
+        let v = unsafe { &mut *v };
         if backend_alive(v) {
+            touch(&p, v, CT_DIR_FORWARD);
             return apply(ctx, &p, v);
         }
         np_count(np_counter::STALE_BACKEND);
     }
-    match new_flow(&p, &key)? {
+    let r = new_flow(&p, &key);
+    if r >= NEW_FLOW_ERR {
+        return Err((r & 0xffff_ffff) as u32);
+    }
+    match r as i32 {
         // The packet is rewritten here rather than inside new_flow so that
         // the deepest call chain is main -> rewrite -> rewrite_addr or
         // main -> new_flow, never all four frames at once.
@@ -137,8 +150,8 @@ fn try_nodeport(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
             };
             // SAFETY: this CPU's scratch slot, filled by new_flow just now.
             match rewrite(ctx, &p, unsafe { &(*s).fwd }) {
-                Ok(()) => Ok(PASS),
-                Err(_) => {
+                0 => Ok(PASS),
+                _ => {
                     np_count(np_counter::REWRITE_FAILED);
                     Ok(TC_ACT_SHOT)
                 }
@@ -148,24 +161,156 @@ fn try_nodeport(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
     }
 }
 
+/// Whether an ingress packet can be a reply to one of our SNAT ports: only
+/// then can a `CT_DIR_REPLY_SNAT` entry match it. `new_flow` creates those
+/// entries only with the configured SNAT address of the packet's family as
+/// destination and a port of `snat_port_min..=snat_port_max`, so any other
+/// packet would pay a conntrack hash lookup (jhash over the 40-byte key plus
+/// a bucket walk, kernel/bpf/hashtab.c) that cannot hit. This runs first on
+/// every TCP/UDP packet the device receives, and most of them (the node's
+/// own traffic, NodePort requests: the default SNAT range lies above the
+/// ephemeral and NodePort ranges) fail the port test alone. `NP_CONFIG` is a
+/// one-element array, whose lookup the verifier inlines into a bounds check
+/// and an address computation (`array_map_gen_lookup`).
+///
+/// A flow keeps its reply translation only while the configuration that
+/// SNAT'ed it stands: the agent writes it at start from its flags and the
+/// node's address, so a restart with another SNAT address or port range
+/// cuts the replies of flows SNAT'ed before (the conntrack GC ages their
+/// entries out).
 #[inline(always)]
-fn now_s() -> u32 {
-    // SAFETY: plain helper call. CLOCK_MONOTONIC seconds fit u32 for 136
-    // years of uptime.
-    (unsafe { bpf_ktime_get_ns() } / 1_000_000_000) as u32
+fn may_be_snat_reply(p: &Pkt) -> bool {
+    let Some(cfg) = NP_CONFIG.get(0) else {
+        // Cannot happen (an array element always exists); look it up.
+        return true;
+    };
+    let port = u16::from_be(p.dport_be);
+    if port < cfg.snat_port_min || port > cfg.snat_port_max {
+        return false;
+    }
+    if p.family == FAMILY_V4 {
+        p.daddr[0] == cfg.snat_v4_be
+    } else {
+        p.daddr == cfg.snat_v6_be
+    }
 }
 
-/// Whether a SNAT port reservation may be taken over.
+#[inline(always)]
+fn now_s() -> u32 {
+    // CLOCK_MONOTONIC_COARSE, the same clock as the agent's CLOCK_MONOTONIC
+    // (conntrack_gc.rs) as of the last timer tick: `ktime_get_coarse_ns`
+    // reads the timekeeper's base (kernel/time/timekeeping.c) where
+    // `bpf_ktime_get_ns` also reads the clocksource (a TSC read, or a
+    // paravirt clock under a hypervisor) on every tracked packet. A tick
+    // (at most 10 ms) behind is nothing against second-granular timestamps
+    // and timeouts of seconds to hours; it never runs ahead of the agent's
+    // clock. Available to every program type since Linux 5.11.
+    // SAFETY: plain helper call. CLOCK_MONOTONIC seconds fit u32 for 136
+    // years of uptime.
+    (unsafe { bpf_ktime_get_coarse_ns() } / 1_000_000_000) as u32
+}
+
+/// A packet matched the tracked entry `v` (of direction `dir`): keep the
+/// entry fresh for the agent's conntrack GC and follow the end of TCP.
+///
+/// `seen_s` is written only when the stored value is `CT_REFRESH_S` or more
+/// old, not per packet. A map write is a store into shared memory that
+/// takes the cache line exclusive and invalidates every other CPU's copy:
+/// a flow's packets can be handled on several CPUs (RPS/RFS steering,
+/// ingress and egress hooks on different queues), and the LRU map's
+/// elements sit next to each other in one preallocated pool
+/// (kernel/bpf/hashtab.c, `prealloc_init`), so a line also holds parts of
+/// unrelated flows' elements that other CPUs read. A store per packet
+/// would bounce those lines between CPUs (true and false sharing), where
+/// lookups alone keep them shared and clean. The kernel's LRU map avoids
+/// the same cost for its own reference bit: `bpf_lru_node_set_ref` only
+/// writes when the bit is clear (kernel/bpf/bpf_lru_list.h). Timeouts are
+/// seconds to hours, so one second of slack costs nothing.
+#[inline(always)]
+fn touch(p: &Pkt, v: &mut CtValue, dir: u8) {
+    let now = now_s();
+    if now.wrapping_sub(v.seen_s) >= CT_REFRESH_S {
+        v.seen_s = now;
+    }
+    // The backend answered: the flow leaves the short unanswered-TCP
+    // timeout. Written once per entry, for the same cache reason as above.
+    if !ct_dir_from_client(dir) && v.flags & CT_FLAG_REPLIED == 0 {
+        v.flags |= CT_FLAG_REPLIED;
+    }
+    if p.proto == PROTO_TCP && p.tcp_flags & (TCP_FIN | TCP_RST) != 0 {
+        mark_closing(v, p.tcp_flags, dir, p.family);
+    }
+}
+
+/// A FIN or RST went by (rare: at most a few per flow). Records it on this
+/// entry and on the entry of the opposite direction, which this hook does
+/// not see (e.g. a FIN from the client at ingress on the reply entry that
+/// egress uses), so that both halves of the flow, and the SNAT reservation
+/// the datapath checks before taking a port over, agree that it is closing.
+/// The two entries of the same direction (forward and SNAT legs, or the two
+/// reply legs) see the very same packet at ingress and egress and mark
+/// themselves.
+///
+/// The flag updates are plain read-modify-writes, not atomics: two FIN/RST
+/// segments racing on two CPUs can lose one update, which only ever leaves
+/// the flow on the longer established timeout (kept too long, never cut
+/// short); the next FIN/RST or retransmission sets it again.
+#[inline(never)]
+fn mark_closing(v: &mut CtValue, tcp_flags: u8, dir: u8, family: u8) {
+    let from_client = ct_dir_from_client(dir);
+    v.flags = ct_flags_after(v.flags, tcp_flags, from_client);
+    let Some(s) = NP_SCRATCH.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: this CPU's scratch slot; new_flow does not run in this
+    // program run once an entry matched.
+    let s = unsafe { &mut *s };
+    s.peer = v.peer_key(PROTO_TCP, family, dir);
+    if let Some(peer) = NP_CT.get_ptr_mut(&s.peer) {
+        // SAFETY: a live map value under RCU; single aligned word store.
+        let peer = unsafe { &mut *peer };
+        peer.flags = ct_flags_after(peer.flags, tcp_flags, from_client);
+    }
+}
+
+/// Whether a tracked entry is older than its timeout.
 #[inline(always)]
 fn expired(v: &CtValue, now: u32, proto: u8) -> bool {
     let limit = if proto != PROTO_TCP {
         CT_TIMEOUT_OTHER_S
     } else if v.flags & CT_FLAG_CLOSING != 0 {
         CT_TIMEOUT_TCP_CLOSING_S
+    } else if v.flags & CT_FLAG_REPLIED == 0 {
+        CT_TIMEOUT_TCP_SYN_S
     } else {
         CT_TIMEOUT_TCP_S
     };
     now.wrapping_sub(v.seen_s) > limit
+}
+
+/// Whether the SNAT reservation at `s.key` (a `CT_DIR_REPLY_SNAT` key) is
+/// free to take over: its entry, refreshed by the backend's replies, and the
+/// SNAT entry of the same flow, refreshed by the client's packets, are both
+/// past their timeout. The second check keeps a one-way flow (a UDP stream
+/// the backend never answers) from losing its port while it is still
+/// sending. A SNAT entry that now names another port belongs to a later
+/// flow of the same client tuple and says nothing about this port.
+#[inline(always)]
+fn reservation_expired(s: &mut NpScratch, now: u32, proto: u8, family: u8) -> bool {
+    let Some(old) = (unsafe { NP_CT.get(&s.key) }) else {
+        // Deleted meanwhile (GC, LRU): free.
+        return true;
+    };
+    if !expired(old, now, proto) {
+        return false;
+    }
+    s.peer = old.peer_key(proto, family, CT_DIR_REPLY_SNAT);
+    match unsafe { NP_CT.get(&s.peer) } {
+        Some(fwd) if fwd.sport_be == s.key.dport_be && fwd.saddr_be == s.key.daddr_be => {
+            expired(fwd, now, proto)
+        }
+        _ => true,
+    }
 }
 
 /// `new_flow`'s answer for "translate with the scratch area's `fwd`"; no TC
@@ -180,9 +325,27 @@ const TRANSLATE: i32 = 0x7fff_0000;
 /// the deepest call chain (`check_max_stack_depth`), and the conntrack
 /// key/value pairs alone would take a third of it. `fwd_key` is the
 /// caller's forward key.
+///
+/// Returns a plain integer, the verdict or `NEW_FLOW_ERR | reason`, not a
+/// `Result`: an aggregate comes back through a hidden pointer into the
+/// caller's frame, and LLVM may leave that pointer in r0 at exit, which the
+/// verifier rejects ("cannot return stack pointer to the caller",
+/// kernel/bpf/verifier.c, `prepare_func_exit`). It did, after an unrelated
+/// edit changed the generated code.
 #[inline(never)]
-fn new_flow(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
-    let now = now_s();
+fn new_flow(p: &Pkt, fwd_key: &CtKey) -> i64 {
+    match new_flow_inner(p, fwd_key) {
+        Ok(verdict) => i64::from(verdict),
+        Err(reason) => NEW_FLOW_ERR | i64::from(reason),
+    }
+}
+
+/// `new_flow`'s error answers carry this bit above every verdict (verdicts
+/// are i32, `TRANSLATE` included).
+const NEW_FLOW_ERR: i64 = 1 << 40;
+
+#[inline(always)]
+fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
     let skey = ServiceKey {
         ip_be: p.daddr,
         port_be: p.dport_be,
@@ -216,6 +379,9 @@ fn new_flow(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
     if b.family != p.family {
         return Err(np_counter::PASS_UNPARSED);
     }
+    // Read only now: a packet that is not for a frontend (most of what the
+    // device sees) has no use for the time.
+    let now = now_s();
     let Some(s) = NP_SCRATCH.get_ptr_mut(0) else {
         return Err(np_counter::CT_UPDATE_FAILED);
     };
@@ -298,12 +464,11 @@ fn new_flow(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
                 chosen = s.key.dport_be;
                 break;
             }
-            // Taken. Entries are never deleted when a flow ends (we do not
-            // follow TCP state to the end, and LRU eviction only happens
-            // when the map is full), so take over a holder that has been
-            // silent for longer than its timeout.
-            if let Some(old) = unsafe { NP_CT.get(&s.key) }
-                && expired(old, now, p.proto)
+            // Taken. The agent's conntrack GC deletes flows past their
+            // timeout, but it runs only every few seconds (and not at all
+            // while no agent runs), so take over a holder whose flow has
+            // been silent for longer than its timeout in both directions.
+            if reservation_expired(s, now, p.proto, p.family)
                 && NP_CT.insert(&s.key, &s.val, 0).is_ok()
             {
                 chosen = s.key.dport_be;
@@ -380,14 +545,14 @@ fn ct_key(p: &Pkt, dir: u8) -> CtKey {
 #[inline(always)]
 fn apply(ctx: &TcContext, p: &Pkt, v: &CtValue) -> Result<i32, u32> {
     match rewrite(ctx, p, v) {
-        Ok(()) => {
+        0 => {
             np_count(np_counter::TRACKED);
             Ok(PASS)
         }
         // A failed helper may have left the packet half rewritten (one
         // checksum updated, the field not): drop it rather than deliver a
         // corrupt packet; TCP retransmits.
-        Err(_) => {
+        _ => {
             np_count(np_counter::REWRITE_FAILED);
             Ok(TC_ACT_SHOT)
         }

@@ -33,9 +33,10 @@ pub static NP_FLAGS: HashMap<ServiceKey, NpFlagsValue> =
 #[map(name = "NP_LOCAL")]
 pub static NP_LOCAL: HashMap<AddrKey, u32> = HashMap::with_max_entries(DEFAULT_MAX_NP_LOCAL, 0);
 
-/// LRU: flows end without telling us (no FIN tracking), so idle entries
-/// must age out; an LRU map evicts the least recently used entry instead of
-/// failing an insert when full (kernel/bpf/bpf_lru_list.c).
+/// LRU: the agent's conntrack GC deletes flows past their timeout, but a
+/// burst of new flows between two sweeps (or while no agent runs) must not
+/// fail inserts; an LRU map evicts the least recently used entry instead
+/// when full (kernel/bpf/bpf_lru_list.c).
 #[map(name = "NP_CT")]
 pub static NP_CT: LruHashMap<CtKey, CtValue> = LruHashMap::with_max_entries(DEFAULT_MAX_NP_CT, 0);
 
@@ -53,6 +54,8 @@ pub struct NpScratch {
     pub fwd: CtValue,
     pub rev: CtValue,
     pub val: CtValue,
+    /// The other direction's key, for FIN/RST marking and SNAT takeover.
+    pub peer: CtKey,
 }
 
 #[map(name = "NP_SCRATCH")]

@@ -28,6 +28,17 @@ const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;
 const IPPROTO_ICMP: u8 = 1;
 const IPPROTO_ICMPV6: u8 = 58;
+/// IPv6 extension headers (RFC 8200 4): hop-by-hop options, routing,
+/// fragment, destination options.
+const IPPROTO_HOPOPTS: u8 = 0;
+const IPPROTO_ROUTING: u8 = 43;
+const IPPROTO_FRAGMENT: u8 = 44;
+const IPPROTO_DSTOPTS: u8 = 60;
+/// At most this many IPv6 extension headers are skipped to find the L4
+/// header. RFC 8200 4.1 recommends at most one of each (destination options
+/// twice), so four covers every sane chain, and the bound keeps the loop
+/// small for the verifier; a longer chain passes untranslated.
+const MAX_IPV6_EXT_HEADERS: usize = 4;
 
 /// A TCP or UDP packet we might translate.
 #[derive(Clone, Copy)]
@@ -82,8 +93,13 @@ pub enum Parsed {
 /// * IPv4 fragments (`MF` set or a non-zero offset): a non-first fragment
 ///   has no L4 header, and translating only the first would split a
 ///   datagram across two destinations.
-/// * IPv6 packets whose first next-header is not TCP/UDP (extension headers
-///   are rare for this traffic; walking them costs verifier complexity).
+/// * IPv6 fragments (a fragment header with a non-zero offset or the M flag),
+///   for the same reason. An atomic fragment (offset 0, no M: RFC 6946) is
+///   a whole packet and is translated.
+/// * IPv6 packets with more than `MAX_IPV6_EXT_HEADERS` extension headers,
+///   or with a routing header that still has segments left (the packet is
+///   not at its final destination, and the L4 checksum covers the final
+///   one: RFC 8200 8.1).
 /// * Truncated headers: a failed load.
 #[inline(always)]
 pub fn parse(ctx: &TcContext) -> Parsed {
@@ -134,8 +150,12 @@ pub fn parse(ctx: &TcContext) -> Parsed {
             return Parsed::Other(np_counter::PASS_UNPARSED);
         }
         family = FAMILY_V6;
-        proto = p;
-        l4 = l3 + 40;
+        let found = ipv6_l4(ctx, p, l3 + 40);
+        if found < 0 {
+            return Parsed::Other((-found - 1) as u32);
+        }
+        proto = (found >> 32) as u8;
+        l4 = (found & 0xffff_ffff) as usize;
         saddr = s;
         daddr = d;
     } else {
@@ -182,15 +202,87 @@ pub fn parse(ctx: &TcContext) -> Parsed {
     })
 }
 
+/// Skips the IPv6 extension headers from `off` (where a header of type
+/// `next` starts). Returns the upper-layer protocol in bits 32..40 and its
+/// offset in the low 32 bits, or `-(counter + 1)` naming why the packet is
+/// not ours. A BPF subprogram of its own with a plain integer result: its
+/// locals then stay out of the calling program's frame, which shares the
+/// verifier's 512-byte stack budget with the deepest call chain.
+#[inline(never)]
+fn ipv6_l4(ctx: &TcContext, next: u8, off: usize) -> i64 {
+    match ipv6_l4_inner(ctx, next, off) {
+        Ok((p, o)) => (i64::from(p) << 32) | (o as i64 & 0xffff_ffff),
+        Err(reason) => -i64::from(reason) - 1,
+    }
+}
+
+#[inline(always)]
+fn ipv6_l4_inner(ctx: &TcContext, mut next: u8, mut off: usize) -> Result<(u8, usize), u32> {
+    let mut i = 0;
+    while i < MAX_IPV6_EXT_HEADERS {
+        match next {
+            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
+                // Next header, length in 8-octet units not counting the
+                // first 8, then (routing) type and segments left.
+                let Ok(h) = ctx.load::<[u8; 4]>(off) else {
+                    return Err(np_counter::PASS_UNPARSED);
+                };
+                if next == IPPROTO_ROUTING && h[3] != 0 {
+                    return Err(np_counter::PASS_UNPARSED);
+                }
+                next = h[0];
+                off += (h[1] as usize + 1) * 8;
+            }
+            IPPROTO_FRAGMENT => {
+                // Next header, reserved, then offset (13 bits), two
+                // reserved bits and M.
+                let Ok(h) = ctx.load::<[u8; 4]>(off) else {
+                    return Err(np_counter::PASS_UNPARSED);
+                };
+                if u16::from_be_bytes([h[2], h[3]]) & 0xfff9 != 0 {
+                    return Err(np_counter::PASS_FRAGMENT);
+                }
+                next = h[0];
+                off += 8;
+            }
+            _ => return Ok((next, off)),
+        }
+        i += 1;
+    }
+    match next {
+        IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS | IPPROTO_FRAGMENT => {
+            Err(np_counter::PASS_UNPARSED)
+        }
+        _ => Ok((next, off)),
+    }
+}
+
 /// Rewrites the packet's source and destination (address and port) to the
 /// given ones, fixing every checksum on the way. Fields that do not change
-/// are not touched. A BPF subprogram of its own (not inlined) to keep the
-/// callers' stack frames small.
+/// are not touched (IPv4 without options: written back with the bytes they
+/// hold, see `rewrite_v4_block`). A BPF subprogram of its own (not inlined) to keep the
+/// callers' stack frames small. Returns 0 or a negative error: a plain
+/// integer, like every subprogram here, because a `Result` comes back
+/// through a hidden pointer into the caller's stack, which costs an
+/// argument register (BPF calls have five) and which LLVM may leave in r0,
+/// a return the verifier refuses ("cannot return stack pointer to the
+/// caller").
 #[inline(never)]
-pub fn rewrite(ctx: &TcContext, p: &Pkt, to: &CtValue) -> Result<(), i64> {
+pub fn rewrite(ctx: &TcContext, p: &Pkt, to: &CtValue) -> i64 {
+    match rewrite_fields(ctx, p, to) {
+        Ok(()) => 0,
+        Err(e) => e.min(-1),
+    }
+}
+
+#[inline(always)]
+fn rewrite_fields(ctx: &TcContext, p: &Pkt, to: &CtValue) -> Result<(), i64> {
+    // IPv4 without options (nearly every packet): addresses and ports sit
+    // next to each other.
+    if p.family == FAMILY_V4 && p.l3 == ETH_HLEN && p.l4 == ETH_HLEN + 20 {
+        return rewrite_v4_block(ctx, p, to);
+    }
     let (sport_be, dport_be) = (to.sport_be, to.dport_be);
-    // Plain integer returns: BPF calls pass at most five arguments in
-    // registers, and a `Result` would add a hidden return pointer.
     let rc = rewrite_addr(ctx, p, &to.saddr_be, true);
     if rc < 0 {
         return Err(rc);
@@ -210,6 +302,106 @@ pub fn rewrite(ctx: &TcContext, p: &Pkt, to: &CtValue) -> Result<(), i64> {
         ctx.store(p.l4 + 2, &dport_be, 0)?;
     }
     Ok(())
+}
+
+/// Bytes 10..24 of an IPv4 packet without options: header checksum, source
+/// and destination address, then the TCP/UDP source and destination port
+/// (RFC 791, 793, 768), all in network byte order.
+#[repr(C, packed)]
+struct V4Block {
+    check: u16,
+    saddr_be: u32,
+    daddr_be: u32,
+    sport_be: u16,
+    dport_be: u16,
+}
+
+/// `rewrite_fields` for IPv4 without options, with fewer helper calls (the
+/// calls are the bulk of the rewrite's cost; a tracked packet changes an
+/// address and a port):
+///
+/// * The 14 contiguous bytes from the IPv4 header checksum to the
+///   destination port are written with one `bpf_skb_store_bytes` instead of
+///   one store per changed field. Unchanged fields are written back with
+///   the bytes they hold, and the flags are 0 as for the per-field stores,
+///   so `skb->csum` is left alone as before (the helper adjusts it only
+///   under `BPF_F_RECOMPUTE_CSUM`, net/core/filter.c).
+/// * The IPv4 header checksum is updated here (RFC 1624, eqn. 3) instead of
+///   by `bpf_l3_csum_replace`, which does nothing else for a 4-byte change
+///   (`csum_replace4` on the field; it never touches `skb->csum`, as the
+///   header's sum stays the same). The old value is read directly from the
+///   linear data when the header is there (always, in practice: the stack
+///   pulls the IP header into the linear area before TC ingress, and at
+///   egress it was built there), else with `bpf_skb_load_bytes`.
+/// * The L4 checksum still goes through `bpf_l4_csum_replace`, one call
+///   per changed field: only the kernel knows whether the skb is
+///   `CHECKSUM_PARTIAL` (then only the pseudo-header part, the addresses,
+///   may change the field) or `CHECKSUM_COMPLETE` (then `skb->csum` follows
+///   pseudo-header changes), see `inet_proto_csum_replace4`.
+#[inline(always)]
+fn rewrite_v4_block(ctx: &TcContext, p: &Pkt, to: &CtValue) -> Result<(), i64> {
+    let (s_old, s_new) = (p.saddr[0], to.saddr_be[0]);
+    let (d_old, d_new) = (p.daddr[0], to.daddr_be[0]);
+    if s_old == s_new && d_old == d_new && to.sport_be == p.sport_be && to.dport_be == p.dport_be {
+        return Ok(());
+    }
+    // Read before the helpers below: they may move the packet data, and
+    // the verifier invalidates packet pointers across them.
+    let mut check = ipv4_check(ctx)?;
+    let csum = p.csum_off();
+    let fl = p.l4_flags();
+    let pseudo = fl | BPF_F_PSEUDO_HDR as u64;
+    if s_old != s_new {
+        ctx.l4_csum_replace(csum, u64::from(s_old), u64::from(s_new), 4 | pseudo)?;
+        check = csum_replace4(check, s_old, s_new);
+    }
+    if d_old != d_new {
+        ctx.l4_csum_replace(csum, u64::from(d_old), u64::from(d_new), 4 | pseudo)?;
+        check = csum_replace4(check, d_old, d_new);
+    }
+    if to.sport_be != p.sport_be {
+        ctx.l4_csum_replace(csum, u64::from(p.sport_be), u64::from(to.sport_be), 2 | fl)?;
+    }
+    if to.dport_be != p.dport_be {
+        ctx.l4_csum_replace(csum, u64::from(p.dport_be), u64::from(to.dport_be), 2 | fl)?;
+    }
+    let block = V4Block {
+        check,
+        saddr_be: s_new,
+        daddr_be: d_new,
+        sport_be: to.sport_be,
+        dport_be: to.dport_be,
+    };
+    // iphdr.check is at byte 10.
+    ctx.store(p.l3 + 10, &block, 0)?;
+    Ok(())
+}
+
+/// The IPv4 header checksum field as stored (network byte order), of a
+/// packet whose IPv4 header starts at `ETH_HLEN` (as `parse` found it).
+#[inline(always)]
+fn ipv4_check(ctx: &TcContext) -> Result<u16, i64> {
+    const AT: usize = ETH_HLEN + 10;
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + AT + 2 <= end {
+        // SAFETY: within the linear data, checked against data_end just
+        // above (the verifier checks the same).
+        return Ok(unsafe { core::ptr::read_unaligned((data + AT) as *const u16) });
+    }
+    ctx.load::<u16>(AT)
+}
+
+/// RFC 1624 eqn. 3, HC' = ~(~HC + ~m + m'), for a 32-bit field, as the
+/// kernel's `csum_replace4`. The one's complement sum does not depend on
+/// byte order (RFC 1071 2(B)), so the checksum and the values are used as
+/// loaded from the packet (network byte order), like the kernel does.
+#[inline(always)]
+fn csum_replace4(check: u16, from: u32, to: u32) -> u16 {
+    let mut sum = u32::from(!check) + (!from & 0xffff) + (!from >> 16) + (to & 0xffff) + (to >> 16);
+    // Five 16-bit terms: two folds bring any carry back in.
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    !(sum as u16)
 }
 
 // Its own BPF subprogram too, so that the IPv6 copies below do not sit in

@@ -3,9 +3,11 @@
 //! - `setup`: install what is missing (nightly rust-src, Debian packages,
 //!   bpf-linker). Idempotent, and a fast no-op when everything is present.
 //! - `build-ebpf`: build the agent, which builds and embeds the eBPF object.
-//! - `test`: every test, including the privileged datapath tests (root).
+//! - `test`: every test, including the privileged datapath tests (root)
+//!   and `vmtest`.
 //! - `demo`: a simulated 3-node cluster on this machine.
 //! - `bench`: the benchmark report, next to iptables and nftables.
+//! - `vmtest`: chosen datapath tests on Debian's 6.1 and 6.12 kernels under qemu.
 //!
 //! Every command runs the `setup` checks first. xtask depends on nothing of
 //! the project's own, so it builds before the eBPF toolchain exists.
@@ -17,6 +19,7 @@ mod demo;
 mod setup;
 mod test;
 mod util;
+mod vmtest;
 
 use clap::{Parser, Subcommand};
 
@@ -38,8 +41,10 @@ enum Command {
     Setup,
     /// Build the agent and the eBPF object it embeds; print the object's path.
     BuildEbpf,
-    /// Run every test (`cargo test --workspace`); needs root for the datapath
-    /// tests. Arguments after `--` go to `cargo test`.
+    /// Run every test (`cargo test --workspace`, then `vmtest` on Debian's
+    /// 6.1 and 6.12 kernels under qemu); needs root for the datapath tests.
+    /// `--no-vm` (or TOPOPROXY_NO_VMTEST=1) leaves the VM run out. Other
+    /// arguments go to `cargo test`.
     Test {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
@@ -59,6 +64,15 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Boot Debian 12's 6.1 (no tcx: clsact fallback) and 6.12 kernels under
+    /// qemu (TCG) and run chosen datapath tests inside; reports per kernel.
+    /// Reuses `cargo test`'s debug binaries. Arguments after `--`:
+    /// `--kernel 6.1|6.12` (repeatable), `--timeout-secs N`, `--only FILTER`,
+    /// `--concurrent|--sequential`.
+    Vmtest {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -69,6 +83,7 @@ fn main() -> std::process::ExitCode {
         Command::Test { args } => test::run(&args),
         Command::Demo { args } => demo::run(&args),
         Command::Bench { args } => bench::run(&args),
+        Command::Vmtest { args } => vmtest::run(&args),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -67,19 +67,26 @@ fn rust_src() -> Result<()> {
     }
 }
 
-fn installed(package: &str) -> bool {
+pub(crate) fn installed(package: &str) -> bool {
     util::output(util::cmd("dpkg-query").args(["-W", "-f=${db:Status-Status}", package]))
         .is_some_and(|s| s.trim() == "installed")
 }
 
 fn debian_packages() -> Result<()> {
+    ensure_debian_packages(&DEBIAN_PACKAGES, false)
+}
+
+/// Installs the Debian packages of `packages` that are missing (apt-get
+/// update, then apt-get install -y); a no-op without network when all are
+/// present. `no_recommends` keeps large optional dependencies out (qemu's).
+pub(crate) fn ensure_debian_packages(packages: &[&str], no_recommends: bool) -> Result<()> {
     if util::output(util::cmd("dpkg-query").arg("--version")).is_none() {
-        println!("skip: dpkg-query not found (not Debian?); install by hand: {}", DEBIAN_PACKAGES.join(" "));
+        println!("skip: dpkg-query not found (not Debian?); install by hand: {}", packages.join(" "));
         return Ok(());
     }
-    let missing: Vec<&str> = DEBIAN_PACKAGES.iter().copied().filter(|p| !installed(p)).collect();
+    let missing: Vec<&str> = packages.iter().copied().filter(|p| !installed(p)).collect();
     if missing.is_empty() {
-        println!("ok: Debian packages present ({})", DEBIAN_PACKAGES.join(" "));
+        println!("ok: Debian packages present ({})", packages.join(" "));
         return Ok(());
     }
     if !util::is_root() {
@@ -92,7 +99,12 @@ fn debian_packages() -> Result<()> {
         c
     };
     util::run(apt().arg("update"))?;
-    util::run(apt().args(["install", "-y"]).args(&missing))?;
+    let mut install = apt();
+    install.args(["install", "-y"]);
+    if no_recommends {
+        install.arg("--no-install-recommends");
+    }
+    util::run(install.args(&missing))?;
     let still: Vec<&str> = missing.iter().copied().filter(|p| !installed(p)).collect();
     if !still.is_empty() {
         bail!("apt-get install finished but these packages are still missing: {}", still.join(" "));

@@ -1,29 +1,36 @@
 //! `cargo xtask test`: every test of the workspace, the privileged datapath
 //! tests included.
 //!
-//! cargo test's own output is passed through unchanged. Because a workspace
-//! run ends with the (empty) doc-test result of its last crate, a total over
-//! all test binaries is printed last, as a plain `N passed, N failed` line.
+//! cargo test's own output is passed through unchanged. Then `vmtest` runs
+//! the chosen datapath tests on Debian's 6.1 and 6.12 kernels under qemu,
+//! reusing the debug binaries just built. Because a workspace run ends with
+//! the (empty) doc-test result of its last crate, a total over all test
+//! binaries and kernels is printed last, as a plain `summary:` line.
+//!
+//! `--no-vm` (or `TOPOPROXY_NO_VMTEST=1`) leaves the VM run out, for a
+//! quicker local loop; CI and the default run it. Otherwise the VM run is
+//! skipped (and its tests counted as skipped) only when qemu cannot be
+//! installed or a kernel cannot be downloaded.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::Stdio;
 
 use anyhow::{Context, Result, bail};
 
-use crate::{setup, util};
+use crate::{setup, util, vmtest};
 
 #[derive(Default, Debug, PartialEq, Eq)]
-struct Totals {
-    passed: u64,
-    failed: u64,
-    ignored: u64,
-    binaries: u64,
+pub struct Totals {
+    pub passed: u64,
+    pub failed: u64,
+    pub ignored: u64,
+    pub binaries: u64,
 }
 
 impl Totals {
     /// Adds a libtest line such as
     /// `test result: ok. 4 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.1s`.
-    fn add(&mut self, line: &str) {
+    pub fn add(&mut self, line: &str) {
         let Some(rest) = line.trim().strip_prefix("test result: ") else { return };
         let number_before = |word: &str| -> Option<u64> {
             rest.split(';').find_map(|part| {
@@ -47,6 +54,9 @@ pub fn run(args: &[String]) -> Result<()> {
         );
     }
     setup::ensure()?;
+    let (no_vm, args) = take_no_vm(args);
+    let no_vm = no_vm || std::env::var_os(NO_VM_ENV).is_some_and(|v| !v.is_empty() && v != "0");
+    let args = &args[..];
     let mut c = util::cargo();
     c.arg("test");
     // `-p NAME` narrows the run; otherwise the whole workspace is tested.
@@ -75,14 +85,64 @@ pub fn run(args: &[String]) -> Result<()> {
         out.flush()?;
     }
     let status = child.wait()?;
+    drop(out);
+    // The VM run follows even when a test failed above, so that one run
+    // shows every failure; it reuses the debug binaries built above.
+    let mut vm_failed = None;
+    if no_vm {
+        println!("\nvmtest not run: --no-vm or {NO_VM_ENV} was given");
+    } else {
+        match vmtest::run_with(&vmtest::Options::default()) {
+            Ok(vmtest::Outcome::Skipped { reason, tests }) => {
+                println!("\nvmtest skipped ({tests} tests counted as skipped): {reason}");
+                totals.ignored += tests;
+            }
+            Ok(vmtest::Outcome::Ran(runs)) => {
+                vmtest::print_report(&runs, &mut totals);
+                if runs.iter().any(|r| !r.problems.is_empty() || r.totals.failed > 0) {
+                    vm_failed = Some("tests failed on an older kernel".to_string());
+                }
+            }
+            Err(e) => {
+                println!("\nvmtest failed: {e:#}");
+                totals.failed += 1;
+                vm_failed = Some(format!("vmtest: {e:#}"));
+            }
+        }
+    }
     if totals.binaries > 0 {
-        writeln!(out)?;
-        writeln!(out, "summary: {} passed, {} failed, {} skipped", totals.passed, totals.failed, totals.ignored)?;
+        println!();
+        println!("summary: {} passed, {} failed, {} skipped", totals.passed, totals.failed, totals.ignored);
     }
     if !status.success() {
         bail!("tests failed ({status})");
     }
+    if let Some(why) = vm_failed {
+        bail!(why);
+    }
     Ok(())
+}
+
+/// The developer opt-out of the VM run, as an environment variable.
+const NO_VM_ENV: &str = "TOPOPROXY_NO_VMTEST";
+
+/// Removes xtask's own `--no-vm` from the arguments before `--` (those
+/// after it belong to the test binaries); says whether it was there.
+fn take_no_vm(args: &[String]) -> (bool, Vec<String>) {
+    let mut found = false;
+    let mut rest = Vec::with_capacity(args.len());
+    let mut after_dashes = false;
+    for a in args {
+        if a == "--" {
+            after_dashes = true;
+        }
+        if !after_dashes && a == "--no-vm" {
+            found = true;
+        } else {
+            rest.push(a.clone());
+        }
+    }
+    (found, rest)
 }
 
 #[cfg(test)]
@@ -97,5 +157,13 @@ mod tests {
         t.add("running 4 tests");
         t.add("test sandbox::works ... ok");
         assert_eq!(t, Totals { passed: 22, failed: 1, ignored: 2, binaries: 2 });
+    }
+
+    #[test]
+    fn no_vm_is_taken_out_only_before_the_test_binaries_arguments() {
+        let v = |s: &[&str]| s.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+        assert_eq!(take_no_vm(&v(&["--no-vm", "-p", "xtask"])), (true, v(&["-p", "xtask"])));
+        assert_eq!(take_no_vm(&v(&["-p", "xtask", "--", "--no-vm"])), (false, v(&["-p", "xtask", "--", "--no-vm"])));
+        assert_eq!(take_no_vm(&[]), (false, vec![]));
     }
 }

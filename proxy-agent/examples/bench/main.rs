@@ -7,6 +7,9 @@
 //! the benchmark issue are checked here and reported, never asserted in
 //! tests.
 
+mod control_plane;
+mod forwarding;
+mod programs;
 mod report;
 mod rules;
 mod workload;
@@ -41,10 +44,18 @@ struct Args {
     rounds: usize,
     rules_max: usize,
     out: PathBuf,
+    /// `--only datapath|control-plane`: run one part of the bench.
+    only: Option<String>,
+    cp: control_plane::Options,
+    /// BPF_PROG_TEST_RUN calls per case and repeat, and the NodePort
+    /// frontends in the maps (programs.rs).
+    np_calls: usize,
+    np_frontends: usize,
+    fwd: forwarding::Options,
 }
 
 fn parse_args() -> Result<Args> {
-    let mut a = Args { sizes: vec![1_000, 10_000, 100_000], repeats: 5, rounds: 2_000, rules_max: 10_000, out: PathBuf::from("results/bench") };
+    let mut a = Args { sizes: vec![1_000, 10_000, 100_000], repeats: 5, rounds: 2_000, rules_max: 10_000, out: PathBuf::from("results/bench"), only: None, cp: control_plane::Options::default(), np_calls: 20_000, np_frontends: 1_000, fwd: forwarding::Options::default() };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut val = || it.next().with_context(|| format!("{flag} needs a value"));
@@ -54,7 +65,18 @@ fn parse_args() -> Result<Args> {
             "--rounds" => a.rounds = val()?.parse()?,
             "--rules-max" => a.rules_max = val()?.parse()?,
             "--out" => a.out = PathBuf::from(val()?),
-            other => bail!("unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 5 --rounds 2000 --rules-max 10000 --out results/bench"),
+            "--only" => a.only = Some(val()?),
+            "--np-calls" => a.np_calls = val()?.parse()?,
+            "--np-frontends" => a.np_frontends = val()?.parse()?,
+            "--fwd-services" => a.fwd.services = val()?.parse()?,
+            "--fwd-udp-ms" => a.fwd.udp = Duration::from_millis(val()?.parse()?),
+            cp if cp.starts_with("--cp-") => {
+                let v = val()?;
+                if !control_plane::flag(&mut a.cp, cp, &v)? {
+                    bail!("unknown flag {cp}; control-plane flags: {}", control_plane::FLAGS_HELP);
+                }
+            }
+            other => bail!("unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 5 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|control-plane --np-calls 20000 --np-frontends 1000 --fwd-services 1000 --fwd-udp-ms 1000 {}", control_plane::FLAGS_HELP),
         }
     }
     if a.repeats < 1 || a.rounds < 10 || a.sizes.is_empty() {
@@ -176,6 +198,8 @@ fn agent_cold_sync(size: usize, scratch: &Path) -> Result<(Duration, u64)> {
             .arg(cg.path())
             .arg("--bpffs")
             .arg(pins.path())
+            // Host network namespace: no TC program on the host's interfaces.
+            .args(["--devices", "none"])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(fs::File::create(&log)?),
@@ -211,6 +235,10 @@ fn main() -> Result<()> {
 }
 
 fn bench(args: &Args, scratch: &Path) -> Result<()> {
+    if args.only.as_deref() == Some("control-plane") {
+        let cp = control_plane::run(&args.cp, args.repeats, scratch)?;
+        return control_plane::write_alone(&args.out, &cp);
+    }
     let max = *args.sizes.iter().max().unwrap_or(&1000);
     step("creating namespaces, cgroup and datapath");
     let ns_bpf = pod_namespace("tpb")?;
@@ -242,6 +270,7 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
     loader::install(cg.path(), pins.path(), caps)?;
     let mut writer = MapWriter::open(pins.path())?;
     let _member = InCgroup::join(&cg)?;
+    let mut connect_runtime = programs::ConnectRuntime::prepare(pins.path(), &cg)?;
 
     let mut results: BTreeMap<(usize, &str, &str), Cell> = BTreeMap::new();
     let mut sync_in_process: BTreeMap<usize, f64> = BTreeMap::new();
@@ -301,6 +330,8 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
                 }
             }
         }
+        step(&format!("{size}: connect4 run time against an empty program (BPF run-time statistics)"));
+        connect_runtime.measure(size, &ns_bpf.path(), SocketAddr::new(IpAddr::V4(rules::service_ip(BPF_BASE, last)), 80), args.repeats, args.rounds)?;
     }
     // Listener threads block in accept(); they end with the process.
     stop.store(true, Ordering::Relaxed);
@@ -311,7 +342,12 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
     drop(_member);
     step("cold start of the agent binary at 10k Services x 10 endpoints");
     let (cold, rss) = agent_cold_sync(10_000, scratch)?;
-    write_report(args, &results, &sync_in_process, &load_times, map_mem, max, cold, rss)
+    let mut sections = vec![connect_runtime.section()];
+    drop(connect_runtime);
+    sections.push(programs::nodeport_test_run(args.repeats, args.np_calls, args.np_frontends)?);
+    sections.push(forwarding::run(&args.fwd, args.repeats, args.rounds, scratch)?);
+    let cp = if args.only.as_deref() == Some("datapath") { control_plane::Results::default() } else { control_plane::run(&args.cp, args.repeats, scratch)? };
+    write_report(args, &results, &sync_in_process, &load_times, map_mem, max, cold, rss, &cp, sections)
 }
 
 /// Merges two iptables-restore texts of the nat table into one (chains
@@ -364,6 +400,8 @@ fn write_report(
     max: usize,
     cold: Duration,
     rss: u64,
+    cp: &control_plane::Results,
+    mut sections: Vec<report::Section>,
 ) -> Result<()> {
     let get = |size: usize, proto: &str, v: &str| -> (Spread, Spread, Spread, usize) {
         match results.get(&(size, proto, v)) {
@@ -408,8 +446,10 @@ fn write_report(
     targets.push(Target { name: format!("added latency vs nftables at {s10} Services (ours added / nft added)"), goal: "<= 0.5".into(), measured: format!("{nft:.2}"), met: nft.is_finite().then_some(nft <= 0.5) });
     targets.push(Target { name: format!("cold sync of the agent binary, {} Services x 10 endpoints from manifests", 10_000), goal: "<= 1 s".into(), measured: format!("{:.2} s", cold.as_secs_f64()), met: Some(cold.as_secs_f64() <= 1.0) });
     targets.push(Target { name: "agent peak RSS at 10k x 10".into(), goal: "<= 100 MiB".into(), measured: format!("{:.1} MiB", rss as f64 / 1048576.0), met: Some(rss <= 100 * 1048576) });
-    targets.push(Target { name: "NodePort program cost vs a minimal program".into(), goal: "<= 2x".into(), measured: "not measured yet (no TC program in this build)".into(), met: None });
-    targets.push(Target { name: "change latency p99 under 1,000 EndpointSlice events/s".into(), goal: "<= 10 ms".into(), measured: "not measured yet (needs the API-server mode)".into(), met: None });
+    targets.extend(cp.targets());
+    for s in &mut sections {
+        targets.append(&mut s.targets);
+    }
 
     let _ = writeln!(md, "## Control plane\n\n| what | time |\n|---|---|");
     for (size, secs) in sync_in_process {
@@ -420,6 +460,10 @@ fn write_report(
     }
     let _ = writeln!(md, "| agent binary cold start to first sync, 10k x 10 from manifests | {:.3} s |\n", cold.as_secs_f64());
     let _ = writeln!(md, "Agent peak RSS (VmHWM) at 10k x 10: {:.1} MiB. Kernel memory of the service maps sized for {max} Services: {:.1} MiB.\n", rss as f64 / 1048576.0, map_mem as f64 / 1048576.0);
+    md.push_str(&cp.markdown());
+    for s in &sections {
+        md.push_str(&s.markdown);
+    }
     let _ = writeln!(md, "## Targets\n\n| target | goal | measured | met |\n|---|---|---|---|");
     for t in &targets {
         let met = match t.met { Some(true) => "yes", Some(false) => "**no**", None => "not measured" };
@@ -444,9 +488,16 @@ fn write_report(
             "agent_cold_sync_seconds_10k": cold.as_secs_f64(),
             "agent_peak_rss_bytes_10k": rss,
             "map_memlock_bytes": map_mem,
+            "api_server": cp.json(),
         },
         "targets": targets.iter().map(|t| json!({"name": t.name, "goal": t.goal, "measured": t.measured, "met": t.met})).collect::<Vec<_>>(),
     });
+    // The measurement modules' sections: JSON under their keys, their plots.
+    let mut doc = doc;
+    for s in sections {
+        doc[s.key] = s.json;
+        svgs.extend(s.svgs);
+    }
     report::write_all(&args.out, &md, &doc, &svgs)?;
     println!("{md}");
     println!("report written to {}", args.out.join("report.md").display());

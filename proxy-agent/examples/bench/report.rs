@@ -52,6 +52,16 @@ pub struct Target {
     pub met: Option<bool>,
 }
 
+/// A report section contributed by one measurement module: its Markdown,
+/// its JSON (under `key` in report.json), its plots and its targets.
+pub struct Section {
+    pub key: &'static str,
+    pub markdown: String,
+    pub json: Value,
+    pub svgs: Vec<(String, String)>,
+    pub targets: Vec<Target>,
+}
+
 /// A grouped bar chart: one group per x label, one bar per series.
 pub fn svg_bars(title: &str, unit: &str, xs: &[String], series: &[(String, Vec<f64>)]) -> String {
     let (w, h, left, bottom, top) = (760.0, 360.0, 70.0, 60.0, 40.0);

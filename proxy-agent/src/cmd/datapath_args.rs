@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use proxy_agent::loader::Capacities;
+use proxy_agent::node_addresses::Devices;
 use proxy_agent::{DEFAULT_BPFFS, mounts};
 use proxy_common as pc;
 
@@ -37,15 +38,18 @@ pub struct DatapathArgs {
     #[arg(long, default_value_t = pc::DEFAULT_MAX_NP_CT)]
     pub max_np_conntrack: u32,
     /// Node interfaces that get the TC programs for traffic from outside
-    /// (NodePort, LoadBalancer IPs, externalIPs), e.g. `eth0,eth1`; `auto`
-    /// means the interfaces that hold the node's addresses. Without this
-    /// flag no TC program is attached (NodePorts then work only from the
-    /// node itself, through the socket programs).
-    #[arg(long, value_delimiter = ',')]
-    pub devices: Option<Vec<String>>,
+    /// (NodePort, LoadBalancer IPs, externalIPs): `auto` (the interfaces
+    /// that hold the node's addresses, followed as addresses come and go),
+    /// a list such as `eth0,eth1`, or `none` for no TC program at all
+    /// (NodePorts then work only from the node itself, through the socket
+    /// programs). Agents sharing a network namespace with interfaces they
+    /// must not touch (tests, demos) pass `none`.
+    #[arg(long, default_value = "auto", value_parser = parse_devices)]
+    pub devices: Devices,
     /// Node address to SNAT to for backends on other nodes (one per family),
     /// also served as a NodePort address. Default: the first address of the
-    /// first device.
+    /// first device (devices with a default route first), re-resolved when
+    /// the node's addresses change.
     #[arg(long, value_delimiter = ',')]
     pub node_ip: Vec<std::net::IpAddr>,
     /// Source ports for SNAT, `MIN-MAX`; keep it outside
@@ -57,6 +61,14 @@ pub struct DatapathArgs {
     /// before), `tcx` or `netlink` (clsact + cls_bpf).
     #[arg(long, default_value = "auto", value_parser = ["auto", "tcx", "netlink"])]
     pub tc_mode: String,
+    #[command(flatten)]
+    pub conntrack: super::conntrack_args::ConntrackArgs,
+}
+
+/// `--devices` through `Devices::parse`, so that clap rejects a bad value
+/// (e.g. `none` next to interface names) before anything is installed.
+fn parse_devices(value: &str) -> Result<Devices, String> {
+    Devices::parse(value).map_err(|e| e.to_string())
 }
 
 impl DatapathArgs {
@@ -69,9 +81,7 @@ impl DatapathArgs {
             .and_then(|(a, b)| Some((a.trim().parse::<u16>().ok()?, b.trim().parse::<u16>().ok()?)))
             .filter(|(a, b)| a <= b && *a > 0)
             .with_context(|| format!("--snat-port-range {:?}: expected MIN-MAX", self.snat_port_range))?;
-        let devices = self.devices.as_ref().map(|d| {
-            if d.iter().any(|x| x == "auto") { Vec::new() } else { d.iter().filter(|x| !x.is_empty()).cloned().collect() }
-        });
+        let devices = self.devices.clone();
         let tc_mode = match self.tc_mode.as_str() {
             "tcx" => proxy_agent::tc_loader::TcMode::Tcx,
             "netlink" => proxy_agent::tc_loader::TcMode::Netlink,
@@ -104,5 +114,45 @@ impl DatapathArgs {
             sock_revnat: self.max_sock_revnat,
             np_conntrack: self.max_np_conntrack,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        datapath: DatapathArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<DatapathArgs, String> {
+        Cli::try_parse_from(std::iter::once("proxy-agent").chain(args.iter().copied()))
+            .map(|c| c.datapath)
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn devices_default_to_auto_and_none_turns_tc_off() {
+        assert_eq!(parse(&[]).unwrap().external().unwrap().devices, Devices::Auto);
+        assert_eq!(parse(&["--devices", "auto"]).unwrap().devices, Devices::Auto);
+        assert_eq!(parse(&["--devices", "none"]).unwrap().devices, Devices::None);
+        assert_eq!(parse(&["--devices=none"]).unwrap().external().unwrap().devices, Devices::None);
+        assert_eq!(
+            parse(&["--devices", "eth0,bond0"]).unwrap().devices,
+            Devices::List(vec!["eth0".into(), "bond0".into()])
+        );
+    }
+
+    #[test]
+    fn none_or_auto_mixed_with_names_is_rejected_with_a_clear_error() {
+        for (value, word) in [("eth0,none", "none"), ("none,eth0", "none"), ("auto,eth0", "auto")] {
+            let e = parse(&["--devices", value]).err().unwrap_or_else(|| panic!("--devices {value} accepted"));
+            assert!(e.contains("--devices") && e.contains(&format!("`{word}` cannot be combined")), "{value}: {e}");
+        }
+        let e = parse(&["--devices", ""]).expect_err("empty --devices accepted");
+        assert!(e.contains("no device named"), "{e}");
     }
 }

@@ -1,5 +1,6 @@
 //! `proxy-agent dump`: what the pinned maps hold, decoded (frontend ->
-//! slots -> backends), the datapath's counters, and every inconsistency
+//! slots -> backends, for the socket maps and the TC `NP_*` maps, plus the
+//! TC conntrack table), the datapaths' counters, and every inconsistency
 //! found. Reads the maps read-only, so it is safe beside a running agent.
 //!
 //! Exit status: 0 when consistent, 2 when there are findings, 1 when the
@@ -11,7 +12,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use proxy_agent::map_dump::{self, Report};
+use proxy_agent::map_dump::{self, NodePortReport, Report};
 use proxy_agent::DEFAULT_BPFFS;
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -80,6 +81,10 @@ fn table(out: &mut impl Write, r: &Report) -> std::io::Result<()> {
     writeln!(out)?;
     let counters: Vec<String> = r.counters.iter().map(|(k, v)| format!("{k}={v}")).collect();
     writeln!(out, "counters: {}", counters.join(" "))?;
+    if let Some(np) = &r.nodeport {
+        writeln!(out)?;
+        nodeport_table(out, np)?;
+    }
     writeln!(out)?;
     if r.findings.is_empty() {
         writeln!(out, "consistent: no findings")?;
@@ -93,5 +98,69 @@ fn table(out: &mut impl Write, r: &Report) -> std::io::Result<()> {
             writeln!(out, "  {severity}: {}", f.message)?;
         }
     }
+    Ok(())
+}
+
+/// Conntrack entries listed one by one in the table; JSON lists them all.
+const CONNTRACK_LISTED: usize = 200;
+
+fn nodeport_table(out: &mut impl Write, np: &NodePortReport) -> std::io::Result<()> {
+    writeln!(out, "external traffic (TC, NP_* maps):")?;
+    match &np.config {
+        Some(c) => writeln!(
+            out,
+            "  SNAT: {} / {}  ports {}-{}",
+            c.snat_v4.as_deref().unwrap_or("(no IPv4)"),
+            c.snat_v6.as_deref().unwrap_or("(no IPv6)"),
+            c.snat_port_min,
+            c.snat_port_max
+        )?,
+        None => writeln!(out, "  SNAT: (no configuration)")?,
+    }
+    if np.services.is_empty() {
+        writeln!(out, "  no frontends")?;
+    }
+    for s in &np.services {
+        let note = if s.backend_count == 0 {
+            if s.external_traffic_policy == Some("Local") { " (dropped)" } else { " (rejected)" }
+        } else {
+            ""
+        };
+        writeln!(
+            out,
+            "  {}  id {} gen {}  {} backend{}  policy {}{note}",
+            s.frontend,
+            s.service_id,
+            s.generation,
+            s.backend_count,
+            if s.backend_count == 1 { "" } else { "s" },
+            s.external_traffic_policy.unwrap_or("Cluster"),
+        )?;
+        for slot in &s.slots {
+            match (slot.backend_id, &slot.backend) {
+                (Some(id), Some(addr)) => writeln!(out, "    [{}] #{id} {addr}", slot.slot)?,
+                (Some(id), None) => writeln!(out, "    [{}] #{id} (no such backend)", slot.slot)?,
+                (None, _) => writeln!(out, "    [{}] (missing slot)", slot.slot)?,
+            }
+        }
+    }
+    writeln!(out, "  backends: {}", np.backends.len())?;
+    for b in &np.backends {
+        let addr = b.address.as_deref().unwrap_or("(undecodable)");
+        writeln!(out, "    #{} {addr}  used by {} slot{}", b.backend_id, b.slots, if b.slots == 1 { "" } else { "s" })?;
+    }
+    writeln!(out, "  local endpoints: {}", if np.local_endpoints.is_empty() { "none".to_string() } else { np.local_endpoints.join(" ") })?;
+    writeln!(out, "  conntrack: {} entries", np.conntrack.len())?;
+    for c in np.conntrack.iter().take(CONNTRACK_LISTED) {
+        let age = c.age_seconds.map_or_else(String::new, |a| format!("  {a}s ago"));
+        let flags = if c.flags.is_empty() { String::new() } else { format!("  [{}]", c.flags.join(",")) };
+        let backend = if c.backend_id == 0 { String::new() } else { format!("  #{}", c.backend_id) };
+        writeln!(out, "    {:<10} {} {}  =>  {}{backend}{flags}{age}", c.direction, c.protocol, c.tuple, c.translated)?;
+    }
+    if np.conntrack.len() > CONNTRACK_LISTED {
+        writeln!(out, "    ... {} more (--output json lists all)", np.conntrack.len() - CONNTRACK_LISTED)?;
+    }
+    let counters: Vec<String> = np.counters.iter().filter(|(k, _)| !k.starts_with("reserved")).map(|(k, v)| format!("{k}={v}")).collect();
+    writeln!(out, "  counters: {}", counters.join(" "))?;
     Ok(())
 }

@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub mod conntrack_args;
 pub mod datapath_args;
 pub mod dump;
 pub mod explain;

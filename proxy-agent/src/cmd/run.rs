@@ -50,6 +50,7 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     let cgroup = args.datapath.cgroup()?;
     let pin_dir = args.datapath.bpffs.clone();
     let caps = args.datapath.capacities()?;
+    let external_cfg = args.datapath.external()?;
     let warnings = loader::install(&cgroup, &pin_dir, caps)
         .with_context(|| format!("installing the datapath on cgroup {} with pins in {}", cgroup.display(), pin_dir.display()))?;
     for w in warnings {
@@ -66,7 +67,7 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     // External traffic (issue #5): TC programs on --devices, NodePorts on
     // the node's addresses, health check node ports.
     let (mut external, external_warnings) =
-        proxy_agent::nodeport::ExternalDatapath::install(&pin_dir, &args.datapath.external()?)
+        proxy_agent::nodeport::ExternalDatapath::install(&pin_dir, &external_cfg)
             .context("installing the external-traffic datapath")?;
     for w in external_warnings {
         tracing::warn!("{w}");
@@ -79,14 +80,25 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     let health = Arc::new(Health::new(DEFAULT_STALE_AFTER));
     let addr = run_kube::metrics_address(args.kube.metrics_address.as_deref(), None)?;
     run_kube::start_health_server(addr, health.clone(), metrics.clone()).await?;
+    // NP_COUNTERS in /metrics, and the conntrack GC of NP_CT (issue #5).
+    metrics.export_nodeport_counters(&pin_dir);
+    let _conntrack_gc = proxy_agent::conntrack_gc::spawn(pin_dir.clone(), args.datapath.conntrack.gc_config(), metrics.clone());
 
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
     let interval = Duration::from_millis(args.poll_interval_ms.max(10));
     let mut last = None;
+    let mut addresses_checked = Instant::now();
     loop {
+        // Node addresses are followed, not read once: a NodePort on an
+        // address added later works without a restart.
+        let mut addresses_changed = false;
+        if addresses_checked.elapsed() >= proxy_agent::node_addresses::POLL_INTERVAL {
+            addresses_checked = Instant::now();
+            addresses_changed = external.refresh();
+        }
         let fp = manifest::fingerprint(&args.manifests);
-        if last != Some(fp) {
+        if last != Some(fp) || addresses_changed {
             last = Some(fp);
             sync_once(&mut writer, &mut external, &args.manifests, &args.node, &metrics);
             health.synced();
@@ -111,12 +123,14 @@ fn sync_once(
     metrics: &Metrics,
 ) {
     let started = Instant::now();
-    let (docs, read_errors) = manifest::load(paths);
+    // Each document is converted as it is read and then dropped.
+    let mut builder = objects::ClusterBuilder::default();
+    let read_errors = manifest::for_each(paths, |doc| builder.add(&doc));
     metrics.errors_by(reason::MANIFEST, read_errors.len());
     for e in &read_errors {
         tracing::warn!(location = %e.location, "manifest skipped: {}", e.reason);
     }
-    let (cluster, object_errors) = objects::build_cluster(&docs);
+    let (cluster, object_errors) = builder.finish();
     for e in &object_errors {
         tracing::warn!(kind = %e.kind, object = %e.object, "object skipped: {}", e.reason);
         metrics.error(match e.kind.as_str() {

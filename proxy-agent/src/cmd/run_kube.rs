@@ -14,9 +14,9 @@ use clap::Args;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use proxy_agent::events::EventReporter;
 use proxy_agent::health_server::{self, DEFAULT_STALE_AFTER, Health};
-use proxy_agent::kube_source;
+use proxy_agent::kube_source::{self, Signal};
 use proxy_agent::kube_sync::{SyncConfig, SyncLoop};
-use proxy_agent::{loader, sync};
+use proxy_agent::loader;
 use proxy_agent::map_writer::MapWriter;
 use proxy_agent::metrics::Metrics;
 use tokio::signal::unix::{SignalKind, signal};
@@ -42,7 +42,10 @@ pub struct KubeArgs {
     pub metrics_address: Option<String>,
     /// Minimum time between two syncs in Kubernetes mode; changes arriving
     /// meanwhile are applied together (like kube-proxy's --min-sync-period).
-    #[arg(long, default_value_t = 100)]
+    /// A sync costs in proportion to what changed (decisions are kept
+    /// between syncs), so the interval can be short: it bounds the time a
+    /// change waits, not the work done.
+    #[arg(long, default_value_t = 5)]
     pub min_sync_period_ms: u64,
     /// A full sync runs at least this often in Kubernetes mode, retrying
     /// frontends that did not fit into the maps (like kube-proxy's
@@ -72,6 +75,18 @@ pub async fn start_health_server(addr: Option<SocketAddr>, health: Arc<Health>, 
 }
 
 pub fn run(node: String, args: KubeArgs, datapath: DatapathArgs) -> anyhow::Result<ExitCode> {
+    // glibc gives every thread that allocates its own malloc arena (up to
+    // 8 per core), and memory freed in one arena is not reused by another:
+    // the watcher tasks build objects on one worker, the sync loop frees
+    // them on another. Two arenas keep the agent's footprint close to what
+    // it holds (about 20 MiB less peak RSS at 10k Services, measured by
+    // `cargo xtask bench`) at no measurable cost with two workers.
+    #[cfg(target_env = "gnu")]
+    // SAFETY: mallopt only tunes the allocator; called before any other
+    // thread exists.
+    unsafe {
+        libc::mallopt(libc::M_ARENA_MAX, 2);
+    }
     // Two workers: the watchers keep reading the API server while a large
     // sync writes maps on the other.
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -107,8 +122,31 @@ async fn client(args: &KubeArgs) -> anyhow::Result<kube::Client> {
     kube::Client::try_from(config).context("creating the Kubernetes client")
 }
 
+/// Polls the interface addresses (and the indexes of their devices, which
+/// change when a device is recreated) and asks the sync loop for a pass
+/// when they change. The pass itself re-resolves everything
+/// (`ExternalDatapath::refresh`); this task only notices.
+async fn watch_node_addresses(tx: tokio::sync::mpsc::UnboundedSender<Signal>) {
+    use proxy_agent::node_addresses::{POLL_INTERVAL, ifindex, interface_addresses};
+    let read = || {
+        interface_addresses().ok().map(|l| l.into_iter().map(|a| (ifindex(&a.device), a)).collect::<Vec<_>>())
+    };
+    let mut last = read();
+    loop {
+        tokio::time::sleep(POLL_INTERVAL).await;
+        let now = read();
+        if now.is_some() && now != last {
+            last = now;
+            if tx.send(Signal::Resync { reason: "node addresses changed" }).is_err() {
+                return;
+            }
+        }
+    }
+}
+
 async fn run_async(node: String, args: KubeArgs, datapath: DatapathArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(!node.is_empty(), "--node (or NODE_NAME) must name this node");
+    let external_cfg = datapath.external()?;
     let client = client(&args).await?;
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::new(DEFAULT_STALE_AFTER));
@@ -135,15 +173,22 @@ async fn run_async(node: String, args: KubeArgs, datapath: DatapathArgs) -> anyh
 
     // External traffic (issue #5) as in manifests mode: TC programs on
     // --devices, NodePorts on the node's addresses, health check node ports.
-    let (mut external, external_warnings) = proxy_agent::nodeport::ExternalDatapath::install(&pin_dir, &datapath.external()?)
+    let (mut external, external_warnings) = proxy_agent::nodeport::ExternalDatapath::install(&pin_dir, &external_cfg)
         .context("installing the external-traffic datapath")?;
     for w in external_warnings {
         tracing::warn!("{w}");
     }
     tracing::info!(devices = ?external.devices, node_addresses = ?external.node_addrs, "external traffic datapath ready");
 
+    // NP_COUNTERS in /metrics, and the conntrack GC of NP_CT (issue #5).
+    metrics.export_nodeport_counters(&pin_dir);
+    let _conntrack_gc = proxy_agent::conntrack_gc::spawn(pin_dir.clone(), datapath.conntrack.gc_config(), metrics.clone());
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let stores = kube_source::start(client.clone(), tx);
+    let stores = kube_source::start(client.clone(), tx.clone());
+    // Node addresses are followed, not read once: a change asks the sync
+    // loop for a pass, in which `refresh` re-resolves devices, NodePort
+    // addresses and SNAT before the maps are written.
+    tokio::spawn(watch_node_addresses(tx));
     let events = EventReporter::spawn(client, format!("{}-{node}", proxy_agent::events::REPORTING_CONTROLLER), metrics.clone());
     let config = SyncConfig {
         node,
@@ -159,7 +204,10 @@ async fn run_async(node: String, args: KubeArgs, datapath: DatapathArgs) -> anyh
         }
     };
     SyncLoop::new(config, writer, stores, metrics, health, Some(events))
-        .with_step(Box::new(move |writer, cluster, node| sync::sync_with_external(writer, &mut external, cluster, node)))
+        .with_step(Box::new(move |writer, cached, cluster, changes, full| {
+            external.refresh();
+            cached.pass(writer, Some(&mut external), cluster, changes, full)
+        }))
         .run(rx, shutdown)
         .await;
     // Nothing to tear down: pinned links and maps keep serving until the

@@ -290,6 +290,10 @@ impl ApiServer {
                 let accept = async {
                     loop {
                         let Ok((stream, _)) = listener.accept().await else { continue };
+                        // As the API server (Go sets TCP_NODELAY on every
+                        // connection): each watch event goes out at once
+                        // instead of waiting for the client's delayed ACK.
+                        let _ = stream.set_nodelay(true);
                         let st = st.clone();
                         tokio::spawn(async move {
                             let svc = hyper::service::service_fn(move |req| {
@@ -685,7 +689,7 @@ pub fn selector_matches(selector: &str, obj: &Value) -> Result<bool, String> {
 }
 
 fn label_matches(reqs: &[Req], obj: &Value) -> bool {
-    let labels = obj.pointer("/metadata/labels");
+    let labels = obj.get("metadata").and_then(|m| m.get("labels"));
     let get = |k: &str| labels.and_then(|l| l.get(k)).and_then(Value::as_str);
     reqs.iter().all(|r| match r {
         Req::Exists(k) => get(k).is_some(),
@@ -724,16 +728,17 @@ struct Filter {
 
 impl Filter {
     fn matches(&self, obj: &Value) -> bool {
-        let meta =
-            |f: &str| obj.pointer(&format!("/metadata/{f}")).and_then(Value::as_str).unwrap_or_default().to_string();
+        // Plain lookups, no allocation: a list of 10k objects checks each
+        // one per page.
+        let meta = |f: &str| obj.get("metadata").and_then(|m| m.get(f)).and_then(Value::as_str).unwrap_or_default();
         if let Some(ns) = &self.ns
-            && meta("namespace") != *ns
+            && meta("namespace") != ns.as_str()
         {
             return false;
         }
         let fields_ok = self.fields.iter().all(|(k, v, eq)| {
             let got = meta(k.trim_start_matches("metadata."));
-            (got == *v) == *eq
+            (got == v.as_str()) == *eq
         });
         fields_ok && label_matches(&self.selector, obj)
     }
@@ -798,9 +803,18 @@ fn list(
             }
         }
     };
-    let all: Vec<Value> = s.state_at(res, at).into_values().filter(|o| filter.matches(o)).collect();
+    // At the current version the objects are read in place: copying every
+    // object of the kind for each page would make a paged list of N objects
+    // cost O(N^2 / page) (the API server serves lists from its watch cache).
+    let historic;
+    let all: Vec<&Value> = if at >= s.rv {
+        s.objects.iter().filter(|(k, _)| k.0 == res).map(|(_, o)| o).filter(|o| filter.matches(o)).collect()
+    } else {
+        historic = s.state_at(res, at);
+        historic.values().filter(|o| filter.matches(o)).collect()
+    };
     let limit = q.get("limit").and_then(|l| l.parse::<usize>().ok()).filter(|l| *l > 0).unwrap_or(usize::MAX);
-    let page: Vec<Value> = all.iter().skip(offset).take(limit).map(|o| present(res, o, meta_only, meta_only)).collect();
+    let page: Vec<&Value> = all.iter().skip(offset).take(limit).copied().collect();
     let next = offset.saturating_add(page.len());
     let mut metadata = json!({"resourceVersion": at.to_string()});
     if next < all.len() {
@@ -812,7 +826,44 @@ fn list(
     } else {
         (format!("{}List", res.kind()), res.api_version())
     };
-    full(StatusCode::OK, &json!({"kind": kind, "apiVersion": api_version, "metadata": metadata, "items": page}))
+    // Written item by item without copying the objects (list items carry
+    // no kind/apiVersion, as in real list responses).
+    let mut body = format!(
+        "{{\"kind\":{},\"apiVersion\":{},\"metadata\":{},\"items\":[",
+        json!(kind),
+        json!(api_version),
+        metadata
+    );
+    for (i, o) in page.iter().enumerate() {
+        if i > 0 {
+            body.push(',');
+        }
+        let item = if meta_only { present(res, o, true, true).to_string() } else { untyped_json(o) };
+        body.push_str(&item);
+    }
+    body.push_str("]}");
+    let mut r = Response::new(Full::new(Bytes::from(body)).boxed());
+    r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
+    r
+}
+
+/// An object as JSON without `kind` and `apiVersion`, without cloning it.
+fn untyped_json(obj: &Value) -> String {
+    struct Untyped<'a>(&'a serde_json::Map<String, Value>);
+    impl serde::Serialize for Untyped<'_> {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            use serde::ser::SerializeMap;
+            let mut m = s.serialize_map(None)?;
+            for (k, v) in self.0.iter().filter(|(k, _)| k.as_str() != "kind" && k.as_str() != "apiVersion") {
+                m.serialize_entry(k, v)?;
+            }
+            m.end()
+        }
+    }
+    match obj.as_object() {
+        Some(map) => serde_json::to_string(&Untyped(map)).unwrap_or_default(),
+        None => obj.to_string(),
+    }
 }
 
 fn too_large(rv: u64, current: u64) -> Response<Body> {

@@ -126,6 +126,9 @@ impl Node {
             .arg(self.pins.path())
             .arg("--poll-interval-ms")
             .arg("50")
+            // The agent runs in the host's network namespace here: without
+            // `none` it would attach TC programs to the host's interfaces.
+            .args(["--devices", "none"])
             .args(extra)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("dup log"))
@@ -194,11 +197,19 @@ pub fn set(names: &[&str]) -> BTreeSet<String> {
     names.iter().map(|s| s.to_string()).collect()
 }
 
+/// How long the tests wait for the agent to catch up: 30 s, or
+/// `TOPOPROXY_TEST_WAIT_SECS` (`cargo xtask vmtest` raises it, since under
+/// CPU emulation the agent needs tens of seconds to verify its programs).
+pub fn wait_limit() -> Duration {
+    let secs = std::env::var("TOPOPROXY_TEST_WAIT_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(30);
+    Duration::from_secs(secs)
+}
+
 /// Polls `check` until it returns `Some`, or panics with `what` and the last
 /// observation after a generous deadline. This waits for the agent to catch
 /// up; it asserts nothing about speed.
 pub fn eventually<T, D: std::fmt::Debug>(what: &str, mut check: impl FnMut() -> Result<T, D>) -> T {
-    let deadline = Instant::now() + Duration::from_secs(30);
+    let deadline = Instant::now() + wait_limit();
     loop {
         match check() {
             Ok(v) => return v,
@@ -287,6 +298,8 @@ impl Node {
             .arg("--bpffs")
             .arg(self.pins.path())
             .args(["--metrics-address", "127.0.0.1:0"])
+            // Host network namespace: never TC on the host's interfaces.
+            .args(["--devices", "none"])
             .args(extra)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("dup log"))

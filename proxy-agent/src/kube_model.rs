@@ -1,0 +1,211 @@
+//! The model of Kubernetes mode, kept between syncs.
+//!
+//! The watchers convert each object once, when it arrives (`kube_source`),
+//! and hand over the result as a [`Delta`]; nothing else keeps the API
+//! server's objects. A sync applies the deltas queued since the last one
+//! to this model and learns which Services and EndpointSlices changed, so
+//! that only those are decided again (`decision_cache`). Keeping converted
+//! objects only is also what keeps the agent's memory small: a watched
+//! EndpointSlice with ten endpoints is several kilobytes as a Kubernetes
+//! object and a few hundred bytes in the model.
+
+use std::collections::BTreeMap;
+
+use crate::decision_cache::Changes;
+use crate::kube_source::Kind;
+use crate::model::{Cluster, EndpointSlice, Node, ObjectRef, Service};
+use crate::objects::ObjectError;
+
+/// An object left out of the model, and the Service it concerns (for the
+/// Event), if any.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ObjectProblem {
+    pub kind: Kind,
+    pub error: ObjectError,
+    /// The Service the problem belongs to: the Service itself, or the owner
+    /// named by an EndpointSlice's `kubernetes.io/service-name` label.
+    pub service: Option<ObjectRef>,
+}
+
+/// One object as converted.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Object {
+    Service(Service),
+    Slice(EndpointSlice),
+    Node(Node),
+}
+
+/// What a watcher saw happen to one object.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Delta {
+    pub kind: Kind,
+    /// namespace/name; Nodes have an empty namespace.
+    pub id: ObjectRef,
+    /// Whether the object exists (false: deleted, or gone in a relist).
+    pub present: bool,
+    /// `metadata.uid` (Services: Events are attached by uid).
+    pub uid: Option<String>,
+    /// The converted object; `None` when deleted, ignored (headless,
+    /// another proxy's...) or invalid.
+    pub object: Option<Object>,
+    /// Problems found while converting (the object may still be usable).
+    pub problems: Vec<ObjectProblem>,
+}
+
+impl Delta {
+    pub fn removed(kind: Kind, id: ObjectRef) -> Delta {
+        Delta { kind, id, present: false, uid: None, object: None, problems: Vec::new() }
+    }
+}
+
+/// The cluster as the sync loop sees it, with what was left out.
+#[derive(Debug, Default)]
+pub struct Model {
+    pub cluster: Cluster,
+    problems: BTreeMap<(Kind, ObjectRef), Vec<ObjectProblem>>,
+    /// metadata.uid of every watched Service, valid or not (for Events).
+    pub service_uids: BTreeMap<ObjectRef, String>,
+}
+
+impl Model {
+    /// Applies deltas in order and returns what changed. An object whose
+    /// conversion is the same as before (a resync, a Node heartbeat that
+    /// touched only its status) changes nothing.
+    pub fn apply(&mut self, deltas: impl IntoIterator<Item = Delta>) -> Changes {
+        let mut changes = Changes::default();
+        for d in deltas {
+            let key = (d.kind, d.id.clone());
+            if d.problems.is_empty() {
+                self.problems.remove(&key);
+            } else {
+                self.problems.insert(key, d.problems);
+            }
+            match d.kind {
+                Kind::Service => {
+                    match d.uid.filter(|_| d.present) {
+                        Some(uid) => {
+                            self.service_uids.insert(d.id.clone(), uid);
+                        }
+                        None => {
+                            self.service_uids.remove(&d.id);
+                        }
+                    }
+                    let new = match d.object {
+                        Some(Object::Service(s)) => Some(s),
+                        _ => None,
+                    };
+                    if self.cluster.services.get(&d.id) != new.as_ref() {
+                        match new {
+                            Some(s) => self.cluster.services.insert(d.id.clone(), s),
+                            None => self.cluster.services.remove(&d.id),
+                        };
+                        changes.services.insert(d.id);
+                    }
+                }
+                Kind::EndpointSlice => {
+                    let new = match d.object {
+                        Some(Object::Slice(s)) => Some(s),
+                        _ => None,
+                    };
+                    if self.cluster.slices.get(&d.id) != new.as_ref() {
+                        match new {
+                            Some(s) => self.cluster.slices.insert(d.id.clone(), s),
+                            None => self.cluster.slices.remove(&d.id),
+                        };
+                        changes.slices.insert(d.id);
+                    }
+                }
+                Kind::Node => {
+                    let new = match d.object {
+                        Some(Object::Node(n)) => Some(n),
+                        _ => None,
+                    };
+                    // Node labels feed every topology decision.
+                    if self.cluster.nodes.get(&d.id.name) != new.as_ref() {
+                        match new {
+                            Some(n) => self.cluster.nodes.insert(d.id.name.clone(), n),
+                            None => self.cluster.nodes.remove(&d.id.name),
+                        };
+                        changes.all = true;
+                    }
+                }
+            }
+        }
+        changes
+    }
+
+    /// Objects left out or converted in part, by kind then name.
+    pub fn problems(&self) -> impl Iterator<Item = &ObjectProblem> {
+        self.problems.values().flatten()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::Protocol;
+
+    fn svc(name: &str, port: u16) -> Delta {
+        let s = Service {
+            id: ObjectRef::new("ns", name),
+            service_type: crate::model::ServiceType::ClusterIp,
+            cluster_ips: vec!["10.96.0.1".parse().unwrap()],
+            ports: vec![crate::model::ServicePort { name: String::new(), port, protocol: Protocol::Tcp, node_port: None }],
+            topology_keys: None,
+            annotations: BTreeMap::new(),
+            internal_policy_local: false,
+            external_policy_local: false,
+            traffic_distribution: None,
+            external_ips: Vec::new(),
+            load_balancer_ips: Vec::new(),
+            health_check_node_port: None,
+        };
+        Delta { kind: Kind::Service, id: s.id.clone(), present: true, uid: Some(format!("uid-{name}")), object: Some(Object::Service(s)), problems: Vec::new() }
+    }
+
+    #[test]
+    fn only_real_changes_are_reported() {
+        let mut m = Model::default();
+        let c = m.apply([svc("a", 80), svc("b", 80)]);
+        assert_eq!(c.services.len(), 2);
+        assert_eq!(m.service_uids.len(), 2);
+        let c = m.apply([svc("a", 80)]);
+        assert!(c.is_empty(), "the same object again changes nothing");
+        let c = m.apply([svc("a", 81)]);
+        assert_eq!(c.services.into_iter().collect::<Vec<_>>(), [ObjectRef::new("ns", "a")]);
+        let c = m.apply([Delta::removed(Kind::Service, ObjectRef::new("ns", "b"))]);
+        assert_eq!(c.services.len(), 1);
+        assert!(!m.cluster.services.contains_key(&ObjectRef::new("ns", "b")));
+        assert!(!m.service_uids.contains_key(&ObjectRef::new("ns", "b")));
+
+        let node = |zone: &str| Delta {
+            kind: Kind::Node,
+            id: ObjectRef::new("", "n1"),
+            present: true,
+            uid: None,
+            object: Some(Object::Node(Node { name: "n1".into(), labels: [("zone".to_string(), zone.to_string())].into() })),
+            problems: Vec::new(),
+        };
+        assert!(m.apply([node("z1")]).all);
+        assert!(m.apply([node("z1")]).is_empty(), "a heartbeat without label changes is nothing");
+        assert!(m.apply([node("z2")]).all);
+    }
+
+    #[test]
+    fn problems_follow_their_object() {
+        let mut m = Model::default();
+        let mut bad = svc("a", 80);
+        bad.object = None;
+        bad.problems = vec![ObjectProblem {
+            kind: Kind::Service,
+            error: ObjectError { kind: "Service".into(), object: "ns/a".into(), reason: "bad".into() },
+            service: Some(ObjectRef::new("ns", "a")),
+        }];
+        m.apply([bad]);
+        assert_eq!(m.problems().count(), 1);
+        assert_eq!(m.service_uids.len(), 1, "invalid Services keep their uid for Events");
+        m.apply([svc("a", 80)]);
+        assert_eq!(m.problems().count(), 0);
+        assert_eq!(m.cluster.services.len(), 1);
+    }
+}

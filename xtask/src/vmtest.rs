@@ -1,0 +1,825 @@
+//! `cargo xtask vmtest`: runs a chosen set of datapath tests on other
+//! kernels, Debian 12's 6.1 (no tcx: the TC programs must go through clsact
+//! + cls_bpf) and 6.12 (tcx), each booted under qemu.
+//!
+//! KVM is not usable on this machine kind (nested, no vmx/svm; PLATFORM.md),
+//! so qemu emulates the CPU (TCG). Per kernel:
+//! - the kernel package is fetched with `apt-get download` and unpacked with
+//!   `dpkg -x` into `target/vmtest/kernels/` (never installed);
+//! - the test binaries and `proxy-agent` are the ordinary debug ones that
+//!   `cargo test --workspace` (`cargo xtask test`) builds in `target/debug`:
+//!   cargo is asked for their paths with `--no-run`, which builds nothing
+//!   when they are current, so the VM run costs no second build;
+//! - an initramfs holds busybox, iproute2's `ip`/`tc` (the tests use
+//!   `ip netns`, `-n` and `tc filter show`, which busybox's `ip` lacks), the
+//!   shared libraries and loader that those and the Rust binaries need (from
+//!   `ldd`, at their host paths), the kernel modules the tests need
+//!   (dependencies first) and an /init that mounts what the agent expects
+//!   and runs the tests;
+//! - the test binaries reach the guest through a read-only 9p share mounted
+//!   at the same path as on the host, because integration tests find the
+//!   agent through the absolute path cargo compiled in
+//!   (`CARGO_BIN_EXE_proxy-agent`);
+//! - the console is read line by line: libtest's `test result:` lines are
+//!   counted and a marker per binary carries its exit status, since qemu
+//!   exits 0 whatever the guest did.
+//!
+//! The guest has no network card (`-nic none`): every test makes its own
+//! namespaces inside the VM. Both guests boot at the same time by default
+//! (see [`Options::concurrent`]); `cargo xtask test` runs this after the
+//! workspace's tests.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs;
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+use crate::test::Totals;
+use crate::{setup, util};
+
+/// One kernel to boot.
+struct Kernel {
+    /// Short name for reports and `--kernel`.
+    label: &'static str,
+    /// The Debian 12 package tried first.
+    package: &'static str,
+    /// When that exact package has left the archive (a newer ABI replaced
+    /// it), the newest package whose name matches this `apt-cache search`
+    /// pattern is used instead.
+    fallback_pattern: &'static str,
+    /// The TC attach mode the agent's auto mode must choose there.
+    tc_mode: &'static str,
+}
+
+const KERNELS: [Kernel; 2] = [
+    Kernel {
+        label: "6.1",
+        package: "linux-image-6.1.0-56-amd64",
+        fallback_pattern: r"^linux-image-6\.1\.0-[0-9]+-amd64$",
+        // tcx (NET_XGRESS) arrived in 6.6.
+        tc_mode: "netlink",
+    },
+    Kernel {
+        label: "6.12",
+        package: "linux-image-6.12.117+deb12-amd64",
+        fallback_pattern: r"^linux-image-6\.12\.[0-9]+\+deb12-amd64$",
+        tc_mode: "tcx",
+    },
+];
+
+/// Host packages: the emulator, a static busybox for the initramfs,
+/// iproute2 (copied in with its libraries) and xz for 6.12's `.ko.xz`.
+const HOST_PACKAGES: [&str; 4] = ["qemu-system-x86", "busybox-static", "iproute2", "xz-utils"];
+
+/// Modules the tests need, besides what is built into Debian's kernels:
+/// veth pairs, the clsact qdisc and cls_bpf for the pre-tcx path, and 9p
+/// over virtio for the share. Their dependencies are added from each
+/// module's `depends=`; a name that is built in is skipped.
+const MODULES: [&str; 7] = ["virtio_pci", "veth", "sch_ingress", "cls_bpf", "9pnet", "9pnet_virtio", "9p"];
+
+/// Host programs copied into the initramfs with their shared libraries.
+const HOST_PROGRAMS: [&str; 2] = ["/usr/sbin/ip", "/usr/sbin/tc"];
+
+/// The tests run in each guest: (test binary, libtest filters). They show
+/// the datapath on each kernel: NodePort end to end with a remote backend
+/// (DNAT, SNAT, conntrack), the agent's own TC mode choice across a restart,
+/// the TC programs alone under BPF_PROG_TEST_RUN (parsing and translation
+/// edge cases), and the socket load balancer (connect and the
+/// `bpf_set_retval` refusal).
+const TESTS: [(&str, &[&str]); 2] = [
+    (
+        "nodeport",
+        &[
+            "cluster_policy_reaches_local_and_remote_backends_and_replies_come_from_the_node_port",
+            "in_auto_mode_an_established_flow_survives_an_agent_restart",
+            "test_run::",
+        ],
+    ),
+    (
+        "socket_lb",
+        &[
+            "tcp_reaches_every_backend_and_getpeername_reports_the_cluster_ip",
+            "a_service_without_usable_backends_refuses_connections",
+        ],
+    ),
+];
+
+/// The deadline of the tests' waits (`support::eventually`) in the guest;
+/// the agent verifies its TC programs in seconds there, not milliseconds.
+const WAIT_SECS: u32 = 240;
+
+/// Console markers written by the guest's /init.
+const MARK: &str = "@@vmtest";
+
+/// What one kernel's run gave.
+pub struct KernelRun {
+    pub label: String,
+    pub release: String,
+    pub totals: Totals,
+    pub seconds: f64,
+    /// Why the run is not a clean pass (missing result lines, a binary that
+    /// exited non-zero, a timeout), empty when it is one.
+    pub problems: Vec<String>,
+}
+
+/// The outcome of `vmtest` as part of a larger run.
+pub enum Outcome {
+    /// qemu could not be installed or the kernels could not be fetched;
+    /// `tests` is how many tests the guests would have run in all.
+    Skipped { reason: String, tests: u64 },
+    Ran(Vec<KernelRun>),
+}
+
+pub struct Options {
+    pub kernels: Vec<String>,
+    pub timeout: Duration,
+    /// libtest filters run in every test binary instead of [`TESTS`].
+    pub only: Vec<String>,
+    /// Boot the kernels at the same time instead of one after the other.
+    /// The default: on this 2-core machine, with other builds running, both
+    /// guests together took 360 s where one after the other took 812 s
+    /// (6.1: 409 s, 6.12: 344 s), because a guest spends much of its time
+    /// waiting (agent start-up, the tests' polling), not emulating.
+    pub concurrent: bool,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { kernels: Vec::new(), timeout: Duration::from_secs(900), only: Vec::new(), concurrent: true }
+    }
+}
+
+/// `cargo xtask vmtest [--kernel 6.1] [--timeout-secs N]`.
+pub fn run(args: &[String]) -> Result<()> {
+    let mut opts = Options::default();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--kernel" => opts.kernels.push(it.next().context("--kernel needs a value (6.1 or 6.12)")?.clone()),
+            "--timeout-secs" => {
+                let v = it.next().context("--timeout-secs needs a value")?;
+                opts.timeout = Duration::from_secs(v.parse().with_context(|| format!("--timeout-secs {v}"))?);
+            }
+            "--only" => opts.only.push(it.next().context("--only needs a libtest filter")?.clone()),
+            "--concurrent" => opts.concurrent = true,
+            "--sequential" => opts.concurrent = false,
+            "-h" | "--help" => {
+                println!(
+                    "cargo xtask vmtest [--kernel 6.1|6.12]... [--timeout-secs N (per kernel, default 900)] [--only FILTER]...\n\
+                     \x20   [--concurrent|--sequential]\n\
+                     --only runs the tests matching FILTER (libtest substring) in each test binary instead of the chosen set.\n\
+                     --concurrent (default) boots the kernels at the same time, --sequential one after the other."
+                );
+                return Ok(());
+            }
+            other => bail!("unknown argument {other:?} (try --help)"),
+        }
+    }
+    setup::ensure()?;
+    let started = Instant::now();
+    match run_with(&opts)? {
+        Outcome::Skipped { reason, tests } => {
+            println!("vmtest skipped: {reason}");
+            println!();
+            println!("summary: 0 passed, 0 failed, {tests} skipped");
+            Ok(())
+        }
+        Outcome::Ran(runs) => {
+            let mut all = Totals::default();
+            print_report(&runs, &mut all);
+            println!("vmtest took {:.0} s in all", started.elapsed().as_secs_f64());
+            println!();
+            println!("summary: {} passed, {} failed, {} skipped", all.passed, all.failed, all.ignored);
+            if runs.iter().any(|r| !r.problems.is_empty() || r.totals.failed > 0) {
+                bail!("tests failed on an older kernel");
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Prints one line per kernel and adds each kernel's totals to `all`.
+pub fn print_report(runs: &[KernelRun], all: &mut Totals) {
+    println!();
+    println!("vmtest results (qemu TCG):");
+    for r in runs {
+        let verdict = if r.problems.is_empty() && r.totals.failed == 0 { "ok" } else { "FAILED" };
+        println!(
+            "  {:<5} Linux {:<22} {verdict:<6} {} passed, {} failed, {} skipped in {:.0} s{}",
+            r.label,
+            r.release,
+            r.totals.passed,
+            r.totals.failed,
+            r.totals.ignored,
+            r.seconds,
+            if r.problems.is_empty() { String::new() } else { format!(" ({})", r.problems.join("; ")) }
+        );
+        all.passed += r.totals.passed;
+        // A kernel that did not get to report counts as one failure, so
+        // that a crash or timeout can never read as a pass.
+        all.failed += r.totals.failed.max(u64::from(!r.problems.is_empty()));
+        all.ignored += r.totals.ignored;
+        all.binaries += r.totals.binaries;
+    }
+}
+
+/// Installs, fetches, builds and boots; `Skipped` only when qemu cannot be
+/// installed or the kernels cannot be downloaded.
+pub fn run_with(opts: &Options) -> Result<Outcome> {
+    let kernels: Vec<&Kernel> = if opts.kernels.is_empty() {
+        KERNELS.iter().collect()
+    } else {
+        let mut v = Vec::new();
+        for want in &opts.kernels {
+            v.push(
+                KERNELS
+                    .iter()
+                    .find(|k| k.label == want)
+                    .with_context(|| format!("unknown kernel {want:?}; known: 6.1, 6.12"))?,
+            );
+        }
+        v
+    };
+    // First, so that a skip can say how many tests it leaves out.
+    let bins = find_tests()?;
+    let skipped = |reason: String| -> Result<Outcome> {
+        let tests = planned_tests(&bins, &opts.only)? * kernels.len() as u64;
+        Ok(Outcome::Skipped { reason, tests })
+    };
+    if let Err(e) = setup::ensure_debian_packages(&HOST_PACKAGES, true) {
+        return skipped(format!("cannot install qemu and busybox: {e:#}"));
+    }
+    let cache = util::target_dir().join("vmtest");
+    let mut unpacked = Vec::new();
+    for k in &kernels {
+        match fetch_kernel(k, &cache.join("kernels")) {
+            Ok(dir) => unpacked.push((*k, dir)),
+            Err(e) => return skipped(format!("cannot download kernel {}: {e:#}", k.package)),
+        }
+    }
+    let mut runs = Vec::new();
+    if opts.concurrent {
+        // One thread per guest; each prefixes its console lines with its
+        // kernel's label.
+        let results: Vec<Result<KernelRun>> = std::thread::scope(|s| {
+            let handles: Vec<_> =
+                unpacked.iter().map(|(k, dir)| s.spawn(|| boot(k, dir, &bins, &cache, opts))).collect();
+            handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a boot thread panicked")))).collect()
+        });
+        for r in results {
+            runs.push(r?);
+        }
+    } else {
+        for (k, dir) in &unpacked {
+            runs.push(boot(k, dir, &bins, &cache, opts)?);
+        }
+    }
+    Ok(Outcome::Ran(runs))
+}
+
+// ---------------------------------------------------------------------------
+// Kernels
+// ---------------------------------------------------------------------------
+
+/// The unpacked package of `k` (cached), containing `boot/vmlinuz-*` and
+/// `lib/modules/<release>/`.
+fn fetch_kernel(k: &Kernel, cache: &Path) -> Result<PathBuf> {
+    if let Some(dir) = cached_kernel(cache, k.package) {
+        println!("ok: kernel {} cached", k.package);
+        return Ok(dir);
+    }
+    let package = resolve_package(k)?;
+    if package != k.package
+        && let Some(dir) = cached_kernel(cache, &package)
+    {
+        return Ok(dir);
+    }
+    println!("downloading: {package} (apt-get download; dpkg -x, never installed)");
+    let dl = cache.join("download");
+    let _ = fs::remove_dir_all(&dl);
+    fs::create_dir_all(&dl).with_context(|| format!("create {}", dl.display()))?;
+    // _apt cannot write into root's target/: download as root without the
+    // sandbox warning.
+    util::run(util::cmd("apt-get").current_dir(&dl).args(["-o", "APT::Sandbox::User=root", "download", &package]))?;
+    let deb = fs::read_dir(&dl)?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "deb"))
+        .with_context(|| format!("apt-get download left no .deb in {}", dl.display()))?;
+    let dest = cache.join(&package);
+    let partial = cache.join(format!("{package}.partial"));
+    let _ = fs::remove_dir_all(&partial);
+    util::run(util::cmd("dpkg").arg("-x").arg(&deb).arg(&partial))?;
+    let _ = fs::remove_dir_all(&dest);
+    fs::rename(&partial, &dest)?;
+    let _ = fs::remove_dir_all(&dl);
+    cached_kernel(cache, &package).with_context(|| format!("{package} holds no boot/vmlinuz-* and lib/modules/"))
+}
+
+fn cached_kernel(cache: &Path, package: &str) -> Option<PathBuf> {
+    let dir = cache.join(package);
+    (vmlinuz(&dir).is_some() && modules_dir(&dir).is_some()).then_some(dir)
+}
+
+/// `k.package` when the archive has it, else the newest match of its
+/// fallback pattern (`apt-get update` first when neither is known).
+fn resolve_package(k: &Kernel) -> Result<String> {
+    let candidate = |name: &str| {
+        util::output(util::cmd("apt-cache").args(["policy", name]))
+            .is_some_and(|o| o.lines().any(|l| l.trim().starts_with("Candidate:") && !l.contains("(none)")))
+    };
+    let newest = || -> Option<String> {
+        let out = util::output(util::cmd("apt-cache").args(["search", "--names-only", k.fallback_pattern]))?;
+        let mut names: Vec<String> = out.lines().filter_map(|l| l.split_whitespace().next().map(str::to_string)).collect();
+        names.sort_by_key(|n| version_key(n));
+        names.pop()
+    };
+    for attempt in 0..2 {
+        if candidate(k.package) {
+            return Ok(k.package.to_string());
+        }
+        if let Some(n) = newest() {
+            println!("note: {} is no longer in the archive; using {n}", k.package);
+            return Ok(n);
+        }
+        if attempt == 0 {
+            util::run(util::cmd("apt-get").arg("update"))?;
+        }
+    }
+    bail!("neither {} nor a package matching {} is known to apt", k.package, k.fallback_pattern)
+}
+
+/// Numbers in a package name, for ordering `6.1.0-9` before `6.1.0-56`.
+fn version_key(name: &str) -> Vec<u64> {
+    name.split(|c: char| !c.is_ascii_digit()).filter_map(|p| p.parse().ok()).collect()
+}
+
+fn vmlinuz(dir: &Path) -> Option<PathBuf> {
+    fs::read_dir(dir.join("boot"))
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-")))
+}
+
+/// `lib/modules/<release>` of an unpacked kernel package.
+fn modules_dir(dir: &Path) -> Option<PathBuf> {
+    fs::read_dir(dir.join("lib/modules")).ok()?.flatten().map(|e| e.path()).find(|p| p.join("kernel").is_dir())
+}
+
+/// Module names are spelled with `-` or `_` interchangeably.
+fn module_name(s: &str) -> String {
+    s.replace('-', "_")
+}
+
+/// Every module file under `kernel/` by name.
+fn module_files(modules: &Path) -> BTreeMap<String, PathBuf> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![modules.join("kernel")];
+    while let Some(d) = stack.pop() {
+        let Ok(rd) = fs::read_dir(&d) else { continue };
+        for e in rd.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                stack.push(p);
+                continue;
+            }
+            let name = p.file_name().unwrap_or_default().to_string_lossy().into_owned();
+            for ext in [".ko", ".ko.xz"] {
+                if let Some(stem) = name.strip_suffix(ext) {
+                    out.insert(module_name(stem), p.clone());
+                }
+            }
+        }
+    }
+    out
+}
+
+/// A module's bytes, decompressed.
+fn read_module(path: &Path) -> Result<Vec<u8>> {
+    if path.extension().is_some_and(|x| x == "xz") {
+        let out = util::cmd("xz")
+            .arg("-dc")
+            .arg(path)
+            .stderr(Stdio::inherit())
+            .output()
+            .with_context(|| format!("xz -dc {}", path.display()))?;
+        if !out.status.success() {
+            bail!("xz -dc {} failed", path.display());
+        }
+        return Ok(out.stdout);
+    }
+    fs::read(path).with_context(|| format!("read {}", path.display()))
+}
+
+/// The `depends=` entry of a module's `.modinfo` section (NUL-separated
+/// `key=value` strings), which is what modprobe resolves.
+fn module_depends(bytes: &[u8]) -> Vec<String> {
+    const KEY: &[u8] = b"\0depends=";
+    let Some(at) = bytes.windows(KEY.len()).position(|w| w == KEY) else { return Vec::new() };
+    let rest = &bytes[at + KEY.len()..];
+    let end = rest.iter().position(|&b| b == 0).unwrap_or(rest.len());
+    String::from_utf8_lossy(&rest[..end]).split(',').filter(|s| !s.is_empty()).map(module_name).collect()
+}
+
+/// The modules to load, dependencies before dependents, with their bytes.
+fn module_closure(modules: &Path) -> Result<Vec<(String, Vec<u8>)>> {
+    let files = module_files(modules);
+    let builtin: BTreeSet<String> = fs::read_to_string(modules.join("modules.builtin"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.rsplit('/').next()?.strip_suffix(".ko").map(module_name))
+        .collect();
+    let mut order = Vec::new();
+    let mut seen = BTreeSet::new();
+    fn visit(
+        name: &str,
+        files: &BTreeMap<String, PathBuf>,
+        builtin: &BTreeSet<String>,
+        seen: &mut BTreeSet<String>,
+        order: &mut Vec<(String, Vec<u8>)>,
+    ) -> Result<()> {
+        if !seen.insert(name.to_string()) {
+            return Ok(());
+        }
+        let Some(path) = files.get(name) else {
+            if builtin.contains(name) {
+                return Ok(());
+            }
+            bail!("module {name} is neither a file under kernel/ nor listed in modules.builtin");
+        };
+        let bytes = read_module(path)?;
+        for dep in module_depends(&bytes) {
+            visit(&dep, files, builtin, seen, order)?;
+        }
+        order.push((name.to_string(), bytes));
+        Ok(())
+    }
+    for m in MODULES {
+        visit(&module_name(m), &files, &builtin, &mut seen, &mut order)?;
+    }
+    Ok(order)
+}
+
+// ---------------------------------------------------------------------------
+// Test binaries
+// ---------------------------------------------------------------------------
+
+struct Binaries {
+    /// The profile directory (`target/debug`), shared with the guest at the
+    /// same path.
+    dir: PathBuf,
+    /// Test binary name -> executable.
+    tests: BTreeMap<String, PathBuf>,
+    /// The agent, which the tests start through `CARGO_BIN_EXE_proxy-agent`.
+    agent: PathBuf,
+}
+
+/// The debug test binaries and agent of `cargo test`, built when missing or
+/// stale. Same profile and flags as `cargo xtask test`'s
+/// `cargo test --workspace`, so after it this only reads cargo's answer:
+/// selecting one package's tests resolves the same features (checked: the
+/// executables' hashes are the same), hence the same files.
+fn find_tests() -> Result<Binaries> {
+    let mut c = util::cargo();
+    c.args(["test", "-p", "proxy-agent", "--no-run", "--message-format=json-render-diagnostics"]);
+    for (name, _) in TESTS {
+        c.args(["--test", name]);
+    }
+    c.stdout(Stdio::piped()).stderr(Stdio::inherit());
+    println!("finding the test binaries: {}", util::describe(&c));
+    let out = c.output().with_context(|| format!("cannot run {}", util::describe(&c)))?;
+    if !out.status.success() {
+        bail!("building the test binaries failed ({})", out.status);
+    }
+    parse_artifacts(&String::from_utf8_lossy(&out.stdout))
+}
+
+/// The binaries named in cargo's JSON messages.
+fn parse_artifacts(json_lines: &str) -> Result<Binaries> {
+    let mut tests = BTreeMap::new();
+    let mut agent = None;
+    for line in json_lines.lines() {
+        let Ok(msg) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        if msg["reason"] != "compiler-artifact" {
+            continue;
+        }
+        let (Some(name), Some(exe)) = (msg["target"]["name"].as_str(), msg["executable"].as_str()) else { continue };
+        if msg["profile"]["test"] == true {
+            tests.insert(name.to_string(), PathBuf::from(exe));
+        } else if name == "proxy-agent" && msg["target"]["kind"].as_array().is_some_and(|k| k.iter().any(|k| k == "bin")) {
+            agent = Some(PathBuf::from(exe));
+        }
+    }
+    let agent = agent.context("cargo reported no proxy-agent executable")?;
+    let dir = agent.parent().context("proxy-agent has no parent directory")?.to_path_buf();
+    for (name, _) in TESTS {
+        let exe = tests.get(name).with_context(|| format!("cargo reported no executable for test {name}"))?;
+        // The share holds the profile directory only; a test binary outside
+        // it would not be visible in the guest.
+        if !exe.starts_with(&dir) {
+            bail!("test {name} was built at {}, outside {}", exe.display(), dir.display());
+        }
+    }
+    Ok(Binaries { dir, tests, agent })
+}
+
+/// How many tests the chosen filters select in each guest, from the host's
+/// `--list` of the same binaries: what a skipped run counts as skipped.
+fn planned_tests(bins: &Binaries, only: &[String]) -> Result<u64> {
+    let mut n = 0;
+    for (name, filters) in TESTS {
+        let mut c = util::cmd(&bins.tests[name]);
+        c.args(["--list", "--format", "terse"]);
+        if only.is_empty() {
+            c.args(filters);
+        } else {
+            c.args(only);
+        }
+        let out = util::output(&mut c).with_context(|| format!("{} --list failed", bins.tests[name].display()))?;
+        n += out.lines().filter(|l| l.ends_with(": test")).count() as u64;
+    }
+    Ok(n)
+}
+
+// ---------------------------------------------------------------------------
+// Initramfs
+// ---------------------------------------------------------------------------
+
+/// The shared libraries and loader `program` needs, from `ldd`.
+fn shared_libraries(program: &Path) -> Result<Vec<PathBuf>> {
+    let out = util::output(util::cmd("ldd").arg(program))
+        .with_context(|| format!("ldd {} failed", program.display()))?;
+    Ok(out
+        .lines()
+        .filter_map(|l| {
+            // "libbpf.so.1 => /lib/x86_64-linux-gnu/libbpf.so.1 (0x...)" or
+            // "/lib64/ld-linux-x86-64.so.2 (0x...)"
+            let path = l.split("=>").last()?.split_whitespace().next()?;
+            path.starts_with('/').then(|| PathBuf::from(path))
+        })
+        .collect())
+}
+
+/// Copies `src` (following symlinks) to the same absolute path below `root`.
+fn copy_into(root: &Path, src: &Path, mode: u32) -> Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let dest = root.join(src.strip_prefix("/").unwrap_or(src));
+    if let Some(parent) = dest.parent() {
+        fs::create_dir_all(parent)?;
+    }
+    fs::copy(src, &dest).with_context(|| format!("copy {} into the initramfs", src.display()))?;
+    fs::set_permissions(&dest, fs::Permissions::from_mode(mode))?;
+    Ok(())
+}
+
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', r"'\''"))
+}
+
+/// The guest's /init: mounts, modules, the share, the tests, power off.
+fn init_script(modules: &[String], share: &Path, tests: &[(PathBuf, &[&str])], tc_mode: &str) -> String {
+    let share = shell_quote(&share.to_string_lossy());
+    let mut s = String::from(
+        "#!/bin/busybox sh\n\
+         /bin/busybox --install -s /bin\n\
+         export PATH=/usr/sbin:/usr/bin:/sbin:/bin LD_LIBRARY_PATH=/lib/x86_64-linux-gnu HOME=/root TMPDIR=/tmp\n\
+         mount -t proc proc /proc\n\
+         mount -t sysfs sysfs /sys\n\
+         mount -t devtmpfs devtmpfs /dev\n\
+         mount -t tmpfs tmpfs /tmp\n\
+         mount -t tmpfs tmpfs /run\n\
+         mkdir -p /sys/fs/bpf /sys/fs/cgroup\n\
+         mount -t bpf bpffs /sys/fs/bpf\n\
+         mount -t cgroup2 cgroup2 /sys/fs/cgroup\n",
+    );
+    for m in modules {
+        s.push_str(&format!("insmod /lib/modules/{m}.ko || echo '{MARK} insmod {m} failed'\n"));
+    }
+    s.push_str("ip link set lo up\n");
+    s.push_str(&format!(
+        "mkdir -p {share}\n\
+         mount -t 9p -o trans=virtio,version=9p2000.L,cache=loose,ro host0 {share} || echo '{MARK} cannot mount the 9p share'\n\
+         echo \"{MARK} kernel $(uname -r)\"\n\
+         # The mode the agent's auto mode must pick on this kernel.\n\
+         export TOPOPROXY_EXPECT_TC_MODE={tc_mode}\n\
+         # Emulation is one to two orders of magnitude slower than the host:\n\
+         # the tests' waits for the agent get a longer deadline.\n\
+         export TOPOPROXY_TEST_WAIT_SECS={WAIT_SECS}\n\
+         cd /tmp\n"
+    ));
+    for (exe, filters) in tests {
+        let name = exe.file_name().unwrap_or_default().to_string_lossy().into_owned();
+        let filters: Vec<String> = filters.iter().map(|f| shell_quote(f)).collect();
+        s.push_str(&format!(
+            "echo '{MARK} begin {name}'\n\
+             {} --test-threads=1 {}\n\
+             echo \"{MARK} end {name} rc=$?\"\n",
+            shell_quote(&exe.to_string_lossy()),
+            filters.join(" ")
+        ));
+    }
+    s.push_str(&format!("echo '{MARK} done'\nsync\npoweroff -f\n"));
+    s
+}
+
+/// Writes the initramfs of kernel `k` (uncompressed newc cpio, made with
+/// busybox's cpio) and returns its path.
+fn make_initramfs(k: &Kernel, kernel_dir: &Path, bins: &Binaries, work: &Path, only: &[String]) -> Result<PathBuf> {
+    let root = work.join("root");
+    let _ = fs::remove_dir_all(&root);
+    for d in ["bin", "sbin", "usr/bin", "usr/sbin", "proc", "sys", "dev", "tmp", "run", "root", "etc", "lib/modules"] {
+        fs::create_dir_all(root.join(d))?;
+    }
+    copy_into(&root, Path::new("/bin/busybox"), 0o755)?;
+    for p in HOST_PROGRAMS {
+        copy_into(&root, Path::new(p), 0o755)?;
+    }
+    // The Rust binaries stay on the share, but are linked dynamically
+    // against glibc: their libraries and the loader go into the initramfs at
+    // the paths the binaries name, like those of `ip` and `tc`.
+    let mut programs: Vec<PathBuf> = HOST_PROGRAMS.iter().map(PathBuf::from).collect();
+    programs.extend(bins.tests.values().cloned());
+    programs.push(bins.agent.clone());
+    let mut libs = BTreeSet::new();
+    for p in &programs {
+        libs.extend(shared_libraries(p)?);
+    }
+    for lib in &libs {
+        copy_into(&root, lib, 0o755)?;
+    }
+    let modules = modules_dir(kernel_dir).context("no lib/modules/<release> in the kernel package")?;
+    let mut names = Vec::new();
+    for (name, bytes) in module_closure(&modules)? {
+        fs::write(root.join("lib/modules").join(format!("{name}.ko")), bytes)?;
+        names.push(name);
+    }
+    let only: Vec<&str> = only.iter().map(String::as_str).collect();
+    let tests: Vec<(PathBuf, &[&str])> = TESTS
+        .iter()
+        .map(|(name, filters)| (bins.tests[*name].clone(), if only.is_empty() { *filters } else { &only[..] }))
+        .collect();
+    let init = root.join("init");
+    fs::write(&init, init_script(&names, &bins.dir, &tests, k.tc_mode))?;
+    {
+        use std::os::unix::fs::PermissionsExt;
+        fs::set_permissions(&init, fs::Permissions::from_mode(0o755))?;
+    }
+    let image = work.join("initramfs.cpio");
+    let out = fs::File::create(&image)?;
+    let mut c = util::cmd("sh");
+    c.current_dir(&root).args(["-c", "find . | /bin/busybox cpio -o -H newc"]).stdout(out).stderr(Stdio::null());
+    util::run(&mut c)?;
+    Ok(image)
+}
+
+// ---------------------------------------------------------------------------
+// Boot
+// ---------------------------------------------------------------------------
+
+fn boot(k: &Kernel, kernel_dir: &Path, bins: &Binaries, cache: &Path, opts: &Options) -> Result<KernelRun> {
+    let timeout = opts.timeout;
+    let release = modules_dir(kernel_dir)
+        .and_then(|m| m.file_name().map(|n| n.to_string_lossy().into_owned()))
+        .unwrap_or_else(|| k.label.to_string());
+    let work = cache.join(&release);
+    fs::create_dir_all(&work)?;
+    let initrd = make_initramfs(k, kernel_dir, bins, &work, &opts.only)?;
+    let kernel = vmlinuz(kernel_dir).context("no vmlinuz")?;
+    let log_path = work.join("console.log");
+    let mut log = fs::File::create(&log_path)?;
+    let mut c = util::cmd("timeout");
+    c.args(["-k", "10", &timeout.as_secs().to_string(), "qemu-system-x86_64"])
+        // KVM is unusable here (PLATFORM.md): emulate. Two vCPUs run on two
+        // host threads (multi-threaded TCG).
+        .args(["-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2", "-m", "2G"])
+        .args(["-display", "none", "-monitor", "none", "-serial", "stdio", "-nic", "none", "-no-reboot"])
+        .arg("-kernel")
+        .arg(&kernel)
+        .arg("-initrd")
+        .arg(&initrd)
+        .args(["-append", "console=ttyS0 panic=-1 quiet"])
+        .arg("-virtfs")
+        .arg(format!("local,path={},mount_tag=host0,security_model=none,readonly=on", bins.dir.display()))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    println!("booting Linux {release} under qemu (TCG; console in {})", log_path.display());
+    let started = Instant::now();
+    let mut child = c.spawn().with_context(|| format!("cannot run {}", util::describe(&c)))?;
+    let stderr = child.stderr.take().context("no stderr")?;
+    let err_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = std::io::Read::read_to_string(&mut BufReader::new(stderr), &mut s);
+        s
+    });
+    let mut totals = Totals::default();
+    let mut ends = Vec::new();
+    let mut done = false;
+    let mut seen_kernel = None;
+    let mut reader = BufReader::new(child.stdout.take().context("no stdout")?);
+    let mut buf = Vec::new();
+    let mut out = std::io::stdout();
+    loop {
+        buf.clear();
+        if reader.read_until(b'\n', &mut buf)? == 0 {
+            break;
+        }
+        log.write_all(&buf)?;
+        let line = String::from_utf8_lossy(&buf);
+        let line = line.trim_end_matches(['\r', '\n']);
+        writeln!(out, "[{}] {line}", k.label)?;
+        totals.add(line);
+        if let Some(rest) = line.strip_prefix(MARK) {
+            let rest = rest.trim();
+            if rest == "done" {
+                done = true;
+            } else if let Some(end) = rest.strip_prefix("end ") {
+                ends.push(end.to_string());
+            } else if let Some(r) = rest.strip_prefix("kernel ") {
+                seen_kernel = Some(r.to_string());
+            } else if !rest.starts_with("begin ") {
+                ends.push(rest.to_string());
+            }
+        }
+    }
+    let status = child.wait()?;
+    let seconds = started.elapsed().as_secs_f64();
+    let qemu_err = err_reader.join().unwrap_or_default();
+    let mut problems = Vec::new();
+    if !done {
+        problems.push(match status.code() {
+            Some(124) | Some(137) => format!("timed out after {} s", timeout.as_secs()),
+            _ if !qemu_err.trim().is_empty() => format!("qemu: {}", qemu_err.trim()),
+            _ => "the guest stopped before running every test".to_string(),
+        });
+    }
+    for e in &ends {
+        if !e.ends_with("rc=0") {
+            problems.push(e.clone());
+        }
+    }
+    if done && totals.binaries < TESTS.len() as u64 {
+        problems.push(format!("{} of {} test binaries printed a result", totals.binaries, TESTS.len()));
+    }
+    Ok(KernelRun { label: k.label.to_string(), release: seen_kernel.unwrap_or(release), totals, seconds, problems })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_depends_from_modinfo_strings() {
+        let bytes = b"\x7fELF...\0license=GPL\0depends=virtio,virtio_ring,9pnet\0intree=Y\0name=9pnet_virtio\0";
+        assert_eq!(module_depends(bytes), ["virtio", "virtio_ring", "9pnet"]);
+        assert!(module_depends(b"\0depends=\0name=veth\0").is_empty());
+        assert!(module_depends(b"no modinfo").is_empty());
+    }
+
+    #[test]
+    fn orders_kernel_packages_by_abi_number() {
+        let mut v = vec!["linux-image-6.1.0-56-amd64", "linux-image-6.1.0-9-amd64", "linux-image-6.1.0-60-amd64"];
+        v.sort_by_key(|n| version_key(n));
+        assert_eq!(v, ["linux-image-6.1.0-9-amd64", "linux-image-6.1.0-56-amd64", "linux-image-6.1.0-60-amd64"]);
+    }
+
+    #[test]
+    fn takes_the_test_binaries_and_the_agent_from_cargos_messages() {
+        let msg = |name: &str, kind: &str, test: bool, exe: &str| {
+            format!(
+                r#"{{"reason":"compiler-artifact","target":{{"name":"{name}","kind":["{kind}"]}},"profile":{{"test":{test}}},"executable":"{exe}","fresh":true}}"#
+            )
+        };
+        let lines = [
+            msg("proxy-agent", "lib", false, "null").replace("\"null\"", "null"),
+            msg("proxy-agent", "bin", false, "/t/debug/proxy-agent"),
+            msg("nodeport", "test", true, "/t/debug/deps/nodeport-1"),
+            msg("socket_lb", "test", true, "/t/debug/deps/socket_lb-2"),
+            r#"{"reason":"build-finished","success":true}"#.to_string(),
+        ]
+        .join("\n");
+        let b = parse_artifacts(&lines).expect("all present");
+        assert_eq!(b.dir, Path::new("/t/debug"));
+        assert_eq!(b.agent, Path::new("/t/debug/proxy-agent"));
+        assert_eq!(b.tests["socket_lb"], Path::new("/t/debug/deps/socket_lb-2"));
+        // A test binary missing, or outside the shared directory, is an error.
+        assert!(parse_artifacts(&lines.replace("socket_lb", "other")).is_err());
+        assert!(parse_artifacts(&lines.replace("/t/debug/deps/nodeport-1", "/u/nodeport-1")).is_err());
+    }
+
+    #[test]
+    fn init_runs_each_test_binary_between_markers() {
+        let exe = PathBuf::from("/t/debug/deps/nodeport-1");
+        let filters: &[&str] = &["a", "test_run::"];
+        let s = init_script(&["veth".into()], Path::new("/t/debug"), &[(exe, filters)], "netlink");
+        assert!(s.contains("insmod /lib/modules/veth.ko"));
+        assert!(s.contains("'/t/debug/deps/nodeport-1' --test-threads=1 'a' 'test_run::'"));
+        assert!(s.contains("@@vmtest end nodeport-1 rc=$?"));
+        assert!(s.contains("export TOPOPROXY_EXPECT_TC_MODE=netlink"));
+        assert!(s.trim_end().ends_with("poweroff -f"));
+    }
+}
