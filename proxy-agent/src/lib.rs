@@ -26,6 +26,7 @@ pub mod nodeport;
 pub mod mounts;
 pub mod objects;
 pub mod plan;
+pub mod prog_test_run;
 pub mod sandbox;
 pub mod sync;
 pub mod tc_loader;

@@ -703,44 +703,10 @@ mod test_run {
 
     /// Runs the program once on `frame`; returns (retval, output frame).
     fn run(prog_fd: i32, frame: &[u8]) -> (i32, Vec<u8>) {
-        #[repr(C)]
-        #[derive(Default)]
-        struct TestAttr {
-            prog_fd: u32,
-            retval: u32,
-            data_size_in: u32,
-            data_size_out: u32,
-            data_in: u64,
-            data_out: u64,
-            repeat: u32,
-            duration: u32,
-            ctx_size_in: u32,
-            ctx_size_out: u32,
-            ctx_in: u64,
-            ctx_out: u64,
-            flags: u32,
-            cpu: u32,
-            batch_size: u32,
-            _pad: u32,
-        }
         let mut out = vec![0u8; frame.len() + 256];
-        let mut attr = TestAttr {
-            prog_fd: prog_fd as u32,
-            data_size_in: frame.len() as u32,
-            data_size_out: out.len() as u32,
-            data_in: frame.as_ptr() as u64,
-            data_out: out.as_mut_ptr() as u64,
-            repeat: 1,
-            ..Default::default()
-        };
-        const BPF_PROG_TEST_RUN: libc::c_long = 10;
-        // SAFETY: attr points at valid buffers for the call's duration.
-        let rc = unsafe {
-            libc::syscall(libc::SYS_bpf, BPF_PROG_TEST_RUN, &mut attr as *mut TestAttr, std::mem::size_of::<TestAttr>())
-        };
-        assert_eq!(rc, 0, "BPF_PROG_TEST_RUN: {}", std::io::Error::last_os_error());
-        out.truncate(attr.data_size_out as usize);
-        (attr.retval as i32, out)
+        let r = proxy_agent::prog_test_run::run(prog_fd, frame, &mut out, 1).expect("BPF_PROG_TEST_RUN");
+        out.truncate(r.out_len);
+        (r.retval, out)
     }
 
     fn csum(data: &[u8], mut sum: u32) -> u16 {

@@ -32,43 +32,10 @@ const SNAT: [u8; 4] = [10, 0, 3, 1];
 
 /// BPF_PROG_TEST_RUN of `prog_fd` on `frame`: (return value, frame after).
 fn run(prog_fd: i32, frame: &[u8]) -> (i32, Vec<u8>) {
-    // The BPF_PROG_TEST_RUN member of `union bpf_attr`.
-    #[repr(C)]
-    #[derive(Default)]
-    struct Attr {
-        prog_fd: u32,
-        retval: u32,
-        data_size_in: u32,
-        data_size_out: u32,
-        data_in: u64,
-        data_out: u64,
-        repeat: u32,
-        duration: u32,
-        ctx_size_in: u32,
-        ctx_size_out: u32,
-        ctx_in: u64,
-        ctx_out: u64,
-        flags: u32,
-        cpu: u32,
-        batch_size: u32,
-        _pad: u32,
-    }
-    const BPF_PROG_TEST_RUN: libc::c_long = 10;
     let mut out = vec![0u8; frame.len() + 128];
-    let mut attr = Attr {
-        prog_fd: prog_fd as u32,
-        data_size_in: frame.len() as u32,
-        data_size_out: out.len() as u32,
-        data_in: frame.as_ptr() as u64,
-        data_out: out.as_mut_ptr() as u64,
-        repeat: 1,
-        ..Default::default()
-    };
-    // SAFETY: `attr` and the buffers it points at outlive the call.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_TEST_RUN, &mut attr as *mut Attr, std::mem::size_of::<Attr>()) };
-    assert_eq!(rc, 0, "BPF_PROG_TEST_RUN: {}", std::io::Error::last_os_error());
-    out.truncate(attr.data_size_out as usize);
-    (attr.retval as i32, out)
+    let r = proxy_agent::prog_test_run::run(prog_fd, frame, &mut out, 1).expect("BPF_PROG_TEST_RUN");
+    out.truncate(r.out_len);
+    (r.retval, out)
 }
 
 /// Ethernet + IPv4 (header checksum filled in) + `l4`. The L4 checksums are

@@ -153,45 +153,8 @@ fn ns(s: &Spread) -> String {
 /// One `BPF_PROG_TEST_RUN` of a TC program on `frame`, `repeat` times in the
 /// kernel; returns (retval, ns per run as the kernel measured it).
 fn test_run(prog_fd: i32, frame: &[u8], out: &mut [u8], repeat: u32) -> Result<(i32, u32)> {
-    // union bpf_attr, test member (include/uapi/linux/bpf.h).
-    #[repr(C)]
-    #[derive(Default)]
-    struct TestAttr {
-        prog_fd: u32,
-        retval: u32,
-        data_size_in: u32,
-        data_size_out: u32,
-        data_in: u64,
-        data_out: u64,
-        repeat: u32,
-        duration: u32,
-        ctx_size_in: u32,
-        ctx_size_out: u32,
-        ctx_in: u64,
-        ctx_out: u64,
-        flags: u32,
-        cpu: u32,
-        batch_size: u32,
-        _pad: u32,
-    }
-    let mut attr = TestAttr {
-        prog_fd: prog_fd as u32,
-        data_size_in: frame.len() as u32,
-        data_size_out: out.len() as u32,
-        data_in: frame.as_ptr() as u64,
-        data_out: out.as_mut_ptr() as u64,
-        repeat,
-        ..Default::default()
-    };
-    const BPF_PROG_TEST_RUN: libc::c_long = 10;
-    // SAFETY: attr points at buffers that outlive the call.
-    let rc = unsafe {
-        libc::syscall(libc::SYS_bpf, BPF_PROG_TEST_RUN, &mut attr as *mut TestAttr, std::mem::size_of::<TestAttr>())
-    };
-    if rc != 0 {
-        bail!("BPF_PROG_TEST_RUN: {}", std::io::Error::last_os_error());
-    }
-    Ok((attr.retval as i32, attr.duration))
+    let r = proxy_agent::prog_test_run::run(prog_fd, frame, out, repeat).context("BPF_PROG_TEST_RUN")?;
+    Ok((r.retval, r.duration_ns))
 }
 
 fn csum(data: &[u8], mut sum: u32) -> u16 {
