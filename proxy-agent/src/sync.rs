@@ -103,6 +103,10 @@ pub struct CachedSync {
     /// (`ExternalState::local_endpoints` without visiting every decision).
     local_of: BTreeMap<ObjectRef, Vec<IpAddr>>,
     local_refs: BTreeMap<IpAddr, usize>,
+    /// Frontends whose last write failed (a full map): compared again on
+    /// the next pass, whatever it was triggered by, so that room freed by
+    /// a deleted Service is used at once rather than at the next full pass.
+    retry: BTreeSet<Frontend>,
 }
 
 impl CachedSync {
@@ -114,6 +118,7 @@ impl CachedSync {
             external_services: BTreeSet::new(),
             local_of: BTreeMap::new(),
             local_refs: BTreeMap::new(),
+            retry: BTreeSet::new(),
         }
     }
 
@@ -167,6 +172,8 @@ impl CachedSync {
     ) -> SyncOutcome {
         let update = self.cache.update(cluster, changes);
         let mut touched = update.frontends;
+        let retried = std::mem::take(&mut self.retry);
+        touched.extend(retried.iter().copied());
         if changes.all {
             let all: Vec<ObjectRef> = self.cache.service_ids().chain(self.local_of.keys()).chain(self.external_services.iter()).cloned().collect();
             self.track_external(all);
@@ -206,9 +213,15 @@ impl CachedSync {
             plan::diff(&current, &desired)
         };
         let mut failures = writer.apply(&plan);
+        self.retry = failures.iter().map(|f| f.frontend).collect();
 
         let recheck: Vec<ObjectRef> =
-            if full { self.cache.service_ids().chain(self.programmed.iter()).cloned().collect() } else { update.services.into_iter().collect() };
+            if full {
+                self.cache.service_ids().chain(self.programmed.iter()).cloned().collect()
+            } else {
+                let owners = retried.iter().filter_map(|fe| self.cache.owner(fe).cloned());
+                update.services.into_iter().chain(owners).collect()
+            };
         for id in recheck {
             if self.cache.owned_frontends(&id).any(|fe| writer.backends_of(fe).is_some()) {
                 self.programmed.insert(id);
