@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -122,14 +123,17 @@ async fn client(args: &KubeArgs) -> anyhow::Result<kube::Client> {
     kube::Client::try_from(config).context("creating the Kubernetes client")
 }
 
-/// Polls the interface addresses (and the indexes of their devices, which
-/// change when a device is recreated) and asks the sync loop for a pass
-/// when they change. The pass itself re-resolves everything
-/// (`ExternalDatapath::refresh`); this task only notices.
-async fn watch_node_addresses(tx: tokio::sync::mpsc::UnboundedSender<Signal>) {
-    use proxy_agent::node_addresses::{POLL_INTERVAL, ifindex, interface_addresses};
+/// Polls what `ExternalDatapath::refresh` resolves from (the interface
+/// addresses, the indexes of their devices, which change when a device is
+/// recreated, and the devices with a default route), and when it changes
+/// raises `changed` and asks the sync loop for a pass. The pass re-resolves
+/// only then, so the syncs that EndpointSlice churn triggers (up to hundreds
+/// per second) do no interface I/O.
+async fn watch_node_addresses(tx: tokio::sync::mpsc::UnboundedSender<Signal>, changed: Arc<AtomicBool>) {
+    use proxy_agent::node_addresses::{POLL_INTERVAL, default_route_devices, ifindex, interface_addresses};
     let read = || {
-        interface_addresses().ok().map(|l| l.into_iter().map(|a| (ifindex(&a.device), a)).collect::<Vec<_>>())
+        let addrs = interface_addresses().ok()?;
+        Some((addrs.into_iter().map(|a| (ifindex(&a.device), a)).collect::<Vec<_>>(), default_route_devices()))
     };
     let mut last = read();
     loop {
@@ -137,6 +141,7 @@ async fn watch_node_addresses(tx: tokio::sync::mpsc::UnboundedSender<Signal>) {
         let now = read();
         if now.is_some() && now != last {
             last = now;
+            changed.store(true, Ordering::Release);
             if tx.send(Signal::Resync { reason: "node addresses changed" }).is_err() {
                 return;
             }
@@ -188,7 +193,8 @@ async fn run_async(node: String, args: KubeArgs, datapath: DatapathArgs) -> anyh
     // Node addresses are followed, not read once: a change asks the sync
     // loop for a pass, in which `refresh` re-resolves devices, NodePort
     // addresses and SNAT before the maps are written.
-    tokio::spawn(watch_node_addresses(tx));
+    let addresses_changed = Arc::new(AtomicBool::new(false));
+    tokio::spawn(watch_node_addresses(tx, addresses_changed.clone()));
     let events = EventReporter::spawn(client, format!("{}-{node}", proxy_agent::events::REPORTING_CONTROLLER), metrics.clone());
     let config = SyncConfig {
         node,
@@ -205,7 +211,11 @@ async fn run_async(node: String, args: KubeArgs, datapath: DatapathArgs) -> anyh
     };
     SyncLoop::new(config, writer, stores, metrics, health, Some(events))
         .with_step(Box::new(move |writer, cached, cluster, changes, full| {
-            external.refresh();
+            // Full passes (the first, then every --sync-period-secs)
+            // re-resolve as well, like they re-compare every map entry.
+            if addresses_changed.swap(false, Ordering::AcqRel) || full {
+                external.refresh();
+            }
             cached.pass(writer, Some(&mut external), cluster, changes, full)
         }))
         .run(rx, shutdown)
