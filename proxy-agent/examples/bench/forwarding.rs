@@ -185,28 +185,21 @@ fn iptables_nodeports(services: usize) -> String {
 /// A UDP socket in the pod namespace that counts what arrives.
 fn udp_sink(ns: &Path, addr: SocketAddr, stop: Arc<AtomicBool>) -> Result<Arc<AtomicU64>> {
     let count = Arc::new(AtomicU64::new(0));
-    let (c, ns) = (count.clone(), ns.to_path_buf());
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let s = match workload::enter_netns(&ns).and_then(|()| UdpSocket::bind(addr)) {
-            Ok(s) => {
-                let _ = tx.send(Ok(()));
-                s
+    let c = count.clone();
+    workload::serve_in_netns(
+        ns,
+        move || UdpSocket::bind(addr),
+        move |s| {
+            let _ = s.set_read_timeout(Some(Duration::from_millis(50)));
+            let mut b = [0u8; 2048];
+            while !stop.load(Ordering::Relaxed) {
+                if s.recv(&mut b).is_ok() {
+                    c.fetch_add(1, Ordering::Relaxed);
+                }
             }
-            Err(e) => {
-                let _ = tx.send(Err(e));
-                return;
-            }
-        };
-        let _ = s.set_read_timeout(Some(Duration::from_millis(50)));
-        let mut b = [0u8; 2048];
-        while !stop.load(Ordering::Relaxed) {
-            if s.recv(&mut b).is_ok() {
-                c.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-    });
-    rx.recv().context("UDP sink thread")??;
+        },
+    )
+    .context("UDP sink thread")?;
     Ok(count)
 }
 

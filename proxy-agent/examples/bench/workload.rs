@@ -26,59 +26,65 @@ pub fn enter_netns(ns_path: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// Starts a thread that enters the namespace at `ns_path`, binds with
+/// `bind` and then runs `serve` on what it bound. Returns once the bind has
+/// succeeded (with the thread) or failed (with its error), so callers can
+/// send traffic right away.
+pub fn serve_in_netns<S: 'static>(
+    ns_path: &Path,
+    bind: impl FnOnce() -> io::Result<S> + Send + 'static,
+    serve: impl FnOnce(S) + Send + 'static,
+) -> io::Result<JoinHandle<()>> {
+    let ns = ns_path.to_path_buf();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let handle = std::thread::spawn(move || match enter_netns(&ns).and_then(|()| bind()) {
+        Ok(bound) => {
+            let _ = tx.send(Ok(()));
+            serve(bound);
+        }
+        Err(e) => {
+            let _ = tx.send(Err(e));
+        }
+    });
+    rx.recv().map_err(io::Error::other)??;
+    Ok(handle)
+}
+
 /// Echo servers (TCP and UDP, one byte back per request) on `addrs`, inside
 /// the namespace. They stop when `stop` is set.
 pub fn start_echo(ns_path: &Path, addrs: &[SocketAddr], stop: Arc<AtomicBool>) -> io::Result<Vec<JoinHandle<()>>> {
     let mut handles = Vec::new();
     for addr in addrs {
-        let (ns, addr, stop_tcp, stop_udp) = (ns_path.to_path_buf(), *addr, stop.clone(), stop.clone());
-        let (tx, rx) = std::sync::mpsc::channel();
-        handles.push(std::thread::spawn(move || {
-            let bound = enter_netns(&ns).and_then(|()| TcpListener::bind(addr));
-            let l = match bound {
-                Ok(l) => {
-                    let _ = tx.send(Ok(()));
-                    l
-                }
-                Err(e) => {
-                    let _ = tx.send(Err(e));
-                    return;
-                }
-            };
-            // Blocking accept: polling would add its own latency to every
-            // round. The thread ends with the process.
-            while !stop_tcp.load(Ordering::Relaxed) {
-                if let Ok((mut c, _)) = l.accept() {
-                    let mut b = [0u8; 1];
-                    if c.read_exact(&mut b).is_ok() {
-                        let _ = c.write_all(&b);
+        let (addr, stop_tcp, stop_udp) = (*addr, stop.clone(), stop.clone());
+        handles.push(serve_in_netns(
+            ns_path,
+            move || TcpListener::bind(addr),
+            move |l| {
+                // Blocking accept: polling would add its own latency to
+                // every round. The thread ends with the process.
+                while !stop_tcp.load(Ordering::Relaxed) {
+                    if let Ok((mut c, _)) = l.accept() {
+                        let mut b = [0u8; 1];
+                        if c.read_exact(&mut b).is_ok() {
+                            let _ = c.write_all(&b);
+                        }
                     }
                 }
-            }
-        }));
-        rx.recv().map_err(io::Error::other)??;
-        let (tx, rx) = std::sync::mpsc::channel();
-        let ns = ns_path.to_path_buf();
-        handles.push(std::thread::spawn(move || {
-            let s = match enter_netns(&ns).and_then(|()| UdpSocket::bind(addr)) {
-                Ok(s) => {
-                    let _ = tx.send(Ok(()));
-                    s
+            },
+        )?);
+        handles.push(serve_in_netns(
+            ns_path,
+            move || UdpSocket::bind(addr),
+            move |s| {
+                let _ = s.set_read_timeout(Some(Duration::from_millis(50)));
+                let mut b = [0u8; 64];
+                while !stop_udp.load(Ordering::Relaxed) {
+                    if let Ok((n, from)) = s.recv_from(&mut b) {
+                        let _ = s.send_to(&b[..n], from);
+                    }
                 }
-                Err(e) => {
-                    let _ = tx.send(Err(e));
-                    return;
-                }
-            };
-            let _ = s.set_read_timeout(Some(Duration::from_millis(50)));
-            let mut b = [0u8; 64];
-            while !stop_udp.load(Ordering::Relaxed) {
-                if let Ok((n, from)) = s.recv_from(&mut b) {
-                    let _ = s.send_to(&b[..n], from);
-                }
-            }
-        }));
-        rx.recv().map_err(io::Error::other)??;
+            },
+        )?);
     }
     Ok(handles)
 }
