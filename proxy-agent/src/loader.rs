@@ -17,7 +17,7 @@ use std::io;
 use std::mem::size_of;
 use std::path::{Path, PathBuf};
 
-use aya::maps::{MapInfo, MapType};
+use aya::maps::{Array, MapInfo, MapType};
 use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr};
 use aya::{Ebpf, EbpfLoader};
@@ -77,7 +77,7 @@ struct MapSpec {
     flag: &'static str,
 }
 
-const MAPS: [MapSpec; 5] = [
+const MAPS: [MapSpec; 7] = [
     MapSpec {
         name: pc::SERVICES_MAP,
         map_type: MapType::Hash,
@@ -107,7 +107,29 @@ const MAPS: [MapSpec; 5] = [
         flag: "--max-sock-revnat",
     },
     MapSpec { name: pc::COUNTERS_MAP, map_type: MapType::PerCpuArray, key_size: 4, value_size: 8, flag: "" },
+    // Socket-local storage: its elements live on the sockets, so the pinned
+    // map must survive restarts for sockets opened before one to keep their
+    // reverse translation. The kernel requires max_entries 0 for it.
+    MapSpec {
+        name: pc::SOCK_PEER_MAP,
+        map_type: MapType::SkStorage,
+        key_size: 4,
+        value_size: size_of::<pc::SockPeerValue>(),
+        flag: "",
+    },
+    MapSpec {
+        name: pc::SOCK_CONFIG_MAP,
+        map_type: MapType::Array,
+        key_size: 4,
+        value_size: size_of::<pc::SockConfig>(),
+        flag: "",
+    },
 ];
+
+/// Names of the socket programs' maps (every one is pinned).
+pub fn socket_map_names() -> impl Iterator<Item = &'static str> {
+    MAPS.iter().map(|m| m.name)
+}
 
 /// The `--max-*` flag that sizes a map, for error messages.
 pub fn capacity_flag(map: &str) -> &'static str {
@@ -132,6 +154,10 @@ pub enum LoadError {
     Link { program: &'static str, source: aya::programs::links::LinkError },
     #[error("program {program}: cannot pin its link at {path}: {reason}")]
     Pin { program: &'static str, path: PathBuf, reason: String },
+    #[error("map {map} is missing from the eBPF object")]
+    MissingMap { map: &'static str },
+    #[error("cannot record the sockets an older agent version translated (SOCK_CONFIG): {0}")]
+    LegacyConfig(io::Error),
     #[error("cannot open cgroup {path}: {source}")]
     Cgroup { path: PathBuf, source: io::Error },
     #[error("cannot remove {path}: {source}")]
@@ -144,6 +170,9 @@ pub enum LoadError {
 pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<String>, LoadError> {
     mounts::ensure_pin_dir(pin_dir)?;
     let warnings = check_pinned_maps(pin_dir, caps)?;
+    // A datapath pinned by an agent version without SOCK_PEER has reverse
+    // entries only in SOCK_REVNAT (see `SockConfig`).
+    let legacy_revnat = pin_dir.join(pc::SOCK_REVNAT_MAP).exists() && !pin_dir.join(pc::SOCK_PEER_MAP).exists();
 
     let pins: Vec<(&str, PathBuf)> = MAPS.iter().map(|m| (m.name, pin_dir.join(m.name))).collect();
     let mut loader = EbpfLoader::new();
@@ -201,7 +230,41 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
         fs::rename(&staging, &final_path).map_err(|e| pin_err(e.to_string()))?;
         drop(pinned); // the pin keeps the link attached
     }
+    if legacy_revnat {
+        // The old programs are detached now (their pins were replaced), so
+        // every socket they translated already has a cookie below the next
+        // one the kernel hands out.
+        let below = next_socket_cookie().map_err(LoadError::LegacyConfig)?;
+        let map = ebpf.map_mut(pc::SOCK_CONFIG_MAP).ok_or(LoadError::MissingMap { map: pc::SOCK_CONFIG_MAP })?;
+        let mut config: Array<_, pc::SockConfig> =
+            Array::try_from(map).map_err(|e| LoadError::LegacyConfig(io::Error::other(e)))?;
+        config
+            .set(0, pc::SockConfig { legacy_revnat_cookie_below: below }, 0)
+            .map_err(|e| LoadError::LegacyConfig(io::Error::other(e)))?;
+    }
     Ok(warnings)
+}
+
+/// The cookie the kernel will give the next socket that asks for one: a
+/// fresh socket's own cookie (SO_COOKIE assigns it from the same global
+/// counter as `bpf_get_socket_cookie`, `net/core/sock_diag.c`), plus one.
+fn next_socket_cookie() -> io::Result<u64> {
+    // SAFETY: plain socket/getsockopt/close calls on a descriptor we own.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut cookie: u64 = 0;
+        let mut len = size_of::<u64>() as libc::socklen_t;
+        let rc = libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_COOKIE, (&mut cookie as *mut u64).cast(), &mut len);
+        let err = io::Error::last_os_error();
+        libc::close(fd);
+        if rc != 0 {
+            return Err(err);
+        }
+        Ok(cookie + 1)
+    }
 }
 
 

@@ -42,9 +42,6 @@ pub const NP_MAPS: [&str; 8] = [
     pc::NP_COUNTERS_MAP,
 ];
 
-/// Every map of the object, for loads that must reuse the pinned ones.
-const SOCKET_MAPS: [&str; 5] =
-    [pc::SERVICES_MAP, pc::SLOTS_MAP, pc::BACKENDS_MAP, pc::SOCK_REVNAT_MAP, pc::COUNTERS_MAP];
 
 pub const INGRESS_PROGRAM: &str = "np_ingress";
 pub const EGRESS_PROGRAM: &str = "np_egress";
@@ -321,7 +318,7 @@ pub fn load_unattached(pin_dir: &Path) -> Result<Ebpf, TcError> {
 /// programs loaded (verified), not attached.
 fn load_programs(pin_dir: &Path) -> Result<Ebpf, TcError> {
     let mut loader = EbpfLoader::new();
-    let pins: Vec<(&str, PathBuf)> = SOCKET_MAPS.iter().chain(NP_MAPS.iter()).map(|n| (*n, pin_dir.join(n))).collect();
+    let pins: Vec<(&str, PathBuf)> = crate::loader::socket_map_names().chain(NP_MAPS.iter().copied()).map(|n| (n, pin_dir.join(n))).collect();
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
     }

@@ -135,3 +135,40 @@ fn traffic_that_is_not_for_a_service_is_untouched() {
     let r = outside.probe(&net, &["--to", "10.96.0.10:80"]);
     assert_eq!(r[0]["errno"], 101, "{}", r[0]);
 }
+
+#[test]
+fn one_udp_socket_talking_to_two_services_and_a_pod_sees_each_true_source() {
+    let (net, node) = setup();
+    // A second Service with one endpoint, so its backend is known. It must
+    // not share a backend address and port with the first: replies carry
+    // only the backend's address, so a socket that reached one backend
+    // through two frontends cannot tell them apart (neither can any
+    // socket-level load balancer).
+    node.write_manifest(
+        "dns2.yaml",
+        &ServiceSpec {
+            name: "dns2",
+            cluster_ips: &["10.96.0.20"],
+            ports: &[("dns", 53, "UDP", 8080)],
+            endpoints: &[("10.244.0.3", true, "node-a")],
+            extra_spec: "",
+            annotations: "",
+        }
+        .yaml(),
+    );
+    wait_for_backends(&node, &net, "10.96.0.20:53", &["--udp"], &["pod-c"]);
+    // The socket's first translation lives in its own storage, the second
+    // Service's in SOCK_REVNAT (the socket is then marked as spilled), and
+    // a pod it reaches directly must keep its own address even though the
+    // socket has translations.
+    let results = node.probe(&net, &["--to", "10.96.0.10:80", "--also", "10.96.0.20:53", "--also", "10.244.0.1:8080", "--udp", "--per-socket", "3", "--count", "10"]);
+    for r in &results {
+        assert_eq!(r["ok"], true, "{r}");
+        assert_eq!(r["sameBackend"], true, "{r}");
+        let peers: Vec<&str> = r["peers"].as_array().expect("peers").iter().map(|p| p.as_str().unwrap_or("")).collect();
+        assert_eq!(peers, ["10.96.0.10:80", "10.96.0.20:53", "10.244.0.1:8080"].repeat(3), "{r}");
+        let replies: Vec<&str> = r["replies"].as_array().expect("replies").iter().map(|p| p.as_str().unwrap_or("")).collect();
+        assert_eq!(replies[1], "pod-c", "{r}");
+        assert_eq!(replies[2], "pod-a", "{r}");
+    }
+}

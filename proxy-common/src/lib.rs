@@ -39,6 +39,8 @@ pub const SLOTS_MAP: &str = "SLOTS";
 pub const BACKENDS_MAP: &str = "BACKENDS";
 pub const SOCK_REVNAT_MAP: &str = "SOCK_REVNAT";
 pub const COUNTERS_MAP: &str = "COUNTERS";
+pub const SOCK_PEER_MAP: &str = "SOCK_PEER";
+pub const SOCK_CONFIG_MAP: &str = "SOCK_CONFIG";
 
 /// Default capacities; the agent can override each at load time.
 pub const DEFAULT_MAX_SERVICES: u32 = 65_536;
@@ -140,6 +142,42 @@ pub struct SockRevNatValue {
     pub _pad: u8,
 }
 
+/// Socket-local storage (`SOCK_PEER`, `BPF_MAP_TYPE_SK_STORAGE`) of a UDP
+/// socket: the first translation it went through. The kernel keeps it on
+/// the socket itself (`sk->sk_bpf_storage`) and frees it with the socket, so
+/// recvmsg() on a socket the datapath never translated (most UDP traffic in
+/// a pod) answers "not ours" without a table lookup, and nothing needs to
+/// age out. A socket that later reaches a different frontend or backend
+/// (unconnected UDP talking to several Services) writes those further
+/// translations to `SOCK_REVNAT` and sets `spilled`, so the reverse path
+/// knows to look there too. TCP sockets use `SOCK_REVNAT` only.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockPeerValue {
+    pub backend_ip_be: [u32; 4],
+    pub frontend_ip_be: [u32; 4],
+    pub backend_port_be: u16,
+    pub frontend_port_be: u16,
+    /// 0 while unset (a fresh storage element is zeroed by the kernel).
+    pub family: u8,
+    /// 1 when `SOCK_REVNAT` also holds entries for this socket.
+    pub spilled: u8,
+    pub _pad: [u8; 2],
+}
+
+/// The single element of `SOCK_CONFIG` (an array the agent writes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockConfig {
+    /// Sockets translated by an agent version without `SOCK_PEER` have
+    /// their reverse entry only in `SOCK_REVNAT`. The agent that first
+    /// adopts such a datapath records the kernel's next socket cookie here;
+    /// a socket without `SOCK_PEER` storage and a cookie below this value
+    /// may be such a socket, so the reverse path consults `SOCK_REVNAT` for
+    /// it. 0: no such sockets.
+    pub legacy_revnat_cookie_below: u64,
+}
+
 /// Indexes into the per-CPU `COUNTERS` array. The programs count by reason
 /// instead of logging per packet.
 pub mod counter {
@@ -156,6 +194,9 @@ pub mod counter {
     pub const REVERSED: u32 = 4;
     /// A context field could not be read (unexpected kernel behaviour).
     pub const CTX_ERROR: u32 = 5;
+    /// Socket-local storage could not be allocated (memory pressure); the
+    /// translation went to `SOCK_REVNAT` instead.
+    pub const PEER_STORAGE_FAILED: u32 = 6;
     pub const COUNT: u32 = 8;
 
     /// Names for display, indexed by counter id.
@@ -166,7 +207,7 @@ pub mod counter {
         "revnat_update_failed",
         "reversed",
         "ctx_error",
-        "reserved6",
+        "peer_storage_failed",
         "reserved7",
     ];
 }
@@ -212,6 +253,8 @@ const _: () = {
     assert!(core::mem::size_of::<BackendValue>() == 20);
     assert!(core::mem::size_of::<SockRevNatKey>() == 32);
     assert!(core::mem::size_of::<SockRevNatValue>() == 20);
+    assert!(core::mem::size_of::<SockPeerValue>() == 40);
+    assert!(core::mem::size_of::<SockConfig>() == 8);
 };
 
 #[cfg(feature = "user")]
@@ -227,6 +270,8 @@ mod pod {
     unsafe impl aya::Pod for BackendValue {}
     unsafe impl aya::Pod for SockRevNatKey {}
     unsafe impl aya::Pod for SockRevNatValue {}
+    unsafe impl aya::Pod for SockPeerValue {}
+    unsafe impl aya::Pod for SockConfig {}
 }
 
 #[cfg(test)]

@@ -30,10 +30,10 @@ use aya_ebpf::{
 };
 use proxy_common::{
     BackendKey, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, ServiceKey, ServiceValue,
-    SockRevNatKey, SockRevNatValue, counter, socket_hash,
+    SockPeerValue, SockRevNatKey, SockRevNatValue, counter, socket_hash,
 };
 
-use maps::{BACKENDS, SERVICES, SLOTS, SOCK_REVNAT, count};
+use maps::{BACKENDS, SERVICES, SLOTS, SOCK_CONFIG, SOCK_PEER, SOCK_REVNAT, count};
 use sockaddr::{Addr, read_peer, write_peer};
 
 /// sock_addr programs return 1 to let the call proceed.
@@ -79,22 +79,22 @@ pub fn sendmsg6(ctx: SockAddrContext) -> i32 {
 // verifier return range), so they only ever rewrite the reported address.
 #[cgroup_sock_addr(recvmsg4)]
 pub fn recvmsg4(ctx: SockAddrContext) -> i32 {
-    verdict(try_reverse::<FAMILY_V4>(&ctx).map(|()| ALLOW))
+    verdict(try_reverse::<FAMILY_V4, false>(&ctx).map(|()| ALLOW))
 }
 
 #[cgroup_sock_addr(recvmsg6)]
 pub fn recvmsg6(ctx: SockAddrContext) -> i32 {
-    verdict(try_reverse::<FAMILY_V6>(&ctx).map(|()| ALLOW))
+    verdict(try_reverse::<FAMILY_V6, false>(&ctx).map(|()| ALLOW))
 }
 
 #[cgroup_sock_addr(getpeername4)]
 pub fn getpeername4(ctx: SockAddrContext) -> i32 {
-    verdict(try_reverse::<FAMILY_V4>(&ctx).map(|()| ALLOW))
+    verdict(try_reverse::<FAMILY_V4, true>(&ctx).map(|()| ALLOW))
 }
 
 #[cgroup_sock_addr(getpeername6)]
 pub fn getpeername6(ctx: SockAddrContext) -> i32 {
-    verdict(try_reverse::<FAMILY_V6>(&ctx).map(|()| ALLOW))
+    verdict(try_reverse::<FAMILY_V6, true>(&ctx).map(|()| ALLOW))
 }
 
 /// Our own failures (the `Err` side carries a counter id) are counted and
@@ -144,10 +144,14 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
         return Ok(REJECT);
     }
 
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let hash = match pick {
-        Pick::Random => unsafe { bpf_get_prandom_u32() },
-        Pick::PerSocket => socket_hash(cookie, svc.service_id),
+    // The cookie is fetched only where it is needed: the first call on a
+    // socket assigns it from a global counter (`__sock_gen_cookie`).
+    let (cookie, hash) = match pick {
+        Pick::Random => (0, unsafe { bpf_get_prandom_u32() }),
+        Pick::PerSocket => {
+            let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+            (cookie, socket_hash(cookie, svc.service_id))
+        }
     };
 
     // The agent replaces a service's (count, generation) in one hash-map
@@ -172,24 +176,7 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
         return Err(counter::CTX_ERROR);
     }
 
-    let rev_key = SockRevNatKey {
-        cookie,
-        ip_be: backend.ip_be,
-        port_be: backend.port_be,
-        family,
-        _pad: [0; 5],
-    };
-    let rev_val = SockRevNatValue {
-        ip_be: dst.ip_be,
-        port_be: dst.port_be,
-        family,
-        _pad: 0,
-    };
-    if SOCK_REVNAT.insert(&rev_key, &rev_val, 0).is_err() {
-        // The LRU map evicts rather than fills, so this is unexpected; the
-        // connection still works, only getpeername shows the backend.
-        count(counter::REVNAT_UPDATE_FAILED);
-    }
+    remember::<FAMILY>(ctx, proto, cookie, &backend, &dst);
     write_peer::<FAMILY>(sa, &backend);
     count(counter::TRANSLATED);
     Ok(ALLOW)
@@ -206,11 +193,126 @@ fn lookup_backend(svc: &ServiceValue, hash: u32) -> Option<Addr> {
     })
 }
 
+/// Records that this socket reaches `frontend` at `backend`, for the
+/// reverse path.
+///
+/// TCP: in `SOCK_REVNAT`, keyed by socket cookie. Only getpeername() reads
+/// it back (the recvmsg hooks run for UDP only, `udp_recvmsg` /
+/// `udpv6_recvmsg`), and an LRU insert is cheaper than allocating socket
+/// storage, which matters because this runs on every connect().
+///
+/// UDP: in the socket's own storage (`SOCK_PEER`), because recvmsg() runs
+/// for every datagram any UDP socket in the cgroup receives, and for a
+/// socket we never translated the storage answers "not ours" without a
+/// table lookup. The element is created with its final contents in one step
+/// (`bpf_sk_storage_get` with `BPF_SK_STORAGE_GET_F_CREATE` and an initial
+/// value inserts with BPF_NOEXIST, `net/core/bpf_sk_storage.c`), so a
+/// concurrent reader never sees it half-written. Later, different
+/// translations of the same socket (unconnected UDP talking to several
+/// Services) go to `SOCK_REVNAT` and mark the storage `spilled`.
 #[inline(always)]
-fn try_reverse<const FAMILY: u8>(ctx: &SockAddrContext) -> Result<(), u32> {
+fn remember<const FAMILY: u8>(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, frontend: &Addr) {
+    if proto == PROTO_UDP {
+        let mut first = SockPeerValue {
+            backend_ip_be: backend.ip_be,
+            frontend_ip_be: frontend.ip_be,
+            backend_port_be: backend.port_be,
+            frontend_port_be: frontend.port_be,
+            family: FAMILY,
+            spilled: 0,
+            _pad: [0; 2],
+        };
+        // SAFETY: the helper takes the socket from the context the kernel gave us.
+        let mut peer = unsafe { SOCK_PEER.get_or_insert_ptr_mut(ctx, Some(&mut first)) };
+        if peer.is_null() {
+            // Either another thread created the element between the
+            // helper's lookup and its insert (the insert then fails with
+            // EEXIST), or memory is short.
+            peer = unsafe { SOCK_PEER.get_ptr_mut(ctx) };
+        }
+        if peer.is_null() {
+            count(counter::PEER_STORAGE_FAILED);
+        } else {
+            // SAFETY: the kernel returned this socket's element; its fields
+            // other than `spilled` never change after creation.
+            let p = unsafe { &mut *peer };
+            if p.family == FAMILY
+                && p.backend_ip_be == backend.ip_be
+                && p.backend_port_be == backend.port_be
+                && p.frontend_ip_be == frontend.ip_be
+                && p.frontend_port_be == frontend.port_be
+            {
+                return;
+            }
+            p.spilled = 1;
+        }
+    }
+    // Cookies start at 1 (`__sock_gen_cookie`), so 0 means "not fetched yet".
+    let cookie = if cookie == 0 { unsafe { bpf_get_socket_cookie(ctx.as_ptr()) } } else { cookie };
+    let rev_key = SockRevNatKey {
+        cookie,
+        ip_be: backend.ip_be,
+        port_be: backend.port_be,
+        family: FAMILY,
+        _pad: [0; 5],
+    };
+    let rev_val = SockRevNatValue {
+        ip_be: frontend.ip_be,
+        port_be: frontend.port_be,
+        family: FAMILY,
+        _pad: 0,
+    };
+    if SOCK_REVNAT.insert(&rev_key, &rev_val, 0).is_err() {
+        // The LRU map evicts rather than fills, so this is unexpected; the
+        // connection still works, only getpeername/recvmsg show the backend.
+        count(counter::REVNAT_UPDATE_FAILED);
+    }
+}
+
+/// getpeername() (`GETPEERNAME`) or recvmsg(): reports the frontend instead
+/// of the backend the socket was sent to.
+#[inline(always)]
+fn try_reverse<const FAMILY: u8, const GETPEERNAME: bool>(ctx: &SockAddrContext) -> Result<(), u32> {
     let family = FAMILY;
     let sa = ctx.sock_addr;
     let peer = read_peer::<FAMILY>(sa);
+    // SAFETY: the helper takes the socket from the context the kernel gave us.
+    let stored = unsafe { SOCK_PEER.get_ptr_mut(ctx) };
+    if stored.is_null() {
+        // recvmsg: a UDP socket we never translated, unless an older agent
+        // version did it before SOCK_PEER existed (see `SockConfig`). Every
+        // datagram of every UDP socket in the cgroup passes here, so the
+        // common case costs one pointer check and nothing else.
+        // getpeername: TCP keeps its entry in SOCK_REVNAT (see `remember`).
+        if !GETPEERNAME {
+            let below = SOCK_CONFIG.get(0).map_or(0, |c| c.legacy_revnat_cookie_below);
+            if below == 0 {
+                return Ok(());
+            }
+            let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+            if cookie >= below {
+                return Ok(());
+            }
+        }
+    } else {
+        // SAFETY: this socket's element; see `remember`.
+        let p = unsafe { &*stored };
+        if p.family == family && p.backend_ip_be == peer.ip_be && p.backend_port_be == peer.port_be {
+            write_peer::<FAMILY>(
+                sa,
+                &Addr {
+                    ip_be: p.frontend_ip_be,
+                    port_be: p.frontend_port_be,
+                    family,
+                },
+            );
+            count(counter::REVERSED);
+            return Ok(());
+        }
+        if p.spilled == 0 {
+            return Ok(()); // a peer this socket never reached through a frontend
+        }
+    }
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let key = SockRevNatKey {
         cookie,

@@ -11,13 +11,13 @@
 //! pinned by an older agent (which only compares type and sizes).
 
 use aya_ebpf::{
-    btf_maps::{HashMap, LruHashMap, PerCpuArray},
+    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, SkStorage},
     macros::btf_map,
 };
 use proxy_common::{
     BackendKey, BackendValue, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS,
-    DEFAULT_MAX_SOCK_REVNAT, ServiceKey, ServiceValue, SlotKey, SlotValue, SockRevNatKey,
-    SockRevNatValue, counter,
+    DEFAULT_MAX_SOCK_REVNAT, ServiceKey, ServiceValue, SlotKey, SlotValue, SockConfig,
+    SockPeerValue, SockRevNatKey, SockRevNatValue, counter,
 };
 
 // The capacity is part of the type (a const generic the BTF records as an
@@ -41,6 +41,14 @@ pub static SOCK_REVNAT: LruHashMap<
     SockRevNatValue,
     { DEFAULT_MAX_SOCK_REVNAT as usize },
 > = LruHashMap::new();
+
+/// Per-socket storage of the first translation (see `SockPeerValue`).
+#[btf_map(name = "SOCK_PEER")]
+pub static SOCK_PEER: SkStorage<SockPeerValue> = SkStorage::new();
+
+/// One element the agent writes (see `SockConfig`).
+#[btf_map(name = "SOCK_CONFIG")]
+pub static SOCK_CONFIG: Array<SockConfig, 1> = Array::new();
 
 #[btf_map(name = "COUNTERS")]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();

@@ -89,7 +89,8 @@ const HOST_PROGRAMS: [&str; 2] = ["/usr/sbin/ip", "/usr/sbin/tc"];
 /// (DNAT, SNAT, conntrack), the agent's own TC mode choice across a restart,
 /// the TC programs alone under BPF_PROG_TEST_RUN (parsing and translation
 /// edge cases), and the socket load balancer (connect and the
-/// `bpf_set_retval` refusal).
+/// `bpf_set_retval` refusal; UDP both ways, with the socket-local storage
+/// its reverse path uses).
 const TESTS: [(&str, &[&str]); 2] = [
     (
         "nodeport",
@@ -104,6 +105,8 @@ const TESTS: [(&str, &[&str]); 2] = [
         &[
             "tcp_reaches_every_backend_and_getpeername_reports_the_cluster_ip",
             "a_service_without_usable_backends_refuses_connections",
+            "udp_is_translated_both_ways_and_sticks_to_one_backend_per_socket",
+            "one_udp_socket_talking_to_two_services_and_a_pod_sees_each_true_source",
         ],
     ),
 ];

@@ -279,7 +279,7 @@ pub fn run(opts: &Options, repeats: usize, rounds: usize, scratch: &Path) -> Res
             // Interleaved: each variant once per repeat and protocol.
             for (i, v) in VARIANTS.iter().enumerate() {
                 let t = Instant::now();
-                let (mut lat, failed) = workload::measure(&worlds[i].client.path(), target(v, TCP_PORT), Proto::Tcp, rounds)?;
+                let (mut lat, failed) = workload::measure(&worlds[i].client.path(), &[target(v, TCP_PORT)], Proto::Tcp, rounds)?;
                 let wall = t.elapsed().as_secs_f64();
                 lat.sort_unstable();
                 cells[i].tcp_rate.push(lat.len() as f64 / wall);

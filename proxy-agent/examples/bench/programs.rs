@@ -99,7 +99,7 @@ impl ConnectRuntime {
         let result = (|| -> Result<()> {
             for _ in 0..repeats {
                 let (o0, e0) = (prog_stats(self.ours_id)?, prog_stats(self.empty_id)?);
-                let (_, failed) = workload::measure(ns_path, to, Proto::Tcp, rounds)?;
+                let (_, failed) = workload::measure(ns_path, &[to], Proto::Tcp, rounds)?;
                 let (o1, e1) = (prog_stats(self.ours_id)?, prog_stats(self.empty_id)?);
                 let per = |a: (u64, u64), b: (u64, u64)| (b.0 - a.0) as f64 / (b.1 - a.1).max(1) as f64;
                 if failed > 0 {

@@ -115,20 +115,28 @@ pub enum Proto {
     Udp,
 }
 
-/// Runs `rounds` rounds against `to` from a thread inside `ns_path` and
-/// returns each round's latency in nanoseconds (failures are counted
-/// separately).
-pub fn measure(ns_path: &Path, to: SocketAddr, proto: Proto, rounds: usize) -> io::Result<(Vec<u64>, usize)> {
+/// Runs `rounds` rounds from a thread inside `ns_path` and returns each
+/// round's latency in nanoseconds (failures are counted separately). Round
+/// `i` dials `to[i % to.len()]`: a baseline that dials backends directly
+/// spreads its rounds over the same listeners a Service would, so both meet
+/// the same mix of warm and cold listener threads.
+pub fn measure(ns_path: &Path, to: &[SocketAddr], proto: Proto, rounds: usize) -> io::Result<(Vec<u64>, usize)> {
     let ns = ns_path.to_path_buf();
+    let to = to.to_vec();
+    if to.is_empty() {
+        return Err(io::Error::other("no address to measure"));
+    }
     std::thread::spawn(move || -> io::Result<(Vec<u64>, usize)> {
         enter_netns(&ns)?;
         // Warm up caches, the route and the conntrack tables.
-        for _ in 0..50 {
+        for i in 0..50 {
+            let to = to[i % to.len()];
             let _ = if proto == Proto::Tcp { tcp_round(to) } else { udp_round(to) };
         }
         let mut lat = Vec::with_capacity(rounds);
         let mut failed = 0;
-        for _ in 0..rounds {
+        for i in 0..rounds {
+            let to = to[i % to.len()];
             let t = Instant::now();
             let r = if proto == Proto::Tcp { tcp_round(to) } else { udp_round(to) };
             match r {

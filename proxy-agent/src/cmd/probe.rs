@@ -27,6 +27,11 @@ pub struct ProbeArgs {
     /// With --udp: datagrams per socket (all must reach the same backend).
     #[arg(long, default_value_t = 1)]
     per_socket: u32,
+    /// With --udp and without --connected: after --to, the same socket
+    /// also sends to each of these, in turn, per round (a socket that talks
+    /// to several Services or pods).
+    #[arg(long)]
+    also: Vec<SocketAddr>,
     /// Payload sent to the backend.
     #[arg(long, default_value = "ping")]
     message: String,
@@ -85,21 +90,26 @@ fn udp_once(args: &ProbeArgs, timeout: Duration) -> serde_json::Value {
     let mut replies = Vec::new();
     let mut peers = Vec::new();
     let mut buf = [0u8; 1500];
+    let targets: Vec<SocketAddr> = if args.connected { vec![args.to] } else { std::iter::once(args.to).chain(args.also.iter().copied()).collect() };
     for _ in 0..args.per_socket.max(1) {
-        let sent = if args.connected { s.send(args.message.as_bytes()) } else { s.send_to(args.message.as_bytes(), args.to) };
-        if let Err(e) = sent {
-            return failure("send", &e);
-        }
-        match s.recv_from(&mut buf) {
-            Ok((n, from)) => {
-                replies.push(String::from_utf8_lossy(&buf[..n]).trim().to_string());
-                peers.push(from.to_string());
+        for to in &targets {
+            let sent = if args.connected { s.send(args.message.as_bytes()) } else { s.send_to(args.message.as_bytes(), to) };
+            if let Err(e) = sent {
+                return failure("send", &e);
             }
-            Err(e) => return failure("recv", &e),
+            match s.recv_from(&mut buf) {
+                Ok((n, from)) => {
+                    replies.push(String::from_utf8_lossy(&buf[..n]).trim().to_string());
+                    peers.push(from.to_string());
+                }
+                Err(e) => return failure("recv", &e),
+            }
         }
     }
     let connected_peer = if args.connected { s.peer_addr().map(|p| p.to_string()).ok() } else { None };
-    let same = replies.windows(2).all(|w| w[0] == w[1]);
+    // Per target: every datagram to one address reached one backend.
+    let n = targets.len();
+    let same = (0..n).all(|t| replies.iter().skip(t).step_by(n).collect::<Vec<_>>().windows(2).all(|w| w[0] == w[1]));
     json!({
         "ok": true,
         "peer": peers.first().cloned().unwrap_or_default(),
