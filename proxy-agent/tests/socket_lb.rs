@@ -172,3 +172,32 @@ fn one_udp_socket_talking_to_two_services_and_a_pod_sees_each_true_source() {
         assert_eq!(replies[2], "pod-a", "{r}");
     }
 }
+
+#[test]
+fn an_ipv4_service_dialled_as_an_ipv4_mapped_address_from_an_ipv6_socket() {
+    // Dual-stack runtimes (Java by default) open AF_INET6 sockets and reach
+    // IPv4 peers as ::ffff:a.b.c.d; the kernel then runs the *6 hooks.
+    let (net, node) = setup();
+    let mapped = "[::ffff:10.96.0.10]:80";
+    wait_for_backends(&node, &net, mapped, &[], &["pod-a", "pod-b", "pod-c"]);
+    for r in node.probe(&net, &["--to", mapped, "--count", "5"]) {
+        assert_eq!(r["ok"], true, "{r}");
+        assert_eq!(r["peer"], mapped, "getpeername shows the mapped ClusterIP: {r}");
+    }
+    wait_for_backends(&node, &net, mapped, &["--udp"], &["dns-a", "dns-b", "dns-c"]);
+    for r in node.probe(&net, &["--to", mapped, "--udp", "--per-socket", "3", "--count", "5"]) {
+        assert_eq!(r["ok"], true, "{r}");
+        assert_eq!(r["sameBackend"], true, "{r}");
+        for p in r["peers"].as_array().expect("peers") {
+            assert_eq!(p, mapped, "recvfrom shows the mapped ClusterIP: {r}");
+        }
+    }
+    for r in node.probe(&net, &["--to", mapped, "--udp", "--connected", "--count", "5"]) {
+        assert_eq!(r["ok"], true, "{r}");
+        assert_eq!(r["connectedPeer"], mapped, "{r}");
+        assert_eq!(r["peer"], mapped, "{r}");
+    }
+    // A mapped address that is no Service stays untouched (and unroutable).
+    let r = node.probe(&net, &["--to", "[::ffff:10.96.0.11]:80"]);
+    assert_eq!(r[0]["errno"], 101, "{}", r[0]);
+}

@@ -116,19 +116,23 @@ fn verdict(result: Result<i32, u32>) -> i32 {
 // ctx ptr").
 #[inline(always)]
 fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i32, u32> {
-    let family = FAMILY;
     let sa = ctx.sock_addr;
     // SAFETY: the kernel hands sock_addr programs a valid context pointer.
     let proto = unsafe { (*sa).protocol } as u8;
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return Ok(ALLOW);
     }
-    let dst = read_peer::<FAMILY>(sa);
+    let asked = read_peer::<FAMILY>(sa);
+    // An IPv4 Service dialled through an AF_INET6 socket as ::ffff:a.b.c.d
+    // is looked up, and remembered, as IPv4; only what the socket sees is
+    // written in the mapped form.
+    let mapped = asked.unmapped_v4();
+    let dst = mapped.unwrap_or(asked);
     let key = ServiceKey {
         ip_be: dst.ip_be,
         port_be: dst.port_be,
         proto,
-        family,
+        family: dst.family,
     };
     // SAFETY: the value is copied out before any other map operation.
     let Some(svc) = (unsafe { SERVICES.get(&key) }).copied() else {
@@ -172,12 +176,12 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
             lookup_backend(&fresh, hash).ok_or(counter::SLOT_MISS)?
         }
     };
-    if backend.family != family {
+    if backend.family != dst.family {
         return Err(counter::CTX_ERROR);
     }
 
-    remember::<FAMILY>(ctx, proto, cookie, &backend, &dst);
-    write_peer::<FAMILY>(sa, &backend);
+    remember(ctx, proto, cookie, &backend, &dst);
+    write_peer::<FAMILY>(sa, &if mapped.is_some() { backend.mapped_v6() } else { backend });
     count(counter::TRANSLATED);
     Ok(ALLOW)
 }
@@ -211,14 +215,15 @@ fn lookup_backend(svc: &ServiceValue, hash: u32) -> Option<Addr> {
 /// translations of the same socket (unconnected UDP talking to several
 /// Services) go to `SOCK_REVNAT` and mark the storage `spilled`.
 #[inline(always)]
-fn remember<const FAMILY: u8>(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, frontend: &Addr) {
+fn remember(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, frontend: &Addr) {
+    let family = backend.family;
     if proto == PROTO_UDP {
         let mut first = SockPeerValue {
             backend_ip_be: backend.ip_be,
             frontend_ip_be: frontend.ip_be,
             backend_port_be: backend.port_be,
             frontend_port_be: frontend.port_be,
-            family: FAMILY,
+            family,
             spilled: 0,
             _pad: [0; 2],
         };
@@ -236,7 +241,7 @@ fn remember<const FAMILY: u8>(ctx: &SockAddrContext, proto: u8, cookie: u64, bac
             // SAFETY: the kernel returned this socket's element; its fields
             // other than `spilled` never change after creation.
             let p = unsafe { &mut *peer };
-            if p.family == FAMILY
+            if p.family == family
                 && p.backend_ip_be == backend.ip_be
                 && p.backend_port_be == backend.port_be
                 && p.frontend_ip_be == frontend.ip_be
@@ -253,13 +258,13 @@ fn remember<const FAMILY: u8>(ctx: &SockAddrContext, proto: u8, cookie: u64, bac
         cookie,
         ip_be: backend.ip_be,
         port_be: backend.port_be,
-        family: FAMILY,
+        family,
         _pad: [0; 5],
     };
     let rev_val = SockRevNatValue {
         ip_be: frontend.ip_be,
         port_be: frontend.port_be,
-        family: FAMILY,
+        family,
         _pad: 0,
     };
     if SOCK_REVNAT.insert(&rev_key, &rev_val, 0).is_err() {
@@ -273,9 +278,17 @@ fn remember<const FAMILY: u8>(ctx: &SockAddrContext, proto: u8, cookie: u64, bac
 /// of the backend the socket was sent to.
 #[inline(always)]
 fn try_reverse<const FAMILY: u8, const GETPEERNAME: bool>(ctx: &SockAddrContext) -> Result<(), u32> {
-    let family = FAMILY;
     let sa = ctx.sock_addr;
-    let peer = read_peer::<FAMILY>(sa);
+    let reported = read_peer::<FAMILY>(sa);
+    // An IPv4 peer of an AF_INET6 socket shows as ::ffff:a.b.c.d; its
+    // translation was remembered in IPv4 form (see `try_forward`).
+    let mapped = reported.unmapped_v4();
+    let peer = mapped.unwrap_or(reported);
+    let family = peer.family;
+    let report = |frontend: Addr| {
+        write_peer::<FAMILY>(sa, &if mapped.is_some() { frontend.mapped_v6() } else { frontend });
+        count(counter::REVERSED);
+    };
     // SAFETY: the helper takes the socket from the context the kernel gave us.
     let stored = unsafe { SOCK_PEER.get_ptr_mut(ctx) };
     if stored.is_null() {
@@ -298,15 +311,11 @@ fn try_reverse<const FAMILY: u8, const GETPEERNAME: bool>(ctx: &SockAddrContext)
         // SAFETY: this socket's element; see `remember`.
         let p = unsafe { &*stored };
         if p.family == family && p.backend_ip_be == peer.ip_be && p.backend_port_be == peer.port_be {
-            write_peer::<FAMILY>(
-                sa,
-                &Addr {
-                    ip_be: p.frontend_ip_be,
-                    port_be: p.frontend_port_be,
-                    family,
-                },
-            );
-            count(counter::REVERSED);
+            report(Addr {
+                ip_be: p.frontend_ip_be,
+                port_be: p.frontend_port_be,
+                family,
+            });
             return Ok(());
         }
         if p.spilled == 0 {
@@ -324,15 +333,11 @@ fn try_reverse<const FAMILY: u8, const GETPEERNAME: bool>(ctx: &SockAddrContext)
     let Some(orig) = (unsafe { SOCK_REVNAT.get(&key) }).copied() else {
         return Ok(()); // this socket never went through a frontend
     };
-    write_peer::<FAMILY>(
-        sa,
-        &Addr {
-            ip_be: orig.ip_be,
-            port_be: orig.port_be,
-            family: orig.family,
-        },
-    );
-    count(counter::REVERSED);
+    report(Addr {
+        ip_be: orig.ip_be,
+        port_be: orig.port_be,
+        family: orig.family,
+    });
     Ok(())
 }
 

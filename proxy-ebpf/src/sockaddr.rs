@@ -7,7 +7,7 @@
 
 use aya_ebpf::bindings::bpf_sock_addr;
 use core::ptr::{addr_of, addr_of_mut, read_volatile, write_volatile};
-use proxy_common::FAMILY_V4;
+use proxy_common::{FAMILY_V4, FAMILY_V6};
 
 /// An address in the maps' layout: IPv4 in `ip_be[0]`, network byte order.
 #[derive(Clone, Copy)]
@@ -51,5 +51,32 @@ pub fn write_peer<const FAMILY: u8>(sa: *mut bpf_sock_addr, to: &Addr) {
             write_volatile(addr_of_mut!((*sa).user_ip6[3]), to.ip_be[3]);
         }
         write_volatile(addr_of_mut!((*sa).user_port), u32::from(to.port_be));
+    }
+}
+
+/// The third word of an IPv4-mapped IPv6 address `::ffff:a.b.c.d` (RFC 4291
+/// 2.5.5.2), as it sits in memory.
+const V4_MAPPED_WORD2: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);
+
+impl Addr {
+    /// The IPv4 address inside an IPv4-mapped IPv6 address. An AF_INET6
+    /// socket that is not IPV6_V6ONLY reaches IPv4 peers this way (Java and
+    /// other dual-stack runtimes do so by default); the kernel then runs the
+    /// *6 hooks with the mapped address (`tcp_v6_pre_connect`,
+    /// `udpv6_recvmsg`), while the maps hold the IPv4 frontend.
+    #[inline(always)]
+    pub fn unmapped_v4(&self) -> Option<Addr> {
+        if self.family == FAMILY_V6 && self.ip_be[0] == 0 && self.ip_be[1] == 0 && self.ip_be[2] == V4_MAPPED_WORD2 {
+            Some(Addr { ip_be: [self.ip_be[3], 0, 0, 0], port_be: self.port_be, family: FAMILY_V4 })
+        } else {
+            None
+        }
+    }
+
+    /// An IPv4 address as the IPv4-mapped IPv6 address an AF_INET6 socket
+    /// sees.
+    #[inline(always)]
+    pub fn mapped_v6(&self) -> Addr {
+        Addr { ip_be: [0, 0, V4_MAPPED_WORD2, self.ip_be[0]], port_be: self.port_be, family: FAMILY_V6 }
     }
 }
