@@ -4,7 +4,12 @@
 //! (`TcContext::load`/`store`) rather than direct packet pointers: the
 //! helpers work on non-linear skbs too (GRO'd or paged veth traffic) and
 //! bound every access themselves, so a truncated packet is a failed load,
-//! never an out-of-bounds read.
+//! never an out-of-bounds read. Writes in particular stay with the helper:
+//! a direct packet write anywhere in the program makes the verifier add a
+//! prologue that un-clones every cloned skb the program sees
+//! (`bpf_unclone_prologue`, net/core/filter.c; e.g. while a packet socket
+//! taps the device), also the ones we pass untouched, and replacing the
+//! rewrite's one `bpf_skb_store_bytes` that way measured no faster.
 //!
 //! Checksums are updated incrementally with the kernel's helpers:
 //! `bpf_l3_csum_replace` for the IPv4 header checksum and
