@@ -33,7 +33,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    AddrKey, BackendKey, CT_DIR_FORWARD, CT_DIR_REPLY, CT_DIR_REPLY_SNAT, CT_DIR_SNAT,
+    AddrKey, BackendKey, BackendValue, CT_DIR_FORWARD, CT_DIR_REPLY, CT_DIR_REPLY_SNAT, CT_DIR_SNAT,
     CT_FLAG_CLOSING, CT_FLAG_REPLIED, CT_FLAG_SNAT, CT_REFRESH_S, CT_TIMEOUT_OTHER_S, CT_TIMEOUT_TCP_CLOSING_S,
     CT_TIMEOUT_TCP_SYN_S,
     CT_TIMEOUT_TCP_S, CtKey, CtValue, FAMILY_V4, NP_FLAG_POLICY_LOCAL, PROTO_TCP, ServiceKey,
@@ -359,7 +359,7 @@ fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
         return no_backend(p, &skey);
     }
     let hash = flow_hash(&p.saddr, p.sport_be, p.proto) ^ svc.service_id.wrapping_mul(0x9e37_79b9);
-    let backend_id = match pick(svc, hash) {
+    let (backend_id, b) = match pick(svc, hash) {
         Some(b) => b,
         None => {
             // Rewritten by the agent under us: look once more (see the
@@ -372,9 +372,6 @@ fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
             }
             pick(fresh, hash).ok_or(np_counter::SLOT_MISS)?
         }
-    };
-    let Some(b) = (unsafe { NP_BACKENDS.get(&BackendKey { backend_id }) }) else {
-        return Err(np_counter::SLOT_MISS);
     };
     if b.family != p.family {
         return Err(np_counter::PASS_UNPARSED);
@@ -571,13 +568,16 @@ fn backend_alive(v: &CtValue) -> bool {
     }
 }
 
+/// The backend of the slot `hash` selects: its id and its entry, looked up
+/// once here (a hash lookup each; the caller needs both).
 #[inline(always)]
-fn pick(svc: &ServiceValue, hash: u32) -> Option<u32> {
+fn pick(svc: &ServiceValue, hash: u32) -> Option<(u32, &'static BackendValue)> {
     let id = unsafe { NP_SLOTS.get(&svc.slot_for(hash)) }?.backend_id;
     // The backend must exist too (a slot may briefly point at a backend
     // that an interrupted agent never wrote).
-    unsafe { NP_BACKENDS.get(&BackendKey { backend_id: id }) }?;
-    Some(id)
+    // SAFETY: a map value stays valid under RCU for this program run.
+    let b = unsafe { NP_BACKENDS.get(&BackendKey { backend_id: id }) }?;
+    Some((id, b))
 }
 
 /// A frontend without a usable backend.

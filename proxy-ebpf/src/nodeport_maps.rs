@@ -37,6 +37,13 @@ pub static NP_LOCAL: HashMap<AddrKey, u32> = HashMap::with_max_entries(DEFAULT_M
 /// burst of new flows between two sweeps (or while no agent runs) must not
 /// fail inserts; an LRU map evicts the least recently used entry instead
 /// when full (kernel/bpf/bpf_lru_list.c).
+///
+/// One LRU list for all CPUs (no `BPF_F_NO_COMMON_LRU`): per-CPU lists
+/// measured no faster under the benchmark's BPF_PROG_TEST_RUN (an insert's
+/// time goes to cache misses on the element and its bucket, not to the LRU
+/// list lock), and they split `max_entries` evenly over all *possible* CPUs
+/// (`bpf_percpu_lru_populate`), so on a machine with more possible than
+/// online CPUs the flows would get only part of the table.
 #[map(name = "NP_CT")]
 pub static NP_CT: LruHashMap<CtKey, CtValue> = LruHashMap::with_max_entries(DEFAULT_MAX_NP_CT, 0);
 

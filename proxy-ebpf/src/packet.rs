@@ -1,10 +1,19 @@
 //! Parsing and rewriting packets at the TC hook.
 //!
-//! Everything goes through `bpf_skb_load_bytes`/`bpf_skb_store_bytes`
-//! (`TcContext::load`/`store`) rather than direct packet pointers: the
-//! helpers work on non-linear skbs too (GRO'd or paged veth traffic) and
-//! bound every access themselves, so a truncated packet is a failed load,
-//! never an out-of-bounds read.
+//! Parsing reads the common case (IPv4 without options carrying TCP or UDP,
+//! headers in the skb's linear data) directly through the packet pointers,
+//! bounds-checked against `data_end`: that is one comparison where the
+//! helper costs a call per field, on every packet the device carries
+//! (`parse_linear_v4`). Everything else goes through `bpf_skb_load_bytes`
+//! (`TcContext::load`), which also works on non-linear skbs (GRO'd or paged
+//! veth traffic) and bounds every access itself, so a truncated packet is a
+//! failed load, never an out-of-bounds read. Reads need nothing from the
+//! kernel; writes do, and they stay with `bpf_skb_store_bytes`:
+//! a direct packet write anywhere in the program makes the verifier add a
+//! prologue that un-clones every cloned skb the program sees
+//! (`bpf_unclone_prologue`, net/core/filter.c; e.g. while a packet socket
+//! taps the device), also the ones we pass untouched, and replacing the
+//! rewrite's one `bpf_skb_store_bytes` that way measured no faster.
 //!
 //! Checksums are updated incrementally with the kernel's helpers:
 //! `bpf_l3_csum_replace` for the IPv4 header checksum and
@@ -103,6 +112,9 @@ pub enum Parsed {
 /// * Truncated headers: a failed load.
 #[inline(always)]
 pub fn parse(ctx: &TcContext) -> Parsed {
+    if let Some(p) = parse_linear_v4(ctx) {
+        return Parsed::L4(p);
+    }
     let Ok(eth_proto) = ctx.load::<u16>(12) else {
         return Parsed::NotIp;
     };
@@ -199,6 +211,54 @@ pub fn parse(ctx: &TcContext) -> Parsed {
         sport_be,
         dport_be,
         tcp_flags,
+    })
+}
+
+/// A `T` read from the linear packet data at `data + off`.
+#[inline(always)]
+fn read_at<T: Copy>(data: usize, off: usize) -> T {
+    // SAFETY: every caller has checked data + off + size_of::<T>() <=
+    // data_end (the verifier checks the same); unaligned reads because the
+    // IP header follows a 14-byte Ethernet header.
+    unsafe { core::ptr::read_unaligned((data + off) as *const T) }
+}
+
+/// `parse` for IPv4 without options (IHL 5) and not a fragment, carrying
+/// TCP or UDP, with the Ethernet, IP and 20 bytes of L4 header in the
+/// linear data: read directly, no helper call. `None` for anything else,
+/// which the helper-based path then parses (and classifies) as before.
+/// The stack has the headers in the linear area in practice: drivers copy
+/// at least the headers there (`eth_get_headlen`), and locally built
+/// packets are built there. 20 bytes of L4 also covers UDP's 8; a shorter
+/// UDP frame takes the helper path.
+#[inline(always)]
+fn parse_linear_v4(ctx: &TcContext) -> Option<Pkt> {
+    const L4: usize = ETH_HLEN + 20;
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + L4 + 20 > end {
+        return None;
+    }
+    if u16::from_be(read_at::<u16>(data, 12)) != ETH_P_IP || read_at::<u8>(data, ETH_HLEN) != 0x45 {
+        return None;
+    }
+    // 0x3fff: the MF flag and the 13-bit fragment offset.
+    if u16::from_be(read_at::<u16>(data, ETH_HLEN + 6)) & 0x3fff != 0 {
+        return None;
+    }
+    let proto = read_at::<u8>(data, ETH_HLEN + 9);
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return None;
+    }
+    Some(Pkt {
+        family: FAMILY_V4,
+        proto,
+        l3: ETH_HLEN,
+        l4: L4,
+        saddr: [read_at::<u32>(data, ETH_HLEN + 12), 0, 0, 0],
+        daddr: [read_at::<u32>(data, ETH_HLEN + 16), 0, 0, 0],
+        sport_be: read_at::<u16>(data, L4),
+        dport_be: read_at::<u16>(data, L4 + 2),
+        tcp_flags: if proto == PROTO_TCP { read_at::<u8>(data, L4 + 13) } else { 0 },
     })
 }
 

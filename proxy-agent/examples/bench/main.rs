@@ -44,7 +44,10 @@ struct Args {
     rounds: usize,
     rules_max: usize,
     out: PathBuf,
-    /// `--only datapath|control-plane`: run one part of the bench.
+    /// `--only datapath|socket-lb|control-plane|nodeport`: run one part of
+    /// the bench (`socket-lb`: the connect/UDP latency tables and the
+    /// connect4 run time; `nodeport`: only the NodePort program under
+    /// BPF_PROG_TEST_RUN; both for quick before/after comparisons).
     only: Option<String>,
     cp: control_plane::Options,
     /// BPF_PROG_TEST_RUN calls per case and repeat, and the NodePort
@@ -76,7 +79,7 @@ fn parse_args() -> Result<Args> {
                     bail!("unknown flag {cp}; control-plane flags: {}", control_plane::FLAGS_HELP);
                 }
             }
-            other => bail!("unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 5 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane --np-calls 20000 --np-frontends 1000 --fwd-services 1000 --fwd-udp-ms 1000 {}", control_plane::FLAGS_HELP),
+            other => bail!("unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 5 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|nodeport --np-calls 20000 --np-frontends 1000 --fwd-services 1000 --fwd-udp-ms 1000 {}", control_plane::FLAGS_HELP),
         }
     }
     if a.repeats < 1 || a.rounds < 10 || a.sizes.is_empty() {
@@ -238,6 +241,10 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
     if args.only.as_deref() == Some("control-plane") {
         let cp = control_plane::run(&args.cp, args.repeats, scratch)?;
         return control_plane::write_alone(&args.out, &cp);
+    }
+    if args.only.as_deref() == Some("nodeport") {
+        let section = programs::nodeport_test_run(args.repeats, args.np_calls, args.np_frontends)?;
+        return programs::write_alone(&args.out, section);
     }
     let max = *args.sizes.iter().max().unwrap_or(&1000);
     step("creating namespaces, cgroup and datapath");

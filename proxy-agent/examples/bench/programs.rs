@@ -227,7 +227,10 @@ struct Loaded {
 /// population written, plus the two reference programs.
 fn load(frontends: usize) -> Result<Loaded> {
     let pins = PinDir::new("tpbt")?;
-    let mut ebpf = proxy_agent::tc_loader::load_unattached(pins.path())?;
+    let (mut ebpf, load_ingress) = match std::env::var_os(OBJECT_ENV) {
+        Some(path) => (load_object(Path::new(&path), pins.path())?, true),
+        None => (proxy_agent::tc_loader::load_unattached(pins.path())?, false),
+    };
     let fd = |ebpf: &mut aya::Ebpf, name: &str, load: bool| -> Result<i32> {
         let prog: &mut SchedClassifier = ebpf.program_mut(name).with_context(|| format!("{name} missing"))?.try_into()?;
         if load {
@@ -235,7 +238,7 @@ fn load(frontends: usize) -> Result<Loaded> {
         }
         Ok(prog.fd()?.as_fd().as_raw_fd())
     };
-    let ingress = fd(&mut ebpf, proxy_agent::tc_loader::INGRESS_PROGRAM, false)?;
+    let ingress = fd(&mut ebpf, proxy_agent::tc_loader::INGRESS_PROGRAM, load_ingress)?;
     let minimal = fd(&mut ebpf, MINIMAL_TC, true)?;
     let empty = fd(&mut ebpf, EMPTY_TC, true)?;
     let mut w = NodePortWriter::open(pins.path())?;
@@ -248,6 +251,36 @@ fn load(frontends: usize) -> Result<Loaded> {
         bail!("writing the NodePort maps: {e}");
     }
     Ok(Loaded { _ebpf: ebpf, _pins: pins, ingress, minimal, empty })
+}
+
+/// Environment variable naming another build of the eBPF object to measure
+/// instead of the one embedded in the agent (e.g. an old build kept for an
+/// A/B comparison of the TC datapath, run alternately with the current
+/// one). The agent's NodePortWriter writes its maps, so the map layouts
+/// must be the agent's.
+const OBJECT_ENV: &str = "TOPOPROXY_BENCH_EBPF_OBJECT";
+
+/// `tc_loader::load_unattached` for an object read from `path`: every map
+/// at its pin under `pin_dir`, no program loaded yet.
+fn load_object(path: &Path, pin_dir: &Path) -> Result<aya::Ebpf> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+    let mut loader = aya::EbpfLoader::new();
+    let socket = [
+        proxy_common::SERVICES_MAP,
+        proxy_common::SLOTS_MAP,
+        proxy_common::BACKENDS_MAP,
+        proxy_common::SOCK_REVNAT_MAP,
+        proxy_common::COUNTERS_MAP,
+    ];
+    let pins: Vec<(&str, std::path::PathBuf)> = socket
+        .iter()
+        .map(|n| (*n, pin_dir.join(n)))
+        .chain(proxy_agent::tc_loader::np_map_pins(pin_dir))
+        .collect();
+    for (name, p) in &pins {
+        loader.map_pin_path(name, p.as_path());
+    }
+    loader.load(&bytes).with_context(|| format!("loading {}", path.display()))
 }
 
 const CASES: [&str; 6] =
@@ -355,4 +388,31 @@ pub fn nodeport_test_run(repeats: usize, calls: usize, frontends: usize) -> Resu
         svgs: vec![("nodeport_test_run.svg".into(), svg_bars("NodePort ingress per packet (BPF_PROG_TEST_RUN)", "ns", &xs, &series))],
         targets,
     })
+}
+
+/// The report of `--only nodeport`: this section and its target alone.
+pub fn write_alone(out: &Path, s: Section) -> Result<()> {
+    let mut md = format!(
+        "# topoproxy benchmark: NodePort program only\n\nMachine: {} cores; kernel {}.\n\n",
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim()
+    );
+    md.push_str(&s.markdown);
+    let _ = writeln!(md, "## Targets\n\n| target | goal | measured | met |\n|---|---|---|---|");
+    for t in &s.targets {
+        let met = match t.met {
+            Some(true) => "yes",
+            Some(false) => "**no**",
+            None => "not measured",
+        };
+        let _ = writeln!(md, "| {} | {} | {} | {met} |", t.name, t.goal, t.measured);
+    }
+    let doc = json!({
+        s.key: s.json,
+        "targets": s.targets.iter().map(|t| json!({"name": t.name, "goal": t.goal, "measured": t.measured, "met": t.met})).collect::<Vec<_>>(),
+    });
+    crate::report::write_all(out, &md, &doc, &s.svgs)?;
+    println!("{md}");
+    println!("report written to {}", out.join("report.md").display());
+    Ok(())
 }
