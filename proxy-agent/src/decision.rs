@@ -117,6 +117,8 @@ pub fn decide_service(svc: &Service, slices: &[&EndpointSlice], ctx: NodeContext
                 .filter_map(|&i| Some(Backend { ip: endpoints.get(i)?.address, port: *ports.get(i)? }))
                 .collect();
             v.sort();
+            // Kept for as long as the decision: no growth slack.
+            v.shrink_to_fit();
             v
         };
         out.push(PortDecision {

@@ -113,6 +113,18 @@ impl Stores {
         self.queue.lock().unwrap_or_else(|p| p.into_inner()).extend(deltas);
     }
 
+    /// [`Self::push`] for a whole relist: taken over as the queue when the
+    /// sync loop has drained it, rather than copied (at 10k objects that
+    /// copy was megabytes more at the agent's memory peak, issue #7).
+    fn push_all(&self, mut deltas: Vec<Delta>) {
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        if q.is_empty() {
+            *q = deltas;
+        } else {
+            q.append(&mut deltas);
+        }
+    }
+
     /// Objects of `kind` the API server holds, as of the last event.
     pub fn len(&self, kind: Kind) -> usize {
         self.counts[kind as usize].load(Ordering::Relaxed)
@@ -258,7 +270,7 @@ async fn watch_kind<K>(
                             let (seen, mut deltas) = relist.take().unwrap_or_default();
                             deltas.extend(known.keys().filter(|k| !seen.contains_key(*k)).map(|k| Delta::removed(kind, k.clone())));
                             known = seen;
-                            stores.push(deltas);
+                            stores.push_all(deltas);
                             stores.counts[kind as usize].store(known.len(), Ordering::Relaxed);
                             Some(Signal::Listed { kind })
                         }

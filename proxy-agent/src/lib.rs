@@ -12,6 +12,7 @@ pub mod error_chain;
 pub mod events;
 pub mod health_server;
 pub mod healthcheck_server;
+pub mod intern;
 pub mod kube_model;
 pub mod kube_source;
 pub mod kube_sync;

@@ -9,8 +9,10 @@ use std::net::IpAddr;
 
 use k8s_openapi::api::core::v1 as core;
 use k8s_openapi::api::discovery::v1 as discovery;
+use serde::Deserialize;
 use serde_json::Value;
 
+use crate::intern::intern;
 use crate::manifest::Document;
 use crate::model::{
     Cluster, Endpoint, EndpointSlice, Family, Node, ObjectRef, Protocol, Service, ServicePort,
@@ -152,8 +154,10 @@ pub fn service_from_json(v: &Value) -> Result<(Converted<Service>, Vec<ObjectErr
     if name.is_empty() {
         return Err(fail(K, &ns, &name, "metadata.name is missing"));
     }
-    let svc: core::Service =
-        serde_json::from_value(v.clone()).map_err(|e| fail(K, &ns, &name, format!("malformed: {e}")))?;
+    // Deserialized from the borrowed value: a clone of the whole object
+    // per Service cost more than the conversion at 10k Services.
+    let svc =
+        core::Service::deserialize(v).map_err(|e| fail(K, &ns, &name, format!("malformed: {e}")))?;
     let labels = svc.metadata.labels.clone().unwrap_or_default();
     if labels.contains_key(SERVICE_PROXY_NAME_LABEL) {
         return Ok((Converted::Ignored("served by another proxy"), Vec::new()));
@@ -262,7 +266,7 @@ pub fn slice_from_json(v: &Value) -> Result<(Converted<EndpointSlice>, Vec<Objec
         return Err(fail(K, &ns, &name, "metadata.name is missing"));
     }
     let slice: discovery::EndpointSlice =
-        serde_json::from_value(v.clone()).map_err(|e| fail(K, &ns, &name, format!("malformed: {e}")))?;
+        discovery::EndpointSlice::deserialize(v).map_err(|e| fail(K, &ns, &name, format!("malformed: {e}")))?;
     slice_from_typed(slice)
 }
 
@@ -331,10 +335,10 @@ pub fn slice_from_typed(slice: discovery::EndpointSlice) -> Result<(Converted<En
             ready,
             serving: cond.serving.unwrap_or(ready),
             terminating: cond.terminating.unwrap_or(false),
-            node_name: ep.node_name,
-            zone: ep.zone,
-            hint_zones: hints.for_zones.map(|z| z.into_iter().map(|z| z.name).collect()),
-            hint_nodes: hints.for_nodes.map(|n| n.into_iter().map(|n| n.name).collect()),
+            node_name: ep.node_name.as_deref().map(intern),
+            zone: ep.zone.as_deref().map(intern),
+            hint_zones: hints.for_zones.map(|z| z.iter().map(|z| intern(&z.name)).collect()),
+            hint_nodes: hints.for_nodes.map(|n| n.iter().map(|n| intern(&n.name)).collect()),
         });
     }
     Ok((
@@ -350,7 +354,7 @@ pub fn node_from_json(v: &Value) -> Result<Node, ObjectError> {
     }
     let labels: BTreeMap<String, String> = match v.get("metadata").and_then(|m| m.get("labels")) {
         None | Some(Value::Null) => BTreeMap::new(),
-        Some(l) => serde_json::from_value(l.clone())
+        Some(l) => BTreeMap::<String, String>::deserialize(l)
             .map_err(|e| ObjectError { kind: "Node".into(), object: name.clone(), reason: format!("metadata.labels: {e}") })?,
     };
     Ok(Node { name, labels })
@@ -414,7 +418,7 @@ metadata: {name: n1, labels: {topology.kubernetes.io/zone: z1}}
         let slice = &c.slices[&ObjectRef::new("shop", "web-abc")];
         assert_eq!(slice.service_name, "web");
         assert!(slice.endpoints[0].ready && !slice.endpoints[0].terminating);
-        assert_eq!(slice.endpoints[0].hint_zones.as_deref(), Some(&["z1".to_string()][..]));
+        assert_eq!(slice.endpoints[0].hint_zones.as_deref(), Some(&[std::sync::Arc::from("z1")][..]));
         assert!(!slice.endpoints[1].ready && slice.endpoints[1].serving && slice.endpoints[1].terminating);
         assert_eq!(c.nodes["n1"].labels["topology.kubernetes.io/zone"], "z1");
     }

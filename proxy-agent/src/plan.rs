@@ -26,6 +26,26 @@ impl Plan {
 /// Frontends that are equal on both sides produce nothing, so re-applying
 /// the same desired state is a no-op.
 pub fn diff(current: &State, desired: &State) -> Plan {
+    diff_entries(current, desired.iter(), |fe| desired.contains_key(fe))
+}
+
+/// [`diff`] against `primary` with the entries of `fallback` whose
+/// frontend `primary` lacks, without building that union: a full pass at
+/// 10k Services would otherwise copy every backend set once more at the
+/// agent's memory peak (issue #7).
+pub fn diff_layered(current: &State, primary: &State, fallback: &State) -> Plan {
+    let mut desired: BTreeMap<&Frontend, &BTreeSet<Backend>> = primary.iter().collect();
+    for (fe, set) in fallback {
+        desired.entry(fe).or_insert(set);
+    }
+    diff_entries(current, desired.iter().map(|(fe, set)| (*fe, *set)), |fe| desired.contains_key(fe))
+}
+
+fn diff_entries<'a>(
+    current: &State,
+    desired: impl Iterator<Item = (&'a Frontend, &'a BTreeSet<Backend>)>,
+    wanted: impl Fn(&Frontend) -> bool,
+) -> Plan {
     let mut plan = Plan::default();
     for (fe, want) in desired {
         if current.get(fe) != Some(want) {
@@ -33,7 +53,7 @@ pub fn diff(current: &State, desired: &State) -> Plan {
         }
     }
     for fe in current.keys() {
-        if !desired.contains_key(fe) {
+        if !wanted(fe) {
             plan.deletes.push(*fe);
         }
     }
@@ -112,5 +132,25 @@ mod tests {
             assert_eq!(p.upserts, c.upserts, "{}", c.name);
             assert_eq!(p.deletes, c.deletes, "{}", c.name);
         }
+    }
+
+    #[test]
+    fn layered_is_the_diff_against_the_union_with_primary_first() {
+        let a = fe("10.96.0.10", 80, Protocol::Tcp);
+        let b = fe("10.96.0.11", 80, Protocol::Tcp);
+        let c = fe("10.96.0.12", 80, Protocol::Tcp);
+        let d = fe("10.96.0.13", 80, Protocol::Tcp);
+        let b1 = be("10.244.0.1", 8080);
+        let b2 = be("10.244.0.2", 8080);
+        let current = state(&[(a, &[b1]), (b, &[b1]), (d, &[b2])]);
+        let primary = state(&[(a, &[b1]), (c, &[b2])]);
+        // `a` is in both: primary wins; `b` only in fallback.
+        let fallback = state(&[(a, &[b2]), (b, &[b2])]);
+        let mut union = fallback.clone();
+        union.extend(primary.clone());
+        let got = diff_layered(&current, &primary, &fallback);
+        assert_eq!(got, diff(&current, &union));
+        assert_eq!(got.upserts, vec![(b, vec![b2]), (c, vec![b2])]);
+        assert_eq!(got.deletes, vec![d]);
     }
 }

@@ -201,11 +201,7 @@ impl CachedSync {
         // ClusterIPs keep priority over external frontends.
         let want = |fe: &Frontend| self.cache.desired().get(fe).or_else(|| self.external_socket.get(fe));
         let plan = if full {
-            let mut desired = self.cache.desired().clone();
-            for (fe, set) in &self.external_socket {
-                desired.entry(*fe).or_insert_with(|| set.clone());
-            }
-            plan::diff(&writer.state(), &desired)
+            plan::diff_layered(&writer.state(), self.cache.desired(), &self.external_socket)
         } else {
             let current: plan::State =
                 touched.iter().filter_map(|fe| Some((*fe, writer.backends_of(fe)?.iter().copied().collect()))).collect();

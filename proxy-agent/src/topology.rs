@@ -693,12 +693,12 @@ fn hints_requested_by(svc: &Service) -> Option<String> {
     None
 }
 
-fn has_hints(h: Option<&[String]>) -> bool {
+fn has_hints(h: Option<&[std::sync::Arc<str>]>) -> bool {
     h.is_some_and(|v| !v.is_empty())
 }
 
-fn hinted_for(h: Option<&[String]>, name: &str) -> bool {
-    h.is_some_and(|v| v.iter().any(|x| x == name))
+fn hinted_for(h: Option<&[std::sync::Arc<str>]>, name: &str) -> bool {
+    h.is_some_and(|v| v.iter().any(|x| &**x == name))
 }
 
 /// No topology keys: kube-proxy's `CategorizeEndpoints` for the Cluster
@@ -881,7 +881,7 @@ mod tests {
             ready: true,
             serving: true,
             terminating: false,
-            node_name: (!node.is_empty()).then(|| node.to_string()),
+            node_name: (!node.is_empty()).then(|| node.into()),
             zone: None,
             hint_zones: None,
             hint_nodes: None,
@@ -918,15 +918,15 @@ mod tests {
             self
         }
         fn zone(mut self, z: &str) -> Self {
-            self.zone = Some(z.to_string());
+            self.zone = Some(z.into());
             self
         }
         fn zh(mut self, zones: &[&str]) -> Self {
-            self.hint_zones = Some(zones.iter().map(|z| z.to_string()).collect());
+            self.hint_zones = Some(zones.iter().map(|z| (*z).into()).collect());
             self
         }
         fn nh(mut self, nodes: &[&str]) -> Self {
-            self.hint_nodes = Some(nodes.iter().map(|z| z.to_string()).collect());
+            self.hint_nodes = Some(nodes.iter().map(|z| (*z).into()).collect());
             self
         }
     }
@@ -1867,7 +1867,7 @@ mod tests {
                 nodes: za(),
                 eps: {
                     let mut e = four();
-                    e[2].hint_zones = Some(vec![]);
+                    e[2].hint_zones = Some(Box::new([]));
                     e
                 },
                 cluster: vec![0, 1, 2, 3],
