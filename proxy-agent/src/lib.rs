@@ -5,6 +5,7 @@
 //! `topology` and `decision` (pure) -> `plan` (pure diff) -> `map_writer`
 //! (aya) -> kernel. `loader` installs the programs; `sync` runs one pass.
 
+pub mod bpf_batch;
 pub mod conntrack_gc;
 pub mod decision;
 pub mod decision_cache;

@@ -114,8 +114,163 @@ pub fn parse_into(source: &str, text: &str, docs: &mut Vec<Document>, errors: &m
 
 /// [`parse_into`], handing each object to `f`.
 fn parse_each(source: &str, text: &str, f: &mut impl FnMut(Document), errors: &mut Vec<ManifestError>) {
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS);
+    let skip = if text.len() >= PARALLEL_MIN_BYTES && threads > 1 {
+        match parse_parallel(source, text, threads, BLOCK_BYTES, f, errors) {
+            Parallel::Done => return,
+            Parallel::Stopped { delivered } => delivered,
+        }
+    } else {
+        0
+    };
+    parse_sequential(source, text, skip, f, errors);
+}
+
+/// Files smaller than this are parsed on the calling thread.
+const PARALLEL_MIN_BYTES: usize = 256 * 1024;
+/// Text handed to a parser thread at a time.
+const BLOCK_BYTES: usize = 64 * 1024;
+const MAX_THREADS: usize = 4;
+/// Blocks parsed ahead of the one being converted, which bounds the
+/// memory held in parsed documents.
+const LOOKAHEAD: usize = 8;
+
+/// Where documents start: at every line that is a `---` marker. libyaml
+/// ends whatever it is scanning at such a line (a document indicator at
+/// column 0 ends block and plain scalars and is an error inside quoted
+/// scalars and flow collections; yaml_parser_fetch_next_token), so in a
+/// valid stream each piece is one or more whole documents. `None` when the
+/// text has directives (`%YAML`, `%TAG`), which belong to the document
+/// after them. Cutting is only an optimisation: the pieces hold the same
+/// documents in the same order, and any parse error sends the caller back
+/// to parsing the whole text.
+fn document_starts(text: &str) -> Option<Vec<usize>> {
+    let bytes = text.as_bytes();
+    let mut starts = vec![0];
+    let mut at = 0;
+    while at < bytes.len() {
+        let line = &bytes[at..];
+        if line.first() == Some(&b'%') {
+            return None;
+        }
+        if line.starts_with(b"---") && matches!(line.get(3), None | Some(b' ' | b'\t' | b'\r' | b'\n')) && at > 0 {
+            starts.push(at);
+        }
+        at = match line.iter().position(|&c| c == b'\n') {
+            Some(nl) => at + nl + 1,
+            None => bytes.len(),
+        };
+    }
+    Some(starts)
+}
+
+enum Parallel {
+    Done,
+    /// A piece failed to parse; `delivered` documents were handed over.
+    Stopped { delivered: usize },
+}
+
+/// What a parser thread made of one block of pieces: its documents in
+/// order, or `None` when one of them did not parse.
+type Block = Option<Vec<Value>>;
+
+/// Parses the documents of a large file on several threads and hands them
+/// to `f` in file order on the calling thread, as [`parse_sequential`]
+/// would. The text is cut into pieces at `---` lines (see
+/// [`document_starts`]) and the pieces into blocks of about `block_bytes`.
+fn parse_parallel(
+    source: &str,
+    text: &str,
+    threads: usize,
+    block_bytes: usize,
+    f: &mut impl FnMut(Document),
+    errors: &mut Vec<ManifestError>,
+) -> Parallel {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{Mutex, mpsc};
+
+    let Some(starts) = document_starts(text) else { return Parallel::Stopped { delivered: 0 } };
+    // Blocks: ranges of text made of whole pieces. The first takes the
+    // text before the first marker with it: on its own, a prefix of only
+    // comments would parse as an empty document the whole stream does not
+    // have. Every later block starts with a marker.
+    let mut blocks: Vec<(usize, usize)> = Vec::new();
+    let mut from = 0;
+    for &s in starts.iter().skip(2) {
+        if s - from >= block_bytes {
+            blocks.push((from, s));
+            from = s;
+        }
+    }
+    blocks.push((from, text.len()));
+
+    let next = AtomicUsize::new(0);
+    let abort = AtomicBool::new(false);
+    // Tokens bound how far the parser threads run ahead of the conversion.
+    let (token_tx, token_rx) = mpsc::sync_channel::<()>(LOOKAHEAD);
+    for _ in 0..LOOKAHEAD {
+        let _ = token_tx.send(());
+    }
+    let token_rx = Mutex::new(token_rx);
+    let (senders, receivers): (Vec<mpsc::SyncSender<Block>>, Vec<mpsc::Receiver<Block>>) =
+        blocks.iter().map(|_| mpsc::sync_channel(1)).unzip();
+    std::thread::scope(|scope| {
+        for _ in 0..threads {
+            scope.spawn(|| {
+                loop {
+                    let token = token_rx.lock().map(|rx| rx.recv());
+                    if !matches!(token, Ok(Ok(()))) || abort.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(a, b)) = blocks.get(i) else { return };
+                    let _ = senders[i].send(parse_block(&text[a..b]));
+                }
+            });
+        }
+        let mut delivered = 0;
+        let mut complete = true;
+        for rx in &receivers {
+            let block = rx.recv().ok().flatten();
+            let _ = token_tx.try_send(());
+            let Some(docs) = block else {
+                complete = false;
+                break;
+            };
+            for value in docs {
+                delivered += 1;
+                push_object(&format!("{source}#{delivered}"), value, f, errors);
+            }
+        }
+        abort.store(true, Ordering::Relaxed);
+        // Wakes the threads waiting for a token.
+        drop(token_tx);
+        if complete { Parallel::Done } else { Parallel::Stopped { delivered } }
+    })
+}
+
+/// Parses whole pieces; `None` as soon as one document fails.
+fn parse_block(text: &str) -> Block {
+    let mut docs = Vec::new();
+    for de in serde_yaml::Deserializer::from_str(text) {
+        docs.push(Value::deserialize(de).ok()?);
+    }
+    Some(docs)
+}
+
+/// Parses `text` document by document, handing over every document from
+/// the `skip`-th on (the ones before were handed over already).
+fn parse_sequential(source: &str, text: &str, skip: usize, f: &mut impl FnMut(Document), errors: &mut Vec<ManifestError>) {
     for (i, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
         let src = format!("{source}#{}", i + 1);
+        if i < skip {
+            // Parsed again only to reach the document after them.
+            if let Err(e) = serde::de::IgnoredAny::deserialize(de) {
+                errors.push(ManifestError { location: src, reason: format!("not valid YAML/JSON: {e}") });
+                break;
+            }
+            continue;
+        }
         let value = match Value::deserialize(de) {
             Ok(v) => v,
             Err(e) => {
@@ -191,6 +346,45 @@ mod tests {
         assert!(e.is_empty(), "{e:?}");
         assert_eq!(d.len(), 2);
         assert_eq!(d[1].location, "t.yaml#1[1][0]");
+    }
+
+    /// The parallel parser with tiny blocks (a block per piece), falling
+    /// back as `parse_each` does.
+    fn parse_cut(text: &str) -> (Vec<Document>, Vec<ManifestError>) {
+        let mut d = Vec::new();
+        let mut e = Vec::new();
+        if let Parallel::Stopped { delivered } = parse_parallel("t.yaml", text, 3, 1, &mut |doc| d.push(doc), &mut e) {
+            parse_sequential("t.yaml", text, delivered, &mut |doc| d.push(doc), &mut e);
+        }
+        (d, e)
+    }
+
+    #[test]
+    fn cutting_at_document_markers_changes_nothing() {
+        let mut big = String::new();
+        for i in 0..300 {
+            big.push_str(&format!("---\nkind: Service\nmetadata: {{name: s{i}}}\nspec: {{ports: [{{port: 80}}]}}\n"));
+        }
+        let texts = [
+            "---\nkind: Service\nmetadata: {name: a}\n---\n---\nkind: Node\nmetadata: {name: n}\n",
+            "kind: A\n---\nkind: B\n...\n--- {kind: C}\n---\r\nkind: D\r\n",
+            "# leading comment\n\n---\nkind: A\ndata: |\n  ---\n  not a marker\n---\n- 1\n---\nkind: B\n",
+            "kind: Service\n---\n- 1\n- 2\n---\nkind: [unclosed\n---\nkind: After\n",
+            "kind: A\n---\nkey: \"open quote\n---\nkind: B\n",
+            "%YAML 1.2\n---\nkind: A\n---\nkind: B\n",
+            "----\nkind: A\n---x\n",
+            "",
+            &big,
+            &format!("{big}---\nkind: [broken\n{big}"),
+        ];
+        for text in texts {
+            let (d1, e1) = parse(text);
+            let (d2, e2) = parse_cut(text);
+            let show = |d: &[Document]| d.iter().map(|d| format!("{} {}", d.location, d.value)).collect::<Vec<_>>();
+            assert_eq!(show(&d1), show(&d2), "{text:?}");
+            assert_eq!(e1, e2, "{text:?}");
+        }
+        assert_eq!(parse(&big).0.len(), 300);
     }
 
     #[test]

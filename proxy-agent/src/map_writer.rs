@@ -1,5 +1,5 @@
-//! Writing plans into the pinned maps, one frontend at a time, in an order
-//! the datapath never sees half done.
+//! Writing plans into the pinned maps in an order the datapath never sees
+//! half done.
 //!
 //! For an update the writer (1) adds any new backends, (2) writes the new
 //! slot set under a fresh generation, (3) replaces the service entry, which
@@ -10,18 +10,31 @@
 //! `proxy-ebpf`), so it never sees a hole, a mix of two sets, or a count
 //! larger than the slots written.
 //!
+//! Frontends are written in chunks, each step of a chunk in one batch
+//! syscall (`bpf_batch`): every new backend and slot of the chunk, then
+//! every service entry, then the old generations. Each frontend still goes
+//! through (1)..(5) in that order. Room is checked per frontend against what
+//! the maps physically hold (old generations of the chunk included), and a
+//! frontend that does not fit beside the chunk is retried after writing it,
+//! so a frontend is reported full exactly when writing frontends one at a
+//! time would have reported it. When a batch call fails, the frontends whose
+//! service entry it did not write go through the one-at-a-time path, which
+//! names the frontend, map and reason of the failure.
+//!
 //! Service and backend ids are read back from the maps when the writer is
 //! opened, so they stay stable across agent restarts.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap as StdHashMap};
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 
 use aya::maps::{HashMap, Map, MapData, MapError, MapInfo};
 use proxy_common as pc;
 use proxy_common::{BackendKey, BackendValue, ServiceKey, ServiceValue, SlotKey, SlotValue};
 
+use crate::bpf_batch;
 use crate::loader::capacity_flag;
 use crate::model::{Backend, Frontend, Protocol};
 use crate::plan::{Plan, State};
@@ -59,6 +72,8 @@ pub struct MapWriter {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     slots: HashMap<MapData, SlotKey, SlotValue>,
     backends: HashMap<MapData, BackendKey, BackendValue>,
+    /// The same maps' descriptors, for the batch calls.
+    fds: MapFds,
     max_services: u32,
     max_slots: u32,
     max_backends: u32,
@@ -133,12 +148,23 @@ fn ip_of(words: [u32; 4], family: u8) -> Option<IpAddr> {
     }
 }
 
-fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &'static str) -> Result<(HashMap<MapData, K, V>, u32), WriteError> {
+struct MapFds {
+    services: OwnedFd,
+    slots: OwnedFd,
+    backends: OwnedFd,
+}
+
+type Opened<K, V> = (HashMap<MapData, K, V>, OwnedFd, u32);
+
+fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &'static str) -> Result<Opened<K, V>, WriteError> {
     let err = |source| WriteError::Open { map: name, source };
     let path = pin_dir.join(name);
     let max = MapInfo::from_pin(&path).map_err(err)?.max_entries();
     let data = MapData::from_pin(&path).map_err(err)?;
-    Ok((HashMap::try_from(Map::HashMap(data)).map_err(err)?, max))
+    let fd = data.fd().as_fd().try_clone_to_owned().map_err(|e| err(MapError::SyscallError(aya::sys::SyscallError { call: "dup", io_error: e })))?;
+    // try_from checks the key and value sizes against the map's, which the
+    // batch calls rely on too.
+    Ok((HashMap::try_from(Map::HashMap(data)).map_err(err)?, fd, max))
 }
 
 fn is_not_found(e: &MapError) -> bool {
@@ -157,14 +183,15 @@ impl MapWriter {
     /// Like [`MapWriter::open`] for another set of maps with the same
     /// layouts, named (services, slots, backends).
     pub fn open_maps(pin_dir: &Path, names: [&'static str; 3]) -> Result<MapWriter, WriteError> {
-        let (services, max_services) = open_hash(pin_dir, names[0])?;
-        let (slots, max_slots) = open_hash(pin_dir, names[1])?;
-        let (backends, max_backends) = open_hash(pin_dir, names[2])?;
+        let (services, services_fd, max_services) = open_hash(pin_dir, names[0])?;
+        let (slots, slots_fd, max_slots) = open_hash(pin_dir, names[1])?;
+        let (backends, backends_fd, max_backends) = open_hash(pin_dir, names[2])?;
         let mut w = MapWriter {
             names,
             services,
             slots,
             backends,
+            fds: MapFds { services: services_fd, slots: slots_fd, backends: backends_fd },
             max_services,
             max_slots,
             max_backends,
@@ -235,15 +262,241 @@ impl MapWriter {
     pub fn apply(&mut self, plan: &Plan) -> Vec<ApplyError> {
         let mut errors = Vec::new();
         // Deletes first: they free room for the upserts.
-        for fe in &plan.deletes {
-            self.delete(fe);
-        }
-        for (fe, backends) in &plan.upserts {
-            if let Err(error) = self.upsert(fe, backends) {
-                errors.push(ApplyError { frontend: *fe, error });
+        self.delete_all(&plan.deletes);
+        let mut chunk = Chunk::default();
+        let mut i = 0;
+        while i < plan.upserts.len() {
+            let (fe, backends) = &plan.upserts[i];
+            // A frontend listed twice is written twice, in order.
+            if chunk.frontends.contains(fe) {
+                self.flush(&mut chunk, &mut errors);
+            }
+            match self.stage(&mut chunk, fe, backends) {
+                Ok(()) => i += 1,
+                // Full only beside the chunk's own entries (old generations
+                // not yet deleted): write the chunk, then try again.
+                Err(WriteError::Full { .. }) if !chunk.staged.is_empty() => self.flush(&mut chunk, &mut errors),
+                Err(error) => {
+                    errors.push(ApplyError { frontend: *fe, error });
+                    i += 1;
+                }
+            }
+            if chunk.slot_keys.len() >= CHUNK_SLOTS || chunk.staged.len() >= CHUNK_FRONTENDS {
+                self.flush(&mut chunk, &mut errors);
             }
         }
+        self.flush(&mut chunk, &mut errors);
         errors
+    }
+
+    /// Reserves ids and room for one frontend in `chunk` and queues its
+    /// entries. Nothing is written and nothing changes but the id sets, so
+    /// an error leaves the writer as it was.
+    fn stage(&mut self, chunk: &mut Chunk, fe: &Frontend, backends: &[Backend]) -> Result<(), WriteError> {
+        let old = self.programmed.get(fe);
+        let n = u32::try_from(backends.len()).unwrap_or(u32::MAX);
+
+        // Room as the maps will hold it while the chunk is written: the
+        // entries of the chunk's earlier frontends are in, their old
+        // generations not yet out. With an empty chunk this is exactly the
+        // one-at-a-time check.
+        if old.is_none() {
+            let used = self.programmed.len() as u32 + chunk.new_services;
+            if used >= self.max_services {
+                return Err(full(self.names[0], used, self.max_services, 1));
+            }
+        }
+        let used_slots = self.slots_used.saturating_add(chunk.slot_keys.len() as u32);
+        if used_slots.saturating_add(n) > self.max_slots {
+            return Err(full(self.names[1], used_slots, self.max_slots, n));
+        }
+        let new_backends = backends.iter().filter(|b| !self.backend_ids.contains_key(b) && !chunk.created_ids.contains_key(b)).count() as u32;
+        let used_backends = (self.backend_ids.len() + chunk.created.len()) as u32;
+        if used_backends.saturating_add(new_backends) > self.max_backends {
+            return Err(full(self.names[2], used_backends, self.max_backends, new_backends));
+        }
+
+        let service_id = match old {
+            Some(p) => p.value.service_id,
+            None => {
+                let set = &self.service_id_set;
+                Self::alloc_id(&mut self.next_service_id, |id| set.contains(&id), "service")?
+            }
+        };
+        let generation = old.map_or(1, |p| p.value.generation.wrapping_add(1));
+        let created_before = chunk.created.len();
+        let mut ids = Vec::with_capacity(backends.len());
+        for b in backends {
+            let id = match self.backend_ids.get(b).map(|(id, _)| *id).or_else(|| chunk.created_ids.get(b).copied()) {
+                Some(id) => id,
+                None => {
+                    let set = &self.backend_id_set;
+                    match Self::alloc_id(&mut self.next_backend_id, |id| set.contains(&id), "backend") {
+                        Ok(id) => {
+                            self.backend_id_set.insert(id);
+                            chunk.created.push((*b, id));
+                            chunk.created_ids.insert(*b, id);
+                            id
+                        }
+                        Err(e) => {
+                            for (b, id) in chunk.created.drain(created_before..) {
+                                chunk.created_ids.remove(&b);
+                                self.backend_id_set.remove(&id);
+                            }
+                            return Err(e);
+                        }
+                    }
+                }
+            };
+            ids.push(id);
+        }
+        if old.is_none() {
+            self.service_id_set.insert(service_id);
+            chunk.new_services += 1;
+        }
+        for (slot, backend_id) in ids.into_iter().enumerate() {
+            chunk.slot_keys.push(SlotKey { service_id, generation, slot: slot as u32 });
+            chunk.slot_values.push(SlotValue { backend_id });
+        }
+        chunk.service_keys.push(service_key(fe));
+        chunk.service_values.push(ServiceValue { service_id, backend_count: n, generation, flags: 0 });
+        chunk.staged.push(Staged { frontend: *fe, backends: backends.to_vec(), old: old.cloned() });
+        chunk.frontends.insert(*fe);
+        Ok(())
+    }
+
+    /// Writes a staged chunk: new backends, new slots, the switch, then the
+    /// old generations. Empties `chunk`.
+    fn flush(&mut self, chunk: &mut Chunk, errors: &mut Vec<ApplyError>) {
+        let c = std::mem::take(chunk);
+        if c.staged.is_empty() {
+            return;
+        }
+        let backend_keys: Vec<BackendKey> = c.created.iter().map(|(_, id)| BackendKey { backend_id: *id }).collect();
+        let backend_values: Vec<BackendValue> = c.created.iter().map(|(b, _)| backend_value(b)).collect();
+        // (1) and (2) for the whole chunk, then (3): how many frontends
+        // had their service entry written. The kernel applies a batch in
+        // order and stops at the first failure, so those are a prefix.
+        let switched = match bpf_batch::update(self.fds.backends.as_fd(), &backend_keys, &backend_values)
+            .map_err(|e| (self.names[2], e))
+            .and_then(|()| bpf_batch::update(self.fds.slots.as_fd(), &c.slot_keys, &c.slot_values).map_err(|e| (self.names[1], e)))
+        {
+            Err((map, e)) => {
+                tracing::debug!(map, error = %e, "batch update failed; writing the chunk one frontend at a time");
+                0
+            }
+            Ok(()) => match bpf_batch::update(self.fds.services.as_fd(), &c.service_keys, &c.service_values) {
+                Ok(()) => c.staged.len(),
+                Err(e) => {
+                    tracing::debug!(map = self.names[0], error = %e, "batch update failed; writing the rest of the chunk one frontend at a time");
+                    e.applied.min(c.staged.len())
+                }
+            },
+        };
+
+        // Book-keeping for the frontends that switched: references on all
+        // the new sets before any old one is dropped, so backends shared
+        // with an old generation are never deleted.
+        for (b, id) in &c.created {
+            self.backend_ids.insert(*b, (*id, 0));
+        }
+        for st in &c.staged[..switched] {
+            for b in &st.backends {
+                if let Some(e) = self.backend_ids.get_mut(b) {
+                    e.1 += 1;
+                }
+            }
+        }
+        let mut dead = Dead::default();
+        let mut retry = Vec::new();
+        for (i, (st, value)) in c.staged.into_iter().zip(c.service_values).enumerate() {
+            if i < switched {
+                self.slots_used = self.slots_used.saturating_add(value.backend_count);
+                self.programmed.insert(st.frontend, Programmed { value, backends: st.backends });
+                if let Some(old) = &st.old {
+                    self.drop_generation(old, &mut dead);
+                }
+            } else {
+                // Not switched: its new slots go (some may be written), its
+                // service id is free again unless the frontend had one
+                // before, and it is written on its own below.
+                dead.slots.extend((0..value.backend_count).map(|slot| SlotKey { service_id: value.service_id, generation: value.generation, slot }));
+                if st.old.is_none() {
+                    self.service_id_set.remove(&value.service_id);
+                }
+                retry.push((st.frontend, st.backends));
+            }
+        }
+        // Backends created for frontends that did not switch.
+        for (b, id) in &c.created {
+            if self.backend_ids.get(b).is_some_and(|e| e.1 == 0) {
+                self.backend_ids.remove(b);
+                self.backend_id_set.remove(id);
+                dead.backends.push(BackendKey { backend_id: *id });
+            }
+        }
+        // (4) and (5). Before the retries: their ids may be reused.
+        self.delete_dead(&dead);
+
+        for (fe, backends) in retry {
+            if let Err(error) = self.upsert(&fe, &backends) {
+                errors.push(ApplyError { frontend: fe, error });
+            }
+        }
+    }
+
+    /// Removes frontends: their service entries, then their slots, then
+    /// backends nobody uses any more.
+    fn delete_all(&mut self, frontends: &[Frontend]) {
+        let mut keys = Vec::new();
+        let mut olds = Vec::new();
+        for fe in frontends {
+            if let Some(old) = self.programmed.remove(fe) {
+                self.service_id_set.remove(&old.value.service_id);
+                keys.push(service_key(fe));
+                olds.push((fe, old));
+            }
+        }
+        for (i, e) in delete_keys(&mut self.services, self.fds.services.as_fd(), &keys) {
+            tracing::warn!(frontend = %olds[i].0, error = %e, "removing service entry failed");
+        }
+        let mut dead = Dead::default();
+        for (_, old) in &olds {
+            self.drop_generation(old, &mut dead);
+        }
+        self.delete_dead(&dead);
+    }
+
+    /// Drops the references of an old generation that is no longer in use
+    /// and queues what it leaves behind for deletion.
+    fn drop_generation(&mut self, old: &Programmed, dead: &mut Dead) {
+        let (service_id, generation) = (old.value.service_id, old.value.generation);
+        dead.slots.extend((0..old.value.backend_count).map(|slot| SlotKey { service_id, generation, slot }));
+        self.slots_used = self.slots_used.saturating_sub(old.value.backend_count);
+        for b in &old.backends {
+            let gone = match self.backend_ids.get_mut(b) {
+                Some(e) => {
+                    e.1 = e.1.saturating_sub(1);
+                    (e.1 == 0).then_some(e.0)
+                }
+                None => None,
+            };
+            if let Some(id) = gone {
+                self.backend_ids.remove(b);
+                self.backend_id_set.remove(&id);
+                dead.backends.push(BackendKey { backend_id: id });
+            }
+        }
+    }
+
+    /// Slots first: a slot never names a backend that is gone.
+    fn delete_dead(&mut self, dead: &Dead) {
+        for (_, e) in delete_keys(&mut self.slots, self.fds.slots.as_fd(), &dead.slots) {
+            tracing::debug!(map = self.names[1], error = %e, "removing a stale slot failed");
+        }
+        for (_, e) in delete_keys(&mut self.backends, self.fds.backends.as_fd(), &dead.backends) {
+            tracing::debug!(map = self.names[2], error = %e, "removing an unused backend failed");
+        }
     }
 
     fn alloc_id(next: &mut u32, used: impl Fn(u32) -> bool, what: &'static str) -> Result<u32, WriteError> {
@@ -363,17 +616,6 @@ impl MapWriter {
         Ok(())
     }
 
-    fn delete(&mut self, fe: &Frontend) {
-        let Some(old) = self.programmed.remove(fe) else { return };
-        self.service_id_set.remove(&old.value.service_id);
-        if let Err(e) = self.services.remove(&service_key(fe))
-            && !is_not_found(&e)
-        {
-            tracing::warn!(frontend = %fe, error = %e, "removing service entry failed");
-        }
-        self.release(&old);
-    }
-
     /// Drops an old generation: its slots, then backends nobody uses.
     fn release(&mut self, old: &Programmed) {
         self.undo_slots(old.value.service_id, old.value.generation, old.value.backend_count);
@@ -431,6 +673,60 @@ impl MapWriter {
             (pc::BACKENDS_MAP, self.backend_ids.len() as u32, self.max_backends),
         ]
     }
+}
+
+/// Frontends whose entries are staged, not yet written.
+#[derive(Default)]
+struct Chunk {
+    staged: Vec<Staged>,
+    frontends: std::collections::HashSet<Frontend>,
+    service_keys: Vec<ServiceKey>,
+    service_values: Vec<ServiceValue>,
+    slot_keys: Vec<SlotKey>,
+    slot_values: Vec<SlotValue>,
+    /// Backends the chunk adds, with the ids reserved for them.
+    created: Vec<(Backend, u32)>,
+    created_ids: StdHashMap<Backend, u32>,
+    /// Frontends of the chunk that are not in the maps yet.
+    new_services: u32,
+}
+
+struct Staged {
+    frontend: Frontend,
+    backends: Vec<Backend>,
+    old: Option<Programmed>,
+}
+
+/// Entries to delete once nothing refers to them.
+#[derive(Default)]
+struct Dead {
+    slots: Vec<SlotKey>,
+    backends: Vec<BackendKey>,
+}
+
+/// Bounds on a chunk: they keep the staging buffers small and, for a
+/// plan that rewrites existing frontends, the old generations the maps
+/// must hold beside the new ones at a time. A cold sync of 10,000
+/// frontends x 10 backends takes two chunks.
+const CHUNK_SLOTS: usize = 65_536;
+const CHUNK_FRONTENDS: usize = 16_384;
+
+/// Deletes `keys` from a map, in one batch call where the kernel takes it
+/// and one at a time from where it did not. A key that is already gone is
+/// fine. Returns the keys that could not be deleted, by index.
+fn delete_keys<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>, fd: std::os::fd::BorrowedFd<'_>, keys: &[K]) -> Vec<(usize, MapError)> {
+    let from = match bpf_batch::delete(fd, keys) {
+        Ok(()) => return Vec::new(),
+        Err(e) => e.applied.min(keys.len()),
+    };
+    keys[from..]
+        .iter()
+        .enumerate()
+        .filter_map(|(i, k)| match map.remove(k) {
+            Err(e) if !is_not_found(&e) => Some((from + i, e)),
+            _ => None,
+        })
+        .collect()
 }
 
 fn full(map: &'static str, used: u32, max: u32, needed: u32) -> WriteError {

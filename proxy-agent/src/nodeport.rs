@@ -57,7 +57,7 @@ impl NodePortWriter {
     }
 
     pub fn frontends(&self) -> usize {
-        self.writer.state().len()
+        self.writer.frontends()
     }
 
     pub fn set_config(

@@ -67,7 +67,8 @@ pub struct Options {
     /// Extra flags for the agent. The default keeps TC programs off the
     /// host's interfaces (the agent runs in the host's network namespace).
     pub agent_flags: Vec<String>,
-    /// Another agent binary to measure (e.g. an older build, for a
+    /// Another agent binary to measure, here and in the manifest cold
+    /// start of main.rs (e.g. an older build, for a
     /// before/after comparison); default: the one built with the bench.
     pub agent: Option<PathBuf>,
     /// Repeats of the rule loaders (default: every repeat). `nft -f` of

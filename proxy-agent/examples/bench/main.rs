@@ -44,10 +44,12 @@ struct Args {
     rounds: usize,
     rules_max: usize,
     out: PathBuf,
-    /// `--only datapath|socket-lb|control-plane|nodeport`: run one part of
-    /// the bench (`socket-lb`: the connect/UDP latency tables and the
-    /// connect4 run time; `nodeport`: only the NodePort program under
-    /// BPF_PROG_TEST_RUN; both for quick before/after comparisons).
+    /// `--only datapath|socket-lb|control-plane|nodeport|cold-start`: run
+    /// one part of the bench (`socket-lb`: the connect/UDP latency tables and
+    /// the connect4 run time; `nodeport`: only the NodePort program under
+    /// BPF_PROG_TEST_RUN; `cold-start`: only the agent binary's cold sync
+    /// from manifests, `--repeats` times, printed and not written to a
+    /// report; all three for quick before/after comparisons).
     only: Option<String>,
     cp: control_plane::Options,
     /// BPF_PROG_TEST_RUN calls per case and repeat, and the NodePort
@@ -79,7 +81,7 @@ fn parse_args() -> Result<Args> {
                     bail!("unknown flag {cp}; control-plane flags: {}", control_plane::FLAGS_HELP);
                 }
             }
-            other => bail!("unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 5 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|nodeport --np-calls 20000 --np-frontends 1000 --fwd-services 1000 --fwd-udp-ms 1000 {}", control_plane::FLAGS_HELP),
+            other => bail!("unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 5 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|nodeport|cold-start --np-calls 20000 --np-frontends 1000 --fwd-services 1000 --fwd-udp-ms 1000 {}", control_plane::FLAGS_HELP),
         }
     }
     if a.repeats < 1 || a.rounds < 10 || a.sizes.is_empty() {
@@ -175,9 +177,12 @@ struct Cell {
 
 /// Cold start of the real agent binary on a manifest of `size` Services
 /// x 10 endpoints: time until its first sync is logged, and its peak RSS.
-fn agent_cold_sync(size: usize, scratch: &Path) -> Result<(Duration, u64)> {
+fn agent_cold_sync(size: usize, scratch: &Path, agent: Option<&Path>) -> Result<(Duration, u64)> {
     let exe = std::env::current_exe()?;
-    let agent = exe.parent().and_then(Path::parent).map(|d| d.join("proxy-agent")).context("locating the agent binary")?;
+    let agent = match agent {
+        Some(a) => a.to_path_buf(),
+        None => exe.parent().and_then(Path::parent).map(|d| d.join("proxy-agent")).context("locating the agent binary")?,
+    };
     let dir = scratch.join(format!("manifests-{size}"));
     fs::create_dir_all(&dir)?;
     let mut y = String::with_capacity(size * 900);
@@ -245,6 +250,18 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
     if args.only.as_deref() == Some("nodeport") {
         let section = programs::nodeport_test_run(args.repeats, args.np_calls, args.np_frontends)?;
         return programs::write_alone(&args.out, section);
+    }
+    if args.only.as_deref() == Some("cold-start") {
+        let mut took = Vec::new();
+        for rep in 0..args.repeats {
+            step(&format!("cold start of the agent binary at 10k Services x 10 endpoints, repeat {}/{}", rep + 1, args.repeats));
+            let (cold, rss) = agent_cold_sync(10_000, scratch, args.cp.agent.as_deref())?;
+            println!("cold start to first sync, 10k x 10 from manifests: {:.3} s, peak RSS {:.1} MiB", cold.as_secs_f64(), rss as f64 / 1048576.0);
+            took.push(cold.as_secs_f64());
+        }
+        let s = spread(&took);
+        println!("median {:.3} s over {} runs (min {:.3} s, max {:.3} s)", s.median, took.len(), s.min, s.max);
+        return Ok(());
     }
     let max = *args.sizes.iter().max().unwrap_or(&1000);
     step("creating namespaces, cgroup and datapath");
@@ -355,7 +372,7 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
         None
     } else {
         step("cold start of the agent binary at 10k Services x 10 endpoints");
-        Some(agent_cold_sync(10_000, scratch)?)
+        Some(agent_cold_sync(10_000, scratch, args.cp.agent.as_deref())?)
     };
     if !socket_only {
         sections.push(programs::nodeport_test_run(args.repeats, args.np_calls, args.np_frontends)?);

@@ -61,7 +61,7 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
         node = %args.node,
         cgroup = %cgroup.display(),
         bpffs = %pin_dir.display(),
-        adopted_frontends = writer.state().len(),
+        adopted_frontends = writer.frontends(),
         "datapath installed"
     );
     // External traffic (issue #5): TC programs on --devices, NodePorts on
@@ -153,11 +153,12 @@ fn sync_once(
         services = cluster.services.len(),
         slices = cluster.slices.len(),
         nodes = cluster.nodes.len(),
-        frontends = writer.state().len(),
+        frontends = writer.frontends(),
         external_frontends = external.tc_frontends(),
         upserts = outcome.upserts,
         deletes = outcome.deletes,
         failed = outcome.failures.len(),
+        took_ms = started.elapsed().as_millis() as u64,
         "synced"
     );
 }

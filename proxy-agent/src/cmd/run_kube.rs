@@ -182,7 +182,7 @@ async fn run_async(node: String, args: KubeArgs, datapath: DatapathArgs) -> anyh
         node = %node,
         cgroup = %cgroup.display(),
         bpffs = %pin_dir.display(),
-        adopted_frontends = writer.state().len(),
+        adopted_frontends = writer.frontends(),
         "datapath installed; the maps keep their state until the API server has been listed"
     );
 
