@@ -473,20 +473,28 @@ impl MapWriter {
         let (service_id, generation) = (old.value.service_id, old.value.generation);
         dead.slots.extend((0..old.value.backend_count).map(|slot| SlotKey { service_id, generation, slot }));
         self.slots_used = self.slots_used.saturating_sub(old.value.backend_count);
+        dead.backends.extend(self.unref_backends(old).into_iter().map(|backend_id| BackendKey { backend_id }));
+    }
+
+    /// Drops one reference from each backend of `old`; returns the ids of
+    /// those nobody uses any more (forgotten here, still in the map).
+    fn unref_backends(&mut self, old: &Programmed) -> Vec<u32> {
+        let mut gone = Vec::new();
         for b in &old.backends {
-            let gone = match self.backend_ids.get_mut(b) {
+            let last = match self.backend_ids.get_mut(b) {
                 Some(e) => {
                     e.1 = e.1.saturating_sub(1);
                     (e.1 == 0).then_some(e.0)
                 }
                 None => None,
             };
-            if let Some(id) = gone {
+            if let Some(id) = last {
                 self.backend_ids.remove(b);
                 self.backend_id_set.remove(&id);
-                dead.backends.push(BackendKey { backend_id: id });
+                gone.push(id);
             }
         }
+        gone
     }
 
     /// Slots first: a slot never names a backend that is gone.
@@ -620,19 +628,8 @@ impl MapWriter {
     fn release(&mut self, old: &Programmed) {
         self.undo_slots(old.value.service_id, old.value.generation, old.value.backend_count);
         self.slots_used = self.slots_used.saturating_sub(old.value.backend_count);
-        for b in &old.backends {
-            let gone = match self.backend_ids.get_mut(b) {
-                Some(e) => {
-                    e.1 = e.1.saturating_sub(1);
-                    (e.1 == 0).then_some(e.0)
-                }
-                None => None,
-            };
-            if let Some(id) = gone {
-                self.backend_ids.remove(b);
-                self.backend_id_set.remove(&id);
-                let _ = self.backends.remove(&BackendKey { backend_id: id });
-            }
+        for backend_id in self.unref_backends(old) {
+            let _ = self.backends.remove(&BackendKey { backend_id });
         }
     }
 
