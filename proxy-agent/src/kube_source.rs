@@ -2,13 +2,13 @@
 //! Services, EndpointSlices and Nodes that convert each object once, when
 //! it arrives, and queue the result for the sync loop (`kube_model`).
 //!
-//! Objects are converted by the same `objects::*_from_json` functions that
-//! read manifests, so both sources agree on every check. Services are
-//! watched as `DynamicObject`: `spec.topologyKeys` (Kubernetes 1.17-1.21)
-//! is not in today's typed `Service`, and a typed watch would drop it on
-//! deserialization. Nodes are watched metadata-only
-//! (`PartialObjectMetadata`): labels are all the agent reads of a Node, and
-//! Node status is large and changes every few seconds (heartbeats), which
+//! Objects are converted by the same `objects` functions that read
+//! manifests, so both sources agree on every check. Services and
+//! EndpointSlices are deserialized into the slim shapes of `wire`, which
+//! keep only what conversion reads (and `spec.topologyKeys`, Kubernetes
+//! 1.17-1.21, which today's typed `Service` would drop). Nodes are watched
+//! metadata-only (`PartialObjectMetadata`): labels are all the agent reads
+//! of a Node, and Node status is large and changes every few seconds (heartbeats), which
 //! would wake the agent for nothing.
 //!
 //! The model only ever changes by whole relists or single events, and a
@@ -27,9 +27,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Node, Service};
-use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::{Api, ApiResource, DynamicObject, PartialObjectMeta};
+use k8s_openapi::api::core::v1::Node;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::watcher::{self, DefaultBackoff};
 use kube::runtime::WatchStreamExt;
 use kube::{Client, Resource};
@@ -43,6 +43,7 @@ pub use crate::kube_model::ObjectProblem;
 use crate::kube_model::{Delta, Model, Object};
 use crate::model::{Cluster, ObjectRef};
 use crate::objects::{self, Converted, SERVICE_NAME_LABEL};
+use crate::wire::{WireService, WireSlice};
 
 /// Services another proxy implements, and headless Services, are not
 /// watched at all; kube-proxy uses the same selector
@@ -135,12 +136,11 @@ impl Stores {
 /// The tasks run until the runtime shuts down.
 pub fn start(client: Client, tx: UnboundedSender<Signal>) -> Stores {
     let stores = Stores::default();
-    let svc_resource = ApiResource::erase::<Service>(&());
-    let services: Api<DynamicObject> = Api::all_with(client.clone(), &svc_resource);
+    let services: Api<WireService> = Api::all(client.clone());
     let svc_config = watcher::Config::default().labels(SERVICE_LABEL_SELECTOR);
-    tokio::spawn(watch_kind(services, svc_config, stores.clone(), Kind::Service, tx.clone(), |_| None, |o| convert(Kind::Service, &o)));
+    tokio::spawn(watch_kind(services, svc_config, stores.clone(), Kind::Service, tx.clone(), |_| None, |s| Some(service_delta(s))));
 
-    let slices: Api<EndpointSlice> = Api::all(client.clone());
+    let slices: Api<WireSlice> = Api::all(client.clone());
     tokio::spawn(watch_kind(slices, watcher::Config::default(), stores.clone(), Kind::EndpointSlice, tx.clone(), slice_trigger_time, |s| Some(slice_delta(s))));
 
     // `Api<PartialObjectMeta<K>>` makes list and watch send the
@@ -152,7 +152,7 @@ pub fn start(client: Client, tx: UnboundedSender<Signal>) -> Stores {
     stores
 }
 
-fn slice_trigger_time(s: &EndpointSlice) -> Option<SystemTime> {
+fn slice_trigger_time(s: &WireSlice) -> Option<SystemTime> {
     let raw = s.metadata.annotations.as_ref()?.get(TRIGGER_TIME_ANNOTATION)?;
     parse_trigger_time(raw)
 }
@@ -327,19 +327,7 @@ pub fn delta_from_value(kind: Kind, v: &Value) -> Delta {
     match kind {
         Kind::Service => {
             d.uid = v.get("metadata").and_then(|m| m.get("uid")).and_then(Value::as_str).map(str::to_string);
-            match objects::service_from_json(v) {
-                Ok((converted, partial)) => {
-                    d.problems.extend(partial.into_iter().map(|error| ObjectProblem {
-                        kind: Kind::Service,
-                        error,
-                        service: Some(id.clone()),
-                    }));
-                    if let Converted::Ok(s) = converted {
-                        d.object = Some(Object::Service(s));
-                    }
-                }
-                Err(error) => d.problems.push(ObjectProblem { kind: Kind::Service, error, service: Some(id) }),
-            }
+            service_result(&mut d, objects::service_from_json(v));
         }
         Kind::EndpointSlice => {
             let owner = v
@@ -358,14 +346,41 @@ pub fn delta_from_value(kind: Kind, v: &Value) -> Delta {
     d
 }
 
-/// A typed slice as the watcher receives it, converted like
+/// A Service as the watcher receives it, converted like
 /// [`delta_from_value`] converts one given as JSON.
-fn slice_delta(s: EndpointSlice) -> Delta {
-    let (id, _) = key_of(&s);
-    let id = ObjectRef::new(if id.namespace.is_empty() { "default".to_string() } else { id.namespace }, id.name);
+fn service_delta(s: WireService) -> Delta {
+    let id = wire_ref(&s.metadata);
+    let mut d = Delta { kind: Kind::Service, id, present: true, uid: s.metadata.uid.clone(), object: None, problems: Vec::new() };
+    service_result(&mut d, objects::service_from_wire(s));
+    d
+}
+
+fn service_result(d: &mut Delta, result: Result<(Converted<crate::model::Service>, Vec<objects::ObjectError>), objects::ObjectError>) {
+    let problem = |error| ObjectProblem { kind: Kind::Service, error, service: Some(d.id.clone()) };
+    match result {
+        Ok((converted, partial)) => {
+            d.problems.extend(partial.into_iter().map(problem));
+            if let Converted::Ok(s) = converted {
+                d.object = Some(Object::Service(s));
+            }
+        }
+        Err(error) => d.problems.push(problem(error)),
+    }
+}
+
+/// namespace/name as `meta_ref` reads them from JSON.
+fn wire_ref(m: &ObjectMeta) -> ObjectRef {
+    let ns = m.namespace.as_deref().filter(|n| !n.is_empty()).unwrap_or("default");
+    ObjectRef::new(ns, m.name.as_deref().unwrap_or_default())
+}
+
+/// A slice as the watcher receives it, converted like
+/// [`delta_from_value`] converts one given as JSON.
+fn slice_delta(s: WireSlice) -> Delta {
+    let id = wire_ref(&s.metadata);
     let owner = s.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL)).map(|name| ObjectRef::new(id.namespace.clone(), name));
     let mut d = Delta { kind: Kind::EndpointSlice, id, present: true, uid: None, object: None, problems: Vec::new() };
-    slice_result(&mut d, owner, objects::slice_from_typed(s));
+    slice_result(&mut d, owner, objects::slice_from_wire(s));
     d
 }
 
@@ -435,15 +450,15 @@ mod tests {
     }
 
     #[test]
-    fn typed_slices_convert_like_json_ones() {
+    fn watched_slices_convert_like_json_ones() {
         let v = json!({
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
             "metadata": {"name": "web-1", "namespace": "shop", "resourceVersion": "7", "labels": {"kubernetes.io/service-name": "web"}},
             "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}, {"port": 0}],
             "endpoints": [{"addresses": ["10.244.0.1"], "nodeName": "a", "conditions": {"ready": false}}, {"addresses": ["nope"]}]
         });
-        let typed: EndpointSlice = serde_json::from_value(v.clone()).expect("typed slice");
-        let d = slice_delta(typed);
+        let wire: WireSlice = serde_json::from_value(v.clone()).expect("wire slice");
+        let d = slice_delta(wire);
         assert_eq!(d, delta_from_value(Kind::EndpointSlice, &v));
         assert_eq!(d.problems.len(), 2, "{:?}", d.problems);
         assert!(matches!(&d.object, Some(Object::Slice(s)) if s.endpoints.len() == 1 && s.ports.len() == 1));

@@ -175,6 +175,14 @@ impl SyncLoop {
                 } else {
                     tracing::info!(kind = kind.as_str(), objects = self.stores.len(kind), "relisted");
                 }
+                // Before the first sync, a listed kind goes into the model
+                // while the others are still listing, instead of on the
+                // first sync's critical path (issue #7, cold sync). The
+                // changes it reports are not needed: the first sync
+                // decides every Service anyway (`changes.all`).
+                if !self.all_listed() && !self.health.is_ready() {
+                    self.model.apply(self.stores.drain());
+                }
                 self.dirty = true;
                 self.mark_pending();
             }

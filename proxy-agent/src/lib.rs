@@ -33,6 +33,7 @@ pub mod sandbox;
 pub mod sync;
 pub mod tc_loader;
 pub mod topology;
+pub mod wire;
 
 /// Default pin directory under the BPF filesystem.
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/topoproxy";

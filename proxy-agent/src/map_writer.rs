@@ -24,13 +24,14 @@
 //! Service and backend ids are read back from the maps when the writer is
 //! opened, so they stay stable across agent restarts.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap as StdHashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::{AsFd, OwnedFd};
 use std::path::Path;
 
 use aya::maps::{HashMap, Map, MapData, MapError, MapInfo};
+use foldhash::{HashMap as FastHashMap, HashSet as FastHashSet};
 use proxy_common as pc;
 use proxy_common::{BackendKey, BackendValue, ServiceKey, ServiceValue, SlotKey, SlotValue};
 
@@ -79,7 +80,7 @@ pub struct MapWriter {
     max_backends: u32,
     programmed: BTreeMap<Frontend, Programmed>,
     /// Backend address to (id, number of frontends using it).
-    backend_ids: StdHashMap<Backend, (u32, u32)>,
+    backend_ids: FastHashMap<Backend, (u32, u32)>,
     /// Slots in use across all frontends (current generations only).
     slots_used: u32,
     service_id_set: BTreeSet<u32>,
@@ -196,7 +197,7 @@ impl MapWriter {
             max_slots,
             max_backends,
             programmed: BTreeMap::new(),
-            backend_ids: StdHashMap::new(),
+            backend_ids: FastHashMap::default(),
             slots_used: 0,
             service_id_set: BTreeSet::new(),
             backend_id_set: BTreeSet::new(),
@@ -676,14 +677,14 @@ impl MapWriter {
 #[derive(Default)]
 struct Chunk {
     staged: Vec<Staged>,
-    frontends: std::collections::HashSet<Frontend>,
+    frontends: FastHashSet<Frontend>,
     service_keys: Vec<ServiceKey>,
     service_values: Vec<ServiceValue>,
     slot_keys: Vec<SlotKey>,
     slot_values: Vec<SlotValue>,
     /// Backends the chunk adds, with the ids reserved for them.
     created: Vec<(Backend, u32)>,
-    created_ids: StdHashMap<Backend, u32>,
+    created_ids: FastHashMap<Backend, u32>,
     /// Frontends of the chunk that are not in the maps yet.
     new_services: u32,
 }

@@ -7,17 +7,15 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
 
-use k8s_openapi::api::core::v1 as core;
-use k8s_openapi::api::discovery::v1 as discovery;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::intern::intern;
 use crate::manifest::Document;
 use crate::model::{
     Cluster, Endpoint, EndpointSlice, Family, Node, ObjectRef, Protocol, Service, ServicePort,
     ServiceType, SlicePort,
 };
+use crate::wire::{FirstAddress, WireService, WireSlice};
 
 /// Label that ties an EndpointSlice to its Service (discovery.k8s.io/v1).
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -118,7 +116,7 @@ fn dup(kind: &str, id: &ObjectRef) -> ObjectError {
 
 fn object_ref(v: &Value) -> (String, String) {
     let meta = v.get("metadata");
-    let ns = meta.and_then(|m| m.get("namespace")).and_then(Value::as_str).unwrap_or("default");
+    let ns = meta.and_then(|m| m.get("namespace")).and_then(Value::as_str).filter(|n| !n.is_empty()).unwrap_or("default");
     let name = meta.and_then(|m| m.get("name")).and_then(Value::as_str).unwrap_or_default();
     (ns.to_string(), name.to_string())
 }
@@ -149,15 +147,24 @@ fn protocol(p: Option<&str>) -> Result<Protocol, String> {
 /// cannot translate) are returned beside the Service, whose other ports
 /// keep working; problems with the Service as a whole are the `Err`.
 pub fn service_from_json(v: &Value) -> Result<(Converted<Service>, Vec<ObjectError>), ObjectError> {
-    const K: &str = "Service";
     let (ns, name) = object_ref(v);
     if name.is_empty() {
-        return Err(fail(K, &ns, &name, "metadata.name is missing"));
+        return Err(fail("Service", &ns, &name, "metadata.name is missing"));
     }
     // Deserialized from the borrowed value: a clone of the whole object
     // per Service cost more than the conversion at 10k Services.
-    let svc =
-        core::Service::deserialize(v).map_err(|e| fail(K, &ns, &name, format!("malformed: {e}")))?;
+    let svc = WireService::deserialize(v).map_err(|e| fail("Service", &ns, &name, format!("malformed: {e}")))?;
+    service_from_wire(svc)
+}
+
+/// [`service_from_json`] for a Service the watcher deserialized.
+pub fn service_from_wire(svc: WireService) -> Result<(Converted<Service>, Vec<ObjectError>), ObjectError> {
+    const K: &str = "Service";
+    let ns = svc.metadata.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".to_string());
+    let name = svc.metadata.name.clone().unwrap_or_default();
+    if name.is_empty() {
+        return Err(fail(K, &ns, &name, "metadata.name is missing"));
+    }
     let labels = svc.metadata.labels.clone().unwrap_or_default();
     if labels.contains_key(SERVICE_PROXY_NAME_LABEL) {
         return Ok((Converted::Ignored("served by another proxy"), Vec::new()));
@@ -165,7 +172,7 @@ pub fn service_from_json(v: &Value) -> Result<(Converted<Service>, Vec<ObjectErr
     if labels.contains_key(HEADLESS_LABEL) {
         return Ok((Converted::Ignored("headless"), Vec::new()));
     }
-    let spec = svc.spec.unwrap_or_default();
+    let mut spec = svc.spec.unwrap_or_default();
     let service_type = match spec.type_.as_deref().unwrap_or("ClusterIP") {
         "ClusterIP" => ServiceType::ClusterIp,
         "NodePort" => ServiceType::NodePort,
@@ -194,7 +201,7 @@ pub fn service_from_json(v: &Value) -> Result<(Converted<Service>, Vec<ObjectErr
     }
     let mut ports = Vec::new();
     let mut problems = Vec::new();
-    for (i, p) in spec.ports.clone().unwrap_or_default().into_iter().enumerate() {
+    for (i, p) in spec.ports.take().unwrap_or_default().into_iter().enumerate() {
         let port = port_u16(p.port).ok_or_else(|| fail(K, &ns, &name, format!("spec.ports[{i}].port {} is out of range 1-65535", p.port)))?;
         let protocol = match protocol(p.protocol.as_deref()) {
             Ok(p) => p,
@@ -211,12 +218,15 @@ pub fn service_from_json(v: &Value) -> Result<(Converted<Service>, Vec<ObjectErr
     }
     // spec.topologyKeys left the API in 1.22 and the typed structs with it,
     // so it is read from the raw object.
-    let topology_keys = match v.get("spec").and_then(|s| s.get("topologyKeys")) {
+    let topology_keys = match spec.topology_keys.take() {
         None | Some(Value::Null) => None,
         Some(Value::Array(items)) => Some(
             items
-                .iter()
-                .map(|k| k.as_str().map(str::to_string))
+                .into_iter()
+                .map(|k| match k {
+                    Value::String(k) => Some(k),
+                    _ => None,
+                })
                 .collect::<Option<Vec<_>>>()
                 .ok_or_else(|| fail(K, &ns, &name, "spec.topologyKeys must be a list of strings"))?,
         ),
@@ -265,17 +275,14 @@ pub fn slice_from_json(v: &Value) -> Result<(Converted<EndpointSlice>, Vec<Objec
     if name.is_empty() {
         return Err(fail(K, &ns, &name, "metadata.name is missing"));
     }
-    let slice: discovery::EndpointSlice =
-        discovery::EndpointSlice::deserialize(v).map_err(|e| fail(K, &ns, &name, format!("malformed: {e}")))?;
-    slice_from_typed(slice)
+    let slice = WireSlice::deserialize(v).map_err(|e| fail(K, &ns, &name, format!("malformed: {e}")))?;
+    slice_from_wire(slice)
 }
 
-/// [`slice_from_json`] for a slice already deserialized (the watchers
-/// receive typed slices; converting them back to JSON first would cost
-/// two more passes over every slice).
-pub fn slice_from_typed(slice: discovery::EndpointSlice) -> Result<(Converted<EndpointSlice>, Vec<ObjectError>), ObjectError> {
+/// [`slice_from_json`] for a slice the watcher deserialized.
+pub fn slice_from_wire(slice: WireSlice) -> Result<(Converted<EndpointSlice>, Vec<ObjectError>), ObjectError> {
     const K: &str = "EndpointSlice";
-    let ns = slice.metadata.namespace.clone().unwrap_or_else(|| "default".to_string());
+    let ns = slice.metadata.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".to_string());
     let name = slice.metadata.name.clone().unwrap_or_default();
     if name.is_empty() {
         return Err(fail(K, &ns, &name, "metadata.name is missing"));
@@ -313,13 +320,16 @@ pub fn slice_from_typed(slice: discovery::EndpointSlice) -> Result<(Converted<En
     // (at 10k slices, doubling growth would hold a third more than needed).
     let mut endpoints = Vec::with_capacity(eps.len());
     for (i, ep) in eps.into_iter().enumerate() {
-        let Some(first) = ep.addresses.first() else {
-            problems.push(fail(K, &ns, &name, format!("endpoints[{i}] has no address; endpoint skipped")));
-            continue;
-        };
-        let Some(address) = parse_ip(first) else {
-            problems.push(fail(K, &ns, &name, format!("endpoints[{i}] address {first:?} is not an IP address; endpoint skipped")));
-            continue;
+        let address = match ep.addresses {
+            FirstAddress::Ip(ip) => ip,
+            FirstAddress::Missing => {
+                problems.push(fail(K, &ns, &name, format!("endpoints[{i}] has no address; endpoint skipped")));
+                continue;
+            }
+            FirstAddress::Invalid(first) => {
+                problems.push(fail(K, &ns, &name, format!("endpoints[{i}] address {first:?} is not an IP address; endpoint skipped")));
+                continue;
+            }
         };
         if Family::of(&address) != family {
             problems.push(fail(K, &ns, &name, format!("endpoints[{i}] address {address} does not match addressType {}; endpoint skipped", slice.address_type)));
@@ -335,10 +345,10 @@ pub fn slice_from_typed(slice: discovery::EndpointSlice) -> Result<(Converted<En
             ready,
             serving: cond.serving.unwrap_or(ready),
             terminating: cond.terminating.unwrap_or(false),
-            node_name: ep.node_name.as_deref().map(intern),
-            zone: ep.zone.as_deref().map(intern),
-            hint_zones: hints.for_zones.map(|z| z.iter().map(|z| intern(&z.name)).collect()),
-            hint_nodes: hints.for_nodes.map(|n| n.iter().map(|n| intern(&n.name)).collect()),
+            node_name: ep.node_name.map(|n| n.0),
+            zone: ep.zone.map(|z| z.0),
+            hint_zones: hints.for_zones.map(|z| z.into_iter().map(|z| z.name.0).collect()),
+            hint_nodes: hints.for_nodes.map(|n| n.into_iter().map(|n| n.name.0).collect()),
         });
     }
     Ok((

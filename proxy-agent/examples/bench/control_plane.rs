@@ -567,7 +567,7 @@ impl Results {
         let mut md = String::new();
         let n = self.cold_sync_s.len();
         let _ = writeln!(md, "## Control plane through the API server\n");
-        let _ = writeln!(md, "{} in Kubernetes mode (`proxy-agent run --kubeconfig ...`{}) against the stand-in API server (`tests/support/apiserver.rs`: real list/watch over HTTP, kube-rs's unmodified watchers, list pages of 500). {} Services x {ENDPOINTS} endpoints, every endpoint a distinct address, one TCP port each. {n} repeats; medians with the spread (min–max).\n",
+        let _ = writeln!(md, "{} in Kubernetes mode (`proxy-agent run --kubeconfig ...`{}) against the stand-in API server (`tests/support/apiserver.rs`: real list/watch over HTTP, kube-rs's unmodified watchers, list pages of 500; it keeps each object's JSON rendered, because a real API server would not share the agent's cores). {} Services x {ENDPOINTS} endpoints, every endpoint a distinct address, one TCP port each. {n} repeats; medians with the spread (min–max).\n",
             self.agent_label(), if self.agent_flags.is_empty() { String::new() } else { format!(" `{}`", self.agent_flags.join(" ")) }, o.services);
         let _ = writeln!(md, "| what | median (min–max) |\n|---|---|");
         let _ = writeln!(md, "| cold sync: agent spawned until its first sync has written every map | {} |", s_spread(&self.cold_sync_s, "s", 1.0, 3));

@@ -125,6 +125,13 @@ struct State {
     /// Watches and continue tokens from versions below this get 410 Gone.
     compacted: u64,
     objects: BTreeMap<Key, Value>,
+    /// Each current object as a list item (JSON without kind/apiVersion),
+    /// rendered when it changes. The API server keeps objects decoded in
+    /// its watch cache and serializes every list, but it runs on other
+    /// machines: here it shares the agent's cores, and rendering 20k
+    /// objects per cold sync took most of a core away from the agent being
+    /// measured (issue #7).
+    items: BTreeMap<Key, String>,
     history: Vec<Arc<Change>>,
     tx: broadcast::Sender<Msg>,
     events: Vec<Value>,
@@ -201,6 +208,7 @@ impl State {
         meta.insert("creationTimestamp".into(), json!(created));
         obj["metadata"] = Value::Object(meta);
         obj["apiVersion"] = json!(key.0.api_version());
+        self.items.insert(key.clone(), untyped_json(&obj));
         self.objects.insert(key.clone(), obj.clone());
         let ty = if old.is_some() { ChangeType::Modified } else { ChangeType::Added };
         self.record(key.0, ty, obj, old);
@@ -209,6 +217,7 @@ impl State {
 
     fn delete(&mut self, key: &Key) -> bool {
         let Some(old) = self.objects.remove(key) else { return false };
+        self.items.remove(key);
         self.rv += 1;
         let mut last = old.clone();
         last["metadata"]["resourceVersion"] = json!(self.rv.to_string());
@@ -261,6 +270,7 @@ impl ApiServer {
             rv: first_rv,
             compacted: first_rv,
             objects: BTreeMap::new(),
+            items: BTreeMap::new(),
             history: Vec::new(),
             tx,
             events: Vec::new(),
@@ -807,14 +817,14 @@ fn list(
     // object of the kind for each page would make a paged list of N objects
     // cost O(N^2 / page) (the API server serves lists from its watch cache).
     let historic;
-    let all: Vec<&Value> = if at >= s.rv {
-        s.objects.iter().filter(|(k, _)| k.0 == res).map(|(_, o)| o).filter(|o| filter.matches(o)).collect()
+    let all: Vec<(&Key, &Value)> = if at >= s.rv {
+        s.objects.iter().filter(|(k, _)| k.0 == res).filter(|(_, o)| filter.matches(o)).collect()
     } else {
         historic = s.state_at(res, at);
-        historic.values().filter(|o| filter.matches(o)).collect()
+        historic.iter().filter(|(_, o)| filter.matches(o)).collect()
     };
     let limit = q.get("limit").and_then(|l| l.parse::<usize>().ok()).filter(|l| *l > 0).unwrap_or(usize::MAX);
-    let page: Vec<&Value> = all.iter().skip(offset).take(limit).copied().collect();
+    let page: Vec<(&Key, &Value)> = all.iter().skip(offset).take(limit).copied().collect();
     let next = offset.saturating_add(page.len());
     let mut metadata = json!({"resourceVersion": at.to_string()});
     if next < all.len() {
@@ -834,12 +844,15 @@ fn list(
         json!(api_version),
         metadata
     );
-    for (i, o) in page.iter().enumerate() {
+    for (i, (k, o)) in page.iter().enumerate() {
         if i > 0 {
             body.push(',');
         }
-        let item = if meta_only { present(res, o, true, true).to_string() } else { untyped_json(o) };
-        body.push_str(&item);
+        match s.items.get(*k).filter(|_| !meta_only && at >= s.rv) {
+            Some(item) => body.push_str(item),
+            None if meta_only => body.push_str(&present(res, o, true, true).to_string()),
+            None => body.push_str(&untyped_json(o)),
+        }
     }
     body.push_str("]}");
     let mut r = Response::new(Full::new(Bytes::from(body)).boxed());
