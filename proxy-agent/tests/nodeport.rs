@@ -696,6 +696,7 @@ fn node_address_changes_are_followed_without_a_restart() {
 // ---------------------------------------------------------------------------
 
 mod test_run {
+    use super::support::checksum::csum;
     use super::*;
     use proxy_agent::decision::ExternalState;
     use proxy_agent::model::{Backend, Frontend, Protocol};
@@ -707,16 +708,6 @@ mod test_run {
         let r = proxy_agent::prog_test_run::run(prog_fd, frame, &mut out, 1).expect("BPF_PROG_TEST_RUN");
         out.truncate(r.out_len);
         (r.retval, out)
-    }
-
-    fn csum(data: &[u8], mut sum: u32) -> u16 {
-        for c in data.chunks(2) {
-            sum += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
-        }
-        while sum > 0xffff {
-            sum = (sum & 0xffff) + (sum >> 16);
-        }
-        !(sum as u16)
     }
 
     /// An Ethernet frame with an IPv4 header (plus `options`) and `l4`.

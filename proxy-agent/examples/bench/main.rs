@@ -7,6 +7,8 @@
 //! the benchmark issue are checked here and reported, never asserted in
 //! tests.
 
+#[path = "../../tests/support/checksum.rs"]
+mod checksum;
 mod control_plane;
 mod forwarding;
 mod programs;

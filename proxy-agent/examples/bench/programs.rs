@@ -23,6 +23,7 @@ use proxy_agent::nodeport::NodePortWriter;
 use proxy_agent::sandbox::{Cgroup, PinDir};
 use serde_json::json;
 
+use crate::checksum::csum;
 use crate::report::{Section, Spread, Target, spread, svg_bars};
 use crate::workload::{self, Proto};
 
@@ -162,16 +163,6 @@ fn ns(s: &Spread) -> String {
 fn test_run(prog_fd: i32, frame: &[u8], out: &mut [u8], repeat: u32) -> Result<(i32, u32)> {
     let r = proxy_agent::prog_test_run::run(prog_fd, frame, out, repeat).context("BPF_PROG_TEST_RUN")?;
     Ok((r.retval, r.duration_ns))
-}
-
-fn csum(data: &[u8], mut sum: u32) -> u16 {
-    for c in data.chunks(2) {
-        sum += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
-    }
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    !(sum as u16)
 }
 
 /// Ethernet + IPv4 + TCP (no options) with valid checksums.

@@ -12,7 +12,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use proxy_agent::map_dump::{self, NodePortReport, Report};
+use proxy_agent::map_dump::{self, BackendView, NodePortReport, Report, SlotView};
 use proxy_agent::DEFAULT_BPFFS;
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -64,20 +64,11 @@ fn table(out: &mut impl Write, r: &Report) -> std::io::Result<()> {
             s.backend_count,
             if s.backend_count == 1 { "" } else { "s" }
         )?;
-        for slot in &s.slots {
-            match (slot.backend_id, &slot.backend) {
-                (Some(id), Some(addr)) => writeln!(out, "  [{}] #{id} {addr}", slot.slot)?,
-                (Some(id), None) => writeln!(out, "  [{}] #{id} (no such backend)", slot.slot)?,
-                (None, _) => writeln!(out, "  [{}] (missing slot)", slot.slot)?,
-            }
-        }
+        slot_lines(out, "  ", &s.slots)?;
     }
     writeln!(out)?;
     writeln!(out, "backends: {}", r.backends.len())?;
-    for b in &r.backends {
-        let addr = b.address.as_deref().unwrap_or("(undecodable)");
-        writeln!(out, "  #{} {addr}  used by {} slot{}", b.backend_id, b.slots, if b.slots == 1 { "" } else { "s" })?;
-    }
+    backend_lines(out, "  ", &r.backends)?;
     writeln!(out)?;
     let counters: Vec<String> = r.counters.iter().map(|(k, v)| format!("{k}={v}")).collect();
     writeln!(out, "counters: {}", counters.join(" "))?;
@@ -97,6 +88,27 @@ fn table(out: &mut impl Write, r: &Report) -> std::io::Result<()> {
             };
             writeln!(out, "  {severity}: {}", f.message)?;
         }
+    }
+    Ok(())
+}
+
+/// One line per slot of a frontend (socket and TC maps alike).
+fn slot_lines(out: &mut impl Write, indent: &str, slots: &[SlotView]) -> std::io::Result<()> {
+    for slot in slots {
+        match (slot.backend_id, &slot.backend) {
+            (Some(id), Some(addr)) => writeln!(out, "{indent}[{}] #{id} {addr}", slot.slot)?,
+            (Some(id), None) => writeln!(out, "{indent}[{}] #{id} (no such backend)", slot.slot)?,
+            (None, _) => writeln!(out, "{indent}[{}] (missing slot)", slot.slot)?,
+        }
+    }
+    Ok(())
+}
+
+/// One line per backend with the number of slots that use it.
+fn backend_lines(out: &mut impl Write, indent: &str, backends: &[BackendView]) -> std::io::Result<()> {
+    for b in backends {
+        let addr = b.address.as_deref().unwrap_or("(undecodable)");
+        writeln!(out, "{indent}#{} {addr}  used by {} slot{}", b.backend_id, b.slots, if b.slots == 1 { "" } else { "s" })?;
     }
     Ok(())
 }
@@ -136,19 +148,10 @@ fn nodeport_table(out: &mut impl Write, np: &NodePortReport) -> std::io::Result<
             if s.backend_count == 1 { "" } else { "s" },
             s.external_traffic_policy.unwrap_or("Cluster"),
         )?;
-        for slot in &s.slots {
-            match (slot.backend_id, &slot.backend) {
-                (Some(id), Some(addr)) => writeln!(out, "    [{}] #{id} {addr}", slot.slot)?,
-                (Some(id), None) => writeln!(out, "    [{}] #{id} (no such backend)", slot.slot)?,
-                (None, _) => writeln!(out, "    [{}] (missing slot)", slot.slot)?,
-            }
-        }
+        slot_lines(out, "    ", &s.slots)?;
     }
     writeln!(out, "  backends: {}", np.backends.len())?;
-    for b in &np.backends {
-        let addr = b.address.as_deref().unwrap_or("(undecodable)");
-        writeln!(out, "    #{} {addr}  used by {} slot{}", b.backend_id, b.slots, if b.slots == 1 { "" } else { "s" })?;
-    }
+    backend_lines(out, "    ", &np.backends)?;
     writeln!(out, "  local endpoints: {}", if np.local_endpoints.is_empty() { "none".to_string() } else { np.local_endpoints.join(" ") })?;
     writeln!(out, "  conntrack: {} entries", np.conntrack.len())?;
     for c in np.conntrack.iter().take(CONNTRACK_LISTED) {

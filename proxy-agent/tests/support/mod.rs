@@ -4,6 +4,7 @@
 #![allow(dead_code)] // each test binary uses a different subset
 
 pub mod apiserver;
+pub mod checksum;
 
 use std::collections::BTreeSet;
 use std::fs;
