@@ -201,3 +201,74 @@ fn an_ipv4_service_dialled_as_an_ipv4_mapped_address_from_an_ipv6_socket() {
     let r = node.probe(&net, &["--to", "[::ffff:10.96.0.11]:80"]);
     assert_eq!(r[0]["errno"], 101, "{}", r[0]);
 }
+
+#[test]
+fn a_udp_reply_read_after_an_upgrade_from_an_agent_without_socket_storage_shows_the_service() {
+    use std::io::{BufRead, BufReader, Write};
+    use std::process::Stdio;
+
+    use aya::maps::{Array, HashMap, Map, MapData};
+    use proxy_agent::map_writer::backend_value;
+    use proxy_agent::model::Backend;
+    use proxy_agent::sandbox::{Guarded, command_in};
+    use proxy_common::{SOCK_CONFIG_MAP, SOCK_PEER_MAP, SOCK_REVNAT_MAP, SockConfig, SockRevNatKey, SockRevNatValue};
+
+    let (net, mut node) = setup();
+    // One endpoint, so the backend the socket reaches is known.
+    node.write_manifest(
+        "dns2.yaml",
+        &ServiceSpec {
+            name: "dns2",
+            cluster_ips: &["10.96.0.20"],
+            ports: &[("dns", 53, "UDP", 8080)],
+            endpoints: &[("10.244.0.3", true, "node-a")],
+            extra_spec: "",
+            annotations: "",
+        }
+        .yaml(),
+    );
+    wait_for_backends(&node, &net, "10.96.0.20:53", &["--udp"], &["pod-c"]);
+
+    // A pod sends a query; the reply waits in its socket until it reads.
+    let mut cmd = command_in(agent_bin(), Some(&net.netns), Some(&node.cgroup)).expect("probe command");
+    cmd.arg("probe").args(["--to", "10.96.0.20:53", "--udp", "--hold", "--timeout-ms", "20000"]);
+    cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    let mut probe = Guarded::spawn(&mut cmd).expect("start probe");
+    let mut stdin = probe.0.stdin.take().expect("probe stdin");
+    let mut lines = BufReader::new(probe.0.stdout.take().expect("probe stdout")).lines();
+    let held: serde_json::Value = serde_json::from_str(&lines.next().expect("held line").expect("read")).expect("json");
+    let cookie = held["cookie"].as_u64().unwrap_or_else(|| panic!("no cookie: {held}"));
+
+    // What an agent from before SOCK_PEER leaves behind: the socket's
+    // reverse entry in SOCK_REVNAT only, and no SOCK_PEER or SOCK_CONFIG.
+    let backend = backend_value(&Backend { ip: "10.244.0.3".parse().expect("ip"), port: 8080 });
+    let service = backend_value(&Backend { ip: "10.96.0.20".parse().expect("ip"), port: 53 });
+    let revnat = MapData::from_pin(node.pins.path().join(SOCK_REVNAT_MAP)).expect("open SOCK_REVNAT");
+    let mut revnat: HashMap<_, SockRevNatKey, SockRevNatValue> = HashMap::try_from(Map::LruHashMap(revnat)).expect("SOCK_REVNAT");
+    let key = SockRevNatKey { cookie, ip_be: backend.ip_be, port_be: backend.port_be, family: backend.family, _pad: [0; 5] };
+    let value = SockRevNatValue { ip_be: service.ip_be, port_be: service.port_be, family: service.family, _pad: 0 };
+    revnat.insert(key, value, 0).expect("write SOCK_REVNAT");
+    drop(revnat);
+    node.stop_agent();
+    for map in [SOCK_PEER_MAP, SOCK_CONFIG_MAP] {
+        std::fs::remove_file(node.pins.path().join(map)).expect("remove pin");
+    }
+
+    // The upgrade: the new agent finds no SOCK_PEER, so it records which
+    // sockets may have their reverse entry only in SOCK_REVNAT.
+    node.start_agent();
+    let below = eventually("SOCK_CONFIG written by the upgraded agent", || {
+        let data = MapData::from_pin(node.pins.path().join(SOCK_CONFIG_MAP)).map_err(|e| e.to_string())?;
+        let config: Array<_, SockConfig> = Array::try_from(Map::Array(data)).map_err(|e| e.to_string())?;
+        let below = config.get(&0, 0).map_err(|e| e.to_string())?.legacy_revnat_cookie_below;
+        if below == 0 { Err("not yet".to_string()) } else { Ok(below) }
+    });
+    assert!(cookie < below, "the held socket ({cookie}) predates the upgrade ({below})");
+
+    writeln!(stdin, "go").expect("release probe");
+    let r: serde_json::Value = serde_json::from_str(&lines.next().expect("result line").expect("read")).expect("json");
+    assert_eq!(r["ok"], true, "{r}");
+    assert_eq!(r["reply"], "pod-c", "{r}");
+    assert_eq!(r["peer"], "10.96.0.20:53", "recvfrom shows the Service, as before the upgrade: {r}");
+    drop(probe);
+}

@@ -108,6 +108,7 @@ const TESTS: [(&str, &[&str]); 2] = [
             "udp_is_translated_both_ways_and_sticks_to_one_backend_per_socket",
             "one_udp_socket_talking_to_two_services_and_a_pod_sees_each_true_source",
             "an_ipv4_service_dialled_as_an_ipv4_mapped_address_from_an_ipv6_socket",
+            "a_udp_reply_read_after_an_upgrade_from_an_agent_without_socket_storage_shows_the_service",
         ],
     ),
 ];

@@ -4,6 +4,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, UdpSocket};
+use std::os::fd::AsRawFd;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -37,6 +38,12 @@ pub struct ProbeArgs {
     message: String,
     #[arg(long, default_value_t = 2000)]
     timeout_ms: u64,
+    /// With --udp: after the first datagram is sent, print the socket's
+    /// cookie (`{"held":true,"cookie":N}`) and wait for a line on stdin
+    /// before reading the reply, so a test can change the datapath (e.g.
+    /// upgrade the agent) while a reply waits in the socket.
+    #[arg(long, hide = true)]
+    hold: bool,
 }
 
 pub fn probe(args: ProbeArgs) -> anyhow::Result<ExitCode> {
@@ -97,6 +104,9 @@ fn udp_once(args: &ProbeArgs, timeout: Duration) -> serde_json::Value {
             if let Err(e) = sent {
                 return failure("send", &e);
             }
+            if args.hold && replies.is_empty() {
+                hold(&s);
+            }
             match s.recv_from(&mut buf) {
                 Ok((n, from)) => {
                     replies.push(String::from_utf8_lossy(&buf[..n]).trim().to_string());
@@ -119,4 +129,22 @@ fn udp_once(args: &ProbeArgs, timeout: Duration) -> serde_json::Value {
         "sameBackend": same,
         "connectedPeer": connected_peer,
     })
+}
+
+/// See `--hold`. The reverse translation runs when the application reads
+/// (cgroup/recvmsg hooks run in recvmsg(), not on arrival), so a reply
+/// read after the wait meets whatever datapath is installed by then.
+fn hold(s: &UdpSocket) {
+    let mut cookie: u64 = 0;
+    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
+    // SAFETY: SO_COOKIE writes a u64 into the buffer we pass with its size.
+    let rc = unsafe { libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_COOKIE, (&raw mut cookie).cast(), &raw mut len) };
+    let cookie = if rc == 0 { json!(cookie) } else { json!(null) };
+    let out = std::io::stdout();
+    let mut lock = out.lock();
+    let _ = writeln!(lock, "{}", json!({"held": true, "cookie": cookie}));
+    let _ = lock.flush();
+    drop(lock);
+    let mut line = String::new();
+    let _ = std::io::stdin().read_line(&mut line);
 }
