@@ -1,7 +1,9 @@
-//! `BPF_MAP_UPDATE_BATCH` and `BPF_MAP_DELETE_BATCH`: many map entries in
-//! one bpf(2) call. aya 0.14 has no wrapper for them, so this is the raw
-//! syscall. A cold sync of 10,000 Services writes some 200,000 entries;
-//! one syscall per entry costs more than the hash map updates themselves.
+//! `BPF_MAP_UPDATE_BATCH`, `BPF_MAP_DELETE_BATCH` and
+//! `BPF_MAP_LOOKUP_BATCH`: many map entries in one bpf(2) call. aya 0.14
+//! has no wrapper for them, so this is the raw syscall. A cold sync of
+//! 10,000 Services writes some 200,000 entries, and an agent restart reads
+//! them back; one syscall per entry (two when iterating) costs more than
+//! the hash map operations themselves.
 //!
 //! The kernel applies the elements in order and stops at the first one that
 //! fails, reporting in `count` how many it applied before it
@@ -28,6 +30,7 @@ struct BatchAttr {
     flags: u64,
 }
 
+const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
 
@@ -47,10 +50,10 @@ const MAX_PER_CALL: usize = 1 << 20;
 fn call(cmd: libc::c_long, attr: &mut BatchAttr) -> Result<(), io::Error> {
     // SAFETY: `attr` is a valid `bpf_attr` prefix for the batch commands
     // and the key/value buffers it points at outlive the call; the kernel
-    // reads `count` elements of the map's key and value size from them,
-    // which the callers guarantee by passing slices of the map's key and
-    // value types (aya checked their sizes against the map when it was
-    // opened).
+    // reads (update, delete) or writes (lookup) `count` elements of the
+    // map's key and value size there, which the callers guarantee by
+    // passing buffers of the map's key and value types (aya checked their
+    // sizes against the map when it was opened).
     let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut BatchAttr, size_of::<BatchAttr>()) };
     if rc != 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
 }
@@ -103,4 +106,61 @@ pub fn delete<K: aya::Pod>(map: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchE
         }
     }
     Ok(())
+}
+
+/// Entries asked for per lookup call at first; doubled when one hash
+/// bucket holds more (ENOSPC).
+const LOOKUP_PER_CALL: usize = 8192;
+
+/// Every entry of a hash or array map, in the kernel's order. `K` and `V`
+/// must be the map's key and value types. Entries changed during the read
+/// may or may not be seen, as with key-by-key iteration; an error means the
+/// kernel cannot batch this map (hash maps can since Linux 5.6), and the
+/// caller iterates instead.
+pub fn lookup_all<K: aya::Pod, V: aya::Pod>(map: BorrowedFd<'_>) -> io::Result<Vec<(K, V)>> {
+    let mut per_call = LOOKUP_PER_CALL;
+    // SAFETY: aya::Pod types are plain data for which all-zero bytes are a
+    // valid value; the kernel overwrites the ones it reports.
+    let zero_k: K = unsafe { std::mem::zeroed() };
+    let zero_v: V = unsafe { std::mem::zeroed() };
+    let mut keys = vec![zero_k; per_call];
+    let mut values = vec![zero_v; per_call];
+    // The resume position: a bucket index (u32) for hash maps, a key for
+    // arrays (kernel/bpf/hashtab.c, kernel/bpf/syscall.c
+    // generic_map_lookup_batch); opaque here, so sized for either.
+    let token_len = size_of::<K>().max(size_of::<u64>()).div_ceil(8);
+    let mut token_in = vec![0u64; token_len];
+    let mut token_out = vec![0u64; token_len];
+    let mut first = true;
+    let mut out = Vec::new();
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if first { 0 } else { token_in.as_mut_ptr() as u64 },
+            out_batch: token_out.as_mut_ptr() as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: values.as_mut_ptr() as u64,
+            count: per_call as u32,
+            map_fd: map.as_raw_fd() as u32,
+            ..Default::default()
+        };
+        let r = call(BPF_MAP_LOOKUP_BATCH, &mut attr);
+        let got = (attr.count as usize).min(per_call);
+        out.extend(keys[..got].iter().copied().zip(values[..got].iter().copied()));
+        match r {
+            Ok(()) => {
+                std::mem::swap(&mut token_in, &mut token_out);
+                first = false;
+            }
+            // The end of the map; the last call may still have returned some.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(out),
+            // One hash bucket holds more entries than we asked for: ask
+            // again from the same position with room for more.
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && got == 0 && per_call < MAX_PER_CALL => {
+                per_call *= 2;
+                keys.resize(per_call, zero_k);
+                values.resize(per_call, zero_v);
+            }
+            Err(e) => return Err(e),
+        }
+    }
 }

@@ -175,3 +175,41 @@ fn deleting_a_frontend_whose_slots_are_partly_gone_removes_the_rest() {
     assert!(w.apply(&Plan { upserts: vec![], deletes: vec![fe(0), fe(1)] }).is_empty());
     assert_eq!(counts(dp.pins.path()), (0, 0, 0));
 }
+
+#[test]
+fn a_restarted_writer_reads_everything_back_in_batches_and_drops_leftovers() {
+    use std::os::fd::AsFd;
+
+    let dp = datapath(Capacities::default());
+    let mut w = MapWriter::open(dp.pins.path()).expect("open");
+    // 2,000 x 10 slots: several lookup calls per map.
+    let want: State = (0..2000).map(|i| (fe(i), (i..i + 10).map(be).collect())).collect();
+    assert!(w.apply(&plan::diff(&w.state(), &want)).is_empty());
+    drop(w);
+
+    // Batched reads return what key-by-key iteration returns.
+    let mut slots: HashMap<MapData, SlotKey, SlotValue> = open(dp.pins.path(), "SLOTS");
+    let data = MapData::from_pin(dp.pins.path().join("SLOTS")).expect("open SLOTS");
+    let mut batched: Vec<(SlotKey, SlotValue)> = proxy_agent::bpf_batch::lookup_all(data.fd().as_fd()).expect("lookup batch");
+    let mut iterated: Vec<(SlotKey, SlotValue)> = slots.iter().map(|r| r.expect("entry")).collect();
+    batched.sort_by_key(|(k, _)| *k);
+    iterated.sort_by_key(|(k, _)| *k);
+    assert_eq!(batched.len(), 20_000);
+    assert!(batched == iterated, "batched and iterated reads differ");
+
+    // What an agent killed in the middle of an update leaves: slots of a
+    // generation no service entry points at, and a backend no slot uses.
+    let services: HashMap<MapData, ServiceKey, ServiceValue> = open(dp.pins.path(), "SERVICES");
+    let first = services.get(&service_key(&fe(0)), 0).expect("fe(0)");
+    for slot in 0..3 {
+        slots.insert(SlotKey { service_id: first.service_id, generation: first.generation + 1, slot }, SlotValue { backend_id: 1 }, 0).expect("stale slot");
+    }
+    let mut backends: HashMap<MapData, BackendKey, BackendValue> = open(dp.pins.path(), "BACKENDS");
+    let orphan = backends.get(&BackendKey { backend_id: 1 }, 0).expect("backend 1");
+    backends.insert(BackendKey { backend_id: 999_999 }, orphan, 0).expect("orphan backend");
+
+    let w = MapWriter::open(dp.pins.path()).expect("reopen");
+    assert!(w.state() == want, "read back {} frontends", w.state().len());
+    let backends_used: BTreeSet<&Backend> = want.values().flatten().collect();
+    assert_eq!(counts(dp.pins.path()), (2000, 20_000, backends_used.len()), "leftovers removed");
+}
