@@ -177,9 +177,20 @@ struct Cell {
     failed: usize,
 }
 
-/// Cold start of the real agent binary on a manifest of `size` Services
-/// x 10 endpoints: time until its first sync is logged, and its peak RSS.
-fn agent_cold_sync(size: usize, scratch: &Path, agent: Option<&Path>) -> Result<(Duration, u64)> {
+/// One cold start and one restart of the real agent binary on a manifest
+/// of `size` Services x 10 endpoints.
+struct AgentStart {
+    /// Spawn to first sync on empty pins.
+    cold: Duration,
+    /// Peak RSS of the cold start.
+    rss: u64,
+    /// Spawn to first sync of a second agent on the first one's pins: it
+    /// adopts what is pinned (reads every map back) and finds nothing to
+    /// write, as after an upgrade or a crash.
+    restart: Duration,
+}
+
+fn agent_starts(size: usize, scratch: &Path, agent: Option<&Path>) -> Result<AgentStart> {
     let exe = std::env::current_exe()?;
     let agent = match agent {
         Some(a) => a.to_path_buf(),
@@ -198,37 +209,63 @@ fn agent_cold_sync(size: usize, scratch: &Path, agent: Option<&Path>) -> Result<
     fs::write(dir.join("cluster.yaml"), y)?;
     let cg = Cgroup::new("tpb")?;
     let pins = PinDir::new("tpb")?;
-    let log = scratch.join(format!("agent-{size}.log"));
-    let t = Instant::now();
-    let mut child = proxy_agent::sandbox::Guarded::spawn(
-        Command::new(&agent)
-            .args(["run", "--node", "bench", "--poll-interval-ms", "20", "--manifests"])
-            .arg(&dir)
-            .arg("--cgroup")
-            .arg(cg.path())
-            .arg("--bpffs")
-            .arg(pins.path())
-            // Host network namespace: no TC program on the host's interfaces.
-            .args(["--devices", "none"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(fs::File::create(&log)?),
-    )?;
-    let deadline = Instant::now() + Duration::from_secs(300);
-    loop {
-        if fs::read_to_string(&log).unwrap_or_default().contains(" synced") {
-            break;
+    // Spawn to the first "synced" line; returns that time and the peak RSS.
+    let run = |log: PathBuf| -> Result<(Duration, u64)> {
+        let t = Instant::now();
+        let mut child = proxy_agent::sandbox::Guarded::spawn(
+            Command::new(&agent)
+                .args(["run", "--node", "bench", "--poll-interval-ms", "20", "--manifests"])
+                .arg(&dir)
+                .arg("--cgroup")
+                .arg(cg.path())
+                .arg("--bpffs")
+                .arg(pins.path())
+                // Host network namespace: no TC program on the host's interfaces.
+                .args(["--devices", "none"])
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(fs::File::create(&log)?),
+        )?;
+        let deadline = Instant::now() + Duration::from_secs(300);
+        loop {
+            if fs::read_to_string(&log).unwrap_or_default().contains(" synced") {
+                break;
+            }
+            if Instant::now() > deadline || child.0.try_wait()?.is_some() {
+                bail!("agent did not sync: {}", fs::read_to_string(&log).unwrap_or_default());
+            }
+            std::thread::sleep(Duration::from_millis(5));
         }
-        if Instant::now() > deadline || child.0.try_wait()?.is_some() {
-            bail!("agent did not sync: {}", fs::read_to_string(&log).unwrap_or_default());
+        let took = t.elapsed();
+        let status = fs::read_to_string(format!("/proc/{}/status", child.0.id())).unwrap_or_default();
+        let hwm_kib: u64 = status.lines().find_map(|l| l.strip_prefix("VmHWM:")).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0);
+        child.terminate(Duration::from_secs(5))?;
+        Ok((took, hwm_kib * 1024))
+    };
+    let (cold, rss) = run(scratch.join(format!("agent-{size}.log")))?;
+    let (restart, _) = run(scratch.join(format!("agent-{size}-restart.log")))?;
+    Ok(AgentStart { cold, rss, restart })
+}
+
+/// `repeats` cold starts and restarts; (cold, peak RSS, restart) spreads.
+fn agent_start_repeats(repeats: usize, scratch: &Path, agent: Option<&Path>, verbose: bool) -> Result<(Spread, Spread, Spread)> {
+    let (mut cold, mut rss, mut restart) = (Vec::new(), Vec::new(), Vec::new());
+    for rep in 0..repeats.max(1) {
+        step(&format!("cold start and restart of the agent binary at 10k Services x 10 endpoints, repeat {}/{}", rep + 1, repeats.max(1)));
+        let s = agent_starts(10_000, scratch, agent)?;
+        if verbose {
+            println!(
+                "10k x 10 from manifests: cold start to first sync {:.3} s, peak RSS {:.1} MiB; restart on the pinned maps to first sync {:.3} s",
+                s.cold.as_secs_f64(),
+                s.rss as f64 / 1048576.0,
+                s.restart.as_secs_f64()
+            );
         }
-        std::thread::sleep(Duration::from_millis(5));
+        cold.push(s.cold.as_secs_f64());
+        rss.push(s.rss as f64);
+        restart.push(s.restart.as_secs_f64());
     }
-    let took = t.elapsed();
-    let status = fs::read_to_string(format!("/proc/{}/status", child.0.id())).unwrap_or_default();
-    let hwm_kib: u64 = status.lines().find_map(|l| l.strip_prefix("VmHWM:")).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0);
-    child.terminate(Duration::from_secs(5))?;
-    Ok((took, hwm_kib * 1024))
+    Ok((spread(&cold), spread(&rss), spread(&restart)))
 }
 
 fn main() -> Result<()> {
@@ -254,15 +291,18 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
         return programs::write_alone(&args.out, section);
     }
     if args.only.as_deref() == Some("cold-start") {
-        let mut took = Vec::new();
-        for rep in 0..args.repeats {
-            step(&format!("cold start of the agent binary at 10k Services x 10 endpoints, repeat {}/{}", rep + 1, args.repeats));
-            let (cold, rss) = agent_cold_sync(10_000, scratch, args.cp.agent.as_deref())?;
-            println!("cold start to first sync, 10k x 10 from manifests: {:.3} s, peak RSS {:.1} MiB", cold.as_secs_f64(), rss as f64 / 1048576.0);
-            took.push(cold.as_secs_f64());
-        }
-        let s = spread(&took);
-        println!("median {:.3} s over {} runs (min {:.3} s, max {:.3} s)", s.median, took.len(), s.min, s.max);
+        let (cold, rss, restart) = agent_start_repeats(args.repeats, scratch, args.cp.agent.as_deref(), true)?;
+        println!(
+            "medians over {} runs: cold start {:.3} s ({:.3}–{:.3}), peak RSS {:.1} MiB, restart {:.3} s ({:.3}–{:.3})",
+            args.repeats.max(1),
+            cold.median,
+            cold.min,
+            cold.max,
+            rss.median / 1048576.0,
+            restart.median,
+            restart.min,
+            restart.max
+        );
         return Ok(());
     }
     let max = *args.sizes.iter().max().unwrap_or(&1000);
@@ -383,8 +423,7 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
     let cold = if socket_only {
         None
     } else {
-        step("cold start of the agent binary at 10k Services x 10 endpoints");
-        Some(agent_cold_sync(10_000, scratch, args.cp.agent.as_deref())?)
+        Some(agent_start_repeats(args.repeats, scratch, args.cp.agent.as_deref(), false)?)
     };
     if !socket_only {
         sections.push(programs::nodeport_test_run(args.repeats, args.np_calls, args.np_frontends)?);
@@ -443,7 +482,7 @@ fn write_report(
     program_added: &BTreeMap<usize, f64>,
     map_mem: u64,
     max: usize,
-    cold: Option<(Duration, u64)>,
+    cold: Option<(Spread, Spread, Spread)>,
     cp: &control_plane::Results,
     mut sections: Vec<report::Section>,
 ) -> Result<()> {
@@ -495,8 +534,8 @@ fn write_report(
     targets.push(Target { name: format!("added latency vs iptables at {s10} Services (iptables added / ours added)"), goal: ">= 20".into(), measured: format!("{ipt:.1}{ours_note}"), met: ipt.is_finite().then_some(ipt >= 20.0) });
     let nft = ratio(ours, added("nftables"));
     targets.push(Target { name: format!("added latency vs nftables at {s10} Services (ours added / nft added)"), goal: "<= 0.5".into(), measured: format!("{nft:.2}"), met: nft.is_finite().then_some(nft <= 0.5) });
-    let cold_s = cold.map(|(d, _)| d.as_secs_f64());
-    let rss = cold.map(|(_, r)| r);
+    let cold_s = cold.as_ref().map(|(c, _, _)| c.median);
+    let rss = cold.as_ref().map(|(_, r, _)| r.median as u64);
     targets.push(Target { name: format!("cold sync of the agent binary, {} Services x 10 endpoints from manifests", 10_000), goal: "<= 1 s".into(), measured: cold_s.map_or("–".into(), |c| format!("{c:.2} s")), met: cold_s.map(|c| c <= 1.0) });
     targets.push(Target { name: "agent peak RSS at 10k x 10".into(), goal: "<= 100 MiB".into(), measured: rss.map_or("–".into(), |r| format!("{:.1} MiB", r as f64 / 1048576.0)), met: rss.map(|r| r <= 100 * 1048576) });
     targets.extend(cp.targets());
@@ -511,9 +550,10 @@ fn write_report(
     for ((size, tool), secs) in load_times {
         let _ = writeln!(md, "| {tool}, {size} Services x 10 endpoints (TCP+UDP) | {:.3} s |", secs);
     }
-    if let (Some(c), Some(r)) = (cold_s, rss) {
-        let _ = writeln!(md, "| agent binary cold start to first sync, 10k x 10 from manifests | {c:.3} s |\n");
-        let _ = writeln!(md, "Agent peak RSS (VmHWM) at 10k x 10: {:.1} MiB.", r as f64 / 1048576.0);
+    if let Some((c, r, w)) = &cold {
+        let _ = writeln!(md, "| agent binary cold start to first sync, 10k x 10 from manifests (median of {}) | {:.3} s ({:.3}–{:.3}) |", args.repeats.max(1), c.median, c.min, c.max);
+        let _ = writeln!(md, "| agent binary restart on the pinned maps (adopts them, nothing to write) to first sync | {:.3} s ({:.3}–{:.3}) |\n", w.median, w.min, w.max);
+        let _ = writeln!(md, "Agent peak RSS (VmHWM) at 10k x 10 from manifests: {:.1} MiB ({:.1}–{:.1}).", r.median / 1048576.0, r.min / 1048576.0, r.max / 1048576.0);
     } else {
         md.push('\n');
     }
@@ -544,6 +584,7 @@ fn write_report(
             "map_writer_seconds": sync_in_process,
             "rule_load_seconds": load_times.iter().map(|((s, t), v)| json!({"services": s, "tool": t, "seconds": v})).collect::<Vec<_>>(),
             "agent_cold_sync_seconds_10k": cold_s,
+            "agent_restart_sync_seconds_10k": cold.as_ref().map(|(_, _, w)| w.json()),
             "agent_peak_rss_bytes_10k": rss,
             "map_memlock_bytes": map_mem,
             "api_server": cp.json(),
