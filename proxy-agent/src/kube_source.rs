@@ -355,13 +355,23 @@ fn service_delta(s: WireService) -> Delta {
     d
 }
 
-fn service_result(d: &mut Delta, result: Result<(Converted<crate::model::Service>, Vec<objects::ObjectError>), objects::ObjectError>) {
-    let problem = |error| ObjectProblem { kind: Kind::Service, error, service: Some(d.id.clone()) };
+fn service_result(d: &mut Delta, result: Conversion<crate::model::Service>) {
+    let id = d.id.clone();
+    record(d, Some(id), result, Object::Service);
+}
+
+type Conversion<T> = Result<(Converted<T>, Vec<objects::ObjectError>), objects::ObjectError>;
+
+/// Puts a conversion's object and problems into `d`; problems are reported
+/// on `service` (a slice's owner, or the Service itself).
+fn record<T>(d: &mut Delta, service: Option<ObjectRef>, result: Conversion<T>, wrap: fn(T) -> Object) {
+    let kind = d.kind;
+    let problem = |error| ObjectProblem { kind, error, service: service.clone() };
     match result {
         Ok((converted, partial)) => {
             d.problems.extend(partial.into_iter().map(problem));
-            if let Converted::Ok(s) = converted {
-                d.object = Some(Object::Service(s));
+            if let Converted::Ok(o) = converted {
+                d.object = Some(wrap(o));
             }
         }
         Err(error) => d.problems.push(problem(error)),
@@ -384,21 +394,8 @@ fn slice_delta(s: WireSlice) -> Delta {
     d
 }
 
-fn slice_result(
-    d: &mut Delta,
-    owner: Option<ObjectRef>,
-    result: Result<(Converted<crate::model::EndpointSlice>, Vec<objects::ObjectError>), objects::ObjectError>,
-) {
-    let problem = |error| ObjectProblem { kind: Kind::EndpointSlice, error, service: owner.clone() };
-    match result {
-        Ok((converted, partial)) => {
-            d.problems.extend(partial.into_iter().map(problem));
-            if let Converted::Ok(s) = converted {
-                d.object = Some(Object::Slice(s));
-            }
-        }
-        Err(error) => d.problems.push(problem(error)),
-    }
+fn slice_result(d: &mut Delta, owner: Option<ObjectRef>, result: Conversion<crate::model::EndpointSlice>) {
+    record(d, owner, result, Object::Slice);
 }
 
 /// Builds the model from objects as JSON (the API server's or a test's).

@@ -23,6 +23,20 @@ fn web(endpoints: &[(&str, bool, &str)]) -> String {
     .yaml()
 }
 
+/// A second Service with one endpoint (pod-c's UDP 8080), so the backend
+/// a socket reaches is known.
+fn dns2() -> String {
+    ServiceSpec {
+        name: "dns2",
+        cluster_ips: &["10.96.0.20"],
+        ports: &[("dns", 53, "UDP", 8080)],
+        endpoints: &[("10.244.0.3", true, "node-a")],
+        extra_spec: "",
+        annotations: "",
+    }
+    .yaml()
+}
+
 /// Three pods, each serving TCP 8080 (as pod-*) and UDP 5353 (as dns-*).
 /// pod-* answer on UDP 8080 as well: if the protocol were not part of the
 /// service key, UDP to port 80 would reach them.
@@ -146,15 +160,7 @@ fn one_udp_socket_talking_to_two_services_and_a_pod_sees_each_true_source() {
     // socket-level load balancer).
     node.write_manifest(
         "dns2.yaml",
-        &ServiceSpec {
-            name: "dns2",
-            cluster_ips: &["10.96.0.20"],
-            ports: &[("dns", 53, "UDP", 8080)],
-            endpoints: &[("10.244.0.3", true, "node-a")],
-            extra_spec: "",
-            annotations: "",
-        }
-        .yaml(),
+        &dns2(),
     );
     wait_for_backends(&node, &net, "10.96.0.20:53", &["--udp"], &["pod-c"]);
     // The socket's first translation lives in its own storage, the second
@@ -217,15 +223,7 @@ fn a_udp_reply_read_after_an_upgrade_from_an_agent_without_socket_storage_shows_
     // One endpoint, so the backend the socket reaches is known.
     node.write_manifest(
         "dns2.yaml",
-        &ServiceSpec {
-            name: "dns2",
-            cluster_ips: &["10.96.0.20"],
-            ports: &[("dns", 53, "UDP", 8080)],
-            endpoints: &[("10.244.0.3", true, "node-a")],
-            extra_spec: "",
-            annotations: "",
-        }
-        .yaml(),
+        &dns2(),
     );
     wait_for_backends(&node, &net, "10.96.0.20:53", &["--udp"], &["pod-c"]);
 
