@@ -216,8 +216,8 @@ pub fn service_from_wire(svc: WireService) -> Result<(Converted<Service>, Vec<Ob
         };
         ports.push(ServicePort { name: p.name.unwrap_or_default(), port, protocol, node_port });
     }
-    // spec.topologyKeys left the API in 1.22 and the typed structs with it,
-    // so it is read from the raw object.
+    // spec.topologyKeys left the API in 1.22 (and k8s-openapi's structs
+    // with it); `wire` keeps it as raw JSON so its shape is checked here.
     let topology_keys = match spec.topology_keys.take() {
         None | Some(Value::Null) => None,
         Some(Value::Array(items)) => Some(
