@@ -15,6 +15,7 @@
 use std::fs;
 use std::io;
 use std::mem::size_of;
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
 use aya::maps::{Array, MapInfo, MapType};
@@ -232,9 +233,9 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
     }
     if legacy_revnat {
         // The old programs are detached now (their pins were replaced), so
-        // every socket they translated already has a cookie below the next
-        // one the kernel hands out.
-        let below = next_socket_cookie().map_err(LoadError::LegacyConfig)?;
+        // the sockets they translated are the ones with entries in
+        // SOCK_REVNAT, and no more appear.
+        let below = legacy_cookie_bound(&ebpf).map_err(LoadError::LegacyConfig)?;
         let map = ebpf.map_mut(pc::SOCK_CONFIG_MAP).ok_or(LoadError::MissingMap { map: pc::SOCK_CONFIG_MAP })?;
         let mut config: Array<_, pc::SockConfig> =
             Array::try_from(map).map_err(|e| LoadError::LegacyConfig(io::Error::other(e)))?;
@@ -245,9 +246,35 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
     Ok(warnings)
 }
 
-/// The cookie the kernel will give the next socket that asks for one: a
-/// fresh socket's own cookie (SO_COOKIE assigns it from the same global
-/// counter as `bpf_get_socket_cookie`, `net/core/sock_diag.c`), plus one.
+/// One above every cookie of a socket an older agent version translated:
+/// above the largest cookie with a `SOCK_REVNAT` entry (those sockets are
+/// the ones whose replies need it).
+///
+/// "The cookie the next socket gets" is no such bound: kernels that hand
+/// out socket cookies in per-CPU batches of 4096 (`gen_cookie_next`,
+/// include/linux/cookie.h; Debian's 6.12 does, found by the upgrade test
+/// under vmtest) give a fresh socket on one CPU a cookie below those
+/// already given on another. A fresh socket's cookie is
+/// taken into account as well, so that on kernels with one global counter
+/// an entry whose write raced with the detach is still covered. A bound
+/// that is too high only makes a few new UDP sockets look in SOCK_REVNAT
+/// for an entry that is not there.
+fn legacy_cookie_bound(ebpf: &Ebpf) -> io::Result<u64> {
+    let map = ebpf.map(pc::SOCK_REVNAT_MAP).ok_or_else(|| io::Error::other("SOCK_REVNAT is missing from the object"))?;
+    let revnat: aya::maps::HashMap<_, pc::SockRevNatKey, pc::SockRevNatValue> = aya::maps::HashMap::try_from(map).map_err(io::Error::other)?;
+    let batched = match map {
+        aya::maps::Map::LruHashMap(data) | aya::maps::Map::HashMap(data) => crate::bpf_batch::lookup_all::<pc::SockRevNatKey, pc::SockRevNatValue>(data.fd().as_fd()).ok(),
+        _ => None,
+    };
+    let largest = match batched {
+        Some(entries) => entries.iter().map(|(k, _)| k.cookie).max(),
+        None => revnat.keys().filter_map(Result::ok).map(|k| k.cookie).max(),
+    };
+    Ok(largest.unwrap_or(0).max(next_socket_cookie()?) + 1)
+}
+
+/// The cookie of a fresh socket (SO_COOKIE assigns it as
+/// `bpf_get_socket_cookie` does, `net/core/sock_diag.c`).
 fn next_socket_cookie() -> io::Result<u64> {
     // SAFETY: plain socket/getsockopt/close calls on a descriptor we own.
     unsafe {
@@ -263,7 +290,7 @@ fn next_socket_cookie() -> io::Result<u64> {
         if rc != 0 {
             return Err(err);
         }
-        Ok(cookie + 1)
+        Ok(cookie)
     }
 }
 

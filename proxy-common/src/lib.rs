@@ -171,7 +171,9 @@ pub struct SockPeerValue {
 pub struct SockConfig {
     /// Sockets translated by an agent version without `SOCK_PEER` have
     /// their reverse entry only in `SOCK_REVNAT`. The agent that first
-    /// adopts such a datapath records the kernel's next socket cookie here;
+    /// adopts such a datapath records here one above the largest cookie
+    /// with a `SOCK_REVNAT` entry (cookies are not ordered across CPUs, so
+    /// the next cookie the kernel hands out is no bound);
     /// a socket without `SOCK_PEER` storage and a cookie below this value
     /// may be such a socket, so the reverse path consults `SOCK_REVNAT` for
     /// it. 0: no such sockets.
