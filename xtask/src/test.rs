@@ -8,7 +8,9 @@
 //! binaries and kernels is printed last, as a plain `summary:` line.
 //!
 //! `--no-vm` (or `TOPOPROXY_NO_VMTEST=1`) leaves the VM run out, for a
-//! quicker local loop; CI and the default run it. Otherwise the VM run is
+//! quicker local loop, and so does selecting packages (`-p NAME`): the VM
+//! runs its own fixed set of tests, not the selected ones. CI and the
+//! default run it. Otherwise the VM run is
 //! skipped (and its tests counted as skipped) only when qemu cannot be
 //! installed or a kernel cannot be downloaded.
 
@@ -61,8 +63,7 @@ pub fn run(args: &[String]) -> Result<()> {
     c.arg("test");
     // `-p NAME` narrows the run; otherwise the whole workspace is tested.
     let cargo_args: Vec<&String> = args.iter().take_while(|a| *a != "--").collect();
-    let selects =
-        cargo_args.iter().any(|a| *a == "-p" || a.starts_with("--package") || (a.starts_with("-p") && a.len() > 2));
+    let selects = selects_packages(&cargo_args);
     if !selects {
         c.arg("--workspace");
     }
@@ -91,6 +92,8 @@ pub fn run(args: &[String]) -> Result<()> {
     let mut vm_failed = None;
     if no_vm {
         println!("\nvmtest not run: --no-vm or {NO_VM_ENV} was given");
+    } else if selects {
+        println!("\nvmtest not run: packages were selected with -p (`cargo xtask vmtest` runs it alone)");
     } else {
         match vmtest::run_with(&vmtest::Options::default()) {
             Ok(vmtest::Outcome::Skipped { reason, tests }) => {
@@ -121,6 +124,12 @@ pub fn run(args: &[String]) -> Result<()> {
         bail!(why);
     }
     Ok(())
+}
+
+/// Whether cargo's arguments select packages (`-p NAME`, `-pNAME`,
+/// `--package NAME`, `--package=NAME`).
+fn selects_packages(cargo_args: &[&String]) -> bool {
+    cargo_args.iter().any(|a| *a == "-p" || a.starts_with("--package") || (a.starts_with("-p") && a.len() > 2))
 }
 
 /// The developer opt-out of the VM run, as an environment variable.
@@ -157,6 +166,20 @@ mod tests {
         t.add("running 4 tests");
         t.add("test sandbox::works ... ok");
         assert_eq!(t, Totals { passed: 22, failed: 1, ignored: 2, binaries: 2 });
+    }
+
+    #[test]
+    fn package_selection_is_recognised_in_every_spelling() {
+        let sel = |s: &[&str]| {
+            let v: Vec<String> = s.iter().map(|a| a.to_string()).collect();
+            selects_packages(&v.iter().collect::<Vec<_>>())
+        };
+        assert!(sel(&["-p", "xtask"]));
+        assert!(sel(&["-pxtask"]));
+        assert!(sel(&["--package", "xtask"]));
+        assert!(sel(&["--package=xtask"]));
+        assert!(!sel(&["--release", "some_test"]));
+        assert!(!sel(&[]));
     }
 
     #[test]
