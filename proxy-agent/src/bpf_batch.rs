@@ -62,46 +62,32 @@ fn call(cmd: libc::c_long, attr: &mut BatchAttr) -> Result<(), io::Error> {
 /// replace) semantics. `K` and `V` must be the map's key and value types.
 pub fn update<K: aya::Pod, V: aya::Pod>(map: BorrowedFd<'_>, keys: &[K], values: &[V]) -> Result<(), BatchError> {
     assert_eq!(keys.len(), values.len(), "one value per key");
-    let mut done = 0;
-    while done < keys.len() {
-        let n = (keys.len() - done).min(MAX_PER_CALL);
-        let mut attr = BatchAttr {
-            keys: keys[done..].as_ptr() as u64,
-            values: values[done..].as_ptr() as u64,
-            count: n as u32,
-            map_fd: map.as_raw_fd() as u32,
-            ..Default::default()
-        };
-        let r = call(BPF_MAP_UPDATE_BATCH, &mut attr);
-        // On error the kernel still reports how many it applied.
-        let applied = (attr.count as usize).min(n);
-        match r {
-            Ok(()) => done += n,
-            Err(source) => return Err(BatchError { applied: done + applied, source }),
-        }
-    }
-    Ok(())
+    in_order(BPF_MAP_UPDATE_BATCH, map, keys.len(), |i| (keys[i..].as_ptr() as u64, values[i..].as_ptr() as u64), false)
 }
 
 /// Deletes `keys` in order. A key that is not in the map is skipped (the
 /// kernel stops a delete batch at the first ENOENT; the call resumes after
 /// it). Any other error stops at the key it names, as for [`update`].
 pub fn delete<K: aya::Pod>(map: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchError> {
+    in_order(BPF_MAP_DELETE_BATCH, map, keys.len(), |i| (keys[i..].as_ptr() as u64, 0), true)
+}
+
+/// Runs `cmd` over `len` elements in order, in calls of at most
+/// [`MAX_PER_CALL`]; `from(i)` gives the key and value buffers from element
+/// `i` on. With `skip_missing`, an element the kernel reports missing
+/// (ENOENT) is stepped over and the rest go on.
+fn in_order(cmd: libc::c_long, map: BorrowedFd<'_>, len: usize, from: impl Fn(usize) -> (u64, u64), skip_missing: bool) -> Result<(), BatchError> {
     let mut done = 0;
-    while done < keys.len() {
-        let n = (keys.len() - done).min(MAX_PER_CALL);
-        let mut attr = BatchAttr {
-            keys: keys[done..].as_ptr() as u64,
-            count: n as u32,
-            map_fd: map.as_raw_fd() as u32,
-            ..Default::default()
-        };
-        let r = call(BPF_MAP_DELETE_BATCH, &mut attr);
+    while done < len {
+        let n = (len - done).min(MAX_PER_CALL);
+        let (keys, values) = from(done);
+        let mut attr = BatchAttr { keys, values, count: n as u32, map_fd: map.as_raw_fd() as u32, ..Default::default() };
+        let r = call(cmd, &mut attr);
+        // On error the kernel still reports how many it applied.
         let applied = (attr.count as usize).min(n);
         match r {
             Ok(()) => done += n,
-            // Skip the missing key and go on with the rest.
-            Err(e) if e.kind() == io::ErrorKind::NotFound && applied < n => done += applied + 1,
+            Err(e) if skip_missing && e.kind() == io::ErrorKind::NotFound && applied < n => done += applied + 1,
             Err(source) => return Err(BatchError { applied: done + applied, source }),
         }
     }
