@@ -11,9 +11,12 @@
 //! generic_map_delete_batch; hash maps use these since Linux 5.6). So a
 //! failure leaves a clean prefix written, which callers rely on.
 
+use std::borrow::Borrow;
 use std::io;
 use std::mem::size_of;
-use std::os::fd::{AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+
+use aya::maps::{HashMap, IterableMap, MapData};
 
 /// The `batch` member of `union bpf_attr` (include/uapi/linux/bpf.h).
 #[repr(C)]
@@ -149,4 +152,11 @@ pub fn lookup_all<K: aya::Pod, V: aya::Pod>(map: BorrowedFd<'_>) -> io::Result<V
             Err(e) => return Err(e),
         }
     }
+}
+
+/// Every entry of a hash map (plain or LRU): [`lookup_all`] where the
+/// kernel can batch it, key-by-key iteration where it cannot. Entries that
+/// cannot be read are left out, as iteration leaves them out.
+pub fn read_all<T: Borrow<MapData>, K: aya::Pod, V: aya::Pod>(map: &HashMap<T, K, V>) -> Vec<(K, V)> {
+    lookup_all(map.map().fd().as_fd()).unwrap_or_else(|_| map.iter().filter_map(Result::ok).collect())
 }

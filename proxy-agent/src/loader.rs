@@ -15,7 +15,7 @@
 use std::fs;
 use std::io;
 use std::mem::size_of;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use aya::maps::{Array, MapInfo, MapType};
@@ -262,38 +262,31 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
 fn legacy_cookie_bound(ebpf: &Ebpf) -> io::Result<u64> {
     let map = ebpf.map(pc::SOCK_REVNAT_MAP).ok_or_else(|| io::Error::other("SOCK_REVNAT is missing from the object"))?;
     let revnat: aya::maps::HashMap<_, pc::SockRevNatKey, pc::SockRevNatValue> = aya::maps::HashMap::try_from(map).map_err(io::Error::other)?;
-    let batched = match map {
-        aya::maps::Map::LruHashMap(data) | aya::maps::Map::HashMap(data) => crate::bpf_batch::lookup_all::<pc::SockRevNatKey, pc::SockRevNatValue>(data.fd().as_fd()).ok(),
-        _ => None,
-    };
-    let largest = match batched {
-        Some(entries) => entries.iter().map(|(k, _)| k.cookie).max(),
-        None => revnat.keys().filter_map(Result::ok).map(|k| k.cookie).max(),
-    };
+    let largest = crate::bpf_batch::read_all(&revnat).iter().map(|(k, _)| k.cookie).max();
     Ok(largest.unwrap_or(0).max(next_socket_cookie()?) + 1)
 }
 
-/// The cookie of a fresh socket (SO_COOKIE assigns it as
-/// `bpf_get_socket_cookie` does, `net/core/sock_diag.c`).
+/// The cookie of a fresh socket.
 fn next_socket_cookie() -> io::Result<u64> {
-    // SAFETY: plain socket/getsockopt/close calls on a descriptor we own.
-    unsafe {
-        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let mut cookie: u64 = 0;
-        let mut len = size_of::<u64>() as libc::socklen_t;
-        let rc = libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_COOKIE, (&mut cookie as *mut u64).cast(), &mut len);
-        let err = io::Error::last_os_error();
-        libc::close(fd);
-        if rc != 0 {
-            return Err(err);
-        }
-        Ok(cookie)
+    // SAFETY: socket(2) returns a new descriptor that we own, or -1.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
     }
+    // SAFETY: `fd` is open and owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    socket_cookie(fd.as_fd())
 }
 
+/// A socket's cookie, as `bpf_get_socket_cookie` sees it (SO_COOKIE hands
+/// out the same one, `net/core/sock.c`).
+pub fn socket_cookie(socket: BorrowedFd<'_>) -> io::Result<u64> {
+    let mut cookie: u64 = 0;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: SO_COOKIE writes a u64 into the buffer we pass with its size.
+    let rc = unsafe { libc::getsockopt(socket.as_raw_fd(), libc::SOL_SOCKET, libc::SO_COOKIE, (&raw mut cookie).cast(), &raw mut len) };
+    if rc == 0 { Ok(cookie) } else { Err(io::Error::last_os_error()) }
+}
 
 fn check_pinned_maps(pin_dir: &Path, caps: Capacities) -> Result<Vec<String>, LoadError> {
     let mut warnings = Vec::new();

@@ -213,17 +213,10 @@ impl MapWriter {
         // Services x 10 endpoints, reading back one entry at a time took a
         // restarted agent longer than a cold start (issue #7). Iteration
         // stays as the fallback for a kernel that cannot batch.
-        let backend_table: BTreeMap<u32, BackendValue> = bpf_batch::lookup_all::<BackendKey, BackendValue>(self.fds.backends.as_fd())
-            .unwrap_or_else(|_| self.backends.iter().filter_map(Result::ok).collect())
-            .into_iter()
-            .map(|(k, v)| (k.backend_id, v))
-            .collect();
-        let entries: Vec<(ServiceKey, ServiceValue)> = bpf_batch::lookup_all(self.fds.services.as_fd())
-            .unwrap_or_else(|_| self.services.iter().filter_map(Result::ok).collect());
-        let slot_table: FastHashMap<SlotKey, SlotValue> = bpf_batch::lookup_all::<SlotKey, SlotValue>(self.fds.slots.as_fd())
-            .unwrap_or_else(|_| self.slots.iter().filter_map(Result::ok).collect())
-            .into_iter()
-            .collect();
+        let backend_table: BTreeMap<u32, BackendValue> =
+            bpf_batch::read_all(&self.backends).into_iter().map(|(k, v)| (k.backend_id, v)).collect();
+        let entries: Vec<(ServiceKey, ServiceValue)> = bpf_batch::read_all(&self.services);
+        let slot_table: FastHashMap<SlotKey, SlotValue> = bpf_batch::read_all(&self.slots).into_iter().collect();
         let mut live_slots = FastHashSet::default();
         let mut max_sid = 0;
         for (key, value) in entries {
@@ -247,18 +240,13 @@ impl MapWriter {
             self.programmed.insert(fe, Programmed { value, backends: list });
         }
         // Orphans: slots of old generations, backends nobody references.
+        // What cannot be deleted now is left for the next agent to find.
         let stale_slots: Vec<SlotKey> = slot_table.keys().filter(|k| !live_slots.contains(*k)).copied().collect();
-        if bpf_batch::delete(self.fds.slots.as_fd(), &stale_slots).is_err() {
-            for k in &stale_slots {
-                let _ = self.slots.remove(k);
-            }
-        }
+        let _ = delete_keys(&mut self.slots, self.fds.slots.as_fd(), &stale_slots);
         self.backend_id_set = self.backend_ids.values().map(|(id, _)| *id).collect();
-        for id in backend_table.keys() {
-            if !self.backend_id_set.contains(id) {
-                let _ = self.backends.remove(&BackendKey { backend_id: *id });
-            }
-        }
+        let orphans: Vec<BackendKey> =
+            backend_table.keys().filter(|id| !self.backend_id_set.contains(*id)).map(|id| BackendKey { backend_id: *id }).collect();
+        let _ = delete_keys(&mut self.backends, self.fds.backends.as_fd(), &orphans);
         self.next_service_id = max_sid.wrapping_add(1).max(1);
         self.next_backend_id = backend_table.keys().max().copied().unwrap_or(0).wrapping_add(1).max(1);
     }

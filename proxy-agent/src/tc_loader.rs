@@ -42,7 +42,6 @@ pub const NP_MAPS: [&str; 8] = [
     pc::NP_COUNTERS_MAP,
 ];
 
-
 pub const INGRESS_PROGRAM: &str = "np_ingress";
 pub const EGRESS_PROGRAM: &str = "np_egress";
 

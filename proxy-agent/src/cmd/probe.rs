@@ -4,7 +4,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpStream, UdpSocket};
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -135,11 +135,7 @@ fn udp_once(args: &ProbeArgs, timeout: Duration) -> serde_json::Value {
 /// (cgroup/recvmsg hooks run in recvmsg(), not on arrival), so a reply
 /// read after the wait meets whatever datapath is installed by then.
 fn hold(s: &UdpSocket) {
-    let mut cookie: u64 = 0;
-    let mut len = std::mem::size_of::<u64>() as libc::socklen_t;
-    // SAFETY: SO_COOKIE writes a u64 into the buffer we pass with its size.
-    let rc = unsafe { libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_COOKIE, (&raw mut cookie).cast(), &raw mut len) };
-    let cookie = if rc == 0 { json!(cookie) } else { json!(null) };
+    let cookie = proxy_agent::loader::socket_cookie(s.as_fd()).ok();
     let out = std::io::stdout();
     let mut lock = out.lock();
     let _ = writeln!(lock, "{}", json!({"held": true, "cookie": cookie}));
