@@ -8,8 +8,8 @@
 //! keep only what conversion reads (and `spec.topologyKeys`, Kubernetes
 //! 1.17-1.21, which today's typed `Service` would drop). Nodes are watched
 //! metadata-only (`PartialObjectMetadata`): labels are all the agent reads
-//! of a Node, and Node status is large and changes every few seconds (heartbeats), which
-//! would wake the agent for nothing.
+//! of a Node, and Node status is large and changes every few seconds
+//! (heartbeats), which would wake the agent for nothing.
 //!
 //! The model only ever changes by whole relists or single events, and a
 //! relist replaces a kind's objects only once it is complete
@@ -28,7 +28,6 @@ use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, PartialObjectMeta};
 use kube::runtime::watcher::{self, DefaultBackoff};
 use kube::runtime::WatchStreamExt;
@@ -310,24 +309,17 @@ pub struct Snapshot {
     pub service_uids: BTreeMap<ObjectRef, String>,
 }
 
-fn meta_ref(v: &Value) -> ObjectRef {
-    let meta = v.get("metadata");
-    let s = |k: &str| meta.and_then(|m| m.get(k)).and_then(Value::as_str).unwrap_or_default().to_string();
-    // As objects.rs names objects: no namespace means "default".
-    let ns = s("namespace");
-    ObjectRef::new(if ns.is_empty() { "default".to_string() } else { ns }, s("name"))
-}
-
 /// Converts one object of `kind` (as JSON, the API server's or a test's)
 /// into what the model needs. The same `objects::*_from_json` functions
 /// read manifests, so both sources agree on every check.
 pub fn delta_from_value(kind: Kind, v: &Value) -> Delta {
-    let id = meta_ref(v);
+    let (ns, name) = objects::object_ref(v);
+    let id = ObjectRef::new(ns, name);
     let mut d = Delta { kind, id: id.clone(), present: true, uid: None, object: None, problems: Vec::new() };
     match kind {
         Kind::Service => {
             d.uid = v.get("metadata").and_then(|m| m.get("uid")).and_then(Value::as_str).map(str::to_string);
-            service_result(&mut d, objects::service_from_json(v));
+            record(&mut d, Some(id), objects::service_from_json(v), Object::Service);
         }
         Kind::EndpointSlice => {
             let owner = v
@@ -336,7 +328,7 @@ pub fn delta_from_value(kind: Kind, v: &Value) -> Delta {
                 .and_then(|l| l.get(SERVICE_NAME_LABEL))
                 .and_then(Value::as_str)
                 .map(|name| ObjectRef::new(id.namespace.clone(), name));
-            slice_result(&mut d, owner, objects::slice_from_json(v));
+            record(&mut d, owner, objects::slice_from_json(v), Object::Slice);
         }
         Kind::Node => match objects::node_from_json(v) {
             Ok(n) => d.object = Some(Object::Node(n)),
@@ -349,22 +341,16 @@ pub fn delta_from_value(kind: Kind, v: &Value) -> Delta {
 /// A Service as the watcher receives it, converted like
 /// [`delta_from_value`] converts one given as JSON.
 fn service_delta(s: WireService) -> Delta {
-    let id = wire_ref(&s.metadata);
-    let mut d = Delta { kind: Kind::Service, id, present: true, uid: s.metadata.uid.clone(), object: None, problems: Vec::new() };
-    service_result(&mut d, objects::service_from_wire(s));
+    let (ns, name) = objects::meta_ref(&s.metadata);
+    let id = ObjectRef::new(ns, name);
+    let mut d = Delta { kind: Kind::Service, id: id.clone(), present: true, uid: s.metadata.uid.clone(), object: None, problems: Vec::new() };
+    record(&mut d, Some(id), objects::service_from_wire(s), Object::Service);
     d
 }
 
-fn service_result(d: &mut Delta, result: Conversion<crate::model::Service>) {
-    let id = d.id.clone();
-    record(d, Some(id), result, Object::Service);
-}
-
-type Conversion<T> = Result<(Converted<T>, Vec<objects::ObjectError>), objects::ObjectError>;
-
 /// Puts a conversion's object and problems into `d`; problems are reported
 /// on `service` (a slice's owner, or the Service itself).
-fn record<T>(d: &mut Delta, service: Option<ObjectRef>, result: Conversion<T>, wrap: fn(T) -> Object) {
+fn record<T>(d: &mut Delta, service: Option<ObjectRef>, result: objects::Conversion<T>, wrap: fn(T) -> Object) {
     let kind = d.kind;
     let problem = |error| ObjectProblem { kind, error, service: service.clone() };
     match result {
@@ -378,24 +364,15 @@ fn record<T>(d: &mut Delta, service: Option<ObjectRef>, result: Conversion<T>, w
     }
 }
 
-/// namespace/name as `meta_ref` reads them from JSON.
-fn wire_ref(m: &ObjectMeta) -> ObjectRef {
-    let ns = m.namespace.as_deref().filter(|n| !n.is_empty()).unwrap_or("default");
-    ObjectRef::new(ns, m.name.as_deref().unwrap_or_default())
-}
-
 /// A slice as the watcher receives it, converted like
 /// [`delta_from_value`] converts one given as JSON.
 fn slice_delta(s: WireSlice) -> Delta {
-    let id = wire_ref(&s.metadata);
+    let (ns, name) = objects::meta_ref(&s.metadata);
+    let id = ObjectRef::new(ns, name);
     let owner = s.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL)).map(|name| ObjectRef::new(id.namespace.clone(), name));
     let mut d = Delta { kind: Kind::EndpointSlice, id, present: true, uid: None, object: None, problems: Vec::new() };
-    slice_result(&mut d, owner, objects::slice_from_wire(s));
+    record(&mut d, owner, objects::slice_from_wire(s), Object::Slice);
     d
-}
-
-fn slice_result(d: &mut Delta, owner: Option<ObjectRef>, result: Conversion<crate::model::EndpointSlice>) {
-    record(d, owner, result, Object::Slice);
 }
 
 /// Builds the model from objects as JSON (the API server's or a test's).

@@ -7,6 +7,7 @@ use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;
 
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -114,11 +115,19 @@ fn dup(kind: &str, id: &ObjectRef) -> ObjectError {
     ObjectError { kind: kind.into(), object: id.to_string(), reason: "defined more than once; the last definition wins".into() }
 }
 
-fn object_ref(v: &Value) -> (String, String) {
+/// Namespace and name of an object given as JSON; no (or an empty)
+/// namespace means "default".
+pub fn object_ref(v: &Value) -> (String, String) {
     let meta = v.get("metadata");
     let ns = meta.and_then(|m| m.get("namespace")).and_then(Value::as_str).filter(|n| !n.is_empty()).unwrap_or("default");
     let name = meta.and_then(|m| m.get("name")).and_then(Value::as_str).unwrap_or_default();
     (ns.to_string(), name.to_string())
+}
+
+/// [`object_ref`] for deserialized metadata.
+pub fn meta_ref(m: &ObjectMeta) -> (String, String) {
+    let ns = m.namespace.as_deref().filter(|n| !n.is_empty()).unwrap_or("default");
+    (ns.to_string(), m.name.clone().unwrap_or_default())
 }
 
 fn fail(kind: &str, ns: &str, name: &str, reason: impl Into<String>) -> ObjectError {
@@ -142,26 +151,35 @@ fn protocol(p: Option<&str>) -> Result<Protocol, String> {
     }
 }
 
+/// What converting one object gives: the object (or why it is ignored)
+/// with the problems of its parts, or why it was left out as a whole.
+pub type Conversion<T> = Result<(Converted<T>, Vec<ObjectError>), ObjectError>;
+
 /// Converts a Service. Headless, ExternalName and other proxies' Services
 /// are `Ignored`. Problems confined to one port (a protocol the datapath
 /// cannot translate) are returned beside the Service, whose other ports
 /// keep working; problems with the Service as a whole are the `Err`.
-pub fn service_from_json(v: &Value) -> Result<(Converted<Service>, Vec<ObjectError>), ObjectError> {
+pub fn service_from_json(v: &Value) -> Conversion<Service> {
+    from_json("Service", v, service_from_wire)
+}
+
+/// An object given as JSON: its name checked, deserialized into its wire
+/// shape `W`, converted by `convert` (as the watchers' objects are).
+fn from_json<'v, W: Deserialize<'v>, T>(kind: &str, v: &'v Value, convert: fn(W) -> Conversion<T>) -> Conversion<T> {
     let (ns, name) = object_ref(v);
     if name.is_empty() {
-        return Err(fail("Service", &ns, &name, "metadata.name is missing"));
+        return Err(fail(kind, &ns, &name, "metadata.name is missing"));
     }
     // Deserialized from the borrowed value: a clone of the whole object
     // per Service cost more than the conversion at 10k Services.
-    let svc = WireService::deserialize(v).map_err(|e| fail("Service", &ns, &name, format!("malformed: {e}")))?;
-    service_from_wire(svc)
+    let wire = W::deserialize(v).map_err(|e| fail(kind, &ns, &name, format!("malformed: {e}")))?;
+    convert(wire)
 }
 
 /// [`service_from_json`] for a Service the watcher deserialized.
-pub fn service_from_wire(svc: WireService) -> Result<(Converted<Service>, Vec<ObjectError>), ObjectError> {
+pub fn service_from_wire(svc: WireService) -> Conversion<Service> {
     const K: &str = "Service";
-    let ns = svc.metadata.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".to_string());
-    let name = svc.metadata.name.clone().unwrap_or_default();
+    let (ns, name) = meta_ref(&svc.metadata);
     if name.is_empty() {
         return Err(fail(K, &ns, &name, "metadata.name is missing"));
     }
@@ -269,21 +287,14 @@ pub fn service_from_wire(svc: WireService) -> Result<(Converted<Service>, Vec<Ob
 /// Converts an EndpointSlice. Problems confined to one endpoint or port are
 /// returned beside the slice (that part is left out); problems with the
 /// slice as a whole are the `Err`.
-pub fn slice_from_json(v: &Value) -> Result<(Converted<EndpointSlice>, Vec<ObjectError>), ObjectError> {
-    const K: &str = "EndpointSlice";
-    let (ns, name) = object_ref(v);
-    if name.is_empty() {
-        return Err(fail(K, &ns, &name, "metadata.name is missing"));
-    }
-    let slice = WireSlice::deserialize(v).map_err(|e| fail(K, &ns, &name, format!("malformed: {e}")))?;
-    slice_from_wire(slice)
+pub fn slice_from_json(v: &Value) -> Conversion<EndpointSlice> {
+    from_json("EndpointSlice", v, slice_from_wire)
 }
 
 /// [`slice_from_json`] for a slice the watcher deserialized.
-pub fn slice_from_wire(slice: WireSlice) -> Result<(Converted<EndpointSlice>, Vec<ObjectError>), ObjectError> {
+pub fn slice_from_wire(slice: WireSlice) -> Conversion<EndpointSlice> {
     const K: &str = "EndpointSlice";
-    let ns = slice.metadata.namespace.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| "default".to_string());
-    let name = slice.metadata.name.clone().unwrap_or_default();
+    let (ns, name) = meta_ref(&slice.metadata);
     if name.is_empty() {
         return Err(fail(K, &ns, &name, "metadata.name is missing"));
     }
