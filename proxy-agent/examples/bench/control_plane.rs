@@ -177,12 +177,14 @@ pub struct Results {
     pub sync_mean_s: Vec<f64>,
 }
 
-fn agent_binary() -> Result<PathBuf> {
+/// The agent built with the bench (target/<profile>/proxy-agent).
+pub fn agent_binary() -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
     exe.parent().and_then(Path::parent).map(|d| d.join("proxy-agent")).context("locating the agent binary")
 }
 
-fn vm_hwm(pid: u32) -> u64 {
+/// Peak RSS of a running process, in bytes.
+pub fn vm_hwm(pid: u32) -> u64 {
     let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status.lines().find_map(|l| l.strip_prefix("VmHWM:")).and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok()).unwrap_or(0) * 1024
 }
@@ -631,24 +633,6 @@ impl Results {
 
 /// The report of a `--only control-plane` run.
 pub fn write_alone(out: &Path, r: &Results) -> Result<()> {
-    let mut md = format!(
-        "# topoproxy benchmark: control plane only\n\nMachine: {} cores; kernel {}.\n\n",
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim()
-    );
-    md.push_str(&r.markdown());
-    let _ = writeln!(md, "## Targets\n\n| target | goal | measured | met |\n|---|---|---|---|");
-    let targets = r.targets();
-    for t in &targets {
-        let met = match t.met { Some(true) => "yes", Some(false) => "**no**", None => "not measured" };
-        let _ = writeln!(md, "| {} | {} | {} | {met} |", t.name, t.goal, t.measured);
-    }
-    let doc = json!({
-        "control_plane": {"api_server": r.json()},
-        "targets": targets.iter().map(|t| json!({"name": t.name, "goal": t.goal, "measured": t.measured, "met": t.met})).collect::<Vec<_>>(),
-    });
-    crate::report::write_all(out, &md, &doc, &[])?;
-    println!("{md}");
-    println!("report written to {}", out.join("report.md").display());
-    Ok(())
+    let doc = json!({"control_plane": {"api_server": r.json()}});
+    Ok(crate::report::write_part(out, "control plane", &r.markdown(), doc, &r.targets(), &[])?)
 }

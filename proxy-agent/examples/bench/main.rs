@@ -191,10 +191,9 @@ struct AgentStart {
 }
 
 fn agent_starts(size: usize, scratch: &Path, agent: Option<&Path>) -> Result<AgentStart> {
-    let exe = std::env::current_exe()?;
     let agent = match agent {
         Some(a) => a.to_path_buf(),
-        None => exe.parent().and_then(Path::parent).map(|d| d.join("proxy-agent")).context("locating the agent binary")?,
+        None => control_plane::agent_binary()?,
     };
     let dir = scratch.join(format!("manifests-{size}"));
     fs::create_dir_all(&dir)?;
@@ -237,10 +236,9 @@ fn agent_starts(size: usize, scratch: &Path, agent: Option<&Path>) -> Result<Age
             std::thread::sleep(Duration::from_millis(5));
         }
         let took = t.elapsed();
-        let status = fs::read_to_string(format!("/proc/{}/status", child.0.id())).unwrap_or_default();
-        let hwm_kib: u64 = status.lines().find_map(|l| l.strip_prefix("VmHWM:")).and_then(|v| v.split_whitespace().next()?.parse().ok()).unwrap_or(0);
+        let rss = control_plane::vm_hwm(child.0.id());
         child.terminate(Duration::from_secs(5))?;
-        Ok((took, hwm_kib * 1024))
+        Ok((took, rss))
     };
     let (cold, rss) = run(scratch.join(format!("agent-{size}.log")))?;
     let (restart, _) = run(scratch.join(format!("agent-{size}-restart.log")))?;
@@ -493,9 +491,8 @@ fn write_report(
         }
     };
     let mut md = String::new();
-    let _ = writeln!(md, "# topoproxy benchmark\n\nMachine: {} cores; kernel {}. {} repeats of {} rounds per cell, variants interleaved. Figures are the median over repeats with the spread (min–max) in brackets. `direct` dials the Service's 10 backends itself, one after the other, so it meets the same listeners (and the same mix of warm and cold listener threads) as the translated variants, which spread their connections over those backends.\n",
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+    let _ = writeln!(md, "# topoproxy benchmark\n\n{} {} repeats of {} rounds per cell, variants interleaved. Figures are the median over repeats with the spread (min–max) in brackets. `direct` dials the Service's 10 backends itself, one after the other, so it meets the same listeners (and the same mix of warm and cold listener threads) as the translated variants, which spread their connections over those backends.\n",
+        report::machine(),
         args.repeats, args.rounds);
     let variants = ["direct", "topoproxy", "iptables", "nftables"];
     let mut json_cells = Vec::new();
@@ -562,11 +559,7 @@ fn write_report(
     for s in &sections {
         md.push_str(&s.markdown);
     }
-    let _ = writeln!(md, "## Targets\n\n| target | goal | measured | met |\n|---|---|---|---|");
-    for t in &targets {
-        let met = match t.met { Some(true) => "yes", Some(false) => "**no**", None => "not measured" };
-        let _ = writeln!(md, "| {} | {} | {} | {met} |", t.name, t.goal, t.measured);
-    }
+    md.push_str(&report::targets_markdown(&targets));
     md.push_str("\nPlots: `tcp_p50.svg`, `udp_p50.svg`.\n");
 
     let mut svgs = Vec::new();
@@ -589,7 +582,7 @@ fn write_report(
             "map_memlock_bytes": map_mem,
             "api_server": cp.json(),
         },
-        "targets": targets.iter().map(|t| json!({"name": t.name, "goal": t.goal, "measured": t.measured, "met": t.met})).collect::<Vec<_>>(),
+        "targets": report::targets_json(&targets),
     });
     // The measurement modules' sections: JSON under their keys, their plots.
     let mut doc = doc;

@@ -265,16 +265,8 @@ const OBJECT_ENV: &str = "TOPOPROXY_BENCH_EBPF_OBJECT";
 fn load_object(path: &Path, pin_dir: &Path) -> Result<aya::Ebpf> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let mut loader = aya::EbpfLoader::new();
-    let socket = [
-        proxy_common::SERVICES_MAP,
-        proxy_common::SLOTS_MAP,
-        proxy_common::BACKENDS_MAP,
-        proxy_common::SOCK_REVNAT_MAP,
-        proxy_common::COUNTERS_MAP,
-    ];
-    let pins: Vec<(&str, std::path::PathBuf)> = socket
-        .iter()
-        .map(|n| (*n, pin_dir.join(n)))
+    let pins: Vec<(&str, std::path::PathBuf)> = proxy_agent::loader::socket_map_names()
+        .map(|n| (n, pin_dir.join(n)))
         .chain(proxy_agent::tc_loader::np_map_pins(pin_dir))
         .collect();
     for (name, p) in &pins {
@@ -407,27 +399,5 @@ pub fn nodeport_test_run(repeats: usize, calls: usize, frontends: usize) -> Resu
 
 /// The report of `--only nodeport`: this section and its target alone.
 pub fn write_alone(out: &Path, s: Section) -> Result<()> {
-    let mut md = format!(
-        "# topoproxy benchmark: NodePort program only\n\nMachine: {} cores; kernel {}.\n\n",
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-        std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim()
-    );
-    md.push_str(&s.markdown);
-    let _ = writeln!(md, "## Targets\n\n| target | goal | measured | met |\n|---|---|---|---|");
-    for t in &s.targets {
-        let met = match t.met {
-            Some(true) => "yes",
-            Some(false) => "**no**",
-            None => "not measured",
-        };
-        let _ = writeln!(md, "| {} | {} | {} | {met} |", t.name, t.goal, t.measured);
-    }
-    let doc = json!({
-        s.key: s.json,
-        "targets": s.targets.iter().map(|t| json!({"name": t.name, "goal": t.goal, "measured": t.measured, "met": t.met})).collect::<Vec<_>>(),
-    });
-    crate::report::write_all(out, &md, &doc, &s.svgs)?;
-    println!("{md}");
-    println!("report written to {}", out.join("report.md").display());
-    Ok(())
+    Ok(crate::report::write_part(out, "NodePort program", &s.markdown, json!({s.key: s.json}), &s.targets, &s.svgs)?)
 }

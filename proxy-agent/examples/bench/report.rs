@@ -100,6 +100,46 @@ pub fn svg_bars(title: &str, unit: &str, xs: &[String], series: &[(String, Vec<f
     s
 }
 
+/// "Machine: N cores; kernel X." for a report's header.
+pub fn machine() -> String {
+    format!(
+        "Machine: {} cores; kernel {}.",
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim()
+    )
+}
+
+/// The "Targets" section of a report.
+pub fn targets_markdown(targets: &[Target]) -> String {
+    let mut md = String::from("## Targets\n\n| target | goal | measured | met |\n|---|---|---|---|\n");
+    for t in targets {
+        let met = match t.met {
+            Some(true) => "yes",
+            Some(false) => "**no**",
+            None => "not measured",
+        };
+        let _ = writeln!(md, "| {} | {} | {} | {met} |", t.name, t.goal, t.measured);
+    }
+    md
+}
+
+/// The targets as report.json lists them.
+pub fn targets_json(targets: &[Target]) -> Value {
+    json!(targets.iter().map(|t| json!({"name": t.name, "goal": t.goal, "measured": t.measured, "met": t.met})).collect::<Vec<_>>())
+}
+
+/// The report of a `--only` run of one part: `markdown` under a header
+/// naming the `part`, its targets; `doc` (a JSON object) with the targets
+/// added; printed as well as written.
+pub fn write_part(dir: &Path, part: &str, markdown: &str, mut doc: Value, targets: &[Target], svgs: &[(String, String)]) -> std::io::Result<()> {
+    let md = format!("# topoproxy benchmark: {part} only\n\n{}\n\n{markdown}{}", machine(), targets_markdown(targets));
+    doc["targets"] = targets_json(targets);
+    write_all(dir, &md, &doc, svgs)?;
+    println!("{md}");
+    println!("report written to {}", dir.join("report.md").display());
+    Ok(())
+}
+
 pub fn write_all(dir: &Path, markdown: &str, json: &Value, svgs: &[(String, String)]) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     std::fs::write(dir.join("report.md"), markdown)?;
