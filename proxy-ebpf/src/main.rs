@@ -149,7 +149,7 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
     }
 
     // The cookie is fetched only where it is needed: the first call on a
-    // socket assigns it from a global counter (`__sock_gen_cookie`).
+    // socket assigns it (`__sock_gen_cookie`, a shared counter).
     let (cookie, hash) = match pick {
         Pick::Random => (0, unsafe { bpf_get_prandom_u32() }),
         Pick::PerSocket => {
