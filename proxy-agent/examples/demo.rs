@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use proxy_agent::manifest;
+use proxy_agent::source::manifest;
 use proxy_agent::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in};
 use serde_json::Value;
 

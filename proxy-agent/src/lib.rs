@@ -1,39 +1,34 @@
-//! The per-node agent: from Kubernetes objects to the socket load
-//! balancer's maps.
+//! The per-node agent: from Kubernetes objects to the load balancer's maps.
 //!
-//! Data flows one way: `manifest`/`objects` (input) -> `model` ->
-//! `topology` and `decision` (pure) -> `plan` (pure diff) -> `map_writer`
-//! (aya) -> kernel. `loader` installs the programs; `sync` runs one pass.
+//! The folders are the data flow, in order:
+//!
+//! ```text
+//! source/ ──> model/ ──> decide/ ──> datapath/ ──> kernel
+//!  (manifests,  (Cluster,   (topology,   (maps, loaders,
+//!   API server)  store)      decision,    writer, GC, dump)
+//!                            plan)
+//!                                 external/ (NodePort devices, addresses,
+//!                                            health check node ports)
+//! sync/ drives one loop over all of them; observe/ (metrics, HTTP) and
+//! util/ sit below everything and import nothing from the crate's folders.
+//! ```
+//!
+//! A folder imports only from folders below it in this order: `util`,
+//! `observe`, `model`, `source`/`decide`, `datapath`, `external`, `sync`
+//! (`tests/layers.rs` checks it). Modules are `pub` only where another
+//! crate (the binary, the tests, the bench) uses them.
 
-pub mod bpf_batch;
-pub mod conntrack_gc;
-pub mod decision;
-pub mod decision_cache;
-pub mod error_chain;
-pub mod events;
-pub mod health_server;
-pub mod healthcheck_server;
-pub mod intern;
-pub mod kube_model;
-pub mod kube_source;
-pub mod kube_sync;
-pub mod loader;
-pub mod manifest;
-pub mod map_dump;
-pub mod map_writer;
-pub mod metrics;
+pub mod datapath;
+pub mod decide;
+pub mod external;
 pub mod model;
-pub mod node_addresses;
-pub mod nodeport;
-pub mod mounts;
-pub mod objects;
-pub mod plan;
+pub mod observe;
+pub mod source;
+pub mod sync;
+pub mod util;
+
 pub mod prog_test_run;
 pub mod sandbox;
-pub mod sync;
-pub mod tc_loader;
-pub mod topology;
-pub mod wire;
 
 /// Default pin directory under the BPF filesystem.
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/topoproxy";

@@ -18,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::mounts;
+use crate::datapath::mounts;
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
@@ -301,7 +301,7 @@ impl PinDir {
         if let Ok(rd) = fs::read_dir(&base) {
             for e in rd.flatten() {
                 if stale(&e.file_name().to_string_lossy(), prefix) {
-                    let _ = crate::loader::reset(&e.path());
+                    let _ = crate::datapath::socket_loader::reset(&e.path());
                 }
             }
         }
@@ -317,7 +317,7 @@ impl PinDir {
 
 impl Drop for PinDir {
     fn drop(&mut self) {
-        let _ = crate::loader::reset(&self.path);
+        let _ = crate::datapath::socket_loader::reset(&self.path);
     }
 }
 

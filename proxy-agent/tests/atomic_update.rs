@@ -10,10 +10,10 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use proxy_agent::loader::{self, Capacities};
-use proxy_agent::map_writer::{MapWriter, WriteError};
+use proxy_agent::datapath::socket_loader::{self, Capacities};
+use proxy_agent::datapath::map_writer::{MapWriter, WriteError};
 use proxy_agent::model::{Backend, Frontend, Protocol};
-use proxy_agent::plan::Plan;
+use proxy_agent::decide::plan::Plan;
 use proxy_agent::sandbox::{Cgroup, PinDir, command_in};
 use support::*;
 
@@ -40,7 +40,7 @@ fn connects_during_rewrites_never_see_a_partial_set() {
     }
     let cg = Cgroup::new("tpt").expect("cgroup");
     let pins = PinDir::new("tpt").expect("pins");
-    loader::install(cg.path(), pins.path(), Capacities::default()).expect("install");
+    socket_loader::install(cg.path(), pins.path(), Capacities::default()).expect("install");
     let mut writer = MapWriter::open(pins.path()).expect("open maps");
     let fe = Frontend { ip: "10.96.0.30".parse().expect("literal"), port: 80, protocol: Protocol::Tcp };
     // Two sets of different sizes: a reader mixing the count of one with the
@@ -89,7 +89,7 @@ fn a_full_map_leaves_the_service_as_it_was() {
     let cg = Cgroup::new("tpt").expect("cgroup");
     let pins = PinDir::new("tpt").expect("pins");
     let caps = Capacities { slots: 6, ..Capacities::default() };
-    loader::install(cg.path(), pins.path(), caps).expect("install");
+    socket_loader::install(cg.path(), pins.path(), caps).expect("install");
     let mut writer = MapWriter::open(pins.path()).expect("open maps");
     let fe = Frontend { ip: "10.96.0.31".parse().expect("literal"), port: 80, protocol: Protocol::Tcp };
     let two = [be("10.244.3.1"), be("10.244.3.2")];

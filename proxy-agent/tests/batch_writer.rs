@@ -9,10 +9,10 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 
 use aya::maps::{HashMap, Map, MapData};
-use proxy_agent::loader::{self, Capacities};
-use proxy_agent::map_writer::{MapWriter, WriteError, service_key};
+use proxy_agent::datapath::socket_loader::{self, Capacities};
+use proxy_agent::datapath::map_writer::{MapWriter, WriteError, service_key};
 use proxy_agent::model::{Backend, Frontend, Protocol};
-use proxy_agent::plan::{self, Plan, State};
+use proxy_agent::decide::plan::{self, Plan, State};
 use proxy_agent::sandbox::{Cgroup, PinDir};
 use proxy_common::{BackendKey, BackendValue, ServiceKey, ServiceValue, SlotKey, SlotValue};
 
@@ -44,7 +44,7 @@ struct Datapath {
 fn datapath(caps: Capacities) -> Datapath {
     let cg = Cgroup::new("tpw").expect("cgroup");
     let pins = PinDir::new("tpw").expect("pins");
-    loader::install(cg.path(), pins.path(), caps).expect("install");
+    socket_loader::install(cg.path(), pins.path(), caps).expect("install");
     Datapath { _cg: cg, pins }
 }
 
@@ -190,7 +190,7 @@ fn a_restarted_writer_reads_everything_back_in_batches_and_drops_leftovers() {
     // Batched reads return what key-by-key iteration returns.
     let mut slots: HashMap<MapData, SlotKey, SlotValue> = open(dp.pins.path(), "SLOTS");
     let data = MapData::from_pin(dp.pins.path().join("SLOTS")).expect("open SLOTS");
-    let mut batched: Vec<(SlotKey, SlotValue)> = proxy_agent::bpf_batch::lookup_all(data.fd().as_fd()).expect("lookup batch");
+    let mut batched: Vec<(SlotKey, SlotValue)> = proxy_agent::datapath::bpf_batch::lookup_all(data.fd().as_fd()).expect("lookup batch");
     let mut iterated: Vec<(SlotKey, SlotValue)> = slots.iter().map(|r| r.expect("entry")).collect();
     batched.sort_by_key(|(k, _)| *k);
     iterated.sort_by_key(|(k, _)| *k);

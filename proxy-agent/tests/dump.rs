@@ -10,10 +10,10 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use aya::maps::{HashMap, Map, MapData};
-use proxy_agent::loader::{self, Capacities};
-use proxy_agent::map_writer::MapWriter;
+use proxy_agent::datapath::socket_loader::{self, Capacities};
+use proxy_agent::datapath::map_writer::MapWriter;
 use proxy_agent::model::{Backend, Frontend, Protocol};
-use proxy_agent::plan::Plan;
+use proxy_agent::decide::plan::Plan;
 use proxy_agent::sandbox::{Cgroup, PinDir};
 use proxy_common::{BackendKey, BackendValue, SlotKey, SlotValue};
 use serde_json::Value;
@@ -61,7 +61,7 @@ fn dump_shows_the_programmed_state_and_flags_corruption() {
     net.backend("pod-b", "10.244.4.2", &[8080]);
     let cg = Cgroup::new("tpt").expect("cgroup");
     let pins = PinDir::new("tpt").expect("pins");
-    loader::install(cg.path(), pins.path(), Capacities { services: 100, ..Capacities::default() }).expect("install");
+    socket_loader::install(cg.path(), pins.path(), Capacities { services: 100, ..Capacities::default() }).expect("install");
     let mut writer = MapWriter::open(pins.path()).expect("open maps");
     let web = fe("10.96.0.40", 80, Protocol::Tcp);
     let dns = fe("fd00:96::40", 53, Protocol::Udp);
@@ -150,7 +150,7 @@ fn bpftool_prints_map_fields_by_name() {
     require_root();
     let cg = Cgroup::new("tpt").expect("cgroup");
     let pins = PinDir::new("tpt").expect("pins");
-    loader::install(cg.path(), pins.path(), Capacities::default()).expect("install");
+    socket_loader::install(cg.path(), pins.path(), Capacities::default()).expect("install");
     let mut writer = MapWriter::open(pins.path()).expect("open maps");
     let plan = Plan { upserts: vec![(fe("10.96.0.41", 443, Protocol::Tcp), vec![be("10.244.4.9", 8443)])], deletes: vec![] };
     assert!(writer.apply(&plan).is_empty());
@@ -180,14 +180,14 @@ fn bpftool_prints_map_fields_by_name() {
 /// counters, and what is wrong with them.
 #[test]
 fn dump_decodes_the_tc_maps_and_flags_their_inconsistencies() {
-    use proxy_agent::decision::ExternalState;
+    use proxy_agent::decide::decision::ExternalState;
     use proxy_common as pc;
     use proxy_common::{CtKey, CtValue};
 
     let cg = Cgroup::new("tpt").expect("cgroup");
     let pins = PinDir::new("tpt").expect("pins");
-    loader::install(cg.path(), pins.path(), Capacities::default()).expect("install");
-    let mut np = proxy_agent::nodeport::NodePortWriter::open(pins.path()).expect("open the TC maps");
+    socket_loader::install(cg.path(), pins.path(), Capacities::default()).expect("install");
+    let mut np = proxy_agent::external::nodeport::NodePortWriter::open(pins.path()).expect("open the TC maps");
     np.set_config(Some("10.0.3.1".parse().expect("literal")), None, (61000, 65535)).expect("config");
     let local_fe = fe("10.0.1.2", 30080, Protocol::Tcp);
     let cluster_fe = fe("10.0.1.2", 30053, Protocol::Udp);
@@ -220,7 +220,7 @@ fn dump_decodes_the_tc_maps_and_flags_their_inconsistencies() {
         .and_then(|b| b["backendId"].as_u64())
         .and_then(|id| u32::try_from(id).ok())
         .unwrap_or_else(|| panic!("local backend in {doc:#}"));
-    let seen_s = proxy_agent::conntrack_gc::monotonic_now_s().expect("clock");
+    let seen_s = proxy_agent::datapath::conntrack_gc::monotonic_now_s().expect("clock");
     let value = |s: &str, sp: u16, d: &str, dp: u16| CtValue {
         saddr_be: ip(s),
         daddr_be: ip(d),

@@ -9,7 +9,7 @@ mod support;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use proxy_agent::map_writer::MapWriter;
+use proxy_agent::datapath::map_writer::MapWriter;
 use proxy_agent::model::{Backend, Frontend, Protocol};
 use proxy_agent::sandbox::spawn_backend;
 use serde_json::{Value, json};

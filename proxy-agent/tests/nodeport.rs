@@ -93,7 +93,7 @@ impl SimNode {
     }
 
     fn counters(&self) -> std::collections::BTreeMap<&'static str, u64> {
-        proxy_agent::nodeport::counters(self.pins.path()).unwrap_or_default()
+        proxy_agent::external::nodeport::counters(self.pins.path()).unwrap_or_default()
     }
 
     fn counter(&self, name: &str) -> u64 {
@@ -698,7 +698,7 @@ fn node_address_changes_are_followed_without_a_restart() {
 mod test_run {
     use super::support::checksum::csum;
     use super::*;
-    use proxy_agent::decision::ExternalState;
+    use proxy_agent::decide::decision::ExternalState;
     use proxy_agent::model::{Backend, Frontend, Protocol};
     use std::os::fd::{AsFd, AsRawFd};
 
@@ -786,14 +786,14 @@ mod test_run {
     ) -> Loaded {
         require_root();
         let pins = PinDir::new("tnpr").expect("pins");
-        let mut ebpf = proxy_agent::tc_loader::load_unattached(pins.path()).expect("load");
+        let mut ebpf = proxy_agent::datapath::tc_loader::load_unattached(pins.path()).expect("load");
         let prog: &mut aya::programs::SchedClassifier =
             ebpf.program_mut("np_ingress").expect("np_ingress").try_into().expect("classifier");
         let ingress = prog.fd().expect("fd").as_fd().as_raw_fd();
         let prog: &mut aya::programs::SchedClassifier =
             ebpf.program_mut("np_egress").expect("np_egress").try_into().expect("classifier");
         let egress = prog.fd().expect("fd").as_fd().as_raw_fd();
-        let mut w = proxy_agent::nodeport::NodePortWriter::open(pins.path()).expect("writer");
+        let mut w = proxy_agent::external::nodeport::NodePortWriter::open(pins.path()).expect("writer");
         w.set_config(Some("10.0.3.1".parse().unwrap()), Some("fd00:3::1".parse().unwrap()), ports).expect("config");
         let ext = ExternalState {
             tc: tc.iter().map(|(f, b)| (*f, b.iter().copied().collect())).collect(),
@@ -833,7 +833,7 @@ mod test_run {
             assert!(checksums_ok4(&out), "checksums after DNAT (options {options:?})");
             assert_eq!(&out[l4 + 20..], b"payload!");
         }
-        let c = proxy_agent::nodeport::counters(l.pins.path()).unwrap();
+        let c = proxy_agent::external::nodeport::counters(l.pins.path()).unwrap();
         assert_eq!(c["new_flow"], 1, "{c:?}");
         assert_eq!(c["tracked"], 1, "the second packet is the same flow: {c:?}");
     }
@@ -928,7 +928,7 @@ mod test_run {
             assert_eq!(rc, PASS, "{name}");
             assert_eq!(out, frame, "{name}: untouched");
         }
-        let c = proxy_agent::nodeport::counters(l.pins.path()).unwrap();
+        let c = proxy_agent::external::nodeport::counters(l.pins.path()).unwrap();
         assert_eq!(c["pass_fragment"], 2, "{c:?}");
         assert!(c["pass_unparsed"] >= 3, "{c:?}");
         assert_eq!(c["new_flow"], 0, "{c:?}");
@@ -956,7 +956,7 @@ mod test_run {
         assert_eq!(&out[26..30], &[10, 0, 1, 2], "the RST comes from the address the client used");
         assert_eq!(&out[34..36], &30081u16.to_be_bytes());
         assert!(checksums_ok4(&out));
-        let c = proxy_agent::nodeport::counters(l.pins.path()).unwrap();
+        let c = proxy_agent::external::nodeport::counters(l.pins.path()).unwrap();
         assert_eq!((c["dropped_no_local"], c["rejected_no_backend"]), (1, 1), "{c:?}");
     }
 
@@ -1086,7 +1086,7 @@ mod test_run {
         assert_eq!(run(l.ingress, &echo), (PASS, echo.clone()));
         let stray = icmp4([10, 0, 3, 2], [10, 0, 3, 1], 3, 3, &udp4([10, 0, 3, 1], [10, 9, 9, 9], 1, 2)[14..]);
         assert_eq!(run(l.ingress, &stray), (PASS, stray.clone()));
-        let c = proxy_agent::nodeport::counters(l.pins.path()).unwrap();
+        let c = proxy_agent::external::nodeport::counters(l.pins.path()).unwrap();
         assert_eq!(c["icmp_translated"], 4, "{c:?}");
     }
 
@@ -1107,7 +1107,7 @@ mod test_run {
         // counted, never given a port another flow's replies use.
         let frame = syn(40001);
         assert_eq!(run(l.ingress, &frame), (PASS, frame.clone()));
-        assert_eq!(proxy_agent::nodeport::counters(l.pins.path()).unwrap()["snat_failed"], 1);
+        assert_eq!(proxy_agent::external::nodeport::counters(l.pins.path()).unwrap()["snat_failed"], 1);
         // The backend resets the first flow...
         let mut rst = tcp_syn(8080, 61000);
         rst[13] = 0x14;
@@ -1248,7 +1248,7 @@ mod test_run {
         for (name, frame) in passed {
             assert_eq!(run(l.ingress, &frame), (PASS, frame.clone()), "{name}: untouched");
         }
-        let c = proxy_agent::nodeport::counters(l.pins.path()).unwrap();
+        let c = proxy_agent::external::nodeport::counters(l.pins.path()).unwrap();
         assert_eq!((c["new_flow"], c["pass_fragment"], c["pass_unparsed"]), (4, 2, 3), "{c:?}");
     }
 }

@@ -16,10 +16,10 @@ use std::os::fd::{AsFd, AsRawFd};
 use std::path::Path;
 
 use aya::maps::{HashMap, Map, MapData};
-use proxy_agent::conntrack_gc::{self, Timeouts};
-use proxy_agent::decision::ExternalState;
+use proxy_agent::datapath::conntrack_gc::{self, Timeouts};
+use proxy_agent::decide::decision::ExternalState;
 use proxy_agent::model::{Backend, Frontend, Protocol};
-use proxy_agent::nodeport::NodePortWriter;
+use proxy_agent::external::nodeport::NodePortWriter;
 use proxy_agent::sandbox::PinDir;
 use proxy_common as pc;
 use proxy_common::{CtKey, CtValue};
@@ -146,7 +146,7 @@ impl Loaded {
     fn new(tc: &[(Frontend, Vec<Backend>)], local: &[[u8; 4]], snat_ports: (u16, u16)) -> Loaded {
         require_root();
         let pins = PinDir::new("tnpct").expect("pins");
-        let mut ebpf = proxy_agent::tc_loader::load_unattached(pins.path()).expect("load the TC programs");
+        let mut ebpf = proxy_agent::datapath::tc_loader::load_unattached(pins.path()).expect("load the TC programs");
         let mut fd = |name: &str| {
             let prog: &mut aya::programs::SchedClassifier = ebpf.program_mut(name).expect(name).try_into().expect("classifier");
             prog.fd().expect("fd").as_fd().as_raw_fd()
@@ -184,7 +184,7 @@ impl Loaded {
     }
 
     fn counter(&self, name: &str) -> u64 {
-        proxy_agent::nodeport::counters(self.path()).expect("counters")[name]
+        proxy_agent::external::nodeport::counters(self.path()).expect("counters")[name]
     }
 }
 
@@ -411,7 +411,7 @@ fn a_running_agent_sweeps_conntrack_and_exports_the_tc_counters() {
     });
     // Bump a TC counter: an IPv4 fragment through the agent's own maps
     // (programs loaded here, unattached, on the agent's pins).
-    let mut ebpf = proxy_agent::tc_loader::load_unattached(node.pins.path()).expect("load the TC programs");
+    let mut ebpf = proxy_agent::datapath::tc_loader::load_unattached(node.pins.path()).expect("load the TC programs");
     let prog: &mut aya::programs::SchedClassifier = ebpf.program_mut("np_ingress").expect("np_ingress").try_into().expect("classifier");
     let ingress = prog.fd().expect("fd").as_fd().as_raw_fd();
     let fragment = ipv4(17, CLIENT, NODE, 0x2000, &[0; 16]);

@@ -214,7 +214,7 @@ fn a_udp_reply_read_after_an_upgrade_from_an_agent_without_socket_storage_shows_
     use std::process::Stdio;
 
     use aya::maps::{Array, HashMap, Map, MapData};
-    use proxy_agent::map_writer::backend_value;
+    use proxy_agent::datapath::map_writer::backend_value;
     use proxy_agent::model::Backend;
     use proxy_agent::sandbox::{Guarded, command_in};
     use proxy_common::{SOCK_CONFIG_MAP, SOCK_PEER_MAP, SOCK_REVNAT_MAP, SockConfig, SockRevNatKey, SockRevNatValue};

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::{Context, Result, bail};
 use apiserver::ApiServer;
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
-use proxy_agent::map_writer::{backend_of, service_key};
+use proxy_agent::datapath::map_writer::{backend_of, service_key};
 use proxy_agent::model::{Frontend, Protocol};
 use proxy_agent::sandbox::{Cgroup, Guarded, Netns, PinDir};
 use proxy_common::{BackendKey, BackendValue, ServiceKey, ServiceValue, SlotKey, SlotValue};

@@ -28,11 +28,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use proxy_agent::decision::ExternalState;
+use proxy_agent::decide::decision::ExternalState;
 use proxy_agent::model::{Backend, Frontend, Protocol};
-use proxy_agent::nodeport::NodePortWriter;
+use proxy_agent::external::nodeport::NodePortWriter;
 use proxy_agent::sandbox::{Netns, PinDir, in_netns};
-use proxy_agent::tc_loader::{self, TcMode};
+use proxy_agent::datapath::tc_loader::{self, TcMode};
 use serde_json::json;
 
 use crate::report::{Section, percentile, spread, svg_bars};

@@ -27,10 +27,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use proxy_agent::loader::{self, Capacities};
-use proxy_agent::map_writer::MapWriter;
+use proxy_agent::datapath::socket_loader::{self, Capacities};
+use proxy_agent::datapath::map_writer::MapWriter;
 use proxy_agent::model::{Backend, Frontend, Protocol};
-use proxy_agent::plan;
+use proxy_agent::decide::plan;
 use proxy_agent::sandbox::{Cgroup, Netns, PinDir};
 use report::{Spread, Target, percentile, spread};
 use serde_json::json;
@@ -105,7 +105,7 @@ struct InCgroup {
 
 impl InCgroup {
     fn join(cg: &Cgroup) -> Result<InCgroup> {
-        let root = proxy_agent::mounts::cgroup2_root()?;
+        let root = proxy_agent::datapath::mounts::cgroup2_root()?;
         fs::write(cg.path().join("cgroup.procs"), std::process::id().to_string()).context("joining the bench cgroup")?;
         Ok(InCgroup { root })
     }
@@ -331,7 +331,7 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
         backends: 64,
         ..Capacities::default()
     };
-    loader::install(cg.path(), pins.path(), caps)?;
+    socket_loader::install(cg.path(), pins.path(), caps)?;
     let mut writer = MapWriter::open(pins.path())?;
     let _member = InCgroup::join(&cg)?;
     let mut connect_runtime = programs::ConnectRuntime::prepare(pins.path(), &cg)?;

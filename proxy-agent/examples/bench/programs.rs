@@ -17,9 +17,9 @@ use anyhow::{Context, Result, bail};
 use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr, SchedClassifier};
 use aya::sys::{Stats, enable_stats};
-use proxy_agent::decision::ExternalState;
+use proxy_agent::decide::decision::ExternalState;
 use proxy_agent::model::{Backend, Frontend, Protocol};
-use proxy_agent::nodeport::NodePortWriter;
+use proxy_agent::external::nodeport::NodePortWriter;
 use proxy_agent::sandbox::{Cgroup, PinDir};
 use serde_json::json;
 
@@ -59,7 +59,7 @@ fn prog_stats(id: u32) -> Result<(u64, u64)> {
         .with_context(|| format!("program id {id} is gone"))
 }
 
-/// connect4 run time: ours (as `loader::install` attached it to the bench
+/// connect4 run time: ours (as `socket_loader::install` attached it to the bench
 /// cgroup) against `bench_empty_connect4`, attached to the same cgroup
 /// next to it for the measurement only. Both then run on every connect()
 /// of the same workload, so they see the same calls; the kernel times each
@@ -75,14 +75,14 @@ pub struct ConnectRuntime {
 
 impl ConnectRuntime {
     pub fn prepare(pin_dir: &Path, cg: &Cgroup) -> Result<ConnectRuntime> {
-        let link = PinnedLink::from_pin(pin_dir.join(proxy_agent::loader::LINKS_DIR).join("connect4"))
+        let link = PinnedLink::from_pin(pin_dir.join(proxy_agent::datapath::socket_loader::LINKS_DIR).join("connect4"))
             .context("opening the pinned connect4 link")?;
         let link: FdLink = link.into();
         let ours_id = link.info().context("connect4 link info")?.program_id();
         // The object with the bench's pinned maps; the TC programs get
         // loaded (not attached) on the way, the empty program is what we
         // want from it.
-        let mut ebpf = proxy_agent::tc_loader::load_unattached(pin_dir)?;
+        let mut ebpf = proxy_agent::datapath::tc_loader::load_unattached(pin_dir)?;
         let prog: &mut CgroupSockAddr =
             ebpf.program_mut(EMPTY_CONNECT4).context("bench_empty_connect4 missing from the object")?.try_into()?;
         prog.load()?;
@@ -228,7 +228,7 @@ fn load(frontends: usize) -> Result<Loaded> {
     let pins = PinDir::new("tpbt")?;
     let (mut ebpf, load_ingress) = match std::env::var_os(OBJECT_ENV) {
         Some(path) => (load_object(Path::new(&path), pins.path())?, true),
-        None => (proxy_agent::tc_loader::load_unattached(pins.path())?, false),
+        None => (proxy_agent::datapath::tc_loader::load_unattached(pins.path())?, false),
     };
     let fd = |ebpf: &mut aya::Ebpf, name: &str, load: bool| -> Result<i32> {
         let prog: &mut SchedClassifier = ebpf.program_mut(name).with_context(|| format!("{name} missing"))?.try_into()?;
@@ -237,8 +237,8 @@ fn load(frontends: usize) -> Result<Loaded> {
         }
         Ok(prog.fd()?.as_fd().as_raw_fd())
     };
-    let ingress = fd(&mut ebpf, proxy_agent::tc_loader::INGRESS_PROGRAM, load_ingress)?;
-    let egress = fd(&mut ebpf, proxy_agent::tc_loader::EGRESS_PROGRAM, load_ingress)?;
+    let ingress = fd(&mut ebpf, proxy_agent::datapath::tc_loader::INGRESS_PROGRAM, load_ingress)?;
+    let egress = fd(&mut ebpf, proxy_agent::datapath::tc_loader::EGRESS_PROGRAM, load_ingress)?;
     let minimal = fd(&mut ebpf, MINIMAL_TC, true)?;
     let empty = fd(&mut ebpf, EMPTY_TC, true)?;
     let mut w = NodePortWriter::open(pins.path())?;
@@ -265,9 +265,9 @@ const OBJECT_ENV: &str = "TOPOPROXY_BENCH_EBPF_OBJECT";
 fn load_object(path: &Path, pin_dir: &Path) -> Result<aya::Ebpf> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
     let mut loader = aya::EbpfLoader::new();
-    let pins: Vec<(&str, std::path::PathBuf)> = proxy_agent::loader::socket_map_names()
+    let pins: Vec<(&str, std::path::PathBuf)> = proxy_agent::datapath::socket_loader::socket_map_names()
         .map(|n| (n, pin_dir.join(n)))
-        .chain(proxy_agent::tc_loader::np_map_pins(pin_dir))
+        .chain(proxy_agent::datapath::tc_loader::np_map_pins(pin_dir))
         .collect();
     for (name, p) in &pins {
         loader.map_pin_path(name, p.as_path());
@@ -336,7 +336,7 @@ pub fn nodeport_test_run(repeats: usize, calls: usize, frontends: usize) -> Resu
         for (k, s) in sums.iter().enumerate() {
             samples[k].push(*s as f64 / calls as f64);
         }
-        let counters = proxy_agent::nodeport::counters(l._pins.path())?;
+        let counters = proxy_agent::external::nodeport::counters(l._pins.path())?;
         let new_flows = counters.get("new_flow").copied().unwrap_or(0);
         if new_flows < 2 * calls as u64 {
             bail!("only {new_flows} of {} SYNs took the new-flow path: {counters:?}", 2 * calls);

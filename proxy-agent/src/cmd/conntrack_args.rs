@@ -1,11 +1,11 @@
 //! `--conntrack-*` flags: how often the agent sweeps the TC datapath's
 //! connection tracking (`NP_CT`) and how long idle flows live
-//! (`proxy_agent::conntrack_gc`).
+//! (`proxy_agent::datapath::conntrack_gc`).
 
 use std::time::Duration;
 
 use clap::Args;
-use proxy_agent::conntrack_gc::{GcConfig, Timeouts};
+use proxy_agent::datapath::conntrack_gc::{GcConfig, Timeouts};
 use proxy_common as pc;
 
 #[derive(Args, Clone, Debug)]

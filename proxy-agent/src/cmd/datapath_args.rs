@@ -4,9 +4,10 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use proxy_agent::loader::Capacities;
-use proxy_agent::node_addresses::Devices;
-use proxy_agent::{DEFAULT_BPFFS, mounts};
+use proxy_agent::datapath::socket_loader::Capacities;
+use proxy_agent::external::node_addresses::Devices;
+use proxy_agent::DEFAULT_BPFFS;
+use proxy_agent::datapath::mounts;
 use proxy_common as pc;
 
 #[derive(Args, Clone, Debug)]
@@ -74,7 +75,7 @@ fn parse_devices(value: &str) -> Result<Devices, String> {
 impl DatapathArgs {
     /// The external-traffic settings (`--devices`, `--node-ip`,
     /// `--snat-port-range`).
-    pub fn external(&self) -> anyhow::Result<proxy_agent::nodeport::ExternalConfig> {
+    pub fn external(&self) -> anyhow::Result<proxy_agent::external::nodeport::ExternalConfig> {
         let (lo, hi) = self
             .snat_port_range
             .split_once('-')
@@ -83,11 +84,11 @@ impl DatapathArgs {
             .with_context(|| format!("--snat-port-range {:?}: expected MIN-MAX", self.snat_port_range))?;
         let devices = self.devices.clone();
         let tc_mode = match self.tc_mode.as_str() {
-            "tcx" => proxy_agent::tc_loader::TcMode::Tcx,
-            "netlink" => proxy_agent::tc_loader::TcMode::Netlink,
-            _ => proxy_agent::tc_loader::TcMode::Auto,
+            "tcx" => proxy_agent::datapath::tc_loader::TcMode::Tcx,
+            "netlink" => proxy_agent::datapath::tc_loader::TcMode::Netlink,
+            _ => proxy_agent::datapath::tc_loader::TcMode::Auto,
         };
-        Ok(proxy_agent::nodeport::ExternalConfig { devices, node_ips: self.node_ip.clone(), snat_ports: (lo, hi), tc_mode })
+        Ok(proxy_agent::external::nodeport::ExternalConfig { devices, node_ips: self.node_ip.clone(), snat_ports: (lo, hi), tc_mode })
     }
 
     pub fn cgroup(&self) -> anyhow::Result<PathBuf> {

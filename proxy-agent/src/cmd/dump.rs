@@ -12,7 +12,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use proxy_agent::map_dump::{self, BackendView, NodePortReport, Report, SlotView};
+use proxy_agent::datapath::dump::{self, BackendView, NodePortReport, Report, SlotView};
 use proxy_agent::DEFAULT_BPFFS;
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -34,8 +34,8 @@ pub struct DumpArgs {
 const INCONSISTENT: u8 = 2;
 
 pub fn dump(args: DumpArgs) -> anyhow::Result<ExitCode> {
-    let snap = map_dump::read(&args.bpffs).with_context(|| format!("reading the maps pinned in {}", args.bpffs.display()))?;
-    let report = map_dump::report(&args.bpffs, &snap);
+    let snap = dump::read(&args.bpffs).with_context(|| format!("reading the maps pinned in {}", args.bpffs.display()))?;
+    let report = dump::report(&args.bpffs, &snap);
     let mut out = std::io::stdout().lock();
     match args.output {
         Output::Json => writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?,
@@ -83,8 +83,8 @@ fn table(out: &mut impl Write, r: &Report) -> std::io::Result<()> {
         writeln!(out, "findings: {}", r.findings.len())?;
         for f in &r.findings {
             let severity = match f.severity {
-                map_dump::Severity::Error => "error",
-                map_dump::Severity::Warning => "warning",
+                dump::Severity::Error => "error",
+                dump::Severity::Warning => "warning",
             };
             writeln!(out, "  {severity}: {}", f.message)?;
         }

@@ -1,13 +1,17 @@
 //! `proxy-agent explain`: the decisions `run` would program, in words.
-//! It calls the same `decision::decide` as `run`; nothing is decided here.
+//! The manifests go through the same conversion, model and sync pass as
+//! `run`'s (against in-memory maps), so the decisions and the warnings,
+//! address clashes included, are the ones `run` would act on.
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use clap::{Args, ValueEnum};
-use proxy_agent::decision::{self, PortDecision};
-use proxy_agent::{manifest, objects};
+use proxy_agent::decide::decision::PortDecision;
+use proxy_agent::model::store::{Changes, Model};
+use proxy_agent::source::manifest_watch;
+use proxy_agent::sync::pass::{CachedSync, MemoryMaps};
 use serde_json::json;
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -17,7 +21,7 @@ enum Output {
 }
 
 #[derive(Args)]
-pub struct ExplainArgs {
+pub(crate) struct ExplainArgs {
     /// The node whose point of view is explained.
     #[arg(long, env = "NODE_NAME")]
     node: String,
@@ -28,29 +32,32 @@ pub struct ExplainArgs {
     output: Output,
 }
 
-pub fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
-    let (docs, read_errors) = manifest::load(&args.manifests);
-    let (cluster, object_errors) = objects::build_cluster(&docs);
-    let decisions = decision::decide(&cluster, &args.node);
-    let mut warnings: Vec<String> = read_errors.iter().map(ToString::to_string).collect();
-    warnings.extend(object_errors.iter().map(ToString::to_string));
-    for d in &decisions {
-        warnings.extend(d.problems.iter().map(|p| format!("Service {}: {p}", d.service)));
-    }
+pub(crate) fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
+    let read = manifest_watch::read(&args.manifests);
+    let mut model = Model::default();
+    model.apply(read.deltas.into_values());
+    let mut pass = CachedSync::new(&args.node);
+    let mut maps = MemoryMaps::default();
+    let outcome = pass.pass(&mut maps, None, &model.cluster, &Changes { all: true, ..Changes::default() }, true);
+    let decisions: Vec<&PortDecision> = pass.decisions().collect();
+    let mut warnings: Vec<String> = read.errors.iter().map(ToString::to_string).collect();
+    warnings.extend(model.problems().map(|p| p.error.to_string()));
+    warnings.extend(outcome.problems);
+    warnings.extend(outcome.failures.iter().map(|f| format!("not programmed: {f}")));
     warnings.dedup();
     let mut out = std::io::stdout().lock();
     match args.output {
         Output::Json => {
             let doc = json!({
                 "node": args.node,
-                "services": decisions.iter().map(to_json).collect::<Vec<_>>(),
+                "services": decisions.iter().map(|d| to_json(d)).collect::<Vec<_>>(),
                 "warnings": warnings,
             });
             writeln!(out, "{}", serde_json::to_string_pretty(&doc)?)?;
         }
         Output::Table => {
             writeln!(out, "node {}", args.node)?;
-            for d in &decisions {
+            for d in decisions {
                 writeln!(out, "\n{} port {}", d.service, port_label(d))?;
                 writeln!(out, "  frontends: {}", join(d.frontends.iter().map(|f| sockaddr(f.ip, f.port))))?;
                 if d.port.node_port.is_some() || !d.external_ips.is_empty() {

@@ -7,5 +7,4 @@ pub mod explain;
 pub mod probe;
 pub mod reset;
 pub mod run;
-pub mod run_kube;
 pub mod serve_hostname;

@@ -135,7 +135,7 @@ fn udp_once(args: &ProbeArgs, timeout: Duration) -> serde_json::Value {
 /// (cgroup/recvmsg hooks run in recvmsg(), not on arrival), so a reply
 /// read after the wait meets whatever datapath is installed by then.
 fn hold(s: &UdpSocket) {
-    let cookie = proxy_agent::loader::socket_cookie(s.as_fd()).ok();
+    let cookie = proxy_agent::datapath::socket_loader::socket_cookie(s.as_fd()).ok();
     let out = std::io::stdout();
     let mut lock = out.lock();
     let _ = writeln!(lock, "{}", json!({"held": true, "cookie": cookie}));

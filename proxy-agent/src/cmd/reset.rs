@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::Args;
-use proxy_agent::loader;
+use proxy_agent::datapath::socket_loader;
 
 use super::datapath_args::DatapathArgs;
 
@@ -18,7 +18,7 @@ pub fn reset(args: ResetArgs) -> anyhow::Result<ExitCode> {
     // The links are pinned, so the pin directory alone identifies what to
     // detach; --cgroup is accepted for symmetry with `run`.
     let dir = &args.datapath.bpffs;
-    loader::reset(dir).with_context(|| format!("resetting {}", dir.display()))?;
+    socket_loader::reset(dir).with_context(|| format!("resetting {}", dir.display()))?;
     tracing::info!(bpffs = %dir.display(), "removed programs, links and maps");
     Ok(ExitCode::SUCCESS)
 }

@@ -24,8 +24,8 @@ use aya::programs::{CgroupAttachMode, CgroupSockAddr};
 use aya::{Ebpf, EbpfLoader};
 use proxy_common as pc;
 
-use crate::error_chain::error_chain;
-use crate::mounts;
+use crate::util::error_chain::error_chain;
+use crate::datapath::mounts;
 
 /// The eBPF object, built by build.rs from the `proxy-ebpf` crate.
 pub(crate) static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
@@ -182,7 +182,7 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
     }
     // The TC programs' maps live in the same object; pin them too so that the
     // TC loader (tc_loader.rs) and this one share a single copy.
-    let np_pins = crate::tc_loader::np_map_pins(pin_dir);
+    let np_pins = crate::datapath::tc_loader::np_map_pins(pin_dir);
     for (name, path) in &np_pins {
         loader.map_pin_path(name, path.as_path());
     }
@@ -262,7 +262,7 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
 fn legacy_cookie_bound(ebpf: &Ebpf) -> io::Result<u64> {
     let map = ebpf.map(pc::SOCK_REVNAT_MAP).ok_or_else(|| io::Error::other("SOCK_REVNAT is missing from the object"))?;
     let revnat: aya::maps::HashMap<_, pc::SockRevNatKey, pc::SockRevNatValue> = aya::maps::HashMap::try_from(map).map_err(io::Error::other)?;
-    let largest = crate::bpf_batch::read_all(&revnat).iter().map(|(k, _)| k.cookie).max();
+    let largest = crate::datapath::bpf_batch::read_all(&revnat).iter().map(|(k, _)| k.cookie).max();
     Ok(largest.unwrap_or(0).max(next_socket_cookie()?) + 1)
 }
 
@@ -351,7 +351,7 @@ pub fn reset(pin_dir: &Path) -> Result<(), LoadError> {
     for m in &MAPS {
         remove(&pin_dir.join(m.name))?;
     }
-    crate::tc_loader::reset(pin_dir).map_err(|(path, source)| LoadError::Remove { path, source })?;
+    crate::datapath::tc_loader::reset(pin_dir).map_err(|(path, source)| LoadError::Remove { path, source })?;
     remove_dir(pin_dir)
 }
 

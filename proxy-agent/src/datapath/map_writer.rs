@@ -35,10 +35,10 @@ use foldhash::{HashMap as FastHashMap, HashSet as FastHashSet};
 use proxy_common as pc;
 use proxy_common::{BackendKey, BackendValue, ServiceKey, ServiceValue, SlotKey, SlotValue};
 
-use crate::bpf_batch;
-use crate::loader::capacity_flag;
+use crate::datapath::bpf_batch;
+use crate::datapath::socket_loader::capacity_flag;
 use crate::model::{Backend, Frontend, Protocol};
-use crate::plan::{Plan, State};
+use crate::decide::plan::{Plan, State};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {

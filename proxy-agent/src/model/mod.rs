@@ -6,6 +6,8 @@
 //! decision code (`topology.rs`, `decision.rs`, `plan.rs`), which therefore
 //! never sees kube, aya or tokio types.
 
+pub mod store;
+
 use std::collections::BTreeMap;
 use std::fmt;
 use std::net::IpAddr;

@@ -1,20 +1,71 @@
-//! The model of Kubernetes mode, kept between syncs.
+//! The model kept between syncs, whatever the source.
 //!
-//! The watchers convert each object once, when it arrives (`kube_source`),
+//! A source converts each object once, when it arrives (`source::kube_watch`
+//! for the API server, `source::manifest` for files),
 //! and hand over the result as a [`Delta`]; nothing else keeps the API
 //! server's objects. A sync applies the deltas queued since the last one
 //! to this model and learns which Services and EndpointSlices changed, so
-//! that only those are decided again (`decision_cache`). Keeping converted
+//! that only those are decided again (`decide::cache`). Keeping converted
 //! objects only is also what keeps the agent's memory small: a watched
 //! EndpointSlice with ten endpoints is several kilobytes as a Kubernetes
 //! object and a few hundred bytes in the model.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 
-use crate::decision_cache::Changes;
-use crate::kube_source::Kind;
 use crate::model::{Cluster, EndpointSlice, Node, ObjectRef, Service};
-use crate::objects::ObjectError;
+
+/// The kinds of object the agent reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Kind {
+    Service,
+    EndpointSlice,
+    Node,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 3] = [Kind::Service, Kind::EndpointSlice, Kind::Node];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Service => "Service",
+            Kind::EndpointSlice => "EndpointSlice",
+            Kind::Node => "Node",
+        }
+    }
+}
+
+/// Why an object was left out.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub struct ObjectError {
+    pub kind: String,
+    /// `namespace/name`, or the manifest location when the object has no name.
+    pub object: String,
+    pub reason: String,
+}
+
+impl std::fmt::Display for ObjectError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}: {}", self.kind, self.object, self.reason)
+    }
+}
+
+/// What changed in the model since the last update.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    /// Decide everything again (first sync, a Node's labels changed: node
+    /// labels feed every topology decision).
+    pub all: bool,
+    /// Services added, changed or removed.
+    pub services: BTreeSet<ObjectRef>,
+    /// EndpointSlices added, changed or removed.
+    pub slices: BTreeSet<ObjectRef>,
+}
+
+impl Changes {
+    pub fn is_empty(&self) -> bool {
+        !self.all && self.services.is_empty() && self.slices.is_empty()
+    }
+}
 
 /// An object left out of the model, and the Service it concerns (for the
 /// Event), if any.

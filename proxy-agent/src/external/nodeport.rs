@@ -11,11 +11,11 @@ use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
 use proxy_common as pc;
 use proxy_common::{AddrKey, NpConfig, NpFlagsValue, ServiceKey};
 
-use crate::decision::ExternalState;
-use crate::map_writer::{ApplyError, MapWriter, WriteError, frontend_of, service_key};
+use crate::decide::decision::ExternalState;
+use crate::datapath::map_writer::{ApplyError, MapWriter, WriteError, frontend_of, service_key};
 use crate::model::Frontend;
-use crate::node_addresses::{self, Devices, Resolved};
-use crate::plan;
+use crate::external::node_addresses::{self, Devices, Resolved};
+use crate::decide::plan;
 
 fn addr_key(ip: &IpAddr) -> AddrKey {
     // Same encoding as the service keys.
@@ -135,7 +135,7 @@ pub struct ExternalConfig {
     /// `--node-ip`: fixed SNAT addresses (one per family), also served.
     pub node_ips: Vec<IpAddr>,
     pub snat_ports: (u16, u16),
-    pub tc_mode: crate::tc_loader::TcMode,
+    pub tc_mode: crate::datapath::tc_loader::TcMode,
 }
 
 /// Everything the agent runs for external traffic: the node addresses
@@ -159,7 +159,7 @@ pub struct ExternalDatapath {
     /// poll would only repeat the error).
     failed_attach: Option<Vec<(String, u32)>>,
     tc: Option<NodePortWriter>,
-    health: crate::healthcheck_server::HealthServers,
+    health: crate::external::health_check::HealthServers,
 }
 
 fn with_ifindex(devices: &[String]) -> Vec<(String, u32)> {
@@ -168,7 +168,7 @@ fn with_ifindex(devices: &[String]) -> Vec<(String, u32)> {
 
 impl ExternalDatapath {
     /// Attaches the TC programs (unless `--devices none`) and opens the
-    /// maps. `loader::install` must have run on `pin_dir` first.
+    /// maps. `socket_loader::install` must have run on `pin_dir` first.
     pub fn install(pin_dir: &Path, cfg: &ExternalConfig) -> anyhow::Result<(ExternalDatapath, Vec<String>)> {
         use anyhow::Context;
         let addrs = node_addresses::interface_addresses().context("listing interface addresses")?;
@@ -186,7 +186,7 @@ impl ExternalDatapath {
                 );
             }
             warnings.extend(
-                crate::tc_loader::install(pin_dir, &resolved.devices, cfg.tc_mode)
+                crate::datapath::tc_loader::install(pin_dir, &resolved.devices, cfg.tc_mode)
                     .context("attaching the TC programs")?,
             );
             attached = with_ifindex(&resolved.devices);
@@ -199,7 +199,7 @@ impl ExternalDatapath {
             // through this pin directory, so that `none` really means no
             // TC program (only our own pinned links and recorded filters
             // are touched).
-            warnings.extend(crate::tc_loader::detach_all(pin_dir));
+            warnings.extend(crate::datapath::tc_loader::detach_all(pin_dir));
             None
         };
         Ok((
@@ -212,7 +212,7 @@ impl ExternalDatapath {
                 attached,
                 failed_attach: None,
                 tc,
-                health: crate::healthcheck_server::HealthServers::new(),
+                health: crate::external::health_check::HealthServers::new(),
             },
             warnings,
         ))
@@ -238,7 +238,7 @@ impl ExternalDatapath {
         if self.cfg.devices.enabled() {
             let want = with_ifindex(&new.devices);
             if want != self.attached && self.failed_attach.as_ref() != Some(&want) {
-                match crate::tc_loader::install(&self.pin_dir, &new.devices, self.cfg.tc_mode) {
+                match crate::datapath::tc_loader::install(&self.pin_dir, &new.devices, self.cfg.tc_mode) {
                     Ok(notes) => {
                         for n in notes {
                             tracing::info!("{n}");
@@ -249,7 +249,7 @@ impl ExternalDatapath {
                         changed = true;
                     }
                     Err(e) => {
-                        tracing::warn!(devices = ?new.devices, error = %crate::error_chain::error_chain(&e), "attaching the TC programs failed; retrying when the devices change");
+                        tracing::warn!(devices = ?new.devices, error = %crate::util::error_chain::error_chain(&e), "attaching the TC programs failed; retrying when the devices change");
                         self.failed_attach = Some(want);
                     }
                 }

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::model::{Backend, Cluster, Endpoint, EndpointSlice, Family, Frontend, ObjectRef, Service, ServicePort};
-use crate::topology::{self, NodeContext};
+use crate::decide::topology::{self, NodeContext};
 
 /// The outcome for one Service port on this node.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -292,8 +292,8 @@ pub fn external_state_of<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manifest::parse_into;
-    use crate::objects::build_cluster;
+    use crate::source::manifest::parse_into;
+    use crate::source::objects::build_cluster;
 
     /// The model of a manifest that must convert without problems.
     pub(super) fn cluster(yaml: &str) -> Cluster {

@@ -32,7 +32,7 @@ use serde::de::{self, Deserializer, IgnoredAny, SeqAccess, Visitor};
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::intern::intern;
+use crate::util::intern::intern;
 
 /// The metadata conversion reads; `managedFields`, `ownerReferences`,
 /// `finalizers` and the rest are skipped.

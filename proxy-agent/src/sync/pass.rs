@@ -1,90 +1,121 @@
 //! One pass of the data flow: model -> decisions -> desired state -> plan ->
-//! maps. Shared by every way the agent learns about the cluster.
+//! maps, kept between passes so that a pass costs in proportion to what
+//! changed. The maps sit behind [`SocketMaps`]: the pinned maps
+//! (`MapWriter`) in the agent, an in-memory set ([`MemoryMaps`]) in
+//! `explain` and in the unit tests.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
-use crate::decision::{self, PortDecision};
-use crate::decision_cache::{Changes, DecisionCache};
-use crate::map_writer::{ApplyError, MapWriter};
-use crate::model::{Cluster, Frontend, ObjectRef};
-use crate::plan;
+use crate::datapath::map_writer::{ApplyError, MapWriter, WriteError};
+use crate::decide::cache::DecisionCache;
+use crate::decide::decision::{self, PortDecision};
+use crate::decide::plan::{self, Plan};
+use crate::external::nodeport::ExternalDatapath;
+use crate::model::store::Changes;
+use crate::model::{Backend, Cluster, Frontend, ObjectRef};
+
+/// What a pass needs of the socket datapath's maps.
+pub trait SocketMaps {
+    /// What the maps hold, in the planner's terms.
+    fn state(&self) -> plan::State;
+    /// The backends programmed for `fe`, in slot order.
+    fn backends_of(&self, fe: &Frontend) -> Option<&[Backend]>;
+    /// Applies a plan; each frontend is written completely or not at all,
+    /// and the ones that failed are returned.
+    fn apply(&mut self, plan: &Plan) -> Vec<ApplyError>;
+    /// Frontends programmed.
+    fn frontends(&self) -> usize;
+    /// Backends programmed, summed over all frontends.
+    fn endpoints(&self) -> usize;
+    /// (map, entries in use, capacity) per map, for metrics.
+    fn occupancy(&self) -> Vec<(&'static str, u32, u32)>;
+}
+
+impl SocketMaps for MapWriter {
+    fn state(&self) -> plan::State {
+        MapWriter::state(self)
+    }
+    fn backends_of(&self, fe: &Frontend) -> Option<&[Backend]> {
+        MapWriter::backends_of(self, fe)
+    }
+    fn apply(&mut self, plan: &Plan) -> Vec<ApplyError> {
+        MapWriter::apply(self, plan)
+    }
+    fn frontends(&self) -> usize {
+        MapWriter::frontends(self)
+    }
+    fn endpoints(&self) -> usize {
+        MapWriter::endpoints(self)
+    }
+    fn occupancy(&self) -> Vec<(&'static str, u32, u32)> {
+        MapWriter::occupancy(self).to_vec()
+    }
+}
+
+/// The socket maps held in memory: what `explain` shows the agent would
+/// program, and what the sync loop's unit tests read back. `capacity`
+/// bounds the frontends like `--max-services` bounds the real map.
+#[derive(Debug, Default)]
+pub struct MemoryMaps {
+    pub programmed: BTreeMap<Frontend, Vec<Backend>>,
+    pub capacity: Option<u32>,
+}
+
+impl SocketMaps for MemoryMaps {
+    fn state(&self) -> plan::State {
+        self.programmed.iter().map(|(fe, b)| (*fe, b.iter().copied().collect())).collect()
+    }
+    fn backends_of(&self, fe: &Frontend) -> Option<&[Backend]> {
+        self.programmed.get(fe).map(Vec::as_slice)
+    }
+    fn apply(&mut self, plan: &Plan) -> Vec<ApplyError> {
+        for fe in &plan.deletes {
+            self.programmed.remove(fe);
+        }
+        let mut failures = Vec::new();
+        for (fe, backends) in &plan.upserts {
+            let used = u32::try_from(self.programmed.len()).unwrap_or(u32::MAX);
+            match self.capacity {
+                Some(max) if !self.programmed.contains_key(fe) && used >= max => failures.push(ApplyError {
+                    frontend: *fe,
+                    error: WriteError::Full { map: proxy_common::SERVICES_MAP, used, max, needed: 1, flag: "--max-services" },
+                }),
+                _ => {
+                    self.programmed.insert(*fe, backends.clone());
+                }
+            }
+        }
+        failures
+    }
+    fn frontends(&self) -> usize {
+        self.programmed.len()
+    }
+    fn endpoints(&self) -> usize {
+        self.programmed.values().map(Vec::len).sum()
+    }
+    fn occupancy(&self) -> Vec<(&'static str, u32, u32)> {
+        let used = u32::try_from(self.programmed.len()).unwrap_or(u32::MAX);
+        vec![(proxy_common::SERVICES_MAP, used, self.capacity.unwrap_or(u32::MAX))]
+    }
+}
 
 /// What one pass did.
 #[derive(Debug, Default)]
 pub struct SyncOutcome {
     pub upserts: usize,
     pub deletes: usize,
-    /// Configuration problems found while deciding, each naming its Service.
+    /// Configuration problems found while deciding, each naming its Service
+    /// (address clashes and the external datapath's included).
     pub problems: Vec<String>,
     /// Frontends that could not be written (left as they were).
     pub failures: Vec<ApplyError>,
-    /// Every decision of a full pass; empty for [`CachedSync`], whose
-    /// decisions stay in its cache.
-    pub decisions: Vec<PortDecision>,
-    /// Services with at least one ClusterIP frontend in the maps, when the
-    /// pass knows it without reading the whole state back.
-    pub services_programmed: Option<usize>,
+    /// Services with at least one ClusterIP frontend in the maps.
+    pub services_programmed: usize,
 }
 
-pub fn sync(writer: &mut MapWriter, cluster: &Cluster, node: &str) -> SyncOutcome {
-    let decisions = decision::decide(cluster, node);
-    let (desired, clashes) = decision::desired_state(&decisions);
-    let plan = plan::diff(&writer.state(), &desired);
-    let failures = writer.apply(&plan);
-    let problems = decisions
-        .iter()
-        .flat_map(|d| d.problems.iter().map(move |p| format!("Service {}: {p}", d.service)))
-        .chain(clashes)
-        .collect::<std::collections::BTreeSet<_>>()
-        .into_iter()
-        .collect();
-    SyncOutcome { upserts: plan.upserts.len(), deletes: plan.deletes.len(), problems, failures, decisions, services_programmed: None }
-}
-
-/// [`sync`] plus the external frontends (NodePort, LoadBalancer IPs,
-/// externalIPs, issue #5): their socket entries join the ClusterIP state in
-/// the same plan, and `external` writes the TC maps and health check ports.
-/// Both come from the one `decision::decide` pass.
-pub fn sync_with_external(
-    writer: &mut MapWriter,
-    external: &mut crate::nodeport::ExternalDatapath,
-    cluster: &Cluster,
-    node: &str,
-) -> SyncOutcome {
-    let decisions = decision::decide(cluster, node);
-    let (mut desired, clashes) = decision::desired_state(&decisions);
-    let ext = decision::external_state(&decisions, &external.node_addrs);
-    for (fe, set) in &ext.socket {
-        desired.entry(*fe).or_insert_with(|| set.clone());
-    }
-    let plan = plan::diff(&writer.state(), &desired);
-    let mut failures = writer.apply(&plan);
-    let (np, mut external_problems) = external.apply(&ext);
-    failures.extend(np.failures);
-    external_problems.extend(ext.problems.iter().cloned());
-    let problems = decisions
-        .iter()
-        .flat_map(|d| d.problems.iter().map(move |p| format!("Service {}: {p}", d.service)))
-        .chain(clashes)
-        .chain(external_problems)
-        .collect::<std::collections::BTreeSet<_>>()
-        .into_iter()
-        .collect();
-    SyncOutcome {
-        upserts: plan.upserts.len() + np.upserts,
-        deletes: plan.deletes.len() + np.deletes,
-        problems,
-        failures,
-        decisions,
-        services_programmed: None,
-    }
-}
-
-/// The passes of Kubernetes mode: the same data flow as
-/// [`sync_with_external`], kept between syncs so that a pass costs in
-/// proportion to what changed. Decisions come from the `DecisionCache`
-/// (the same per-Service decision function); only the frontends whose
+/// The passes of the sync loop. Decisions come from the `DecisionCache`
+/// (the per-Service decision function `decision::decide` uses); only the frontends whose
 /// desired entry may have changed are compared with the maps and written,
 /// except in a full pass (the first, and the periodic resync), which
 /// compares everything, removes what nobody wants any more and retries
@@ -164,8 +195,8 @@ impl CachedSync {
 
     pub fn pass(
         &mut self,
-        writer: &mut MapWriter,
-        external: Option<&mut crate::nodeport::ExternalDatapath>,
+        writer: &mut impl SocketMaps,
+        external: Option<&mut ExternalDatapath>,
         cluster: &Cluster,
         changes: &Changes,
         full: bool,
@@ -245,6 +276,6 @@ impl CachedSync {
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
-        SyncOutcome { upserts, deletes, problems, failures, decisions: Vec::new(), services_programmed: Some(self.programmed.len()) }
+        SyncOutcome { upserts, deletes, problems, failures, services_programmed: self.programmed.len() }
     }
 }

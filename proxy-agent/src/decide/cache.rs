@@ -13,28 +13,12 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::decision::{self, PortDecision};
+use crate::decide::decision::{self, PortDecision};
+use crate::model::store::Changes;
 use crate::model::{Cluster, EndpointSlice, Family, Frontend, ObjectRef};
-use crate::plan::State;
-use crate::topology::NodeContext;
+use crate::decide::plan::State;
+use crate::decide::topology::NodeContext;
 
-/// What changed in the model since the last update.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Changes {
-    /// Decide everything again (first sync, a Node's labels changed: node
-    /// labels feed every topology decision).
-    pub all: bool,
-    /// Services added, changed or removed.
-    pub services: BTreeSet<ObjectRef>,
-    /// EndpointSlices added, changed or removed.
-    pub slices: BTreeSet<ObjectRef>,
-}
-
-impl Changes {
-    pub fn is_empty(&self) -> bool {
-        !self.all && self.services.is_empty() && self.slices.is_empty()
-    }
-}
 
 /// What one update changed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -296,8 +280,8 @@ impl DecisionCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manifest::parse_into;
-    use crate::objects::build_cluster;
+    use crate::source::manifest::parse_into;
+    use crate::source::objects::build_cluster;
 
     fn cluster(yaml: &str) -> Cluster {
         let mut docs = Vec::new();

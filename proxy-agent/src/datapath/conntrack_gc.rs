@@ -32,7 +32,7 @@ use aya::maps::{HashMap, Map, MapData, MapError};
 use proxy_common as pc;
 use proxy_common::{BackendKey, BackendValue, CtKey, CtValue};
 
-use crate::metrics::Metrics;
+use crate::observe::metrics::{GcFigures, Metrics};
 
 /// How long a flow may stay idle, by state (seconds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -343,7 +343,11 @@ pub fn spawn(pin_dir: PathBuf, cfg: GcConfig, metrics: Arc<Metrics>) -> Option<t
             match tokio::task::spawn_blocking(move || sweep(&dir, &timeouts)).await {
                 Ok(Ok(stats)) => {
                     failing = false;
-                    metrics.record_conntrack_gc(&stats);
+                    let deleted = [
+                        (Reason::Expired.label(), stats.expired_flows, stats.deleted_expired),
+                        (Reason::StaleBackend.label(), stats.stale_flows, stats.deleted_stale),
+                    ];
+                    metrics.record_conntrack_gc(&GcFigures { entries: stats.entries, capacity: stats.capacity, deleted: &deleted });
                     if stats.expired_flows + stats.stale_flows > 0 {
                         tracing::debug!(
                             entries = stats.entries,
@@ -355,7 +359,7 @@ pub fn spawn(pin_dir: PathBuf, cfg: GcConfig, metrics: Arc<Metrics>) -> Option<t
                     }
                 }
                 Ok(Err(e)) => {
-                    metrics.error(crate::metrics::reason::CONNTRACK_GC);
+                    metrics.error(crate::observe::metrics::reason::CONNTRACK_GC);
                     // Once per failure streak, not every interval.
                     if !failing {
                         tracing::warn!("{e}");

@@ -27,8 +27,8 @@ use aya::util::KernelVersion;
 use aya::{Ebpf, EbpfLoader};
 use proxy_common as pc;
 
-use crate::error_chain::error_chain;
-use crate::loader::{EBPF_OBJECT, LINKS_DIR};
+use crate::util::error_chain::error_chain;
+use crate::datapath::socket_loader::{EBPF_OBJECT, LINKS_DIR};
 
 /// The TC programs' maps, all pinned under the pin directory.
 pub const NP_MAPS: [&str; 8] = [
@@ -89,7 +89,7 @@ pub enum TcError {
 
 /// Attaches (or upgrades in place) the ingress and egress programs on every
 /// device in `devices`, and detaches them from pinned devices that are no
-/// longer listed. The socket datapath (`loader::install`) must have created
+/// longer listed. The socket datapath (`socket_loader::install`) must have created
 /// and pinned the maps first.
 pub fn install(pin_dir: &Path, devices: &[String], mode: TcMode) -> Result<Vec<String>, TcError> {
     let mut warnings = Vec::new();
@@ -241,8 +241,8 @@ fn detach_legacy(entry: &str) -> bool {
 /// Removes what this module keeps under the pin directory: legacy filter
 /// records (detaching the filters when run in the namespace that attached
 /// them; never touching a device of another namespace) and the
-/// `NP_*` map pins. Called by `loader::reset`; tcx link pins live in the
-/// links directory, which `loader::reset` clears itself.
+/// `NP_*` map pins. Called by `socket_loader::reset`; tcx link pins live in the
+/// links directory, which `socket_loader::reset` clears itself.
 pub fn reset(pin_dir: &Path) -> Result<(), (PathBuf, io::Error)> {
     let legacy = pin_dir.join(LEGACY_DIR);
     if let Ok(rd) = fs::read_dir(&legacy) {
@@ -308,7 +308,7 @@ fn attach_tcx(
 /// programs alone with `BPF_PROG_TEST_RUN`; the returned object keeps them
 /// loaded.
 pub fn load_unattached(pin_dir: &Path) -> Result<Ebpf, TcError> {
-    crate::mounts::ensure_pin_dir(pin_dir)
+    crate::datapath::mounts::ensure_pin_dir(pin_dir)
         .map_err(|e| TcError::Io { path: pin_dir.into(), source: io::Error::other(e) })?;
     load_programs(pin_dir)
 }
@@ -317,7 +317,7 @@ pub fn load_unattached(pin_dir: &Path) -> Result<Ebpf, TcError> {
 /// programs loaded (verified), not attached.
 fn load_programs(pin_dir: &Path) -> Result<Ebpf, TcError> {
     let mut loader = EbpfLoader::new();
-    let pins: Vec<(&str, PathBuf)> = crate::loader::socket_map_names().chain(NP_MAPS.iter().copied()).map(|n| (n, pin_dir.join(n))).collect();
+    let pins: Vec<(&str, PathBuf)> = crate::datapath::socket_loader::socket_map_names().chain(NP_MAPS.iter().copied()).map(|n| (n, pin_dir.join(n))).collect();
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
     }

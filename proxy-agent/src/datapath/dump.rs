@@ -27,7 +27,7 @@ use proxy_common::{
 };
 use serde::Serialize;
 
-use crate::map_writer::{backend_of, frontend_of};
+use crate::datapath::map_writer::{backend_of, frontend_of};
 
 // The cause is part of each message and deliberately not a `source`:
 // `main` prints error chains, which would repeat it.
@@ -226,7 +226,7 @@ fn read_nodeport(pin_dir: &Path, maps: &mut Vec<MapUsage>) -> Result<NpSnapshot,
         conntrack: hash_entries(pin_dir, pc::NP_CT_MAP, maps)?,
         ..NpSnapshot::default()
     };
-    np.now_s = crate::conntrack_gc::monotonic_now_s().ok();
+    np.now_s = crate::datapath::conntrack_gc::monotonic_now_s().ok();
     let (map, max) = open(pin_dir, pc::NP_CONFIG_MAP)?;
     let config = Array::<MapData, NpConfig>::try_from(map)
         .map_err(|error| DumpError::Kind { path: pin_dir.join(pc::NP_CONFIG_MAP), error })?;
@@ -857,7 +857,7 @@ pub fn report(pin_dir: &Path, snap: &Snapshot) -> Report {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::map_writer::{backend_value, service_key};
+    use crate::datapath::map_writer::{backend_value, service_key};
     use crate::model::{Backend, Frontend, Protocol};
 
     fn fe(s: &str, port: u16) -> ServiceKey {

@@ -19,8 +19,6 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::map_writer::MapWriter;
-use crate::sync::SyncOutcome;
 
 /// Label sets are small `(name, value)` lists; the names are fixed strings.
 type Labels = Vec<(&'static str, String)>;
@@ -60,17 +58,27 @@ pub mod reason {
 /// skipped. Until a pin directory is set, or when the map cannot be read
 /// (not installed yet, removed by `reset`), the family is absent rather
 /// than zero.
-#[derive(Debug, Default)]
+/// Reads the per-reason sums of `NP_COUNTERS`; given by the caller, which
+/// knows where the map is pinned.
+pub type CounterReader = Box<dyn Fn() -> Result<Vec<u64>, String> + Send + Sync>;
+
+#[derive(Default)]
 struct NodePortCounters {
-    pin_dir: std::sync::OnceLock<std::path::PathBuf>,
+    read: std::sync::OnceLock<CounterReader>,
+}
+
+impl std::fmt::Debug for NodePortCounters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NodePortCounters").field("exported", &self.read.get().is_some()).finish()
+    }
 }
 
 impl Collector for NodePortCounters {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let Some(dir) = self.pin_dir.get() else {
+        let Some(read) = self.read.get() else {
             return Ok(());
         };
-        let sums = match crate::map_dump::np_counter_sums(dir) {
+        let sums = match read() {
             Ok(s) => s,
             Err(e) => {
                 tracing::debug!("NP_COUNTERS not exported: {e}");
@@ -206,26 +214,23 @@ impl Metrics {
         }
     }
 
-    /// Exports the TC programs' `NP_COUNTERS` pinned under `pin_dir` from
+    /// Exports the TC programs' `NP_COUNTERS`, as `read` returns them, from
     /// now on (`topoproxy_nodeport_packets_total`). Only the first call
     /// counts: an agent has one pin directory.
-    pub fn export_nodeport_counters(&self, pin_dir: &std::path::Path) {
-        let _ = self.nodeport_counters.pin_dir.set(pin_dir.to_path_buf());
+    pub fn export_nodeport_counters(&self, read: CounterReader) {
+        let _ = self.nodeport_counters.read.set(read);
     }
 
-    /// Records one conntrack GC sweep: deletions, and `NP_CT`'s occupancy in
-    /// `topoproxy_map_entries`/`topoproxy_map_capacity` (the sweep walks the
-    /// map anyway, so the gauge costs nothing extra).
-    pub fn record_conntrack_gc(&self, s: &crate::conntrack_gc::SweepStats) {
-        use crate::conntrack_gc::Reason;
+    /// Records one conntrack GC sweep: deletions by reason, and `NP_CT`'s
+    /// occupancy in `topoproxy_map_entries`/`topoproxy_map_capacity` (the
+    /// sweep walks the map anyway, so the gauge costs nothing extra).
+    pub fn record_conntrack_gc(&self, s: &GcFigures<'_>) {
         self.conntrack_gc_runs.inc();
-        for (reason, flows, entries) in
-            [(Reason::Expired, s.expired_flows, s.deleted_expired), (Reason::StaleBackend, s.stale_flows, s.deleted_stale)]
-        {
-            let labels = vec![("reason", reason.label().to_string())];
+        for (reason, flows, entries) in s.deleted {
+            let labels = vec![("reason", (*reason).to_string())];
             // get_or_create also for zero, so the series exist from the first sweep.
-            self.conntrack_gc_flows.get_or_create(&labels).inc_by(flows as u64);
-            self.conntrack_gc_entries.get_or_create(&labels).inc_by(entries as u64);
+            self.conntrack_gc_flows.get_or_create(&labels).inc_by(*flows as u64);
+            self.conntrack_gc_entries.get_or_create(&labels).inc_by(*entries as u64);
         }
         let map = vec![("map", proxy_common::NP_CT_MAP.to_string())];
         self.map_entries.get_or_create(&map).set(s.entries as i64);
@@ -272,37 +277,47 @@ impl Metrics {
 
     /// Records one completed sync: its duration, what the maps now hold and
     /// the map failures it returned.
-    pub fn record_sync(&self, outcome: &SyncOutcome, writer: &MapWriter, took: Duration) {
-        self.sync_duration.observe(took.as_secs_f64());
+    pub fn record_sync(&self, s: &SyncFigures<'_>) {
+        self.sync_duration.observe(s.took.as_secs_f64());
         self.syncs.inc();
         let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64();
         self.last_sync.set(now);
-        // From the writer's counters: copying the state back out would cost
-        // as much as a sync at 10k Services.
-        self.frontends_programmed.set(writer.frontends() as i64);
-        self.endpoints_programmed.set(writer.endpoints() as i64);
-        let services = outcome.services_programmed.unwrap_or_else(|| {
-            let programmed: std::collections::BTreeSet<_> = outcome
-                .decisions
-                .iter()
-                .filter(|d| d.frontends.iter().any(|f| writer.backends_of(f).is_some()))
-                .map(|d| &d.service)
-                .collect();
-            programmed.len()
-        });
-        self.services_programmed.set(services as i64);
-        for (map, used, max) in writer.occupancy() {
-            self.map_entries.get_or_create(&vec![("map", map.to_string())]).set(i64::from(used));
-            self.map_capacity.get_or_create(&vec![("map", map.to_string())]).set(i64::from(max));
+        self.frontends_programmed.set(s.frontends as i64);
+        self.endpoints_programmed.set(s.endpoints as i64);
+        self.services_programmed.set(s.services as i64);
+        for (map, used, max) in s.occupancy {
+            self.map_entries.get_or_create(&vec![("map", (*map).to_string())]).set(i64::from(*used));
+            self.map_capacity.get_or_create(&vec![("map", (*map).to_string())]).set(i64::from(*max));
         }
-        for f in &outcome.failures {
-            let r = match f.error {
-                crate::map_writer::WriteError::Full { .. } => reason::MAP_FULL,
-                _ => reason::MAP_WRITE,
-            };
-            self.error(r);
-        }
+        self.errors_by(reason::MAP_FULL, s.map_full);
+        self.errors_by(reason::MAP_WRITE, s.write_failed);
     }
+}
+
+/// One sweep of the conntrack GC, as [`Metrics::record_conntrack_gc`]
+/// records it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GcFigures<'a> {
+    /// Entries in `NP_CT` when the sweep read it, and its capacity.
+    pub entries: usize,
+    pub capacity: u32,
+    /// (reason, flows deleted, entries deleted) per reason.
+    pub deleted: &'a [(&'static str, usize, usize)],
+}
+
+/// One sync, as [`Metrics::record_sync`] records it.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SyncFigures<'a> {
+    pub took: Duration,
+    /// Frontends, backends (slots) and Services with a frontend in the maps.
+    pub frontends: usize,
+    pub endpoints: usize,
+    pub services: usize,
+    /// (map, entries in use, capacity).
+    pub occupancy: &'a [(&'static str, u32, u32)],
+    /// Frontends not written because a map was full, or for another reason.
+    pub map_full: usize,
+    pub write_failed: usize,
 }
 
 #[cfg(test)]
@@ -327,13 +342,7 @@ mod tests {
     #[test]
     fn conntrack_gc_sweeps_are_counted_by_reason() {
         let m = Metrics::new();
-        let stats = crate::conntrack_gc::SweepStats {
-            entries: 10,
-            capacity: 100,
-            expired_flows: 2,
-            deleted_expired: 6,
-            ..Default::default()
-        };
+        let stats = GcFigures { entries: 10, capacity: 100, deleted: &[("expired", 2, 6), ("stale_backend", 0, 0)] };
         m.record_conntrack_gc(&stats);
         m.record_conntrack_gc(&stats);
         let text = m.encode();
@@ -345,7 +354,7 @@ mod tests {
         assert!(text.contains("topoproxy_map_capacity{map=\"NP_CT\"} 100"), "{text}");
         // No pin directory: no NodePort counters, and the exposition is intact.
         assert!(!text.contains("nodeport_packets"), "{text}");
-        m.export_nodeport_counters(std::path::Path::new("/nonexistent/topoproxy"));
+        m.export_nodeport_counters(Box::new(|| Err("not pinned".to_string())));
         let text = m.encode();
         assert!(!text.contains("nodeport_packets") && text.trim_end().ends_with("# EOF"), "{text}");
     }

@@ -24,7 +24,7 @@ use kube::api::{Api, PostParams};
 use kube::Client;
 use tokio::sync::watch;
 
-use crate::metrics::{Metrics, reason as metric_reason};
+use crate::observe::metrics::{Metrics, reason as metric_reason};
 use crate::model::ObjectRef;
 
 /// `reportingController` of every Event the agent posts.

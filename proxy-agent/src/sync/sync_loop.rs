@@ -1,8 +1,8 @@
-//! The level-triggered sync loop of Kubernetes mode.
+//! The level-triggered sync loop, the one both sources feed.
 //!
-//! Watch events only mark the state dirty (the watchers queue the
-//! converted objects, `kube_source`); a sync applies the queue to the model
-//! and lets `sync::CachedSync` decide again the Services that changed, diff
+//! Events only mark the state dirty (the source queues the converted
+//! objects in `source::feed`); a sync applies the queue to the model
+//! and lets `sync::pass::CachedSync` decide again the Services that changed, diff
 //! their frontends against the pinned maps and write the difference. A
 //! burst of events therefore costs one pass, and a duplicated event changes
 //! nothing. The first sync and the periodic one (--sync-period) compare the
@@ -13,30 +13,28 @@
 //! Nothing is written before every kind has been listed once. Until then
 //! the maps keep what the previous agent left (adopted from the pins), so a
 //! restart or an unreachable API server never empties the datapath.
+//!
+//! The external datapath (TC maps, health check node ports) is written in
+//! the same pass, and the node's addresses are resolved again when the
+//! address watcher says they changed, or on a full pass.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::mpsc::error::TryRecvError;
 
-use crate::events::{self, EventReporter, ServiceProblem};
-use crate::health_server::Health;
-use crate::decision_cache::Changes;
-use crate::kube_model::Model;
-use crate::kube_source::{Kind, ObjectProblem, Signal, Stores};
-use crate::map_writer::MapWriter;
-use crate::metrics::{Metrics, reason};
-use crate::model::Cluster;
-use crate::sync::{CachedSync, SyncOutcome};
-
-/// One pass from the model to the maps, given what changed since the last
-/// one and whether to compare everything (`full`). The default programs
-/// the socket datapath; the binary can put a pass that also programs other
-/// parts (the external datapath) in its place.
-pub type SyncStep = Box<dyn FnMut(&mut MapWriter, &mut CachedSync, &Cluster, &Changes, bool) -> SyncOutcome + Send>;
+use crate::datapath::map_writer::WriteError;
+use crate::external::nodeport::ExternalDatapath;
+use crate::model::store::{Kind, Model, ObjectProblem};
+use crate::observe::health_server::Health;
+use crate::observe::metrics::{Metrics, SyncFigures, reason};
+use crate::source::feed::{Signal, Stores};
+use crate::sync::events::{self, EventReporter, ServiceProblem};
+use crate::sync::pass::{CachedSync, SocketMaps};
 
 #[derive(Clone, Debug)]
 pub struct SyncConfig {
@@ -50,14 +48,17 @@ pub struct SyncConfig {
     pub sync_period: Duration,
 }
 
-pub struct SyncLoop {
+pub struct SyncLoop<W: SocketMaps> {
     config: SyncConfig,
-    writer: MapWriter,
+    writer: W,
     stores: Stores,
     metrics: Arc<Metrics>,
     health: Arc<Health>,
     events: Option<EventReporter>,
-    step: SyncStep,
+    /// The TC datapath, when external traffic is handled, and whether the
+    /// node's addresses changed since it last resolved them.
+    external: Option<ExternalDatapath>,
+    addresses_changed: Arc<AtomicBool>,
     /// The cluster as converted from watch events, and the decisions kept
     /// between syncs.
     model: Model,
@@ -74,16 +75,16 @@ pub struct SyncLoop {
     failing: BTreeMap<Kind, bool>,
 }
 
-impl SyncLoop {
+impl<W: SocketMaps> SyncLoop<W> {
     pub fn new(
         config: SyncConfig,
-        writer: MapWriter,
+        writer: W,
         stores: Stores,
         metrics: Arc<Metrics>,
         health: Arc<Health>,
         events: Option<EventReporter>,
-    ) -> SyncLoop {
-        health.waiting_for("Services, EndpointSlices and Nodes to be listed from the API server");
+    ) -> Self {
+        health.waiting_for("Services, EndpointSlices and Nodes to be listed");
         let cached = CachedSync::new(&config.node);
         SyncLoop {
             config,
@@ -92,7 +93,8 @@ impl SyncLoop {
             metrics,
             health,
             events,
-            step: Box::new(|writer, cached, cluster, changes, full| cached.pass(writer, None, cluster, changes, full)),
+            external: None,
+            addresses_changed: Arc::new(AtomicBool::new(false)),
             model: Model::default(),
             cached,
             listed: BTreeSet::new(),
@@ -104,10 +106,11 @@ impl SyncLoop {
         }
     }
 
-    /// Replaces the sync pass (default: `CachedSync::pass` without the
-    /// external datapath).
-    pub fn with_step(mut self, step: SyncStep) -> SyncLoop {
-        self.step = step;
+    /// Writes the external datapath in every pass too; `addresses_changed`
+    /// is raised by whoever watches the node's addresses.
+    pub fn with_external(mut self, external: ExternalDatapath, addresses_changed: Arc<AtomicBool>) -> Self {
+        self.external = Some(external);
+        self.addresses_changed = addresses_changed;
         self
     }
 
@@ -170,7 +173,7 @@ impl SyncLoop {
                     tracing::info!(kind = kind.as_str(), objects = self.stores.len(kind), "listed");
                     let missing: Vec<&str> = Kind::ALL.iter().filter(|k| !self.listed.contains(k)).map(|k| k.as_str()).collect();
                     if !missing.is_empty() {
-                        self.health.waiting_for(format!("{} to be listed from the API server", missing.join(", ")));
+                        self.health.waiting_for(format!("{} to be listed", missing.join(", ")));
                     }
                 } else {
                     tracing::info!(kind = kind.as_str(), objects = self.stores.len(kind), "relisted");
@@ -235,7 +238,14 @@ impl SyncLoop {
         // state with the maps and retries frontends that failed.
         changes.all |= first;
         let full = first || !self.dirty;
-        let outcome = (self.step)(&mut self.writer, &mut self.cached, &self.model.cluster, &changes, full);
+        if let Some(external) = &mut self.external {
+            // Full passes (the first, then every sync period) re-resolve
+            // as well, like they re-compare every map entry.
+            if self.addresses_changed.swap(false, Ordering::AcqRel) || full {
+                external.refresh();
+            }
+        }
+        let outcome = self.cached.pass(&mut self.writer, self.external.as_mut(), &self.model.cluster, &changes, full);
         let took = started.elapsed();
 
         // Bad objects and configuration problems: log and count each when it
@@ -302,7 +312,17 @@ impl SyncLoop {
         for f in &outcome.failures {
             tracing::error!(frontend = %f.frontend, "not programmed, left as it was: {}", f.error);
         }
-        self.metrics.record_sync(&outcome, &self.writer, took);
+        let occupancy = self.writer.occupancy();
+        let map_full = outcome.failures.iter().filter(|f| matches!(f.error, WriteError::Full { .. })).count();
+        self.metrics.record_sync(&SyncFigures {
+            took,
+            frontends: self.writer.frontends(),
+            endpoints: self.writer.endpoints(),
+            services: outcome.services_programmed,
+            occupancy: &occupancy,
+            map_full,
+            write_failed: outcome.failures.len() - map_full,
+        });
         for kind in Kind::ALL {
             self.metrics.set_objects(kind.as_str(), self.stores.len(kind));
         }
@@ -319,6 +339,7 @@ impl SyncLoop {
                 slices = self.model.cluster.slices.len(),
                 nodes = self.model.cluster.nodes.len(),
                 frontends = self.writer.frontends(),
+                external_frontends = self.external.as_ref().map_or(0, ExternalDatapath::tc_frontends),
                 upserts = outcome.upserts,
                 deletes = outcome.deletes,
                 failed = outcome.failures.len(),

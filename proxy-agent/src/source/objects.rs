@@ -4,19 +4,20 @@
 //! rest of the cluster is built as usual.
 
 use std::collections::BTreeMap;
-use std::fmt;
+
 use std::net::IpAddr;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 use serde_json::Value;
 
-use crate::manifest::Document;
+use crate::model::store::ObjectError;
+use crate::source::manifest::Document;
 use crate::model::{
     Cluster, Endpoint, EndpointSlice, Family, Node, ObjectRef, Protocol, Service, ServicePort,
     ServiceType, SlicePort,
 };
-use crate::wire::{FirstAddress, WireService, WireSlice};
+use crate::source::wire::{FirstAddress, WireService, WireSlice};
 
 /// Label that ties an EndpointSlice to its Service (discovery.k8s.io/v1).
 pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -26,20 +27,6 @@ pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-
 /// Marks a Service whose endpoints are consumed only through DNS.
 pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
 
-/// Why an object was left out.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub struct ObjectError {
-    pub kind: String,
-    /// `namespace/name`, or the manifest location when the object has no name.
-    pub object: String,
-    pub reason: String,
-}
-
-impl fmt::Display for ObjectError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} {}: {}", self.kind, self.object, self.reason)
-    }
-}
 
 /// What happened to one object.
 #[derive(Debug)]
@@ -384,7 +371,7 @@ pub fn node_from_json(v: &Value) -> Result<Node, ObjectError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::manifest::parse_into;
+    use crate::source::manifest::parse_into;
 
     fn cluster(yaml: &str) -> (Cluster, Vec<String>) {
         let mut docs = Vec::new();

@@ -1,6 +1,6 @@
 //! The API server as a source of the model: kube-runtime watchers for
 //! Services, EndpointSlices and Nodes that convert each object once, when
-//! it arrives, and queue the result for the sync loop (`kube_model`).
+//! it arrives, and queue the result for the sync loop (`source::feed`).
 //!
 //! Objects are converted by the same `objects` functions that read
 //! manifests, so both sources agree on every check. Services and
@@ -19,30 +19,27 @@
 //! would hold every object as received): only the converted model and, per
 //! object, its resourceVersion, so a relist converts only what changed.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fmt::Debug;
 use std::hash::Hash;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Node;
 use kube::api::{Api, PartialObjectMeta};
-use kube::runtime::watcher::{self, DefaultBackoff};
 use kube::runtime::WatchStreamExt;
+use kube::runtime::watcher::{self, DefaultBackoff};
 use kube::{Client, Resource};
-use serde::de::DeserializeOwned;
 use serde::Serialize;
-use serde_json::Value;
+use serde::de::DeserializeOwned;
 use tokio::sync::mpsc::UnboundedSender;
 
-use crate::error_chain::error_chain;
-pub use crate::kube_model::ObjectProblem;
-use crate::kube_model::{Delta, Model, Object};
-use crate::model::{Cluster, ObjectRef};
-use crate::objects::{self, Converted, SERVICE_NAME_LABEL};
-use crate::wire::{WireService, WireSlice};
+use crate::model::ObjectRef;
+use crate::model::store::{Delta, Kind};
+use crate::source::delta::{delta_from_value, service_delta, slice_delta};
+use crate::source::feed::{Signal, Stores};
+use crate::source::wire::{WireService, WireSlice};
+use crate::util::error_chain::error_chain;
 
 /// Services another proxy implements, and headless Services, are not
 /// watched at all; kube-proxy uses the same selector
@@ -57,79 +54,9 @@ pub const SERVICE_LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-n
 /// (pkg/proxy/metrics: NetworkProgrammingLatency).
 pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Kind {
-    Service,
-    EndpointSlice,
-    Node,
-}
 
-impl Kind {
-    pub const ALL: [Kind; 3] = [Kind::Service, Kind::EndpointSlice, Kind::Node];
 
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Kind::Service => "Service",
-            Kind::EndpointSlice => "EndpointSlice",
-            Kind::Node => "Node",
-        }
-    }
-}
 
-/// What the watchers tell the sync loop. The stores hold the data; signals
-/// only say that something changed and when.
-#[derive(Debug)]
-pub enum Signal {
-    /// An object was added, changed or deleted while watching. `trigger`
-    /// is when the change happened, as far as the agent can tell.
-    Changed { kind: Kind, trigger: SystemTime },
-    /// A complete (re)list landed in the store.
-    Listed { kind: Kind },
-    /// A list or watch failed; the watcher retries with backoff.
-    /// `expired` marks an expired resourceVersion (410 Gone or "too large
-    /// resource version"), after which a relist follows.
-    Failed { kind: Kind, expired: bool, message: String },
-    /// Something outside the API server that the sync depends on changed
-    /// (e.g. the node's addresses, which NodePorts are served on): sync
-    /// again.
-    Resync { reason: &'static str },
-}
-
-/// What the watchers have converted and not yet handed to the sync loop,
-/// and how many objects of each kind exist.
-#[derive(Clone, Default)]
-pub struct Stores {
-    queue: Arc<Mutex<Vec<Delta>>>,
-    counts: Arc<[AtomicUsize; 3]>,
-}
-
-impl Stores {
-    /// Takes every delta queued so far, oldest first.
-    pub fn drain(&self) -> Vec<Delta> {
-        std::mem::take(&mut *self.queue.lock().unwrap_or_else(|p| p.into_inner()))
-    }
-
-    fn push(&self, deltas: impl IntoIterator<Item = Delta>) {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner()).extend(deltas);
-    }
-
-    /// [`Self::push`] for a whole relist: taken over as the queue when the
-    /// sync loop has drained it, rather than copied (at 10k objects that
-    /// copy was megabytes more at the agent's memory peak, issue #7).
-    fn push_all(&self, mut deltas: Vec<Delta>) {
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        if q.is_empty() {
-            *q = deltas;
-        } else {
-            q.append(&mut deltas);
-        }
-    }
-
-    /// Objects of `kind` the API server holds, as of the last event.
-    pub fn len(&self, kind: Kind) -> usize {
-        self.counts[kind as usize].load(Ordering::Relaxed)
-    }
-}
 
 /// Starts one watcher task per kind and returns the queue they fill.
 /// The tasks run until the runtime shuts down.
@@ -239,7 +166,7 @@ async fn watch_kind<K>(
                             let trigger = trigger_of(&obj).unwrap_or_else(SystemTime::now);
                             stores.push(convert_of(obj));
                             known.insert(id, rv);
-                            stores.counts[kind as usize].store(known.len(), Ordering::Relaxed);
+                            stores.set_len(kind, known.len());
                             Some(Signal::Changed { kind, trigger })
                         }
                         // A deleted slice's trigger annotation describes its
@@ -248,7 +175,7 @@ async fn watch_kind<K>(
                             let (id, _) = key_of(&obj);
                             known.remove(&id);
                             stores.push([Delta::removed(kind, id)]);
-                            stores.counts[kind as usize].store(known.len(), Ordering::Relaxed);
+                            stores.set_len(kind, known.len());
                             Some(Signal::Changed { kind, trigger: SystemTime::now() })
                         }
                         watcher::Event::Init => {
@@ -270,7 +197,7 @@ async fn watch_kind<K>(
                             deltas.extend(known.keys().filter(|k| !seen.contains_key(*k)).map(|k| Delta::removed(kind, k.clone())));
                             known = seen;
                             stores.push_all(deltas);
-                            stores.counts[kind as usize].store(known.len(), Ordering::Relaxed);
+                            stores.set_len(kind, known.len());
                             Some(Signal::Listed { kind })
                         }
                     };
@@ -300,143 +227,15 @@ async fn watch_kind<K>(
     }
 }
 
-/// The model built from a set of objects, with what was left out.
-#[derive(Debug, Default)]
-pub struct Snapshot {
-    pub cluster: Cluster,
-    pub problems: Vec<ObjectProblem>,
-    /// metadata.uid of every watched Service, valid or not (for Events).
-    pub service_uids: BTreeMap<ObjectRef, String>,
-}
 
-/// Converts one object of `kind` (as JSON, the API server's or a test's)
-/// into what the model needs. The same `objects::*_from_json` functions
-/// read manifests, so both sources agree on every check.
-pub fn delta_from_value(kind: Kind, v: &Value) -> Delta {
-    let (ns, name) = objects::object_ref(v);
-    let id = ObjectRef::new(ns, name);
-    let mut d = Delta { kind, id: id.clone(), present: true, uid: None, object: None, problems: Vec::new() };
-    match kind {
-        Kind::Service => {
-            d.uid = v.get("metadata").and_then(|m| m.get("uid")).and_then(Value::as_str).map(str::to_string);
-            record(&mut d, Some(id), objects::service_from_json(v), Object::Service);
-        }
-        Kind::EndpointSlice => {
-            let owner = v
-                .get("metadata")
-                .and_then(|m| m.get("labels"))
-                .and_then(|l| l.get(SERVICE_NAME_LABEL))
-                .and_then(Value::as_str)
-                .map(|name| ObjectRef::new(id.namespace.clone(), name));
-            record(&mut d, owner, objects::slice_from_json(v), Object::Slice);
-        }
-        Kind::Node => match objects::node_from_json(v) {
-            Ok(n) => d.object = Some(Object::Node(n)),
-            Err(error) => d.problems.push(ObjectProblem { kind: Kind::Node, error, service: None }),
-        },
-    }
-    d
-}
 
-/// A Service as the watcher receives it, converted like
-/// [`delta_from_value`] converts one given as JSON.
-fn service_delta(s: WireService) -> Delta {
-    let (ns, name) = objects::meta_ref(&s.metadata);
-    let id = ObjectRef::new(ns, name);
-    let mut d = Delta { kind: Kind::Service, id: id.clone(), present: true, uid: s.metadata.uid.clone(), object: None, problems: Vec::new() };
-    record(&mut d, Some(id), objects::service_from_wire(s), Object::Service);
-    d
-}
 
-/// Puts a conversion's object and problems into `d`; problems are reported
-/// on `service` (a slice's owner, or the Service itself).
-fn record<T>(d: &mut Delta, service: Option<ObjectRef>, result: objects::Conversion<T>, wrap: fn(T) -> Object) {
-    let kind = d.kind;
-    let problem = |error| ObjectProblem { kind, error, service: service.clone() };
-    match result {
-        Ok((converted, partial)) => {
-            d.problems.extend(partial.into_iter().map(problem));
-            if let Converted::Ok(o) = converted {
-                d.object = Some(wrap(o));
-            }
-        }
-        Err(error) => d.problems.push(problem(error)),
-    }
-}
 
-/// A slice as the watcher receives it, converted like
-/// [`delta_from_value`] converts one given as JSON.
-fn slice_delta(s: WireSlice) -> Delta {
-    let (ns, name) = objects::meta_ref(&s.metadata);
-    let id = ObjectRef::new(ns, name);
-    let owner = s.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL)).map(|name| ObjectRef::new(id.namespace.clone(), name));
-    let mut d = Delta { kind: Kind::EndpointSlice, id, present: true, uid: None, object: None, problems: Vec::new() };
-    record(&mut d, owner, objects::slice_from_wire(s), Object::Slice);
-    d
-}
 
-/// Builds the model from objects as JSON (the API server's or a test's).
-pub fn snapshot_from_values(services: &[Value], slices: &[Value], nodes: &[Value]) -> Snapshot {
-    let mut model = Model::default();
-    let deltas = services
-        .iter()
-        .map(|v| delta_from_value(Kind::Service, v))
-        .chain(slices.iter().map(|v| delta_from_value(Kind::EndpointSlice, v)))
-        .chain(nodes.iter().map(|v| delta_from_value(Kind::Node, v)));
-    model.apply(deltas);
-    let problems = model.problems().cloned().collect();
-    Snapshot { problems, service_uids: std::mem::take(&mut model.service_uids), cluster: model.cluster }
-}
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde_json::json;
-
-    #[test]
-    fn converts_like_manifests_and_keeps_topology_keys() {
-        let svc = json!({
-            "metadata": {"name": "web", "namespace": "shop", "uid": "u1"},
-            "spec": {"clusterIP": "10.96.0.10", "ports": [{"port": 80}], "topologyKeys": ["kubernetes.io/hostname", "*"]}
-        });
-        let bad = json!({"metadata": {"name": "bad", "namespace": "shop", "uid": "u2"}, "spec": {"clusterIP": "10.96.0.999", "ports": [{"port": 80}]}});
-        let slice = json!({
-            "metadata": {"name": "web-1", "namespace": "shop", "labels": {"kubernetes.io/service-name": "web"}},
-            "addressType": "IPv4", "ports": [{"port": 8080}],
-            "endpoints": [{"addresses": ["10.244.0.1"]}, {"addresses": ["nope"]}]
-        });
-        let orphan = json!({"metadata": {"name": "orphan", "namespace": "shop"}, "addressType": "IPv4", "endpoints": []});
-        let node = json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata", "metadata": {"name": "n1", "labels": {"topology.kubernetes.io/zone": "z1"}}});
-        let s = snapshot_from_values(&[svc, bad], &[slice, orphan], &[node]);
-        let web = &s.cluster.services[&ObjectRef::new("shop", "web")];
-        assert_eq!(web.topology_keys.as_deref().map(<[String]>::len), Some(2));
-        assert_eq!(s.cluster.slices[&ObjectRef::new("shop", "web-1")].endpoints.len(), 1);
-        assert_eq!(s.cluster.nodes["n1"].labels["topology.kubernetes.io/zone"], "z1");
-        assert_eq!(s.service_uids[&ObjectRef::new("shop", "bad")], "u2");
-        let got: Vec<(Kind, Option<String>, String)> =
-            s.problems.iter().map(|p| (p.kind, p.service.as_ref().map(ToString::to_string), p.error.to_string())).collect();
-        assert_eq!(got.len(), 3, "{got:?}");
-        assert_eq!(got[0].1.as_deref(), Some("shop/bad"));
-        assert!(got[0].2.contains("is not an IP address"));
-        // Problems come by kind, then namespace/name: shop/orphan, shop/web-1.
-        assert_eq!((got[1].0, got[1].1.as_deref()), (Kind::EndpointSlice, None), "an orphan slice has no Service");
-        assert_eq!((got[2].0, got[2].1.as_deref()), (Kind::EndpointSlice, Some("shop/web")), "a bad endpoint is reported on its Service");
-    }
-
-    #[test]
-    fn watched_slices_convert_like_json_ones() {
-        let v = json!({
-            "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-            "metadata": {"name": "web-1", "namespace": "shop", "resourceVersion": "7", "labels": {"kubernetes.io/service-name": "web"}},
-            "addressType": "IPv4", "ports": [{"name": "http", "port": 8080}, {"port": 0}],
-            "endpoints": [{"addresses": ["10.244.0.1"], "nodeName": "a", "conditions": {"ready": false}}, {"addresses": ["nope"]}]
-        });
-        let wire: WireSlice = serde_json::from_value(v.clone()).expect("wire slice");
-        let d = slice_delta(wire);
-        assert_eq!(d, delta_from_value(Kind::EndpointSlice, &v));
-        assert_eq!(d.problems.len(), 2, "{:?}", d.problems);
-        assert!(matches!(&d.object, Some(Object::Slice(s)) if s.endpoints.len() == 1 && s.ports.len() == 1));
-    }
 
     #[test]
     fn trigger_time_parses_rfc3339() {

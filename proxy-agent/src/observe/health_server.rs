@@ -22,7 +22,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use tokio::net::TcpListener;
 
-use crate::metrics::Metrics;
+use crate::observe::metrics::Metrics;
 
 /// A change not synced within this long makes `/healthz` fail.
 pub const DEFAULT_STALE_AFTER: Duration = Duration::from_secs(60);

@@ -14,7 +14,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::decision::HealthCheck;
+use crate::decide::decision::HealthCheck;
 use crate::model::ObjectRef;
 
 type Table = Arc<Mutex<BTreeMap<u16, (ObjectRef, usize)>>>;

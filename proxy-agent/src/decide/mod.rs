@@ -1,0 +1,8 @@
+//! The pure core: topology ranking, the per-port decision, the decision
+//! cache kept between syncs, and the plan (diff) against the maps. Nothing
+//! here imports kube, aya or tokio.
+
+pub mod cache;
+pub mod decision;
+pub mod plan;
+pub mod topology;

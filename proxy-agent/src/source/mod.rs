@@ -1,0 +1,12 @@
+//! Where the cluster comes from: manifest files, or the API server's
+//! list/watch. Both convert objects with the same functions (`delta`,
+//! `objects`, from the slim `wire` shapes) and fill the same queue
+//! (`feed`) that the sync loop drains.
+
+pub mod delta;
+pub mod feed;
+pub mod kube_watch;
+pub mod manifest;
+pub mod manifest_watch;
+pub mod objects;
+pub mod wire;
