@@ -26,10 +26,7 @@ fn main() {
     for p in ["proxy-ebpf/src", "proxy-ebpf/Cargo.toml", "proxy-ebpf/Cargo.lock", "proxy-common/src", "proxy-common/Cargo.toml"] {
         println!("cargo:rerun-if-changed={}", workspace.join(p).display());
     }
-    let target_dir = env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace.join("target"))
-        .join("ebpf");
+    let target_dir = env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace.join("target")).join("ebpf");
 
     let mut cmd = Command::new("rustup");
     cmd.args(["run", "nightly", "cargo", "build", "--release", "-Z", "build-std=core", "--target", "bpfel-unknown-none"])

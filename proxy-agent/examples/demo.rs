@@ -34,8 +34,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use proxy_agent::source::manifest;
 use proxy_agent::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in};
+use proxy_agent::source::manifest;
 use serde_json::Value;
 
 const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
@@ -52,10 +52,7 @@ const BUNDLED_MANIFESTS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../example
 const PREFIX: &str = "tpdemo";
 
 #[derive(Parser)]
-#[command(
-    name = "demo",
-    about = "A simulated 3-node cluster with topology-aware Services (run via `cargo xtask demo`)"
-)]
+#[command(name = "demo", about = "A simulated 3-node cluster with topology-aware Services (run via `cargo xtask demo`)")]
 struct Args {
     /// The proxy-agent binary.
     #[arg(long)]
@@ -178,9 +175,7 @@ fn read_scenario(dir: &Path) -> Result<Scenario> {
                 let topology = annotation(ANNOTATION_OPENYURT)
                     .or_else(|| annotation(ANNOTATION_TOPOPROXY))
                     .or_else(|| v.pointer("/spec/topologyKeys").map(|k| format!("spec.topologyKeys: {k}")))
-                    .or_else(|| {
-                        str_at(v, &["spec", "trafficDistribution"]).map(|t| format!("trafficDistribution: {t}"))
-                    })
+                    .or_else(|| str_at(v, &["spec", "trafficDistribution"]).map(|t| format!("trafficDistribution: {t}")))
                     .unwrap_or_else(|| "no topology".into());
                 services.push(ServiceSpec { name, frontend: SocketAddr::new(ip, number), udp, topology });
             }
@@ -193,13 +188,10 @@ fn read_scenario(dir: &Path) -> Result<Scenario> {
                     .filter_map(|p| p.get("port").and_then(Value::as_u64).and_then(|p| u16::try_from(p).ok()))
                     .collect();
                 for ep in v.get("endpoints").and_then(Value::as_array).into_iter().flatten() {
-                    let Some(ip) =
-                        ep.pointer("/addresses/0").and_then(Value::as_str).and_then(|s| s.parse::<IpAddr>().ok())
-                    else {
+                    let Some(ip) = ep.pointer("/addresses/0").and_then(Value::as_str).and_then(|s| s.parse::<IpAddr>().ok()) else {
                         continue;
                     };
-                    let pod_name =
-                        str_at(ep, &["targetRef", "name"]).map(str::to_string).unwrap_or_else(|| ip.to_string());
+                    let pod_name = str_at(ep, &["targetRef", "name"]).map(str::to_string).unwrap_or_else(|| ip.to_string());
                     let node = str_at(ep, &["nodeName"]).unwrap_or("-").to_string();
                     let pod = pods.entry(pod_name.clone()).or_insert_with(|| PodSpec {
                         name: pod_name.clone(),
@@ -270,8 +262,7 @@ fn sweep_workdirs() {
     let Ok(rd) = fs::read_dir(std::env::temp_dir()) else { return };
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name.strip_prefix(PREFIX).and_then(|r| r.strip_prefix('-')).and_then(|p| p.parse::<u32>().ok())
-        else {
+        let Some(pid) = name.strip_prefix(PREFIX).and_then(|r| r.strip_prefix('-')).and_then(|p| p.parse::<u32>().ok()) else {
             continue;
         };
         if pid != std::process::id() && !Path::new(&format!("/proc/{pid}")).exists() {
@@ -282,10 +273,7 @@ fn sweep_workdirs() {
 
 /// `path` relative to the current directory when it lies below it.
 fn relative(path: &Path) -> PathBuf {
-    std::env::current_dir()
-        .ok()
-        .and_then(|cwd| path.strip_prefix(cwd).ok().map(Path::to_path_buf))
-        .unwrap_or_else(|| path.to_path_buf())
+    std::env::current_dir().ok().and_then(|cwd| path.strip_prefix(cwd).ok().map(Path::to_path_buf)).unwrap_or_else(|| path.to_path_buf())
 }
 
 impl Cluster {
@@ -322,11 +310,7 @@ fn run(args: &Args) -> Result<()> {
     let agent = match &args.agent {
         Some(p) => p.clone(),
         // target/debug/examples/demo -> target/debug/proxy-agent
-        None => std::env::current_exe()?
-            .parent()
-            .and_then(Path::parent)
-            .context("locating proxy-agent")?
-            .join("proxy-agent"),
+        None => std::env::current_exe()?.parent().and_then(Path::parent).context("locating proxy-agent")?.join("proxy-agent"),
     };
     let manifests = args.manifests.clone().unwrap_or_else(|| PathBuf::from(BUNDLED_MANIFESTS));
     let manifests = manifests.canonicalize().with_context(|| format!("manifest directory {}", manifests.display()))?;
@@ -334,8 +318,7 @@ fn run(args: &Args) -> Result<()> {
     let scenario = read_scenario(&manifests)?;
 
     let (cluster, started) = start(&agent, &manifests, scenario.nodes, &scenario.pods);
-    let result =
-        started.and_then(|()| exercise(&agent, &manifests, &cluster, &scenario.services, &scenario.pods, args));
+    let result = started.and_then(|()| exercise(&agent, &manifests, &cluster, &scenario.services, &scenario.pods, args));
     if result.is_err() {
         for a in cluster.iter().flat_map(|c| &c.agents) {
             print_log_tail(a);
@@ -369,37 +352,22 @@ fn start(agent: &Path, manifests: &Path, nodes: Vec<NodeSpec>, pods: &[PodSpec])
     };
     sweep_workdirs();
     let workdir = WorkDir(std::env::temp_dir().join(format!("{PREFIX}-{}", std::process::id())));
-    let mut cluster =
-        Cluster { agents: Vec::new(), pins: Vec::new(), pods: Vec::new(), nodes: Vec::new(), netns, workdir };
+    let mut cluster = Cluster { agents: Vec::new(), pins: Vec::new(), pods: Vec::new(), nodes: Vec::new(), netns, workdir };
     let result = populate(&mut cluster, agent, manifests, nodes, pods);
     (Some(cluster), result)
 }
 
-fn populate(
-    cluster: &mut Cluster,
-    agent: &Path,
-    manifests: &Path,
-    nodes: Vec<NodeSpec>,
-    pods: &[PodSpec],
-) -> Result<()> {
+fn populate(cluster: &mut Cluster, agent: &Path, manifests: &Path, nodes: Vec<NodeSpec>, pods: &[PodSpec]) -> Result<()> {
     fs::create_dir_all(&cluster.workdir.0)?;
-    let addrs: Vec<String> =
-        pods.iter().map(|p| format!("{}/{}", p.ip, if p.ip.is_ipv4() { 32 } else { 128 })).collect();
+    let addrs: Vec<String> = pods.iter().map(|p| format!("{}/{}", p.ip, if p.ip.is_ipv4() { 32 } else { 128 })).collect();
     let addrs: Vec<&str> = addrs.iter().map(String::as_str).collect();
     cluster.netns.add_loopback_addrs(&addrs).context("adding pod addresses")?;
     for spec in nodes {
-        let cgroup = Cgroup::new(&format!("{PREFIX}-{}", spec.name))
-            .with_context(|| format!("creating the cgroup of {}", spec.name))?;
+        let cgroup = Cgroup::new(&format!("{PREFIX}-{}", spec.name)).with_context(|| format!("creating the cgroup of {}", spec.name))?;
         cluster.nodes.push(NodeRuntime { spec, cgroup });
     }
     for n in &cluster.nodes {
-        println!(
-            "      {:<8} zone {:<8} pool {:<10} cgroup {}",
-            n.spec.name,
-            n.spec.zone,
-            n.spec.pool,
-            n.cgroup.path().display()
-        );
+        println!("      {:<8} zone {:<8} pool {:<10} cgroup {}", n.spec.name, n.spec.zone, n.spec.pool, n.cgroup.path().display());
     }
     check_interrupted()?;
 
@@ -416,8 +384,7 @@ fn populate(
     step(4, &format!("starting one proxy-agent per node ({} agents)", cluster.nodes.len()));
     for i in 0..cluster.nodes.len() {
         let name = cluster.nodes[i].spec.name.clone();
-        let pin = PinDir::new(&format!("{PREFIX}-{name}"))
-            .with_context(|| format!("creating the pin directory of {name}"))?;
+        let pin = PinDir::new(&format!("{PREFIX}-{name}")).with_context(|| format!("creating the pin directory of {name}"))?;
         let log = cluster.workdir.0.join(format!("agent-{name}.log"));
         let mut cmd = command_in(agent, None, None)?;
         cmd.arg("run")
@@ -469,14 +436,7 @@ fn spawn_pod(agent: &Path, netns: &Netns, cgroup: Option<&Cgroup>, name: &str, l
 }
 
 /// One `proxy-agent probe` run from a client pod on `node`.
-fn probe(
-    agent: &Path,
-    cluster: &Cluster,
-    node: &str,
-    svc: &ServiceSpec,
-    count: u32,
-    timeout_ms: u64,
-) -> Result<Vec<Value>> {
+fn probe(agent: &Path, cluster: &Cluster, node: &str, svc: &ServiceSpec, count: u32, timeout_ms: u64) -> Result<Vec<Value>> {
     let mut cmd = command_in(agent, Some(&cluster.netns), cluster.cgroup_of(node))?;
     cmd.arg("probe").arg("--to").arg(svc.frontend.to_string()).arg("--count").arg(count.to_string());
     cmd.arg("--timeout-ms").arg(timeout_ms.to_string()).arg("--message").arg(format!("GET / from {node}"));
@@ -486,8 +446,7 @@ fn probe(
     cmd.env("LOG_LEVEL", "warn").stdin(Stdio::null());
     die_with_parent(&mut cmd);
     let out = cmd.output().context("running proxy-agent probe")?;
-    let lines: Vec<Value> =
-        String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
+    let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout).lines().filter_map(|l| serde_json::from_str(l).ok()).collect();
     if lines.is_empty() {
         bail!("proxy-agent probe printed nothing ({}): {}", out.status, String::from_utf8_lossy(&out.stderr).trim());
     }
@@ -572,8 +531,7 @@ fn exercise(
     for p in pods {
         placement.entry(p.node.as_str()).or_default().push(&p.name);
     }
-    let placement: Vec<String> =
-        placement.iter().map(|(node, names)| format!("{} on {node}", names.join(" and "))).collect();
+    let placement: Vec<String> = placement.iter().map(|(node, names)| format!("{} on {node}", names.join(" and "))).collect();
     println!("Pods: {}.", placement.join("; "));
     if Path::new(BUNDLED_MANIFESTS).canonicalize().is_ok_and(|b| b == manifests) {
         println!(
@@ -642,21 +600,14 @@ fn print_table(services: &[ServiceSpec], results: &[(String, Vec<Tally>)]) {
     let cell_lines = |t: &Tally| -> Vec<String> { t.iter().map(|(k, v)| format!("{k} x{v}")).collect() };
     let mut widths = vec![results.iter().map(|(r, _)| r.len()).chain(["client pod on node".len()]).max().unwrap_or(0)];
     for (i, s) in services.iter().enumerate() {
-        let w = results
-            .iter()
-            .flat_map(|(_, row)| cell_lines(&row[i]))
-            .map(|l| l.len())
-            .chain([s.name.len()])
-            .max()
-            .unwrap_or(0);
+        let w = results.iter().flat_map(|(_, row)| cell_lines(&row[i])).map(|l| l.len()).chain([s.name.len()]).max().unwrap_or(0);
         widths.push(w);
     }
     let line = |cells: &[&str]| {
         let s: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
         println!("{}", s.join("  |  ").trim_end());
     };
-    let header: Vec<&str> =
-        std::iter::once("client pod on node").chain(services.iter().map(|s| s.name.as_str())).collect();
+    let header: Vec<&str> = std::iter::once("client pod on node").chain(services.iter().map(|s| s.name.as_str())).collect();
     line(&header);
     let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
     println!("{}", rule.join("--+--"));

@@ -105,9 +105,8 @@ impl Netns {
     /// both ends created directly inside their namespaces (never in the
     /// host's) and brought up. Deleting either namespace deletes the pair.
     pub fn veth(&self, name: &str, peer: &Netns, peer_name: &str) -> io::Result<()> {
-        run(Command::new("ip").args([
-            "link", "add", name, "netns", &self.name, "type", "veth", "peer", "name", peer_name, "netns", &peer.name,
-        ]))?;
+        run(Command::new("ip")
+            .args(["link", "add", name, "netns", &self.name, "type", "veth", "peer", "name", peer_name, "netns", &peer.name]))?;
         self.ip(&["link", "set", name, "up"])?;
         peer.ip(&["link", "set", peer_name, "up"])
     }

@@ -8,15 +8,8 @@ use std::time::Duration;
 use support::*;
 
 fn web(endpoints: &[(&str, bool, &str)]) -> String {
-    ServiceSpec {
-        name: "web",
-        cluster_ips: &["10.96.0.20"],
-        ports: &[("", 80, "TCP", 8080)],
-        endpoints,
-        extra_spec: "",
-        annotations: "",
-    }
-    .yaml()
+    ServiceSpec { name: "web", cluster_ips: &["10.96.0.20"], ports: &[("", 80, "TCP", 8080)], endpoints, extra_spec: "", annotations: "" }
+        .yaml()
 }
 
 fn pods(net: &mut PodNetwork, n: usize) {
@@ -129,11 +122,7 @@ fn reset_removes_everything_the_agent_installed() {
     // Still served with the agent gone.
     assert_eq!(replies(&node.probe(&net, &["--to", "10.96.0.20:80"])), set(&["pod-1"]));
 
-    let out = std::process::Command::new(agent_bin())
-        .args(["reset", "--bpffs"])
-        .arg(node.pins.path())
-        .output()
-        .expect("run reset");
+    let out = std::process::Command::new(agent_bin()).args(["reset", "--bpffs"]).arg(node.pins.path()).output().expect("run reset");
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     assert!(!node.pins.path().exists(), "pin directory left behind");
     let r = node.probe(&net, &["--to", "10.96.0.20:80"]);

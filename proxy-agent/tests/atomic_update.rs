@@ -10,10 +10,10 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use proxy_agent::datapath::socket_loader::{self, Capacities};
 use proxy_agent::datapath::map_writer::{MapWriter, WriteError};
-use proxy_agent::model::{Backend, Frontend, Protocol};
+use proxy_agent::datapath::socket_loader::{self, Capacities};
 use proxy_agent::decide::plan::Plan;
+use proxy_agent::model::{Backend, Frontend, Protocol};
 use proxy_agent::sandbox::{Cgroup, PinDir, command_in};
 use support::*;
 

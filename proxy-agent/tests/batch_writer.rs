@@ -9,10 +9,10 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 
 use aya::maps::{HashMap, Map, MapData};
-use proxy_agent::datapath::socket_loader::{self, Capacities};
 use proxy_agent::datapath::map_writer::{MapWriter, WriteError, service_key};
-use proxy_agent::model::{Backend, Frontend, Protocol};
+use proxy_agent::datapath::socket_loader::{self, Capacities};
 use proxy_agent::decide::plan::{self, Plan, State};
+use proxy_agent::model::{Backend, Frontend, Protocol};
 use proxy_agent::sandbox::{Cgroup, PinDir};
 use proxy_common::{BackendKey, BackendValue, ServiceKey, ServiceValue, SlotKey, SlotValue};
 
@@ -104,11 +104,7 @@ fn room_is_judged_one_frontend_at_a_time() {
     let errors = w.apply(&plan);
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert_eq!(errors[0].frontend, fe(3));
-    assert!(
-        matches!(errors[0].error, WriteError::Full { map: "SLOTS", used: 30, max: 30, needed: 10, .. }),
-        "{}",
-        errors[0]
-    );
+    assert!(matches!(errors[0].error, WriteError::Full { map: "SLOTS", used: 30, max: 30, needed: 10, .. }), "{}", errors[0]);
     assert!(errors[0].to_string().contains("--max-slots"), "{}", errors[0]);
     assert_eq!(counts(dp.pins.path()), (3, 30, 10));
 
@@ -202,7 +198,9 @@ fn a_restarted_writer_reads_everything_back_in_batches_and_drops_leftovers() {
     let services: HashMap<MapData, ServiceKey, ServiceValue> = open(dp.pins.path(), "SERVICES");
     let first = services.get(&service_key(&fe(0)), 0).expect("fe(0)");
     for slot in 0..3 {
-        slots.insert(SlotKey { service_id: first.service_id, generation: first.generation + 1, slot }, SlotValue { backend_id: 1 }, 0).expect("stale slot");
+        slots
+            .insert(SlotKey { service_id: first.service_id, generation: first.generation + 1, slot }, SlotValue { backend_id: 1 }, 0)
+            .expect("stale slot");
     }
     let mut backends: HashMap<MapData, BackendKey, BackendValue> = open(dp.pins.path(), "BACKENDS");
     let orphan = backends.get(&BackendKey { backend_id: 1 }, 0).expect("backend 1");

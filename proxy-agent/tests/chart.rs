@@ -15,10 +15,7 @@ fn workspace() -> PathBuf {
 /// `<target>/chart-venv`, found from the agent binary's location so that a
 /// custom CARGO_TARGET_DIR works the same as the default.
 fn venv_python() -> Option<PathBuf> {
-    Path::new(env!("CARGO_BIN_EXE_proxy-agent"))
-        .ancestors()
-        .map(|dir| dir.join("chart-venv/bin/python"))
-        .find(|p| p.exists())
+    Path::new(env!("CARGO_BIN_EXE_proxy-agent")).ancestors().map(|dir| dir.join("chart-venv/bin/python")).find(|p| p.exists())
 }
 
 #[test]

@@ -10,10 +10,10 @@ use std::path::Path;
 use std::process::{Command, Output};
 
 use aya::maps::{HashMap, Map, MapData};
-use proxy_agent::datapath::socket_loader::{self, Capacities};
 use proxy_agent::datapath::map_writer::MapWriter;
-use proxy_agent::model::{Backend, Frontend, Protocol};
+use proxy_agent::datapath::socket_loader::{self, Capacities};
 use proxy_agent::decide::plan::Plan;
+use proxy_agent::model::{Backend, Frontend, Protocol};
 use proxy_agent::sandbox::{Cgroup, PinDir};
 use proxy_common::{BackendKey, BackendValue, SlotKey, SlotValue};
 use serde_json::Value;
@@ -28,11 +28,7 @@ fn fe(ip: &str, port: u16, protocol: Protocol) -> Frontend {
 }
 
 fn dump(pins: &Path, output: &str) -> Output {
-    Command::new(agent_bin())
-        .args(["dump", "--output", output, "--bpffs"])
-        .arg(pins)
-        .output()
-        .expect("run proxy-agent dump")
+    Command::new(agent_bin()).args(["dump", "--output", output, "--bpffs"]).arg(pins).output().expect("run proxy-agent dump")
 }
 
 fn dump_json(pins: &Path) -> (Option<i32>, Value) {
@@ -66,10 +62,7 @@ fn dump_shows_the_programmed_state_and_flags_corruption() {
     let web = fe("10.96.0.40", 80, Protocol::Tcp);
     let dns = fe("fd00:96::40", 53, Protocol::Udp);
     let plan = Plan {
-        upserts: vec![
-            (web, vec![be("10.244.4.1", 8080), be("10.244.4.2", 8080)]),
-            (dns, vec![be("fd00:244::4", 5353)]),
-        ],
+        upserts: vec![(web, vec![be("10.244.4.1", 8080), be("10.244.4.2", 8080)]), (dns, vec![be("fd00:244::4", 5353)])],
         deletes: vec![],
     };
     assert!(writer.apply(&plan).is_empty());
@@ -192,8 +185,7 @@ fn dump_decodes_the_tc_maps_and_flags_their_inconsistencies() {
     let local_fe = fe("10.0.1.2", 30080, Protocol::Tcp);
     let cluster_fe = fe("10.0.1.2", 30053, Protocol::Udp);
     let ext = ExternalState {
-        tc: [(local_fe, [be("10.244.1.1", 8080)].into()), (cluster_fe, [be("10.244.2.1", 5353), be("10.244.1.1", 5353)].into())]
-            .into(),
+        tc: [(local_fe, [be("10.244.1.1", 8080)].into()), (cluster_fe, [be("10.244.2.1", 5353), be("10.244.1.1", 5353)].into())].into(),
         local_endpoints: ["10.244.1.1".parse().expect("literal")].into(),
         policy_local: [local_fe].into(),
         ..Default::default()
@@ -241,7 +233,11 @@ fn dump_decodes_the_tc_maps_and_flags_their_inconsistencies() {
     assert_eq!(code, Some(0), "{doc:#}");
     let n = &doc["nodeport"];
     let np_service = |frontend: &str| {
-        n["services"].as_array().and_then(|s| s.iter().find(|s| s["frontend"] == frontend)).cloned().unwrap_or_else(|| panic!("{frontend} in {n:#}"))
+        n["services"]
+            .as_array()
+            .and_then(|s| s.iter().find(|s| s["frontend"] == frontend))
+            .cloned()
+            .unwrap_or_else(|| panic!("{frontend} in {n:#}"))
     };
     let local = np_service("10.0.1.2:30080/TCP");
     assert_eq!(local["externalTrafficPolicy"], "Local");
@@ -263,7 +259,9 @@ fn dump_decodes_the_tc_maps_and_flags_their_inconsistencies() {
     assert_eq!(fwd["flags"], serde_json::json!(["fin-client"]));
     assert!(fwd["ageSeconds"].as_u64().is_some_and(|a| a < 60), "{fwd}");
     assert_eq!(n["counters"]["new_flow"], 0);
-    let usage = |name: &str| doc["maps"].as_array().and_then(|m| m.iter().find(|m| m["name"] == name)).cloned().unwrap_or_else(|| panic!("{name} usage"));
+    let usage = |name: &str| {
+        doc["maps"].as_array().and_then(|m| m.iter().find(|m| m["name"] == name)).cloned().unwrap_or_else(|| panic!("{name} usage"))
+    };
     assert_eq!(usage("NP_CT")["entries"], 2);
     assert_eq!(usage("NP_SERVICES")["entries"], 2);
     assert_eq!(usage("NP_BACKENDS")["entries"], 3);

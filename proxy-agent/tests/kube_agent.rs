@@ -28,10 +28,8 @@ fn service(name: &str, ip: &str, port: u16, extra_spec: Value, labels: Value) ->
 
 /// An EndpointSlice of Service `svc` with ready endpoints (address, node).
 fn slice(svc: &str, name: &str, endpoints: &[(&str, &str)]) -> Value {
-    let eps: Vec<Value> = endpoints
-        .iter()
-        .map(|(ip, node)| json!({"addresses": [ip], "conditions": {"ready": true}, "nodeName": node}))
-        .collect();
+    let eps: Vec<Value> =
+        endpoints.iter().map(|(ip, node)| json!({"addresses": [ip], "conditions": {"ready": true}, "nodeName": node})).collect();
     json!({
         "apiVersion": "discovery.k8s.io/v1",
         "kind": "EndpointSlice",
@@ -91,7 +89,6 @@ fn unreachable(node: &Node, net: &PodNetwork, to: &str) {
         if r[0]["errno"] == 101 { Ok(()) } else { Err(r) }
     });
 }
-
 
 fn metrics_text(node: &Node) -> String {
     let addr = node.metrics_address();

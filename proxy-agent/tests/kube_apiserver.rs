@@ -49,11 +49,7 @@ fn apiserver_protocol() {
     api.apply(json!({"kind": "Node", "metadata": {"name": "d"}}));
     let (_, body) = raw(a, &format!("/api/v1/nodes?limit=2&continue={token}"), "application/json", short);
     let rest: Value = serde_json::from_str(&body).expect("page 2");
-    assert_eq!(
-        rest["items"].as_array().map(Vec::len),
-        Some(1),
-        "page 2 is consistent with page 1's version: {rest}"
-    );
+    assert_eq!(rest["items"].as_array().map(Vec::len), Some(1), "page 2 is consistent with page 1's version: {rest}");
 
     let meta = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1";
     let (_, body) = raw(a, "/api/v1/nodes?labelSelector=l%20in%20%28a%2Cb%29", meta, short);
@@ -64,8 +60,7 @@ fn apiserver_protocol() {
 
     // Watch from a version: the changes after it, then bookmarks.
     api.set_bookmark_interval(Duration::from_millis(50));
-    let (code, body) =
-        raw(a, "/api/v1/nodes?watch=true&allowWatchBookmarks=true&resourceVersion=102", "application/json", short);
+    let (code, body) = raw(a, "/api/v1/nodes?watch=true&allowWatchBookmarks=true&resourceVersion=102", "application/json", short);
     assert_eq!(code, 200);
     let types: Vec<String> = body
         .lines()

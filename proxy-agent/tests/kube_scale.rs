@@ -37,9 +37,8 @@ fn objects() -> Vec<Value> {
             "metadata": {"name": name, "namespace": "scale"},
             "spec": {"clusterIP": svc_ip(i), "clusterIPs": [svc_ip(i)], "ports": [{"port": 80, "protocol": "TCP", "targetPort": 8080}]},
         }));
-        let eps: Vec<Value> = (0..ENDPOINTS)
-            .map(|j| json!({"addresses": [ep_ip(i, j)], "conditions": {"ready": true}, "nodeName": "node-a"}))
-            .collect();
+        let eps: Vec<Value> =
+            (0..ENDPOINTS).map(|j| json!({"addresses": [ep_ip(i, j)], "conditions": {"ready": true}, "nodeName": "node-a"})).collect();
         out.push(json!({
             "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
             "metadata": {"name": format!("{name}-abcde"), "namespace": "scale", "labels": {"kubernetes.io/service-name": name}},
@@ -76,11 +75,8 @@ fn wait_long<D: std::fmt::Debug>(what: &str, mut check: impl FnMut() -> Result<(
 /// Entries in a pinned map as the kernel holds them (bpftool), without
 /// going through the agent's own bookkeeping.
 fn raw_entries(pins: &std::path::Path, map: &str) -> usize {
-    let out = std::process::Command::new("bpftool")
-        .args(["--json", "map", "dump", "pinned"])
-        .arg(pins.join(map))
-        .output()
-        .expect("run bpftool");
+    let out =
+        std::process::Command::new("bpftool").args(["--json", "map", "dump", "pinned"]).arg(pins.join(map)).output().expect("run bpftool");
     assert!(out.status.success(), "bpftool: {}", String::from_utf8_lossy(&out.stderr));
     let v: Value = serde_json::from_slice(&out.stdout).expect("bpftool JSON");
     v.as_array().map_or(0, Vec::len)

@@ -245,11 +245,7 @@ impl World {
             args.extend_from_slice(extra);
             let r = self.probe(&args);
             let got = replies(&r);
-            if got == want && r.iter().all(|x| x["ok"] == true) {
-                Ok(())
-            } else {
-                Err((got, r.into_iter().find(|x| x["ok"] != true)))
-            }
+            if got == want && r.iter().all(|x| x["ok"] == true) { Ok(()) } else { Err((got, r.into_iter().find(|x| x["ok"] != true))) }
         })
     }
 }
@@ -416,11 +412,7 @@ fn local_policy_keeps_the_client_address_drops_without_local_endpoints_and_serve
     // stack refuses: wait for the drop.)
     eventually("node-a to drop Local-policy traffic", || {
         let r = w.probe(&["--to", &format!("{NODE_A}:30080"), "--timeout-ms", "700"]);
-        if r[0]["error"] == "connection timed out" && w.nodes[0].counter("dropped_no_local") > 0 {
-            Ok(())
-        } else {
-            Err(r)
-        }
+        if r[0]["error"] == "connection timed out" && w.nodes[0].counter("dropped_no_local") > 0 { Ok(()) } else { Err(r) }
     });
     // Health check node port, as kube-proxy answers it.
     let (status, body) = eventually("health check on node-b", || http_get(&w.client, &format!("{NODE_B}:32000")));
@@ -478,9 +470,7 @@ fn icmp_port_unreachable_from_a_backend_reaches_the_client() {
     // remote backend (node-a answers node-b's SNAT address; node-b
     // translates at ingress). Without translation the quoted header would
     // match no socket and the client would wait for its timeout.
-    for (to, node) in
-        [(format!("{NODE_A}:30099"), 0), (format!("[{NODE_A6}]:30099"), 0), (format!("{NODE_B}:30099"), 1)]
-    {
+    for (to, node) in [(format!("{NODE_A}:30099"), 0), (format!("[{NODE_A6}]:30099"), 0), (format!("{NODE_B}:30099"), 1)] {
         eventually(&format!("ECONNREFUSED from {to}"), || {
             let r = w.probe(&["--to", &to, "--udp", "--connected", "--timeout-ms", "700"]);
             if r[0]["errno"] == 111 { Ok(()) } else { Err(r) }
@@ -580,13 +570,10 @@ fn established_flow_survives_restart(mode: &'static str) {
     // counts as no tcx program.
     let mut used = std::collections::BTreeSet::new();
     for dev in ["a-c", "a-b"] {
-        for (hook, t) in
-            [("ingress", aya::programs::TcAttachType::Ingress), ("egress", aya::programs::TcAttachType::Egress)]
-        {
-            let tcx = in_netns(&w.nodes[0].ns, move || {
-                aya::programs::SchedClassifier::query_tcx(dev, t).map(|(_, p)| p.len()).unwrap_or(0)
-            })
-            .expect("netns");
+        for (hook, t) in [("ingress", aya::programs::TcAttachType::Ingress), ("egress", aya::programs::TcAttachType::Egress)] {
+            let tcx =
+                in_netns(&w.nodes[0].ns, move || aya::programs::SchedClassifier::query_tcx(dev, t).map(|(_, p)| p.len()).unwrap_or(0))
+                    .expect("netns");
             let out = std::process::Command::new("tc")
                 .args(["-n", w.nodes[0].ns.name(), "filter", "show", "dev", dev, hook])
                 .output()
@@ -664,9 +651,7 @@ fn node_address_changes_are_followed_without_a_restart() {
     w.wait_for("10.0.4.2:30053", &["--udp"], &["pod-a", "pod-b"]);
     let links = w.nodes[1].pins.path().join("links");
     let attached = || {
-        std::fs::read_dir(&links)
-            .map(|rd| rd.flatten().any(|e| e.file_name().to_string_lossy().starts_with("tc-b-x-")))
-            .unwrap_or(false)
+        std::fs::read_dir(&links).map(|rd| rd.flatten().any(|e| e.file_name().to_string_lossy().starts_with("tc-b-x-"))).unwrap_or(false)
     };
     let legacy_marked = || {
         std::fs::read_dir(w.nodes[1].pins.path().join("tc-legacy"))
@@ -675,9 +660,7 @@ fn node_address_changes_are_followed_without_a_restart() {
     };
     assert!(attached() || legacy_marked(), "no TC attachment recorded for b-x");
     w.nodes[1].ns.ip(&["link", "del", "b-x"]).expect("delete link");
-    eventually("the TC attachment of the deleted b-x to go", || {
-        if attached() || legacy_marked() { Err(()) } else { Ok(()) }
-    });
+    eventually("the TC attachment of the deleted b-x to go", || if attached() || legacy_marked() { Err(()) } else { Ok(()) });
     w.wait_for(&format!("{NODE_B}:30080"), &[], &["pod-a", "pod-b"]);
 
     // The same agent processes did all of it.
@@ -763,8 +746,7 @@ mod test_run {
     fn checksums_ok4(frame: &[u8]) -> bool {
         let ihl = usize::from(frame[14] & 0xf) * 4;
         let l4 = 14 + ihl;
-        csum(&frame[14..l4], 0) == 0
-            && csum(&frame[l4..], pseudo4(&frame[26..30], &frame[30..34], frame[23], frame.len() - l4)) == 0
+        csum(&frame[14..l4], 0) == 0 && csum(&frame[l4..], pseudo4(&frame[26..30], &frame[30..34], frame[23], frame.len() - l4)) == 0
     }
 
     struct Loaded {
@@ -778,20 +760,13 @@ mod test_run {
         load_with_ports(tc, local, policy_local, (61000, 65535))
     }
 
-    fn load_with_ports(
-        tc: &[(Frontend, &[Backend])],
-        local: &[&str],
-        policy_local: &[Frontend],
-        ports: (u16, u16),
-    ) -> Loaded {
+    fn load_with_ports(tc: &[(Frontend, &[Backend])], local: &[&str], policy_local: &[Frontend], ports: (u16, u16)) -> Loaded {
         require_root();
         let pins = PinDir::new("tnpr").expect("pins");
         let mut ebpf = proxy_agent::datapath::tc_loader::load_unattached(pins.path()).expect("load");
-        let prog: &mut aya::programs::SchedClassifier =
-            ebpf.program_mut("np_ingress").expect("np_ingress").try_into().expect("classifier");
+        let prog: &mut aya::programs::SchedClassifier = ebpf.program_mut("np_ingress").expect("np_ingress").try_into().expect("classifier");
         let ingress = prog.fd().expect("fd").as_fd().as_raw_fd();
-        let prog: &mut aya::programs::SchedClassifier =
-            ebpf.program_mut("np_egress").expect("np_egress").try_into().expect("classifier");
+        let prog: &mut aya::programs::SchedClassifier = ebpf.program_mut("np_egress").expect("np_egress").try_into().expect("classifier");
         let egress = prog.fd().expect("fd").as_fd().as_raw_fd();
         let mut w = proxy_agent::external::nodeport::NodePortWriter::open(pins.path()).expect("writer");
         w.set_config(Some("10.0.3.1".parse().unwrap()), Some("fd00:3::1".parse().unwrap()), ports).expect("config");
@@ -991,11 +966,7 @@ mod test_run {
         assert_eq!(new_dst.to_string(), "fd00:244:2::1");
         assert_eq!(new_src.to_string(), "fd00:3::1");
         assert_eq!(u16::from_be_bytes([out[56], out[57]]), 8080);
-        assert_eq!(
-            csum(&out[54..], pseudo6(&out[22..38], &out[38..54], out.len() - 54)),
-            0,
-            "TCP checksum after IPv6 NAT"
-        );
+        assert_eq!(csum(&out[54..], pseudo6(&out[22..38], &out[38..54], out.len() - 54)), 0, "TCP checksum after IPv6 NAT");
     }
 
     /// An ICMPv4 error (type, code) from `src` to `dst` quoting `quoted`
@@ -1025,8 +996,7 @@ mod test_run {
     fn icmp_errors_about_tracked_flows_are_translated_back() {
         let local_fe = fe("10.0.1.2:30053", Protocol::Udp);
         let remote_fe = fe("10.0.1.2:30054", Protocol::Udp);
-        let l =
-            load(&[(local_fe, &[be("10.244.1.1:5999")]), (remote_fe, &[be("10.244.2.1:5353")])], &["10.244.1.1"], &[]);
+        let l = load(&[(local_fe, &[be("10.244.1.1:5999")]), (remote_fe, &[be("10.244.2.1:5353")])], &["10.244.1.1"], &[]);
         // Local backend with no listener: the node's stack answers the
         // DNAT'ed datagram with port unreachable, quoting client -> backend.
         let (_, dnat) = run(l.ingress, &udp4([10, 0, 1, 1], [10, 0, 1, 2], 40000, 30053));
@@ -1093,12 +1063,7 @@ mod test_run {
     #[test]
     fn a_snat_port_is_reused_only_after_its_flow_closed_and_timed_out() {
         // One SNAT port only.
-        let l = load_with_ports(
-            &[(fe("10.0.1.2:30080", Protocol::Tcp), &[be("10.244.2.1:8080")])],
-            &[],
-            &[],
-            (61000, 61000),
-        );
+        let l = load_with_ports(&[(fe("10.0.1.2:30080", Protocol::Tcp), &[be("10.244.2.1:8080")])], &[], &[], (61000, 61000));
         let syn = |sport| with_l4_csum4(ipv4(6, [10, 0, 1, 1], [10, 0, 1, 2], &[], 0, &tcp_syn(sport, 30080)), 16);
         let (_, out) = run(l.ingress, &syn(40000));
         let (_, out) = run(l.egress, &out);

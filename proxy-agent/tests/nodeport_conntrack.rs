@@ -18,8 +18,8 @@ use std::path::Path;
 use aya::maps::{HashMap, Map, MapData};
 use proxy_agent::datapath::conntrack_gc::{self, Timeouts};
 use proxy_agent::decide::decision::ExternalState;
-use proxy_agent::model::{Backend, Frontend, Protocol};
 use proxy_agent::external::nodeport::NodePortWriter;
+use proxy_agent::model::{Backend, Frontend, Protocol};
 use proxy_agent::sandbox::PinDir;
 use proxy_common as pc;
 use proxy_common::{CtKey, CtValue};
@@ -318,12 +318,8 @@ fn the_gc_deletes_idle_and_stale_flows_whole_and_keeps_the_rest() {
     let busy_be = ([10, 244, 2, 2], 5353);
     let gone_be = ([10, 244, 1, 1], 8080);
     let kept_be = ([10, 244, 1, 4], 8080);
-    let (idle_fe, busy_fe, gone_fe, kept_fe) = (
-        fe(NODE, 30053, Protocol::Udp),
-        fe(NODE, 30054, Protocol::Udp),
-        fe(NODE, 30080, Protocol::Tcp),
-        fe(NODE, 30081, Protocol::Tcp),
-    );
+    let (idle_fe, busy_fe, gone_fe, kept_fe) =
+        (fe(NODE, 30053, Protocol::Udp), fe(NODE, 30054, Protocol::Udp), fe(NODE, 30080, Protocol::Tcp), fe(NODE, 30081, Protocol::Tcp));
     let local = [gone_be.0, kept_be.0, [10, 244, 1, 5], [10, 244, 1, 9]];
     let mut l = Loaded::new(
         &[
@@ -398,12 +394,7 @@ fn a_running_agent_sweeps_conntrack_and_exports_the_tc_counters() {
     let mut node = Node::new("node-ct");
     // Node agents run with `--devices none` (tests/support): no TC program
     // is attached anywhere.
-    node.start_agent_with(&[
-        "--metrics-address",
-        "127.0.0.1:0",
-        "--conntrack-gc-interval-secs",
-        "1",
-    ]);
+    node.start_agent_with(&["--metrics-address", "127.0.0.1:0", "--conntrack-gc-interval-secs", "1"]);
     let addr = node.metrics_address();
     eventually("the agent to be ready", || match http_get(addr, "/readyz") {
         Ok((200, _)) => Ok(()),

@@ -158,16 +158,16 @@ fn one_udp_socket_talking_to_two_services_and_a_pod_sees_each_true_source() {
     // only the backend's address, so a socket that reached one backend
     // through two frontends cannot tell them apart (neither can any
     // socket-level load balancer).
-    node.write_manifest(
-        "dns2.yaml",
-        &dns2(),
-    );
+    node.write_manifest("dns2.yaml", &dns2());
     wait_for_backends(&node, &net, "10.96.0.20:53", &["--udp"], &["pod-c"]);
     // The socket's first translation lives in its own storage, the second
     // Service's in SOCK_REVNAT (the socket is then marked as spilled), and
     // a pod it reaches directly must keep its own address even though the
     // socket has translations.
-    let results = node.probe(&net, &["--to", "10.96.0.10:80", "--also", "10.96.0.20:53", "--also", "10.244.0.1:8080", "--udp", "--per-socket", "3", "--count", "10"]);
+    let results = node.probe(
+        &net,
+        &["--to", "10.96.0.10:80", "--also", "10.96.0.20:53", "--also", "10.244.0.1:8080", "--udp", "--per-socket", "3", "--count", "10"],
+    );
     for r in &results {
         assert_eq!(r["ok"], true, "{r}");
         assert_eq!(r["sameBackend"], true, "{r}");
@@ -221,10 +221,7 @@ fn a_udp_reply_read_after_an_upgrade_from_an_agent_without_socket_storage_shows_
 
     let (net, mut node) = setup();
     // One endpoint, so the backend the socket reaches is known.
-    node.write_manifest(
-        "dns2.yaml",
-        &dns2(),
-    );
+    node.write_manifest("dns2.yaml", &dns2());
     wait_for_backends(&node, &net, "10.96.0.20:53", &["--udp"], &["pod-c"]);
 
     // A pod sends a query; the reply waits in its socket until it reads.

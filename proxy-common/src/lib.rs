@@ -335,7 +335,16 @@ mod tests {
     #[test]
     fn peer_keys_name_the_other_direction_of_the_flow() {
         let (c, f, b, n) = ([1, 0, 0, 0], [2, 0, 0, 0], [3, 0, 0, 0], [4, 0, 0, 0]);
-        let key = |s, d, sp, dp, dir| CtKey { saddr_be: s, daddr_be: d, sport_be: sp, dport_be: dp, proto: PROTO_TCP, family: FAMILY_V4, dir, _pad: 0 };
+        let key = |s, d, sp, dp, dir| CtKey {
+            saddr_be: s,
+            daddr_be: d,
+            sport_be: sp,
+            dport_be: dp,
+            proto: PROTO_TCP,
+            family: FAMILY_V4,
+            dir,
+            _pad: 0,
+        };
         let val = |s, d, sp, dp| CtValue { saddr_be: s, daddr_be: d, sport_be: sp, dport_be: dp, ..Default::default() };
         // The four entries of a flow client:10 -> frontend:20, DNAT'ed to
         // backend:30 and SNAT'ed to node:40, as nodeport.rs writes them.

@@ -38,8 +38,7 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    CT_DIR_FORWARD, CT_DIR_REPLY, CT_DIR_REPLY_SNAT, CT_DIR_SNAT, CT_FLAG_SNAT, CtKey, FAMILY_V4,
-    PROTO_TCP, PROTO_UDP, np_counter,
+    CT_DIR_FORWARD, CT_DIR_REPLY, CT_DIR_REPLY_SNAT, CT_DIR_SNAT, CT_FLAG_SNAT, CtKey, FAMILY_V4, PROTO_TCP, PROTO_UDP, np_counter,
 };
 
 use crate::nodeport_maps::{NP_CT, np_count};
@@ -233,54 +232,18 @@ fn apply(ctx: &TcContext, p: &IcmpPkt, q: &Quote, x: &Xlate) -> i64 {
     }
     // Quoted addresses: IPv4 keeps the quoted header checksum right;
     // ICMPv6 absorbs the change in its own checksum (no pseudo header).
-    if let Err(e) = set_addr(
-        ctx,
-        v4,
-        q.l3 + if v4 { 12 } else { 8 },
-        &q.saddr,
-        &x.qs,
-        q.l3 + 10,
-        icmp_csum,
-        0,
-    ) {
+    if let Err(e) = set_addr(ctx, v4, q.l3 + if v4 { 12 } else { 8 }, &q.saddr, &x.qs, q.l3 + 10, icmp_csum, 0) {
         return e;
     }
-    if let Err(e) = set_addr(
-        ctx,
-        v4,
-        q.l3 + if v4 { 16 } else { 24 },
-        &q.daddr,
-        &x.qd,
-        q.l3 + 10,
-        icmp_csum,
-        0,
-    ) {
+    if let Err(e) = set_addr(ctx, v4, q.l3 + if v4 { 16 } else { 24 }, &q.daddr, &x.qd, q.l3 + 10, icmp_csum, 0) {
         return e;
     }
     // Outer addresses: IPv4 header checksum; ICMPv6 pseudo header.
     let ps = BPF_F_PSEUDO_HDR as u64;
-    if let Err(e) = set_addr(
-        ctx,
-        v4,
-        p.l3 + if v4 { 12 } else { 8 },
-        &p.saddr,
-        &x.os,
-        p.l3 + 10,
-        icmp_csum,
-        ps,
-    ) {
+    if let Err(e) = set_addr(ctx, v4, p.l3 + if v4 { 12 } else { 8 }, &p.saddr, &x.os, p.l3 + 10, icmp_csum, ps) {
         return e;
     }
-    if let Err(e) = set_addr(
-        ctx,
-        v4,
-        p.l3 + if v4 { 16 } else { 24 },
-        &p.daddr,
-        &x.od,
-        p.l3 + 10,
-        icmp_csum,
-        ps,
-    ) {
+    if let Err(e) = set_addr(ctx, v4, p.l3 + if v4 { 16 } else { 24 }, &p.daddr, &x.od, p.l3 + 10, icmp_csum, ps) {
         return e;
     }
     0
@@ -313,15 +276,7 @@ fn quote(ctx: &TcContext, p: &IcmpPkt, out: &mut Quote) -> Result<(), u32> {
     // RFC 792 guarantees the first 8 bytes of the quoted payload: the ports.
     let sport_be: u16 = ctx.load(l4).map_err(bad)?;
     let dport_be: u16 = ctx.load(l4 + 2).map_err(bad)?;
-    *out = Quote {
-        l3,
-        l4,
-        proto,
-        saddr,
-        daddr,
-        sport_be,
-        dport_be,
-    };
+    *out = Quote { l3, l4, proto, saddr, daddr, sport_be, dport_be };
     Ok(())
 }
 

@@ -29,8 +29,8 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    BackendKey, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, ServiceKey, ServiceValue,
-    SockPeerValue, SockRevNatKey, SockRevNatValue, counter, socket_hash,
+    BackendKey, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, ServiceKey, ServiceValue, SockPeerValue, SockRevNatKey, SockRevNatValue,
+    counter, socket_hash,
 };
 
 use maps::{BACKENDS, SERVICES, SLOTS, SOCK_CONFIG, SOCK_PEER, SOCK_REVNAT, count};
@@ -128,12 +128,7 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
     // written in the mapped form.
     let mapped = asked.unmapped_v4();
     let dst = mapped.unwrap_or(asked);
-    let key = ServiceKey {
-        ip_be: dst.ip_be,
-        port_be: dst.port_be,
-        proto,
-        family: dst.family,
-    };
+    let key = ServiceKey { ip_be: dst.ip_be, port_be: dst.port_be, proto, family: dst.family };
     // SAFETY: the value is copied out before any other map operation.
     let Some(svc) = (unsafe { SERVICES.get(&key) }).copied() else {
         return Ok(ALLOW); // not a frontend: none of our business
@@ -190,11 +185,7 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
 fn lookup_backend(svc: &ServiceValue, hash: u32) -> Option<Addr> {
     let id = unsafe { SLOTS.get(&svc.slot_for(hash)) }?.backend_id;
     let b = unsafe { BACKENDS.get(&BackendKey { backend_id: id }) }?;
-    Some(Addr {
-        ip_be: b.ip_be,
-        port_be: b.port_be,
-        family: b.family,
-    })
+    Some(Addr { ip_be: b.ip_be, port_be: b.port_be, family: b.family })
 }
 
 /// Records that this socket reaches `frontend` at `backend`, for the
@@ -254,19 +245,8 @@ fn remember(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, front
     }
     // Cookies start at 1 (`__sock_gen_cookie`), so 0 means "not fetched yet".
     let cookie = if cookie == 0 { unsafe { bpf_get_socket_cookie(ctx.as_ptr()) } } else { cookie };
-    let rev_key = SockRevNatKey {
-        cookie,
-        ip_be: backend.ip_be,
-        port_be: backend.port_be,
-        family,
-        _pad: [0; 5],
-    };
-    let rev_val = SockRevNatValue {
-        ip_be: frontend.ip_be,
-        port_be: frontend.port_be,
-        family,
-        _pad: 0,
-    };
+    let rev_key = SockRevNatKey { cookie, ip_be: backend.ip_be, port_be: backend.port_be, family, _pad: [0; 5] };
+    let rev_val = SockRevNatValue { ip_be: frontend.ip_be, port_be: frontend.port_be, family, _pad: 0 };
     if SOCK_REVNAT.insert(&rev_key, &rev_val, 0).is_err() {
         // The LRU map evicts rather than fills, so this is unexpected; the
         // connection still works, only getpeername/recvmsg show the backend.
@@ -311,11 +291,7 @@ fn try_reverse<const FAMILY: u8, const GETPEERNAME: bool>(ctx: &SockAddrContext)
         // SAFETY: this socket's element; see `remember`.
         let p = unsafe { &*stored };
         if p.family == family && p.backend_ip_be == peer.ip_be && p.backend_port_be == peer.port_be {
-            report(Addr {
-                ip_be: p.frontend_ip_be,
-                port_be: p.frontend_port_be,
-                family,
-            });
+            report(Addr { ip_be: p.frontend_ip_be, port_be: p.frontend_port_be, family });
             return Ok(());
         }
         if p.spilled == 0 {
@@ -323,21 +299,11 @@ fn try_reverse<const FAMILY: u8, const GETPEERNAME: bool>(ctx: &SockAddrContext)
         }
     }
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let key = SockRevNatKey {
-        cookie,
-        ip_be: peer.ip_be,
-        port_be: peer.port_be,
-        family,
-        _pad: [0; 5],
-    };
+    let key = SockRevNatKey { cookie, ip_be: peer.ip_be, port_be: peer.port_be, family, _pad: [0; 5] };
     let Some(orig) = (unsafe { SOCK_REVNAT.get(&key) }).copied() else {
         return Ok(()); // this socket never went through a frontend
     };
-    report(Addr {
-        ip_be: orig.ip_be,
-        port_be: orig.port_be,
-        family: orig.family,
-    });
+    report(Addr { ip_be: orig.ip_be, port_be: orig.port_be, family: orig.family });
     Ok(())
 }
 

@@ -15,32 +15,25 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    BackendKey, BackendValue, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS,
-    DEFAULT_MAX_SOCK_REVNAT, ServiceKey, ServiceValue, SlotKey, SlotValue, SockConfig,
-    SockPeerValue, SockRevNatKey, SockRevNatValue, counter,
+    BackendKey, BackendValue, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCK_REVNAT, ServiceKey,
+    ServiceValue, SlotKey, SlotValue, SockConfig, SockPeerValue, SockRevNatKey, SockRevNatValue, counter,
 };
 
 // The capacity is part of the type (a const generic the BTF records as an
 // array length); the agent overrides it at load time.
 #[btf_map(name = "SERVICES")]
-pub static SERVICES: HashMap<ServiceKey, ServiceValue, { DEFAULT_MAX_SERVICES as usize }> =
-    HashMap::new();
+pub static SERVICES: HashMap<ServiceKey, ServiceValue, { DEFAULT_MAX_SERVICES as usize }> = HashMap::new();
 
 #[btf_map(name = "SLOTS")]
 pub static SLOTS: HashMap<SlotKey, SlotValue, { DEFAULT_MAX_SLOTS as usize }> = HashMap::new();
 
 #[btf_map(name = "BACKENDS")]
-pub static BACKENDS: HashMap<BackendKey, BackendValue, { DEFAULT_MAX_BACKENDS as usize }> =
-    HashMap::new();
+pub static BACKENDS: HashMap<BackendKey, BackendValue, { DEFAULT_MAX_BACKENDS as usize }> = HashMap::new();
 
 /// LRU: entries of closed sockets are never deleted explicitly (there is no
 /// close hook in the sock_addr family), so old ones must age out.
 #[btf_map(name = "SOCK_REVNAT")]
-pub static SOCK_REVNAT: LruHashMap<
-    SockRevNatKey,
-    SockRevNatValue,
-    { DEFAULT_MAX_SOCK_REVNAT as usize },
-> = LruHashMap::new();
+pub static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNatValue, { DEFAULT_MAX_SOCK_REVNAT as usize }> = LruHashMap::new();
 
 /// Per-socket storage of the first translation (see `SockPeerValue`).
 #[btf_map(name = "SOCK_PEER")]

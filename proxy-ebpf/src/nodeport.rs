@@ -33,17 +33,12 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    AddrKey, BackendKey, BackendValue, CT_DIR_FORWARD, CT_DIR_REPLY, CT_DIR_REPLY_SNAT, CT_DIR_SNAT,
-    CT_FLAG_CLOSING, CT_FLAG_REPLIED, CT_FLAG_SNAT, CT_REFRESH_S, CT_TIMEOUT_OTHER_S, CT_TIMEOUT_TCP_CLOSING_S,
-    CT_TIMEOUT_TCP_SYN_S,
-    CT_TIMEOUT_TCP_S, CtKey, CtValue, FAMILY_V4, NP_FLAG_POLICY_LOCAL, PROTO_TCP, ServiceKey,
-    ServiceValue, ct_dir_from_client, ct_flags_after, flow_hash, np_counter,
+    AddrKey, BackendKey, BackendValue, CT_DIR_FORWARD, CT_DIR_REPLY, CT_DIR_REPLY_SNAT, CT_DIR_SNAT, CT_FLAG_CLOSING, CT_FLAG_REPLIED,
+    CT_FLAG_SNAT, CT_REFRESH_S, CT_TIMEOUT_OTHER_S, CT_TIMEOUT_TCP_CLOSING_S, CT_TIMEOUT_TCP_S, CT_TIMEOUT_TCP_SYN_S, CtKey, CtValue,
+    FAMILY_V4, NP_FLAG_POLICY_LOCAL, PROTO_TCP, ServiceKey, ServiceValue, ct_dir_from_client, ct_flags_after, flow_hash, np_counter,
 };
 
-use crate::nodeport_maps::{
-    NP_BACKENDS, NP_CONFIG, NP_CT, NP_FLAGS, NP_LOCAL, NP_SCRATCH, NP_SERVICES, NP_SLOTS, NpScratch,
-    np_count,
-};
+use crate::nodeport_maps::{NP_BACKENDS, NP_CONFIG, NP_CT, NP_FLAGS, NP_LOCAL, NP_SCRATCH, NP_SERVICES, NP_SLOTS, NpScratch, np_count};
 use crate::packet::{Parsed, Pkt, TCP_FIN, TCP_RST, parse, rewrite};
 
 /// Let the packet continue (see the module comment).
@@ -87,19 +82,8 @@ fn try_nodeport(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
     // A reply of a tracked flow. One key on the stack, reused for each
     // lookup, and values used in place: the verifier allows 512 bytes of
     // stack for the whole call chain.
-    let mut key = ct_key(
-        &p,
-        if ingress {
-            CT_DIR_REPLY_SNAT
-        } else {
-            CT_DIR_REPLY
-        },
-    );
-    let reply = if ingress && !may_be_snat_reply(&p) {
-        None
-    } else {
-        NP_CT.get_ptr_mut(&key)
-    };
+    let mut key = ct_key(&p, if ingress { CT_DIR_REPLY_SNAT } else { CT_DIR_REPLY });
+    let reply = if ingress && !may_be_snat_reply(&p) { None } else { NP_CT.get_ptr_mut(&key) };
     // SAFETY: the value stays valid under RCU for this program run; a
     // concurrent update replaces the element as a whole.
     if let Some(v) = reply {
@@ -188,11 +172,7 @@ fn may_be_snat_reply(p: &Pkt) -> bool {
     if port < cfg.snat_port_min || port > cfg.snat_port_max {
         return false;
     }
-    if p.family == FAMILY_V4 {
-        p.daddr[0] == cfg.snat_v4_be
-    } else {
-        p.daddr == cfg.snat_v6_be
-    }
+    if p.family == FAMILY_V4 { p.daddr[0] == cfg.snat_v4_be } else { p.daddr == cfg.snat_v6_be }
 }
 
 #[inline(always)]
@@ -306,9 +286,7 @@ fn reservation_expired(s: &mut NpScratch, now: u32, proto: u8, family: u8) -> bo
     }
     s.peer = old.peer_key(proto, family, CT_DIR_REPLY_SNAT);
     match unsafe { NP_CT.get(&s.peer) } {
-        Some(fwd) if fwd.sport_be == s.key.dport_be && fwd.saddr_be == s.key.daddr_be => {
-            expired(fwd, now, proto)
-        }
+        Some(fwd) if fwd.sport_be == s.key.dport_be && fwd.saddr_be == s.key.daddr_be => expired(fwd, now, proto),
         _ => true,
     }
 }
@@ -346,12 +324,7 @@ const NEW_FLOW_ERR: i64 = 1 << 40;
 
 #[inline(always)]
 fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
-    let skey = ServiceKey {
-        ip_be: p.daddr,
-        port_be: p.dport_be,
-        proto: p.proto,
-        family: p.family,
-    };
+    let skey = ServiceKey { ip_be: p.daddr, port_be: p.dport_be, proto: p.proto, family: p.family };
     let Some(svc) = (unsafe { NP_SERVICES.get(&skey) }) else {
         return Ok(PASS); // not a frontend
     };
@@ -385,25 +358,9 @@ fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
     // SAFETY: this CPU's scratch slot; TC programs do not nest on a CPU.
     let s = unsafe { &mut *s };
     // Ingress: DNAT only; the client's address is kept here in every case.
-    s.fwd = CtValue {
-        saddr_be: p.saddr,
-        daddr_be: b.ip_be,
-        sport_be: p.sport_be,
-        dport_be: b.port_be,
-        flags: 0,
-        backend_id,
-        seen_s: now,
-    };
+    s.fwd = CtValue { saddr_be: p.saddr, daddr_be: b.ip_be, sport_be: p.sport_be, dport_be: b.port_be, flags: 0, backend_id, seen_s: now };
     // Egress, backend -> client: the reply's source becomes the frontend.
-    s.rev = CtValue {
-        saddr_be: p.daddr,
-        daddr_be: p.saddr,
-        sport_be: p.dport_be,
-        dport_be: p.sport_be,
-        flags: 0,
-        backend_id,
-        seen_s: now,
-    };
+    s.rev = CtValue { saddr_be: p.daddr, daddr_be: p.saddr, sport_be: p.dport_be, dport_be: p.sport_be, flags: 0, backend_id, seen_s: now };
     s.key = CtKey {
         saddr_be: b.ip_be,
         daddr_be: p.saddr,
@@ -414,14 +371,7 @@ fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
         dir: CT_DIR_REPLY,
         _pad: 0,
     };
-    let local = unsafe {
-        NP_LOCAL.get(&AddrKey {
-            ip_be: b.ip_be,
-            family: p.family,
-            _pad: [0; 3],
-        })
-    }
-    .is_some();
+    let local = unsafe { NP_LOCAL.get(&AddrKey { ip_be: b.ip_be, family: p.family, _pad: [0; 3] }) }.is_some();
     if !local {
         // Remote backend. First reserve a SNAT port: the reply will arrive
         // as backend -> (node address, port) and must get the client back
@@ -452,8 +402,7 @@ fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
         let mut i = 0u32;
         while i < SNAT_TRIES {
             // Successive candidates spread over the range.
-            let port = u32::from(cfg.snat_port_min)
-                + (hash.wrapping_add(i.wrapping_mul(0x9e37_79b1)) % span);
+            let port = u32::from(cfg.snat_port_min) + (hash.wrapping_add(i.wrapping_mul(0x9e37_79b1)) % span);
             s.key.dport_be = (port as u16).to_be();
             // BPF_NOEXIST makes the insert the port reservation: two CPUs
             // racing for one port cannot both win.
@@ -465,9 +414,7 @@ fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
             // timeout, but it runs only every few seconds (and not at all
             // while no agent runs), so take over a holder whose flow has
             // been silent for longer than its timeout in both directions.
-            if reservation_expired(s, now, p.proto, p.family)
-                && NP_CT.insert(&s.key, &s.val, 0).is_ok()
-            {
+            if reservation_expired(s, now, p.proto, p.family) && NP_CT.insert(&s.key, &s.val, 0).is_ok() {
                 chosen = s.key.dport_be;
                 break;
             }
@@ -558,11 +505,7 @@ fn apply(ctx: &TcContext, p: &Pkt, v: &CtValue) -> Result<i32, u32> {
 
 #[inline(always)]
 fn backend_alive(v: &CtValue) -> bool {
-    match unsafe {
-        NP_BACKENDS.get(&BackendKey {
-            backend_id: v.backend_id,
-        })
-    } {
+    match unsafe { NP_BACKENDS.get(&BackendKey { backend_id: v.backend_id }) } {
         Some(b) => b.ip_be == v.daddr_be && b.port_be == v.dport_be,
         None => false,
     }
@@ -607,11 +550,7 @@ fn no_backend(p: &Pkt, skey: &ServiceKey) -> Result<i32, u32> {
     let Some(cfg) = NP_CONFIG.get(0) else {
         return Err(np_counter::SNAT_FAILED);
     };
-    let local = if p.family == FAMILY_V4 {
-        [cfg.snat_v4_be, 0, 0, 0]
-    } else {
-        cfg.snat_v6_be
-    };
+    let local = if p.family == FAMILY_V4 { [cfg.snat_v4_be, 0, 0, 0] } else { cfg.snat_v6_be };
     if local == [0u32; 4] {
         // No node address known: drop (and count) rather than forward a
         // packet for a VIP that may loop.
@@ -623,24 +562,9 @@ fn no_backend(p: &Pkt, skey: &ServiceKey) -> Result<i32, u32> {
     };
     // SAFETY: this CPU's scratch slot.
     let s = unsafe { &mut *s };
-    s.fwd = CtValue {
-        saddr_be: p.saddr,
-        daddr_be: local,
-        sport_be: p.sport_be,
-        dport_be: 0,
-        flags: 0,
-        backend_id: 0,
-        seen_s: now,
-    };
-    s.rev = CtValue {
-        saddr_be: p.daddr,
-        daddr_be: p.saddr,
-        sport_be: p.dport_be,
-        dport_be: p.sport_be,
-        flags: 0,
-        backend_id: 0,
-        seen_s: now,
-    };
+    s.fwd = CtValue { saddr_be: p.saddr, daddr_be: local, sport_be: p.sport_be, dport_be: 0, flags: 0, backend_id: 0, seen_s: now };
+    s.rev =
+        CtValue { saddr_be: p.daddr, daddr_be: p.saddr, sport_be: p.dport_be, dport_be: p.sport_be, flags: 0, backend_id: 0, seen_s: now };
     s.key = CtKey {
         saddr_be: local,
         daddr_be: p.saddr,

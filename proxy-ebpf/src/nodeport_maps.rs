@@ -10,25 +10,21 @@ use aya_ebpf::{
     maps::{Array, HashMap, LruHashMap, PerCpuArray},
 };
 use proxy_common::{
-    AddrKey, BackendKey, BackendValue, CtKey, CtValue, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_NP_CT,
-    DEFAULT_MAX_NP_LOCAL, DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, NpConfig, NpFlagsValue,
-    ServiceKey, ServiceValue, SlotKey, SlotValue, np_counter,
+    AddrKey, BackendKey, BackendValue, CtKey, CtValue, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_NP_CT, DEFAULT_MAX_NP_LOCAL, DEFAULT_MAX_SERVICES,
+    DEFAULT_MAX_SLOTS, NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, np_counter,
 };
 
 #[map(name = "NP_SERVICES")]
-pub static NP_SERVICES: HashMap<ServiceKey, ServiceValue> =
-    HashMap::with_max_entries(DEFAULT_MAX_SERVICES, 0);
+pub static NP_SERVICES: HashMap<ServiceKey, ServiceValue> = HashMap::with_max_entries(DEFAULT_MAX_SERVICES, 0);
 
 #[map(name = "NP_SLOTS")]
 pub static NP_SLOTS: HashMap<SlotKey, SlotValue> = HashMap::with_max_entries(DEFAULT_MAX_SLOTS, 0);
 
 #[map(name = "NP_BACKENDS")]
-pub static NP_BACKENDS: HashMap<BackendKey, BackendValue> =
-    HashMap::with_max_entries(DEFAULT_MAX_BACKENDS, 0);
+pub static NP_BACKENDS: HashMap<BackendKey, BackendValue> = HashMap::with_max_entries(DEFAULT_MAX_BACKENDS, 0);
 
 #[map(name = "NP_FLAGS")]
-pub static NP_FLAGS: HashMap<ServiceKey, NpFlagsValue> =
-    HashMap::with_max_entries(DEFAULT_MAX_SERVICES, 0);
+pub static NP_FLAGS: HashMap<ServiceKey, NpFlagsValue> = HashMap::with_max_entries(DEFAULT_MAX_SERVICES, 0);
 
 #[map(name = "NP_LOCAL")]
 pub static NP_LOCAL: HashMap<AddrKey, u32> = HashMap::with_max_entries(DEFAULT_MAX_NP_LOCAL, 0);

@@ -77,11 +77,7 @@ impl Pkt {
 
     #[inline(always)]
     fn l4_flags(&self) -> u64 {
-        if self.proto == PROTO_UDP {
-            BPF_F_MARK_MANGLED_0 as u64
-        } else {
-            0
-        }
+        if self.proto == PROTO_UDP { BPF_F_MARK_MANGLED_0 as u64 } else { 0 }
     }
 }
 
@@ -136,11 +132,7 @@ pub fn parse(ctx: &TcContext) -> Parsed {
         if u16::from_be(frag) & 0x3fff != 0 {
             return Parsed::Other(np_counter::PASS_FRAGMENT);
         }
-        let (Ok(p), Ok(s), Ok(d)) = (
-            ctx.load::<u8>(l3 + 9),
-            ctx.load::<u32>(l3 + 12),
-            ctx.load::<u32>(l3 + 16),
-        ) else {
+        let (Ok(p), Ok(s), Ok(d)) = (ctx.load::<u8>(l3 + 9), ctx.load::<u32>(l3 + 12), ctx.load::<u32>(l3 + 16)) else {
             return Parsed::Other(np_counter::PASS_UNPARSED);
         };
         family = FAMILY_V4;
@@ -150,12 +142,9 @@ pub fn parse(ctx: &TcContext) -> Parsed {
         saddr = [s, 0, 0, 0];
         daddr = [d, 0, 0, 0];
     } else if eth_proto == ETH_P_IPV6 {
-        let (Ok(v), Ok(p), Ok(s), Ok(d)) = (
-            ctx.load::<u8>(l3),
-            ctx.load::<u8>(l3 + 6),
-            ctx.load::<[u32; 4]>(l3 + 8),
-            ctx.load::<[u32; 4]>(l3 + 24),
-        ) else {
+        let (Ok(v), Ok(p), Ok(s), Ok(d)) =
+            (ctx.load::<u8>(l3), ctx.load::<u8>(l3 + 6), ctx.load::<[u32; 4]>(l3 + 8), ctx.load::<[u32; 4]>(l3 + 24))
+        else {
             return Parsed::Other(np_counter::PASS_UNPARSED);
         };
         if v >> 4 != 6 {
@@ -173,16 +162,8 @@ pub fn parse(ctx: &TcContext) -> Parsed {
     } else {
         return Parsed::NotIp;
     }
-    if (family == FAMILY_V4 && proto == IPPROTO_ICMP)
-        || (family == FAMILY_V6 && proto == IPPROTO_ICMPV6)
-    {
-        return Parsed::Icmp(crate::icmp::IcmpPkt {
-            family,
-            l3,
-            l4,
-            saddr,
-            daddr,
-        });
+    if (family == FAMILY_V4 && proto == IPPROTO_ICMP) || (family == FAMILY_V6 && proto == IPPROTO_ICMPV6) {
+        return Parsed::Icmp(crate::icmp::IcmpPkt { family, l3, l4, saddr, daddr });
     }
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return Parsed::Other(np_counter::PASS_UNPARSED);
@@ -196,22 +177,8 @@ pub fn parse(ctx: &TcContext) -> Parsed {
     let (Ok(sport_be), Ok(dport_be)) = (ctx.load::<u16>(l4), ctx.load::<u16>(l4 + 2)) else {
         return Parsed::Other(np_counter::PASS_UNPARSED);
     };
-    let tcp_flags = if proto == PROTO_TCP {
-        ctx.load::<u8>(l4 + 13).unwrap_or(0)
-    } else {
-        0
-    };
-    Parsed::L4(Pkt {
-        family,
-        proto,
-        l3,
-        l4,
-        saddr,
-        daddr,
-        sport_be,
-        dport_be,
-        tcp_flags,
-    })
+    let tcp_flags = if proto == PROTO_TCP { ctx.load::<u8>(l4 + 13).unwrap_or(0) } else { 0 };
+    Parsed::L4(Pkt { family, proto, l3, l4, saddr, daddr, sport_be, dport_be, tcp_flags })
 }
 
 /// A `T` read from the linear packet data at `data + off`.
@@ -310,9 +277,7 @@ fn ipv6_l4_inner(ctx: &TcContext, mut next: u8, mut off: usize) -> Result<(u8, u
         i += 1;
     }
     match next {
-        IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS | IPPROTO_FRAGMENT => {
-            Err(np_counter::PASS_UNPARSED)
-        }
+        IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS | IPPROTO_FRAGMENT => Err(np_counter::PASS_UNPARSED),
         _ => Ok((next, off)),
     }
 }
@@ -425,13 +390,7 @@ fn rewrite_v4_block(ctx: &TcContext, p: &Pkt, to: &CtValue) -> Result<(), i64> {
     if to.dport_be != p.dport_be {
         ctx.l4_csum_replace(csum, u64::from(p.dport_be), u64::from(to.dport_be), 2 | fl)?;
     }
-    let block = V4Block {
-        check,
-        saddr_be: s_new,
-        daddr_be: d_new,
-        sport_be: to.sport_be,
-        dport_be: to.dport_be,
-    };
+    let block = V4Block { check, saddr_be: s_new, daddr_be: d_new, sport_be: to.sport_be, dport_be: to.dport_be };
     // iphdr.check is at byte 10.
     ctx.store(p.l3 + 10, &block, 0)?;
     Ok(())

@@ -41,11 +41,7 @@ pub fn ensure() -> Result<()> {
     if !python.exists() {
         create_venv(&venv)?;
     }
-    util::run(
-        util::cmd(&python)
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r"])
-            .arg(&req_path),
-    )?;
+    util::run(util::cmd(&python).args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r"]).arg(&req_path))?;
     fs::write(&stamp, &wanted).with_context(|| format!("writing {}", stamp.display()))?;
     Ok(())
 }

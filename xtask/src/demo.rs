@@ -18,16 +18,7 @@ pub fn run(args: &[String]) -> Result<()> {
     println!(
         "[1/6] building proxy-agent, its eBPF object and the demo driver (cargo build -p proxy-agent --bin proxy-agent --example demo)"
     );
-    util::run(util::cargo().args([
-        "build",
-        "--quiet",
-        "-p",
-        "proxy-agent",
-        "--bin",
-        "proxy-agent",
-        "--example",
-        "demo",
-    ]))?;
+    util::run(util::cargo().args(["build", "--quiet", "-p", "proxy-agent", "--bin", "proxy-agent", "--example", "demo"]))?;
     let debug = util::target_dir().join("debug");
     let agent = debug.join("proxy-agent");
     let driver = debug.join("examples/demo");

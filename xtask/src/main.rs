@@ -24,11 +24,7 @@ mod vmtest;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(
-    name = "cargo xtask",
-    bin_name = "cargo xtask",
-    about = "Developer commands for the topology-aware eBPF load balancer"
-)]
+#[command(name = "cargo xtask", bin_name = "cargo xtask", about = "Developer commands for the topology-aware eBPF load balancer")]
 struct Cli {
     #[command(subcommand)]
     command: Command,

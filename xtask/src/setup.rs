@@ -49,8 +49,7 @@ fn nightly() -> Result<()> {
 }
 
 fn nightly_sysroot() -> Option<PathBuf> {
-    util::output(util::cmd("rustup").args(["run", "nightly", "rustc", "--print", "sysroot"]))
-        .map(|s| PathBuf::from(s.trim()))
+    util::output(util::cmd("rustup").args(["run", "nightly", "rustc", "--print", "sysroot"])).map(|s| PathBuf::from(s.trim()))
 }
 
 fn rust_src() -> Result<()> {
@@ -68,8 +67,7 @@ fn rust_src() -> Result<()> {
 }
 
 pub(crate) fn installed(package: &str) -> bool {
-    util::output(util::cmd("dpkg-query").args(["-W", "-f=${db:Status-Status}", package]))
-        .is_some_and(|s| s.trim() == "installed")
+    util::output(util::cmd("dpkg-query").args(["-W", "-f=${db:Status-Status}", package])).is_some_and(|s| s.trim() == "installed")
 }
 
 fn debian_packages() -> Result<()> {

@@ -135,7 +135,10 @@ pub struct KernelRun {
 pub enum Outcome {
     /// qemu could not be installed or the kernels could not be fetched;
     /// `tests` is how many tests the guests would have run in all.
-    Skipped { reason: String, tests: u64 },
+    Skipped {
+        reason: String,
+        tests: u64,
+    },
     Ran(Vec<KernelRun>),
 }
 
@@ -240,12 +243,7 @@ pub fn run_with(opts: &Options) -> Result<Outcome> {
     } else {
         let mut v = Vec::new();
         for want in &opts.kernels {
-            v.push(
-                KERNELS
-                    .iter()
-                    .find(|k| k.label == want)
-                    .with_context(|| format!("unknown kernel {want:?}; known: 6.1, 6.12"))?,
-            );
+            v.push(KERNELS.iter().find(|k| k.label == want).with_context(|| format!("unknown kernel {want:?}; known: 6.1, 6.12"))?);
         }
         v
     };
@@ -271,8 +269,7 @@ pub fn run_with(opts: &Options) -> Result<Outcome> {
         // One thread per guest; each prefixes its console lines with its
         // kernel's label.
         let results: Vec<Result<KernelRun>> = std::thread::scope(|s| {
-            let handles: Vec<_> =
-                unpacked.iter().map(|(k, dir)| s.spawn(|| boot(k, dir, &bins, &cache, opts))).collect();
+            let handles: Vec<_> = unpacked.iter().map(|(k, dir)| s.spawn(|| boot(k, dir, &bins, &cache, opts))).collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a boot thread panicked")))).collect()
         });
         for r in results {
@@ -407,12 +404,8 @@ fn module_files(modules: &Path) -> BTreeMap<String, PathBuf> {
 /// A module's bytes, decompressed.
 fn read_module(path: &Path) -> Result<Vec<u8>> {
     if path.extension().is_some_and(|x| x == "xz") {
-        let out = util::cmd("xz")
-            .arg("-dc")
-            .arg(path)
-            .stderr(Stdio::inherit())
-            .output()
-            .with_context(|| format!("xz -dc {}", path.display()))?;
+        let out =
+            util::cmd("xz").arg("-dc").arg(path).stderr(Stdio::inherit()).output().with_context(|| format!("xz -dc {}", path.display()))?;
         if !out.status.success() {
             bail!("xz -dc {} failed", path.display());
         }
@@ -557,8 +550,7 @@ fn planned_tests(bins: &Binaries, only: &[String]) -> Result<u64> {
 
 /// The shared libraries and loader `program` needs, from `ldd`.
 fn shared_libraries(program: &Path) -> Result<Vec<PathBuf>> {
-    let out = util::output(util::cmd("ldd").arg(program))
-        .with_context(|| format!("ldd {} failed", program.display()))?;
+    let out = util::output(util::cmd("ldd").arg(program)).with_context(|| format!("ldd {} failed", program.display()))?;
     Ok(out
         .lines()
         .filter_map(|l| {
@@ -664,10 +656,8 @@ fn make_initramfs(k: &Kernel, kernel_dir: &Path, bins: &Binaries, work: &Path, o
         names.push(name);
     }
     let only: Vec<&str> = only.iter().map(String::as_str).collect();
-    let tests: Vec<(PathBuf, &[&str])> = TESTS
-        .iter()
-        .map(|(name, filters)| (bins.tests[*name].clone(), if only.is_empty() { *filters } else { &only[..] }))
-        .collect();
+    let tests: Vec<(PathBuf, &[&str])> =
+        TESTS.iter().map(|(name, filters)| (bins.tests[*name].clone(), if only.is_empty() { *filters } else { &only[..] })).collect();
     let init = root.join("init");
     fs::write(&init, init_script(&names, &bins.dir, &tests, k.tc_mode))?;
     {

@@ -78,7 +78,15 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Options { services: 10_000, probes: 200, rate: 1000, rules: vec!["iptables".into(), "nft".into()], agent_flags: vec!["--devices".into(), "none".into()], agent: None, rule_repeats: None }
+        Options {
+            services: 10_000,
+            probes: 200,
+            rate: 1000,
+            rules: vec!["iptables".into(), "nft".into()],
+            agent_flags: vec!["--devices".into(), "none".into()],
+            agent: None,
+            rule_repeats: None,
+        }
     }
 }
 
@@ -217,7 +225,9 @@ struct MapReader {
 
 impl MapReader {
     fn open(pins: &Path) -> Result<MapReader> {
-        let open = |name: &str| -> Result<Map> { Ok(Map::HashMap(MapData::from_pin(pins.join(name)).with_context(|| format!("opening pinned {name}"))?)) };
+        let open = |name: &str| -> Result<Map> {
+            Ok(Map::HashMap(MapData::from_pin(pins.join(name)).with_context(|| format!("opening pinned {name}"))?))
+        };
         Ok(MapReader {
             services: BpfHashMap::try_from(open(proxy_common::SERVICES_MAP)?)?,
             slots: BpfHashMap::try_from(open(proxy_common::SLOTS_MAP)?)?,
@@ -286,7 +296,11 @@ pub fn run(o: &Options, repeats: usize, scratch: &Path) -> Result<Results> {
     let objects = population(o.services);
     let rules = RuleTexts::new(o, scratch)?;
     for rep in 0..repeats {
-        super::step(&format!("control plane: repeat {}/{repeats}: agent cold sync of {} Services x {ENDPOINTS} through the API server", rep + 1, o.services));
+        super::step(&format!(
+            "control plane: repeat {}/{repeats}: agent cold sync of {} Services x {ENDPOINTS} through the API server",
+            rep + 1,
+            o.services
+        ));
         one_agent_run(o, &agent, &objects, scratch, &mut r)?;
         // Interleaved with the agent runs: the rule loaders, each into a
         // namespace of its own.
@@ -340,7 +354,8 @@ fn one_agent_run(o: &Options, agent: &Path, objects: &[Value], scratch: &Path, r
 
     // Where the time went, from the agent's own timestamps.
     let start = unix(started_wall);
-    let at = |needle: &str| text.lines().filter(|l| l.contains(needle)).filter_map(log_time).next_back().map(|t| t - start).unwrap_or(f64::NAN);
+    let at =
+        |needle: &str| text.lines().filter(|l| l.contains(needle)).filter_map(log_time).next_back().map(|t| t - start).unwrap_or(f64::NAN);
     let installed = at("datapath installed");
     let listed = at(" listed");
     let sync_ms: f64 = text
@@ -360,7 +375,11 @@ fn one_agent_run(o: &Options, agent: &Path, objects: &[Value], scratch: &Path, r
     let fes = metric(&m, "topoproxy_frontends_programmed").unwrap_or(0.0);
     let eps = metric(&m, "topoproxy_endpoints_programmed").unwrap_or(0.0);
     if fes != o.services as f64 || eps != (o.services * ENDPOINTS) as f64 {
-        bail!("after the first sync the agent reports {fes} frontends / {eps} endpoints, expected {} / {}", o.services, o.services * ENDPOINTS);
+        bail!(
+            "after the first sync the agent reports {fes} frontends / {eps} endpoints, expected {} / {}",
+            o.services,
+            o.services * ENDPOINTS
+        );
     }
     r.map_memlock = memlock_all(pins.path());
 
@@ -371,7 +390,8 @@ fn one_agent_run(o: &Options, agent: &Path, objects: &[Value], scratch: &Path, r
     let sent = AtomicU64::new(0);
     let mut lat_ms: Vec<f64> = Vec::with_capacity(o.probes);
     let mut lost = 0usize;
-    let syncs_before = (metric(&m, "topoproxy_syncs_total").unwrap_or(0.0), metric(&m, "topoproxy_sync_duration_seconds_sum").unwrap_or(0.0));
+    let syncs_before =
+        (metric(&m, "topoproxy_syncs_total").unwrap_or(0.0), metric(&m, "topoproxy_sync_duration_seconds_sum").unwrap_or(0.0));
     let t_stream = Instant::now();
     let achieved_rate = std::thread::scope(|s| -> Result<f64> {
         let streamer = s.spawn(|| {
@@ -467,13 +487,33 @@ impl RuleTexts {
             s.push_str("-A OUTPUT -m comment --comment \"kubernetes service portals\" -j KUBE-SERVICES\n");
             s.push_str("-A KUBE-MARK-MASQ -j MARK --set-xmark 0x4000/0x4000\n");
             for i in 0..n {
-                let _ = writeln!(s, "-A KUBE-SERVICES -d {}/32 -p tcp -m comment --comment \"{NAMESPACE}/s{i}:http cluster IP\" -m tcp --dport 80 -j KUBE-SVC-{i:016X}", svc_ip(i));
+                let _ = writeln!(
+                    s,
+                    "-A KUBE-SERVICES -d {}/32 -p tcp -m comment --comment \"{NAMESPACE}/s{i}:http cluster IP\" -m tcp --dport 80 -j KUBE-SVC-{i:016X}",
+                    svc_ip(i)
+                );
                 for j in 0..ENDPOINTS {
                     let left = ENDPOINTS - j;
-                    let prob = if left > 1 { format!(" -m statistic --mode random --probability {:.11}", 1.0 / left as f64) } else { String::new() };
-                    let _ = writeln!(s, "-A KUBE-SVC-{i:016X} -m comment --comment \"{NAMESPACE}/s{i}:http -> {}:{EP_PORT}\"{prob} -j KUBE-SEP-{i:012X}{j:04X}", ep_ip(i, j));
-                    let _ = writeln!(s, "-A KUBE-SEP-{i:012X}{j:04X} -s {}/32 -m comment --comment \"{NAMESPACE}/s{i}:http\" -j KUBE-MARK-MASQ", ep_ip(i, j));
-                    let _ = writeln!(s, "-A KUBE-SEP-{i:012X}{j:04X} -p tcp -m comment --comment \"{NAMESPACE}/s{i}:http\" -m tcp -j DNAT --to-destination {}:{EP_PORT}", ep_ip(i, j));
+                    let prob = if left > 1 {
+                        format!(" -m statistic --mode random --probability {:.11}", 1.0 / left as f64)
+                    } else {
+                        String::new()
+                    };
+                    let _ = writeln!(
+                        s,
+                        "-A KUBE-SVC-{i:016X} -m comment --comment \"{NAMESPACE}/s{i}:http -> {}:{EP_PORT}\"{prob} -j KUBE-SEP-{i:012X}{j:04X}",
+                        ep_ip(i, j)
+                    );
+                    let _ = writeln!(
+                        s,
+                        "-A KUBE-SEP-{i:012X}{j:04X} -s {}/32 -m comment --comment \"{NAMESPACE}/s{i}:http\" -j KUBE-MARK-MASQ",
+                        ep_ip(i, j)
+                    );
+                    let _ = writeln!(
+                        s,
+                        "-A KUBE-SEP-{i:012X}{j:04X} -p tcp -m comment --comment \"{NAMESPACE}/s{i}:http\" -m tcp -j DNAT --to-destination {}:{EP_PORT}",
+                        ep_ip(i, j)
+                    );
                 }
             }
             s.push_str("COMMIT\n");
@@ -485,7 +525,12 @@ impl RuleTexts {
             s.push_str("  chain mark-for-masquerade {\n    mark set mark or 0x4000\n  }\n");
             for i in 0..n {
                 for j in 0..ENDPOINTS {
-                    let _ = writeln!(s, "  chain endpoint-{i}-{j} {{\n    ip saddr {} jump mark-for-masquerade\n    meta l4proto tcp dnat to {}:{EP_PORT}\n  }}", ep_ip(i, j), ep_ip(i, j));
+                    let _ = writeln!(
+                        s,
+                        "  chain endpoint-{i}-{j} {{\n    ip saddr {} jump mark-for-masquerade\n    meta l4proto tcp dnat to {}:{EP_PORT}\n  }}",
+                        ep_ip(i, j),
+                        ep_ip(i, j)
+                    );
                 }
                 let vmap: Vec<String> = (0..ENDPOINTS).map(|j| format!("{j} : goto endpoint-{i}-{j}")).collect();
                 let _ = writeln!(s, "  chain service-{i} {{\n    numgen random mod {ENDPOINTS} vmap {{ {} }}\n  }}", vmap.join(", "));
@@ -544,7 +589,10 @@ impl Results {
         let rss = spread(&self.rss_peak.iter().map(|b| *b as f64).collect::<Vec<_>>()).median;
         vec![
             Target {
-                name: format!("cold sync through the API server, {} Services x {ENDPOINTS} endpoints (agent start to every map written)", o.services),
+                name: format!(
+                    "cold sync through the API server, {} Services x {ENDPOINTS} endpoints (agent start to every map written)",
+                    o.services
+                ),
                 goal: "<= 1 s".into(),
                 measured: format!("{cold:.2} s"),
                 met: cold.is_finite().then_some(cold <= 1.0),
@@ -569,36 +617,70 @@ impl Results {
         let mut md = String::new();
         let n = self.cold_sync_s.len();
         let _ = writeln!(md, "## Control plane through the API server\n");
-        let _ = writeln!(md, "{} in Kubernetes mode (`proxy-agent run --kubeconfig ...`{}) against the stand-in API server (`tests/support/apiserver.rs`: real list/watch over HTTP, kube-rs's unmodified watchers, list pages of 500; it keeps each object's JSON rendered, because a real API server would not share the agent's cores). {} Services x {ENDPOINTS} endpoints, every endpoint a distinct address, one TCP port each. {n} repeats; medians with the spread (min–max).\n",
-            self.agent_label(), if self.agent_flags.is_empty() { String::new() } else { format!(" `{}`", self.agent_flags.join(" ")) }, o.services);
+        let _ = writeln!(
+            md,
+            "{} in Kubernetes mode (`proxy-agent run --kubeconfig ...`{}) against the stand-in API server (`tests/support/apiserver.rs`: real list/watch over HTTP, kube-rs's unmodified watchers, list pages of 500; it keeps each object's JSON rendered, because a real API server would not share the agent's cores). {} Services x {ENDPOINTS} endpoints, every endpoint a distinct address, one TCP port each. {n} repeats; medians with the spread (min–max).\n",
+            self.agent_label(),
+            if self.agent_flags.is_empty() { String::new() } else { format!(" `{}`", self.agent_flags.join(" ")) },
+            o.services
+        );
         let _ = writeln!(md, "| what | median (min–max) |\n|---|---|");
-        let _ = writeln!(md, "| cold sync: agent spawned until its first sync has written every map | {} |", s_spread(&self.cold_sync_s, "s", 1.0, 3));
+        let _ = writeln!(
+            md,
+            "| cold sync: agent spawned until its first sync has written every map | {} |",
+            s_spread(&self.cold_sync_s, "s", 1.0, 3)
+        );
         let ph = |f: fn(&(f64, f64, f64)) -> f64| self.phases.iter().map(f).collect::<Vec<_>>();
-        let _ = writeln!(md, "| &nbsp;&nbsp;of which: datapath installed (BPF load, attach), since spawn | {} |", s_spread(&ph(|p| p.0), "s", 1.0, 3));
+        let _ = writeln!(
+            md,
+            "| &nbsp;&nbsp;of which: datapath installed (BPF load, attach), since spawn | {} |",
+            s_spread(&ph(|p| p.0), "s", 1.0, 3)
+        );
         let _ = writeln!(md, "| &nbsp;&nbsp;every kind listed, since spawn | {} |", s_spread(&ph(|p| p.1), "s", 1.0, 3));
-        let _ = writeln!(md, "| &nbsp;&nbsp;the first sync itself (decide, diff, write {} frontends / {} slots) | {} |", o.services, o.services * ENDPOINTS, s_spread(&ph(|p| p.2), "s", 1.0, 3));
+        let _ = writeln!(
+            md,
+            "| &nbsp;&nbsp;the first sync itself (decide, diff, write {} frontends / {} slots) | {} |",
+            o.services,
+            o.services * ENDPOINTS,
+            s_spread(&ph(|p| p.2), "s", 1.0, 3)
+        );
         for (tool, label) in TOOL_NAMES {
             if let Some(v) = self.rules_s.get(tool) {
-                let _ = writeln!(md, "| {label} of the kube-proxy-shaped ruleset for the same Services and endpoints | {} |", s_spread(v, "s", 1.0, 3));
+                let _ = writeln!(
+                    md,
+                    "| {label} of the kube-proxy-shaped ruleset for the same Services and endpoints | {} |",
+                    s_spread(v, "s", 1.0, 3)
+                );
             }
         }
         let rss_sync: Vec<f64> = self.rss_after_sync.iter().map(|b| *b as f64).collect();
         let rss_peak: Vec<f64> = self.rss_peak.iter().map(|b| *b as f64).collect();
         let _ = writeln!(md, "| agent peak RSS (VmHWM) after the cold sync | {} |", s_spread(&rss_sync, "MiB", 1.0 / 1048576.0, 1));
-        let _ = writeln!(md, "| agent peak RSS (VmHWM) after the change-latency stream | {} |", s_spread(&rss_peak, "MiB", 1.0 / 1048576.0, 1));
+        let _ =
+            writeln!(md, "| agent peak RSS (VmHWM) after the change-latency stream | {} |", s_spread(&rss_peak, "MiB", 1.0 / 1048576.0, 1));
         let main: u64 = ["SERVICES", "SLOTS", "BACKENDS"].iter().filter_map(|m| self.map_memlock.get(*m)).sum();
         let all: u64 = self.map_memlock.values().sum();
         let _ = writeln!(md, "| kernel memory (memlock) of SERVICES + SLOTS + BACKENDS at the default capacities | {} |", mib(main as f64));
         let _ = writeln!(md, "| kernel memory (memlock) of every pinned map of the agent | {} |", mib(all as f64));
         let _ = writeln!(md, "| change latency p50 | {} |", s_spread(&self.p50_ms, "ms", 1.0, 2));
         let _ = writeln!(md, "| change latency p99 | {} |", s_spread(&self.p99_ms, "ms", 1.0, 2));
-        let _ = writeln!(md, "| change latency p50 / p99 / max over all {} probes | {:.2} / {:.2} / {:.2} ms |", self.all_ms.len(), self.pooled(0.5), self.pooled(0.99), self.pooled(1.0));
+        let _ = writeln!(
+            md,
+            "| change latency p50 / p99 / max over all {} probes | {:.2} / {:.2} / {:.2} ms |",
+            self.all_ms.len(),
+            self.pooled(0.5),
+            self.pooled(0.99),
+            self.pooled(1.0)
+        );
         let _ = writeln!(md, "| background EndpointSlice changes achieved during probing | {} |", s_spread(&self.rate, "/s", 1.0, 0));
         let _ = writeln!(md, "| agent syncs per second during the stream (its /metrics) | {} |", s_spread(&self.syncs_per_s, "/s", 1.0, 0));
         let _ = writeln!(md, "| mean duration of those syncs (its /metrics) | {} |", s_spread(&self.sync_mean_s, "ms", 1e3, 2));
         let _ = writeln!(md, "| probes not visible within 5 s | {} |\n", self.lost);
-        let _ = writeln!(md, "Change latency: {} probes per repeat, 20–60 ms apart, each replacing one endpoint address of Service `s0`; the time runs from just before the change is handed to the API server until the bench, reading the pinned maps itself (100 µs poll), sees `s0`'s entry switched to a generation whose slots hold the new address. Meanwhile a thread changes the other Services' slices at {}/s (each flips one endpoint's readiness, so each is a real map write). The rulesets are kube-proxy's shape (KUBE-SERVICES -> KUBE-SVC-* -> KUBE-SEP-*; nftables service-ips verdict map -> service chain -> endpoint chains), each loaded into a fresh namespace; kube-proxy would also write the filter table and, for nftables, more chains, so theirs are lower bounds. Map memory: the hash maps are preallocated at their capacity (`--max-services`, `--max-slots`, `--max-backends`), so it depends on those flags, not on the Services present.\n",
-            o.probes, o.rate);
+        let _ = writeln!(
+            md,
+            "Change latency: {} probes per repeat, 20–60 ms apart, each replacing one endpoint address of Service `s0`; the time runs from just before the change is handed to the API server until the bench, reading the pinned maps itself (100 µs poll), sees `s0`'s entry switched to a generation whose slots hold the new address. Meanwhile a thread changes the other Services' slices at {}/s (each flips one endpoint's readiness, so each is a real map write). The rulesets are kube-proxy's shape (KUBE-SERVICES -> KUBE-SVC-* -> KUBE-SEP-*; nftables service-ips verdict map -> service chain -> endpoint chains), each loaded into a fresh namespace; kube-proxy would also write the filter table and, for nftables, more chains, so theirs are lower bounds. Map memory: the hash maps are preallocated at their capacity (`--max-services`, `--max-slots`, `--max-backends`), so it depends on those flags, not on the Services present.\n",
+            o.probes, o.rate
+        );
         md
     }
 

@@ -28,11 +28,11 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use proxy_agent::decide::decision::ExternalState;
-use proxy_agent::model::{Backend, Frontend, Protocol};
-use proxy_agent::external::nodeport::NodePortWriter;
-use proxy_agent::sandbox::{Netns, PinDir, in_netns};
 use proxy_agent::datapath::tc_loader::{self, TcMode};
+use proxy_agent::decide::decision::ExternalState;
+use proxy_agent::external::nodeport::NodePortWriter;
+use proxy_agent::model::{Backend, Frontend, Protocol};
+use proxy_agent::sandbox::{Netns, PinDir, in_netns};
 use serde_json::json;
 
 use crate::report::{Section, percentile, spread, svg_bars};
@@ -170,9 +170,15 @@ fn iptables_nodeports(services: usize) -> String {
         let np = NODE_PORT_BASE + i as u16;
         for (p, _) in protos {
             let (svc, ext) = (format!("KUBE-SVC-{i:012X}{}", p.to_uppercase()), format!("KUBE-EXT-{i:012X}{}", p.to_uppercase()));
-            let _ = writeln!(s, "-A KUBE-SERVICES -d {ip}/32 -p {p} -m comment --comment \"bench/svc{i}:{p} cluster IP\" -m {p} --dport 80 -j {svc}");
+            let _ = writeln!(
+                s,
+                "-A KUBE-SERVICES -d {ip}/32 -p {p} -m comment --comment \"bench/svc{i}:{p} cluster IP\" -m {p} --dport 80 -j {svc}"
+            );
             let _ = writeln!(s, "-A KUBE-NODEPORTS -p {p} -m comment --comment \"bench/svc{i}:{p}\" -m {p} --dport {np} -j {ext}");
-            let _ = writeln!(s, "-A {ext} -m comment --comment \"masquerade traffic for bench/svc{i}:{p} external destinations\" -j KUBE-MARK-MASQ");
+            let _ = writeln!(
+                s,
+                "-A {ext} -m comment --comment \"masquerade traffic for bench/svc{i}:{p} external destinations\" -j KUBE-MARK-MASQ"
+            );
             let _ = writeln!(s, "-A {ext} -j {svc}");
             let _ = writeln!(s, "-A {svc} -m comment --comment \"bench/svc{i}:{p} -> pod\" -j KUBE-SEP-BENCH-{}", p.to_uppercase());
         }
@@ -267,11 +273,7 @@ pub fn run(opts: &Options, repeats: usize, rounds: usize, scratch: &Path) -> Res
     let result = (|| -> Result<Section> {
         let worlds: Vec<World> = VARIANTS.iter().map(|v| world(v, opts, scratch, &stop)).collect::<Result<_>>()?;
         let target = |v: &str, port_direct: u16| -> SocketAddr {
-            if v == "direct" {
-                SocketAddr::new(IpAddr::V4(POD), port_direct)
-            } else {
-                SocketAddr::new(IpAddr::V4(NODE), node_port(opts))
-            }
+            if v == "direct" { SocketAddr::new(IpAddr::V4(POD), port_direct) } else { SocketAddr::new(IpAddr::V4(NODE), node_port(opts)) }
         };
         let mut cells: Vec<Cell> = VARIANTS.iter().map(|_| Cell::default()).collect();
         for rep in 0..repeats {
@@ -318,11 +320,25 @@ fn section(opts: &Options, repeats: usize, rounds: usize, cells: &[Cell]) -> Sec
     let mut rows = Vec::new();
     for (i, v) in VARIANTS.iter().enumerate() {
         let c = &cells[i];
-        let (r, p, f, d, s) = (spread(&c.tcp_rate), spread(&c.tcp_p50), spread(&c.udp_forwarded), spread(&c.udp_delivered), spread(&c.udp_sent));
+        let (r, p, f, d, s) =
+            (spread(&c.tcp_rate), spread(&c.tcp_p50), spread(&c.udp_forwarded), spread(&c.udp_delivered), spread(&c.udp_sent));
         let _ = writeln!(
             md,
             "| {v} | {:.0} ({:.0}–{:.0}) | {} | {:.0} ({:.0}–{:.0}) | {:.0} ({:.0}–{:.0}) | {:.0} ({:.0}–{:.0}) | {} |",
-            r.median, r.min, r.max, p.us(), f.median, f.min, f.max, d.median, d.min, d.max, s.median, s.min, s.max, c.failed
+            r.median,
+            r.min,
+            r.max,
+            p.us(),
+            f.median,
+            f.min,
+            f.max,
+            d.median,
+            d.min,
+            d.max,
+            s.median,
+            s.min,
+            s.max,
+            c.failed
         );
         rows.push(json!({"variant": v, "tcp_connects_per_s": r.json(), "tcp_p50_ns": p.json(), "udp_forwarded_per_s": f.json(), "udp_delivered_per_s": d.json(), "udp_sent_per_s": s.json(), "failed": c.failed}));
     }

@@ -17,8 +17,8 @@ mod rules;
 mod workload;
 
 use std::collections::BTreeMap;
-use std::fs;
 use std::fmt::Write as _;
+use std::fs;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -27,10 +27,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use proxy_agent::datapath::socket_loader::{self, Capacities};
 use proxy_agent::datapath::map_writer::MapWriter;
-use proxy_agent::model::{Backend, Frontend, Protocol};
+use proxy_agent::datapath::socket_loader::{self, Capacities};
 use proxy_agent::decide::plan;
+use proxy_agent::model::{Backend, Frontend, Protocol};
 use proxy_agent::sandbox::{Cgroup, Netns, PinDir};
 use report::{Spread, Target, percentile, spread};
 use serde_json::json;
@@ -62,7 +62,18 @@ struct Args {
 }
 
 fn parse_args() -> Result<Args> {
-    let mut a = Args { sizes: vec![1_000, 10_000, 100_000], repeats: 6, rounds: 2_000, rules_max: 10_000, out: PathBuf::from("results/bench"), only: None, cp: control_plane::Options::default(), np_calls: 20_000, np_frontends: 1_000, fwd: forwarding::Options::default() };
+    let mut a = Args {
+        sizes: vec![1_000, 10_000, 100_000],
+        repeats: 6,
+        rounds: 2_000,
+        rules_max: 10_000,
+        out: PathBuf::from("results/bench"),
+        only: None,
+        cp: control_plane::Options::default(),
+        np_calls: 20_000,
+        np_frontends: 1_000,
+        fwd: forwarding::Options::default(),
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut val = || it.next().with_context(|| format!("{flag} needs a value"));
@@ -83,7 +94,10 @@ fn parse_args() -> Result<Args> {
                     bail!("unknown flag {cp}; control-plane flags: {}", control_plane::FLAGS_HELP);
                 }
             }
-            other => bail!("unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 6 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|nodeport|cold-start --np-calls 20000 --np-frontends 1000 --fwd-services 1000 --fwd-udp-ms 1000 {}", control_plane::FLAGS_HELP),
+            other => bail!(
+                "unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 6 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|nodeport|cold-start --np-calls 20000 --np-frontends 1000 --fwd-services 1000 --fwd-udp-ms 1000 {}",
+                control_plane::FLAGS_HELP
+            ),
         }
     }
     if a.repeats < 1 || a.rounds < 10 || a.sizes.is_empty() {
@@ -309,7 +323,8 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
     let ns_ipt = pod_namespace("tpb")?;
     let ns_nft = pod_namespace("tpb")?;
     let stop = Arc::new(AtomicBool::new(false));
-    let listeners: Vec<SocketAddr> = (0..rules::ENDPOINTS).map(|j| SocketAddr::new(IpAddr::V4(rules::endpoint_ip(j)), rules::ENDPOINT_PORT)).collect();
+    let listeners: Vec<SocketAddr> =
+        (0..rules::ENDPOINTS).map(|j| SocketAddr::new(IpAddr::V4(rules::endpoint_ip(j)), rules::ENDPOINT_PORT)).collect();
     let mut servers = Vec::new();
     for ns in [&ns_bpf, &ns_ipt, &ns_nft] {
         servers.extend(workload::start_echo(&ns.path(), &listeners, stop.clone())?);
@@ -357,11 +372,17 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
             // Both protocols in one table, as kube-proxy writes them.
             let udp = rules::iptables_restore(IPT_BASE, size, "udp");
             text = merge_iptables(&text, &udp);
-            load_times.insert((size, "iptables-restore"), load_file(&ns_ipt, &["iptables-legacy-restore"], &text, scratch, "ipt.rules")?.as_secs_f64());
+            load_times.insert(
+                (size, "iptables-restore"),
+                load_file(&ns_ipt, &["iptables-legacy-restore"], &text, scratch, "ipt.rules")?.as_secs_f64(),
+            );
             let _ = run(Command::new("ip").args(["netns", "exec", ns_nft.name(), "nft", "delete", "table", "ip", "kube-proxy"]));
             let nft = rules::nft_ruleset(NFT_BASE, size, "tcp");
             let nft_udp = nft_udp_variant(size);
-            load_times.insert((size, "nft -f"), load_file(&ns_nft, &["nft", "-f"], &format!("{nft}{nft_udp}"), scratch, "rules.nft")?.as_secs_f64());
+            load_times.insert(
+                (size, "nft -f"),
+                load_file(&ns_nft, &["nft", "-f"], &format!("{nft}{nft_udp}"), scratch, "rules.nft")?.as_secs_f64(),
+            );
         }
         let last = size - 1;
         let targets: Vec<(&str, &Netns, Vec<SocketAddr>)> = {
@@ -404,7 +425,13 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
             }
         }
         step(&format!("{size}: connect4 run time against an empty program (BPF run-time statistics)"));
-        connect_runtime.measure(size, &ns_bpf.path(), SocketAddr::new(IpAddr::V4(rules::service_ip(BPF_BASE, last)), 80), args.repeats, args.rounds)?;
+        connect_runtime.measure(
+            size,
+            &ns_bpf.path(),
+            SocketAddr::new(IpAddr::V4(rules::service_ip(BPF_BASE, last)), 80),
+            args.repeats,
+            args.rounds,
+        )?;
     }
     // Listener threads block in accept(); they end with the process.
     stop.store(true, Ordering::Relaxed);
@@ -418,16 +445,16 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
     drop(connect_runtime);
     // `--only socket-lb`: the socket load balancer's sections and nothing else.
     let socket_only = args.only.as_deref() == Some("socket-lb");
-    let cold = if socket_only {
-        None
-    } else {
-        Some(agent_start_repeats(args.repeats, scratch, args.cp.agent.as_deref(), false)?)
-    };
+    let cold = if socket_only { None } else { Some(agent_start_repeats(args.repeats, scratch, args.cp.agent.as_deref(), false)?) };
     if !socket_only {
         sections.push(programs::nodeport_test_run(args.repeats, args.np_calls, args.np_frontends)?);
         sections.push(forwarding::run(&args.fwd, args.repeats, args.rounds, scratch)?);
     }
-    let cp = if matches!(args.only.as_deref(), Some("datapath" | "socket-lb")) { control_plane::Results::default() } else { control_plane::run(&args.cp, args.repeats, scratch)? };
+    let cp = if matches!(args.only.as_deref(), Some("datapath" | "socket-lb")) {
+        control_plane::Results::default()
+    } else {
+        control_plane::run(&args.cp, args.repeats, scratch)?
+    };
     write_report(args, &results, &sync_in_process, &load_times, &program_added, map_mem, max, cold, &cp, sections)
 }
 
@@ -468,7 +495,9 @@ fn merge_iptables(tcp: &str, udp: &str) -> String {
 /// protocols in one map; the key includes the protocol, so the lookup cost
 /// is the same).
 fn nft_udp_variant(size: usize) -> String {
-    rules::nft_ruleset(NFT_BASE, size, "udp").replace("table ip kube-proxy", "table ip kube-proxy-udp").replace("priority -100", "priority -99")
+    rules::nft_ruleset(NFT_BASE, size, "udp")
+        .replace("table ip kube-proxy", "table ip kube-proxy-udp")
+        .replace("priority -100", "priority -99")
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -491,9 +520,13 @@ fn write_report(
         }
     };
     let mut md = String::new();
-    let _ = writeln!(md, "# topoproxy benchmark\n\n{} {} repeats of {} rounds per cell, variants interleaved. Figures are the median over repeats with the spread (min–max) in brackets. `direct` dials the Service's 10 backends itself, one after the other, so it meets the same listeners (and the same mix of warm and cold listener threads) as the translated variants, which spread their connections over those backends.\n",
+    let _ = writeln!(
+        md,
+        "# topoproxy benchmark\n\n{} {} repeats of {} rounds per cell, variants interleaved. Figures are the median over repeats with the spread (min–max) in brackets. `direct` dials the Service's 10 backends itself, one after the other, so it meets the same listeners (and the same mix of warm and cold listener threads) as the translated variants, which spread their connections over those backends.\n",
         report::machine(),
-        args.repeats, args.rounds);
+        args.repeats,
+        args.rounds
+    );
     let variants = ["direct", "topoproxy", "iptables", "nftables"];
     let mut json_cells = Vec::new();
     for proto in ["tcp", "udp"] {
@@ -515,9 +548,19 @@ fn write_report(
     let small = *sizes.iter().min().unwrap_or(&0);
     let ratio = |a: f64, b: f64| a / b;
     let overhead_big = ratio(p50(big, "topoproxy"), p50(big, "direct"));
-    targets.push(Target { name: format!("socket LB adds at most 3 % to connect latency at {big} Services"), goal: "<= 1.03".into(), measured: format!("{overhead_big:.3}"), met: Some(overhead_big <= 1.03) });
+    targets.push(Target {
+        name: format!("socket LB adds at most 3 % to connect latency at {big} Services"),
+        goal: "<= 1.03".into(),
+        measured: format!("{overhead_big:.3}"),
+        met: Some(overhead_big <= 1.03),
+    });
     let growth = ratio(p50(big, "topoproxy"), p50(small, "topoproxy"));
-    targets.push(Target { name: format!("latency at {big} Services vs {small}"), goal: "<= 1.02".into(), measured: format!("{growth:.3}"), met: Some(growth <= 1.02) });
+    targets.push(Target {
+        name: format!("latency at {big} Services vs {small}"),
+        goal: "<= 1.02".into(),
+        measured: format!("{growth:.3}"),
+        met: Some(growth <= 1.02),
+    });
     let s10 = if sizes.contains(&10_000) { 10_000 } else { small };
     let added = |v: &str| p50(s10, v) - p50(s10, "direct");
     // Our added latency is often inside the noise of the p50 difference
@@ -526,15 +569,40 @@ fn write_report(
     // so that is its floor.
     let floor = program_added.get(&s10).copied().unwrap_or(0.0).max(1.0);
     let ours = added("topoproxy").max(floor);
-    let ours_note = format!("; ours added {:.2} µs (p50 difference {:.2} µs, connect4 run time {:.2} µs)", ours / 1e3, added("topoproxy") / 1e3, floor / 1e3);
+    let ours_note = format!(
+        "; ours added {:.2} µs (p50 difference {:.2} µs, connect4 run time {:.2} µs)",
+        ours / 1e3,
+        added("topoproxy") / 1e3,
+        floor / 1e3
+    );
     let ipt = ratio(added("iptables"), ours);
-    targets.push(Target { name: format!("added latency vs iptables at {s10} Services (iptables added / ours added)"), goal: ">= 20".into(), measured: format!("{ipt:.1}{ours_note}"), met: ipt.is_finite().then_some(ipt >= 20.0) });
+    targets.push(Target {
+        name: format!("added latency vs iptables at {s10} Services (iptables added / ours added)"),
+        goal: ">= 20".into(),
+        measured: format!("{ipt:.1}{ours_note}"),
+        met: ipt.is_finite().then_some(ipt >= 20.0),
+    });
     let nft = ratio(ours, added("nftables"));
-    targets.push(Target { name: format!("added latency vs nftables at {s10} Services (ours added / nft added)"), goal: "<= 0.5".into(), measured: format!("{nft:.2}"), met: nft.is_finite().then_some(nft <= 0.5) });
+    targets.push(Target {
+        name: format!("added latency vs nftables at {s10} Services (ours added / nft added)"),
+        goal: "<= 0.5".into(),
+        measured: format!("{nft:.2}"),
+        met: nft.is_finite().then_some(nft <= 0.5),
+    });
     let cold_s = cold.as_ref().map(|(c, _, _)| c.median);
     let rss = cold.as_ref().map(|(_, r, _)| r.median as u64);
-    targets.push(Target { name: format!("cold sync of the agent binary, {} Services x 10 endpoints from manifests", 10_000), goal: "<= 1 s".into(), measured: cold_s.map_or("–".into(), |c| format!("{c:.2} s")), met: cold_s.map(|c| c <= 1.0) });
-    targets.push(Target { name: "agent peak RSS at 10k x 10".into(), goal: "<= 100 MiB".into(), measured: rss.map_or("–".into(), |r| format!("{:.1} MiB", r as f64 / 1048576.0)), met: rss.map(|r| r <= 100 * 1048576) });
+    targets.push(Target {
+        name: format!("cold sync of the agent binary, {} Services x 10 endpoints from manifests", 10_000),
+        goal: "<= 1 s".into(),
+        measured: cold_s.map_or("–".into(), |c| format!("{c:.2} s")),
+        met: cold_s.map(|c| c <= 1.0),
+    });
+    targets.push(Target {
+        name: "agent peak RSS at 10k x 10".into(),
+        goal: "<= 100 MiB".into(),
+        measured: rss.map_or("–".into(), |r| format!("{:.1} MiB", r as f64 / 1048576.0)),
+        met: rss.map(|r| r <= 100 * 1048576),
+    });
     targets.extend(cp.targets());
     for s in &mut sections {
         targets.append(&mut s.targets);
@@ -548,9 +616,26 @@ fn write_report(
         let _ = writeln!(md, "| {tool}, {size} Services x 10 endpoints (TCP+UDP) | {:.3} s |", secs);
     }
     if let Some((c, r, w)) = &cold {
-        let _ = writeln!(md, "| agent binary cold start to first sync, 10k x 10 from manifests (median of {}) | {:.3} s ({:.3}–{:.3}) |", args.repeats.max(1), c.median, c.min, c.max);
-        let _ = writeln!(md, "| agent binary restart on the pinned maps (adopts them, nothing to write) to first sync | {:.3} s ({:.3}–{:.3}) |\n", w.median, w.min, w.max);
-        let _ = writeln!(md, "Agent peak RSS (VmHWM) at 10k x 10 from manifests: {:.1} MiB ({:.1}–{:.1}).", r.median / 1048576.0, r.min / 1048576.0, r.max / 1048576.0);
+        let _ = writeln!(
+            md,
+            "| agent binary cold start to first sync, 10k x 10 from manifests (median of {}) | {:.3} s ({:.3}–{:.3}) |",
+            args.repeats.max(1),
+            c.median,
+            c.min,
+            c.max
+        );
+        let _ = writeln!(
+            md,
+            "| agent binary restart on the pinned maps (adopts them, nothing to write) to first sync | {:.3} s ({:.3}–{:.3}) |\n",
+            w.median, w.min, w.max
+        );
+        let _ = writeln!(
+            md,
+            "Agent peak RSS (VmHWM) at 10k x 10 from manifests: {:.1} MiB ({:.1}–{:.1}).",
+            r.median / 1048576.0,
+            r.min / 1048576.0,
+            r.max / 1048576.0
+        );
     } else {
         md.push('\n');
     }
@@ -565,10 +650,8 @@ fn write_report(
     let mut svgs = Vec::new();
     for proto in ["tcp", "udp"] {
         let xs: Vec<String> = sizes.iter().map(|s| format!("{s} Services")).collect();
-        let series: Vec<(String, Vec<f64>)> = variants
-            .iter()
-            .map(|v| (v.to_string(), sizes.iter().map(|s| get(*s, proto, v).0.median / 1e3).collect()))
-            .collect();
+        let series: Vec<(String, Vec<f64>)> =
+            variants.iter().map(|v| (v.to_string(), sizes.iter().map(|s| get(*s, proto, v).0.median / 1e3).collect())).collect();
         svgs.push((format!("{proto}_p50.svg"), report::svg_bars(&format!("{} p50 latency", proto.to_uppercase()), "µs", &xs, &series)));
     }
     let doc = json!({

@@ -18,8 +18,8 @@ use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr, SchedClassifier};
 use aya::sys::{Stats, enable_stats};
 use proxy_agent::decide::decision::ExternalState;
-use proxy_agent::model::{Backend, Frontend, Protocol};
 use proxy_agent::external::nodeport::NodePortWriter;
+use proxy_agent::model::{Backend, Frontend, Protocol};
 use proxy_agent::sandbox::{Cgroup, PinDir};
 use serde_json::json;
 
@@ -133,7 +133,9 @@ impl ConnectRuntime {
             let (o, e) = (spread(ours), spread(empty));
             let added = added_ns[size];
             let _ = writeln!(md, "| {size} | {} | {} | {added:.0} ns | {:.1}x |", ns(&o), ns(&e), o.median / e.median);
-            rows.push(json!({"services": size, "ours_ns": o.json(), "empty_ns": e.json(), "added_ns": added, "ratio": o.median / e.median}));
+            rows.push(
+                json!({"services": size, "ours_ns": o.json(), "empty_ns": e.json(), "added_ns": added, "ratio": o.median / e.median}),
+            );
         }
         md.push_str("\nNo target in the issue; the connect latency targets above cover the whole call. Plot: `connect4_runtime.svg`.\n\n");
         let sizes: Vec<usize> = self.samples.keys().copied().collect();
@@ -365,7 +367,11 @@ pub fn nodeport_test_run(repeats: usize, calls: usize, frontends: usize) -> Resu
         rows.push(json!({"case": name, "program": prog, "kernel_ns": s[k].json(), "net_ns": net(k), "ratio_vs_minimal": if k >= 1 { json!(vs_minimal(k)) } else { json!(null) }}));
     }
     let looped = spread(&minimal_looped);
-    let _ = writeln!(md, "\nFor comparison, `bench_minimal_tc` in the kernel's own loop (1,000,000 repeats of one SYN): {:.1} ns ({:.1}–{:.1}) per run.\n\nWhere the time goes, by difference between the rows: \"not a frontend\" is the parse plus the conntrack and frontend lookups that miss; \"tracked flow\" adds a conntrack hit and the rewrite (address and port stores with incremental checksum updates through helpers); a new flow adds the frontend, slot and backend lookups and the conntrack inserts into the LRU map `NP_CT`: two for a local backend (both directions), four for a remote one (SNAT port reservation and SNAT entry as well). \"egress, not a tracked flow\" is what every other packet leaving a device pays: the parse and two conntrack lookups that miss (a backend's reply, the forward leg of a SNAT flow). Plot: `nodeport_test_run.svg`.\n", looped.median, looped.min, looped.max);
+    let _ = writeln!(
+        md,
+        "\nFor comparison, `bench_minimal_tc` in the kernel's own loop (1,000,000 repeats of one SYN): {:.1} ns ({:.1}–{:.1}) per run.\n\nWhere the time goes, by difference between the rows: \"not a frontend\" is the parse plus the conntrack and frontend lookups that miss; \"tracked flow\" adds a conntrack hit and the rewrite (address and port stores with incremental checksum updates through helpers); a new flow adds the frontend, slot and backend lookups and the conntrack inserts into the LRU map `NP_CT`: two for a local backend (both directions), four for a remote one (SNAT port reservation and SNAT entry as well). \"egress, not a tracked flow\" is what every other packet leaving a device pays: the parse and two conntrack lookups that miss (a backend's reply, the forward leg of a SNAT flow). Plot: `nodeport_test_run.svg`.\n",
+        looped.median, looped.min, looped.max
+    );
     let worst = (2..=4).map(|k| (k, vs_minimal(k))).fold((2, f64::MIN), |a, b| if b.1 > a.1 { b } else { a });
     let targets = vec![Target {
         name: format!("NodePort program cost vs a minimal parse-and-pass program (worst path: {})", CASES[worst.0]),

@@ -73,13 +73,28 @@ pub fn svg_bars(title: &str, unit: &str, xs: &[String], series: &[(String, Vec<f
     let bar_w = group_w * 0.8 / series.len().max(1) as f64;
     let mut s = String::new();
     let _ = write!(s, r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"#);
-    let _ = write!(s, r#"<rect width="100%" height="100%" fill="white"/><text x="{}" y="22" text-anchor="middle" font-size="15">{title}</text>"#, w / 2.0);
+    let _ = write!(
+        s,
+        r#"<rect width="100%" height="100%" fill="white"/><text x="{}" y="22" text-anchor="middle" font-size="15">{title}</text>"#,
+        w / 2.0
+    );
     for t in 0..=4 {
         let v = max * t as f64 / 4.0;
         let y = top + plot_h - plot_h * t as f64 / 4.0;
-        let _ = write!(s, r##"<line x1="{left}" x2="{}" y1="{y}" y2="{y}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{v:.1}</text>"##, w - 20.0, left - 6.0, y + 4.0);
+        let _ = write!(
+            s,
+            r##"<line x1="{left}" x2="{}" y1="{y}" y2="{y}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{v:.1}</text>"##,
+            w - 20.0,
+            left - 6.0,
+            y + 4.0
+        );
     }
-    let _ = write!(s, r#"<text x="16" y="{}" transform="rotate(-90 16 {})" text-anchor="middle">{unit}</text>"#, top + plot_h / 2.0, top + plot_h / 2.0);
+    let _ = write!(
+        s,
+        r#"<text x="16" y="{}" transform="rotate(-90 16 {})" text-anchor="middle">{unit}</text>"#,
+        top + plot_h / 2.0,
+        top + plot_h / 2.0
+    );
     for (gi, x) in xs.iter().enumerate() {
         let gx = left + group_w * gi as f64 + group_w * 0.1;
         for (si, (_, vals)) in series.iter().enumerate() {
@@ -88,13 +103,29 @@ pub fn svg_bars(title: &str, unit: &str, xs: &[String], series: &[(String, Vec<f
                 continue;
             }
             let bh = plot_h * v / max;
-            let _ = write!(s, r#"<rect x="{:.1}" y="{:.1}" width="{:.1}" height="{:.1}" fill="{}"/>"#, gx + bar_w * si as f64, top + plot_h - bh, bar_w * 0.95, bh, colors[si % colors.len()]);
+            let _ = write!(
+                s,
+                r#"<rect x="{:.1}" y="{:.1}" width="{:.1}" height="{:.1}" fill="{}"/>"#,
+                gx + bar_w * si as f64,
+                top + plot_h - bh,
+                bar_w * 0.95,
+                bh,
+                colors[si % colors.len()]
+            );
         }
-        let _ = write!(s, r#"<text x="{:.1}" y="{}" text-anchor="middle">{x}</text>"#, left + group_w * (gi as f64 + 0.5), h - bottom + 18.0);
+        let _ =
+            write!(s, r#"<text x="{:.1}" y="{}" text-anchor="middle">{x}</text>"#, left + group_w * (gi as f64 + 0.5), h - bottom + 18.0);
     }
     for (si, (name, _)) in series.iter().enumerate() {
         let lx = left + 10.0 + 150.0 * si as f64;
-        let _ = write!(s, r#"<rect x="{lx}" y="{}" width="12" height="12" fill="{}"/><text x="{}" y="{}">{name}</text>"#, h - 22.0, colors[si % colors.len()], lx + 16.0, h - 12.0);
+        let _ = write!(
+            s,
+            r#"<rect x="{lx}" y="{}" width="12" height="12" fill="{}"/><text x="{}" y="{}">{name}</text>"#,
+            h - 22.0,
+            colors[si % colors.len()],
+            lx + 16.0,
+            h - 12.0
+        );
     }
     s.push_str("</svg>\n");
     s
@@ -131,7 +162,14 @@ pub fn targets_json(targets: &[Target]) -> Value {
 /// The report of a `--only` run of one part: `markdown` under a header
 /// naming the `part`, its targets; `doc` (a JSON object) with the targets
 /// added; printed as well as written.
-pub fn write_part(dir: &Path, part: &str, markdown: &str, mut doc: Value, targets: &[Target], svgs: &[(String, String)]) -> std::io::Result<()> {
+pub fn write_part(
+    dir: &Path,
+    part: &str,
+    markdown: &str,
+    mut doc: Value,
+    targets: &[Target],
+    svgs: &[(String, String)],
+) -> std::io::Result<()> {
     let md = format!("# topoproxy benchmark: {part} only\n\n{}\n\n{markdown}{}", machine(), targets_markdown(targets));
     doc["targets"] = targets_json(targets);
     write_all(dir, &md, &doc, svgs)?;

@@ -41,15 +41,25 @@ pub fn iptables_restore(base: Ipv4Addr, services: usize, proto: &str) -> String 
     for j in 0..ENDPOINTS {
         let ep = endpoint_ip(j);
         let _ = writeln!(s, "-A KUBE-SEP-BENCH{j:02} -s {ep}/32 -m comment --comment \"bench/ep{j}\" -j KUBE-MARK-MASQ");
-        let _ = writeln!(s, "-A KUBE-SEP-BENCH{j:02} -p {proto} -m comment --comment \"bench/ep{j}\" -m {proto} -j DNAT --to-destination {ep}:{ENDPOINT_PORT}");
+        let _ = writeln!(
+            s,
+            "-A KUBE-SEP-BENCH{j:02} -p {proto} -m comment --comment \"bench/ep{j}\" -m {proto} -j DNAT --to-destination {ep}:{ENDPOINT_PORT}"
+        );
     }
     for i in 0..services {
         let ip = service_ip(base, i);
-        let _ = writeln!(s, "-A KUBE-SERVICES -d {ip}/32 -p {proto} -m comment --comment \"bench/svc{i}:p cluster IP\" -m {proto} --dport 80 -j KUBE-SVC-{i:016X}");
+        let _ = writeln!(
+            s,
+            "-A KUBE-SERVICES -d {ip}/32 -p {proto} -m comment --comment \"bench/svc{i}:p cluster IP\" -m {proto} --dport 80 -j KUBE-SVC-{i:016X}"
+        );
         for j in 0..ENDPOINTS {
             let left = ENDPOINTS - j;
             if left > 1 {
-                let _ = writeln!(s, "-A KUBE-SVC-{i:016X} -m comment --comment \"bench/svc{i}:p -> ep{j}\" -m statistic --mode random --probability {:.11} -j KUBE-SEP-BENCH{j:02}", 1.0 / left as f64);
+                let _ = writeln!(
+                    s,
+                    "-A KUBE-SVC-{i:016X} -m comment --comment \"bench/svc{i}:p -> ep{j}\" -m statistic --mode random --probability {:.11} -j KUBE-SEP-BENCH{j:02}",
+                    1.0 / left as f64
+                );
             } else {
                 let _ = writeln!(s, "-A KUBE-SVC-{i:016X} -m comment --comment \"bench/svc{i}:p -> ep{j}\" -j KUBE-SEP-BENCH{j:02}");
             }

@@ -4,10 +4,10 @@ use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::Args;
-use proxy_agent::datapath::socket_loader::Capacities;
-use proxy_agent::external::node_addresses::Devices;
 use proxy_agent::DEFAULT_BPFFS;
 use proxy_agent::datapath::mounts;
+use proxy_agent::datapath::socket_loader::Capacities;
+use proxy_agent::external::node_addresses::Devices;
 use proxy_common as pc;
 
 #[derive(Args, Clone, Debug)]
@@ -130,9 +130,7 @@ mod tests {
     }
 
     fn parse(args: &[&str]) -> Result<DatapathArgs, String> {
-        Cli::try_parse_from(std::iter::once("proxy-agent").chain(args.iter().copied()))
-            .map(|c| c.datapath)
-            .map_err(|e| e.to_string())
+        Cli::try_parse_from(std::iter::once("proxy-agent").chain(args.iter().copied())).map(|c| c.datapath).map_err(|e| e.to_string())
     }
 
     #[test]
@@ -141,10 +139,7 @@ mod tests {
         assert_eq!(parse(&["--devices", "auto"]).unwrap().devices, Devices::Auto);
         assert_eq!(parse(&["--devices", "none"]).unwrap().devices, Devices::None);
         assert_eq!(parse(&["--devices=none"]).unwrap().external().unwrap().devices, Devices::None);
-        assert_eq!(
-            parse(&["--devices", "eth0,bond0"]).unwrap().devices,
-            Devices::List(vec!["eth0".into(), "bond0".into()])
-        );
+        assert_eq!(parse(&["--devices", "eth0,bond0"]).unwrap().devices, Devices::List(vec!["eth0".into(), "bond0".into()]));
     }
 
     #[test]

@@ -12,8 +12,8 @@ use std::process::ExitCode;
 
 use anyhow::Context;
 use clap::{Args, ValueEnum};
-use proxy_agent::datapath::dump::{self, BackendView, NodePortReport, Report, SlotView};
 use proxy_agent::DEFAULT_BPFFS;
+use proxy_agent::datapath::dump::{self, BackendView, NodePortReport, Report, SlotView};
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Output {
@@ -133,11 +133,8 @@ fn nodeport_table(out: &mut impl Write, np: &NodePortReport) -> std::io::Result<
         writeln!(out, "  no frontends")?;
     }
     for s in &np.services {
-        let note = if s.backend_count == 0 {
-            if s.external_traffic_policy == Some("Local") { " (dropped)" } else { " (rejected)" }
-        } else {
-            ""
-        };
+        let note =
+            if s.backend_count == 0 { if s.external_traffic_policy == Some("Local") { " (dropped)" } else { " (rejected)" } } else { "" };
         writeln!(
             out,
             "  {}  id {} gen {}  {} backend{}  policy {}{note}",

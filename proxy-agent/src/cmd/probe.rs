@@ -97,7 +97,8 @@ fn udp_once(args: &ProbeArgs, timeout: Duration) -> serde_json::Value {
     let mut replies = Vec::new();
     let mut peers = Vec::new();
     let mut buf = [0u8; 1500];
-    let targets: Vec<SocketAddr> = if args.connected { vec![args.to] } else { std::iter::once(args.to).chain(args.also.iter().copied()).collect() };
+    let targets: Vec<SocketAddr> =
+        if args.connected { vec![args.to] } else { std::iter::once(args.to).chain(args.also.iter().copied()).collect() };
     for _ in 0..args.per_socket.max(1) {
         for to in &targets {
             let sent = if args.connected { s.send(args.message.as_bytes()) } else { s.send_to(args.message.as_bytes(), to) };

@@ -79,11 +79,7 @@ pub(crate) fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     tune_malloc();
     // Two workers: the source keeps reading while a large sync writes maps
     // on the other.
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the runtime")?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().context("starting the runtime")?;
     let result = rt.block_on(run_async(args));
     // Watcher tasks may sit in a backoff sleep or a long poll: do not wait.
     rt.shutdown_background();
@@ -259,10 +255,7 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
             _ = int.recv() => {}
         }
     };
-    SyncLoop::new(config, writer, stores, metrics, health, events)
-        .with_external(external, addresses_changed)
-        .run(rx, shutdown)
-        .await;
+    SyncLoop::new(config, writer, stores, metrics, health, events).with_external(external, addresses_changed).run(rx, shutdown).await;
     // Nothing to tear down: pinned links and maps keep serving until the
     // next agent adopts them or `proxy-agent reset` removes them.
     tracing::info!("stopping; the pinned datapath keeps serving");

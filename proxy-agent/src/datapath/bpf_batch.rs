@@ -79,7 +79,13 @@ pub fn delete<K: aya::Pod>(map: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchE
 /// [`MAX_PER_CALL`]; `from(i)` gives the key and value buffers from element
 /// `i` on. With `skip_missing`, an element the kernel reports missing
 /// (ENOENT) is stepped over and the rest go on.
-fn in_order(cmd: libc::c_long, map: BorrowedFd<'_>, len: usize, from: impl Fn(usize) -> (u64, u64), skip_missing: bool) -> Result<(), BatchError> {
+fn in_order(
+    cmd: libc::c_long,
+    map: BorrowedFd<'_>,
+    len: usize,
+    from: impl Fn(usize) -> (u64, u64),
+    skip_missing: bool,
+) -> Result<(), BatchError> {
     let mut done = 0;
     while done < len {
         let n = (len - done).min(MAX_PER_CALL);

@@ -143,12 +143,7 @@ pub struct Doomed {
 /// `backend_alive` still finds. Forward entries are listed first, so a
 /// packet racing the deletion finds no forward entry and starts a new
 /// flow, rather than a forward entry whose reply entries are gone.
-pub fn plan(
-    entries: &[(CtKey, CtValue)],
-    now_s: u32,
-    t: &Timeouts,
-    mut backend_alive: impl FnMut(&CtValue) -> bool,
-) -> Vec<Doomed> {
+pub fn plan(entries: &[(CtKey, CtValue)], now_s: u32, t: &Timeouts, mut backend_alive: impl FnMut(&CtValue) -> bool) -> Vec<Doomed> {
     struct Flow {
         keys: Vec<CtKey>,
         proto: u8,
@@ -489,10 +484,13 @@ mod tests {
             ),
             (
                 "backend gone",
-                remote_flow(17, PROTO_TCP, now, now, 0).into_iter().map(|(k, mut v)| {
-                    v.backend_id = 8;
-                    (k, v)
-                }).collect(),
+                remote_flow(17, PROTO_TCP, now, now, 0)
+                    .into_iter()
+                    .map(|(k, mut v)| {
+                        v.backend_id = 8;
+                        (k, v)
+                    })
+                    .collect(),
                 Some(Reason::StaleBackend),
             ),
             (
@@ -502,10 +500,14 @@ mod tests {
             ),
             (
                 "reply entries without forward entries are never stale",
-                remote_flow(19, PROTO_UDP, now, now, 0).split_off(2).into_iter().map(|(k, mut v)| {
-                    v.backend_id = 8;
-                    (k, v)
-                }).collect(),
+                remote_flow(19, PROTO_UDP, now, now, 0)
+                    .split_off(2)
+                    .into_iter()
+                    .map(|(k, mut v)| {
+                        v.backend_id = 8;
+                        (k, v)
+                    })
+                    .collect(),
                 None,
             ),
         ];

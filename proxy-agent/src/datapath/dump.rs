@@ -22,8 +22,8 @@ use std::path::{Path, PathBuf};
 use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray};
 use proxy_common as pc;
 use proxy_common::{
-    AddrKey, BackendKey, BackendValue, CtKey, CtValue, NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey,
-    SlotValue, SockRevNatKey, SockRevNatValue,
+    AddrKey, BackendKey, BackendValue, CtKey, CtValue, NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SockRevNatKey,
+    SockRevNatValue,
 };
 use serde::Serialize;
 
@@ -102,9 +102,8 @@ fn open_read_only(path: &Path) -> io::Result<OwnedFd> {
     let attr = ObjGetAttr { pathname: c_path.as_ptr() as u64, bpf_fd: 0, file_flags: BPF_F_RDONLY, path_fd: 0, _pad: 0 };
     // SAFETY: `attr` and the string it points to outlive the call; the size
     // passed is the size of `attr`.
-    let fd = unsafe {
-        libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, &attr as *const ObjGetAttr, std::mem::size_of::<ObjGetAttr>() as libc::c_uint)
-    };
+    let fd =
+        unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, &attr as *const ObjGetAttr, std::mem::size_of::<ObjGetAttr>() as libc::c_uint) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -128,8 +127,7 @@ fn open(pin_dir: &Path, name: &'static str) -> Result<(Map, u32), DumpError> {
 /// the first key (`BPF_MAP_GET_NEXT_KEY`), so entries are de-duplicated and
 /// the walk is bounded.
 fn entries<K: aya::Pod + Ord, V: aya::Pod>(map: Map, name: &'static str, path: &Path, max: u32) -> Result<Vec<(K, V)>, DumpError> {
-    let hash: HashMap<MapData, K, V> =
-        HashMap::try_from(map).map_err(|error| DumpError::Kind { path: path.join(name), error })?;
+    let hash: HashMap<MapData, K, V> = HashMap::try_from(map).map_err(|error| DumpError::Kind { path: path.join(name), error })?;
     let mut out = BTreeMap::new();
     for item in hash.iter().take((max as usize).saturating_mul(2).saturating_add(16)) {
         match item {
@@ -167,8 +165,8 @@ pub fn read(pin_dir: &Path) -> Result<Snapshot, DumpError> {
     usage(pc::SOCK_REVNAT_MAP, revnat_entries, max);
 
     let (map, max) = open(pin_dir, pc::COUNTERS_MAP)?;
-    let counters = PerCpuArray::<MapData, u64>::try_from(map)
-        .map_err(|error| DumpError::Kind { path: pin_dir.join(pc::COUNTERS_MAP), error })?;
+    let counters =
+        PerCpuArray::<MapData, u64>::try_from(map).map_err(|error| DumpError::Kind { path: pin_dir.join(pc::COUNTERS_MAP), error })?;
     let mut sums = Vec::with_capacity(max as usize);
     for i in 0..max {
         let per_cpu = counters.get(&i, 0).map_err(|error| DumpError::Read { map: pc::COUNTERS_MAP, error })?;
@@ -228,8 +226,8 @@ fn read_nodeport(pin_dir: &Path, maps: &mut Vec<MapUsage>) -> Result<NpSnapshot,
     };
     np.now_s = crate::datapath::conntrack_gc::monotonic_now_s().ok();
     let (map, max) = open(pin_dir, pc::NP_CONFIG_MAP)?;
-    let config = Array::<MapData, NpConfig>::try_from(map)
-        .map_err(|error| DumpError::Kind { path: pin_dir.join(pc::NP_CONFIG_MAP), error })?;
+    let config =
+        Array::<MapData, NpConfig>::try_from(map).map_err(|error| DumpError::Kind { path: pin_dir.join(pc::NP_CONFIG_MAP), error })?;
     np.config = Some(config.get(&0, 0).map_err(|error| DumpError::Read { map: pc::NP_CONFIG_MAP, error })?);
     maps.push(MapUsage { name: pc::NP_CONFIG_MAP, entries: u64::from(max), max_entries: max });
     let (sums, max) = per_cpu_sums(pin_dir, pc::NP_COUNTERS_MAP)?;
@@ -249,10 +247,7 @@ pub fn named_np_counters(sums: &[u64]) -> BTreeMap<String, u64> {
 }
 
 fn named(sums: &[u64], names: &[&str]) -> BTreeMap<String, u64> {
-    sums.iter()
-        .enumerate()
-        .map(|(i, v)| (names.get(i).map_or_else(|| format!("counter{i}"), |n| (*n).to_string()), *v))
-        .collect()
+    sums.iter().enumerate().map(|(i, v)| (names.get(i).map_or_else(|| format!("counter{i}"), |n| (*n).to_string()), *v)).collect()
 }
 
 #[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq, PartialOrd, Ord)]
@@ -299,10 +294,9 @@ pub enum FindingKind {
 impl FindingKind {
     pub fn severity(self) -> Severity {
         match self {
-            FindingKind::OrphanSlots
-            | FindingKind::UnreferencedBackend
-            | FindingKind::OrphanFlags
-            | FindingKind::StaleFlow => Severity::Warning,
+            FindingKind::OrphanSlots | FindingKind::UnreferencedBackend | FindingKind::OrphanFlags | FindingKind::StaleFlow => {
+                Severity::Warning
+            }
             _ => Severity::Error,
         }
     }
@@ -411,11 +405,7 @@ fn raw_key(k: &ServiceKey) -> String {
 }
 
 /// The consistency rules, over plain entries of the socket maps.
-pub fn check(
-    services: &[(ServiceKey, ServiceValue)],
-    slots: &[(SlotKey, SlotValue)],
-    backends: &[(BackendKey, BackendValue)],
-) -> Analysis {
+pub fn check(services: &[(ServiceKey, ServiceValue)], slots: &[(SlotKey, SlotValue)], backends: &[(BackendKey, BackendValue)]) -> Analysis {
     check_maps(&SOCKET_MAPS, services, slots, backends)
 }
 
@@ -447,7 +437,8 @@ pub fn check_maps(
     for (id, v) in &backend_table {
         if backend_of(v).is_none() {
             findings.push(
-                Finding::new(FindingKind::UnknownBackendEncoding, format!("backend #{id} has unknown address family {}", v.family)).backend(*id),
+                Finding::new(FindingKind::UnknownBackendEncoding, format!("backend #{id} has unknown address family {}", v.family))
+                    .backend(*id),
             );
         }
     }
@@ -469,7 +460,7 @@ pub fn check_maps(
                         FindingKind::UnknownServiceKey,
                         format!("{} key {raw} has a protocol or family this agent never writes", names.services),
                     )
-                        .service(value.service_id, value.generation),
+                    .service(value.service_id, value.generation),
                 );
                 raw
             }
@@ -596,9 +587,8 @@ pub fn check_maps(
         let address = backend_of(v).map(|b| b.to_string());
         if used == 0 {
             let shown = address.clone().unwrap_or_else(|| format!("family {}", v.family));
-            findings.push(
-                Finding::new(FindingKind::UnreferencedBackend, format!("backend #{id} ({shown}) is used by no slot")).backend(*id),
-            );
+            findings
+                .push(Finding::new(FindingKind::UnreferencedBackend, format!("backend #{id} ({shown}) is used by no slot")).backend(*id));
         }
         backend_views.push(BackendView { backend_id: *id, address, slots: used });
     }
@@ -713,7 +703,10 @@ pub fn check_nodeport(np: &NpSnapshot) -> (NodePortReport, Vec<Finding>) {
     }
     for k in flags.keys().filter(|k| !services.contains(k)) {
         let name = frontend_of(k).map_or_else(|| raw_key(k), |f| f.to_string());
-        findings.push(tc(FindingKind::OrphanFlags, format!("{}: policy flags for {name}, which is not in {}", pc::NP_FLAGS_MAP, pc::NP_SERVICES_MAP)));
+        findings.push(tc(
+            FindingKind::OrphanFlags,
+            format!("{}: policy flags for {name}, which is not in {}", pc::NP_FLAGS_MAP, pc::NP_SERVICES_MAP),
+        ));
     }
 
     let backends: BTreeMap<u32, &BackendValue> = np.backends.iter().map(|(k, v)| (k.backend_id, v)).collect();
@@ -928,7 +921,10 @@ mod tests {
         let a = check(&s, &sl, &b);
         let missing: Vec<Option<u32>> = a.findings.iter().filter(|f| f.kind == FindingKind::MissingSlot).map(|f| f.slot).collect();
         assert_eq!(missing, vec![Some(0), Some(2), Some(3)]);
-        assert_eq!(a.services[0].slots.iter().map(|v| (v.slot, v.backend_id)).collect::<Vec<_>>(), vec![(0, None), (1, Some(11)), (2, None), (3, None)]);
+        assert_eq!(
+            a.services[0].slots.iter().map(|v| (v.slot, v.backend_id)).collect::<Vec<_>>(),
+            vec![(0, None), (1, Some(11)), (2, None), (3, None)]
+        );
         // Backend 10 lost its only slot.
         assert!(kinds(&a).contains(&FindingKind::UnreferencedBackend));
     }
@@ -1050,7 +1046,12 @@ mod tests {
                 ct(pc::CT_DIR_FORWARD, ("10.0.0.1", 40000), ("10.96.0.10", 80), (("10.0.0.1", 40000), ("10.244.1.2", 8080)), 10),
                 ct(pc::CT_DIR_REPLY, ("10.244.1.2", 8080), ("10.0.0.1", 40000), (("10.96.0.10", 80), ("10.0.0.1", 40000)), 10),
             ],
-            config: Some(NpConfig { snat_v4_be: u32::from_ne_bytes([10, 0, 3, 1]), snat_port_min: 61000, snat_port_max: 65535, ..Default::default() }),
+            config: Some(NpConfig {
+                snat_v4_be: u32::from_ne_bytes([10, 0, 3, 1]),
+                snat_port_min: 61000,
+                snat_port_max: 65535,
+                ..Default::default()
+            }),
             counters: vec![3, 7],
             now_s: Some(100),
         }

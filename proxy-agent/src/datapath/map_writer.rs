@@ -37,8 +37,8 @@ use proxy_common::{BackendKey, BackendValue, ServiceKey, ServiceValue, SlotKey, 
 
 use crate::datapath::bpf_batch;
 use crate::datapath::socket_loader::capacity_flag;
-use crate::model::{Backend, Frontend, Protocol};
 use crate::decide::plan::{Plan, State};
+use crate::model::{Backend, Frontend, Protocol};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
@@ -162,15 +162,18 @@ fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &'static str) -> Re
     let path = pin_dir.join(name);
     let max = MapInfo::from_pin(&path).map_err(err)?.max_entries();
     let data = MapData::from_pin(&path).map_err(err)?;
-    let fd = data.fd().as_fd().try_clone_to_owned().map_err(|e| err(MapError::SyscallError(aya::sys::SyscallError { call: "dup", io_error: e })))?;
+    let fd = data
+        .fd()
+        .as_fd()
+        .try_clone_to_owned()
+        .map_err(|e| err(MapError::SyscallError(aya::sys::SyscallError { call: "dup", io_error: e })))?;
     // try_from checks the key and value sizes against the map's, which the
     // batch calls rely on too.
     Ok((HashMap::try_from(Map::HashMap(data)).map_err(err)?, fd, max))
 }
 
 fn is_not_found(e: &MapError) -> bool {
-    matches!(e, MapError::KeyNotFound)
-        || matches!(e, MapError::SyscallError(s) if s.io_error.kind() == io::ErrorKind::NotFound)
+    matches!(e, MapError::KeyNotFound) || matches!(e, MapError::SyscallError(s) if s.io_error.kind() == io::ErrorKind::NotFound)
 }
 
 impl MapWriter {
@@ -253,10 +256,7 @@ impl MapWriter {
 
     /// What the maps hold, in the planner's terms.
     pub fn state(&self) -> State {
-        self.programmed
-            .iter()
-            .map(|(fe, p)| (*fe, p.backends.iter().copied().collect()))
-            .collect()
+        self.programmed.iter().map(|(fe, p)| (*fe, p.backends.iter().copied().collect())).collect()
     }
 
     /// Applies a plan. Each frontend is written completely or not at all;
@@ -312,7 +312,8 @@ impl MapWriter {
         if used_slots.saturating_add(n) > self.max_slots {
             return Err(full(self.names[1], used_slots, self.max_slots, n));
         }
-        let new_backends = backends.iter().filter(|b| !self.backend_ids.contains_key(b) && !chunk.created_ids.contains_key(b)).count() as u32;
+        let new_backends =
+            backends.iter().filter(|b| !self.backend_ids.contains_key(b) && !chunk.created_ids.contains_key(b)).count() as u32;
         let used_backends = (self.backend_ids.len() + chunk.created.len()) as u32;
         if used_backends.saturating_add(new_backends) > self.max_backends {
             return Err(full(self.names[2], used_backends, self.max_backends, new_backends));
@@ -422,7 +423,11 @@ impl MapWriter {
                 // Not switched: its new slots go (some may be written), its
                 // service id is free again unless the frontend had one
                 // before, and it is written on its own below.
-                dead.slots.extend((0..value.backend_count).map(|slot| SlotKey { service_id: value.service_id, generation: value.generation, slot }));
+                dead.slots.extend((0..value.backend_count).map(|slot| SlotKey {
+                    service_id: value.service_id,
+                    generation: value.generation,
+                    slot,
+                }));
                 if st.old.is_none() {
                     self.service_id_set.remove(&value.service_id);
                 }
@@ -563,11 +568,7 @@ impl MapWriter {
             created.push((*b, id));
         }
         let id_of = |b: &Backend| -> u32 {
-            self.backend_ids
-                .get(b)
-                .map(|(id, _)| *id)
-                .or_else(|| created.iter().find(|(c, _)| c == b).map(|(_, id)| *id))
-                .unwrap_or(0)
+            self.backend_ids.get(b).map(|(id, _)| *id).or_else(|| created.iter().find(|(c, _)| c == b).map(|(_, id)| *id)).unwrap_or(0)
         };
         let ids: Vec<u32> = backends.iter().map(id_of).collect();
 
@@ -713,7 +714,11 @@ const CHUNK_FRONTENDS: usize = 16_384;
 /// Deletes `keys` from a map, in one batch call where the kernel takes it
 /// and one at a time from where it did not. A key that is already gone is
 /// fine. Returns the keys that could not be deleted, by index.
-fn delete_keys<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>, fd: std::os::fd::BorrowedFd<'_>, keys: &[K]) -> Vec<(usize, MapError)> {
+fn delete_keys<K: aya::Pod, V: aya::Pod>(
+    map: &mut HashMap<MapData, K, V>,
+    fd: std::os::fd::BorrowedFd<'_>,
+    keys: &[K],
+) -> Vec<(usize, MapError)> {
     let from = match bpf_batch::delete(fd, keys) {
         Ok(()) => return Vec::new(),
         Err(e) => e.applied.min(keys.len()),

@@ -24,23 +24,14 @@ use aya::programs::{CgroupAttachMode, CgroupSockAddr};
 use aya::{Ebpf, EbpfLoader};
 use proxy_common as pc;
 
-use crate::util::error_chain::error_chain;
 use crate::datapath::mounts;
+use crate::util::error_chain::error_chain;
 
 /// The eBPF object, built by build.rs from the `proxy-ebpf` crate.
 pub(crate) static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
 /// Socket programs, by function name in the object.
-pub const PROGRAMS: [&str; 8] = [
-    "connect4",
-    "connect6",
-    "sendmsg4",
-    "sendmsg6",
-    "recvmsg4",
-    "recvmsg6",
-    "getpeername4",
-    "getpeername6",
-];
+pub const PROGRAMS: [&str; 8] = ["connect4", "connect6", "sendmsg4", "sendmsg6", "recvmsg4", "recvmsg6", "getpeername4", "getpeername6"];
 
 /// Sub-directory of the pin directory that holds the program links.
 pub const LINKS_DIR: &str = "links";
@@ -111,20 +102,8 @@ const MAPS: [MapSpec; 7] = [
     // Socket-local storage: its elements live on the sockets, so the pinned
     // map must survive restarts for sockets opened before one to keep their
     // reverse translation. The kernel requires max_entries 0 for it.
-    MapSpec {
-        name: pc::SOCK_PEER_MAP,
-        map_type: MapType::SkStorage,
-        key_size: 4,
-        value_size: size_of::<pc::SockPeerValue>(),
-        flag: "",
-    },
-    MapSpec {
-        name: pc::SOCK_CONFIG_MAP,
-        map_type: MapType::Array,
-        key_size: 4,
-        value_size: size_of::<pc::SockConfig>(),
-        flag: "",
-    },
+    MapSpec { name: pc::SOCK_PEER_MAP, map_type: MapType::SkStorage, key_size: 4, value_size: size_of::<pc::SockPeerValue>(), flag: "" },
+    MapSpec { name: pc::SOCK_CONFIG_MAP, map_type: MapType::Array, key_size: 4, value_size: size_of::<pc::SockConfig>(), flag: "" },
 ];
 
 /// Names of the socket programs' maps (every one is pinned).
@@ -141,7 +120,9 @@ pub fn capacity_flag(map: &str) -> &'static str {
 pub enum LoadError {
     #[error(transparent)]
     Mount(#[from] mounts::MountError),
-    #[error("pinned map {path} does not match this agent ({what}); it was made by an incompatible version. Run `proxy-agent reset` with the same --bpffs to remove it (traffic to Services stops until the agent programs the maps again)")]
+    #[error(
+        "pinned map {path} does not match this agent ({what}); it was made by an incompatible version. Run `proxy-agent reset` with the same --bpffs to remove it (traffic to Services stops until the agent programs the maps again)"
+    )]
     IncompatiblePin { path: PathBuf, what: String },
     #[error("cannot inspect pinned map {path}: {source}")]
     Inspect { path: PathBuf, source: aya::maps::MapError },
@@ -149,7 +130,9 @@ pub enum LoadError {
     Object(#[from] aya::EbpfError),
     #[error("program {program} is missing from the eBPF object")]
     MissingProgram { program: &'static str },
-    #[error("program {program}: {source}. cgroup socket programs need Linux >= 5.18 (bpf_set_retval) and bpf_link support; see the README's requirements")]
+    #[error(
+        "program {program}: {source}. cgroup socket programs need Linux >= 5.18 (bpf_set_retval) and bpf_link support; see the README's requirements"
+    )]
     Program { program: &'static str, source: aya::programs::ProgramError },
     #[error("program {program}: cannot use a bpf_link ({source}); Linux >= 5.7 is required for pinned cgroup links")]
     Link { program: &'static str, source: aya::programs::links::LinkError },
@@ -215,9 +198,7 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
         // during an upgrade. bpf_link attachments always coexist like
         // BPF_F_ALLOW_MULTI ones, and BPF_LINK_CREATE rejects any flag
         // (kernel/bpf/cgroup.c:cgroup_bpf_link_attach), hence the default mode.
-        let id = prog
-            .attach(&cg, CgroupAttachMode::default())
-            .map_err(|source| LoadError::Program { program, source })?;
+        let id = prog.attach(&cg, CgroupAttachMode::default()).map_err(|source| LoadError::Program { program, source })?;
         let link = prog.take_link(id).map_err(|source| LoadError::Program { program, source })?;
         let link: FdLink = link.try_into().map_err(|source| LoadError::Link { program, source })?;
         let final_path = links.join(program);
@@ -237,11 +218,8 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
         // SOCK_REVNAT, and no more appear.
         let below = legacy_cookie_bound(&ebpf).map_err(LoadError::LegacyConfig)?;
         let map = ebpf.map_mut(pc::SOCK_CONFIG_MAP).ok_or(LoadError::MissingMap { map: pc::SOCK_CONFIG_MAP })?;
-        let mut config: Array<_, pc::SockConfig> =
-            Array::try_from(map).map_err(|e| LoadError::LegacyConfig(io::Error::other(e)))?;
-        config
-            .set(0, pc::SockConfig { legacy_revnat_cookie_below: below }, 0)
-            .map_err(|e| LoadError::LegacyConfig(io::Error::other(e)))?;
+        let mut config: Array<_, pc::SockConfig> = Array::try_from(map).map_err(|e| LoadError::LegacyConfig(io::Error::other(e)))?;
+        config.set(0, pc::SockConfig { legacy_revnat_cookie_below: below }, 0).map_err(|e| LoadError::LegacyConfig(io::Error::other(e)))?;
     }
     Ok(warnings)
 }
@@ -261,7 +239,8 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
 /// for an entry that is not there.
 fn legacy_cookie_bound(ebpf: &Ebpf) -> io::Result<u64> {
     let map = ebpf.map(pc::SOCK_REVNAT_MAP).ok_or_else(|| io::Error::other("SOCK_REVNAT is missing from the object"))?;
-    let revnat: aya::maps::HashMap<_, pc::SockRevNatKey, pc::SockRevNatValue> = aya::maps::HashMap::try_from(map).map_err(io::Error::other)?;
+    let revnat: aya::maps::HashMap<_, pc::SockRevNatKey, pc::SockRevNatValue> =
+        aya::maps::HashMap::try_from(map).map_err(io::Error::other)?;
     let largest = crate::datapath::bpf_batch::read_all(&revnat).iter().map(|(k, _)| k.cookie).max();
     Ok(largest.unwrap_or(0).max(next_socket_cookie()?) + 1)
 }

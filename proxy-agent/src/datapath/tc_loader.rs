@@ -27,8 +27,8 @@ use aya::util::KernelVersion;
 use aya::{Ebpf, EbpfLoader};
 use proxy_common as pc;
 
-use crate::util::error_chain::error_chain;
 use crate::datapath::socket_loader::{EBPF_OBJECT, LINKS_DIR};
+use crate::util::error_chain::error_chain;
 
 /// The TC programs' maps, all pinned under the pin directory.
 pub const NP_MAPS: [&str; 8] = [
@@ -124,18 +124,13 @@ pub fn install(pin_dir: &Path, devices: &[String], mode: TcMode) -> Result<Vec<S
                 {
                     warnings.push(format!("device {device}: adding clsact: {e}"));
                 }
-                let replaced =
-                    tc::SchedClassifierLink::attached(device, attach_type, LEGACY_PRIORITY, LEGACY_HANDLE.into(), None)
-                        .ok()
-                        .and_then(|old| prog.attach_to_link(old).ok());
+                let replaced = tc::SchedClassifierLink::attached(device, attach_type, LEGACY_PRIORITY, LEGACY_HANDLE.into(), None)
+                    .ok()
+                    .and_then(|old| prog.attach_to_link(old).ok());
                 let id = match replaced {
                     Some(id) => id,
                     None => {
-                        let opts = tc::NlOptions {
-                            priority: LEGACY_PRIORITY,
-                            handle: LEGACY_HANDLE.into(),
-                            ..Default::default()
-                        };
+                        let opts = tc::NlOptions { priority: LEGACY_PRIORITY, handle: LEGACY_HANDLE.into(), ..Default::default() };
                         prog.attach_with_options(device, attach_type, TcAttachOptions::Netlink(opts))
                             .map_err(|e| err("netlink attach", error_chain(&e)))?
                     }
@@ -187,10 +182,8 @@ fn detach_unlisted(pin_dir: &Path, devices: &[String], tcx: bool, warnings: &mut
     if let Ok(rd) = fs::read_dir(&legacy) {
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            let listed = !tcx
-                && devices.iter().any(|d| {
-                    name == legacy_record(d, "ingress", netns) || name == legacy_record(d, "egress", netns)
-                });
+            let listed =
+                !tcx && devices.iter().any(|d| name == legacy_record(d, "ingress", netns) || name == legacy_record(d, "egress", netns));
             if !listed {
                 if detach_legacy(&name) {
                     warnings.push(format!("detached the clsact filter from {name}"));
@@ -261,12 +254,7 @@ pub fn reset(pin_dir: &Path) -> Result<(), (PathBuf, io::Error)> {
     Ok(())
 }
 
-fn attach_tcx(
-    prog: &mut SchedClassifier,
-    device: &str,
-    attach_type: TcAttachType,
-    pin: &Path,
-) -> Result<(), (&'static str, String)> {
+fn attach_tcx(prog: &mut SchedClassifier, device: &str, attach_type: TcAttachType, pin: &Path) -> Result<(), (&'static str, String)> {
     // Upgrade in place when a link is pinned and still attached.
     if let Ok(old) = PinnedLink::from_pin(pin) {
         let fd: FdLink = old.into();
@@ -302,14 +290,12 @@ fn attach_tcx(
     Ok(())
 }
 
-
 /// Loads the TC programs into the kernel without attaching them, with every
 /// map pinned under `pin_dir` (created there when missing). For running the
 /// programs alone with `BPF_PROG_TEST_RUN`; the returned object keeps them
 /// loaded.
 pub fn load_unattached(pin_dir: &Path) -> Result<Ebpf, TcError> {
-    crate::datapath::mounts::ensure_pin_dir(pin_dir)
-        .map_err(|e| TcError::Io { path: pin_dir.into(), source: io::Error::other(e) })?;
+    crate::datapath::mounts::ensure_pin_dir(pin_dir).map_err(|e| TcError::Io { path: pin_dir.into(), source: io::Error::other(e) })?;
     load_programs(pin_dir)
 }
 
@@ -317,22 +303,18 @@ pub fn load_unattached(pin_dir: &Path) -> Result<Ebpf, TcError> {
 /// programs loaded (verified), not attached.
 fn load_programs(pin_dir: &Path) -> Result<Ebpf, TcError> {
     let mut loader = EbpfLoader::new();
-    let pins: Vec<(&str, PathBuf)> = crate::datapath::socket_loader::socket_map_names().chain(NP_MAPS.iter().copied()).map(|n| (n, pin_dir.join(n))).collect();
+    let pins: Vec<(&str, PathBuf)> =
+        crate::datapath::socket_loader::socket_map_names().chain(NP_MAPS.iter().copied()).map(|n| (n, pin_dir.join(n))).collect();
     for (name, path) in &pins {
         loader.map_pin_path(name, path.as_path());
     }
     let mut ebpf = loader.load(EBPF_OBJECT)?;
     for program in [INGRESS_PROGRAM, EGRESS_PROGRAM] {
-        classifier(&mut ebpf, program)?
-            .load()
-            .map_err(|source| TcError::Program { program, source })?;
+        classifier(&mut ebpf, program)?.load().map_err(|source| TcError::Program { program, source })?;
     }
     Ok(ebpf)
 }
 
 fn classifier<'a>(ebpf: &'a mut Ebpf, program: &'static str) -> Result<&'a mut SchedClassifier, TcError> {
-    ebpf.program_mut(program)
-        .ok_or(TcError::MissingProgram { program })?
-        .try_into()
-        .map_err(|source| TcError::Program { program, source })
+    ebpf.program_mut(program).ok_or(TcError::MissingProgram { program })?.try_into().map_err(|source| TcError::Program { program, source })
 }

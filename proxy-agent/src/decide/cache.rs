@@ -14,11 +14,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::decide::decision::{self, PortDecision};
-use crate::model::store::Changes;
-use crate::model::{Cluster, EndpointSlice, Family, Frontend, ObjectRef};
 use crate::decide::plan::State;
 use crate::decide::topology::NodeContext;
-
+use crate::model::store::Changes;
+use crate::model::{Cluster, EndpointSlice, Family, Frontend, ObjectRef};
 
 /// What one update changed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -137,13 +136,8 @@ impl DecisionCache {
         for id in &affected {
             let new = match cluster.services.get(id) {
                 Some(svc) => {
-                    let slices: Vec<&EndpointSlice> = self
-                        .slices_of
-                        .get(id)
-                        .into_iter()
-                        .flat_map(SortedVec::iter)
-                        .filter_map(|s| cluster.slices.get(s))
-                        .collect();
+                    let slices: Vec<&EndpointSlice> =
+                        self.slices_of.get(id).into_iter().flat_map(SortedVec::iter).filter_map(|s| cluster.slices.get(s)).collect();
                     let mut out = Vec::with_capacity(svc.ports.len());
                     decision::decide_service(svc, &slices, ctx, &mut out);
                     Some(out)
@@ -208,12 +202,7 @@ impl DecisionCache {
 
     /// The ClusterIP frontends `service` owns.
     pub fn owned_frontends<'a>(&'a self, service: &'a ObjectRef) -> impl Iterator<Item = &'a Frontend> + 'a {
-        self.decisions
-            .get(service)
-            .into_iter()
-            .flatten()
-            .flat_map(|d| d.frontends.iter())
-            .filter(move |fe| self.owner(fe) == Some(service))
+        self.decisions.get(service).into_iter().flatten().flat_map(|d| d.frontends.iter()).filter(move |fe| self.owner(fe) == Some(service))
     }
 
     fn index_slice(&mut self, s: &EndpointSlice) -> ObjectRef {
@@ -292,12 +281,16 @@ mod tests {
     }
 
     fn svc(name: &str, ip: &str, extra: &str) -> String {
-        format!("---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{{name: http, port: 80}}, {{name: dns, port: 53, protocol: UDP}}]{extra}}}\n")
+        format!(
+            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{{name: http, port: 80}}, {{name: dns, port: 53, protocol: UDP}}]{extra}}}\n"
+        )
     }
 
     fn slice(name: &str, owner: &str, eps: &[(&str, &str)]) -> String {
         let eps: String = eps.iter().map(|(ip, node)| format!("- addresses: [{ip}]\n  nodeName: {node}\n  zone: z-{node}\n")).collect();
-        format!("---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}, labels: {{kubernetes.io/service-name: {owner}}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080}}, {{name: dns, port: 5353, protocol: UDP}}]\nendpoints:\n{eps}")
+        format!(
+            "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}, labels: {{kubernetes.io/service-name: {owner}}}}}\naddressType: IPv4\nports: [{{name: http, port: 8080}}, {{name: dns, port: 5353, protocol: UDP}}]\nendpoints:\n{eps}"
+        )
     }
 
     const NODES: &str = "---\napiVersion: v1\nkind: Node\nmetadata: {name: a, labels: {topology.kubernetes.io/zone: z-a}}\n---\napiVersion: v1\nkind: Node\nmetadata: {name: b, labels: {topology.kubernetes.io/zone: z-b}}\n";
@@ -309,14 +302,84 @@ mod tests {
     fn incremental_updates_match_a_full_recomputation() {
         let local = ", internalTrafficPolicy: Local";
         let steps: Vec<(&str, String)> = vec![
-            ("start", format!("{NODES}{}{}{}", svc("web", "10.96.0.1", ""), svc("api", "10.96.0.2", ""), slice("web-1", "web", &[("10.244.0.1", "a"), ("10.244.0.2", "b")]))),
-            ("a slice for api", format!("{NODES}{}{}{}{}", svc("web", "10.96.0.1", ""), svc("api", "10.96.0.2", ""), slice("web-1", "web", &[("10.244.0.1", "a"), ("10.244.0.2", "b")]), slice("api-1", "api", &[("10.244.1.1", "a")]))),
-            ("an endpoint changes", format!("{NODES}{}{}{}{}", svc("web", "10.96.0.1", ""), svc("api", "10.96.0.2", ""), slice("web-1", "web", &[("10.244.0.1", "a"), ("10.244.0.3", "b")]), slice("api-1", "api", &[("10.244.1.1", "a")]))),
-            ("a slice moves to another Service", format!("{NODES}{}{}{}{}", svc("web", "10.96.0.1", ""), svc("api", "10.96.0.2", ""), slice("web-1", "api", &[("10.244.0.1", "a"), ("10.244.0.3", "b")]), slice("api-1", "api", &[("10.244.1.1", "a")]))),
-            ("a policy change", format!("{NODES}{}{}{}{}", svc("web", "10.96.0.1", ""), svc("api", "10.96.0.2", local), slice("web-1", "api", &[("10.244.0.1", "a"), ("10.244.0.3", "b")]), slice("api-1", "api", &[("10.244.1.1", "a")]))),
-            ("a clash: zzz takes api's address", format!("{NODES}{}{}{}{}{}", svc("web", "10.96.0.1", ""), svc("api", "10.96.0.2", local), svc("zzz", "10.96.0.2", ""), slice("web-1", "api", &[("10.244.0.1", "a")]), slice("api-1", "api", &[("10.244.1.1", "a")]))),
-            ("the first claimant leaves", format!("{NODES}{}{}{}", svc("web", "10.96.0.1", ""), svc("zzz", "10.96.0.2", ""), slice("api-1", "api", &[("10.244.1.1", "a")]))),
-            ("a ClusterIP changes", format!("{NODES}{}{}{}", svc("web", "10.96.0.9", ""), svc("zzz", "10.96.0.2", ""), slice("api-1", "api", &[("10.244.1.1", "a")]))),
+            (
+                "start",
+                format!(
+                    "{NODES}{}{}{}",
+                    svc("web", "10.96.0.1", ""),
+                    svc("api", "10.96.0.2", ""),
+                    slice("web-1", "web", &[("10.244.0.1", "a"), ("10.244.0.2", "b")])
+                ),
+            ),
+            (
+                "a slice for api",
+                format!(
+                    "{NODES}{}{}{}{}",
+                    svc("web", "10.96.0.1", ""),
+                    svc("api", "10.96.0.2", ""),
+                    slice("web-1", "web", &[("10.244.0.1", "a"), ("10.244.0.2", "b")]),
+                    slice("api-1", "api", &[("10.244.1.1", "a")])
+                ),
+            ),
+            (
+                "an endpoint changes",
+                format!(
+                    "{NODES}{}{}{}{}",
+                    svc("web", "10.96.0.1", ""),
+                    svc("api", "10.96.0.2", ""),
+                    slice("web-1", "web", &[("10.244.0.1", "a"), ("10.244.0.3", "b")]),
+                    slice("api-1", "api", &[("10.244.1.1", "a")])
+                ),
+            ),
+            (
+                "a slice moves to another Service",
+                format!(
+                    "{NODES}{}{}{}{}",
+                    svc("web", "10.96.0.1", ""),
+                    svc("api", "10.96.0.2", ""),
+                    slice("web-1", "api", &[("10.244.0.1", "a"), ("10.244.0.3", "b")]),
+                    slice("api-1", "api", &[("10.244.1.1", "a")])
+                ),
+            ),
+            (
+                "a policy change",
+                format!(
+                    "{NODES}{}{}{}{}",
+                    svc("web", "10.96.0.1", ""),
+                    svc("api", "10.96.0.2", local),
+                    slice("web-1", "api", &[("10.244.0.1", "a"), ("10.244.0.3", "b")]),
+                    slice("api-1", "api", &[("10.244.1.1", "a")])
+                ),
+            ),
+            (
+                "a clash: zzz takes api's address",
+                format!(
+                    "{NODES}{}{}{}{}{}",
+                    svc("web", "10.96.0.1", ""),
+                    svc("api", "10.96.0.2", local),
+                    svc("zzz", "10.96.0.2", ""),
+                    slice("web-1", "api", &[("10.244.0.1", "a")]),
+                    slice("api-1", "api", &[("10.244.1.1", "a")])
+                ),
+            ),
+            (
+                "the first claimant leaves",
+                format!(
+                    "{NODES}{}{}{}",
+                    svc("web", "10.96.0.1", ""),
+                    svc("zzz", "10.96.0.2", ""),
+                    slice("api-1", "api", &[("10.244.1.1", "a")])
+                ),
+            ),
+            (
+                "a ClusterIP changes",
+                format!(
+                    "{NODES}{}{}{}",
+                    svc("web", "10.96.0.9", ""),
+                    svc("zzz", "10.96.0.2", ""),
+                    slice("api-1", "api", &[("10.244.1.1", "a")])
+                ),
+            ),
             ("everything goes", NODES.to_string()),
         ];
         let mut cache = DecisionCache::new("a");
@@ -325,7 +388,13 @@ mod tests {
             let c = cluster(yaml);
             let changes = Changes {
                 all: i == 0,
-                services: c.services.keys().chain(prev.services.keys()).filter(|k| c.services.get(*k) != prev.services.get(*k)).cloned().collect(),
+                services: c
+                    .services
+                    .keys()
+                    .chain(prev.services.keys())
+                    .filter(|k| c.services.get(*k) != prev.services.get(*k))
+                    .cloned()
+                    .collect(),
                 slices: c.slices.keys().chain(prev.slices.keys()).filter(|k| c.slices.get(*k) != prev.slices.get(*k)).cloned().collect(),
             };
             let before = cache.desired().clone();
@@ -353,7 +422,11 @@ mod tests {
 
     #[test]
     fn node_label_changes_need_a_full_update() {
-        let yaml = format!("{NODES}{}{}", svc("web", "10.96.0.1", ", trafficDistribution: PreferClose"), slice("web-1", "web", &[("10.244.0.1", "a"), ("10.244.0.2", "b")]));
+        let yaml = format!(
+            "{NODES}{}{}",
+            svc("web", "10.96.0.1", ", trafficDistribution: PreferClose"),
+            slice("web-1", "web", &[("10.244.0.1", "a"), ("10.244.0.2", "b")])
+        );
         let mut cache = DecisionCache::new("a");
         cache.update(&cluster(&yaml), &Changes { all: true, ..Changes::default() });
         let moved = yaml.replace("topology.kubernetes.io/zone: z-b", "topology.kubernetes.io/zone: z-a");

@@ -4,8 +4,8 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::model::{Backend, Cluster, Endpoint, EndpointSlice, Family, Frontend, ObjectRef, Service, ServicePort};
 use crate::decide::topology::{self, NodeContext};
+use crate::model::{Backend, Cluster, Endpoint, EndpointSlice, Family, Frontend, ObjectRef, Service, ServicePort};
 
 /// The outcome for one Service port on this node.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -94,11 +94,7 @@ pub fn decide_service(svc: &Service, slices: &[&EndpointSlice], ctx: NodeContext
         let mut endpoints: Vec<&Endpoint> = Vec::new();
         let mut ports: Vec<u16> = Vec::new();
         for slice in slices {
-            let Some(sp) = slice
-                .ports
-                .iter()
-                .find(|p| p.name == port.name && p.protocol == port.protocol)
-            else {
+            let Some(sp) = slice.ports.iter().find(|p| p.name == port.name && p.protocol == port.protocol) else {
                 continue;
             };
             for ep in &slice.endpoints {
@@ -112,10 +108,8 @@ pub fn decide_service(svc: &Service, slices: &[&EndpointSlice], ctx: NodeContext
         }
         let ranking = topology::rank(svc, &endpoints, ctx);
         let to_backends = |idx: &[usize]| -> Vec<Backend> {
-            let mut v: Vec<Backend> = idx
-                .iter()
-                .filter_map(|&i| Some(Backend { ip: endpoints.get(i)?.address, port: *ports.get(i)? }))
-                .collect();
+            let mut v: Vec<Backend> =
+                idx.iter().filter_map(|&i| Some(Backend { ip: endpoints.get(i)?.address, port: *ports.get(i)? })).collect();
             v.sort();
             // Kept for as long as the decision: no growth slack.
             v.shrink_to_fit();
@@ -124,11 +118,7 @@ pub fn decide_service(svc: &Service, slices: &[&EndpointSlice], ctx: NodeContext
         out.push(PortDecision {
             service: svc.id.clone(),
             port: port.clone(),
-            frontends: svc
-                .cluster_ips
-                .iter()
-                .map(|ip| Frontend { ip: *ip, port: port.port, protocol: port.protocol })
-                .collect(),
+            frontends: svc.cluster_ips.iter().map(|ip| Frontend { ip: *ip, port: port.port, protocol: port.protocol }).collect(),
             model: ranking.model.as_str(),
             decision: ranking.decision,
             cluster: to_backends(&ranking.cluster),
@@ -160,12 +150,7 @@ pub fn desired_state(decisions: &[PortDecision]) -> (BTreeMap<Frontend, BTreeSet
             }
             owner.insert(*fe, &d.service);
             let fam = Family::of(&fe.ip);
-            let set: BTreeSet<Backend> = d
-                .internal_backends()
-                .iter()
-                .filter(|b| Family::of(&b.ip) == fam)
-                .copied()
-                .collect();
+            let set: BTreeSet<Backend> = d.internal_backends().iter().filter(|b| Family::of(&b.ip) == fam).copied().collect();
             out.insert(*fe, set);
         }
     }

@@ -203,12 +203,7 @@ struct View<'a> {
 
 impl<'a> View<'a> {
     fn new(endpoints: &'a [&'a Endpoint], node: NodeContext<'a>) -> Self {
-        View {
-            endpoints,
-            node_name: node.name,
-            nodes: node.nodes,
-            labels: node.nodes.get(node.name).map(|n| &n.labels),
-        }
+        View { endpoints, node_name: node.name, nodes: node.nodes, labels: node.nodes.get(node.name).map(|n| &n.labels) }
     }
 
     fn all(&self) -> Vec<Indexed<'a>> {
@@ -269,9 +264,8 @@ impl Usable {
 /// the ones that are serving and terminating (kube-proxy's fallback,
 /// KEP-1669 / `CategorizeEndpoints`).
 fn usable(candidates: Vec<Indexed<'_>>, keep: impl Fn(&Endpoint) -> bool) -> Usable {
-    let pick = |f: &dyn Fn(&Endpoint) -> bool| -> Vec<usize> {
-        candidates.iter().filter(|(_, e)| keep(e) && f(e)).map(|(i, _)| *i).collect()
-    };
+    let pick =
+        |f: &dyn Fn(&Endpoint) -> bool| -> Vec<usize> { candidates.iter().filter(|(_, e)| keep(e) && f(e)).map(|(i, _)| *i).collect() };
     let ready = pick(&|e| e.ready);
     if !ready.is_empty() {
         return Usable { indices: ready, terminating: false };
@@ -439,9 +433,7 @@ fn dns1123_subdomain_errors(value: &str) -> Vec<String> {
         errs.push(format!("must be no more than {DNS1123_SUBDOMAIN_MAX_LEN} characters"));
     }
     let lower_alnum = |c: char| c.is_ascii_lowercase() || c.is_ascii_digit();
-    let ok = value
-        .split('.')
-        .all(|label| label.chars().all(|c| lower_alnum(c) || c == '-') && starts_and_ends_alnum(label, lower_alnum));
+    let ok = value.split('.').all(|label| label.chars().all(|c| lower_alnum(c) || c == '-') && starts_and_ends_alnum(label, lower_alnum));
     if !ok {
         errs.push(
             "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', \
@@ -478,8 +470,7 @@ fn starts_and_ends_alnum(s: &str, alnum: impl Fn(char) -> bool) -> bool {
 fn rank_by_keys(view: &View<'_>, source: &str, keys: &[String]) -> (Vec<usize>, String) {
     let all = view.all();
     let ready: Vec<Indexed<'_>> = all.iter().copied().filter(|(_, e)| e.ready).collect();
-    let terminating: Vec<Indexed<'_>> =
-        all.iter().copied().filter(|(_, e)| !e.ready && e.serving && e.terminating).collect();
+    let terminating: Vec<Indexed<'_>> = all.iter().copied().filter(|(_, e)| !e.ready && e.serving && e.terminating).collect();
 
     let mut log = Vec::new();
     if ready.is_empty() {
@@ -511,11 +502,7 @@ fn match_keys(view: &View<'_>, keys: &[String], candidates: &[Indexed<'_>], log:
             log.push(format!("node lacks label {key}"));
             continue;
         };
-        let sel: Vec<usize> = candidates
-            .iter()
-            .filter(|(_, e)| view.endpoint_label(e, key) == Some(value))
-            .map(|(i, _)| *i)
-            .collect();
+        let sel: Vec<usize> = candidates.iter().filter(|(_, e)| view.endpoint_label(e, key) == Some(value)).map(|(i, _)| *i).collect();
         if sel.is_empty() {
             log.push(format!("none in {key}={value}"));
         } else {
@@ -618,11 +605,8 @@ fn rank_openyurt(view: &View<'_>, yurt: &YurtTopology) -> (Vec<usize>, String) {
                 sel
             }
             Some(pool) => {
-                let sel: Vec<Indexed<'_>> = all
-                    .iter()
-                    .copied()
-                    .filter(|(_, e)| view.endpoint_label(e, LABEL_OPENYURT_NODEPOOL) == Some(pool))
-                    .collect();
+                let sel: Vec<Indexed<'_>> =
+                    all.iter().copied().filter(|(_, e)| view.endpoint_label(e, LABEL_OPENYURT_NODEPOOL) == Some(pool)).collect();
                 log.push(format!("{} in node pool {pool}", plural(sel.len(), "endpoint", "endpoints")));
                 sel
             }
@@ -745,9 +729,7 @@ fn rank_by_preference(svc: &Service, view: &View<'_>, problems: &mut Vec<String>
 
     let zone = view.zone();
     let requested = hints_requested_by(svc).map(|r| format!(" ({r})")).unwrap_or_default();
-    let select = |f: &dyn Fn(&Endpoint) -> bool| -> Vec<usize> {
-        ready.iter().filter(|(_, e)| f(e)).map(|(i, _)| *i).collect()
-    };
+    let select = |f: &dyn Fn(&Endpoint) -> bool| -> Vec<usize> { ready.iter().filter(|(_, e)| f(e)).map(|(i, _)| *i).collect() };
     let mut log = Vec::new();
 
     let node_hinted = ready.iter().filter(|(_, e)| has_hints(e.hint_nodes.as_deref())).count();
@@ -932,10 +914,7 @@ mod tests {
     }
 
     fn node(name: &str, labels: &[(&str, &str)]) -> Node {
-        Node {
-            name: name.to_string(),
-            labels: labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(),
-        }
+        Node { name: name.to_string(), labels: labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect() }
     }
 
     const REGION: &str = "topology.kubernetes.io/region";
@@ -1729,14 +1708,7 @@ mod tests {
     #[test]
     fn hints() {
         let za = || vec![node("n1", &[(LABEL_ZONE, "zone-a")])];
-        let four = || {
-            vec![
-                ep(3, "x").zh(&["zone-a"]),
-                ep(4, "x").zh(&["zone-b"]),
-                ep(5, "x").zh(&["zone-c"]),
-                ep(6, "x").zh(&["zone-a"]),
-            ]
-        };
+        let four = || vec![ep(3, "x").zh(&["zone-a"]), ep(4, "x").zh(&["zone-b"]), ep(5, "x").zh(&["zone-c"]), ep(6, "x").zh(&["zone-a"])];
         run(vec![
             Case {
                 name: "should use topology since all endpoints have hints, node has a zone label and there are endpoints for the node's zone",
@@ -1770,12 +1742,7 @@ mod tests {
                 name: "externalTrafficPolicy: Local, topology ignored for Local endpoints",
                 svc: svc().etp_local(),
                 nodes: za(),
-                eps: vec![
-                    ep(3, "n1").zh(&["zone-a"]),
-                    ep(4, "n1").zh(&["zone-b"]),
-                    ep(5, "x").zh(&["zone-c"]),
-                    ep(6, "x").zh(&["zone-a"]),
-                ],
+                eps: vec![ep(3, "n1").zh(&["zone-a"]), ep(4, "n1").zh(&["zone-b"]), ep(5, "x").zh(&["zone-c"]), ep(6, "x").zh(&["zone-a"])],
                 model: Model::HintsZone,
                 cluster: vec![0, 3],
                 local: vec![0, 1],
@@ -1786,12 +1753,7 @@ mod tests {
                 name: "internalTrafficPolicy: Local, topology ignored for Local endpoints",
                 svc: svc().itp_local(),
                 nodes: za(),
-                eps: vec![
-                    ep(3, "n1").zh(&["zone-a"]),
-                    ep(4, "n1").zh(&["zone-b"]),
-                    ep(5, "x").zh(&["zone-c"]),
-                    ep(6, "x").zh(&["zone-a"]),
-                ],
+                eps: vec![ep(3, "n1").zh(&["zone-a"]), ep(4, "n1").zh(&["zone-b"]), ep(5, "x").zh(&["zone-c"]), ep(6, "x").zh(&["zone-a"])],
                 model: Model::HintsZone,
                 cluster: vec![0, 3],
                 local: vec![0, 1],
@@ -1805,12 +1767,7 @@ mod tests {
                 says: vec!["zone hints ignored: node lacks label topology.kubernetes.io/zone"],
                 ..Default::default()
             },
-            Case {
-                name: "unknown node",
-                eps: vec![ep(3, "x").zh(&["zone-a"])],
-                cluster: vec![0],
-                ..Default::default()
-            },
+            Case { name: "unknown node", eps: vec![ep(3, "x").zh(&["zone-a"])], cluster: vec![0], ..Default::default() },
             Case {
                 name: "empty zone label",
                 nodes: vec![node("n1", &[(LABEL_ZONE, "")])],
@@ -1902,12 +1859,7 @@ mod tests {
                 name: "conflicting topology and localness require merging allEndpoints",
                 svc: svc().etp_local(),
                 nodes: za(),
-                eps: vec![
-                    ep(0, "n1").zh(&["zone-a"]),
-                    ep(1, "n1").zh(&["zone-b"]),
-                    ep(2, "x").zh(&["zone-a"]),
-                    ep(3, "x").zh(&["zone-b"]),
-                ],
+                eps: vec![ep(0, "n1").zh(&["zone-a"]), ep(1, "n1").zh(&["zone-b"]), ep(2, "x").zh(&["zone-a"]), ep(3, "x").zh(&["zone-b"])],
                 model: Model::HintsZone,
                 cluster: vec![0, 2],
                 local: vec![0, 1],
@@ -1932,10 +1884,7 @@ mod tests {
                 name: "node hints: none for this node, zone hints used",
                 svc: svc().td("PreferSameNode"),
                 nodes: za(),
-                eps: vec![
-                    ep(2, "n2").nh(&["n2"]).zh(&["zone-a"]),
-                    ep(3, "n3").nh(&["n3"]).zh(&["zone-b"]),
-                ],
+                eps: vec![ep(2, "n2").nh(&["n2"]).zh(&["zone-a"]), ep(3, "n3").nh(&["n3"]).zh(&["zone-b"])],
                 model: Model::HintsZone,
                 cluster: vec![0],
                 says: vec!["node hints ignored: none for n1"],
@@ -1944,11 +1893,7 @@ mod tests {
             Case {
                 name: "node hints: one endpoint lacks a node hint, zone hints used",
                 nodes: za(),
-                eps: vec![
-                    ep(1, "n1").nh(&["n1"]).zh(&["zone-a"]),
-                    ep(2, "n2").zh(&["zone-a"]),
-                    ep(3, "n3").nh(&["n3"]).zh(&["zone-b"]),
-                ],
+                eps: vec![ep(1, "n1").nh(&["n1"]).zh(&["zone-a"]), ep(2, "n2").zh(&["zone-a"]), ep(3, "n3").nh(&["n3"]).zh(&["zone-b"])],
                 model: Model::HintsZone,
                 cluster: vec![0, 1],
                 local: vec![0],
@@ -2101,12 +2046,7 @@ mod tests {
     #[test]
     fn traffic_distribution_derived() {
         let nodes = || {
-            vec![
-                node("n1", &[(LABEL_ZONE, "za")]),
-                node("n2", &[(LABEL_ZONE, "za")]),
-                node("n3", &[(LABEL_ZONE, "zb")]),
-                node("nz", &[]),
-            ]
+            vec![node("n1", &[(LABEL_ZONE, "za")]), node("n2", &[(LABEL_ZONE, "za")]), node("n3", &[(LABEL_ZONE, "zb")]), node("nz", &[])]
         };
         let eps = || vec![ep(1, "n1").zone("za"), ep(2, "n2").zone("za"), ep(3, "n3").zone("zb")];
         run(vec![
@@ -2260,15 +2200,7 @@ mod tests {
         let names: Vec<&str> = Model::ALL.iter().map(|m| m.as_str()).collect();
         assert_eq!(
             names,
-            [
-                "Cluster",
-                "TopologyKeys",
-                "OpenYurt",
-                "HintsNode",
-                "HintsZone",
-                "TrafficDistributionNode",
-                "TrafficDistributionZone"
-            ]
+            ["Cluster", "TopologyKeys", "OpenYurt", "HintsNode", "HintsZone", "TrafficDistributionNode", "TrafficDistributionZone"]
         );
         let unique: BTreeSet<&str> = names.iter().copied().collect();
         assert_eq!(unique.len(), names.len());
@@ -2299,7 +2231,11 @@ mod tests {
         let s = svc().keys(&["*", LABEL_HOSTNAME]);
         let r = rank(&s, &refs, NodeContext { name: "node-a", nodes: &nodes });
         assert_eq!(r.problems.len(), 1);
-        assert!(r.problems[0].starts_with("spec.topologyKeys ignored until fixed: spec.topologyKeys[0]: Invalid value"), "{:?}", r.problems);
+        assert!(
+            r.problems[0].starts_with("spec.topologyKeys ignored until fixed: spec.topologyKeys[0]: Invalid value"),
+            "{:?}",
+            r.problems
+        );
         assert_eq!(r.decision, "spec.topologyKeys is invalid and ignored (see problems); 3 ready endpoints cluster-wide");
     }
 }

@@ -143,12 +143,7 @@ mod tests {
     fn answers_like_kube_proxy() {
         let r = response(Some(&(ObjectRef::new("default", "web"), 2)));
         assert!(r.starts_with("HTTP/1.1 200 OK\r\n"), "{r}");
-        assert!(
-            r.ends_with(
-                r#"{"localEndpoints":2,"service":{"name":"web","namespace":"default"},"serviceProxyHealthy":true}"#
-            ),
-            "{r}"
-        );
+        assert!(r.ends_with(r#"{"localEndpoints":2,"service":{"name":"web","namespace":"default"},"serviceProxyHealthy":true}"#), "{r}");
         let r = response(Some(&(ObjectRef::new("default", "web"), 0)));
         assert!(r.starts_with("HTTP/1.1 503 Service Unavailable\r\n"), "{r}");
     }

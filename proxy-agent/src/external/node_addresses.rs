@@ -72,12 +72,10 @@ impl Devices {
         }
         // The kernel's dev_valid_name(): what cannot be an interface name
         // would only fail later, at attach time, with a less clear error.
-        if let Some(bad) = names.iter().find(|n| {
-            n.len() > MAX_IFNAME
-                || *n == "."
-                || *n == ".."
-                || n.chars().any(|c| c == '/' || c == ':' || c.is_whitespace())
-        }) {
+        if let Some(bad) = names
+            .iter()
+            .find(|n| n.len() > MAX_IFNAME || *n == "." || *n == ".." || n.chars().any(|c| c == '/' || c == ':' || c.is_whitespace()))
+        {
             return Err(DevicesError::BadName { name: bad.clone() });
         }
         Ok(Devices::List(names))
@@ -111,10 +109,7 @@ pub fn interface_addresses() -> io::Result<Vec<IfAddr>> {
         // SAFETY: a node of the list returned by getifaddrs.
         let ifa = unsafe { &*cur };
         cur = ifa.ifa_next;
-        if ifa.ifa_addr.is_null()
-            || ifa.ifa_flags & libc::IFF_UP as u32 == 0
-            || ifa.ifa_flags & libc::IFF_LOOPBACK as u32 != 0
-        {
+        if ifa.ifa_addr.is_null() || ifa.ifa_flags & libc::IFF_UP as u32 == 0 || ifa.ifa_flags & libc::IFF_LOOPBACK as u32 != 0 {
             continue;
         }
         // SAFETY: ifa_name is a NUL-terminated string owned by the list.
@@ -251,10 +246,8 @@ pub fn resolve(addrs: &[IfAddr], devices: &Devices, node_ips: &[IpAddr], default
         IpAddr::V6(a) => Some(*a),
         _ => None,
     });
-    let by_preference = devices
-        .iter()
-        .filter(|d| default_route_devices.contains(d))
-        .chain(devices.iter().filter(|d| !default_route_devices.contains(d)));
+    let by_preference =
+        devices.iter().filter(|d| default_route_devices.contains(d)).chain(devices.iter().filter(|d| !default_route_devices.contains(d)));
     for d in by_preference {
         for a in addrs.iter().filter(|a| &a.device == d) {
             match a.ip {

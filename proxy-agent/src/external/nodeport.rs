@@ -11,11 +11,11 @@ use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
 use proxy_common as pc;
 use proxy_common::{AddrKey, NpConfig, NpFlagsValue, ServiceKey};
 
-use crate::decide::decision::ExternalState;
 use crate::datapath::map_writer::{ApplyError, MapWriter, WriteError, frontend_of, service_key};
-use crate::model::Frontend;
-use crate::external::node_addresses::{self, Devices, Resolved};
+use crate::decide::decision::ExternalState;
 use crate::decide::plan;
+use crate::external::node_addresses::{self, Devices, Resolved};
+use crate::model::Frontend;
 
 fn addr_key(ip: &IpAddr) -> AddrKey {
     // Same encoding as the service keys.
@@ -47,12 +47,9 @@ impl NodePortWriter {
     pub fn open(pin_dir: &Path) -> Result<NodePortWriter, WriteError> {
         let writer = MapWriter::open_maps(pin_dir, [pc::NP_SERVICES_MAP, pc::NP_SLOTS_MAP, pc::NP_BACKENDS_MAP])?;
         let err = |map: &'static str| move |source| WriteError::Open { map, source };
-        let flags =
-            HashMap::try_from(Map::HashMap(open_map(pin_dir, pc::NP_FLAGS_MAP)?)).map_err(err(pc::NP_FLAGS_MAP))?;
-        let local =
-            HashMap::try_from(Map::HashMap(open_map(pin_dir, pc::NP_LOCAL_MAP)?)).map_err(err(pc::NP_LOCAL_MAP))?;
-        let config =
-            Array::try_from(Map::Array(open_map(pin_dir, pc::NP_CONFIG_MAP)?)).map_err(err(pc::NP_CONFIG_MAP))?;
+        let flags = HashMap::try_from(Map::HashMap(open_map(pin_dir, pc::NP_FLAGS_MAP)?)).map_err(err(pc::NP_FLAGS_MAP))?;
+        let local = HashMap::try_from(Map::HashMap(open_map(pin_dir, pc::NP_LOCAL_MAP)?)).map_err(err(pc::NP_LOCAL_MAP))?;
+        let config = Array::try_from(Map::Array(open_map(pin_dir, pc::NP_CONFIG_MAP)?)).map_err(err(pc::NP_CONFIG_MAP))?;
         Ok(NodePortWriter { writer, flags, local, config })
     }
 
@@ -60,22 +57,10 @@ impl NodePortWriter {
         self.writer.frontends()
     }
 
-    pub fn set_config(
-        &mut self,
-        snat_v4: Option<Ipv4Addr>,
-        snat_v6: Option<Ipv6Addr>,
-        ports: (u16, u16),
-    ) -> Result<(), WriteError> {
+    pub fn set_config(&mut self, snat_v4: Option<Ipv4Addr>, snat_v6: Option<Ipv6Addr>, ports: (u16, u16)) -> Result<(), WriteError> {
         let v4 = snat_v4.map(|a| u32::from_ne_bytes(a.octets())).unwrap_or(0);
         let v6 = snat_v6.map(|a| addr_key(&IpAddr::V6(a)).ip_be).unwrap_or([0; 4]);
-        let cfg = NpConfig {
-            snat_v4_be: v4,
-            _pad0: 0,
-            snat_v6_be: v6,
-            snat_port_min: ports.0,
-            snat_port_max: ports.1,
-            _pad1: 0,
-        };
+        let cfg = NpConfig { snat_v4_be: v4, _pad0: 0, snat_v6_be: v6, snat_port_min: ports.0, snat_port_max: ports.1, _pad1: 0 };
         self.config.set(0, cfg, 0).map_err(|source| WriteError::Syscall { map: pc::NP_CONFIG_MAP, source })
     }
 
@@ -90,11 +75,8 @@ impl NodePortWriter {
                 tracing::warn!(error = %e, "marking a local endpoint failed");
             }
         }
-        let want_flags: BTreeMap<ServiceKey, NpFlagsValue> = ext
-            .policy_local
-            .iter()
-            .map(|fe| (service_key(fe), NpFlagsValue { flags: pc::NP_FLAG_POLICY_LOCAL }))
-            .collect();
+        let want_flags: BTreeMap<ServiceKey, NpFlagsValue> =
+            ext.policy_local.iter().map(|fe| (service_key(fe), NpFlagsValue { flags: pc::NP_FLAG_POLICY_LOCAL })).collect();
         let have_flags: BTreeSet<ServiceKey> = self.flags.keys().filter_map(Result::ok).collect();
         for (k, v) in &want_flags {
             if let Err(e) = self.flags.insert(k, v, 0) {
@@ -181,18 +163,14 @@ impl ExternalDatapath {
                 // yet: start anyway, `refresh` attaches once an address
                 // appears.
                 warnings.push(
-                    "--devices auto found no interface with an address yet; the TC programs are attached when one appears"
-                        .to_string(),
+                    "--devices auto found no interface with an address yet; the TC programs are attached when one appears".to_string(),
                 );
             }
-            warnings.extend(
-                crate::datapath::tc_loader::install(pin_dir, &resolved.devices, cfg.tc_mode)
-                    .context("attaching the TC programs")?,
-            );
+            warnings
+                .extend(crate::datapath::tc_loader::install(pin_dir, &resolved.devices, cfg.tc_mode).context("attaching the TC programs")?);
             attached = with_ifindex(&resolved.devices);
             let mut w = NodePortWriter::open(pin_dir).context("opening the TC maps")?;
-            w.set_config(resolved.snat_v4, resolved.snat_v6, cfg.snat_ports)
-                .context("writing the TC configuration")?;
+            w.set_config(resolved.snat_v4, resolved.snat_v6, cfg.snat_ports).context("writing the TC configuration")?;
             Some(w)
         } else {
             // `none`: take down what an earlier agent with devices attached
@@ -268,8 +246,7 @@ impl ExternalDatapath {
         }
         if new.node_addrs != self.resolved.node_addrs {
             let added: Vec<&IpAddr> = new.node_addrs.iter().filter(|a| !self.resolved.node_addrs.contains(a)).collect();
-            let removed: Vec<&IpAddr> =
-                self.resolved.node_addrs.iter().filter(|a| !new.node_addrs.contains(a)).collect();
+            let removed: Vec<&IpAddr> = self.resolved.node_addrs.iter().filter(|a| !new.node_addrs.contains(a)).collect();
             tracing::info!(?added, ?removed, "node addresses changed; NodePorts follow");
             changed = true;
         }

@@ -176,9 +176,7 @@ pub struct Cluster {
 impl Cluster {
     /// The slices that belong to a Service (same namespace, service-name label).
     pub fn slices_of<'a>(&'a self, svc: &'a ObjectRef) -> impl Iterator<Item = &'a EndpointSlice> + 'a {
-        self.slices
-            .values()
-            .filter(move |s| s.id.namespace == svc.namespace && s.service_name == svc.name)
+        self.slices.values().filter(move |s| s.id.namespace == svc.namespace && s.service_name == svc.name)
     }
 }
 

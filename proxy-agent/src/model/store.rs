@@ -211,7 +211,14 @@ mod tests {
             load_balancer_ips: Vec::new(),
             health_check_node_port: None,
         };
-        Delta { kind: Kind::Service, id: s.id.clone(), present: true, uid: Some(format!("uid-{name}")), object: Some(Object::Service(s)), problems: Vec::new() }
+        Delta {
+            kind: Kind::Service,
+            id: s.id.clone(),
+            present: true,
+            uid: Some(format!("uid-{name}")),
+            object: Some(Object::Service(s)),
+            problems: Vec::new(),
+        }
     }
 
     #[test]

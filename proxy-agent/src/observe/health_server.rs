@@ -50,12 +50,7 @@ pub struct Health {
 impl Health {
     pub fn new(stale_after: Duration) -> Health {
         Health {
-            state: Mutex::new(State {
-                ready: false,
-                waiting_for: "the first sync".into(),
-                last_sync: None,
-                pending_since: None,
-            }),
+            state: Mutex::new(State { ready: false, waiting_for: "the first sync".into(), last_sync: None, pending_since: None }),
             stale_after,
         }
     }
@@ -93,10 +88,8 @@ impl Health {
 
     fn healthz(&self) -> (StatusCode, String) {
         let s = self.lock();
-        let last = s
-            .last_sync
-            .and_then(|t| t.duration_since(UNIX_EPOCH).ok())
-            .map_or("null".to_string(), |d| format!("{:.3}", d.as_secs_f64()));
+        let last =
+            s.last_sync.and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or("null".to_string(), |d| format!("{:.3}", d.as_secs_f64()));
         let pending = s.pending_since.map(|p| p.elapsed());
         let stuck = pending.is_some_and(|p| p > self.stale_after);
         let body = format!(
@@ -163,11 +156,7 @@ fn respond(req: &Request<Incoming>, health: &Health, metrics: &Metrics) -> Respo
             let (code, body) = health.readyz();
             reply(code, "text/plain; charset=utf-8", body)
         }
-        "/metrics" => reply(
-            StatusCode::OK,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            metrics.encode(),
-        ),
+        "/metrics" => reply(StatusCode::OK, "application/openmetrics-text; version=1.0.0; charset=utf-8", metrics.encode()),
         _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found; try /healthz, /readyz or /metrics\n".into()),
     }
 }

@@ -19,7 +19,6 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
-
 /// Label sets are small `(name, value)` lists; the names are fixed strings.
 type Labels = Vec<(&'static str, String)>;
 
@@ -146,8 +145,7 @@ impl Metrics {
             Unit::Seconds,
             sync_duration.clone(),
         );
-        let network_programming: Family<Labels, Histogram, fn() -> Histogram> =
-            Family::new_with_constructor(latency_histogram);
+        let network_programming: Family<Labels, Histogram, fn() -> Histogram> = Family::new_with_constructor(latency_histogram);
         registry.register_with_unit(
             "network_programming_duration",
             "Time from an object's change (EndpointSlice endpoints.kubernetes.io/last-change-trigger-time, else the moment the watch event arrived) to the maps being written, by object kind",

@@ -4,8 +4,8 @@
 
 use serde_json::Value;
 
-use crate::model::store::{Delta, Kind, Object, ObjectProblem};
 use crate::model::ObjectRef;
+use crate::model::store::{Delta, Kind, Object, ObjectProblem};
 use crate::source::objects::{self, Converted, SERVICE_NAME_LABEL};
 use crate::source::wire::{WireService, WireSlice};
 
@@ -43,7 +43,8 @@ pub fn delta_from_value(kind: Kind, v: &Value) -> Delta {
 pub(crate) fn service_delta(s: WireService) -> Delta {
     let (ns, name) = objects::meta_ref(&s.metadata);
     let id = ObjectRef::new(ns, name);
-    let mut d = Delta { kind: Kind::Service, id: id.clone(), present: true, uid: s.metadata.uid.clone(), object: None, problems: Vec::new() };
+    let mut d =
+        Delta { kind: Kind::Service, id: id.clone(), present: true, uid: s.metadata.uid.clone(), object: None, problems: Vec::new() };
     record(&mut d, Some(id), objects::service_from_wire(s), Object::Service);
     d
 }

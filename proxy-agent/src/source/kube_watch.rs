@@ -54,10 +54,6 @@ pub const SERVICE_LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-n
 /// (pkg/proxy/metrics: NetworkProgrammingLatency).
 pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
-
-
-
-
 /// Starts one watcher task per kind and returns the queue they fill.
 /// The tasks run until the runtime shuts down.
 pub fn start(client: Client, tx: UnboundedSender<Signal>) -> Stores {
@@ -67,7 +63,15 @@ pub fn start(client: Client, tx: UnboundedSender<Signal>) -> Stores {
     tokio::spawn(watch_kind(services, svc_config, stores.clone(), Kind::Service, tx.clone(), |_| None, |s| Some(service_delta(s))));
 
     let slices: Api<WireSlice> = Api::all(client.clone());
-    tokio::spawn(watch_kind(slices, watcher::Config::default(), stores.clone(), Kind::EndpointSlice, tx.clone(), slice_trigger_time, |s| Some(slice_delta(s))));
+    tokio::spawn(watch_kind(
+        slices,
+        watcher::Config::default(),
+        stores.clone(),
+        Kind::EndpointSlice,
+        tx.clone(),
+        slice_trigger_time,
+        |s| Some(slice_delta(s)),
+    ));
 
     // `Api<PartialObjectMeta<K>>` makes list and watch send the
     // `as=PartialObjectMetadata[List];g=meta.k8s.io;v=v1` Accept header
@@ -108,10 +112,7 @@ fn classify(e: &watcher::Error) -> (bool, bool) {
     };
     let too_large = status.code == 504
         && (status.message.contains("Too large resource version")
-            || status
-                .details
-                .as_ref()
-                .is_some_and(|d| d.causes.iter().any(|c| c.reason == "ResourceVersionTooLarge")));
+            || status.details.as_ref().is_some_and(|d| d.causes.iter().any(|c| c.reason == "ResourceVersionTooLarge")));
     let expired = status.code == 410 || too_large;
     (expired, expired)
 }
@@ -227,12 +228,6 @@ async fn watch_kind<K>(
     }
 }
 
-
-
-
-
-
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,11 +241,7 @@ mod tests {
 
     #[test]
     fn expired_versions_are_recognised() {
-        let status = |code: u16, message: &str| kube::core::Status {
-            code,
-            message: message.into(),
-            ..Default::default()
-        };
+        let status = |code: u16, message: &str| kube::core::Status { code, message: message.into(), ..Default::default() };
         let e = watcher::Error::WatchError(Box::new(status(410, "too old resource version")));
         assert_eq!(classify(&e), (true, false), "the watcher relists on a 410 event itself");
         let e = watcher::Error::WatchStartFailed(kube::Error::Api(Box::new(status(504, "Too large resource version: 9, current: 3"))));

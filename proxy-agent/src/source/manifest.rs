@@ -54,10 +54,7 @@ fn walk(p: &Path, explicit: bool, out: &mut Vec<PathBuf>, errors: &mut Vec<Manif
             Err(e) => errors.push(err(format!("cannot list directory: {e}"))),
         },
         Ok(_) => {
-            let wanted = p
-                .extension()
-                .and_then(|e| e.to_str())
-                .is_some_and(|e| EXTENSIONS.contains(&e.to_ascii_lowercase().as_str()));
+            let wanted = p.extension().and_then(|e| e.to_str()).is_some_and(|e| EXTENSIONS.contains(&e.to_ascii_lowercase().as_str()));
             // Editors leave hidden swap files next to manifests; skip them in
             // directories.
             let hidden = p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'));
@@ -167,7 +164,9 @@ fn document_starts(text: &str) -> Option<Vec<usize>> {
 enum Parallel {
     Done,
     /// A piece failed to parse; `delivered` documents were handed over.
-    Stopped { delivered: usize },
+    Stopped {
+        delivered: usize,
+    },
 }
 
 /// What a parser thread made of one block of pieces: its documents in
@@ -302,10 +301,8 @@ fn push_object(src: &str, value: Value, f: &mut impl FnMut(Document), errors: &m
                 f(Document { location: src.into(), value: Value::Object(map) });
             }
         }
-        other => errors.push(ManifestError {
-            location: src.into(),
-            reason: format!("expected a Kubernetes object, found {}", json_type(&other)),
-        }),
+        other => errors
+            .push(ManifestError { location: src.into(), reason: format!("expected a Kubernetes object, found {}", json_type(&other)) }),
     }
 }
 

@@ -67,7 +67,11 @@ fn add(read: &mut ManifestRead, doc: &Document) {
     if read.deltas.get(&key).is_some_and(|old| old.object.is_some()) && d.object.is_some() {
         let service = (kind == Kind::Service).then(|| d.id.clone());
         let reason = "defined more than once; the last definition wins".to_string();
-        d.problems.push(ObjectProblem { kind, error: ObjectError { kind: kind.as_str().into(), object: d.id.to_string(), reason }, service });
+        d.problems.push(ObjectProblem {
+            kind,
+            error: ObjectError { kind: kind.as_str().into(), object: d.id.to_string(), reason },
+            service,
+        });
     }
     read.deltas.insert(key, d);
 }
@@ -115,7 +119,8 @@ async fn watch(paths: Vec<PathBuf>, interval: Duration, metrics: Arc<Metrics>, s
             let mut deltas: Vec<Delta> = read.deltas.into_values().collect();
             for (kind, ids) in &known {
                 let current = now.get(kind);
-                deltas.extend(ids.iter().filter(|id| !current.is_some_and(|c| c.contains(*id))).map(|id| Delta::removed(*kind, id.clone())));
+                deltas
+                    .extend(ids.iter().filter(|id| !current.is_some_and(|c| c.contains(*id))).map(|id| Delta::removed(*kind, id.clone())));
             }
             stores.push_all(deltas);
             for kind in Kind::ALL {

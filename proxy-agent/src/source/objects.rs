@@ -12,11 +12,8 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::model::store::ObjectError;
+use crate::model::{Cluster, Endpoint, EndpointSlice, Family, Node, ObjectRef, Protocol, Service, ServicePort, ServiceType, SlicePort};
 use crate::source::manifest::Document;
-use crate::model::{
-    Cluster, Endpoint, EndpointSlice, Family, Node, ObjectRef, Protocol, Service, ServicePort,
-    ServiceType, SlicePort,
-};
 use crate::source::wire::{FirstAddress, WireService, WireSlice};
 
 /// Label that ties an EndpointSlice to its Service (discovery.k8s.io/v1).
@@ -26,7 +23,6 @@ pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 /// Marks a Service whose endpoints are consumed only through DNS.
 pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
-
 
 /// What happened to one object.
 #[derive(Debug)]
@@ -207,7 +203,8 @@ pub fn service_from_wire(svc: WireService) -> Conversion<Service> {
     let mut ports = Vec::new();
     let mut problems = Vec::new();
     for (i, p) in spec.ports.take().unwrap_or_default().into_iter().enumerate() {
-        let port = port_u16(p.port).ok_or_else(|| fail(K, &ns, &name, format!("spec.ports[{i}].port {} is out of range 1-65535", p.port)))?;
+        let port =
+            port_u16(p.port).ok_or_else(|| fail(K, &ns, &name, format!("spec.ports[{i}].port {} is out of range 1-65535", p.port)))?;
         let protocol = match protocol(p.protocol.as_deref()) {
             Ok(p) => p,
             Err(r) => {
@@ -238,19 +235,11 @@ pub fn service_from_wire(svc: WireService) -> Conversion<Service> {
         Some(_) => return Err(fail(K, &ns, &name, "spec.topologyKeys must be a list of strings")),
     };
     let ips = |list: &[String], field: &str| -> Result<Vec<IpAddr>, ObjectError> {
-        list.iter()
-            .map(|s| parse_ip(s).ok_or_else(|| fail(K, &ns, &name, format!("{field}: {s:?} is not an IP address"))))
-            .collect()
+        list.iter().map(|s| parse_ip(s).ok_or_else(|| fail(K, &ns, &name, format!("{field}: {s:?} is not an IP address")))).collect()
     };
     let external_ips = ips(&spec.external_ips.clone().unwrap_or_default(), "spec.externalIPs")?;
-    let lb: Vec<String> = svc
-        .status
-        .and_then(|s| s.load_balancer)
-        .and_then(|lb| lb.ingress)
-        .unwrap_or_default()
-        .into_iter()
-        .filter_map(|i| i.ip)
-        .collect();
+    let lb: Vec<String> =
+        svc.status.and_then(|s| s.load_balancer).and_then(|lb| lb.ingress).unwrap_or_default().into_iter().filter_map(|i| i.ip).collect();
     let load_balancer_ips = ips(&lb, "status.loadBalancer.ingress[].ip")?;
     let external_policy = spec.external_traffic_policy.as_deref().unwrap_or("Cluster");
     let service = Service {
@@ -330,7 +319,12 @@ pub fn slice_from_wire(slice: WireSlice) -> Conversion<EndpointSlice> {
             }
         };
         if Family::of(&address) != family {
-            problems.push(fail(K, &ns, &name, format!("endpoints[{i}] address {address} does not match addressType {}; endpoint skipped", slice.address_type)));
+            problems.push(fail(
+                K,
+                &ns,
+                &name,
+                format!("endpoints[{i}] address {address} does not match addressType {}; endpoint skipped", slice.address_type),
+            ));
             continue;
         }
         let cond = ep.conditions.unwrap_or_default();
@@ -349,10 +343,7 @@ pub fn slice_from_wire(slice: WireSlice) -> Conversion<EndpointSlice> {
             hint_nodes: hints.for_nodes.map(|n| n.into_iter().map(|n| n.name.0).collect()),
         });
     }
-    Ok((
-        Converted::Ok(EndpointSlice { id: ObjectRef::new(ns, name), service_name, family, ports, endpoints }),
-        problems,
-    ))
+    Ok((Converted::Ok(EndpointSlice { id: ObjectRef::new(ns, name), service_name, family, ports, endpoints }), problems))
 }
 
 pub fn node_from_json(v: &Value) -> Result<Node, ObjectError> {
@@ -362,8 +353,11 @@ pub fn node_from_json(v: &Value) -> Result<Node, ObjectError> {
     }
     let labels: BTreeMap<String, String> = match v.get("metadata").and_then(|m| m.get("labels")) {
         None | Some(Value::Null) => BTreeMap::new(),
-        Some(l) => BTreeMap::<String, String>::deserialize(l)
-            .map_err(|e| ObjectError { kind: "Node".into(), object: name.clone(), reason: format!("metadata.labels: {e}") })?,
+        Some(l) => BTreeMap::<String, String>::deserialize(l).map_err(|e| ObjectError {
+            kind: "Node".into(),
+            object: name.clone(),
+            reason: format!("metadata.labels: {e}"),
+        })?,
     };
     Ok(Node { name, labels })
 }

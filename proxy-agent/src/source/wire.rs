@@ -26,10 +26,10 @@ use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
 
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::NamespaceResourceScope;
-use serde::de::{self, Deserializer, IgnoredAny, SeqAccess, Visitor};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
+use serde::de::{self, Deserializer, IgnoredAny, SeqAccess, Visitor};
 use serde_json::Value;
 
 use crate::util::intern::intern;

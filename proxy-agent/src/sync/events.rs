@@ -20,12 +20,12 @@ use k8s_openapi::api::core::v1::ObjectReference;
 use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, PostParams};
 use kube::Client;
+use kube::api::{Api, PostParams};
 use tokio::sync::watch;
 
-use crate::observe::metrics::{Metrics, reason as metric_reason};
 use crate::model::ObjectRef;
+use crate::observe::metrics::{Metrics, reason as metric_reason};
 
 /// `reportingController` of every Event the agent posts.
 pub const REPORTING_CONTROLLER: &str = "topoproxy";
@@ -104,11 +104,7 @@ impl Deduper {
 
 /// Builds the Event for a problem.
 pub fn event_for(p: &ServiceProblem, instance: &str, now: Timestamp) -> Event {
-    let note = if p.message.len() > MAX_NOTE {
-        format!("{}...", truncate(&p.message, MAX_NOTE - 3))
-    } else {
-        p.message.clone()
-    };
+    let note = if p.message.len() > MAX_NOTE { format!("{}...", truncate(&p.message, MAX_NOTE - 3)) } else { p.message.clone() };
     Event {
         metadata: ObjectMeta {
             // The naming client-go's recorder uses: object name, a dot, a

@@ -206,7 +206,8 @@ impl CachedSync {
         let retried = std::mem::take(&mut self.retry);
         touched.extend(retried.iter().copied());
         if changes.all {
-            let all: Vec<ObjectRef> = self.cache.service_ids().chain(self.local_of.keys()).chain(self.external_services.iter()).cloned().collect();
+            let all: Vec<ObjectRef> =
+                self.cache.service_ids().chain(self.local_of.keys()).chain(self.external_services.iter()).cloned().collect();
             self.track_external(all);
         } else {
             self.track_external(update.services.iter().cloned());
@@ -242,13 +243,12 @@ impl CachedSync {
         let mut failures = writer.apply(&plan);
         self.retry = failures.iter().map(|f| f.frontend).collect();
 
-        let recheck: Vec<ObjectRef> =
-            if full {
-                self.cache.service_ids().chain(self.programmed.iter()).cloned().collect()
-            } else {
-                let owners = retried.iter().filter_map(|fe| self.cache.owner(fe).cloned());
-                update.services.into_iter().chain(owners).collect()
-            };
+        let recheck: Vec<ObjectRef> = if full {
+            self.cache.service_ids().chain(self.programmed.iter()).cloned().collect()
+        } else {
+            let owners = retried.iter().filter_map(|fe| self.cache.owner(fe).cloned());
+            update.services.into_iter().chain(owners).collect()
+        };
         for id in recheck {
             if self.cache.owned_frontends(&id).any(|fe| writer.backends_of(fe).is_some()) {
                 self.programmed.insert(id);

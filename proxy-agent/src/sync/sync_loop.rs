@@ -204,7 +204,10 @@ impl<W: SocketMaps> SyncLoop<W> {
                     self.metrics.error(reason::WATCH);
                     let first = !self.failing.insert(kind, true).unwrap_or(false);
                     if first {
-                        tracing::warn!(kind = kind.as_str(), "API server list/watch failed; keeping the datapath as it is and retrying with backoff: {message}");
+                        tracing::warn!(
+                            kind = kind.as_str(),
+                            "API server list/watch failed; keeping the datapath as it is and retrying with backoff: {message}"
+                        );
                     } else {
                         tracing::debug!(kind = kind.as_str(), "API server list/watch still failing: {message}");
                     }

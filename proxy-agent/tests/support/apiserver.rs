@@ -168,11 +168,8 @@ impl State {
         let res = Resource::of_kind(obj.get("kind")?.as_str()?)?;
         let meta = obj.get("metadata")?;
         let name = meta.get("name")?.as_str()?.to_string();
-        let ns = if res.namespaced() {
-            meta.get("namespace").and_then(Value::as_str).unwrap_or("default").to_string()
-        } else {
-            String::new()
-        };
+        let ns =
+            if res.namespaced() { meta.get("namespace").and_then(Value::as_str).unwrap_or("default").to_string() } else { String::new() };
         Some((res, ns, name))
     }
 
@@ -201,10 +198,8 @@ impl State {
             .and_then(|o| o["metadata"]["uid"].as_str().map(str::to_string))
             .unwrap_or_else(|| format!("00000000-0000-4000-8000-{:012x}", UID.fetch_add(1, Ordering::Relaxed)));
         meta.insert("uid".into(), json!(uid));
-        let created = old
-            .as_ref()
-            .and_then(|o| o["metadata"]["creationTimestamp"].as_str().map(str::to_string))
-            .unwrap_or_else(now_rfc3339);
+        let created =
+            old.as_ref().and_then(|o| o["metadata"]["creationTimestamp"].as_str().map(str::to_string)).unwrap_or_else(now_rfc3339);
         meta.insert("creationTimestamp".into(), json!(created));
         obj["metadata"] = Value::Object(meta);
         obj["apiVersion"] = json!(key.0.api_version());
@@ -310,9 +305,7 @@ impl ApiServer {
                                 let st = st.clone();
                                 async move { Ok::<_, Infallible>(handle(st, req).await) }
                             });
-                            let _ = hyper::server::conn::http1::Builder::new()
-                                .serve_connection(TokioIo::new(stream), svc)
-                                .await;
+                            let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
                         });
                     }
                 };
@@ -471,15 +464,13 @@ fn decode(s: &str) -> String {
     while i < bytes.len() {
         match bytes[i] {
             b'+' => out.push(b' '),
-            b'%' if i + 2 < bytes.len() => {
-                match u8::from_str_radix(std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("zz"), 16) {
-                    Ok(b) => {
-                        out.push(b);
-                        i += 2;
-                    }
-                    Err(_) => out.push(b'%'),
+            b'%' if i + 2 < bytes.len() => match u8::from_str_radix(std::str::from_utf8(&bytes[i + 1..i + 3]).unwrap_or("zz"), 16) {
+                Ok(b) => {
+                    out.push(b);
+                    i += 2;
                 }
-            }
+                Err(_) => out.push(b'%'),
+            },
             b => out.push(b),
         }
         i += 1;
@@ -514,14 +505,13 @@ fn route(path: &str) -> Option<Route> {
         ["api", "v1", "namespaces", ns, "services"] => Route::Collection(Services, Some(ns.to_string())),
         ["api", "v1", "nodes"] => Route::Collection(Nodes, None),
         ["apis", "discovery.k8s.io", "v1", "endpointslices"] => Route::Collection(EndpointSlices, None),
-        ["apis", "discovery.k8s.io", "v1", "namespaces", ns, "endpointslices"] => {
-            Route::Collection(EndpointSlices, Some(ns.to_string()))
-        }
+        ["apis", "discovery.k8s.io", "v1", "namespaces", ns, "endpointslices"] => Route::Collection(EndpointSlices, Some(ns.to_string())),
         ["apis", "events.k8s.io", "v1", "namespaces", ns, "events"] | ["api", "v1", "namespaces", ns, "events"] => {
             Route::Events(ns.to_string())
         }
-        ["apis", "events.k8s.io", "v1", "namespaces", ns, "events", name]
-        | ["api", "v1", "namespaces", ns, "events", name] => Route::Event(ns.to_string(), name.to_string()),
+        ["apis", "events.k8s.io", "v1", "namespaces", ns, "events", name] | ["api", "v1", "namespaces", ns, "events", name] => {
+            Route::Event(ns.to_string(), name.to_string())
+        }
         _ => return None,
     })
 }
@@ -578,11 +568,7 @@ async fn handle(st: Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Body>
         }
         (Method::PATCH, Route::Event(ns, name)) => {
             let s = lock(&st);
-            match s
-                .events
-                .iter()
-                .find(|e| e["metadata"]["name"] == name.as_str() && e["metadata"]["namespace"] == ns.as_str())
-            {
+            match s.events.iter().find(|e| e["metadata"]["name"] == name.as_str() && e["metadata"]["namespace"] == ns.as_str()) {
                 Some(e) => full(StatusCode::OK, e),
                 None => error(404, "NotFound", &format!("events \"{name}\" not found")),
             }
@@ -664,11 +650,7 @@ fn parse_selector(s: &str) -> Result<Vec<Req>, String> {
     let mut out = Vec::new();
     for part in split_top(s) {
         let set = |rest: &str| -> Result<Vec<String>, String> {
-            let inner = rest
-                .trim()
-                .strip_prefix('(')
-                .and_then(|r| r.strip_suffix(')'))
-                .ok_or(format!("{part:?}: expected (values)"))?;
+            let inner = rest.trim().strip_prefix('(').and_then(|r| r.strip_suffix(')')).ok_or(format!("{part:?}: expected (values)"))?;
             Ok(inner.split(',').map(|v| v.trim().to_string()).filter(|v| !v.is_empty()).collect())
         };
         let req = if let Some(k) = part.strip_prefix('!') {
@@ -778,13 +760,7 @@ fn present(res: Resource, obj: &Value, meta_only: bool, with_type: bool) -> Valu
     o
 }
 
-fn list(
-    st: &Arc<Mutex<State>>,
-    res: Resource,
-    filter: &Filter,
-    q: &BTreeMap<String, String>,
-    meta_only: bool,
-) -> Response<Body> {
+fn list(st: &Arc<Mutex<State>>, res: Resource, filter: &Filter, q: &BTreeMap<String, String>, meta_only: bool) -> Response<Body> {
     let s = lock(st);
     let (at, offset) = match q.get("continue").filter(|c| !c.is_empty()) {
         Some(c) => {
@@ -838,12 +814,7 @@ fn list(
     };
     // Written item by item without copying the objects (list items carry
     // no kind/apiVersion, as in real list responses).
-    let mut body = format!(
-        "{{\"kind\":{},\"apiVersion\":{},\"metadata\":{},\"items\":[",
-        json!(kind),
-        json!(api_version),
-        metadata
-    );
+    let mut body = format!("{{\"kind\":{},\"apiVersion\":{},\"metadata\":{},\"items\":[", json!(kind), json!(api_version), metadata);
     for (i, (k, o)) in page.iter().enumerate() {
         if i > 0 {
             body.push(',');
@@ -881,7 +852,8 @@ fn untyped_json(obj: &Value) -> String {
 
 fn too_large(rv: u64, current: u64) -> Response<Body> {
     let mut v = status(504, "Timeout", &format!("Too large resource version: {rv}, current: {current}"));
-    v["details"] = json!({"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}], "retryAfterSeconds": 1});
+    v["details"] =
+        json!({"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}], "retryAfterSeconds": 1});
     let mut r = full(StatusCode::GATEWAY_TIMEOUT, &v);
     // The API server turns details.retryAfterSeconds into this header.
     r.headers_mut().insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from_static("1"));
@@ -918,13 +890,7 @@ fn expired_line(rv: &str, oldest: u64) -> Bytes {
     line("ERROR", status(410, "Expired", &format!("too old resource version: {rv} ({oldest})")))
 }
 
-fn watch(
-    st: Arc<Mutex<State>>,
-    res: Resource,
-    filter: Filter,
-    q: &BTreeMap<String, String>,
-    meta_only: bool,
-) -> Response<Body> {
+fn watch(st: Arc<Mutex<State>>, res: Resource, filter: Filter, q: &BTreeMap<String, String>, meta_only: bool) -> Response<Body> {
     let bookmarks = q.get("allowWatchBookmarks").is_some_and(|v| v == "true");
     let mut timeout = Duration::from_secs(q.get("timeoutSeconds").and_then(|t| t.parse().ok()).unwrap_or(1800));
     let rv_param = q.get("resourceVersion").cloned().unwrap_or_default();
@@ -1025,9 +991,7 @@ fn watch(
             }
         }
     });
-    let body = futures::stream::poll_fn(move |cx| {
-        out_rx.poll_recv(cx).map(|o| o.map(|b| Ok::<_, Infallible>(Frame::data(b))))
-    });
+    let body = futures::stream::poll_fn(move |cx| out_rx.poll_recv(cx).map(|o| o.map(|b| Ok::<_, Infallible>(Frame::data(b)))));
     stream_response(StreamBody::new(body).boxed())
 }
 

@@ -68,10 +68,8 @@ impl PodNetwork {
         let cidr = if ip.contains(':') { format!("{ip}/128") } else { format!("{ip}/32") };
         // The address may already exist when several backends share an IP.
         let _ = self.netns.add_loopback_addrs(&[&cidr]);
-        let listen: Vec<String> = ports
-            .iter()
-            .map(|p| if ip.contains(':') { format!("[{ip}]:{p}") } else { format!("{ip}:{p}") })
-            .collect();
+        let listen: Vec<String> =
+            ports.iter().map(|p| if ip.contains(':') { format!("[{ip}]:{p}") } else { format!("{ip}:{p}") }).collect();
         self.backends.push(spawn_backend(&agent_bin(), &self.netns, name, &listen).expect("start backend"));
     }
 }
@@ -187,11 +185,7 @@ impl Drop for Node {
 
 /// The set of backend names that answered successful probes.
 pub fn replies(results: &[Value]) -> BTreeSet<String> {
-    results
-        .iter()
-        .filter(|r| r["ok"] == true)
-        .filter_map(|r| r["reply"].as_str().map(str::to_string))
-        .collect()
+    results.iter().filter(|r| r["ok"] == true).filter_map(|r| r["reply"].as_str().map(str::to_string)).collect()
 }
 
 pub fn set(names: &[&str]) -> BTreeSet<String> {
