@@ -26,7 +26,7 @@ fn main() {
     for p in ["proxy-ebpf/src", "proxy-ebpf/Cargo.toml", "proxy-ebpf/Cargo.lock", "proxy-common/src", "proxy-common/Cargo.toml"] {
         println!("cargo:rerun-if-changed={}", workspace.join(p).display());
     }
-    let target_dir = env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace.join("target")).join("ebpf");
+    let target_dir = env::var_os("CARGO_TARGET_DIR").map_or_else(|| workspace.join("target"), PathBuf::from).join("ebpf");
 
     let mut cmd = Command::new("rustup");
     cmd.args(["run", "nightly", "cargo", "build", "--release", "-Z", "build-std=core", "--target", "bpfel-unknown-none"])
@@ -41,9 +41,10 @@ fn main() {
         cmd.env_remove(key);
     }
     let status = cmd.status().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}. Run `cargo xtask setup` first"));
-    if !status.success() {
-        panic!("building the eBPF object failed ({status}). Run `cargo xtask setup` to install nightly rust-src and bpf-linker");
-    }
+    assert!(
+        status.success(),
+        "building the eBPF object failed ({status}). Run `cargo xtask setup` to install nightly rust-src and bpf-linker"
+    );
     let built = target_dir.join("bpfel-unknown-none/release/proxy-ebpf");
     std::fs::copy(&built, &dest).unwrap_or_else(|e| panic!("copy {}: {e}", built.display()));
 }

@@ -88,8 +88,8 @@ fn install_signal_handlers() {
             let mut sa: libc::sigaction = std::mem::zeroed();
             sa.sa_sigaction = on_signal as *const () as libc::sighandler_t;
             sa.sa_flags = libc::SA_RESTART;
-            libc::sigemptyset(&mut sa.sa_mask);
-            libc::sigaction(sig, &sa, std::ptr::null_mut());
+            libc::sigemptyset(&raw mut sa.sa_mask);
+            libc::sigaction(sig, &raw const sa, std::ptr::null_mut());
         }
     }
 }
@@ -191,7 +191,7 @@ fn read_scenario(dir: &Path) -> Result<Scenario> {
                     let Some(ip) = ep.pointer("/addresses/0").and_then(Value::as_str).and_then(|s| s.parse::<IpAddr>().ok()) else {
                         continue;
                     };
-                    let pod_name = str_at(ep, &["targetRef", "name"]).map(str::to_string).unwrap_or_else(|| ip.to_string());
+                    let pod_name = str_at(ep, &["targetRef", "name"]).map_or_else(|| ip.to_string(), str::to_string);
                     let node = str_at(ep, &["nodeName"]).unwrap_or("-").to_string();
                     let pod = pods.entry(pod_name.clone()).or_insert_with(|| PodSpec {
                         name: pod_name.clone(),
@@ -581,8 +581,7 @@ fn wait_for_agents(agent: &Path, cluster: &Cluster, services: &[ServiceSpec]) ->
 /// /proc keeps the Child untouched for the teardown.
 fn exited(a: &Agent) -> bool {
     fs::read_to_string(format!("/proc/{}/stat", a.process.0.id()))
-        .map(|s| s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')))
-        .unwrap_or(true)
+        .map_or(true, |s| s.rsplit_once(')').is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')))
 }
 
 fn print_log_tail(a: &Agent) {
@@ -617,7 +616,7 @@ fn print_table(services: &[ServiceSpec], results: &[(String, Vec<Tally>)]) {
         for k in 0..height {
             let first = if k == 0 { label.as_str() } else { "" };
             let mut out: Vec<&str> = vec![first];
-            out.extend(cells.iter().map(|c| c.get(k).map(String::as_str).unwrap_or("")));
+            out.extend(cells.iter().map(|c| c.get(k).map_or("", String::as_str)));
             line(&out);
         }
         println!("{}", rule.join("--+--"));

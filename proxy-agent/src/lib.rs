@@ -25,7 +25,7 @@ pub mod model;
 pub mod observe;
 pub mod source;
 pub mod sync;
-pub mod util;
+pub(crate) mod util;
 
 pub mod prog_test_run;
 pub mod sandbox;

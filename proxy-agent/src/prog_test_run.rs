@@ -54,7 +54,7 @@ pub fn run(prog_fd: i32, frame: &[u8], out: &mut [u8], repeat: u32) -> io::Resul
     };
     // SAFETY: `attr` and the buffers it points at outlive the call; the
     // kernel writes at most `data_size_out` bytes to `out`.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_TEST_RUN, &mut attr as *mut TestAttr, std::mem::size_of::<TestAttr>()) };
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_TEST_RUN, &raw mut attr, std::mem::size_of::<TestAttr>()) };
     if rc != 0 {
         return Err(io::Error::last_os_error());
     }

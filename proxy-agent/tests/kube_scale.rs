@@ -62,7 +62,7 @@ fn expected() -> BTreeMap<Frontend, BTreeSet<Backend>> {
 
 /// Like `eventually`, with a deadline sized for a loaded 2-core machine.
 fn wait_long<D: std::fmt::Debug>(what: &str, mut check: impl FnMut() -> Result<(), D>) {
-    let deadline = Instant::now() + Duration::from_secs(180);
+    let deadline = Instant::now() + Duration::from_mins(3);
     loop {
         match check() {
             Ok(()) => return,

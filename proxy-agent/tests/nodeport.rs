@@ -246,7 +246,7 @@ impl World {
             let r = self.probe(&args);
             let got = replies(&r);
             if got == want && r.iter().all(|x| x["ok"] == true) { Ok(()) } else { Err((got, r.into_iter().find(|x| x["ok"] != true))) }
-        })
+        });
     }
 }
 
@@ -355,7 +355,7 @@ fn peer_reporting_server(ns: &Netns, addr: &str) -> mpsc::Receiver<SocketAddr> {
                 let mut r = BufReader::new(c.try_clone().expect("clone"));
                 let mut w = c;
                 let mut line = String::new();
-                while r.read_line(&mut line).map(|n| n > 0).unwrap_or(false) {
+                while r.read_line(&mut line).is_ok_and(|n| n > 0) {
                     if w.write_all(format!("echo {line}").as_bytes()).is_err() {
                         break;
                     }
@@ -571,9 +571,8 @@ fn established_flow_survives_restart(mode: &'static str) {
     let mut used = std::collections::BTreeSet::new();
     for dev in ["a-c", "a-b"] {
         for (hook, t) in [("ingress", aya::programs::TcAttachType::Ingress), ("egress", aya::programs::TcAttachType::Egress)] {
-            let tcx =
-                in_netns(&w.nodes[0].ns, move || aya::programs::SchedClassifier::query_tcx(dev, t).map(|(_, p)| p.len()).unwrap_or(0))
-                    .expect("netns");
+            let tcx = in_netns(&w.nodes[0].ns, move || aya::programs::SchedClassifier::query_tcx(dev, t).map_or(0, |(_, p)| p.len()))
+                .expect("netns");
             let out = std::process::Command::new("tc")
                 .args(["-n", w.nodes[0].ns.name(), "filter", "show", "dev", dev, hook])
                 .output()
@@ -650,13 +649,11 @@ fn node_address_changes_are_followed_without_a_restart() {
     w.wait_for("10.0.4.2:30080", &[], &["pod-a", "pod-b"]);
     w.wait_for("10.0.4.2:30053", &["--udp"], &["pod-a", "pod-b"]);
     let links = w.nodes[1].pins.path().join("links");
-    let attached = || {
-        std::fs::read_dir(&links).map(|rd| rd.flatten().any(|e| e.file_name().to_string_lossy().starts_with("tc-b-x-"))).unwrap_or(false)
-    };
+    let attached =
+        || std::fs::read_dir(&links).is_ok_and(|rd| rd.flatten().any(|e| e.file_name().to_string_lossy().starts_with("tc-b-x-")));
     let legacy_marked = || {
         std::fs::read_dir(w.nodes[1].pins.path().join("tc-legacy"))
-            .map(|rd| rd.flatten().any(|e| e.file_name().to_string_lossy().starts_with("b-x-")))
-            .unwrap_or(false)
+            .is_ok_and(|rd| rd.flatten().any(|e| e.file_name().to_string_lossy().starts_with("b-x-")))
     };
     assert!(attached() || legacy_marked(), "no TC attachment recorded for b-x");
     w.nodes[1].ns.ip(&["link", "del", "b-x"]).expect("delete link");

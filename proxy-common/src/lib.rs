@@ -261,7 +261,9 @@ const _: () = {
 
 #[cfg(feature = "user")]
 mod pod {
-    use super::*;
+    use super::{
+        BackendKey, BackendValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SockConfig, SockPeerValue, SockRevNatKey, SockRevNatValue,
+    };
     // SAFETY: all types are repr(C), contain only integers and explicit
     // padding fields, so every bit pattern is valid.
     unsafe impl aya::Pod for ServiceKey {}
@@ -666,7 +668,7 @@ const _: () = {
 
 #[cfg(feature = "user")]
 mod np_pod {
-    use super::*;
+    use super::{AddrKey, CtKey, CtValue, NpConfig, NpFlagsValue};
     // SAFETY: repr(C), integers and explicit padding only.
     unsafe impl aya::Pod for NpFlagsValue {}
     unsafe impl aya::Pod for AddrKey {}

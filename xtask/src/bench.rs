@@ -9,7 +9,7 @@ use anyhow::{Result, bail};
 
 use crate::{setup, util};
 
-pub fn run(args: &[String]) -> Result<()> {
+pub(crate) fn run(args: &[String]) -> Result<()> {
     if !util::is_root() {
         bail!("the benchmark creates network namespaces and cgroups and loads eBPF programs, so it needs root");
     }

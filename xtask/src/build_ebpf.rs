@@ -9,11 +9,11 @@ use anyhow::{Result, bail};
 use crate::{setup, util};
 
 /// Where proxy-agent's build.rs leaves the object.
-pub fn object_path() -> PathBuf {
+pub(crate) fn object_path() -> PathBuf {
     util::target_dir().join("ebpf/bpfel-unknown-none/release/proxy-ebpf")
 }
 
-pub fn run() -> Result<()> {
+pub(crate) fn run() -> Result<()> {
     setup::ensure()?;
     util::run(util::cargo().args(["build", "-p", "proxy-agent"]))?;
     let obj = object_path();

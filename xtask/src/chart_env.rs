@@ -16,7 +16,7 @@ use crate::util;
 
 /// Where the venv lives; the chart test (proxy-agent/tests/chart.rs) looks
 /// for it next to its own binary's target directory.
-pub fn venv_dir() -> PathBuf {
+pub(crate) fn venv_dir() -> PathBuf {
     util::target_dir().join("chart-venv")
 }
 
@@ -27,7 +27,7 @@ fn requirements() -> PathBuf {
 /// Records which requirements the venv was built from.
 const STAMP: &str = "topoproxy-requirements.txt";
 
-pub fn ensure() -> Result<()> {
+pub(crate) fn ensure() -> Result<()> {
     let venv = venv_dir();
     let req_path = requirements();
     let wanted = fs::read_to_string(&req_path).with_context(|| format!("reading {}", req_path.display()))?;

@@ -9,7 +9,7 @@ use anyhow::{Result, bail};
 
 use crate::{setup, util};
 
-pub fn run(args: &[String]) -> Result<()> {
+pub(crate) fn run(args: &[String]) -> Result<()> {
     let help = args.iter().any(|a| a == "-h" || a == "--help");
     if !help && !util::is_root() {
         bail!("the demo creates network namespaces and cgroups and loads eBPF programs, so it needs root");

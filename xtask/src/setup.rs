@@ -23,12 +23,12 @@ const BPF_LINKER_SERIES: &str = "0.13.";
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 
 /// `cargo xtask setup`.
-pub fn run() -> Result<()> {
+pub(crate) fn run() -> Result<()> {
     ensure()
 }
 
 /// The checks every xtask command runs first; installs what is missing.
-pub fn ensure() -> Result<()> {
+pub(crate) fn ensure() -> Result<()> {
     nightly()?;
     rust_src()?;
     debian_packages()?;

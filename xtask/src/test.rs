@@ -22,7 +22,7 @@ use anyhow::{Context, Result, bail};
 use crate::{setup, util, vmtest};
 
 #[derive(Default, Debug, PartialEq, Eq)]
-pub struct Totals {
+pub(crate) struct Totals {
     pub passed: u64,
     pub failed: u64,
     pub ignored: u64,
@@ -32,7 +32,7 @@ pub struct Totals {
 impl Totals {
     /// Adds a libtest line such as
     /// `test result: ok. 4 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.1s`.
-    pub fn add(&mut self, line: &str) {
+    pub(crate) fn add(&mut self, line: &str) {
         let Some(rest) = line.trim().strip_prefix("test result: ") else { return };
         let number_before = |word: &str| -> Option<u64> {
             rest.split(';').find_map(|part| {
@@ -48,7 +48,7 @@ impl Totals {
     }
 }
 
-pub fn run(args: &[String]) -> Result<()> {
+pub(crate) fn run(args: &[String]) -> Result<()> {
     if !util::is_root() {
         bail!(
             "the datapath tests load eBPF programs, attach them to cgroups and create network namespaces, \
@@ -171,7 +171,7 @@ mod tests {
     #[test]
     fn package_selection_is_recognised_in_every_spelling() {
         let sel = |s: &[&str]| {
-            let v: Vec<String> = s.iter().map(|a| a.to_string()).collect();
+            let v: Vec<String> = s.iter().map(std::string::ToString::to_string).collect();
             selects_packages(&v.iter().collect::<Vec<_>>())
         };
         assert!(sel(&["-p", "xtask"]));
@@ -184,7 +184,7 @@ mod tests {
 
     #[test]
     fn no_vm_is_taken_out_only_before_the_test_binaries_arguments() {
-        let v = |s: &[&str]| s.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+        let v = |s: &[&str]| s.iter().map(std::string::ToString::to_string).collect::<Vec<_>>();
         assert_eq!(take_no_vm(&v(&["--no-vm", "-p", "xtask"])), (true, v(&["-p", "xtask"])));
         assert_eq!(take_no_vm(&v(&["-p", "xtask", "--", "--no-vm"])), (false, v(&["-p", "xtask", "--", "--no-vm"])));
         assert_eq!(take_no_vm(&[]), (false, vec![]));

@@ -7,12 +7,12 @@ use std::process::{Command, Stdio};
 use anyhow::{Context, Result, bail};
 
 /// The workspace root (the parent of this crate).
-pub fn workspace_root() -> PathBuf {
+pub(crate) fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
 }
 
 /// `$CARGO_HOME`, or `~/.cargo`.
-pub fn cargo_home() -> PathBuf {
+pub(crate) fn cargo_home() -> PathBuf {
     if let Some(h) = std::env::var_os("CARGO_HOME").filter(|h| !h.is_empty()) {
         return PathBuf::from(h);
     }
@@ -22,7 +22,7 @@ pub fn cargo_home() -> PathBuf {
 
 /// `PATH` with `~/.cargo/bin` in front (when missing): rustup, cargo and
 /// bpf-linker live there, and the nested nightly build needs bpf-linker.
-pub fn path_with_cargo_bin() -> OsString {
+pub(crate) fn path_with_cargo_bin() -> OsString {
     let bin = cargo_home().join("bin");
     let current = std::env::var_os("PATH").unwrap_or_default();
     let mut parts: Vec<PathBuf> = std::env::split_paths(&current).collect();
@@ -33,14 +33,14 @@ pub fn path_with_cargo_bin() -> OsString {
 }
 
 /// A command with the cargo bin directory on PATH and no stdin (CI has none).
-pub fn cmd(program: impl AsRef<std::ffi::OsStr>) -> Command {
+pub(crate) fn cmd(program: impl AsRef<std::ffi::OsStr>) -> Command {
     let mut c = Command::new(program);
     c.env("PATH", path_with_cargo_bin()).stdin(Stdio::null());
     c
 }
 
 /// The cargo that runs us (`$CARGO`), so nested builds use the same toolchain.
-pub fn cargo() -> Command {
+pub(crate) fn cargo() -> Command {
     let mut c = cmd(std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into()));
     c.current_dir(workspace_root());
     c
@@ -48,7 +48,7 @@ pub fn cargo() -> Command {
 
 /// The cargo target directory: `$CARGO_TARGET_DIR` (relative to the current
 /// directory, as cargo reads it) or `<workspace>/target`.
-pub fn target_dir() -> PathBuf {
+pub(crate) fn target_dir() -> PathBuf {
     match std::env::var_os("CARGO_TARGET_DIR").filter(|d| !d.is_empty()) {
         Some(d) => {
             let p = PathBuf::from(d);
@@ -59,7 +59,7 @@ pub fn target_dir() -> PathBuf {
 }
 
 /// Runs a command with inherited stdout/stderr and fails when it fails.
-pub fn run(c: &mut Command) -> Result<()> {
+pub(crate) fn run(c: &mut Command) -> Result<()> {
     let status = c.status().with_context(|| format!("cannot run {}", describe(c)))?;
     if !status.success() {
         bail!("{} failed ({status})", describe(c));
@@ -69,12 +69,12 @@ pub fn run(c: &mut Command) -> Result<()> {
 
 /// Runs a command and returns its stdout when it succeeds; `None` when it
 /// cannot be started or fails.
-pub fn output(c: &mut Command) -> Option<String> {
+pub(crate) fn output(c: &mut Command) -> Option<String> {
     let out = c.stderr(Stdio::null()).output().ok()?;
     out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
-pub fn describe(c: &Command) -> String {
+pub(crate) fn describe(c: &Command) -> String {
     let mut s = c.get_program().to_string_lossy().into_owned();
     for a in c.get_args() {
         s.push(' ');
@@ -84,6 +84,6 @@ pub fn describe(c: &Command) -> String {
 }
 
 /// Whether we run as root (`id -u`).
-pub fn is_root() -> bool {
+pub(crate) fn is_root() -> bool {
     output(cmd("id").arg("-u")).is_some_and(|o| o.trim() == "0")
 }

@@ -121,7 +121,7 @@ const WAIT_SECS: u32 = 240;
 const MARK: &str = "@@vmtest";
 
 /// What one kernel's run gave.
-pub struct KernelRun {
+pub(crate) struct KernelRun {
     pub label: String,
     pub release: String,
     pub totals: Totals,
@@ -132,7 +132,7 @@ pub struct KernelRun {
 }
 
 /// The outcome of `vmtest` as part of a larger run.
-pub enum Outcome {
+pub(crate) enum Outcome {
     /// qemu could not be installed or the kernels could not be fetched;
     /// `tests` is how many tests the guests would have run in all.
     Skipped {
@@ -142,7 +142,7 @@ pub enum Outcome {
     Ran(Vec<KernelRun>),
 }
 
-pub struct Options {
+pub(crate) struct Options {
     pub kernels: Vec<String>,
     pub timeout: Duration,
     /// libtest filters run in every test binary instead of [`TESTS`].
@@ -157,12 +157,12 @@ pub struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Options { kernels: Vec::new(), timeout: Duration::from_secs(900), only: Vec::new(), concurrent: true }
+        Options { kernels: Vec::new(), timeout: Duration::from_mins(15), only: Vec::new(), concurrent: true }
     }
 }
 
 /// `cargo xtask vmtest [--kernel 6.1] [--timeout-secs N]`.
-pub fn run(args: &[String]) -> Result<()> {
+pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut opts = Options::default();
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -211,7 +211,7 @@ pub fn run(args: &[String]) -> Result<()> {
 }
 
 /// Prints one line per kernel and adds each kernel's totals to `all`.
-pub fn print_report(runs: &[KernelRun], all: &mut Totals) {
+pub(crate) fn print_report(runs: &[KernelRun], all: &mut Totals) {
     println!();
     println!("vmtest results (qemu TCG):");
     for r in runs {
@@ -237,7 +237,7 @@ pub fn print_report(runs: &[KernelRun], all: &mut Totals) {
 
 /// Installs, fetches, builds and boots; `Skipped` only when qemu cannot be
 /// installed or the kernels cannot be downloaded.
-pub fn run_with(opts: &Options) -> Result<Outcome> {
+pub(crate) fn run_with(opts: &Options) -> Result<Outcome> {
     let kernels: Vec<&Kernel> = if opts.kernels.is_empty() {
         KERNELS.iter().collect()
     } else {
@@ -747,7 +747,7 @@ fn boot(k: &Kernel, kernel_dir: &Path, bins: &Binaries, cache: &Path, opts: &Opt
     let mut problems = Vec::new();
     if !done {
         problems.push(match status.code() {
-            Some(124) | Some(137) => format!("timed out after {} s", timeout.as_secs()),
+            Some(124 | 137) => format!("timed out after {} s", timeout.as_secs()),
             _ if !qemu_err.trim().is_empty() => format!("qemu: {}", qemu_err.trim()),
             _ => "the guest stopped before running every test".to_string(),
         });

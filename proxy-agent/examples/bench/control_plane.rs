@@ -56,7 +56,7 @@ const EP_PORT: u16 = 8080;
 
 /// `--cp-*` flags.
 #[derive(Clone, Debug)]
-pub struct Options {
+pub(crate) struct Options {
     pub services: usize,
     /// Probe changes per repeat for the change latency.
     pub probes: usize,
@@ -91,7 +91,7 @@ impl Default for Options {
 }
 
 /// Handles one `--cp-*` flag; `false` if it is not one.
-pub fn flag(o: &mut Options, name: &str, value: &str) -> Result<bool> {
+pub(crate) fn flag(o: &mut Options, name: &str, value: &str) -> Result<bool> {
     match name {
         "--cp-services" => o.services = value.parse()?,
         "--cp-probes" => o.probes = value.parse()?,
@@ -108,7 +108,7 @@ pub fn flag(o: &mut Options, name: &str, value: &str) -> Result<bool> {
     Ok(true)
 }
 
-pub const FLAGS_HELP: &str = "--cp-services 10000 --cp-probes 200 --cp-rate 1000 --cp-rules iptables,nft|none --cp-agent-flags '--devices none ...' --cp-agent PATH --cp-rule-repeats N";
+pub(crate) const FLAGS_HELP: &str = "--cp-services 10000 --cp-probes 200 --cp-rate 1000 --cp-rules iptables,nft|none --cp-agent-flags '--devices none ...' --cp-agent PATH --cp-rule-repeats N";
 
 fn svc_ip(i: usize) -> Ipv4Addr {
     Ipv4Addr::from(u32::from(SVC_BASE) + 1 + i as u32)
@@ -162,7 +162,7 @@ fn population(n: usize) -> Vec<Value> {
 
 /// Everything measured, per repeat where it varies.
 #[derive(Default)]
-pub struct Results {
+pub(crate) struct Results {
     pub opts: Option<Options>,
     pub cold_sync_s: Vec<f64>,
     /// Seconds from spawn to: datapath installed, all kinds listed; and the
@@ -186,13 +186,13 @@ pub struct Results {
 }
 
 /// The agent built with the bench (target/<profile>/proxy-agent).
-pub fn agent_binary() -> Result<PathBuf> {
+pub(crate) fn agent_binary() -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
     exe.parent().and_then(Path::parent).map(|d| d.join("proxy-agent")).context("locating the agent binary")
 }
 
 /// Peak RSS of a running process, in bytes.
-pub fn vm_hwm(pid: u32) -> u64 {
+pub(crate) fn vm_hwm(pid: u32) -> u64 {
     let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status.lines().find_map(|l| l.strip_prefix("VmHWM:")).and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok()).unwrap_or(0) * 1024
 }
@@ -258,7 +258,7 @@ fn log_time(line: &str) -> Option<f64> {
 }
 
 fn unix(t: SystemTime) -> f64 {
-    t.duration_since(SystemTime::UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+    t.duration_since(SystemTime::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
 fn metric(text: &str, series: &str) -> Option<f64> {
@@ -287,7 +287,7 @@ impl Lcg {
     }
 }
 
-pub fn run(o: &Options, repeats: usize, scratch: &Path) -> Result<Results> {
+pub(crate) fn run(o: &Options, repeats: usize, scratch: &Path) -> Result<Results> {
     let agent = match &o.agent {
         Some(a) => a.clone(),
         None => agent_binary()?,
@@ -336,7 +336,7 @@ fn one_agent_run(o: &Options, agent: &Path, objects: &[Value], scratch: &Path, r
             .stdout(Stdio::null())
             .stderr(fs::File::create(&log)?),
     )?;
-    let deadline = Instant::now() + Duration::from_secs(300);
+    let deadline = Instant::now() + Duration::from_mins(5);
     let text = loop {
         let text = fs::read_to_string(&log).unwrap_or_default();
         if text.contains("first sync applied") {
@@ -354,8 +354,7 @@ fn one_agent_run(o: &Options, agent: &Path, objects: &[Value], scratch: &Path, r
 
     // Where the time went, from the agent's own timestamps.
     let start = unix(started_wall);
-    let at =
-        |needle: &str| text.lines().filter(|l| l.contains(needle)).filter_map(log_time).next_back().map(|t| t - start).unwrap_or(f64::NAN);
+    let at = |needle: &str| text.lines().filter(|l| l.contains(needle)).filter_map(log_time).next_back().map_or(f64::NAN, |t| t - start);
     let installed = at("datapath installed");
     let listed = at(" listed");
     let sync_ms: f64 = text
@@ -582,7 +581,7 @@ impl Results {
         percentile(&v, p) / 1e6
     }
 
-    pub fn targets(&self) -> Vec<Target> {
+    pub(crate) fn targets(&self) -> Vec<Target> {
         let Some(o) = &self.opts else { return Vec::new() };
         let cold = spread(&self.cold_sync_s).median;
         let p99 = spread(&self.p99_ms).median;
@@ -612,7 +611,7 @@ impl Results {
         ]
     }
 
-    pub fn markdown(&self) -> String {
+    pub(crate) fn markdown(&self) -> String {
         let Some(o) = &self.opts else { return String::new() };
         let mut md = String::new();
         let n = self.cold_sync_s.len();
@@ -684,7 +683,7 @@ impl Results {
         md
     }
 
-    pub fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         let Some(o) = &self.opts else { return Value::Null };
         json!({
             "services": o.services,
@@ -714,7 +713,7 @@ impl Results {
 }
 
 /// The report of a `--only control-plane` run.
-pub fn write_alone(out: &Path, r: &Results) -> Result<()> {
+pub(crate) fn write_alone(out: &Path, r: &Results) -> Result<()> {
     let doc = json!({"control_plane": {"api_server": r.json()}});
     Ok(crate::report::write_part(out, "control plane", &r.markdown(), doc, &r.targets(), &[])?)
 }

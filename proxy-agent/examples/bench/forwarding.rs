@@ -47,14 +47,14 @@ const NODE_PORT_BASE: u16 = 30_000;
 const NODE_DEVICE: &str = "nd0";
 const CLUSTER_IP_BASE: Ipv4Addr = Ipv4Addr::new(10, 96, 0, 0);
 
-pub struct Options {
+pub(crate) struct Options {
     pub services: usize,
     pub udp: Duration,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { services: 1_000, udp: Duration::from_millis(1_000) }
+        Options { services: 1_000, udp: Duration::from_secs(1) }
     }
 }
 
@@ -264,7 +264,7 @@ struct Cell {
     failed: usize,
 }
 
-pub fn run(opts: &Options, repeats: usize, rounds: usize, scratch: &Path) -> Result<Section> {
+pub(crate) fn run(opts: &Options, repeats: usize, rounds: usize, scratch: &Path) -> Result<Section> {
     if !(1..=2000).contains(&opts.services) {
         bail!("--fwd-services must be 1..=2000 (NodePorts 30000..32767)");
     }

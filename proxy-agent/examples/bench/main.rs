@@ -239,7 +239,7 @@ fn agent_starts(size: usize, scratch: &Path, agent: Option<&Path>) -> Result<Age
                 .stdout(Stdio::null())
                 .stderr(fs::File::create(&log)?),
         )?;
-        let deadline = Instant::now() + Duration::from_secs(300);
+        let deadline = Instant::now() + Duration::from_mins(5);
         loop {
             if fs::read_to_string(&log).unwrap_or_default().contains(" synced") {
                 break;
@@ -610,10 +610,10 @@ fn write_report(
 
     let _ = writeln!(md, "## Control plane\n\n| what | time |\n|---|---|");
     for (size, secs) in sync_in_process {
-        let _ = writeln!(md, "| topoproxy map writer, {size} Services x 10 endpoints (TCP+UDP frontends) | {:.3} s |", secs);
+        let _ = writeln!(md, "| topoproxy map writer, {size} Services x 10 endpoints (TCP+UDP frontends) | {secs:.3} s |");
     }
     for ((size, tool), secs) in load_times {
-        let _ = writeln!(md, "| {tool}, {size} Services x 10 endpoints (TCP+UDP) | {:.3} s |", secs);
+        let _ = writeln!(md, "| {tool}, {size} Services x 10 endpoints (TCP+UDP) | {secs:.3} s |");
     }
     if let Some((c, r, w)) = &cold {
         let _ = writeln!(

@@ -64,7 +64,7 @@ fn prog_stats(id: u32) -> Result<(u64, u64)> {
 /// next to it for the measurement only. Both then run on every connect()
 /// of the same workload, so they see the same calls; the kernel times each
 /// program separately.
-pub struct ConnectRuntime {
+pub(crate) struct ConnectRuntime {
     ebpf: aya::Ebpf,
     cgroup: File,
     ours_id: u32,
@@ -74,7 +74,7 @@ pub struct ConnectRuntime {
 }
 
 impl ConnectRuntime {
-    pub fn prepare(pin_dir: &Path, cg: &Cgroup) -> Result<ConnectRuntime> {
+    pub(crate) fn prepare(pin_dir: &Path, cg: &Cgroup) -> Result<ConnectRuntime> {
         let link = PinnedLink::from_pin(pin_dir.join(proxy_agent::datapath::socket_loader::LINKS_DIR).join("connect4"))
             .context("opening the pinned connect4 link")?;
         let link: FdLink = link.into();
@@ -93,7 +93,7 @@ impl ConnectRuntime {
 
     /// Runs the connect workload against `to` (a Service of the current
     /// population) `repeats` times and records ns per run of both programs.
-    pub fn measure(&mut self, size: usize, ns_path: &Path, to: SocketAddr, repeats: usize, rounds: usize) -> Result<()> {
+    pub(crate) fn measure(&mut self, size: usize, ns_path: &Path, to: SocketAddr, repeats: usize, rounds: usize) -> Result<()> {
         let _stats = StatsOn::new()?;
         let prog: &mut CgroupSockAddr = self.ebpf.program_mut(EMPTY_CONNECT4).context("empty program")?.try_into()?;
         let link = prog.attach(&self.cgroup, CgroupAttachMode::default())?;
@@ -119,11 +119,11 @@ impl ConnectRuntime {
 
     /// Per population: ns our connect4 adds per call over the empty
     /// program (medians).
-    pub fn added_ns(&self) -> BTreeMap<usize, f64> {
+    pub(crate) fn added_ns(&self) -> BTreeMap<usize, f64> {
         self.samples.iter().map(|(size, (ours, empty))| (*size, spread(ours).median - spread(empty).median)).collect()
     }
 
-    pub fn section(&self) -> Section {
+    pub(crate) fn section(&self) -> Section {
         let mut md = String::from(
             "## BPF program run time per connect\n\nKernel run-time statistics (`bpf_prog_info.run_time_ns / run_cnt`, switched on with `BPF_ENABLE_STATS` for this measurement only) of our `connect4` and of an empty cgroup/connect4 program (`bench_empty_connect4`, returns 1) attached to the same cgroup, under the TCP connect workload to the last Service. Per repeat: ns per run; median (min–max) over repeats. The kernel's figure includes its own two clock reads around each run, which is most of the empty program's figure; \"added by ours\" is the difference.\n\n| Services | our connect4 | empty connect4 | added by ours | ratio |\n|---|---|---|---|---|\n",
         );
@@ -297,7 +297,7 @@ const CASES: [&str; 7] = [
 /// of the input instead. The kernel's figure then includes its timer reads
 /// and bh toggling around the run; the empty program measures exactly that,
 /// and the figures "net" below have it subtracted.
-pub fn nodeport_test_run(repeats: usize, calls: usize, frontends: usize) -> Result<Section> {
+pub(crate) fn nodeport_test_run(repeats: usize, calls: usize, frontends: usize) -> Result<Section> {
     if !(2..=2000).contains(&frontends) {
         bail!("--np-frontends must be 2..=2000");
     }
@@ -404,6 +404,6 @@ pub fn nodeport_test_run(repeats: usize, calls: usize, frontends: usize) -> Resu
 }
 
 /// The report of `--only nodeport`: this section and its target alone.
-pub fn write_alone(out: &Path, s: Section) -> Result<()> {
+pub(crate) fn write_alone(out: &Path, s: Section) -> Result<()> {
     Ok(crate::report::write_part(out, "NodePort program", &s.markdown, json!({s.key: s.json}), &s.targets, &s.svgs)?)
 }

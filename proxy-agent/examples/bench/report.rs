@@ -6,7 +6,7 @@ use std::path::Path;
 use serde_json::{Value, json};
 
 /// Percentile of sorted nanosecond samples.
-pub fn percentile(sorted: &[u64], p: f64) -> f64 {
+pub(crate) fn percentile(sorted: &[u64], p: f64) -> f64 {
     if sorted.is_empty() {
         return f64::NAN;
     }
@@ -16,27 +16,27 @@ pub fn percentile(sorted: &[u64], p: f64) -> f64 {
 
 /// Median and spread (min, max) of per-repeat figures.
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Spread {
+pub(crate) struct Spread {
     pub median: f64,
     pub min: f64,
     pub max: f64,
 }
 
-pub fn spread(values: &[f64]) -> Spread {
+pub(crate) fn spread(values: &[f64]) -> Spread {
     let mut v: Vec<f64> = values.iter().copied().filter(|x| x.is_finite()).collect();
     if v.is_empty() {
         return Spread { median: f64::NAN, min: f64::NAN, max: f64::NAN };
     }
-    v.sort_by(|a, b| a.total_cmp(b));
-    let median = if v.len() % 2 == 1 { v[v.len() / 2] } else { (v[v.len() / 2 - 1] + v[v.len() / 2]) / 2.0 };
+    v.sort_by(f64::total_cmp);
+    let median = if v.len() % 2 == 1 { v[v.len() / 2] } else { f64::midpoint(v[v.len() / 2 - 1], v[v.len() / 2]) };
     Spread { median, min: v[0], max: v[v.len() - 1] }
 }
 
 impl Spread {
-    pub fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         json!({"median": self.median, "min": self.min, "max": self.max})
     }
-    pub fn us(&self) -> String {
+    pub(crate) fn us(&self) -> String {
         if self.median.is_nan() {
             return "n/a".into();
         }
@@ -45,7 +45,7 @@ impl Spread {
 }
 
 /// A target from the issue, checked against measured ratios.
-pub struct Target {
+pub(crate) struct Target {
     pub name: String,
     pub goal: String,
     pub measured: String,
@@ -54,7 +54,7 @@ pub struct Target {
 
 /// A report section contributed by one measurement module: its Markdown,
 /// its JSON (under `key` in report.json), its plots and its targets.
-pub struct Section {
+pub(crate) struct Section {
     pub key: &'static str,
     pub markdown: String,
     pub json: Value,
@@ -63,7 +63,7 @@ pub struct Section {
 }
 
 /// A grouped bar chart: one group per x label, one bar per series.
-pub fn svg_bars(title: &str, unit: &str, xs: &[String], series: &[(String, Vec<f64>)]) -> String {
+pub(crate) fn svg_bars(title: &str, unit: &str, xs: &[String], series: &[(String, Vec<f64>)]) -> String {
     let (w, h, left, bottom, top) = (760.0, 360.0, 70.0, 60.0, 40.0);
     let max = series.iter().flat_map(|(_, v)| v.iter().copied()).filter(|x| x.is_finite()).fold(0.0f64, f64::max).max(1e-9);
     let colors = ["#4c78a8", "#f58518", "#54a24b", "#e45756", "#72b7b2", "#b279a2"];
@@ -79,8 +79,8 @@ pub fn svg_bars(title: &str, unit: &str, xs: &[String], series: &[(String, Vec<f
         w / 2.0
     );
     for t in 0..=4 {
-        let v = max * t as f64 / 4.0;
-        let y = top + plot_h - plot_h * t as f64 / 4.0;
+        let v = max * f64::from(t) / 4.0;
+        let y = top + plot_h - plot_h * f64::from(t) / 4.0;
         let _ = write!(
             s,
             r##"<line x1="{left}" x2="{}" y1="{y}" y2="{y}" stroke="#ddd"/><text x="{}" y="{}" text-anchor="end">{v:.1}</text>"##,
@@ -132,16 +132,16 @@ pub fn svg_bars(title: &str, unit: &str, xs: &[String], series: &[(String, Vec<f
 }
 
 /// "Machine: N cores; kernel X." for a report's header.
-pub fn machine() -> String {
+pub(crate) fn machine() -> String {
     format!(
         "Machine: {} cores; kernel {}.",
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        std::thread::available_parallelism().map_or(0, std::num::NonZero::get),
         std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim()
     )
 }
 
 /// The "Targets" section of a report.
-pub fn targets_markdown(targets: &[Target]) -> String {
+pub(crate) fn targets_markdown(targets: &[Target]) -> String {
     let mut md = String::from("## Targets\n\n| target | goal | measured | met |\n|---|---|---|---|\n");
     for t in targets {
         let met = match t.met {
@@ -155,14 +155,14 @@ pub fn targets_markdown(targets: &[Target]) -> String {
 }
 
 /// The targets as report.json lists them.
-pub fn targets_json(targets: &[Target]) -> Value {
+pub(crate) fn targets_json(targets: &[Target]) -> Value {
     json!(targets.iter().map(|t| json!({"name": t.name, "goal": t.goal, "measured": t.measured, "met": t.met})).collect::<Vec<_>>())
 }
 
 /// The report of a `--only` run of one part: `markdown` under a header
 /// naming the `part`, its targets; `doc` (a JSON object) with the targets
 /// added; printed as well as written.
-pub fn write_part(
+pub(crate) fn write_part(
     dir: &Path,
     part: &str,
     markdown: &str,
@@ -178,7 +178,7 @@ pub fn write_part(
     Ok(())
 }
 
-pub fn write_all(dir: &Path, markdown: &str, json: &Value, svgs: &[(String, String)]) -> std::io::Result<()> {
+pub(crate) fn write_all(dir: &Path, markdown: &str, json: &Value, svgs: &[(String, String)]) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
     std::fs::write(dir.join("report.md"), markdown)?;
     std::fs::write(dir.join("report.json"), serde_json::to_string_pretty(json).unwrap_or_default())?;

@@ -14,20 +14,20 @@
 use std::fmt::Write as _;
 use std::net::Ipv4Addr;
 
-pub const ENDPOINTS: usize = 10;
+pub(crate) const ENDPOINTS: usize = 10;
 
 /// The i-th Service address in a range starting at `base`.
-pub fn service_ip(base: Ipv4Addr, i: usize) -> Ipv4Addr {
+pub(crate) fn service_ip(base: Ipv4Addr, i: usize) -> Ipv4Addr {
     Ipv4Addr::from(u32::from(base) + 1 + i as u32)
 }
 
-pub fn endpoint_ip(j: usize) -> Ipv4Addr {
+pub(crate) fn endpoint_ip(j: usize) -> Ipv4Addr {
     Ipv4Addr::new(10, 244, 100, 1 + j as u8)
 }
 
-pub const ENDPOINT_PORT: u16 = 8080;
+pub(crate) const ENDPOINT_PORT: u16 = 8080;
 
-pub fn iptables_restore(base: Ipv4Addr, services: usize, proto: &str) -> String {
+pub(crate) fn iptables_restore(base: Ipv4Addr, services: usize, proto: &str) -> String {
     let mut s = String::with_capacity(services * 1200);
     s.push_str("*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n:KUBE-SERVICES - [0:0]\n:KUBE-MARK-MASQ - [0:0]\n");
     for j in 0..ENDPOINTS {
@@ -69,7 +69,7 @@ pub fn iptables_restore(base: Ipv4Addr, services: usize, proto: &str) -> String 
     s
 }
 
-pub fn nft_ruleset(base: Ipv4Addr, services: usize, proto: &str) -> String {
+pub(crate) fn nft_ruleset(base: Ipv4Addr, services: usize, proto: &str) -> String {
     let mut s = String::with_capacity(services * 200);
     s.push_str("table ip kube-proxy {\n");
     for j in 0..ENDPOINTS {

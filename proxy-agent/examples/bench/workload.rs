@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Moves the calling thread into the network namespace at `ns_path`.
-pub fn enter_netns(ns_path: &Path) -> io::Result<()> {
+pub(crate) fn enter_netns(ns_path: &Path) -> io::Result<()> {
     let f = File::open(ns_path)?;
     // SAFETY: setns on a valid namespace fd; affects this thread only.
     if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
@@ -30,7 +30,7 @@ pub fn enter_netns(ns_path: &Path) -> io::Result<()> {
 /// `bind` and then runs `serve` on what it bound. Returns once the bind has
 /// succeeded (with the thread) or failed (with its error), so callers can
 /// send traffic right away.
-pub fn serve_in_netns<S: 'static>(
+pub(crate) fn serve_in_netns<S: 'static>(
     ns_path: &Path,
     bind: impl FnOnce() -> io::Result<S> + Send + 'static,
     serve: impl FnOnce(S) + Send + 'static,
@@ -52,7 +52,7 @@ pub fn serve_in_netns<S: 'static>(
 
 /// Echo servers (TCP and UDP, one byte back per request) on `addrs`, inside
 /// the namespace. They stop when `stop` is set.
-pub fn start_echo(ns_path: &Path, addrs: &[SocketAddr], stop: Arc<AtomicBool>) -> io::Result<Vec<JoinHandle<()>>> {
+pub(crate) fn start_echo(ns_path: &Path, addrs: &[SocketAddr], stop: Arc<AtomicBool>) -> io::Result<Vec<JoinHandle<()>>> {
     let mut handles = Vec::new();
     for addr in addrs {
         let (addr, stop_tcp, stop_udp) = (*addr, stop.clone(), stop.clone());
@@ -110,7 +110,7 @@ fn udp_round(to: SocketAddr) -> io::Result<()> {
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Proto {
+pub(crate) enum Proto {
     Tcp,
     Udp,
 }
@@ -120,7 +120,7 @@ pub enum Proto {
 /// `i` dials `to[i % to.len()]`: a baseline that dials backends directly
 /// spreads its rounds over the same listeners a Service would, so both meet
 /// the same mix of warm and cold listener threads.
-pub fn measure(ns_path: &Path, to: &[SocketAddr], proto: Proto, rounds: usize) -> io::Result<(Vec<u64>, usize)> {
+pub(crate) fn measure(ns_path: &Path, to: &[SocketAddr], proto: Proto, rounds: usize) -> io::Result<(Vec<u64>, usize)> {
     let ns = ns_path.to_path_buf();
     let to = to.to_vec();
     if to.is_empty() {

@@ -9,7 +9,7 @@ use proxy_agent::datapath::conntrack_gc::{GcConfig, Timeouts};
 use proxy_common as pc;
 
 #[derive(Args, Clone, Debug)]
-pub struct ConntrackArgs {
+pub(crate) struct ConntrackArgs {
     /// Seconds between two sweeps of NP_CT that delete idle flows; 0 turns
     /// the sweeps off (entries then leave only by LRU eviction when the map
     /// is full).
@@ -32,7 +32,7 @@ pub struct ConntrackArgs {
 }
 
 impl ConntrackArgs {
-    pub fn gc_config(&self) -> GcConfig {
+    pub(crate) fn gc_config(&self) -> GcConfig {
         GcConfig {
             interval: Duration::from_secs(self.conntrack_gc_interval_secs),
             timeouts: Timeouts {

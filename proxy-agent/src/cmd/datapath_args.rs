@@ -11,7 +11,7 @@ use proxy_agent::external::node_addresses::Devices;
 use proxy_common as pc;
 
 #[derive(Args, Clone, Debug)]
-pub struct DatapathArgs {
+pub(crate) struct DatapathArgs {
     /// cgroup v2 directory the socket programs attach to; every process in it
     /// and below is load balanced. Default: the cgroup2 root from
     /// /proc/self/mountinfo.
@@ -75,7 +75,7 @@ fn parse_devices(value: &str) -> Result<Devices, String> {
 impl DatapathArgs {
     /// The external-traffic settings (`--devices`, `--node-ip`,
     /// `--snat-port-range`).
-    pub fn external(&self) -> anyhow::Result<proxy_agent::external::nodeport::ExternalConfig> {
+    pub(crate) fn external(&self) -> anyhow::Result<proxy_agent::external::nodeport::ExternalConfig> {
         let (lo, hi) = self
             .snat_port_range
             .split_once('-')
@@ -91,14 +91,14 @@ impl DatapathArgs {
         Ok(proxy_agent::external::nodeport::ExternalConfig { devices, node_ips: self.node_ip.clone(), snat_ports: (lo, hi), tc_mode })
     }
 
-    pub fn cgroup(&self) -> anyhow::Result<PathBuf> {
+    pub(crate) fn cgroup(&self) -> anyhow::Result<PathBuf> {
         match &self.cgroup {
             Some(p) => Ok(p.clone()),
             None => mounts::cgroup2_root().context("finding the cgroup v2 root"),
         }
     }
 
-    pub fn capacities(&self) -> anyhow::Result<Capacities> {
+    pub(crate) fn capacities(&self) -> anyhow::Result<Capacities> {
         for (flag, v) in [
             ("--max-services", self.max_services),
             ("--max-slots", self.max_slots),

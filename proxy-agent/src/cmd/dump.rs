@@ -22,7 +22,7 @@ enum Output {
 }
 
 #[derive(Args)]
-pub struct DumpArgs {
+pub(crate) struct DumpArgs {
     /// The pin directory the agent was run with.
     #[arg(long, default_value = DEFAULT_BPFFS)]
     bpffs: PathBuf,
@@ -33,7 +33,7 @@ pub struct DumpArgs {
 /// Exit status when the maps were read but are inconsistent.
 const INCONSISTENT: u8 = 2;
 
-pub fn dump(args: DumpArgs) -> anyhow::Result<ExitCode> {
+pub(crate) fn dump(args: DumpArgs) -> anyhow::Result<ExitCode> {
     let snap = dump::read(&args.bpffs).with_context(|| format!("reading the maps pinned in {}", args.bpffs.display()))?;
     let report = dump::report(&args.bpffs, &snap);
     let mut out = std::io::stdout().lock();

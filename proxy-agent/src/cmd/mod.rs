@@ -1,10 +1,10 @@
 //! One module per subcommand.
 
-pub mod conntrack_args;
-pub mod datapath_args;
-pub mod dump;
-pub mod explain;
-pub mod probe;
-pub mod reset;
-pub mod run;
-pub mod serve_hostname;
+pub(crate) mod conntrack_args;
+pub(crate) mod datapath_args;
+pub(crate) mod dump;
+pub(crate) mod explain;
+pub(crate) mod probe;
+pub(crate) mod reset;
+pub(crate) mod run;
+pub(crate) mod serve_hostname;

@@ -12,7 +12,7 @@ use clap::Args;
 use serde_json::json;
 
 #[derive(Args)]
-pub struct ProbeArgs {
+pub(crate) struct ProbeArgs {
     /// Address to reach, e.g. 10.96.0.10:80 or [fd00::10]:80.
     #[arg(long)]
     to: SocketAddr,
@@ -46,7 +46,7 @@ pub struct ProbeArgs {
     hold: bool,
 }
 
-pub fn probe(args: ProbeArgs) -> anyhow::Result<ExitCode> {
+pub(crate) fn probe(args: ProbeArgs) -> anyhow::Result<ExitCode> {
     let timeout = Duration::from_millis(args.timeout_ms.max(1));
     let mut failed = false;
     let out = std::io::stdout();

@@ -9,12 +9,12 @@ use proxy_agent::datapath::socket_loader;
 use super::datapath_args::DatapathArgs;
 
 #[derive(Args)]
-pub struct ResetArgs {
+pub(crate) struct ResetArgs {
     #[command(flatten)]
     datapath: DatapathArgs,
 }
 
-pub fn reset(args: ResetArgs) -> anyhow::Result<ExitCode> {
+pub(crate) fn reset(args: ResetArgs) -> anyhow::Result<ExitCode> {
     // The links are pinned, so the pin directory alone identifies what to
     // detach; --cgroup is accepted for symmetry with `run`.
     let dir = &args.datapath.bpffs;

@@ -11,7 +11,7 @@ use anyhow::Context;
 use clap::Args;
 
 #[derive(Args)]
-pub struct ServeArgs {
+pub(crate) struct ServeArgs {
     /// The name to answer with.
     #[arg(long)]
     name: String,
@@ -26,7 +26,7 @@ pub struct ServeArgs {
     udp_only: bool,
 }
 
-pub fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
+pub(crate) fn serve(args: ServeArgs) -> anyhow::Result<ExitCode> {
     let mut threads = Vec::new();
     for addr in &args.listen {
         if !args.udp_only {

@@ -57,7 +57,7 @@ fn call(cmd: libc::c_long, attr: &mut BatchAttr) -> Result<(), io::Error> {
     // map's key and value size there, which the callers guarantee by
     // passing buffers of the map's key and value types (aya checked their
     // sizes against the map when it was opened).
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, attr as *mut BatchAttr, size_of::<BatchAttr>()) };
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut::<BatchAttr>(attr), size_of::<BatchAttr>()) };
     if rc != 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
 }
 

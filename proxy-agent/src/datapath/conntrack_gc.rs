@@ -195,7 +195,7 @@ pub fn plan(entries: &[(CtKey, CtValue)], now_s: u32, t: &Timeouts, mut backend_
 pub fn monotonic_now_s() -> std::io::Result<u32> {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: clock_gettime writes one timespec into `ts`.
-    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) } != 0 {
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &raw mut ts) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
     // Truncated like the programs' `ns / 1e9 as u32`.

@@ -102,8 +102,7 @@ fn open_read_only(path: &Path) -> io::Result<OwnedFd> {
     let attr = ObjGetAttr { pathname: c_path.as_ptr() as u64, bpf_fd: 0, file_flags: BPF_F_RDONLY, path_fd: 0, _pad: 0 };
     // SAFETY: `attr` and the string it points to outlive the call; the size
     // passed is the size of `attr`.
-    let fd =
-        unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, &attr as *const ObjGetAttr, std::mem::size_of::<ObjGetAttr>() as libc::c_uint) };
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_OBJ_GET, &raw const attr, std::mem::size_of::<ObjGetAttr>() as libc::c_uint) };
     if fd < 0 {
         return Err(io::Error::last_os_error());
     }
@@ -451,19 +450,18 @@ pub fn check_maps(
     let mut users: BTreeMap<u32, Vec<String>> = BTreeMap::new();
     let mut views = Vec::new();
     for (fe, key, value) in ordered {
-        let name = match fe {
-            Some(fe) => fe.to_string(),
-            None => {
-                let raw = raw_key(key);
-                findings.push(
-                    Finding::new(
-                        FindingKind::UnknownServiceKey,
-                        format!("{} key {raw} has a protocol or family this agent never writes", names.services),
-                    )
-                    .service(value.service_id, value.generation),
-                );
-                raw
-            }
+        let name = if let Some(fe) = fe {
+            fe.to_string()
+        } else {
+            let raw = raw_key(key);
+            findings.push(
+                Finding::new(
+                    FindingKind::UnknownServiceKey,
+                    format!("{} key {raw} has a protocol or family this agent never writes", names.services),
+                )
+                .service(value.service_id, value.generation),
+            );
+            raw
         };
         users.entry(value.service_id).or_default().push(name.clone());
         let (sid, generation) = (value.service_id, value.generation);

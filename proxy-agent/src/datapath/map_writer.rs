@@ -319,35 +319,33 @@ impl MapWriter {
             return Err(full(self.names[2], used_backends, self.max_backends, new_backends));
         }
 
-        let service_id = match old {
-            Some(p) => p.value.service_id,
-            None => {
-                let set = &self.service_id_set;
-                Self::alloc_id(&mut self.next_service_id, |id| set.contains(&id), "service")?
-            }
+        let service_id = if let Some(p) = old {
+            p.value.service_id
+        } else {
+            let set = &self.service_id_set;
+            Self::alloc_id(&mut self.next_service_id, |id| set.contains(&id), "service")?
         };
         let generation = old.map_or(1, |p| p.value.generation.wrapping_add(1));
         let created_before = chunk.created.len();
         let mut ids = Vec::with_capacity(backends.len());
         for b in backends {
-            let id = match self.backend_ids.get(b).map(|(id, _)| *id).or_else(|| chunk.created_ids.get(b).copied()) {
-                Some(id) => id,
-                None => {
-                    let set = &self.backend_id_set;
-                    match Self::alloc_id(&mut self.next_backend_id, |id| set.contains(&id), "backend") {
-                        Ok(id) => {
-                            self.backend_id_set.insert(id);
-                            chunk.created.push((*b, id));
-                            chunk.created_ids.insert(*b, id);
-                            id
+            let id = if let Some(id) = self.backend_ids.get(b).map(|(id, _)| *id).or_else(|| chunk.created_ids.get(b).copied()) {
+                id
+            } else {
+                let set = &self.backend_id_set;
+                match Self::alloc_id(&mut self.next_backend_id, |id| set.contains(&id), "backend") {
+                    Ok(id) => {
+                        self.backend_id_set.insert(id);
+                        chunk.created.push((*b, id));
+                        chunk.created_ids.insert(*b, id);
+                        id
+                    }
+                    Err(e) => {
+                        for (b, id) in chunk.created.drain(created_before..) {
+                            chunk.created_ids.remove(&b);
+                            self.backend_id_set.remove(&id);
                         }
-                        Err(e) => {
-                            for (b, id) in chunk.created.drain(created_before..) {
-                                chunk.created_ids.remove(&b);
-                                self.backend_id_set.remove(&id);
-                            }
-                            return Err(e);
-                        }
+                        return Err(e);
                     }
                 }
             };
@@ -573,16 +571,15 @@ impl MapWriter {
         let ids: Vec<u32> = backends.iter().map(id_of).collect();
 
         // (2) slots under a fresh generation
-        let service_id = match &old {
-            Some(p) => p.value.service_id,
-            None => {
-                let set = &self.service_id_set;
-                match Self::alloc_id(&mut self.next_service_id, |id| set.contains(&id), "service") {
-                    Ok(id) => id,
-                    Err(e) => {
-                        self.undo_backends(&created);
-                        return Err(e);
-                    }
+        let service_id = if let Some(p) = &old {
+            p.value.service_id
+        } else {
+            let set = &self.service_id_set;
+            match Self::alloc_id(&mut self.next_service_id, |id| set.contains(&id), "service") {
+                Ok(id) => id,
+                Err(e) => {
+                    self.undo_backends(&created);
+                    return Err(e);
                 }
             }
         };

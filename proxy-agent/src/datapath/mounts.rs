@@ -75,7 +75,7 @@ fn statfs_type(path: &Path) -> io::Result<i64> {
     let c = CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
     // SAFETY: statfs writes into the zeroed struct we own.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+    if unsafe { libc::statfs(c.as_ptr(), &raw mut st) } != 0 {
         return Err(io::Error::last_os_error());
     }
     Ok(st.f_type as i64)

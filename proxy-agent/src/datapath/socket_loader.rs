@@ -113,7 +113,7 @@ pub fn socket_map_names() -> impl Iterator<Item = &'static str> {
 
 /// The `--max-*` flag that sizes a map, for error messages.
 pub fn capacity_flag(map: &str) -> &'static str {
-    MAPS.iter().find(|m| m.name == map).map(|m| m.flag).unwrap_or("")
+    MAPS.iter().find(|m| m.name == map).map_or("", |m| m.flag)
 }
 
 #[derive(Debug, thiserror::Error)]

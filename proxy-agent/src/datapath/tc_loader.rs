@@ -98,7 +98,7 @@ pub fn install(pin_dir: &Path, devices: &[String], mode: TcMode) -> Result<Vec<S
     fs::create_dir_all(&links).map_err(|source| TcError::Io { path: links.clone(), source })?;
     // tcx (NET_XGRESS) arrived in Linux 6.6.
     let tcx = match mode {
-        TcMode::Auto => KernelVersion::current().map(|v| v >= KernelVersion::new(6, 6, 0)).unwrap_or(false),
+        TcMode::Auto => KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0)),
         TcMode::Tcx => true,
         TcMode::Netlink => false,
     };
@@ -127,13 +127,12 @@ pub fn install(pin_dir: &Path, devices: &[String], mode: TcMode) -> Result<Vec<S
                 let replaced = tc::SchedClassifierLink::attached(device, attach_type, LEGACY_PRIORITY, LEGACY_HANDLE.into(), None)
                     .ok()
                     .and_then(|old| prog.attach_to_link(old).ok());
-                let id = match replaced {
-                    Some(id) => id,
-                    None => {
-                        let opts = tc::NlOptions { priority: LEGACY_PRIORITY, handle: LEGACY_HANDLE.into(), ..Default::default() };
-                        prog.attach_with_options(device, attach_type, TcAttachOptions::Netlink(opts))
-                            .map_err(|e| err("netlink attach", error_chain(&e)))?
-                    }
+                let id = if let Some(id) = replaced {
+                    id
+                } else {
+                    let opts = tc::NlOptions { priority: LEGACY_PRIORITY, handle: LEGACY_HANDLE.into(), ..Default::default() };
+                    prog.attach_with_options(device, attach_type, TcAttachOptions::Netlink(opts))
+                        .map_err(|e| err("netlink attach", error_chain(&e)))?
                 };
                 let link = prog.take_link(id).map_err(|e| err("take link", error_chain(&e)))?;
                 // Dropping the link would detach the filter.
@@ -199,7 +198,7 @@ fn detach_unlisted(pin_dir: &Path, devices: &[String], tcx: bool, warnings: &mut
 /// namespaces never share one at the same time).
 fn current_netns() -> u64 {
     use std::os::unix::fs::MetadataExt;
-    fs::metadata("/proc/thread-self/ns/net").map(|m| m.ino()).unwrap_or(0)
+    fs::metadata("/proc/thread-self/ns/net").map_or(0, |m| m.ino())
 }
 
 /// A `tc-legacy` record's name: the device, the hook and the network
@@ -276,7 +275,7 @@ fn attach_tcx(prog: &mut SchedClassifier, device: &str, attach_type: TcAttachTyp
                 }
             },
             Err(e) => {
-                tracing::warn!(device, error = %error_chain(&e), "pinned TC link is not a tcx link; attaching anew")
+                tracing::warn!(device, error = %error_chain(&e), "pinned TC link is not a tcx link; attaching anew");
             }
         }
         let _ = fs::remove_file(pin);

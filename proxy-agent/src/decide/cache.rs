@@ -21,7 +21,7 @@ use crate::model::{Cluster, EndpointSlice, Family, Frontend, ObjectRef};
 
 /// What one update changed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Update {
+pub(crate) struct Update {
     /// ClusterIP frontends whose desired entry may differ.
     pub frontends: BTreeSet<Frontend>,
     /// Services decided again, and the owners of `frontends`.
@@ -77,7 +77,7 @@ impl<T: Ord> SortedVec<T> {
 }
 
 #[derive(Default)]
-pub struct DecisionCache {
+pub(crate) struct DecisionCache {
     node: String,
     /// Decisions per Service, ports in spec order.
     decisions: BTreeMap<ObjectRef, Vec<PortDecision>>,
@@ -96,14 +96,14 @@ pub struct DecisionCache {
 }
 
 impl DecisionCache {
-    pub fn new(node: &str) -> DecisionCache {
+    pub(crate) fn new(node: &str) -> DecisionCache {
         DecisionCache { node: node.to_string(), ..DecisionCache::default() }
     }
 
     /// Brings the decisions up to `cluster` and returns the ClusterIP
     /// frontends whose desired backends may have changed (added, removed
     /// or updated), and the Services decided again.
-    pub fn update(&mut self, cluster: &Cluster, changes: &Changes) -> Update {
+    pub(crate) fn update(&mut self, cluster: &Cluster, changes: &Changes) -> Update {
         let mut affected: BTreeSet<ObjectRef> = changes.services.clone();
         if changes.all {
             self.slices_of.clear();
@@ -196,12 +196,12 @@ impl DecisionCache {
     }
 
     /// The Service that owns a ClusterIP frontend.
-    pub fn owner(&self, fe: &Frontend) -> Option<&ObjectRef> {
+    pub(crate) fn owner(&self, fe: &Frontend) -> Option<&ObjectRef> {
         self.claims.get(fe)?.first()
     }
 
     /// The ClusterIP frontends `service` owns.
-    pub fn owned_frontends<'a>(&'a self, service: &'a ObjectRef) -> impl Iterator<Item = &'a Frontend> + 'a {
+    pub(crate) fn owned_frontends<'a>(&'a self, service: &'a ObjectRef) -> impl Iterator<Item = &'a Frontend> + 'a {
         self.decisions.get(service).into_iter().flatten().flat_map(|d| d.frontends.iter()).filter(move |fe| self.owner(fe) == Some(service))
     }
 
@@ -222,23 +222,19 @@ impl DecisionCache {
     }
 
     /// The ClusterIP part of the desired socket state.
-    pub fn desired(&self) -> &State {
+    pub(crate) fn desired(&self) -> &State {
         &self.desired
     }
 
     /// Every decision, Services in namespace/name order, ports in spec
     /// order (the order `decision::decide` returns them in).
-    pub fn decisions(&self) -> impl Iterator<Item = &PortDecision> + Clone {
+    pub(crate) fn decisions(&self) -> impl Iterator<Item = &PortDecision> + Clone {
         self.decisions.values().flatten()
-    }
-
-    pub fn services(&self) -> usize {
-        self.decisions.len()
     }
 
     /// Frontends claimed by more than one Service, reported like
     /// `decision::desired_state` reports them.
-    pub fn clashes(&self) -> Vec<String> {
+    pub(crate) fn clashes(&self) -> Vec<String> {
         let mut out = Vec::new();
         for (fe, set) in self.clashed.iter().filter_map(|fe| Some((fe, self.claims.get(fe)?))) {
             let mut it = set.iter();
@@ -251,17 +247,17 @@ impl DecisionCache {
     }
 
     /// The decisions that carry problems, in the order of [`Self::decisions`].
-    pub fn decisions_with_problems(&self) -> impl Iterator<Item = &PortDecision> {
+    pub(crate) fn decisions_with_problems(&self) -> impl Iterator<Item = &PortDecision> {
         self.with_problems.iter().filter_map(|id| self.decisions.get(id)).flatten().filter(|d| !d.problems.is_empty())
     }
 
     /// The decisions of one Service.
-    pub fn decisions_of(&self, id: &ObjectRef) -> &[PortDecision] {
+    pub(crate) fn decisions_of(&self, id: &ObjectRef) -> &[PortDecision] {
         self.decisions.get(id).map_or(&[], Vec::as_slice)
     }
 
     /// Every decided Service.
-    pub fn service_ids(&self) -> impl Iterator<Item = &ObjectRef> {
+    pub(crate) fn service_ids(&self) -> impl Iterator<Item = &ObjectRef> {
         self.decisions.keys()
     }
 }
@@ -269,15 +265,11 @@ impl DecisionCache {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::source::manifest::parse_into;
-    use crate::source::objects::build_cluster;
 
     fn cluster(yaml: &str) -> Cluster {
-        let mut docs = Vec::new();
-        let mut errs = Vec::new();
-        parse_into("t.yaml", yaml, &mut docs, &mut errs);
-        assert!(errs.is_empty(), "{errs:?}");
-        build_cluster(&docs).0
+        let (c, e) = crate::source::manifest_watch::cluster_from_text(yaml);
+        assert!(e.iter().all(|e| !e.contains("cannot") && !e.contains("parse")), "{e:?}");
+        c
     }
 
     fn svc(name: &str, ip: &str, extra: &str) -> String {

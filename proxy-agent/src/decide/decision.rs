@@ -277,16 +277,10 @@ pub fn external_state_of<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::source::manifest::parse_into;
-    use crate::source::objects::build_cluster;
 
     /// The model of a manifest that must convert without problems.
     pub(super) fn cluster(yaml: &str) -> Cluster {
-        let mut docs = Vec::new();
-        let mut errs = Vec::new();
-        parse_into("t.yaml", yaml, &mut docs, &mut errs);
-        assert!(errs.is_empty(), "{errs:?}");
-        let (c, e) = build_cluster(&docs);
+        let (c, e) = crate::source::manifest_watch::cluster_from_text(yaml);
         assert!(e.is_empty(), "{e:?}");
         c
     }
@@ -368,7 +362,7 @@ mod external_tests {
 
     fn svc(policy: &str) -> String {
         format!(
-            r#"
+            r"
 apiVersion: v1
 kind: Service
 metadata: {{name: web}}
@@ -392,7 +386,7 @@ endpoints:
   nodeName: a
 - addresses: [10.244.0.2]
   nodeName: b
-"#
+"
         )
     }
 

@@ -2,7 +2,7 @@
 //! cache kept between syncs, and the plan (diff) against the maps. Nothing
 //! here imports kube, aya or tokio.
 
-pub mod cache;
+pub(crate) mod cache;
 pub mod decision;
 pub mod plan;
-pub mod topology;
+pub(crate) mod topology;

@@ -32,39 +32,39 @@ use std::fmt;
 use crate::model::{Endpoint, Node, Service};
 
 /// Well-known node label carrying the node's hostname.
-pub const LABEL_HOSTNAME: &str = "kubernetes.io/hostname";
+pub(crate) const LABEL_HOSTNAME: &str = "kubernetes.io/hostname";
 /// Well-known node label carrying the node's zone; kube-proxy reads the
 /// node's zone from it (`v1.LabelTopologyZone`).
-pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
+pub(crate) const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
 /// The catch-all topology key (`v1.TopologyKeyAny`).
-pub const TOPOLOGY_KEY_ANY: &str = "*";
+pub(crate) const TOPOLOGY_KEY_ANY: &str = "*";
 /// `core.MaxServiceTopologyKeys`.
-pub const MAX_TOPOLOGY_KEYS: usize = 16;
+pub(crate) const MAX_TOPOLOGY_KEYS: usize = 16;
 /// This project's annotation: a comma-separated topology key list with the
 /// meaning of `spec.topologyKeys`, for clusters whose API server no longer
 /// accepts the field (it left the API in 1.22).
-pub const ANNOTATION_TOPOLOGY_KEYS: &str = "topoproxy.io/topology-keys";
+pub(crate) const ANNOTATION_TOPOLOGY_KEYS: &str = "topoproxy.io/topology-keys";
 /// OpenYurt's Service annotation (`AnnotationServiceTopologyKey` in
 /// openyurt `pkg/yurthub/filter/servicetopology`).
-pub const ANNOTATION_OPENYURT_TOPOLOGY_KEYS: &str = "openyurt.io/topologyKeys";
+pub(crate) const ANNOTATION_OPENYURT_TOPOLOGY_KEYS: &str = "openyurt.io/topologyKeys";
 /// OpenYurt annotation value meaning "same node".
-pub const OPENYURT_VALUE_NODE: &str = "kubernetes.io/hostname";
+pub(crate) const OPENYURT_VALUE_NODE: &str = "kubernetes.io/hostname";
 /// OpenYurt annotation value meaning "same node pool" (historic spelling).
-pub const OPENYURT_VALUE_ZONE: &str = "kubernetes.io/zone";
+pub(crate) const OPENYURT_VALUE_ZONE: &str = "kubernetes.io/zone";
 /// OpenYurt annotation value meaning "same node pool".
-pub const OPENYURT_VALUE_NODEPOOL: &str = "openyurt.io/nodepool";
+pub(crate) const OPENYURT_VALUE_NODEPOOL: &str = "openyurt.io/nodepool";
 /// Node label naming the OpenYurt node pool a node belongs to
 /// (`projectinfo.GetNodePoolLabel()`, formerly
 /// `nodepoolv1alpha1.LabelCurrentNodePool`).
-pub const LABEL_OPENYURT_NODEPOOL: &str = "apps.openyurt.io/nodepool";
+pub(crate) const LABEL_OPENYURT_NODEPOOL: &str = "apps.openyurt.io/nodepool";
 /// Service annotation asking the EndpointSlice controller for zone hints.
-pub const ANNOTATION_TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
+pub(crate) const ANNOTATION_TOPOLOGY_MODE: &str = "service.kubernetes.io/topology-mode";
 /// Legacy spelling of [`ANNOTATION_TOPOLOGY_MODE`] (1.21-1.26).
-pub const ANNOTATION_TOPOLOGY_AWARE_HINTS: &str = "service.kubernetes.io/topology-aware-hints";
+pub(crate) const ANNOTATION_TOPOLOGY_AWARE_HINTS: &str = "service.kubernetes.io/topology-aware-hints";
 
 /// Which routing model decided the `cluster` set.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Model {
+pub(crate) enum Model {
     /// No topology preference (or every preference fell back): every usable
     /// endpoint.
     Cluster,
@@ -90,7 +90,7 @@ pub enum Model {
 
 impl Model {
     /// Every model, in declaration order.
-    pub const ALL: [Model; 7] = [
+    pub(crate) const ALL: [Model; 7] = [
         Model::Cluster,
         Model::TopologyKeys,
         Model::OpenYurt,
@@ -101,7 +101,7 @@ impl Model {
     ];
 
     /// Stable name, used in JSON output.
-    pub fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         match self {
             Model::Cluster => "Cluster",
             Model::TopologyKeys => "TopologyKeys",
@@ -123,7 +123,7 @@ impl fmt::Display for Model {
 /// The outcome for one Service port on one node. Indices point into the
 /// endpoint slice given to [`rank`], in ascending order.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Ranking {
+pub(crate) struct Ranking {
     pub model: Model,
     /// Endpoints for cluster-policy traffic.
     pub cluster: Vec<usize>,
@@ -146,7 +146,7 @@ pub struct NodeContext<'a> {
 
 /// Ranks `endpoints` (all endpoints of one Service port) for the node
 /// described by `node`.
-pub fn rank(svc: &Service, endpoints: &[&Endpoint], node: NodeContext<'_>) -> Ranking {
+pub(crate) fn rank(svc: &Service, endpoints: &[&Endpoint], node: NodeContext<'_>) -> Ranking {
     let view = View::new(endpoints, node);
     let mut problems = Vec::new();
     let mut notes = Vec::new();
@@ -355,7 +355,7 @@ impl KeySource {
 /// [`MAX_TOPOLOGY_KEYS`] keys, no duplicates, `"*"` only last, every other
 /// key a qualified name (a valid label key). Messages follow the API
 /// server's field errors.
-pub fn validate_topology_keys(path: &str, keys: &[String], external_policy_local: bool) -> Vec<String> {
+pub(crate) fn validate_topology_keys(path: &str, keys: &[String], external_policy_local: bool) -> Vec<String> {
     let mut errs = Vec::new();
     if keys.is_empty() {
         return errs;
@@ -834,7 +834,7 @@ mod tests {
 
     impl SvcExt for Service {
         fn keys(mut self, keys: &[&str]) -> Self {
-            self.topology_keys = Some(keys.iter().map(|k| k.to_string()).collect());
+            self.topology_keys = Some(keys.iter().map(std::string::ToString::to_string).collect());
             self
         }
         fn ann(mut self, k: &str, v: &str) -> Self {
@@ -1449,7 +1449,7 @@ mod tests {
     #[test]
     fn validation_messages() {
         let v = |keys: &[&str], etp: bool| {
-            let keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+            let keys: Vec<String> = keys.iter().map(std::string::ToString::to_string).collect();
             validate_topology_keys("spec.topologyKeys", &keys, etp)
         };
         assert!(v(&[LABEL_HOSTNAME, LABEL_ZONE, REGION, "*"], false).is_empty());

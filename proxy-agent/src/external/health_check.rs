@@ -21,23 +21,23 @@ type Table = Arc<Mutex<BTreeMap<u16, (ObjectRef, usize)>>>;
 
 /// The set of health check servers, one listener per port.
 #[derive(Default)]
-pub struct HealthServers {
+pub(crate) struct HealthServers {
     table: Table,
     tasks: BTreeMap<u16, JoinHandle<()>>,
 }
 
 impl HealthServers {
-    pub fn new() -> HealthServers {
+    pub(crate) fn new() -> HealthServers {
         HealthServers::default()
     }
 
     /// Starts listeners for new ports, stops those no longer wanted and
     /// updates the counts the others report. Must run inside a tokio runtime.
     /// Returns the ports that could not be bound, with the reason.
-    pub fn update(&mut self, checks: &[HealthCheck]) -> Vec<(u16, String)> {
+    pub(crate) fn update(&mut self, checks: &[HealthCheck]) -> Vec<(u16, String)> {
         let mut failed = Vec::new();
         {
-            let mut t = self.table.lock().unwrap_or_else(|e| e.into_inner());
+            let mut t = self.table.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             t.clear();
             for c in checks {
                 t.insert(c.port, (c.service.clone(), c.local_endpoints));
@@ -64,10 +64,6 @@ impl HealthServers {
             }
         }
         failed
-    }
-
-    pub fn ports(&self) -> Vec<u16> {
-        self.tasks.keys().copied().collect()
     }
 }
 
@@ -109,7 +105,7 @@ async fn accept_loop(listener: TcpListener, port: u16, table: Table) {
                 }
             };
             let _ = tokio::time::timeout(std::time::Duration::from_secs(5), read).await;
-            let entry = table.lock().unwrap_or_else(|e| e.into_inner()).get(&port).cloned();
+            let entry = table.lock().unwrap_or_else(std::sync::PoisonError::into_inner).get(&port).cloned();
             let _ = conn.write_all(response(entry.as_ref()).as_bytes()).await;
             let _ = conn.shutdown().await;
         });
@@ -117,7 +113,7 @@ async fn accept_loop(listener: TcpListener, port: u16, table: Table) {
 }
 
 /// The full HTTP response for one request.
-pub fn response(entry: Option<&(ObjectRef, usize)>) -> String {
+pub(crate) fn response(entry: Option<&(ObjectRef, usize)>) -> String {
     let (svc, count) = match entry {
         Some((s, c)) => (s.clone(), *c),
         None => (ObjectRef::new("", ""), 0),

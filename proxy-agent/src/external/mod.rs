@@ -2,6 +2,6 @@
 //! addresses and devices, the TC datapath's writer, and the health check
 //! node ports of `externalTrafficPolicy: Local` Services.
 
-pub mod health_check;
+pub(crate) mod health_check;
 pub mod node_addresses;
 pub mod nodeport;

@@ -101,7 +101,7 @@ pub fn interface_addresses() -> io::Result<Vec<IfAddr>> {
     let mut out = Vec::new();
     let mut head: *mut libc::ifaddrs = std::ptr::null_mut();
     // SAFETY: getifaddrs fills `head` with a list we free below.
-    if unsafe { libc::getifaddrs(&mut head) } != 0 {
+    if unsafe { libc::getifaddrs(&raw mut head) } != 0 {
         return Err(io::Error::last_os_error());
     }
     let mut cur = head;
@@ -266,7 +266,7 @@ mod tests {
 
     #[test]
     fn devices_flag_values() {
-        let list = |l: &[&str]| Devices::List(l.iter().map(|s| s.to_string()).collect());
+        let list = |l: &[&str]| Devices::List(l.iter().map(std::string::ToString::to_string).collect());
         let cases: &[(&str, Result<Devices, DevicesError>)] = &[
             ("auto", Ok(Devices::Auto)),
             (" auto ", Ok(Devices::Auto)),

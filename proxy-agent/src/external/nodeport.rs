@@ -58,8 +58,8 @@ impl NodePortWriter {
     }
 
     pub fn set_config(&mut self, snat_v4: Option<Ipv4Addr>, snat_v6: Option<Ipv6Addr>, ports: (u16, u16)) -> Result<(), WriteError> {
-        let v4 = snat_v4.map(|a| u32::from_ne_bytes(a.octets())).unwrap_or(0);
-        let v6 = snat_v6.map(|a| addr_key(&IpAddr::V6(a)).ip_be).unwrap_or([0; 4]);
+        let v4 = snat_v4.map_or(0, |a| u32::from_ne_bytes(a.octets()));
+        let v6 = snat_v6.map_or([0; 4], |a| addr_key(&IpAddr::V6(a)).ip_be);
         let cfg = NpConfig { snat_v4_be: v4, _pad0: 0, snat_v6_be: v6, snat_port_min: ports.0, snat_port_max: ports.1, _pad1: 0 };
         self.config.set(0, cfg, 0).map_err(|source| WriteError::Syscall { map: pc::NP_CONFIG_MAP, source })
     }

@@ -25,7 +25,7 @@ use tokio::net::TcpListener;
 use crate::observe::metrics::Metrics;
 
 /// A change not synced within this long makes `/healthz` fail.
-pub const DEFAULT_STALE_AFTER: Duration = Duration::from_secs(60);
+pub const DEFAULT_STALE_AFTER: Duration = Duration::from_mins(1);
 
 #[derive(Debug, thiserror::Error)]
 #[error("cannot listen on {addr} for /healthz, /readyz and /metrics: {source}")]
@@ -58,7 +58,7 @@ impl Health {
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
         // A panic while holding this lock cannot leave the plain fields
         // inconsistent, so a poisoned lock is still usable.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Sets what `/readyz` reports it is waiting for (before the first sync).

@@ -12,7 +12,7 @@ use crate::source::wire::{WireService, WireSlice};
 /// Converts one object of `kind` (as JSON, the API server's or a test's)
 /// into what the model needs. The same `objects::*_from_json` functions
 /// read manifests, so both sources agree on every check.
-pub fn delta_from_value(kind: Kind, v: &Value) -> Delta {
+pub(crate) fn delta_from_value(kind: Kind, v: &Value) -> Delta {
     let (ns, name) = objects::object_ref(v);
     let id = ObjectRef::new(ns, name);
     let mut d = Delta { kind, id: id.clone(), present: true, uid: None, object: None, problems: Vec::new() };
@@ -57,8 +57,9 @@ fn record<T>(d: &mut Delta, service: Option<ObjectRef>, result: objects::Convers
     match result {
         Ok((converted, partial)) => {
             d.problems.extend(partial.into_iter().map(problem));
-            if let Converted::Ok(o) = converted {
-                d.object = Some(wrap(o));
+            match converted {
+                Converted::Ok(o) => d.object = Some(wrap(o)),
+                Converted::Ignored(why) => tracing::debug!(kind = kind.as_str(), object = %d.id, "not ours: {why}"),
             }
         }
         Err(error) => d.problems.push(problem(error)),

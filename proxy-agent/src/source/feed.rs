@@ -39,18 +39,18 @@ pub struct Stores {
 impl Stores {
     /// Takes every delta queued so far, oldest first.
     pub fn drain(&self) -> Vec<Delta> {
-        std::mem::take(&mut *self.queue.lock().unwrap_or_else(|p| p.into_inner()))
+        std::mem::take(&mut *self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
     pub(crate) fn push(&self, deltas: impl IntoIterator<Item = Delta>) {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner()).extend(deltas);
+        self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).extend(deltas);
     }
 
     /// [`Self::push`] for a whole relist: taken over as the queue when the
     /// sync loop has drained it, rather than copied (at 10k objects that
     /// copy was megabytes more at the agent's memory peak, issue #7).
     pub(crate) fn push_all(&self, mut deltas: Vec<Delta>) {
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let mut q = self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if q.is_empty() {
             *q = deltas;
         } else {

@@ -111,7 +111,7 @@ pub fn parse_into(source: &str, text: &str, docs: &mut Vec<Document>, errors: &m
 
 /// [`parse_into`], handing each object to `f`.
 fn parse_each(source: &str, text: &str, f: &mut impl FnMut(Document), errors: &mut Vec<ManifestError>) {
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).min(MAX_THREADS);
+    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get).min(MAX_THREADS);
     let skip = if text.len() >= PARALLEL_MIN_BYTES && threads > 1 {
         match parse_parallel(source, text, threads, BLOCK_BYTES, f, errors) {
             Parallel::Done => return,

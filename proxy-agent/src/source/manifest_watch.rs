@@ -137,6 +137,25 @@ async fn watch(paths: Vec<PathBuf>, interval: Duration, metrics: Arc<Metrics>, s
     }
 }
 
+/// The cluster `text` (one manifest file) describes, as `run` builds it,
+/// with the problems of its objects and documents: for the tests of the
+/// layers above the source.
+#[cfg(test)]
+pub(crate) fn cluster_from_text(text: &str) -> (crate::model::Cluster, Vec<String>) {
+    let mut parsed = Vec::new();
+    let mut errors = Vec::new();
+    manifest::parse_into("t.yaml", text, &mut parsed, &mut errors);
+    let mut read = ManifestRead::default();
+    for d in &parsed {
+        add(&mut read, d);
+    }
+    let mut model = crate::model::store::Model::default();
+    model.apply(read.deltas.into_values());
+    let mut problems: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    problems.extend(model.problems().map(|p| p.error.to_string()));
+    (model.cluster, problems)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

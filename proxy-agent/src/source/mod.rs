@@ -3,10 +3,10 @@
 //! `objects`, from the slim `wire` shapes) and fill the same queue
 //! (`feed`) that the sync loop drains.
 
-pub mod delta;
+pub(crate) mod delta;
 pub mod feed;
 pub mod kube_watch;
 pub mod manifest;
 pub mod manifest_watch;
-pub mod objects;
-pub mod wire;
+pub(crate) mod objects;
+pub(crate) mod wire;

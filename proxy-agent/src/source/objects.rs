@@ -12,95 +12,29 @@ use serde::Deserialize;
 use serde_json::Value;
 
 use crate::model::store::ObjectError;
-use crate::model::{Cluster, Endpoint, EndpointSlice, Family, Node, ObjectRef, Protocol, Service, ServicePort, ServiceType, SlicePort};
-use crate::source::manifest::Document;
+use crate::model::{Endpoint, EndpointSlice, Family, Node, ObjectRef, Protocol, Service, ServicePort, ServiceType, SlicePort};
 use crate::source::wire::{FirstAddress, WireService, WireSlice};
 
 /// Label that ties an EndpointSlice to its Service (discovery.k8s.io/v1).
-pub const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
+pub(crate) const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 /// Services labelled with this belong to another proxy (kube-proxy honours
 /// it too, pkg/proxy/config).
-pub const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
+pub(crate) const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 /// Marks a Service whose endpoints are consumed only through DNS.
-pub const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
+pub(crate) const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
 
 /// What happened to one object.
 #[derive(Debug)]
-pub enum Converted<T> {
+pub(crate) enum Converted<T> {
     Ok(T),
     /// Deliberately not handled by this proxy (headless, ExternalName,
     /// another proxy's Service, FQDN slices); not an error.
     Ignored(&'static str),
 }
 
-/// Builds the model from manifest documents. Kinds other than Service,
-/// EndpointSlice and Node are skipped silently: a manifest directory often
-/// carries Deployments and the like.
-pub fn build_cluster(docs: &[Document]) -> (Cluster, Vec<ObjectError>) {
-    let mut b = ClusterBuilder::default();
-    for doc in docs {
-        b.add(doc);
-    }
-    b.finish()
-}
-
-/// [`build_cluster`] one document at a time, so a caller can convert
-/// documents as it reads them and drop each right after (at 10k Services,
-/// keeping every document as JSON costs more than the model itself).
-#[derive(Default)]
-pub struct ClusterBuilder {
-    cluster: Cluster,
-    errors: Vec<ObjectError>,
-}
-
-impl ClusterBuilder {
-    pub fn add(&mut self, doc: &Document) {
-        let kind = doc.value.get("kind").and_then(Value::as_str).unwrap_or_default();
-        let result = match kind {
-            "Service" => service_from_json(&doc.value).map(|(c, problems)| {
-                self.errors.extend(problems);
-                if let Converted::Ok(s) = c {
-                    let id = s.id.clone();
-                    if self.cluster.services.insert(id.clone(), s).is_some() {
-                        self.errors.push(dup("Service", &id));
-                    }
-                }
-            }),
-            "EndpointSlice" => slice_from_json(&doc.value).map(|(c, problems)| {
-                self.errors.extend(problems);
-                if let Converted::Ok(s) = c {
-                    let id = s.id.clone();
-                    if self.cluster.slices.insert(id.clone(), s).is_some() {
-                        self.errors.push(dup("EndpointSlice", &id));
-                    }
-                }
-            }),
-            "Node" => node_from_json(&doc.value).map(|n| {
-                self.cluster.nodes.insert(n.name.clone(), n);
-            }),
-            "" => Err(ObjectError { kind: "object".into(), object: doc.location.clone(), reason: "has no kind".into() }),
-            _ => Ok(()),
-        };
-        if let Err(mut e) = result {
-            if e.object.is_empty() {
-                e.object = doc.location.clone();
-            }
-            self.errors.push(e);
-        }
-    }
-
-    pub fn finish(self) -> (Cluster, Vec<ObjectError>) {
-        (self.cluster, self.errors)
-    }
-}
-
-fn dup(kind: &str, id: &ObjectRef) -> ObjectError {
-    ObjectError { kind: kind.into(), object: id.to_string(), reason: "defined more than once; the last definition wins".into() }
-}
-
 /// Namespace and name of an object given as JSON; no (or an empty)
 /// namespace means "default".
-pub fn object_ref(v: &Value) -> (String, String) {
+pub(crate) fn object_ref(v: &Value) -> (String, String) {
     let meta = v.get("metadata");
     let ns = meta.and_then(|m| m.get("namespace")).and_then(Value::as_str).filter(|n| !n.is_empty()).unwrap_or("default");
     let name = meta.and_then(|m| m.get("name")).and_then(Value::as_str).unwrap_or_default();
@@ -108,7 +42,7 @@ pub fn object_ref(v: &Value) -> (String, String) {
 }
 
 /// [`object_ref`] for deserialized metadata.
-pub fn meta_ref(m: &ObjectMeta) -> (String, String) {
+pub(crate) fn meta_ref(m: &ObjectMeta) -> (String, String) {
     let ns = m.namespace.as_deref().filter(|n| !n.is_empty()).unwrap_or("default");
     (ns.to_string(), m.name.clone().unwrap_or_default())
 }
@@ -136,13 +70,13 @@ fn protocol(p: Option<&str>) -> Result<Protocol, String> {
 
 /// What converting one object gives: the object (or why it is ignored)
 /// with the problems of its parts, or why it was left out as a whole.
-pub type Conversion<T> = Result<(Converted<T>, Vec<ObjectError>), ObjectError>;
+pub(crate) type Conversion<T> = Result<(Converted<T>, Vec<ObjectError>), ObjectError>;
 
 /// Converts a Service. Headless, ExternalName and other proxies' Services
 /// are `Ignored`. Problems confined to one port (a protocol the datapath
 /// cannot translate) are returned beside the Service, whose other ports
 /// keep working; problems with the Service as a whole are the `Err`.
-pub fn service_from_json(v: &Value) -> Conversion<Service> {
+pub(crate) fn service_from_json(v: &Value) -> Conversion<Service> {
     from_json("Service", v, service_from_wire)
 }
 
@@ -160,7 +94,7 @@ fn from_json<'v, W: Deserialize<'v>, T>(kind: &str, v: &'v Value, convert: fn(W)
 }
 
 /// [`service_from_json`] for a Service the watcher deserialized.
-pub fn service_from_wire(svc: WireService) -> Conversion<Service> {
+pub(crate) fn service_from_wire(svc: WireService) -> Conversion<Service> {
     const K: &str = "Service";
     let (ns, name) = meta_ref(&svc.metadata);
     if name.is_empty() {
@@ -190,7 +124,7 @@ pub fn service_from_wire(svc: WireService) -> Conversion<Service> {
     if ip_strings.iter().any(|s| s == "None") {
         return Ok((Converted::Ignored("headless"), Vec::new()));
     }
-    if ip_strings.is_empty() || ip_strings.iter().all(|s| s.is_empty()) {
+    if ip_strings.is_empty() || ip_strings.iter().all(std::string::String::is_empty) {
         return Err(fail(K, &ns, &name, "has no spec.clusterIP (the API server allocates one; manifests must carry it)"));
     }
     let mut cluster_ips = Vec::new();
@@ -263,12 +197,12 @@ pub fn service_from_wire(svc: WireService) -> Conversion<Service> {
 /// Converts an EndpointSlice. Problems confined to one endpoint or port are
 /// returned beside the slice (that part is left out); problems with the
 /// slice as a whole are the `Err`.
-pub fn slice_from_json(v: &Value) -> Conversion<EndpointSlice> {
+pub(crate) fn slice_from_json(v: &Value) -> Conversion<EndpointSlice> {
     from_json("EndpointSlice", v, slice_from_wire)
 }
 
 /// [`slice_from_json`] for a slice the watcher deserialized.
-pub fn slice_from_wire(slice: WireSlice) -> Conversion<EndpointSlice> {
+pub(crate) fn slice_from_wire(slice: WireSlice) -> Conversion<EndpointSlice> {
     const K: &str = "EndpointSlice";
     let (ns, name) = meta_ref(&slice.metadata);
     if name.is_empty() {
@@ -346,7 +280,7 @@ pub fn slice_from_wire(slice: WireSlice) -> Conversion<EndpointSlice> {
     Ok((Converted::Ok(EndpointSlice { id: ObjectRef::new(ns, name), service_name, family, ports, endpoints }), problems))
 }
 
-pub fn node_from_json(v: &Value) -> Result<Node, ObjectError> {
+pub(crate) fn node_from_json(v: &Value) -> Result<Node, ObjectError> {
     let (_, name) = object_ref(v);
     if name.is_empty() {
         return Err(fail("Node", "", "", "metadata.name is missing"));
@@ -365,15 +299,10 @@ pub fn node_from_json(v: &Value) -> Result<Node, ObjectError> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::source::manifest::parse_into;
+    use crate::model::Cluster;
 
     fn cluster(yaml: &str) -> (Cluster, Vec<String>) {
-        let mut docs = Vec::new();
-        let mut errs = Vec::new();
-        parse_into("t.yaml", yaml, &mut docs, &mut errs);
-        assert!(errs.is_empty(), "{errs:?}");
-        let (c, e) = build_cluster(&docs);
-        (c, e.iter().map(ToString::to_string).collect())
+        crate::source::manifest_watch::cluster_from_text(yaml)
     }
 
     const GOOD: &str = r#"
@@ -428,7 +357,7 @@ metadata: {name: n1, labels: {topology.kubernetes.io/zone: z1}}
     #[test]
     fn ignores_headless_externalname_and_other_proxies() {
         let (c, e) = cluster(
-            r#"
+            r"
 apiVersion: v1
 kind: Service
 metadata: {name: h}
@@ -447,7 +376,7 @@ spec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}
 apiVersion: apps/v1
 kind: Deployment
 metadata: {name: d}
-"#,
+",
         );
         assert!(e.is_empty(), "{e:?}");
         assert!(c.services.is_empty());

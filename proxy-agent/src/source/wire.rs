@@ -65,7 +65,7 @@ fn meta<'de, D: Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Error> {
 
 /// core/v1 Service.
 #[derive(Clone, Debug, Default, Deserialize)]
-pub struct WireService {
+pub(crate) struct WireService {
     #[serde(default, deserialize_with = "meta")]
     pub metadata: ObjectMeta,
     pub spec: Option<WireServiceSpec>,
@@ -74,7 +74,7 @@ pub struct WireService {
 
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct WireServiceSpec {
+pub(crate) struct WireServiceSpec {
     #[serde(rename = "type")]
     pub type_: Option<String>,
     #[serde(rename = "clusterIP")]
@@ -95,7 +95,7 @@ pub struct WireServiceSpec {
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct WireServicePort {
+pub(crate) struct WireServicePort {
     pub name: Option<String>,
     pub port: i32,
     pub protocol: Option<String>,
@@ -104,24 +104,24 @@ pub struct WireServicePort {
 
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct WireServiceStatus {
+pub(crate) struct WireServiceStatus {
     pub load_balancer: Option<WireLoadBalancer>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
-pub struct WireLoadBalancer {
+pub(crate) struct WireLoadBalancer {
     pub ingress: Option<Vec<WireIngress>>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
-pub struct WireIngress {
+pub(crate) struct WireIngress {
     pub ip: Option<String>,
 }
 
 /// discovery/v1 EndpointSlice.
 #[derive(Clone, Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct WireSlice {
+pub(crate) struct WireSlice {
     #[serde(default, deserialize_with = "meta")]
     pub metadata: ObjectMeta,
     pub address_type: String,
@@ -130,7 +130,7 @@ pub struct WireSlice {
 }
 
 #[derive(Clone, Debug, Deserialize)]
-pub struct WireSlicePort {
+pub(crate) struct WireSlicePort {
     pub name: Option<String>,
     /// Absent means "all ports" (discovery/v1).
     pub port: Option<i32>,
@@ -139,7 +139,7 @@ pub struct WireSlicePort {
 
 #[derive(Clone, Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct WireEndpoint {
+pub(crate) struct WireEndpoint {
     pub addresses: FirstAddress,
     pub conditions: Option<WireConditions>,
     pub node_name: Option<Name>,
@@ -148,7 +148,7 @@ pub struct WireEndpoint {
 }
 
 #[derive(Clone, Copy, Debug, Default, Deserialize)]
-pub struct WireConditions {
+pub(crate) struct WireConditions {
     pub ready: Option<bool>,
     pub serving: Option<bool>,
     pub terminating: Option<bool>,
@@ -156,20 +156,20 @@ pub struct WireConditions {
 
 #[derive(Clone, Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct WireHints {
+pub(crate) struct WireHints {
     pub for_zones: Option<Vec<NamedRef>>,
     pub for_nodes: Option<Vec<NamedRef>>,
 }
 
 /// `{name: ...}`, as in `hints.forZones[]` and `hints.forNodes[]`.
 #[derive(Clone, Debug, Deserialize)]
-pub struct NamedRef {
+pub(crate) struct NamedRef {
     pub name: Name,
 }
 
 /// A node, zone or hint name, as the shared copy the model keeps.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Name(pub Arc<str>);
+pub(crate) struct Name(pub Arc<str>);
 
 impl<'de> Deserialize<'de> for Name {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Name, D::Error> {
@@ -192,7 +192,7 @@ impl<'de> Deserialize<'de> for Name {
 /// The first of an endpoint's `addresses`: Kubernetes documents them as
 /// fungible and every consumer uses the first, so the rest are skipped.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum FirstAddress {
+pub(crate) enum FirstAddress {
     Missing,
     Ip(IpAddr),
     /// Not an IP address; kept as written, for the error.

@@ -163,7 +163,7 @@ async fn post_loop(client: Client, instance: String, metrics: Arc<Metrics>, mut 
             // new is published.
             tokio::select! {
                 r = rx.changed() => if r.is_err() { return },
-                _ = tokio::time::sleep(Duration::from_secs(10)) => {}
+                () = tokio::time::sleep(Duration::from_secs(10)) => {}
             }
         } else if rx.changed().await.is_err() {
             return;

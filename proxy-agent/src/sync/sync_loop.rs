@@ -120,12 +120,12 @@ impl<W: SocketMaps> SyncLoop<W> {
         loop {
             let due = self.next_sync_at();
             tokio::select! {
-                _ = &mut shutdown => return,
+                () = &mut shutdown => return,
                 s = signals.recv() => match s {
                     Some(s) => self.handle(s),
                     None => return,
                 },
-                _ = sleep_until(due), if due.is_some() => {
+                () = sleep_until(due), if due.is_some() => {
                     // Take everything that queued up meanwhile into this
                     // sync: that is the coalescing.
                     loop {

@@ -5,7 +5,7 @@
 /// `error: source: source of source ...`; a source whose text the message
 /// already contains (kube repeats its source in its own message) is not
 /// repeated.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {

@@ -42,8 +42,8 @@ impl Table {
 static TABLE: Mutex<Option<Table>> = Mutex::new(None);
 
 /// The shared copy of `s`.
-pub fn intern(s: &str) -> Arc<str> {
-    let mut t = TABLE.lock().unwrap_or_else(|p| p.into_inner());
+pub(crate) fn intern(s: &str) -> Arc<str> {
+    let mut t = TABLE.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     t.get_or_insert_with(Table::default).get(s)
 }
 

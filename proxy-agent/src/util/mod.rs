@@ -1,4 +1,4 @@
 //! Small helpers every layer may use; they import nothing from the crate.
 
-pub mod error_chain;
-pub mod intern;
+pub(crate) mod error_chain;
+pub(crate) mod intern;

@@ -56,14 +56,14 @@ use serde_json::{Value, json};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Resource {
+pub(crate) enum Resource {
     Services,
     EndpointSlices,
     Nodes,
 }
 
 impl Resource {
-    pub fn kind(self) -> &'static str {
+    pub(crate) fn kind(self) -> &'static str {
         match self {
             Resource::Services => "Service",
             Resource::EndpointSlices => "EndpointSlice",
@@ -243,7 +243,7 @@ impl State {
 }
 
 /// One stand-in API server on 127.0.0.1.
-pub struct ApiServer {
+pub(crate) struct ApiServer {
     addr: SocketAddr,
     state: Arc<Mutex<State>>,
     stop: Option<oneshot::Sender<()>>,
@@ -252,14 +252,14 @@ pub struct ApiServer {
 
 impl ApiServer {
     /// A new server on a free port whose history starts after `first_rv`.
-    pub fn start(first_rv: u64) -> ApiServer {
+    pub(crate) fn start(first_rv: u64) -> ApiServer {
         Self::start_on("127.0.0.1:0".parse().expect("literal address"), first_rv, Vec::new())
     }
 
     /// A server on `addr` (retried while the port is still held by a
     /// stopped predecessor) with a fresh history: `objects` are created at
     /// versions `first_rv + 1 ..`.
-    pub fn start_on(addr: SocketAddr, first_rv: u64, objects: Vec<Value>) -> ApiServer {
+    pub(crate) fn start_on(addr: SocketAddr, first_rv: u64, objects: Vec<Value>) -> ApiServer {
         let (tx, _) = broadcast::channel(1 << 16);
         let mut st = State {
             rv: first_rv,
@@ -323,15 +323,15 @@ impl ApiServer {
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    pub fn addr(&self) -> SocketAddr {
+    pub(crate) fn addr(&self) -> SocketAddr {
         self.addr
     }
 
     /// A kubeconfig for this server (http, no credentials).
-    pub fn write_kubeconfig(&self, path: &Path) {
+    pub(crate) fn write_kubeconfig(&self, path: &Path) {
         let text = format!(
             "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: http://{}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: test\nusers:\n- name: test\n  user: {{}}\ncurrent-context: test\n",
             self.addr
@@ -339,36 +339,36 @@ impl ApiServer {
         std::fs::write(path, text).expect("write kubeconfig");
     }
 
-    pub fn set_bookmark_interval(&self, d: Duration) {
+    pub(crate) fn set_bookmark_interval(&self, d: Duration) {
         self.lock().bookmark_interval = d;
     }
 
     /// Ends watches after `d`; clients resume from their last version.
-    pub fn set_watch_cutoff(&self, d: Duration) {
+    pub(crate) fn set_watch_cutoff(&self, d: Duration) {
         self.lock().watch_cutoff = Some(d);
     }
 
     /// Creates or replaces an object (by kind, namespace and name).
-    pub fn apply(&self, obj: Value) -> u64 {
+    pub(crate) fn apply(&self, obj: Value) -> u64 {
         self.lock().apply(obj)
     }
 
     /// Many objects, each its own change, under one lock (a burst).
-    pub fn apply_all(&self, objs: Vec<Value>) {
+    pub(crate) fn apply_all(&self, objs: Vec<Value>) {
         let mut st = self.lock();
         for o in objs {
             st.apply(o);
         }
     }
 
-    pub fn delete(&self, kind: &str, namespace: &str, name: &str) -> bool {
+    pub(crate) fn delete(&self, kind: &str, namespace: &str, name: &str) -> bool {
         let res = Resource::of_kind(kind).unwrap_or_else(|| panic!("unknown kind {kind}"));
         let ns = if res.namespaced() { namespace.to_string() } else { String::new() };
         self.lock().delete(&(res, ns, name.to_string()))
     }
 
     /// Deletes every object of `kind`, one change each.
-    pub fn delete_all(&self, kind: &str) {
+    pub(crate) fn delete_all(&self, kind: &str) {
         let res = Resource::of_kind(kind).unwrap_or_else(|| panic!("unknown kind {kind}"));
         let mut st = self.lock();
         let keys: Vec<Key> = st.objects.keys().filter(|k| k.0 == res).cloned().collect();
@@ -378,18 +378,18 @@ impl ApiServer {
     }
 
     /// The current objects (with kind), e.g. to restart with a new history.
-    pub fn objects(&self) -> Vec<Value> {
+    pub(crate) fn objects(&self) -> Vec<Value> {
         self.lock().objects.values().cloned().collect()
     }
 
-    pub fn resource_version(&self) -> u64 {
+    pub(crate) fn resource_version(&self) -> u64 {
         self.lock().rv
     }
 
     /// Compacts the history up to now and sends every open watch an ERROR
     /// event with a 410 Status, as the API server does to watchers whose
     /// version fell out of its window. They must relist.
-    pub fn expire_watches(&self) {
+    pub(crate) fn expire_watches(&self) {
         let mut st = self.lock();
         // Every change so far is compacted away: a watch can start from the
         // current version only.
@@ -398,27 +398,27 @@ impl ApiServer {
     }
 
     /// BOOKMARK events sent so far (all servers of this process).
-    pub fn bookmarks_sent() -> u64 {
+    pub(crate) fn bookmarks_sent() -> u64 {
         BOOKMARKS.load(Ordering::Relaxed)
     }
 
     /// Open watch streams.
-    pub fn open_watches(&self) -> usize {
+    pub(crate) fn open_watches(&self) -> usize {
         self.lock().tx.receiver_count()
     }
 
     /// Events POSTed so far.
-    pub fn events(&self) -> Vec<Value> {
+    pub(crate) fn events(&self) -> Vec<Value> {
         self.lock().events.clone()
     }
 
     /// "METHOD path?query [accept]" of every request so far.
-    pub fn requests(&self) -> Vec<String> {
+    pub(crate) fn requests(&self) -> Vec<String> {
         self.lock().requests.clone()
     }
 
     /// Stops listening and drops every connection.
-    pub fn stop(mut self) {
+    pub(crate) fn stop(mut self) {
         self.shutdown();
     }
 
@@ -498,7 +498,7 @@ enum Route {
 
 fn route(path: &str) -> Option<Route> {
     let seg: Vec<&str> = path.trim_matches('/').split('/').collect();
-    use Resource::*;
+    use Resource::{EndpointSlices, Nodes, Services};
     Some(match seg.as_slice() {
         ["version"] => Route::Version,
         ["api", "v1", "services"] => Route::Collection(Services, None),
@@ -578,7 +578,7 @@ async fn handle(st: Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Body>
 }
 
 fn lock(st: &Arc<Mutex<State>>) -> MutexGuard<'_, State> {
-    st.lock().unwrap_or_else(|p| p.into_inner())
+    st.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// The fields events.k8s.io/v1 validation requires of a new Event
@@ -676,7 +676,7 @@ fn parse_selector(s: &str) -> Result<Vec<Req>, String> {
 }
 
 /// Whether `obj`'s labels match a label selector (for the server's own tests).
-pub fn selector_matches(selector: &str, obj: &Value) -> Result<bool, String> {
+pub(crate) fn selector_matches(selector: &str, obj: &Value) -> Result<bool, String> {
     Ok(label_matches(&parse_selector(selector)?, obj))
 }
 
@@ -762,31 +762,28 @@ fn present(res: Resource, obj: &Value, meta_only: bool, with_type: bool) -> Valu
 
 fn list(st: &Arc<Mutex<State>>, res: Resource, filter: &Filter, q: &BTreeMap<String, String>, meta_only: bool) -> Response<Body> {
     let s = lock(st);
-    let (at, offset) = match q.get("continue").filter(|c| !c.is_empty()) {
-        Some(c) => {
-            let parsed = c.split_once(':').and_then(|(a, b)| Some((a.parse::<u64>().ok()?, b.parse::<usize>().ok()?)));
-            let Some((rv, off)) = parsed else { return error(400, "BadRequest", "invalid continue token") };
-            if rv < s.compacted {
-                return error(
-                    410,
-                    "Expired",
-                    "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
-                );
-            }
-            (rv, off)
+    let (at, offset) = if let Some(c) = q.get("continue").filter(|c| !c.is_empty()) {
+        let parsed = c.split_once(':').and_then(|(a, b)| Some((a.parse::<u64>().ok()?, b.parse::<usize>().ok()?)));
+        let Some((rv, off)) = parsed else { return error(400, "BadRequest", "invalid continue token") };
+        if rv < s.compacted {
+            return error(
+                410,
+                "Expired",
+                "The provided continue parameter is too old to display a consistent list result. You can start a new list without the continue parameter.",
+            );
         }
-        None => {
-            let want = q.get("resourceVersion").and_then(|v| v.parse::<u64>().ok()).filter(|v| *v > 0);
-            match (want, q.get("resourceVersionMatch").map(String::as_str)) {
-                (Some(rv), Some("Exact")) if rv < s.compacted => {
-                    return error(410, "Expired", &format!("too old resource version: {rv} ({})", s.compacted));
-                }
-                (Some(rv), Some("Exact")) => (rv, 0),
-                (Some(rv), _) if rv > s.rv => {
-                    return too_large(rv, s.rv);
-                }
-                _ => (s.rv, 0),
+        (rv, off)
+    } else {
+        let want = q.get("resourceVersion").and_then(|v| v.parse::<u64>().ok()).filter(|v| *v > 0);
+        match (want, q.get("resourceVersionMatch").map(String::as_str)) {
+            (Some(rv), Some("Exact")) if rv < s.compacted => {
+                return error(410, "Expired", &format!("too old resource version: {rv} ({})", s.compacted));
             }
+            (Some(rv), Some("Exact")) => (rv, 0),
+            (Some(rv), _) if rv > s.rv => {
+                return too_large(rv, s.rv);
+            }
+            _ => (s.rv, 0),
         }
     };
     // At the current version the objects are read in place: copying every
@@ -967,8 +964,8 @@ fn watch(st: Arc<Mutex<State>>, res: Resource, filter: Filter, q: &BTreeMap<Stri
                     BOOKMARKS.fetch_add(1, Ordering::Relaxed);
                     continue;
                 }
-                _ = tokio::time::sleep_until(end) => return,
-                _ = out_tx.closed() => return,
+                () = tokio::time::sleep_until(end) => return,
+                () = out_tx.closed() => return,
             };
             match msg {
                 Ok(Msg::Change(c)) => {

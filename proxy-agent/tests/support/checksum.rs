@@ -5,7 +5,7 @@
 
 /// One's-complement sum of `data` as big-endian 16-bit words (an odd last
 /// byte padded with zero), folded onto `sum`, complemented.
-pub fn csum(data: &[u8], mut sum: u32) -> u16 {
+pub(crate) fn csum(data: &[u8], mut sum: u32) -> u16 {
     for c in data.chunks(2) {
         sum += u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]));
     }

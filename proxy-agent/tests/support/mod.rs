@@ -3,8 +3,8 @@
 //! whose pod addresses live on loopback.
 #![allow(dead_code)] // each test binary uses a different subset
 
-pub mod apiserver;
-pub mod checksum;
+pub(crate) mod apiserver;
+pub(crate) mod checksum;
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -17,21 +17,21 @@ use std::time::{Duration, Instant};
 use proxy_agent::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in, spawn_backend};
 use serde_json::Value;
 
-pub fn agent_bin() -> PathBuf {
+pub(crate) fn agent_bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_proxy-agent"))
 }
 
 /// These tests need root; say so plainly instead of failing obscurely.
-pub fn require_root() {
+pub(crate) fn require_root() {
     // SAFETY: geteuid has no preconditions.
     assert_eq!(unsafe { libc::geteuid() }, 0, "the datapath tests need root (CAP_BPF, CAP_NET_ADMIN, CAP_SYS_ADMIN)");
 }
 
 /// A temporary directory removed on drop.
-pub struct TempDir(pub PathBuf);
+pub(crate) struct TempDir(pub PathBuf);
 
 impl TempDir {
-    pub fn new(prefix: &str) -> TempDir {
+    pub(crate) fn new(prefix: &str) -> TempDir {
         let p = std::env::temp_dir().join(format!("{prefix}-{}-{}", std::process::id(), unique_suffix()));
         fs::create_dir_all(&p).expect("create temp dir");
         TempDir(p)
@@ -51,20 +51,20 @@ impl Drop for TempDir {
 }
 
 /// The namespace where pods (backends and clients) live.
-pub struct PodNetwork {
+pub(crate) struct PodNetwork {
     pub netns: Netns,
     backends: Vec<Guarded>,
 }
 
 impl PodNetwork {
-    pub fn new() -> PodNetwork {
+    pub(crate) fn new() -> PodNetwork {
         require_root();
         PodNetwork { netns: Netns::new("tpt").expect("create netns"), backends: Vec::new() }
     }
 
     /// A serve-hostname backend named `name` on `ip` with the given ports
     /// (TCP and UDP each).
-    pub fn backend(&mut self, name: &str, ip: &str, ports: &[u16]) {
+    pub(crate) fn backend(&mut self, name: &str, ip: &str, ports: &[u16]) {
         let cidr = if ip.contains(':') { format!("{ip}/128") } else { format!("{ip}/32") };
         // The address may already exist when several backends share an IP.
         let _ = self.netns.add_loopback_addrs(&[&cidr]);
@@ -75,7 +75,7 @@ impl PodNetwork {
 }
 
 /// One simulated node: its pods' cgroup, its pin directory and its agent.
-pub struct Node {
+pub(crate) struct Node {
     pub name: String,
     pub cgroup: Cgroup,
     pub pins: PinDir,
@@ -85,7 +85,7 @@ pub struct Node {
 }
 
 impl Node {
-    pub fn new(name: &str) -> Node {
+    pub(crate) fn new(name: &str) -> Node {
         require_root();
         let manifests = TempDir::new("tpt-manifests");
         let log = manifests.0.join("agent.log.txt");
@@ -101,17 +101,17 @@ impl Node {
 
     /// Writes `file` atomically (write aside, then rename), as the agent
     /// expects of anyone editing its manifests.
-    pub fn write_manifest(&self, file: &str, yaml: &str) {
+    pub(crate) fn write_manifest(&self, file: &str, yaml: &str) {
         let tmp = self.manifests.0.join(format!(".{file}.tmp"));
         fs::write(&tmp, yaml).expect("write manifest");
         fs::rename(&tmp, self.manifests.0.join(file)).expect("rename manifest");
     }
 
-    pub fn start_agent(&mut self) {
+    pub(crate) fn start_agent(&mut self) {
         self.start_agent_with(&[]);
     }
 
-    pub fn start_agent_with(&mut self, extra: &[&str]) {
+    pub(crate) fn start_agent_with(&mut self, extra: &[&str]) {
         let log = fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("open log");
         let mut cmd = std::process::Command::new(agent_bin());
         cmd.arg("run")
@@ -136,27 +136,27 @@ impl Node {
     }
 
     /// SIGTERM, as a DaemonSet rollout would.
-    pub fn stop_agent(&mut self) {
+    pub(crate) fn stop_agent(&mut self) {
         if let Some(mut a) = self.agent.take() {
             a.terminate(Duration::from_secs(10)).expect("stop agent");
         }
     }
 
     /// SIGKILL: the agent gets no chance to do anything.
-    pub fn kill_agent(&mut self) {
+    pub(crate) fn kill_agent(&mut self) {
         if let Some(mut a) = self.agent.take() {
             let _ = a.0.kill();
             let _ = a.0.wait();
         }
     }
 
-    pub fn agent_log(&self) -> String {
+    pub(crate) fn agent_log(&self) -> String {
         fs::read_to_string(&self.log).unwrap_or_default()
     }
 
     /// Runs `proxy-agent probe ARGS` as a pod of this node and returns one
     /// JSON value per attempt.
-    pub fn probe(&self, net: &PodNetwork, args: &[&str]) -> Vec<Value> {
+    pub(crate) fn probe(&self, net: &PodNetwork, args: &[&str]) -> Vec<Value> {
         let mut cmd = command_in(agent_bin(), Some(&net.netns), Some(&self.cgroup)).expect("probe command");
         cmd.arg("probe").args(args).stdin(Stdio::null()).stderr(Stdio::inherit());
         let out = cmd.output().expect("run probe");
@@ -167,7 +167,7 @@ impl Node {
     }
 
     /// Starts a long probe in the background.
-    pub fn probe_background(&self, net: &PodNetwork, args: &[&str]) -> Guarded {
+    pub(crate) fn probe_background(&self, net: &PodNetwork, args: &[&str]) -> Guarded {
         let mut cmd = command_in(agent_bin(), Some(&net.netns), Some(&self.cgroup)).expect("probe command");
         cmd.arg("probe").args(args).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
         Guarded::spawn(&mut cmd).expect("start probe")
@@ -184,18 +184,18 @@ impl Drop for Node {
 }
 
 /// The set of backend names that answered successful probes.
-pub fn replies(results: &[Value]) -> BTreeSet<String> {
+pub(crate) fn replies(results: &[Value]) -> BTreeSet<String> {
     results.iter().filter(|r| r["ok"] == true).filter_map(|r| r["reply"].as_str().map(str::to_string)).collect()
 }
 
-pub fn set(names: &[&str]) -> BTreeSet<String> {
-    names.iter().map(|s| s.to_string()).collect()
+pub(crate) fn set(names: &[&str]) -> BTreeSet<String> {
+    names.iter().map(std::string::ToString::to_string).collect()
 }
 
 /// How long the tests wait for the agent to catch up: 30 s, or
 /// `TOPOPROXY_TEST_WAIT_SECS` (`cargo xtask vmtest` raises it, since under
 /// CPU emulation the agent needs tens of seconds to verify its programs).
-pub fn wait_limit() -> Duration {
+pub(crate) fn wait_limit() -> Duration {
     let secs = std::env::var("TOPOPROXY_TEST_WAIT_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(30);
     Duration::from_secs(secs)
 }
@@ -203,7 +203,7 @@ pub fn wait_limit() -> Duration {
 /// Polls `check` until it returns `Some`, or panics with `what` and the last
 /// observation after a generous deadline. This waits for the agent to catch
 /// up; it asserts nothing about speed.
-pub fn eventually<T, D: std::fmt::Debug>(what: &str, mut check: impl FnMut() -> Result<T, D>) -> T {
+pub(crate) fn eventually<T, D: std::fmt::Debug>(what: &str, mut check: impl FnMut() -> Result<T, D>) -> T {
     let deadline = Instant::now() + wait_limit();
     loop {
         match check() {
@@ -215,7 +215,7 @@ pub fn eventually<T, D: std::fmt::Debug>(what: &str, mut check: impl FnMut() -> 
 }
 
 /// Probes until the set of answering backends is exactly `want`.
-pub fn wait_for_backends(node: &Node, net: &PodNetwork, to: &str, extra: &[&str], want: &[&str]) {
+pub(crate) fn wait_for_backends(node: &Node, net: &PodNetwork, to: &str, extra: &[&str], want: &[&str]) {
     let want = set(want);
     eventually(&format!("{to} {extra:?} from {} to reach exactly {want:?}", node.name), || {
         let mut args = vec!["--to", to, "--count", "30", "--timeout-ms", "1000"];
@@ -223,11 +223,11 @@ pub fn wait_for_backends(node: &Node, net: &PodNetwork, to: &str, extra: &[&str]
         let r = node.probe(net, &args);
         let got = replies(&r);
         if got == want && r.iter().all(|x| x["ok"] == true) { Ok(()) } else { Err((got, r.into_iter().find(|x| x["ok"] != true))) }
-    })
+    });
 }
 
 /// A ClusterIP Service with one EndpointSlice per family, as YAML.
-pub struct ServiceSpec<'a> {
+pub(crate) struct ServiceSpec<'a> {
     pub name: &'a str,
     pub cluster_ips: &'a [&'a str],
     /// (port name, port, protocol, target port)
@@ -239,7 +239,7 @@ pub struct ServiceSpec<'a> {
 }
 
 impl ServiceSpec<'_> {
-    pub fn yaml(&self) -> String {
+    pub(crate) fn yaml(&self) -> String {
         let ips = self.cluster_ips.iter().map(|i| format!("\"{i}\"")).collect::<Vec<_>>().join(", ");
         let ports = self
             .ports
@@ -273,14 +273,14 @@ impl ServiceSpec<'_> {
     }
 }
 
-pub fn path_exists(p: &Path) -> bool {
+pub(crate) fn path_exists(p: &Path) -> bool {
     p.exists()
 }
 
 /// Kubernetes mode: the agent watches an API server through `kubeconfig`
 /// and serves /healthz, /readyz and /metrics on a free loopback port.
 impl Node {
-    pub fn start_kube_agent(&mut self, kubeconfig: &Path, extra: &[&str]) {
+    pub(crate) fn start_kube_agent(&mut self, kubeconfig: &Path, extra: &[&str]) {
         let log = fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("open log");
         let mut cmd = std::process::Command::new(agent_bin());
         cmd.arg("run")
@@ -303,13 +303,13 @@ impl Node {
     }
 
     /// Whether the agent process is still running.
-    pub fn agent_running(&mut self) -> bool {
+    pub(crate) fn agent_running(&mut self) -> bool {
         self.agent.as_mut().is_some_and(|a| matches!(a.0.try_wait(), Ok(None)))
     }
 
     /// The health/metrics address the current agent logged (the last one
     /// in the log, so a restarted agent's).
-    pub fn metrics_address(&self) -> std::net::SocketAddr {
+    pub(crate) fn metrics_address(&self) -> std::net::SocketAddr {
         eventually("the agent to log its metrics address", || {
             let log = self.agent_log();
             log.rmatch_indices("metrics_address=")
@@ -321,7 +321,7 @@ impl Node {
 }
 
 /// A plain HTTP/1.0 GET on loopback: (status code, body).
-pub fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<(u16, String), String> {
+pub(crate) fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<(u16, String), String> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(|e| e.to_string())?;
     let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
@@ -335,7 +335,7 @@ pub fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<(u16, String),
 
 /// The value of one sample line of a Prometheus exposition, e.g.
 /// `topoproxy_errors_total{reason="watch_expired"}`.
-pub fn metric(text: &str, series: &str) -> Option<f64> {
+pub(crate) fn metric(text: &str, series: &str) -> Option<f64> {
     text.lines()
         .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
         .and_then(|l| l[series.len()..].split_whitespace().next()?.parse().ok())
@@ -343,13 +343,13 @@ pub fn metric(text: &str, series: &str) -> Option<f64> {
 
 /// A client connecting in a loop in the background; `finish` stops it and
 /// returns (successful connects, failure lines).
-pub struct Client {
+pub(crate) struct Client {
     probe: Guarded,
     reader: JoinHandle<(u64, Vec<String>)>,
 }
 
 impl Client {
-    pub fn start(node: &Node, net: &PodNetwork, to: &str) -> Client {
+    pub(crate) fn start(node: &Node, net: &PodNetwork, to: &str) -> Client {
         let mut probe = node.probe_background(net, &["--to", to, "--count", "1000000", "--timeout-ms", "2000"]);
         let stdout = probe.0.stdout.take().expect("client stdout");
         let reader = std::thread::spawn(move || {
@@ -368,13 +368,13 @@ impl Client {
         Client { probe, reader }
     }
 
-    pub fn finish(mut self) -> (u64, Vec<String>) {
+    pub(crate) fn finish(mut self) -> (u64, Vec<String>) {
         self.probe.terminate(Duration::from_secs(5)).expect("stop client");
         self.reader.join().expect("client reader")
     }
 }
 
-pub fn assert_no_failures(what: &str, (ok, failures): (u64, Vec<String>)) {
+pub(crate) fn assert_no_failures(what: &str, (ok, failures): (u64, Vec<String>)) {
     assert!(ok > 20, "{what}: the client made only {ok} connects");
     assert!(
         failures.is_empty(),
