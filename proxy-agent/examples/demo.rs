@@ -34,8 +34,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use proxy_agent::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in};
 use proxy_agent::source::manifest;
+use proxy_test_support::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in};
 use serde_json::Value;
 
 const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
@@ -318,7 +318,7 @@ fn run(args: &Args) -> Result<()> {
     let scenario = read_scenario(&manifests)?;
 
     let (cluster, started) = start(&agent, &manifests, scenario.nodes, &scenario.pods);
-    let result = started.and_then(|()| exercise(&agent, &manifests, &cluster, &scenario.services, &scenario.pods, args));
+    let result = started.and_then(|()| exercise(&agent, &manifests, cluster.as_ref(), &scenario.services, &scenario.pods, args));
     if result.is_err() {
         for a in cluster.iter().flat_map(|c| &c.agents) {
             print_log_tail(a);
@@ -488,12 +488,12 @@ type Tally = BTreeMap<String, u32>;
 fn exercise(
     agent: &Path,
     manifests: &Path,
-    cluster: &Option<Cluster>,
+    cluster: Option<&Cluster>,
     services: &[ServiceSpec],
     pods: &[PodSpec],
     args: &Args,
 ) -> Result<()> {
-    let cluster = cluster.as_ref().context("no cluster")?;
+    let cluster = cluster.context("no cluster")?;
     wait_for_agents(agent, cluster, services)?;
 
     step(5, &format!("requesting each ClusterIP {} times from a client pod on every node", args.requests));

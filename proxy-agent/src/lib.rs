@@ -16,7 +16,7 @@
 //! A folder imports only from folders below it in this order: `util`,
 //! `observe`, `model`, `source`/`decide`, `datapath`, `external`, `sync`
 //! (`tests/layers.rs` checks it). Modules are `pub` only where another
-//! crate (the binary, the tests, the bench) uses them.
+//! crate (the binary, the tests, the bench, proxy-test-support) uses them.
 
 pub mod datapath;
 pub mod decide;
@@ -26,9 +26,6 @@ pub mod observe;
 pub mod source;
 pub mod sync;
 pub(crate) mod util;
-
-pub mod prog_test_run;
-pub mod sandbox;
 
 /// Default pin directory under the BPF filesystem.
 pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/topoproxy";

@@ -5,6 +5,7 @@ mod support;
 
 use std::time::Duration;
 
+use proxy_test_support::wait::eventually;
 use support::*;
 
 fn web(endpoints: &[(&str, bool, &str)]) -> String {

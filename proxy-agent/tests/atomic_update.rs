@@ -11,10 +11,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use proxy_agent::datapath::map_writer::{MapWriter, WriteError};
-use proxy_agent::datapath::socket_loader::{self, Capacities};
+use proxy_agent::datapath::maps::Capacities;
+use proxy_agent::datapath::socket_loader;
 use proxy_agent::decide::plan::Plan;
 use proxy_agent::model::{Backend, Frontend, Protocol};
-use proxy_agent::sandbox::{Cgroup, PinDir, command_in};
+use proxy_test_support::sandbox::{Cgroup, PinDir, command_in};
 use support::*;
 
 fn be(ip: &str) -> Backend {

@@ -9,12 +9,14 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 
 use aya::maps::{HashMap, Map, MapData};
-use proxy_agent::datapath::map_writer::{MapWriter, WriteError, service_key};
-use proxy_agent::datapath::socket_loader::{self, Capacities};
+use proxy_agent::datapath::keys::service_key;
+use proxy_agent::datapath::map_writer::{MapWriter, WriteError};
+use proxy_agent::datapath::maps::Capacities;
+use proxy_agent::datapath::socket_loader;
 use proxy_agent::decide::plan::{self, Plan, State};
 use proxy_agent::model::{Backend, Frontend, Protocol};
-use proxy_agent::sandbox::{Cgroup, PinDir};
 use proxy_common::{BackendKey, BackendValue, ServiceKey, ServiceValue, SlotKey, SlotValue};
+use proxy_test_support::sandbox::{Cgroup, PinDir};
 
 fn fe(i: u32) -> Frontend {
     Frontend { ip: IpAddr::V4(Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 96, 0, 0)) + 1 + i)), port: 80, protocol: Protocol::Tcp }
@@ -174,8 +176,6 @@ fn deleting_a_frontend_whose_slots_are_partly_gone_removes_the_rest() {
 
 #[test]
 fn a_restarted_writer_reads_everything_back_in_batches_and_drops_leftovers() {
-    use std::os::fd::AsFd;
-
     let dp = datapath(Capacities::default());
     let mut w = MapWriter::open(dp.pins.path()).expect("open");
     // 2,000 x 10 slots: several lookup calls per map.
@@ -185,8 +185,7 @@ fn a_restarted_writer_reads_everything_back_in_batches_and_drops_leftovers() {
 
     // Batched reads return what key-by-key iteration returns.
     let mut slots: HashMap<MapData, SlotKey, SlotValue> = open(dp.pins.path(), "SLOTS");
-    let data = MapData::from_pin(dp.pins.path().join("SLOTS")).expect("open SLOTS");
-    let mut batched: Vec<(SlotKey, SlotValue)> = proxy_agent::datapath::bpf_batch::lookup_all(data.fd().as_fd()).expect("lookup batch");
+    let mut batched: Vec<(SlotKey, SlotValue)> = proxy_agent::datapath::bpf_batch::lookup_all(&slots).expect("lookup batch");
     let mut iterated: Vec<(SlotKey, SlotValue)> = slots.iter().map(|r| r.expect("entry")).collect();
     batched.sort_by_key(|(k, _)| *k);
     iterated.sort_by_key(|(k, _)| *k);

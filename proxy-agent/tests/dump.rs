@@ -11,11 +11,12 @@ use std::process::{Command, Output};
 
 use aya::maps::{HashMap, Map, MapData};
 use proxy_agent::datapath::map_writer::MapWriter;
-use proxy_agent::datapath::socket_loader::{self, Capacities};
+use proxy_agent::datapath::maps::Capacities;
+use proxy_agent::datapath::socket_loader;
 use proxy_agent::decide::plan::Plan;
 use proxy_agent::model::{Backend, Frontend, Protocol};
-use proxy_agent::sandbox::{Cgroup, PinDir};
 use proxy_common::{BackendKey, BackendValue, SlotKey, SlotValue};
+use proxy_test_support::sandbox::{Cgroup, PinDir};
 use serde_json::Value;
 use support::*;
 
@@ -67,7 +68,7 @@ fn dump_shows_the_programmed_state_and_flags_corruption() {
     };
     assert!(writer.apply(&plan).is_empty());
     // Traffic, so that the counters have something to show.
-    let mut probe = proxy_agent::sandbox::command_in(agent_bin(), Some(&net.netns), Some(&cg)).expect("probe");
+    let mut probe = proxy_test_support::sandbox::command_in(agent_bin(), Some(&net.netns), Some(&cg)).expect("probe");
     let probed = probe.args(["probe", "--to", "10.96.0.40:80", "--count", "5"]).output().expect("run probe");
     assert!(probed.status.success(), "{}", String::from_utf8_lossy(&probed.stdout));
 

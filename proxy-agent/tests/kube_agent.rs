@@ -1,5 +1,5 @@
 //! The agent as a Kubernetes node agent: the real `proxy-agent run
-//! --kubeconfig` against the stand-in API server (`support::apiserver`,
+//! --kubeconfig` against the stand-in API server (`proxy_test_support::apiserver`,
 //! real list/watch protocol over HTTP), with clients in an isolated
 //! namespace connecting through the datapath.
 
@@ -7,8 +7,10 @@ mod support;
 
 use std::time::Duration;
 
+use proxy_test_support::apiserver::ApiServer;
+use proxy_test_support::http::{http_get, metric};
+use proxy_test_support::wait::eventually;
 use serde_json::{Value, json};
-use support::apiserver::ApiServer;
 use support::*;
 
 const ZONE: &str = "topology.kubernetes.io/zone";

@@ -11,9 +11,10 @@ use std::time::{Duration, Instant};
 
 use proxy_agent::datapath::map_writer::MapWriter;
 use proxy_agent::model::{Backend, Frontend, Protocol};
-use proxy_agent::sandbox::spawn_backend;
+use proxy_test_support::apiserver::ApiServer;
+use proxy_test_support::http::{http_get, metric};
+use proxy_test_support::sandbox::spawn_backend;
 use serde_json::{Value, json};
-use support::apiserver::ApiServer;
 use support::*;
 
 const SERVICES: usize = 1000;

@@ -35,7 +35,8 @@ use std::process::Stdio;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use proxy_agent::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in, in_netns, spawn_backend, spawn_in_netns};
+use proxy_test_support::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in, in_netns, spawn_backend, spawn_in_netns};
+use proxy_test_support::wait::{eventually, wait_limit};
 use support::*;
 
 struct World {
@@ -93,7 +94,7 @@ impl SimNode {
     }
 
     fn counters(&self) -> std::collections::BTreeMap<&'static str, u64> {
-        proxy_agent::external::nodeport::counters(self.pins.path()).unwrap_or_default()
+        proxy_agent::datapath::dump::np_counters(self.pins.path()).unwrap_or_default()
     }
 
     fn counter(&self, name: &str) -> u64 {
@@ -676,16 +677,16 @@ fn node_address_changes_are_followed_without_a_restart() {
 // ---------------------------------------------------------------------------
 
 mod test_run {
-    use super::support::checksum::csum;
     use super::*;
     use proxy_agent::decide::decision::ExternalState;
     use proxy_agent::model::{Backend, Frontend, Protocol};
+    use proxy_test_support::checksum::csum;
     use std::os::fd::{AsFd, AsRawFd};
 
     /// Runs the program once on `frame`; returns (retval, output frame).
     fn run(prog_fd: i32, frame: &[u8]) -> (i32, Vec<u8>) {
         let mut out = vec![0u8; frame.len() + 256];
-        let r = proxy_agent::prog_test_run::run(prog_fd, frame, &mut out, 1).expect("BPF_PROG_TEST_RUN");
+        let r = proxy_test_support::prog_test_run::run(prog_fd, frame, &mut out, 1).expect("BPF_PROG_TEST_RUN");
         out.truncate(r.out_len);
         (r.retval, out)
     }
@@ -805,7 +806,7 @@ mod test_run {
             assert!(checksums_ok4(&out), "checksums after DNAT (options {options:?})");
             assert_eq!(&out[l4 + 20..], b"payload!");
         }
-        let c = proxy_agent::external::nodeport::counters(l.pins.path()).unwrap();
+        let c = proxy_agent::datapath::dump::np_counters(l.pins.path()).unwrap();
         assert_eq!(c["new_flow"], 1, "{c:?}");
         assert_eq!(c["tracked"], 1, "the second packet is the same flow: {c:?}");
     }
@@ -900,7 +901,7 @@ mod test_run {
             assert_eq!(rc, PASS, "{name}");
             assert_eq!(out, frame, "{name}: untouched");
         }
-        let c = proxy_agent::external::nodeport::counters(l.pins.path()).unwrap();
+        let c = proxy_agent::datapath::dump::np_counters(l.pins.path()).unwrap();
         assert_eq!(c["pass_fragment"], 2, "{c:?}");
         assert!(c["pass_unparsed"] >= 3, "{c:?}");
         assert_eq!(c["new_flow"], 0, "{c:?}");
@@ -928,7 +929,7 @@ mod test_run {
         assert_eq!(&out[26..30], &[10, 0, 1, 2], "the RST comes from the address the client used");
         assert_eq!(&out[34..36], &30081u16.to_be_bytes());
         assert!(checksums_ok4(&out));
-        let c = proxy_agent::external::nodeport::counters(l.pins.path()).unwrap();
+        let c = proxy_agent::datapath::dump::np_counters(l.pins.path()).unwrap();
         assert_eq!((c["dropped_no_local"], c["rejected_no_backend"]), (1, 1), "{c:?}");
     }
 
@@ -1053,7 +1054,7 @@ mod test_run {
         assert_eq!(run(l.ingress, &echo), (PASS, echo.clone()));
         let stray = icmp4([10, 0, 3, 2], [10, 0, 3, 1], 3, 3, &udp4([10, 0, 3, 1], [10, 9, 9, 9], 1, 2)[14..]);
         assert_eq!(run(l.ingress, &stray), (PASS, stray.clone()));
-        let c = proxy_agent::external::nodeport::counters(l.pins.path()).unwrap();
+        let c = proxy_agent::datapath::dump::np_counters(l.pins.path()).unwrap();
         assert_eq!(c["icmp_translated"], 4, "{c:?}");
     }
 
@@ -1069,7 +1070,7 @@ mod test_run {
         // counted, never given a port another flow's replies use.
         let frame = syn(40001);
         assert_eq!(run(l.ingress, &frame), (PASS, frame.clone()));
-        assert_eq!(proxy_agent::external::nodeport::counters(l.pins.path()).unwrap()["snat_failed"], 1);
+        assert_eq!(proxy_agent::datapath::dump::np_counters(l.pins.path()).unwrap()["snat_failed"], 1);
         // The backend resets the first flow...
         let mut rst = tcp_syn(8080, 61000);
         rst[13] = 0x14;
@@ -1210,7 +1211,7 @@ mod test_run {
         for (name, frame) in passed {
             assert_eq!(run(l.ingress, &frame), (PASS, frame.clone()), "{name}: untouched");
         }
-        let c = proxy_agent::external::nodeport::counters(l.pins.path()).unwrap();
+        let c = proxy_agent::datapath::dump::np_counters(l.pins.path()).unwrap();
         assert_eq!((c["new_flow"], c["pass_fragment"], c["pass_unparsed"]), (4, 2, 3), "{c:?}");
     }
 }

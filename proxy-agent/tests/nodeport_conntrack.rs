@@ -20,9 +20,11 @@ use proxy_agent::datapath::conntrack_gc::{self, Timeouts};
 use proxy_agent::decide::decision::ExternalState;
 use proxy_agent::external::nodeport::NodePortWriter;
 use proxy_agent::model::{Backend, Frontend, Protocol};
-use proxy_agent::sandbox::PinDir;
 use proxy_common as pc;
 use proxy_common::{CtKey, CtValue};
+use proxy_test_support::http::{http_get, metric};
+use proxy_test_support::sandbox::PinDir;
+use proxy_test_support::wait::eventually;
 use support::*;
 
 const PASS: i32 = -1; // TC_ACT_UNSPEC
@@ -33,7 +35,7 @@ const SNAT: [u8; 4] = [10, 0, 3, 1];
 /// BPF_PROG_TEST_RUN of `prog_fd` on `frame`: (return value, frame after).
 fn run(prog_fd: i32, frame: &[u8]) -> (i32, Vec<u8>) {
     let mut out = vec![0u8; frame.len() + 128];
-    let r = proxy_agent::prog_test_run::run(prog_fd, frame, &mut out, 1).expect("BPF_PROG_TEST_RUN");
+    let r = proxy_test_support::prog_test_run::run(prog_fd, frame, &mut out, 1).expect("BPF_PROG_TEST_RUN");
     out.truncate(r.out_len);
     (r.retval, out)
 }
@@ -184,7 +186,7 @@ impl Loaded {
     }
 
     fn counter(&self, name: &str) -> u64 {
-        proxy_agent::external::nodeport::counters(self.path()).expect("counters")[name]
+        proxy_agent::datapath::dump::np_counters(self.path()).expect("counters")[name]
     }
 }
 

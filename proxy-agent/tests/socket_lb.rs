@@ -4,6 +4,7 @@
 
 mod support;
 
+use proxy_test_support::wait::eventually;
 use support::*;
 
 const WEB: &str = "10.96.0.10";
@@ -214,10 +215,10 @@ fn a_udp_reply_read_after_an_upgrade_from_an_agent_without_socket_storage_shows_
     use std::process::Stdio;
 
     use aya::maps::{Array, HashMap, Map, MapData};
-    use proxy_agent::datapath::map_writer::backend_value;
+    use proxy_agent::datapath::keys::backend_value;
     use proxy_agent::model::Backend;
-    use proxy_agent::sandbox::{Guarded, command_in};
     use proxy_common::{SOCK_CONFIG_MAP, SOCK_PEER_MAP, SOCK_REVNAT_MAP, SockConfig, SockRevNatKey, SockRevNatValue};
+    use proxy_test_support::sandbox::{Guarded, command_in};
 
     let (net, mut node) = setup();
     // One endpoint, so the backend the socket reaches is known.

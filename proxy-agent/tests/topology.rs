@@ -4,6 +4,7 @@
 
 mod support;
 
+use proxy_test_support::wait::eventually;
 use support::*;
 
 struct NodeInfo {

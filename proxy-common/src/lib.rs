@@ -75,7 +75,7 @@ pub struct ServiceValue {
     pub backend_count: u32,
     /// Generation of the slot set this entry points at.
     pub generation: u32,
-    /// Reserved; always zero today.
+    /// Reserved; always zero.
     pub flags: u32,
 }
 
@@ -261,20 +261,37 @@ const _: () = {
 
 #[cfg(feature = "user")]
 mod pod {
+    //! `aya::Pod` lets aya copy these types to and from the byte buffers of
+    //! the map syscalls. That is sound for a type whose bytes are all
+    //! initialised (no implicit padding) and for which every bit pattern is a
+    //! valid value. Each type below is `#[repr(C)]` and holds only integers
+    //! and integer arrays (padding is spelled out as `_pad` fields), and the
+    //! sizes of its fields add up to the size asserted above, so the compiler
+    //! inserted no padding of its own.
+
     use super::{
         BackendKey, BackendValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SockConfig, SockPeerValue, SockRevNatKey, SockRevNatValue,
     };
-    // SAFETY: all types are repr(C), contain only integers and explicit
-    // padding fields, so every bit pattern is valid.
+
+    // SAFETY: repr(C) integers only; 16 + 2 + 1 + 1 = 20 bytes, no padding.
     unsafe impl aya::Pod for ServiceKey {}
+    // SAFETY: repr(C), four u32 = 16 bytes, no padding.
     unsafe impl aya::Pod for ServiceValue {}
+    // SAFETY: repr(C), three u32 = 12 bytes, no padding.
     unsafe impl aya::Pod for SlotKey {}
+    // SAFETY: repr(C), one u32, no padding.
     unsafe impl aya::Pod for SlotValue {}
+    // SAFETY: repr(C), one u32, no padding.
     unsafe impl aya::Pod for BackendKey {}
+    // SAFETY: repr(C) integers only; 16 + 2 + 1 + 1 (`_pad`) = 20 bytes, no padding.
     unsafe impl aya::Pod for BackendValue {}
+    // SAFETY: repr(C) integers only; 8 + 16 + 2 + 1 + 5 (`_pad`) = 32 bytes, no padding.
     unsafe impl aya::Pod for SockRevNatKey {}
+    // SAFETY: repr(C) integers only; 16 + 2 + 1 + 1 (`_pad`) = 20 bytes, no padding.
     unsafe impl aya::Pod for SockRevNatValue {}
+    // SAFETY: repr(C) integers only; 16 + 16 + 2 + 2 + 1 + 1 + 2 (`_pad`) = 40 bytes, no padding.
     unsafe impl aya::Pod for SockPeerValue {}
+    // SAFETY: repr(C), one u64, no padding.
     unsafe impl aya::Pod for SockConfig {}
 }
 
@@ -372,8 +389,8 @@ mod tests {
 }
 
 // ---------------------------------------------------------------------------
-// External traffic at TC (issue #5): NodePort, LoadBalancer ingress IPs and
-// externalIPs, translated per packet on the node's devices.
+// External traffic at TC: NodePort, LoadBalancer ingress IPs and externalIPs,
+// translated per packet on the node's devices.
 //
 // The TC programs keep their own service/slot/backend maps (same layouts as
 // the socket ones) because the same frontend can need a different backend
@@ -668,11 +685,18 @@ const _: () = {
 
 #[cfg(feature = "user")]
 mod np_pod {
+    //! As for `pod`: repr(C), integer fields only, no implicit padding.
+
     use super::{AddrKey, CtKey, CtValue, NpConfig, NpFlagsValue};
-    // SAFETY: repr(C), integers and explicit padding only.
+
+    // SAFETY: repr(C), one u32, no padding.
     unsafe impl aya::Pod for NpFlagsValue {}
+    // SAFETY: repr(C) integers only; 16 + 1 + 3 (`_pad`) = 20 bytes, no padding.
     unsafe impl aya::Pod for AddrKey {}
+    // SAFETY: repr(C) integers only; 16 + 16 + 2 + 2 + 1 + 1 + 1 + 1 (`_pad`) = 40 bytes, no padding.
     unsafe impl aya::Pod for CtKey {}
+    // SAFETY: repr(C) integers only; 16 + 16 + 2 + 2 + 4 + 4 + 4 = 48 bytes, no padding.
     unsafe impl aya::Pod for CtValue {}
+    // SAFETY: repr(C) integers only; 4 + 4 (`_pad0`) + 16 + 2 + 2 + 4 (`_pad1`) = 32 bytes, no padding.
     unsafe impl aya::Pod for NpConfig {}
 }

@@ -112,7 +112,10 @@ fn try_handle(ctx: &TcContext, p: &IcmpPkt, ingress: bool) -> Result<i32, u32> {
     let Some(sp) = NP_ICMP_SCRATCH.get_ptr_mut(0) else {
         return Err(np_counter::CT_UPDATE_FAILED);
     };
-    // SAFETY: this CPU's scratch slot; TC programs do not nest on a CPU.
+    // SAFETY: this CPU's slot of NP_ICMP_SCRATCH element 0, never freed
+    // while the map exists. Only this function uses the map, once per run,
+    // and no other TC program runs on this CPU until this one returns
+    // (bottom halves are disabled), so no other reference to it is live.
     let sc = unsafe { &mut *sp };
     quote(ctx, p, &mut sc.q)?;
     let q = &sc.q;
@@ -135,7 +138,12 @@ fn try_handle(ctx: &TcContext, p: &IcmpPkt, ingress: bool) -> Result<i32, u32> {
     x.qdp = q.dport_be;
     x.os = p.saddr;
     x.od = p.daddr;
+    // The `NP_CT.get` calls below: the references are valid memory for the
+    // run (RCU, preallocated LRU elements) and only read; this function
+    // updates no map entry, so no insert of ours can evict and reuse them,
+    // and one on another CPU leaves stale integers, never an invalid value.
     if !ingress {
+        // SAFETY: see above.
         if let Some(v) = unsafe { NP_CT.get(&*key) } {
             // Quote client -> backend: swapped, it is the reply key.
             x.qd = v.saddr_be;
@@ -148,6 +156,7 @@ fn try_handle(ctx: &TcContext, p: &IcmpPkt, ingress: bool) -> Result<i32, u32> {
             // could not forward the backend's reply, e.g. MTU): the backend
             // knows the flow as backend -> SNAT address.
             key.dir = CT_DIR_SNAT;
+            // SAFETY: see above.
             let Some(v) = (unsafe { NP_CT.get(&*key) }) else {
                 return Ok(PASS);
             };
@@ -156,6 +165,7 @@ fn try_handle(ctx: &TcContext, p: &IcmpPkt, ingress: bool) -> Result<i32, u32> {
         }
     } else {
         key.dir = CT_DIR_REPLY_SNAT;
+        // SAFETY: see above.
         if let Some(v) = unsafe { NP_CT.get(&*key) } {
             // Quote SNAT -> backend. v's destination is the client; the
             // frontend comes from the backend -> client reply entry.
@@ -164,6 +174,7 @@ fn try_handle(ctx: &TcContext, p: &IcmpPkt, ingress: bool) -> Result<i32, u32> {
             key.dir = CT_DIR_REPLY;
             key.daddr_be = v.daddr_be;
             key.dport_be = v.dport_be;
+            // SAFETY: see above.
             let Some(r) = (unsafe { NP_CT.get(&*key) }) else {
                 return Ok(PASS);
             };
@@ -173,6 +184,7 @@ fn try_handle(ctx: &TcContext, p: &IcmpPkt, ingress: bool) -> Result<i32, u32> {
         } else {
             // Quote frontend -> client: swapped, the forward key.
             key.dir = CT_DIR_FORWARD;
+            // SAFETY: see above.
             let Some(v) = (unsafe { NP_CT.get(&*key) }) else {
                 return Ok(PASS);
             };
@@ -186,6 +198,7 @@ fn try_handle(ctx: &TcContext, p: &IcmpPkt, ingress: bool) -> Result<i32, u32> {
                 key.sport_be = q.dport_be;
                 key.daddr_be = v.daddr_be;
                 key.dport_be = v.dport_be;
+                // SAFETY: see above.
                 let Some(s) = (unsafe { NP_CT.get(&*key) }) else {
                     return Ok(PASS);
                 };
@@ -215,11 +228,11 @@ struct Xlate {
 
 /// Writes `x` into the packet, returning a plain integer (negative on a
 /// helper failure). Inlined into `handle`: as a third frame below the TC
-/// program and `handle` it made the call chain too deep for 6.1, whose
-/// verifier rounds every frame up to 32 bytes before checking the 512-byte
-/// budget ("combined stack size of 3 calls is 544"; newer kernels such as
-/// 6.12 round JITed frames to 16 and accepted it). `cargo xtask vmtest`
-/// loads the programs on 6.1.
+/// program and `handle` it would make the call chain too deep for 6.1,
+/// whose verifier rounds every frame up to 32 bytes before checking the
+/// 512-byte budget ("combined stack size of 3 calls is 544"; newer kernels
+/// such as 6.12 round JITed frames to 16 and accept it). `cargo xtask
+/// vmtest` loads the programs on 6.1.
 #[inline(always)]
 fn apply(ctx: &TcContext, p: &IcmpPkt, q: &Quote, x: &Xlate) -> i64 {
     let icmp_csum = p.l4 + 2;
@@ -317,7 +330,9 @@ fn set_addr(
     }
     let mut from = *old;
     let mut to = *new;
-    // SAFETY: two 16-byte buffers on our stack.
+    // SAFETY: `from` and `to` are 16-byte arrays on our stack and the sizes
+    // passed are theirs; the helper only reads them (read-only memory of
+    // the given size in its prototype, checked by the verifier).
     let diff = unsafe { bpf_csum_diff(from.as_mut_ptr(), 16, to.as_mut_ptr(), 16, 0) };
     if diff < 0 {
         return Err(diff);

@@ -117,7 +117,11 @@ fn verdict(result: Result<i32, u32>) -> i32 {
 #[inline(always)]
 fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i32, u32> {
     let sa = ctx.sock_addr;
-    // SAFETY: the kernel hands sock_addr programs a valid context pointer.
+    // SAFETY: `sa` is the `bpf_sock_addr` context the kernel passed to this
+    // program: non-null and valid for the whole run. `protocol` is readable
+    // by every sock_addr attach type as one 4-byte load, which the verifier
+    // rewrites into a read of the socket (`sock_addr_is_valid_access`,
+    // `sock_addr_convert_ctx_access`).
     let proto = unsafe { (*sa).protocol } as u8;
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return Ok(ALLOW);
@@ -129,7 +133,13 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
     let mapped = asked.unmapped_v4();
     let dst = mapped.unwrap_or(asked);
     let key = ServiceKey { ip_be: dst.ip_be, port_be: dst.port_be, proto, family: dst.family };
-    // SAFETY: the value is copied out before any other map operation.
+    // SAFETY: the kernel runs the program under rcu_read_lock and never
+    // frees a preallocated hash element while the map exists, so the
+    // reference the lookup returns points at valid value memory for the
+    // whole run. The value is copied out at once, before any other map
+    // operation; should the agent replace the element and its memory be
+    // reused meanwhile, the copy is stale or mixed but still a valid
+    // `ServiceValue` (plain integers: every bit pattern is a value).
     let Some(svc) = (unsafe { SERVICES.get(&key) }).copied() else {
         return Ok(ALLOW); // not a frontend: none of our business
     };
@@ -138,7 +148,8 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
         // endpoint for this client; bpf_set_retval exists on >= 5.18 and the
         // agent refuses to load on older kernels.
         count(counter::REFUSED_NO_BACKEND);
-        // SAFETY: plain helper call.
+        // SAFETY: the helper takes a plain integer and touches no memory of
+        // ours; on a kernel without it the program fails to load instead.
         unsafe { bpf_set_retval(-ECONNREFUSED) };
         return Ok(REJECT);
     }
@@ -146,8 +157,13 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
     // The cookie is fetched only where it is needed: the first call on a
     // socket assigns it (`__sock_gen_cookie`, a shared counter).
     let (cookie, hash) = match pick {
+        // SAFETY: the helper takes no arguments and touches no memory of ours.
         Pick::Random => (0, unsafe { bpf_get_prandom_u32() }),
         Pick::PerSocket => {
+            // SAFETY: `ctx.as_ptr()` is the context the kernel passed in,
+            // which is what the sock_addr variant of the helper takes
+            // (`bpf_get_socket_cookie_sock_addr`, ARG_PTR_TO_CTX); the
+            // verifier rejects any other pointer.
             let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
             (cookie, socket_hash(cookie, svc.service_id))
         }
@@ -160,11 +176,14 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
     let backend = match lookup_backend(&svc, hash) {
         Some(b) => b,
         None => {
+            // SAFETY: as for the first lookup: valid for the run, copied out
+            // at once.
             let Some(fresh) = (unsafe { SERVICES.get(&key) }).copied() else {
                 return Ok(ALLOW); // deleted meanwhile: behave as for a non-service
             };
             if fresh.backend_count == 0 {
                 count(counter::REFUSED_NO_BACKEND);
+                // SAFETY: as above: an integer argument, no memory access.
                 unsafe { bpf_set_retval(-ECONNREFUSED) };
                 return Ok(REJECT);
             }
@@ -183,7 +202,12 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
 
 #[inline(always)]
 fn lookup_backend(svc: &ServiceValue, hash: u32) -> Option<Addr> {
+    // SAFETY: map values stay valid memory for the program run (RCU,
+    // preallocated elements), and each is read right away, before the next
+    // map operation; a concurrently recycled element yields integers that
+    // are valid if stale.
     let id = unsafe { SLOTS.get(&svc.slot_for(hash)) }?.backend_id;
+    // SAFETY: as above; the fields are copied into `Addr` at once.
     let b = unsafe { BACKENDS.get(&BackendKey { backend_id: id }) }?;
     Some(Addr { ip_be: b.ip_be, port_be: b.port_be, family: b.family })
 }
@@ -218,19 +242,31 @@ fn remember(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, front
             spilled: 0,
             _pad: [0; 2],
         };
-        // SAFETY: the helper takes the socket from the context the kernel gave us.
+        // SAFETY: aya reads the socket from `ctx.sock_addr->sk`, which the
+        // kernel sets for every sock_addr program to the full socket the
+        // call is made on (the verifier types it PTR_TO_SOCKET, non-null).
+        // The helper copies `first`, a value of the map's value type on our
+        // stack, into a new element and returns this socket's element or
+        // null.
         let mut peer = unsafe { SOCK_PEER.get_or_insert_ptr_mut(ctx, Some(&mut first)) };
         if peer.is_null() {
             // Either another thread created the element between the
             // helper's lookup and its insert (the insert then fails with
             // EEXIST), or memory is short.
+            // SAFETY: as above, without creating anything.
             peer = unsafe { SOCK_PEER.get_ptr_mut(ctx) };
         }
         if peer.is_null() {
             count(counter::PEER_STORAGE_FAILED);
         } else {
-            // SAFETY: the kernel returned this socket's element; its fields
-            // other than `spilled` never change after creation.
+            // SAFETY: `peer` is non-null and points at this socket's storage
+            // element, which the kernel frees (with the socket, or on an
+            // explicit delete) only after an RCU grace period, while this
+            // program runs under rcu_read_lock. Other hooks of the same
+            // socket may read the element concurrently; the only write is
+            // the one-byte store to `spilled` below (a reader sees 0 or 1),
+            // and every other field is written only when the element is
+            // created.
             let p = unsafe { &mut *peer };
             if p.family == family
                 && p.backend_ip_be == backend.ip_be
@@ -244,6 +280,7 @@ fn remember(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, front
         }
     }
     // Cookies start at 1 (`__sock_gen_cookie`), so 0 means "not fetched yet".
+    // SAFETY: the helper gets this program's own context, as it requires.
     let cookie = if cookie == 0 { unsafe { bpf_get_socket_cookie(ctx.as_ptr()) } } else { cookie };
     let rev_key = SockRevNatKey { cookie, ip_be: backend.ip_be, port_be: backend.port_be, family, _pad: [0; 5] };
     let rev_val = SockRevNatValue { ip_be: frontend.ip_be, port_be: frontend.port_be, family, _pad: 0 };
@@ -269,11 +306,13 @@ fn try_reverse<const FAMILY: u8, const GETPEERNAME: bool>(ctx: &SockAddrContext)
         write_peer::<FAMILY>(sa, &if mapped.is_some() { frontend.mapped_v6() } else { frontend });
         count(counter::REVERSED);
     };
-    // SAFETY: the helper takes the socket from the context the kernel gave us.
+    // SAFETY: aya reads the socket from the context the kernel passed in
+    // (`sk` is always set for sock_addr programs); the helper only looks up,
+    // returning this socket's element or null.
     let stored = unsafe { SOCK_PEER.get_ptr_mut(ctx) };
     if stored.is_null() {
-        // recvmsg: a UDP socket we never translated, unless an older agent
-        // version did it before SOCK_PEER existed (see `SockConfig`). Every
+        // recvmsg: a UDP socket we never translated, unless an agent
+        // version without SOCK_PEER translated it (see `SockConfig`). Every
         // datagram of every UDP socket in the cgroup passes here, so the
         // common case costs one pointer check and nothing else.
         // getpeername: TCP keeps its entry in SOCK_REVNAT (see `remember`).
@@ -282,13 +321,16 @@ fn try_reverse<const FAMILY: u8, const GETPEERNAME: bool>(ctx: &SockAddrContext)
             if below == 0 {
                 return Ok(());
             }
+            // SAFETY: the helper gets this program's own context.
             let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
             if cookie >= below {
                 return Ok(());
             }
         }
     } else {
-        // SAFETY: this socket's element; see `remember`.
+        // SAFETY: non-null, this socket's element, valid for the run (see
+        // `remember`); it is only read here, and the only concurrent write
+        // to it is the one-byte `spilled` store.
         let p = unsafe { &*stored };
         if p.family == family && p.backend_ip_be == peer.ip_be && p.backend_port_be == peer.port_be {
             report(Addr { ip_be: p.frontend_ip_be, port_be: p.frontend_port_be, family });
@@ -298,8 +340,12 @@ fn try_reverse<const FAMILY: u8, const GETPEERNAME: bool>(ctx: &SockAddrContext)
             return Ok(()); // a peer this socket never reached through a frontend
         }
     }
+    // SAFETY: the helper gets this program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let key = SockRevNatKey { cookie, ip_be: peer.ip_be, port_be: peer.port_be, family, _pad: [0; 5] };
+    // SAFETY: valid value memory for the run (RCU, preallocated LRU
+    // elements), copied out at once; an element evicted and reused meanwhile
+    // gives a stale but valid `SockRevNatValue`.
     let Some(orig) = (unsafe { SOCK_REVNAT.get(&key) }).copied() else {
         return Ok(()); // this socket never went through a frontend
     };

@@ -46,11 +46,18 @@ pub static SOCK_CONFIG: Array<SockConfig, 1> = Array::new();
 #[btf_map(name = "COUNTERS")]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
 
-/// Bumps one reason counter. Per-CPU, so no atomics are needed.
+/// Bumps one reason counter. Per-CPU, so no atomics are needed: only
+/// programs on this CPU write this slot. sock_addr programs run with just
+/// migration disabled, so on a preemptible kernel two of them can
+/// interleave on one CPU and an increment can be lost (never corrupted).
 #[inline(always)]
 pub fn count(reason: u32) {
     if let Some(p) = COUNTERS.get_ptr_mut(reason) {
-        // SAFETY: the pointer is to this CPU's slot of a live array element.
+        // SAFETY: the lookup bounds-checked `reason` (None past
+        // `counter::COUNT`) and returned this CPU's slot of an array
+        // element; array elements are never freed while the map exists, and
+        // the map outlives every run of a program that uses it. A u64 is a
+        // valid value for any bits.
         unsafe { *p += 1 };
     }
 }

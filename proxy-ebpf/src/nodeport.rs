@@ -84,11 +84,16 @@ fn try_nodeport(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
     // stack for the whole call chain.
     let mut key = ct_key(&p, if ingress { CT_DIR_REPLY_SNAT } else { CT_DIR_REPLY });
     let reply = if ingress && !may_be_snat_reply(&p) { None } else { NP_CT.get_ptr_mut(&key) };
-    // SAFETY: the value stays valid under RCU for this program run; a
-    // concurrent update replaces the element as a whole.
     if let Some(v) = reply {
-        // SAFETY: as above; the writes below are single aligned words (a
-        // racing reader sees the old or the new value).
+        // SAFETY: `v` is the non-null value pointer of an NP_CT element. The
+        // program runs under rcu_read_lock, and the LRU map's elements are
+        // preallocated and never freed while the map exists, so the memory
+        // stays valid for the whole run. Other CPUs may use the entry
+        // meanwhile (the flow's other packets, the agent's GC, an LRU
+        // eviction that reuses the element for another flow); `touch` and
+        // `mark_closing` only load and store aligned u32 fields, and every
+        // bit pattern is a valid `CtValue`, so a race can lose an update or
+        // put it on the wrong entry, never produce an invalid value.
         let v = unsafe { &mut *v };
         // A reply to our SNAT port (ingress) or a backend's reply towards
         // the client (egress): the flow, and the SNAT port, are in use.
@@ -99,7 +104,8 @@ fn try_nodeport(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
         // The forward leg of a flow to a remote backend, after routing.
         key.dir = CT_DIR_SNAT;
         if let Some(v) = NP_CT.get_ptr_mut(&key) {
-            // SAFETY: as above.
+            // SAFETY: an NP_CT value pointer, valid for the run; races as
+            // for the reply entry above.
             let v = unsafe { &mut *v };
             touch(&p, v, CT_DIR_SNAT);
             return apply(ctx, &p, v);
@@ -112,7 +118,8 @@ fn try_nodeport(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
     // uses it), even if the slots changed meanwhile.
     key.dir = CT_DIR_FORWARD;
     if let Some(v) = NP_CT.get_ptr_mut(&key) {
-        // SAFETY: as above.
+        // SAFETY: an NP_CT value pointer, valid for the run; races as for
+        // the reply entry above.
         let v = unsafe { &mut *v };
         if backend_alive(v) {
             touch(&p, v, CT_DIR_FORWARD);
@@ -132,7 +139,11 @@ fn try_nodeport(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
             let Some(s) = NP_SCRATCH.get_ptr(0) else {
                 return Err(np_counter::CT_UPDATE_FAILED);
             };
-            // SAFETY: this CPU's scratch slot, filled by new_flow just now.
+            // SAFETY: this CPU's slot of the per-CPU NP_SCRATCH element 0,
+            // never freed while the map exists; `new_flow` filled `fwd` and
+            // has returned, so no other reference to the slot is live, and
+            // no other TC program runs on this CPU until this one returns
+            // (bottom halves are disabled). `rewrite` only reads it.
             match rewrite(ctx, &p, unsafe { &(*s).fwd }) {
                 0 => Ok(PASS),
                 _ => {
@@ -185,8 +196,8 @@ fn now_s() -> u32 {
     // (at most 10 ms) behind is nothing against second-granular timestamps
     // and timeouts of seconds to hours; it never runs ahead of the agent's
     // clock. Available to every program type since Linux 5.11.
-    // SAFETY: plain helper call. CLOCK_MONOTONIC seconds fit u32 for 136
-    // years of uptime.
+    // CLOCK_MONOTONIC seconds fit u32 for 136 years of uptime.
+    // SAFETY: the helper takes no arguments and touches no memory of ours.
     (unsafe { bpf_ktime_get_coarse_ns() } / 1_000_000_000) as u32
 }
 
@@ -242,12 +253,18 @@ fn mark_closing(v: &mut CtValue, tcp_flags: u8, dir: u8, family: u8) {
     let Some(s) = NP_SCRATCH.get_ptr_mut(0) else {
         return;
     };
-    // SAFETY: this CPU's scratch slot; new_flow does not run in this
-    // program run once an entry matched.
+    // SAFETY: this CPU's slot of NP_SCRATCH element 0, never freed while
+    // the map exists. No other reference to it is live: `v` points into
+    // NP_CT, the caller holds none, a run that matched an entry never
+    // reaches `new_flow` or `no_backend`, and no other TC program runs on
+    // this CPU until this one returns.
     let s = unsafe { &mut *s };
     s.peer = v.peer_key(PROTO_TCP, family, dir);
     if let Some(peer) = NP_CT.get_ptr_mut(&s.peer) {
-        // SAFETY: a live map value under RCU; single aligned word store.
+        // SAFETY: an NP_CT value pointer, valid for the run (see
+        // `try_nodeport`). Its key names the other direction, so it is
+        // another entry than `v`'s; the update is a load and store of the
+        // aligned u32 `flags` (races: see above and `try_nodeport`).
         let peer = unsafe { &mut *peer };
         peer.flags = ct_flags_after(peer.flags, tcp_flags, from_client);
     }
@@ -277,6 +294,11 @@ fn expired(v: &CtValue, now: u32, proto: u8) -> bool {
 /// flow of the same client tuple and says nothing about this port.
 #[inline(always)]
 fn reservation_expired(s: &mut NpScratch, now: u32, proto: u8, family: u8) -> bool {
+    // SAFETY: NP_CT values stay valid memory for the run (RCU, preallocated
+    // LRU elements). Both references here are only read, and only inside
+    // this function, which updates no map entry, so no insert of ours can
+    // evict and reuse them; one on another CPU leaves integers that are
+    // stale, never invalid.
     let Some(old) = (unsafe { NP_CT.get(&s.key) }) else {
         // Deleted meanwhile (GC, LRU): free.
         return true;
@@ -285,6 +307,7 @@ fn reservation_expired(s: &mut NpScratch, now: u32, proto: u8, family: u8) -> bo
         return false;
     }
     s.peer = old.peer_key(proto, family, CT_DIR_REPLY_SNAT);
+    // SAFETY: as above.
     match unsafe { NP_CT.get(&s.peer) } {
         Some(fwd) if fwd.sport_be == s.key.dport_be && fwd.saddr_be == s.key.daddr_be => expired(fwd, now, proto),
         _ => true,
@@ -308,8 +331,8 @@ const TRANSLATE: i32 = 0x7fff_0000;
 /// `Result`: an aggregate comes back through a hidden pointer into the
 /// caller's frame, and LLVM may leave that pointer in r0 at exit, which the
 /// verifier rejects ("cannot return stack pointer to the caller",
-/// kernel/bpf/verifier.c, `prepare_func_exit`). It did, after an unrelated
-/// edit changed the generated code.
+/// kernel/bpf/verifier.c, `prepare_func_exit`). Whether it does depends on
+/// the generated code around it, so an unrelated edit can bring it on.
 #[inline(never)]
 fn new_flow(p: &Pkt, fwd_key: &CtKey) -> i64 {
     match new_flow_inner(p, fwd_key) {
@@ -325,6 +348,11 @@ const NEW_FLOW_ERR: i64 = 1 << 40;
 #[inline(always)]
 fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
     let skey = ServiceKey { ip_be: p.daddr, port_be: p.dport_be, proto: p.proto, family: p.family };
+    // SAFETY: map values stay valid memory for the run (rcu_read_lock, and
+    // preallocated hash elements are never freed while the map exists).
+    // The programs never update NP_SERVICES; if the agent replaces the
+    // entry while `svc` is read, the fields are stale or mixed integers,
+    // still a valid `ServiceValue`.
     let Some(svc) = (unsafe { NP_SERVICES.get(&skey) }) else {
         return Ok(PASS); // not a frontend
     };
@@ -337,6 +365,7 @@ fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
         None => {
             // Rewritten by the agent under us: look once more (see the
             // socket programs for the generation protocol).
+            // SAFETY: as for the first lookup.
             let Some(fresh) = (unsafe { NP_SERVICES.get(&skey) }) else {
                 return Ok(PASS);
             };
@@ -355,7 +384,11 @@ fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
     let Some(s) = NP_SCRATCH.get_ptr_mut(0) else {
         return Err(np_counter::CT_UPDATE_FAILED);
     };
-    // SAFETY: this CPU's scratch slot; TC programs do not nest on a CPU.
+    // SAFETY: this CPU's slot of NP_SCRATCH element 0, never freed while
+    // the map exists. No other reference to it is live: the caller holds
+    // none, `no_backend` has not run (it returns before this point), and no
+    // other TC program runs on this CPU until this one returns (bottom
+    // halves are disabled). `reservation_expired` reborrows it from here.
     let s = unsafe { &mut *s };
     // Ingress: DNAT only; the client's address is kept here in every case.
     s.fwd = CtValue { saddr_be: p.saddr, daddr_be: b.ip_be, sport_be: p.sport_be, dport_be: b.port_be, flags: 0, backend_id, seen_s: now };
@@ -371,6 +404,8 @@ fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
         dir: CT_DIR_REPLY,
         _pad: 0,
     };
+    // SAFETY: only whether the entry exists is used; the reference is never
+    // read.
     let local = unsafe { NP_LOCAL.get(&AddrKey { ip_be: b.ip_be, family: p.family, _pad: [0; 3] }) }.is_some();
     if !local {
         // Remote backend. First reserve a SNAT port: the reply will arrive
@@ -505,6 +540,9 @@ fn apply(ctx: &TcContext, p: &Pkt, v: &CtValue) -> Result<i32, u32> {
 
 #[inline(always)]
 fn backend_alive(v: &CtValue) -> bool {
+    // SAFETY: the value is valid memory for the run (RCU, preallocated hash
+    // elements) and read at once; a concurrent replacement by the agent
+    // leaves stale integers, never an invalid `BackendValue`.
     match unsafe { NP_BACKENDS.get(&BackendKey { backend_id: v.backend_id }) } {
         Some(b) => b.ip_be == v.daddr_be && b.port_be == v.dport_be,
         None => false,
@@ -515,10 +553,16 @@ fn backend_alive(v: &CtValue) -> bool {
 /// once here (a hash lookup each; the caller needs both).
 #[inline(always)]
 fn pick(svc: &ServiceValue, hash: u32) -> Option<(u32, &'static BackendValue)> {
+    // SAFETY: valid memory for the run (RCU, preallocated hash elements),
+    // read at once.
     let id = unsafe { NP_SLOTS.get(&svc.slot_for(hash)) }?.backend_id;
     // The backend must exist too (a slot may briefly point at a backend
     // that an interrupted agent never wrote).
-    // SAFETY: a map value stays valid under RCU for this program run.
+    // SAFETY: a map value stays valid memory for this program run (RCU,
+    // preallocated hash elements), and the caller uses the reference only
+    // within the run, despite its `'static` type. The programs never update
+    // NP_BACKENDS, so only the agent can change it meanwhile, leaving stale
+    // integers, never an invalid `BackendValue`.
     let b = unsafe { NP_BACKENDS.get(&BackendKey { backend_id: id }) }?;
     Some((id, b))
 }
@@ -542,6 +586,8 @@ fn pick(svc: &ServiceValue, hash: u32) -> Option<(u32, &'static BackendValue)> {
 #[inline(always)]
 fn no_backend(p: &Pkt, skey: &ServiceKey) -> Result<i32, u32> {
     let now = now_s();
+    // SAFETY: valid memory for the run (RCU, preallocated hash elements);
+    // `flags` is copied out at once.
     let flags = unsafe { NP_FLAGS.get(skey) }.map(|f| f.flags).unwrap_or(0);
     if flags & NP_FLAG_POLICY_LOCAL != 0 {
         np_count(np_counter::DROPPED_NO_LOCAL);
@@ -560,7 +606,10 @@ fn no_backend(p: &Pkt, skey: &ServiceKey) -> Result<i32, u32> {
     let Some(s) = NP_SCRATCH.get_ptr_mut(0) else {
         return Err(np_counter::CT_UPDATE_FAILED);
     };
-    // SAFETY: this CPU's scratch slot.
+    // SAFETY: this CPU's slot of NP_SCRATCH element 0, never freed while
+    // the map exists. No other reference to it is live: `new_flow_inner`
+    // calls this before it takes its own, and no other TC program runs on
+    // this CPU until this one returns.
     let s = unsafe { &mut *s };
     s.fwd = CtValue { saddr_be: p.saddr, daddr_be: local, sport_be: p.sport_be, dport_be: 0, flags: 0, backend_id: 0, seen_s: now };
     s.rev =

@@ -64,10 +64,16 @@ pub struct NpScratch {
 #[map(name = "NP_SCRATCH")]
 pub static NP_SCRATCH: PerCpuArray<NpScratch> = PerCpuArray::with_max_entries(1, 0);
 
+/// Bumps one reason counter of this CPU. TC programs run with bottom
+/// halves disabled, so no other TC program runs on this CPU until this one
+/// returns, and the increment needs no atomics.
 #[inline(always)]
 pub fn np_count(reason: u32) {
     if let Some(p) = NP_COUNTERS.get_ptr_mut(reason) {
-        // SAFETY: this CPU's slot of a live per-CPU array element.
+        // SAFETY: the lookup bounds-checked `reason` (None past
+        // `np_counter::COUNT`) and returned this CPU's slot of an array
+        // element, which is never freed while the map exists; no other
+        // reference to the slot is live (see above).
         unsafe { *p += 1 };
     }
 }

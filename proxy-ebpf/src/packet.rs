@@ -181,19 +181,26 @@ pub fn parse(ctx: &TcContext) -> Parsed {
     Parsed::L4(Pkt { family, proto, l3, l4, saddr, daddr, sport_be, dport_be, tcp_flags })
 }
 
-/// A `T` read from the linear packet data at `data + off`.
+/// A `T` read from the linear packet data at `data + off`. The caller must
+/// have checked `data + off + size_of::<T>() <= data_end`, and `T` must be
+/// an integer type (any bits are a valid value).
 #[inline(always)]
 fn read_at<T: Copy>(data: usize, off: usize) -> T {
-    // SAFETY: every caller has checked data + off + size_of::<T>() <=
-    // data_end (the verifier checks the same); unaligned reads because the
-    // IP header follows a 14-byte Ethernet header.
+    // SAFETY: the only caller, `parse_linear_v4`, reads integers at offsets
+    // below `L4 + 20` after checking `data + L4 + 20 <= data_end`, so the
+    // bytes lie in the skb's linear data, which stays in place until the
+    // program calls a helper that may move it (none runs between the check
+    // and the reads). The verifier tracks the same bound on the packet
+    // pointer and refuses the program if a read could pass `data_end`. The
+    // read is unaligned because the IP header follows a 14-byte Ethernet
+    // header.
     unsafe { core::ptr::read_unaligned((data + off) as *const T) }
 }
 
 /// `parse` for IPv4 without options (IHL 5) and not a fragment, carrying
 /// TCP or UDP, with the Ethernet, IP and 20 bytes of L4 header in the
 /// linear data: read directly, no helper call. `None` for anything else,
-/// which the helper-based path then parses (and classifies) as before.
+/// which `parse` then parses (and classifies) with the helpers.
 /// The stack has the headers in the linear area in practice: drivers copy
 /// at least the headers there (`eth_get_headlen`), and locally built
 /// packets are built there. 20 bytes of L4 also covers UDP's 8; a shorter
@@ -348,9 +355,9 @@ struct V4Block {
 /// * The 14 contiguous bytes from the IPv4 header checksum to the
 ///   destination port are written with one `bpf_skb_store_bytes` instead of
 ///   one store per changed field. Unchanged fields are written back with
-///   the bytes they hold, and the flags are 0 as for the per-field stores,
-///   so `skb->csum` is left alone as before (the helper adjusts it only
-///   under `BPF_F_RECOMPUTE_CSUM`, net/core/filter.c).
+///   the bytes they hold, and the flags are 0, so `skb->csum` is left
+///   alone (the helper adjusts it only under `BPF_F_RECOMPUTE_CSUM`,
+///   net/core/filter.c).
 /// * The IPv4 header checksum is updated here (RFC 1624, eqn. 3) instead of
 ///   by `bpf_l3_csum_replace`, which does nothing else for a 4-byte change
 ///   (`csum_replace4` on the field; it never touches `skb->csum`, as the
@@ -358,7 +365,7 @@ struct V4Block {
 ///   linear data when the header is there (always, in practice: the stack
 ///   pulls the IP header into the linear area before TC ingress, and at
 ///   egress it was built there), else with `bpf_skb_load_bytes`.
-/// * The L4 checksum still goes through `bpf_l4_csum_replace`, one call
+/// * The L4 checksum goes through `bpf_l4_csum_replace`, one call
 ///   per changed field: only the kernel knows whether the skb is
 ///   `CHECKSUM_PARTIAL` (then only the pseudo-header part, the addresses,
 ///   may change the field) or `CHECKSUM_COMPLETE` (then `skb->csum` follows
@@ -403,8 +410,10 @@ fn ipv4_check(ctx: &TcContext) -> Result<u16, i64> {
     const AT: usize = ETH_HLEN + 10;
     let (data, end) = (ctx.data(), ctx.data_end());
     if data + AT + 2 <= end {
-        // SAFETY: within the linear data, checked against data_end just
-        // above (the verifier checks the same).
+        // SAFETY: the two bytes end at or before `data_end`, checked just
+        // above, so they are in the skb's linear data (the verifier tracks
+        // the same bound and refuses an unchecked read); no helper runs in
+        // between to move the data. Read unaligned, as in `read_at`.
         return Ok(unsafe { core::ptr::read_unaligned((data + AT) as *const u16) });
     }
     ctx.load::<u16>(AT)
@@ -457,7 +466,11 @@ fn rewrite_addr_inner(ctx: &TcContext, p: &Pkt, new: &[u32; 4], source: bool) ->
         // bpf_l4_csum_replace with size 0 ("from" must then be zero).
         let mut from = *old;
         let mut to = *new;
-        // SAFETY: both buffers are 16 bytes on our stack.
+        // SAFETY: `from` and `to` are 16-byte arrays on our stack, and the
+        // sizes passed are their sizes; the helper only reads them (the
+        // kernel declares them read-only memory of the given size, checked
+        // by the verifier) and returns the checksum difference or a
+        // negative error.
         let diff = unsafe { bpf_csum_diff(from.as_mut_ptr(), 16, to.as_mut_ptr(), 16, 0) };
         if diff < 0 {
             return Err(diff);

@@ -17,10 +17,20 @@ pub struct Addr {
     pub family: u8,
 }
 
+/// The address the call names (connect, sendmsg) or reports (recvmsg,
+/// getpeername). `sa` must be `ctx.sock_addr` of the running program, and
+/// `FAMILY` the family of its attach type (`FAMILY_V4` for the *4 hooks,
+/// `FAMILY_V6` for the *6 ones); every caller passes exactly that.
 #[inline(always)]
 pub fn read_peer<const FAMILY: u8>(sa: *mut bpf_sock_addr) -> Addr {
     let family = FAMILY;
-    // SAFETY: `sa` is the context pointer the kernel passed in.
+    // SAFETY: `sa` is the running program's context (see the doc), valid for
+    // the whole run. Each access is one aligned 4-byte volatile load of a
+    // field that the program's attach type may read: `user_ip4` for the
+    // IPv4 hooks, `user_ip6[i]` for the IPv6 ones, `user_port` for both
+    // (`sock_addr_is_valid_access`; the verifier refuses the program
+    // otherwise and turns each load into a read of the kernel's sockaddr).
+    // `addr_of!` never creates a reference to the context.
     unsafe {
         let ip_be = if family == FAMILY_V4 {
             [read_volatile(addr_of!((*sa).user_ip4)), 0, 0, 0]
@@ -38,9 +48,16 @@ pub fn read_peer<const FAMILY: u8>(sa: *mut bpf_sock_addr) -> Addr {
     }
 }
 
+/// Replaces the address the call names or reports with `to`. Same
+/// requirements on `sa` and `FAMILY` as `read_peer`.
 #[inline(always)]
 pub fn write_peer<const FAMILY: u8>(sa: *mut bpf_sock_addr, to: &Addr) {
-    // SAFETY: as above; these fields are writable for every attach type we use.
+    // SAFETY: as for `read_peer`: one aligned 4-byte volatile store per
+    // field. `user_ip4`/`user_ip6[i]` and `user_port` are writable for the
+    // connect, sendmsg, recvmsg and getpeername attach types of the matching
+    // family (`sock_addr_is_valid_access`); the verifier turns each store
+    // into a write to the kernel's copy of the sockaddr the call uses or
+    // reports.
     unsafe {
         if FAMILY == FAMILY_V4 {
             write_volatile(addr_of_mut!((*sa).user_ip4), to.ip_be[0]);

@@ -1,7 +1,7 @@
 //! `cargo xtask demo`: builds the agent and the demo driver
-//! (`proxy-agent/examples/demo.rs`, which uses `proxy_agent::sandbox`), then
-//! hands the process over to the driver so that Ctrl-C reaches it directly
-//! and it can tear the simulated cluster down.
+//! (`proxy-agent/examples/demo.rs`, which uses `proxy_test_support::sandbox`),
+//! then hands the process over to the driver so that Ctrl-C reaches it
+//! directly and it can tear the simulated cluster down.
 
 use std::os::unix::process::CommandExt;
 

@@ -1,10 +1,14 @@
 //! `cargo xtask`: the project's developer commands.
 //!
-//! - `setup`: install what is missing (nightly rust-src, Debian packages,
-//!   bpf-linker). Idempotent, and a fast no-op when everything is present.
+//! - `setup`: install what is missing (nightly rust-src, rustfmt and
+//!   clippy, Debian packages, bpf-linker). Idempotent, and a fast no-op
+//!   when everything is present.
 //! - `build-ebpf`: build the agent, which builds and embeds the eBPF object.
-//! - `test`: every test, including the privileged datapath tests (root)
-//!   and `vmtest`.
+//! - `lint`: `cargo fmt --all --check`, `cargo +nightly fmt --check` in
+//!   proxy-ebpf/ and `cargo clippy --workspace --all-targets -- -D warnings`;
+//!   fails naming each check that failed.
+//! - `test`: `lint`, then every test, including the privileged datapath
+//!   tests (root) and `vmtest`.
 //! - `demo`: a simulated 3-node cluster on this machine.
 //! - `bench`: the benchmark report, next to iptables and nftables.
 //! - `vmtest`: chosen datapath tests on Debian's 6.1 and 6.12 kernels under qemu.
@@ -16,6 +20,8 @@ mod bench;
 mod build_ebpf;
 mod chart_env;
 mod demo;
+mod libtest;
+mod lint;
 mod setup;
 mod test;
 mod util;
@@ -32,15 +38,21 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Command {
-    /// Install what is missing: nightly + rust-src, Debian packages (LLVM 22,
-    /// iproute2, bpftool) and bpf-linker 0.13 built against LLVM 22.
+    /// Install what is missing: nightly + rust-src, rustfmt and clippy,
+    /// Debian packages (LLVM 22, iproute2, bpftool) and bpf-linker 0.13
+    /// built against LLVM 22.
     Setup,
     /// Build the agent and the eBPF object it embeds; print the object's path.
     BuildEbpf,
-    /// Run every test (`cargo test --workspace`, then `vmtest` on Debian's
-    /// 6.1 and 6.12 kernels under qemu); needs root for the datapath tests.
-    /// `--no-vm` (or TOPOPROXY_NO_VMTEST=1) leaves the VM run out. Other
-    /// arguments go to `cargo test`.
+    /// Check formatting (`cargo fmt --all --check`; `cargo +nightly fmt
+    /// --check` in proxy-ebpf/) and run clippy on the workspace with
+    /// `-D warnings`; `test` runs this first.
+    Lint,
+    /// Run the lint step, then every test (`cargo test --workspace`, then
+    /// `vmtest` on Debian's 6.1 and 6.12 kernels under qemu); needs root for
+    /// the datapath tests. `--no-vm` (or TOPOPROXY_NO_VMTEST=1) leaves the VM
+    /// run out; `-p NAME` leaves out both the lint step and the VM run.
+    /// Other arguments go to `cargo test`.
     Test {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
@@ -76,6 +88,7 @@ fn main() -> std::process::ExitCode {
     let result = match cli.command {
         Command::Setup => setup::run(),
         Command::BuildEbpf => build_ebpf::run(),
+        Command::Lint => lint::run(),
         Command::Test { args } => test::run(&args),
         Command::Demo { args } => demo::run(&args),
         Command::Bench { args } => bench::run(&args),

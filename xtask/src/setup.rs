@@ -31,6 +31,13 @@ pub(crate) fn run() -> Result<()> {
 pub(crate) fn ensure() -> Result<()> {
     nightly()?;
     rust_src()?;
+    // The lint step's tools (`lint.rs`). The toolchain that runs xtask
+    // (stable by default; rustup names it in RUSTUP_TOOLCHAIN, which a
+    // bare `rustup component` honours) formats and lints the host
+    // workspace; nightly formats proxy-ebpf, and its minimal profile leaves
+    // rustfmt out.
+    rust_components(None, &["rustfmt", "clippy"])?;
+    rust_components(Some("nightly"), &["rustfmt", "clippy"])?;
     debian_packages()?;
     bpf_linker()?;
     crate::chart_env::ensure()?;
@@ -45,7 +52,7 @@ fn nightly() -> Result<()> {
         return Ok(());
     }
     println!("installing: nightly toolchain (rustup toolchain install nightly --profile minimal)");
-    util::run(util::cmd("rustup").args(["toolchain", "install", "nightly", "--profile", "minimal"]))
+    util::run(util::cmd("rustup").args(["toolchain", "install", "nightly", "--profile", "minimal", "--no-self-update"]))
 }
 
 fn nightly_sysroot() -> Option<PathBuf> {
@@ -64,6 +71,45 @@ fn rust_src() -> Result<()> {
         Some(s) if has_src(&s) => Ok(()),
         _ => bail!("rust-src was installed but library/core is still missing from the nightly sysroot"),
     }
+}
+
+/// The programs each rustup component the lint step needs brings; a
+/// component counts as installed when `rustup which` finds all of them.
+const COMPONENT_PROGRAMS: [(&str, &[&str]); 2] = [("rustfmt", &["rustfmt", "cargo-fmt"]), ("clippy", &["cargo-clippy", "clippy-driver"])];
+
+/// Adds the rustup `components` (of [`COMPONENT_PROGRAMS`]) missing from
+/// `toolchain`, the active one when `None`.
+fn rust_components(toolchain: Option<&str>, components: &[&str]) -> Result<()> {
+    let which =
+        toolchain.map(str::to_string).or_else(|| std::env::var("RUSTUP_TOOLCHAIN").ok()).unwrap_or_else(|| "the default toolchain".into());
+    let rustup = |args: &[&str]| {
+        let mut c = util::cmd("rustup");
+        c.args(args);
+        if let Some(t) = toolchain {
+            c.args(["--toolchain", t]);
+        }
+        c
+    };
+    let present = |component: &&str| {
+        COMPONENT_PROGRAMS
+            .iter()
+            .find(|(name, _)| name == component)
+            .is_some_and(|(_, programs)| programs.iter().all(|p| util::output(&mut rustup(&["which", p])).is_some()))
+    };
+    let missing: Vec<&str> = components.iter().copied().filter(|c| !present(c)).collect();
+    if missing.is_empty() {
+        println!("ok: {} for {which} present", components.join(" and "));
+        return Ok(());
+    }
+    let mut add = rustup(&["component", "add"]);
+    add.args(&missing);
+    println!("installing: {} for {which} ({})", missing.join(" and "), util::describe(&add));
+    util::run(&mut add)?;
+    let still: Vec<&str> = missing.iter().copied().filter(|c| !present(c)).collect();
+    if !still.is_empty() {
+        bail!("`{}` finished but {} is still missing for {which}", util::describe(&add), still.join(" and "));
+    }
+    Ok(())
 }
 
 pub(crate) fn installed(package: &str) -> bool {

@@ -1,52 +1,31 @@
 //! `cargo xtask test`: every test of the workspace, the privileged datapath
 //! tests included.
 //!
-//! cargo test's own output is passed through unchanged. Then `vmtest` runs
-//! the chosen datapath tests on Debian's 6.1 and 6.12 kernels under qemu,
-//! reusing the debug binaries just built. Because a workspace run ends with
-//! the (empty) doc-test result of its last crate, a total over all test
-//! binaries and kernels is printed last, as a plain `summary:` line.
+//! The lint step (`lint.rs`: rustfmt on both workspaces, clippy with
+//! `-D warnings`) runs first; when a check fails, no test runs and the error
+//! names the failed checks. Then cargo test, whose own output is passed
+//! through unchanged. Then `vmtest` runs the chosen datapath tests on
+//! Debian's 6.1 and 6.12 kernels under qemu, reusing the debug binaries
+//! just built. Because a workspace run ends with the (empty) doc-test
+//! result of its last crate, a total over all test binaries and kernels is
+//! printed last, as a plain `summary:` line.
 //!
 //! `--no-vm` (or `TOPOPROXY_NO_VMTEST=1`) leaves the VM run out, for a
 //! quicker local loop, and so does selecting packages (`-p NAME`): the VM
-//! runs its own fixed set of tests, not the selected ones. CI and the
-//! default run it. Otherwise the VM run is
-//! skipped (and its tests counted as skipped) only when qemu cannot be
-//! installed or a kernel cannot be downloaded.
+//! runs its own fixed set of tests, not the selected ones. Selecting
+//! packages leaves the lint step out too, since it checks the whole
+//! workspace; `cargo xtask lint` and `cargo xtask vmtest` run each alone.
+//! CI and the default run both. Otherwise the VM run is skipped (and its
+//! tests counted as skipped) only when qemu cannot be installed or a kernel
+//! cannot be downloaded.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::Stdio;
 
 use anyhow::{Context, Result, bail};
 
-use crate::{setup, util, vmtest};
-
-#[derive(Default, Debug, PartialEq, Eq)]
-pub(crate) struct Totals {
-    pub passed: u64,
-    pub failed: u64,
-    pub ignored: u64,
-    pub binaries: u64,
-}
-
-impl Totals {
-    /// Adds a libtest line such as
-    /// `test result: ok. 4 passed; 0 failed; 1 ignored; 0 measured; 0 filtered out; finished in 0.1s`.
-    pub(crate) fn add(&mut self, line: &str) {
-        let Some(rest) = line.trim().strip_prefix("test result: ") else { return };
-        let number_before = |word: &str| -> Option<u64> {
-            rest.split(';').find_map(|part| {
-                let mut it = part.split_whitespace().rev();
-                let (w, n) = (it.next()?, it.next()?);
-                (w == word).then(|| n.parse().ok()).flatten()
-            })
-        };
-        self.passed += number_before("passed").unwrap_or(0);
-        self.failed += number_before("failed").unwrap_or(0);
-        self.ignored += number_before("ignored").unwrap_or(0);
-        self.binaries += 1;
-    }
-}
+use crate::libtest::Totals;
+use crate::{lint, setup, util, vmtest};
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     if !util::is_root() {
@@ -59,11 +38,20 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let (no_vm, args) = take_no_vm(args);
     let no_vm = no_vm || std::env::var_os(NO_VM_ENV).is_some_and(|v| !v.is_empty() && v != "0");
     let args = &args[..];
-    let mut c = util::cargo();
-    c.arg("test");
     // `-p NAME` narrows the run; otherwise the whole workspace is tested.
     let cargo_args: Vec<&String> = args.iter().take_while(|a| *a != "--").collect();
     let selects = selects_packages(&cargo_args);
+    // The lint step checks the whole workspace, so a run narrowed with `-p`
+    // leaves it out, like the VM run. Otherwise it comes before any test:
+    // a tree that fails a check is not worth the minutes of the datapath and
+    // VM runs, and `lint::check` names every check that failed.
+    if selects {
+        println!("lint not run: packages were selected with -p (`cargo xtask lint` runs it alone)");
+    } else {
+        lint::check().context("tests not run")?;
+    }
+    let mut c = util::cargo();
+    c.arg("test");
     if !selects {
         c.arg("--workspace");
     }
@@ -114,8 +102,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         }
     }
     if totals.binaries > 0 {
-        println!();
-        println!("summary: {} passed, {} failed, {} skipped", totals.passed, totals.failed, totals.ignored);
+        totals.print_summary();
     }
     if !status.success() {
         bail!("tests failed ({status})");
@@ -157,16 +144,6 @@ fn take_no_vm(args: &[String]) -> (bool, Vec<String>) {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sums_libtest_result_lines() {
-        let mut t = Totals::default();
-        t.add("test result: ok. 19 passed; 0 failed; 2 ignored; 0 measured; 0 filtered out; finished in 0.01s");
-        t.add("test result: FAILED. 3 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out; finished in 3.75s");
-        t.add("running 4 tests");
-        t.add("test sandbox::works ... ok");
-        assert_eq!(t, Totals { passed: 22, failed: 1, ignored: 2, binaries: 2 });
-    }
 
     #[test]
     fn package_selection_is_recognised_in_every_spelling() {

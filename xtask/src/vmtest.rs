@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
-use crate::test::Totals;
+use crate::libtest::Totals;
 use crate::{setup, util};
 
 /// One kernel to boot.
@@ -113,8 +113,9 @@ const TESTS: [(&str, &[&str]); 2] = [
     ),
 ];
 
-/// The deadline of the tests' waits (`support::eventually`) in the guest;
-/// the agent verifies its TC programs in seconds there, not milliseconds.
+/// The deadline of the tests' waits (`proxy_test_support::wait::eventually`)
+/// in the guest; the agent verifies its TC programs in seconds there, not
+/// milliseconds.
 const WAIT_SECS: u32 = 240;
 
 /// Console markers written by the guest's /init.
@@ -192,16 +193,14 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     match run_with(&opts)? {
         Outcome::Skipped { reason, tests } => {
             println!("vmtest skipped: {reason}");
-            println!();
-            println!("summary: 0 passed, 0 failed, {tests} skipped");
+            Totals { ignored: tests, ..Totals::default() }.print_summary();
             Ok(())
         }
         Outcome::Ran(runs) => {
             let mut all = Totals::default();
             print_report(&runs, &mut all);
             println!("vmtest took {:.0} s in all", started.elapsed().as_secs_f64());
-            println!();
-            println!("summary: {} passed, {} failed, {} skipped", all.passed, all.failed, all.ignored);
+            all.print_summary();
             if runs.iter().any(|r| !r.problems.is_empty() || r.totals.failed > 0) {
                 bail!("tests failed on an older kernel");
             }

@@ -1,5 +1,5 @@
 //! The control plane through the stand-in Kubernetes API server
-//! (`tests/support/apiserver.rs`, real list/watch over HTTP, so the agent's
+//! (`proxy_test_support::apiserver`, real list/watch over HTTP, so the agent's
 //! unmodified kube-rs watchers run against it):
 //!
 //! - cold sync: `proxy-agent run` in Kubernetes mode starts against a server
@@ -22,10 +22,6 @@
 //!   datapath, so it includes the watch delivery, the agent's coalescing
 //!   interval and the sync; the poll adds at most ~0.1 ms.
 
-#[allow(dead_code)]
-#[path = "../../tests/support/apiserver.rs"]
-mod apiserver;
-
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::fs;
@@ -36,12 +32,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result, bail};
-use apiserver::ApiServer;
 use aya::maps::{HashMap as BpfHashMap, Map, MapData};
-use proxy_agent::datapath::map_writer::{backend_of, service_key};
+use proxy_agent::datapath::keys::{backend_of, service_key};
 use proxy_agent::model::{Frontend, Protocol};
-use proxy_agent::sandbox::{Cgroup, Guarded, Netns, PinDir};
 use proxy_common::{BackendKey, BackendValue, ServiceKey, ServiceValue, SlotKey, SlotValue};
+use proxy_test_support::apiserver::ApiServer;
+use proxy_test_support::sandbox::{Cgroup, Guarded, Netns, PinDir};
 use serde_json::{Value, json};
 
 use crate::report::{Target, percentile, spread};
@@ -618,7 +614,7 @@ impl Results {
         let _ = writeln!(md, "## Control plane through the API server\n");
         let _ = writeln!(
             md,
-            "{} in Kubernetes mode (`proxy-agent run --kubeconfig ...`{}) against the stand-in API server (`tests/support/apiserver.rs`: real list/watch over HTTP, kube-rs's unmodified watchers, list pages of 500; it keeps each object's JSON rendered, because a real API server would not share the agent's cores). {} Services x {ENDPOINTS} endpoints, every endpoint a distinct address, one TCP port each. {n} repeats; medians with the spread (min–max).\n",
+            "{} in Kubernetes mode (`proxy-agent run --kubeconfig ...`{}) against the stand-in API server (`test-support/src/apiserver.rs`: real list/watch over HTTP, kube-rs's unmodified watchers, list pages of 500; it keeps each object's JSON rendered, because a real API server would not share the agent's cores). {} Services x {ENDPOINTS} endpoints, every endpoint a distinct address, one TCP port each. {n} repeats; medians with the spread (min–max).\n",
             self.agent_label(),
             if self.agent_flags.is_empty() { String::new() } else { format!(" `{}`", self.agent_flags.join(" ")) },
             o.services

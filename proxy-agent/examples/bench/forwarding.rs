@@ -32,7 +32,7 @@ use proxy_agent::datapath::tc_loader::{self, TcMode};
 use proxy_agent::decide::decision::ExternalState;
 use proxy_agent::external::nodeport::NodePortWriter;
 use proxy_agent::model::{Backend, Frontend, Protocol};
-use proxy_agent::sandbox::{Netns, PinDir, in_netns};
+use proxy_test_support::sandbox::{Netns, PinDir, in_netns};
 use serde_json::json;
 
 use crate::report::{Section, percentile, spread, svg_bars};

@@ -7,8 +7,6 @@
 //! the benchmark issue are checked here and reported, never asserted in
 //! tests.
 
-#[path = "../../tests/support/checksum.rs"]
-mod checksum;
 mod control_plane;
 mod forwarding;
 mod programs;
@@ -28,10 +26,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use proxy_agent::datapath::map_writer::MapWriter;
-use proxy_agent::datapath::socket_loader::{self, Capacities};
+use proxy_agent::datapath::maps::Capacities;
+use proxy_agent::datapath::socket_loader;
 use proxy_agent::decide::plan;
 use proxy_agent::model::{Backend, Frontend, Protocol};
-use proxy_agent::sandbox::{Cgroup, Netns, PinDir};
+use proxy_test_support::sandbox::{Cgroup, Netns, PinDir};
 use report::{Spread, Target, percentile, spread};
 use serde_json::json;
 use workload::Proto;
@@ -225,7 +224,7 @@ fn agent_starts(size: usize, scratch: &Path, agent: Option<&Path>) -> Result<Age
     // Spawn to the first "synced" line; returns that time and the peak RSS.
     let run = |log: PathBuf| -> Result<(Duration, u64)> {
         let t = Instant::now();
-        let mut child = proxy_agent::sandbox::Guarded::spawn(
+        let mut child = proxy_test_support::sandbox::Guarded::spawn(
             Command::new(&agent)
                 .args(["run", "--node", "bench", "--poll-interval-ms", "20", "--manifests"])
                 .arg(&dir)
@@ -348,7 +347,7 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
     };
     socket_loader::install(cg.path(), pins.path(), caps)?;
     let mut writer = MapWriter::open(pins.path())?;
-    let _member = InCgroup::join(&cg)?;
+    let member = InCgroup::join(&cg)?;
     let mut connect_runtime = programs::ConnectRuntime::prepare(pins.path(), &cg)?;
 
     let mut results: BTreeMap<(usize, &str, &str), Cell> = BTreeMap::new();
@@ -439,7 +438,7 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
 
     step("map memory");
     let map_mem: u64 = ["SERVICES", "SLOTS", "BACKENDS"].iter().map(|m| map_memlock(&pins.path().join(m))).sum();
-    drop(_member);
+    drop(member);
     let mut sections = vec![connect_runtime.section()];
     let program_added = connect_runtime.added_ns();
     drop(connect_runtime);

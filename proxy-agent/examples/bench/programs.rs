@@ -20,10 +20,10 @@ use aya::sys::{Stats, enable_stats};
 use proxy_agent::decide::decision::ExternalState;
 use proxy_agent::external::nodeport::NodePortWriter;
 use proxy_agent::model::{Backend, Frontend, Protocol};
-use proxy_agent::sandbox::{Cgroup, PinDir};
+use proxy_test_support::checksum::csum;
+use proxy_test_support::sandbox::{Cgroup, PinDir};
 use serde_json::json;
 
-use crate::checksum::csum;
 use crate::report::{Section, Spread, Target, spread, svg_bars};
 use crate::workload::{self, Proto};
 
@@ -75,7 +75,7 @@ pub(crate) struct ConnectRuntime {
 
 impl ConnectRuntime {
     pub(crate) fn prepare(pin_dir: &Path, cg: &Cgroup) -> Result<ConnectRuntime> {
-        let link = PinnedLink::from_pin(pin_dir.join(proxy_agent::datapath::socket_loader::LINKS_DIR).join("connect4"))
+        let link = PinnedLink::from_pin(pin_dir.join(proxy_agent::datapath::object::LINKS_DIR).join("connect4"))
             .context("opening the pinned connect4 link")?;
         let link: FdLink = link.into();
         let ours_id = link.info().context("connect4 link info")?.program_id();
@@ -163,7 +163,7 @@ fn ns(s: &Spread) -> String {
 /// One `BPF_PROG_TEST_RUN` of a TC program on `frame`, `repeat` times in the
 /// kernel; returns (retval, ns per run as the kernel measured it).
 fn test_run(prog_fd: i32, frame: &[u8], out: &mut [u8], repeat: u32) -> Result<(i32, u32)> {
-    let r = proxy_agent::prog_test_run::run(prog_fd, frame, out, repeat).context("BPF_PROG_TEST_RUN")?;
+    let r = proxy_test_support::prog_test_run::run(prog_fd, frame, out, repeat).context("BPF_PROG_TEST_RUN")?;
     Ok((r.retval, r.duration_ns))
 }
 
@@ -217,7 +217,7 @@ fn population(frontends: usize) -> (ExternalState, u16, u16) {
 
 struct Loaded {
     _ebpf: aya::Ebpf,
-    _pins: PinDir,
+    pins: PinDir,
     ingress: i32,
     egress: i32,
     minimal: i32,
@@ -252,7 +252,7 @@ fn load(frontends: usize) -> Result<Loaded> {
     if let Some(e) = o.failures.first() {
         bail!("writing the NodePort maps: {e}");
     }
-    Ok(Loaded { _ebpf: ebpf, _pins: pins, ingress, egress, minimal, empty })
+    Ok(Loaded { _ebpf: ebpf, pins, ingress, egress, minimal, empty })
 }
 
 /// Environment variable naming another build of the eBPF object to measure
@@ -266,15 +266,7 @@ const OBJECT_ENV: &str = "TOPOPROXY_BENCH_EBPF_OBJECT";
 /// at its pin under `pin_dir`, no program loaded yet.
 fn load_object(path: &Path, pin_dir: &Path) -> Result<aya::Ebpf> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
-    let mut loader = aya::EbpfLoader::new();
-    let pins: Vec<(&str, std::path::PathBuf)> = proxy_agent::datapath::socket_loader::socket_map_names()
-        .map(|n| (n, pin_dir.join(n)))
-        .chain(proxy_agent::datapath::tc_loader::np_map_pins(pin_dir))
-        .collect();
-    for (name, p) in &pins {
-        loader.map_pin_path(name, p.as_path());
-    }
-    loader.load(&bytes).with_context(|| format!("loading {}", path.display()))
+    proxy_agent::datapath::object::load(&bytes, pin_dir, None).with_context(|| format!("loading {}", path.display()))
 }
 
 const CASES: [&str; 7] = [
@@ -338,7 +330,7 @@ pub(crate) fn nodeport_test_run(repeats: usize, calls: usize, frontends: usize) 
         for (k, s) in sums.iter().enumerate() {
             samples[k].push(*s as f64 / calls as f64);
         }
-        let counters = proxy_agent::external::nodeport::counters(l._pins.path())?;
+        let counters = proxy_agent::datapath::dump::np_counters(l.pins.path())?;
         let new_flows = counters.get("new_flow").copied().unwrap_or(0);
         if new_flows < 2 * calls as u64 {
             bail!("only {new_flows} of {} SYNs took the new-flow path: {counters:?}", 2 * calls);

@@ -5,8 +5,8 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use proxy_agent::DEFAULT_BPFFS;
+use proxy_agent::datapath::maps::{Capacities, Capacity};
 use proxy_agent::datapath::mounts;
-use proxy_agent::datapath::socket_loader::Capacities;
 use proxy_agent::external::node_addresses::Devices;
 use proxy_common as pc;
 
@@ -99,22 +99,17 @@ impl DatapathArgs {
     }
 
     pub(crate) fn capacities(&self) -> anyhow::Result<Capacities> {
-        for (flag, v) in [
-            ("--max-services", self.max_services),
-            ("--max-slots", self.max_slots),
-            ("--max-backends", self.max_backends),
-            ("--max-sock-revnat", self.max_sock_revnat),
-            ("--max-np-conntrack", self.max_np_conntrack),
-        ] {
-            anyhow::ensure!(v > 0, "{flag} must be at least 1");
-        }
-        Ok(Capacities {
+        let caps = Capacities {
             services: self.max_services,
             slots: self.max_slots,
             backends: self.max_backends,
             sock_revnat: self.max_sock_revnat,
             np_conntrack: self.max_np_conntrack,
-        })
+        };
+        for c in Capacity::ALL {
+            anyhow::ensure!(caps.get(c) > 0, "{} must be at least 1", c.flag());
+        }
+        Ok(caps)
     }
 }
 

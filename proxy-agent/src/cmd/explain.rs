@@ -103,7 +103,7 @@ fn to_json(d: &PortDecision) -> serde_json::Value {
         "name": d.service.name,
         "port": {"name": d.port.name, "port": d.port.port, "protocol": d.port.protocol.as_str()},
         "frontends": d.frontends.iter().map(|f| sockaddr(f.ip, f.port)).collect::<Vec<_>>(),
-        // External traffic (issue #5). NodePorts are served on every node
+        // External traffic. NodePorts are served on every node
         // address, which explain does not know: they are listed by port.
         "nodePort": d.port.node_port,
         "externalFrontends": d.external_frontends(&[]).iter().map(|f| sockaddr(f.ip, f.port)).collect::<Vec<_>>(),

@@ -1,22 +1,34 @@
-//! `BPF_MAP_UPDATE_BATCH`, `BPF_MAP_DELETE_BATCH` and
-//! `BPF_MAP_LOOKUP_BATCH`: many map entries in one bpf(2) call. aya 0.14
-//! has no wrapper for them, so this is the raw syscall. A cold sync of
-//! 10,000 Services writes some 200,000 entries, and an agent restart reads
-//! them back; one syscall per entry (two when iterating) costs more than
-//! the hash map operations themselves.
+//! Whole-map I/O on hash maps: `BPF_MAP_UPDATE_BATCH`,
+//! `BPF_MAP_DELETE_BATCH` and `BPF_MAP_LOOKUP_BATCH` (many entries in one
+//! bpf(2) call), and [`read_all`], the one way the agent reads a hash map
+//! whole. aya 0.14 has no wrapper for the batch commands, so this is the raw
+//! syscall. A cold sync of 10,000 Services writes some 200,000 entries, and
+//! an agent restart reads them back; one syscall per entry (two when
+//! iterating) costs more than the hash map operations themselves.
 //!
 //! The kernel applies the elements in order and stops at the first one that
 //! fails, reporting in `count` how many it applied before it
 //! (kernel/bpf/syscall.c: generic_map_update_batch,
 //! generic_map_delete_batch; hash maps use these since Linux 5.6). So a
 //! failure leaves a clean prefix written, which callers rely on.
+//!
+//! The kernel reads and writes `count` keys and values of the sizes *it*
+//! knows for the map. Every call therefore takes a typed aya handle and
+//! first asks the kernel (`BPF_OBJ_GET_INFO_BY_FD`) that the map is a plain
+//! or LRU hash map whose key and value sizes are those of `K` and `V`: aya
+//! checks the sizes against the map's definition in the object it was
+//! loaded from, which for a map reused from a pin need not be the kernel's,
+//! and per-CPU maps would take one value per possible CPU.
 
-use std::borrow::Borrow;
+use std::borrow::{Borrow, BorrowMut};
+use std::hash::Hash;
 use std::io;
+use std::marker::PhantomData;
 use std::mem::size_of;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
-use aya::maps::{HashMap, IterableMap, MapData};
+use aya::Pod;
+use aya::maps::{HashMap, IterableMap, MapData, MapError, MapType};
 
 /// The `batch` member of `union bpf_attr` (include/uapi/linux/bpf.h).
 #[repr(C)]
@@ -50,48 +62,93 @@ pub struct BatchError {
 /// The kernel takes `count` as a u32; larger inputs go in several calls.
 const MAX_PER_CALL: usize = 1 << 20;
 
-fn call(cmd: libc::c_long, attr: &mut BatchAttr) -> Result<(), io::Error> {
-    // SAFETY: `attr` is a valid `bpf_attr` prefix for the batch commands
-    // and the key/value buffers it points at outlive the call; the kernel
-    // reads (update, delete) or writes (lookup) `count` elements of the
-    // map's key and value size there, which the callers guarantee by
-    // passing buffers of the map's key and value types (aya checked their
-    // sizes against the map when it was opened).
+/// A map descriptor the kernel confirmed to be a plain or LRU hash map
+/// with keys of exactly `size_of::<K>()` and values of exactly
+/// `size_of::<V>()` bytes. Only [`checked`] makes one.
+struct Checked<'a, K, V> {
+    fd: BorrowedFd<'a>,
+    _kv: PhantomData<(K, V)>,
+}
+
+fn checked<T: Borrow<MapData>, K: Pod, V: Pod>(map: &HashMap<T, K, V>) -> io::Result<Checked<'_, K, V>> {
+    let data = map.map();
+    let info = data.info().map_err(io::Error::other)?;
+    let map_type = info.map_type().map_err(io::Error::other)?;
+    let (key_size, value_size) = (info.key_size() as usize, info.value_size() as usize);
+    if !matches!(map_type, MapType::Hash | MapType::LruHash) || key_size != size_of::<K>() || value_size != size_of::<V>() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "map is a {map_type:?} with {key_size}/{value_size}-byte keys/values, not a hash map of {}/{}-byte ones",
+                size_of::<K>(),
+                size_of::<V>()
+            ),
+        ));
+    }
+    Ok(Checked { fd: data.fd().as_fd(), _kv: PhantomData })
+}
+
+/// Issues one batch command.
+///
+/// # Safety
+///
+/// `attr.map_fd` must be a map whose key and value sizes are `key_size` and
+/// `value_size` bytes, no per-CPU type, and `attr.keys` (and `attr.values`,
+/// unless the command is a delete) must point at buffers of at least
+/// `attr.count` such keys (values) that are valid for the kernel to read
+/// (update, delete) or write (lookup) for the duration of the call; so must
+/// `attr.in_batch` and `attr.out_batch` when non-zero, with room for the
+/// map's batch position.
+unsafe fn call(cmd: libc::c_long, attr: &mut BatchAttr) -> Result<(), io::Error> {
+    // SAFETY: `attr` is a valid `bpf_attr` prefix for the batch commands of
+    // the size passed, and the buffers it names are as the caller promised.
     let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut::<BatchAttr>(attr), size_of::<BatchAttr>()) };
     if rc != 0 { Err(io::Error::last_os_error()) } else { Ok(()) }
 }
 
 /// Writes `keys[i] -> values[i]` in order, with `BPF_ANY` (create or
-/// replace) semantics. `K` and `V` must be the map's key and value types.
-pub fn update<K: aya::Pod, V: aya::Pod>(map: BorrowedFd<'_>, keys: &[K], values: &[V]) -> Result<(), BatchError> {
+/// replace) semantics.
+pub fn update<T: BorrowMut<MapData>, K: Pod, V: Pod>(map: &mut HashMap<T, K, V>, keys: &[K], values: &[V]) -> Result<(), BatchError> {
     assert_eq!(keys.len(), values.len(), "one value per key");
-    in_order(BPF_MAP_UPDATE_BATCH, map, keys.len(), |i| (keys[i..].as_ptr() as u64, values[i..].as_ptr() as u64), false)
+    let map = checked(map).map_err(|source| BatchError { applied: 0, source })?;
+    in_order(BPF_MAP_UPDATE_BATCH, map, keys, Some(values), false)
 }
 
 /// Deletes `keys` in order. A key that is not in the map is skipped (the
 /// kernel stops a delete batch at the first ENOENT; the call resumes after
 /// it). Any other error stops at the key it names, as for [`update`].
-pub fn delete<K: aya::Pod>(map: BorrowedFd<'_>, keys: &[K]) -> Result<(), BatchError> {
-    in_order(BPF_MAP_DELETE_BATCH, map, keys.len(), |i| (keys[i..].as_ptr() as u64, 0), true)
+pub fn delete<T: BorrowMut<MapData>, K: Pod, V: Pod>(map: &mut HashMap<T, K, V>, keys: &[K]) -> Result<(), BatchError> {
+    let map = checked(map).map_err(|source| BatchError { applied: 0, source })?;
+    in_order(BPF_MAP_DELETE_BATCH, map, keys, None, true)
 }
 
-/// Runs `cmd` over `len` elements in order, in calls of at most
-/// [`MAX_PER_CALL`]; `from(i)` gives the key and value buffers from element
-/// `i` on. With `skip_missing`, an element the kernel reports missing
-/// (ENOENT) is stepped over and the rest go on.
-fn in_order(
+/// Runs `cmd` over `keys` (and `values`, of the same length) in order, in
+/// calls of at most [`MAX_PER_CALL`] elements. With `skip_missing`, an
+/// element the kernel reports missing (ENOENT) is stepped over and the rest
+/// go on.
+fn in_order<K: Pod, V: Pod>(
     cmd: libc::c_long,
-    map: BorrowedFd<'_>,
-    len: usize,
-    from: impl Fn(usize) -> (u64, u64),
+    map: Checked<'_, K, V>,
+    keys: &[K],
+    values: Option<&[V]>,
     skip_missing: bool,
 ) -> Result<(), BatchError> {
+    let len = keys.len();
     let mut done = 0;
     while done < len {
         let n = (len - done).min(MAX_PER_CALL);
-        let (keys, values) = from(done);
-        let mut attr = BatchAttr { keys, values, count: n as u32, map_fd: map.as_raw_fd() as u32, ..Default::default() };
-        let r = call(cmd, &mut attr);
+        let mut attr = BatchAttr {
+            keys: keys[done..].as_ptr() as u64,
+            values: values.map_or(0, |v| v[done..].as_ptr() as u64),
+            count: n as u32,
+            map_fd: map.fd.as_raw_fd() as u32,
+            ..Default::default()
+        };
+        // SAFETY: `map` was checked to be a hash map of `K` keys and `V`
+        // values; `keys[done..]` (and `values[done..]`, as long as `keys`)
+        // hold at least `n` of them and outlive the call, which only reads
+        // them. Deletes pass no values and the kernel reads none.
+        let r = unsafe { call(cmd, &mut attr) };
         // On error the kernel still reports how many it applied.
         let applied = (attr.count as usize).min(n);
         match r {
@@ -107,22 +164,26 @@ fn in_order(
 /// bucket holds more (ENOSPC).
 const LOOKUP_PER_CALL: usize = 8192;
 
-/// Every entry of a hash or array map, in the kernel's order. `K` and `V`
-/// must be the map's key and value types. Entries changed during the read
-/// may or may not be seen, as with key-by-key iteration; an error means the
-/// kernel cannot batch this map (hash maps can since Linux 5.6), and the
-/// caller iterates instead.
-pub fn lookup_all<K: aya::Pod, V: aya::Pod>(map: BorrowedFd<'_>) -> io::Result<Vec<(K, V)>> {
+/// Every entry of a hash map in `BPF_MAP_LOOKUP_BATCH` calls, in the
+/// kernel's order. The kernel reads bucket by bucket (kernel/bpf/hashtab.c:
+/// __htab_map_lookup_and_delete_batch), so each key comes once and the read
+/// ends however busy the map is; entries changed during the read may or may
+/// not be seen. An error means the kernel cannot batch this map (hash maps
+/// can since Linux 5.6): [`read_all`] then walks it key by key.
+pub fn lookup_all<T: Borrow<MapData>, K: Pod, V: Pod>(map: &HashMap<T, K, V>) -> io::Result<Vec<(K, V)>> {
+    let map = checked(map)?;
     let mut per_call = LOOKUP_PER_CALL;
-    // SAFETY: aya::Pod types are plain data for which all-zero bytes are a
-    // valid value; the kernel overwrites the ones it reports.
+    // SAFETY: aya::Pod types are plain data for which every bit pattern,
+    // all-zero included, is a valid value; the kernel overwrites the ones
+    // it reports.
     let zero_k: K = unsafe { std::mem::zeroed() };
+    // SAFETY: as for `zero_k`.
     let zero_v: V = unsafe { std::mem::zeroed() };
     let mut keys = vec![zero_k; per_call];
     let mut values = vec![zero_v; per_call];
-    // The resume position: a bucket index (u32) for hash maps, a key for
-    // arrays (kernel/bpf/hashtab.c, kernel/bpf/syscall.c
-    // generic_map_lookup_batch); opaque here, so sized for either.
+    // The resume position: a bucket index (u32) for hash maps
+    // (kernel/bpf/hashtab.c); opaque here, and sized as generously as the
+    // kernel's generic batch code (a key) would need.
     let token_len = size_of::<K>().max(size_of::<u64>()).div_ceil(8);
     let mut token_in = vec![0u64; token_len];
     let mut token_out = vec![0u64; token_len];
@@ -135,10 +196,14 @@ pub fn lookup_all<K: aya::Pod, V: aya::Pod>(map: BorrowedFd<'_>) -> io::Result<V
             keys: keys.as_mut_ptr() as u64,
             values: values.as_mut_ptr() as u64,
             count: per_call as u32,
-            map_fd: map.as_raw_fd() as u32,
+            map_fd: map.fd.as_raw_fd() as u32,
             ..Default::default()
         };
-        let r = call(BPF_MAP_LOOKUP_BATCH, &mut attr);
+        // SAFETY: `map` was checked to be a hash map of `K` keys and `V`
+        // values; `keys` and `values` hold `per_call` of each and the batch
+        // tokens at least a key's size (more than the bucket index a hash
+        // map keeps there), all owned here and alive across the call.
+        let r = unsafe { call(BPF_MAP_LOOKUP_BATCH, &mut attr) };
         let got = (attr.count as usize).min(per_call);
         out.extend(keys[..got].iter().copied().zip(values[..got].iter().copied()));
         match r {
@@ -160,9 +225,37 @@ pub fn lookup_all<K: aya::Pod, V: aya::Pod>(map: BorrowedFd<'_>) -> io::Result<V
     }
 }
 
-/// Every entry of a hash map (plain or LRU): [`lookup_all`] where the
-/// kernel can batch it, key-by-key iteration where it cannot. Entries that
-/// cannot be read are left out, as iteration leaves them out.
-pub fn read_all<T: Borrow<MapData>, K: aya::Pod, V: aya::Pod>(map: &HashMap<T, K, V>) -> Vec<(K, V)> {
-    lookup_all(map.map().fd().as_fd()).unwrap_or_else(|_| map.iter().filter_map(Result::ok).collect())
+/// Every entry of a hash map (plain or LRU), each key once: [`lookup_all`]
+/// where the kernel can batch the map, a key-by-key walk where it cannot.
+/// An entry deleted between the walk's key and its lookup is left out; any
+/// other error is returned.
+///
+/// The walk is bounded, so that a busy map (a live agent writing, an LRU
+/// map evicting) cannot keep it going forever: when the key the walk stands
+/// on is deleted, `BPF_MAP_GET_NEXT_KEY` starts over from the first key
+/// (kernel/bpf/hashtab.c: htab_map_get_next_key). It stops after twice the
+/// map's capacity and keeps the last value read for a key seen twice.
+pub fn read_all<T: Borrow<MapData>, K: Pod + Eq + Hash, V: Pod>(map: &HashMap<T, K, V>) -> Result<Vec<(K, V)>, MapError> {
+    if let Ok(all) = lookup_all(map) {
+        return Ok(all);
+    }
+    let capacity = map.map().info()?.max_entries();
+    let bound = (capacity as usize).saturating_mul(2).saturating_add(16);
+    let mut seen: std::collections::HashMap<K, V> = std::collections::HashMap::new();
+    for item in map.iter().take(bound) {
+        match item {
+            Ok((k, v)) => {
+                seen.insert(k, v);
+            }
+            Err(e) if is_not_found(&e) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(seen.into_iter().collect())
+}
+
+/// Whether a map operation failed because the key is not (or no longer)
+/// in the map.
+pub fn is_not_found(e: &MapError) -> bool {
+    matches!(e, MapError::KeyNotFound) || matches!(e, MapError::SyscallError(s) if s.io_error.raw_os_error() == Some(libc::ENOENT))
 }

@@ -32,6 +32,7 @@ use aya::maps::{HashMap, Map, MapData, MapError};
 use proxy_common as pc;
 use proxy_common::{BackendKey, BackendValue, CtKey, CtValue};
 
+use crate::datapath::bpf_batch::{is_not_found, read_all};
 use crate::observe::metrics::{GcFigures, Metrics};
 
 /// How long a flow may stay idle, by state (seconds).
@@ -240,32 +241,19 @@ fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str) -> Result<(Ha
 }
 
 /// One pass over the `NP_CT` pinned under `pin_dir`: reads every entry,
-/// decides with [`plan`] and deletes. Blocking (one syscall or two per
-/// entry); run it off the async threads.
+/// decides with [`plan`] and deletes. Blocking (a few batch calls to read,
+/// a few syscalls per flow deleted); run it off the async threads.
 pub fn sweep(pin_dir: &Path, t: &Timeouts) -> Result<SweepStats, GcError> {
     let (mut ct, capacity) = open_hash::<CtKey, CtValue>(pin_dir, pc::NP_CT_MAP)?;
     let (backends, _) = open_hash::<BackendKey, BackendValue>(pin_dir, pc::NP_BACKENDS_MAP)?;
-    // The walk is bounded: when the entry the walk stands on is deleted or
-    // evicted meanwhile, BPF_MAP_GET_NEXT_KEY starts over from the first
-    // key, so a busy map could otherwise be walked forever.
-    let bound = (capacity as usize).saturating_mul(2).saturating_add(16);
-    let mut table: StdHashMap<CtKey, CtValue> = StdHashMap::new();
-    for item in ct.iter().take(bound) {
-        match item {
-            Ok((k, v)) => {
-                table.insert(k, v);
-            }
-            // Deleted between the key walk and the lookup.
-            Err(MapError::KeyNotFound) => {}
-            Err(source) => return Err(GcError::Read { map: pc::NP_CT_MAP, source }),
-        }
-    }
-    // Read the clock after the walk: entries refreshed during it then look
+    // Bounded however busy the map is (see `read_all`).
+    let entries = read_all(&ct).map_err(|source| GcError::Read { map: pc::NP_CT_MAP, source })?;
+    // Read the clock after the read: entries refreshed during it then look
     // fresh rather than from the future (which `age` also tolerates).
     let now = monotonic_now_s().map_err(GcError::Clock)?;
-    let entries: Vec<(CtKey, CtValue)> = table.iter().map(|(k, v)| (*k, *v)).collect();
+    let table: StdHashMap<CtKey, CtValue> = entries.iter().copied().collect();
     // Backends are looked up now, not from a snapshot taken before the
-    // walk, so that a flow created during the walk to a backend added
+    // read, so that a flow created during the read to a backend added
     // during it is not judged stale. Same test as the datapath's.
     let alive = |v: &CtValue| match backends.get(&BackendKey { backend_id: v.backend_id }, 0) {
         Ok(b) => b.ip_be == v.daddr_be && b.port_be == v.dport_be,
@@ -274,7 +262,7 @@ pub fn sweep(pin_dir: &Path, t: &Timeouts) -> Result<SweepStats, GcError> {
     let doomed = plan(&entries, now, t, alive);
     let mut stats = SweepStats { entries: table.len(), capacity, ..Default::default() };
     for d in doomed {
-        // A packet may have refreshed the flow since the walk read it: look
+        // A packet may have refreshed the flow since it was read: look
         // again right before deleting (what is left is a window of a few
         // syscalls, in which a packet of a flow idle for its whole timeout
         // would have to arrive).
@@ -290,8 +278,7 @@ pub fn sweep(pin_dir: &Path, t: &Timeouts) -> Result<SweepStats, GcError> {
         for k in &d.keys {
             match ct.remove(k) {
                 Ok(()) => deleted += 1,
-                Err(MapError::KeyNotFound) => {}
-                Err(MapError::SyscallError(e)) if e.io_error.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(e) if is_not_found(&e) => {}
                 Err(source) => return Err(GcError::Delete { map: pc::NP_CT_MAP, source }),
             }
         }

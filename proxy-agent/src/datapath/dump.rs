@@ -14,11 +14,13 @@
 //! errors, by contrast, are states the writer never produces.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::hash::Hash;
 use std::io;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
+use aya::Pod;
 use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray};
 use proxy_common as pc;
 use proxy_common::{
@@ -27,7 +29,10 @@ use proxy_common::{
 };
 use serde::Serialize;
 
-use crate::datapath::map_writer::{backend_of, frontend_of};
+use crate::datapath::bpf_batch::read_all;
+use crate::datapath::conntrack_gc::monotonic_now_s;
+use crate::datapath::keys::{backend_of, frontend_of, ip_of};
+use crate::datapath::maps::{self, Datapath, MapSpec, SOCKET_SERVICE_MAPS, ServiceMaps, TC_SERVICE_MAPS};
 
 // The cause is part of each message and deliberately not a `source`:
 // `main` prints error chains, which would repeat it.
@@ -111,8 +116,8 @@ fn open_read_only(path: &Path) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
-fn open(pin_dir: &Path, name: &'static str) -> Result<(Map, u32), DumpError> {
-    let path = pin_dir.join(name);
+fn open(pin_dir: &Path, spec: &MapSpec) -> Result<(Map, u32), DumpError> {
+    let path = pin_dir.join(spec.name);
     let fd = open_read_only(&path).map_err(|error| DumpError::Open { path: path.clone(), error })?;
     let kind = |error| DumpError::Kind { path: path.clone(), error };
     let data = MapData::from_fd(fd).map_err(kind)?;
@@ -120,118 +125,90 @@ fn open(pin_dir: &Path, name: &'static str) -> Result<(Map, u32), DumpError> {
     Ok((Map::from_map_data(data).map_err(kind)?, max))
 }
 
-/// Entries of a hash map. An entry deleted between the key walk and its
-/// lookup (a live agent at work) is skipped; any other error stops the dump.
-/// When the key the walk stands on is deleted, the kernel restarts it from
-/// the first key (`BPF_MAP_GET_NEXT_KEY`), so entries are de-duplicated and
-/// the walk is bounded.
-fn entries<K: aya::Pod + Ord, V: aya::Pod>(map: Map, name: &'static str, path: &Path, max: u32) -> Result<Vec<(K, V)>, DumpError> {
-    let hash: HashMap<MapData, K, V> = HashMap::try_from(map).map_err(|error| DumpError::Kind { path: path.join(name), error })?;
-    let mut out = BTreeMap::new();
-    for item in hash.iter().take((max as usize).saturating_mul(2).saturating_add(16)) {
-        match item {
-            Ok((k, v)) => {
-                out.insert(k, v);
-            }
-            Err(MapError::KeyNotFound) => {}
-            Err(error) => return Err(DumpError::Read { map: name, error }),
-        }
+/// Entries of a hash map (plain or LRU), in no particular order, through
+/// the bounded [`read_all`]: a map that a live agent or the datapath keeps
+/// changing cannot keep the dump from finishing. Records the map's usage.
+fn hash_entries<K: Pod + Eq + Hash, V: Pod>(
+    pin_dir: &Path,
+    spec: &'static MapSpec,
+    maps: &mut Vec<MapUsage>,
+) -> Result<Vec<(K, V)>, DumpError> {
+    let (map, max) = open(pin_dir, spec)?;
+    let hash: HashMap<MapData, K, V> = HashMap::try_from(map).map_err(|error| DumpError::Kind { path: pin_dir.join(spec.name), error })?;
+    let out = read_all(&hash).map_err(|error| DumpError::Read { map: spec.name, error })?;
+    maps.push(MapUsage { name: spec.name, entries: out.len() as u64, max_entries: max });
+    Ok(out)
+}
+
+/// [`hash_entries`] in key order.
+fn sorted_entries<K: Pod + Ord + Hash, V: Pod>(
+    pin_dir: &Path,
+    spec: &'static MapSpec,
+    maps: &mut Vec<MapUsage>,
+) -> Result<Vec<(K, V)>, DumpError> {
+    let mut out: Vec<(K, V)> = hash_entries(pin_dir, spec, maps)?;
+    out.sort_unstable_by_key(|e| e.0);
+    Ok(out)
+}
+
+/// A per-CPU array of counters summed over CPUs, indexed by counter id.
+/// Records the map's usage.
+fn counter_sums(pin_dir: &Path, spec: &'static MapSpec, maps: &mut Vec<MapUsage>) -> Result<Vec<u64>, DumpError> {
+    let (map, max) = open(pin_dir, spec)?;
+    let arr = PerCpuArray::<MapData, u64>::try_from(map).map_err(|error| DumpError::Kind { path: pin_dir.join(spec.name), error })?;
+    let mut sums = Vec::with_capacity(max as usize);
+    for i in 0..max {
+        let per_cpu = arr.get(&i, 0).map_err(|error| DumpError::Read { map: spec.name, error })?;
+        sums.push(per_cpu.iter().fold(0u64, |a, v| a.wrapping_add(*v)));
     }
-    Ok(out.into_iter().collect())
+    maps.push(MapUsage { name: spec.name, entries: u64::from(max), max_entries: max });
+    Ok(sums)
 }
 
 /// Reads every map under `pin_dir`.
 pub fn read(pin_dir: &Path) -> Result<Snapshot, DumpError> {
     let mut snap = Snapshot::default();
-    let mut usage = |name: &'static str, entries: usize, max_entries: u32| {
-        snap.maps.push(MapUsage { name, entries: entries as u64, max_entries });
-    };
-
-    let (map, max) = open(pin_dir, pc::SERVICES_MAP)?;
-    let services = entries::<ServiceKey, ServiceValue>(map, pc::SERVICES_MAP, pin_dir, max)?;
-    usage(pc::SERVICES_MAP, services.len(), max);
-    let (map, max) = open(pin_dir, pc::SLOTS_MAP)?;
-    let slots = entries::<SlotKey, SlotValue>(map, pc::SLOTS_MAP, pin_dir, max)?;
-    usage(pc::SLOTS_MAP, slots.len(), max);
-    let (map, max) = open(pin_dir, pc::BACKENDS_MAP)?;
-    let backends = entries::<BackendKey, BackendValue>(map, pc::BACKENDS_MAP, pin_dir, max)?;
-    usage(pc::BACKENDS_MAP, backends.len(), max);
+    let usage = &mut snap.maps;
+    snap.services = sorted_entries(pin_dir, &maps::SERVICES, usage)?;
+    snap.slots = sorted_entries(pin_dir, &maps::SLOTS, usage)?;
+    snap.backends = sorted_entries(pin_dir, &maps::BACKENDS, usage)?;
     // Only the size of the reverse-translation table is interesting here.
-    let (map, max) = open(pin_dir, pc::SOCK_REVNAT_MAP)?;
-    let revnat = HashMap::<MapData, SockRevNatKey, SockRevNatValue>::try_from(map)
-        .map_err(|error| DumpError::Kind { path: pin_dir.join(pc::SOCK_REVNAT_MAP), error })?;
-    let revnat_entries = revnat.keys().filter(Result::is_ok).count();
-    usage(pc::SOCK_REVNAT_MAP, revnat_entries, max);
-
-    let (map, max) = open(pin_dir, pc::COUNTERS_MAP)?;
-    let counters =
-        PerCpuArray::<MapData, u64>::try_from(map).map_err(|error| DumpError::Kind { path: pin_dir.join(pc::COUNTERS_MAP), error })?;
-    let mut sums = Vec::with_capacity(max as usize);
-    for i in 0..max {
-        let per_cpu = counters.get(&i, 0).map_err(|error| DumpError::Read { map: pc::COUNTERS_MAP, error })?;
-        sums.push(per_cpu.iter().fold(0u64, |a, v| a.wrapping_add(*v)));
-    }
-    usage(pc::COUNTERS_MAP, max as usize, max);
-
-    snap.services = services;
-    snap.slots = slots;
-    snap.backends = backends;
-    snap.counters = sums;
-    if pin_dir.join(pc::NP_SERVICES_MAP).exists() {
-        let np = read_nodeport(pin_dir, &mut snap.maps)?;
-        snap.nodeport = Some(np);
+    hash_entries::<SockRevNatKey, SockRevNatValue>(pin_dir, &maps::SOCK_REVNAT, usage)?;
+    snap.counters = counter_sums(pin_dir, &maps::COUNTERS, usage)?;
+    if pin_dir.join(maps::NP_SERVICES.name).exists() {
+        snap.nodeport = Some(read_nodeport(pin_dir, usage)?);
     }
     Ok(snap)
-}
-
-fn hash_entries<K: aya::Pod + Ord, V: aya::Pod>(
-    pin_dir: &Path,
-    name: &'static str,
-    maps: &mut Vec<MapUsage>,
-) -> Result<Vec<(K, V)>, DumpError> {
-    let (map, max) = open(pin_dir, name)?;
-    let out = entries::<K, V>(map, name, pin_dir, max)?;
-    maps.push(MapUsage { name, entries: out.len() as u64, max_entries: max });
-    Ok(out)
-}
-
-fn per_cpu_sums(pin_dir: &Path, name: &'static str) -> Result<(Vec<u64>, u32), DumpError> {
-    let (map, max) = open(pin_dir, name)?;
-    let arr = PerCpuArray::<MapData, u64>::try_from(map).map_err(|error| DumpError::Kind { path: pin_dir.join(name), error })?;
-    let mut sums = Vec::with_capacity(max as usize);
-    for i in 0..max {
-        let per_cpu = arr.get(&i, 0).map_err(|error| DumpError::Read { map: name, error })?;
-        sums.push(per_cpu.iter().fold(0u64, |a, v| a.wrapping_add(*v)));
-    }
-    Ok((sums, max))
 }
 
 /// The TC programs' `NP_COUNTERS` summed over CPUs, indexed by counter id
 /// (`proxy_common::np_counter::NAMES`). Read-only; used by `/metrics`.
 pub fn np_counter_sums(pin_dir: &Path) -> Result<Vec<u64>, DumpError> {
-    per_cpu_sums(pin_dir, pc::NP_COUNTERS_MAP).map(|(s, _)| s)
+    counter_sums(pin_dir, &maps::NP_COUNTERS, &mut Vec::new())
 }
 
-fn read_nodeport(pin_dir: &Path, maps: &mut Vec<MapUsage>) -> Result<NpSnapshot, DumpError> {
+/// [`np_counter_sums`] by name, for the counters this agent knows.
+pub fn np_counters(pin_dir: &Path) -> Result<BTreeMap<&'static str, u64>, DumpError> {
+    Ok(pc::np_counter::NAMES.iter().copied().zip(np_counter_sums(pin_dir)?).collect())
+}
+
+fn read_nodeport(pin_dir: &Path, usage: &mut Vec<MapUsage>) -> Result<NpSnapshot, DumpError> {
     let mut np = NpSnapshot {
-        services: hash_entries(pin_dir, pc::NP_SERVICES_MAP, maps)?,
-        slots: hash_entries(pin_dir, pc::NP_SLOTS_MAP, maps)?,
-        backends: hash_entries(pin_dir, pc::NP_BACKENDS_MAP, maps)?,
-        flags: hash_entries(pin_dir, pc::NP_FLAGS_MAP, maps)?,
-        local: hash_entries(pin_dir, pc::NP_LOCAL_MAP, maps)?,
-        // NP_CT is an LRU hash; aya reads it through the same HashMap type.
-        conntrack: hash_entries(pin_dir, pc::NP_CT_MAP, maps)?,
+        services: sorted_entries(pin_dir, &maps::NP_SERVICES, usage)?,
+        slots: sorted_entries(pin_dir, &maps::NP_SLOTS, usage)?,
+        backends: sorted_entries(pin_dir, &maps::NP_BACKENDS, usage)?,
+        flags: sorted_entries(pin_dir, &maps::NP_FLAGS, usage)?,
+        local: sorted_entries(pin_dir, &maps::NP_LOCAL, usage)?,
+        conntrack: sorted_entries(pin_dir, &maps::NP_CT, usage)?,
         ..NpSnapshot::default()
     };
-    np.now_s = crate::datapath::conntrack_gc::monotonic_now_s().ok();
-    let (map, max) = open(pin_dir, pc::NP_CONFIG_MAP)?;
+    np.now_s = monotonic_now_s().ok();
+    let (map, max) = open(pin_dir, &maps::NP_CONFIG)?;
     let config =
         Array::<MapData, NpConfig>::try_from(map).map_err(|error| DumpError::Kind { path: pin_dir.join(pc::NP_CONFIG_MAP), error })?;
     np.config = Some(config.get(&0, 0).map_err(|error| DumpError::Read { map: pc::NP_CONFIG_MAP, error })?);
-    maps.push(MapUsage { name: pc::NP_CONFIG_MAP, entries: u64::from(max), max_entries: max });
-    let (sums, max) = per_cpu_sums(pin_dir, pc::NP_COUNTERS_MAP)?;
-    maps.push(MapUsage { name: pc::NP_COUNTERS_MAP, entries: u64::from(max), max_entries: max });
-    np.counters = sums;
+    usage.push(MapUsage { name: pc::NP_CONFIG_MAP, entries: u64::from(max), max_entries: max });
+    np.counters = counter_sums(pin_dir, &maps::NP_COUNTERS, usage)?;
     Ok(np)
 }
 
@@ -302,8 +279,8 @@ impl FindingKind {
 }
 
 /// Which datapath's maps a finding is about.
-pub const DATAPATH_SOCKET: &str = "socket";
-pub const DATAPATH_TC: &str = "tc";
+pub const DATAPATH_SOCKET: &str = Datapath::Socket.label();
+pub const DATAPATH_TC: &str = Datapath::Tc.label();
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
@@ -405,24 +382,14 @@ fn raw_key(k: &ServiceKey) -> String {
 
 /// The consistency rules, over plain entries of the socket maps.
 pub fn check(services: &[(ServiceKey, ServiceValue)], slots: &[(SlotKey, SlotValue)], backends: &[(BackendKey, BackendValue)]) -> Analysis {
-    check_maps(&SOCKET_MAPS, services, slots, backends)
+    check_maps(&SOCKET_SERVICE_MAPS, services, slots, backends)
 }
-
-/// Which maps a service/slot/backend triple came from, for messages.
-pub struct MapNames {
-    pub datapath: &'static str,
-    pub services: &'static str,
-    pub backends: &'static str,
-}
-
-pub const SOCKET_MAPS: MapNames = MapNames { datapath: DATAPATH_SOCKET, services: pc::SERVICES_MAP, backends: pc::BACKENDS_MAP };
-pub const TC_MAPS: MapNames = MapNames { datapath: DATAPATH_TC, services: pc::NP_SERVICES_MAP, backends: pc::NP_BACKENDS_MAP };
 
 /// The same rules for either datapath's service, slot and backend maps
 /// (the TC ones have the socket ones' layout and are written by the same
-/// map writer).
+/// map writer); `names` says which, for messages.
 pub fn check_maps(
-    names: &MapNames,
+    names: &ServiceMaps,
     services: &[(ServiceKey, ServiceValue)],
     slots: &[(SlotKey, SlotValue)],
     backends: &[(BackendKey, BackendValue)],
@@ -457,7 +424,7 @@ pub fn check_maps(
             findings.push(
                 Finding::new(
                     FindingKind::UnknownServiceKey,
-                    format!("{} key {raw} has a protocol or family this agent never writes", names.services),
+                    format!("{} key {raw} has a protocol or family this agent never writes", names.services.name),
                 )
                 .service(value.service_id, value.generation),
             );
@@ -490,7 +457,7 @@ pub fn check_maps(
                 None => findings.push(
                     Finding::new(
                         FindingKind::MissingBackend,
-                        format!("{name}: slot {slot} names backend #{backend_id}, which is not in {}", names.backends),
+                        format!("{name}: slot {slot} names backend #{backend_id}, which is not in {}", names.backends.name),
                     )
                     .service(sid, generation)
                     .slot(*slot)
@@ -592,7 +559,7 @@ pub fn check_maps(
     }
 
     for f in &mut findings {
-        f.datapath = names.datapath;
+        f.datapath = names.datapath().label();
     }
     sort_findings(&mut findings);
     Analysis { services: views, backends: backend_views, findings }
@@ -686,7 +653,7 @@ fn ct_flag_names(flags: u32) -> Vec<&'static str> {
 /// without a frontend, conntrack entries naming a backend that is gone or
 /// holding what the programs never write, and an empty SNAT port range.
 pub fn check_nodeport(np: &NpSnapshot) -> (NodePortReport, Vec<Finding>) {
-    let a = check_maps(&TC_MAPS, &np.services, &np.slots, &np.backends);
+    let a = check_maps(&TC_SERVICE_MAPS, &np.services, &np.slots, &np.backends);
     let mut findings = a.findings;
     let tc = |kind, message| Finding { datapath: DATAPATH_TC, ..Finding::new(kind, message) };
 
@@ -765,10 +732,7 @@ pub fn check_nodeport(np: &NpSnapshot) -> (NodePortReport, Vec<Finding>) {
 
     let config = np.config.map(|c| {
         let v4 = (c.snat_v4_be != 0).then(|| std::net::Ipv4Addr::from(c.snat_v4_be.to_ne_bytes()).to_string());
-        let v6 = (c.snat_v6_be != [0; 4])
-            .then(|| backend_of(&BackendValue { ip_be: c.snat_v6_be, port_be: 0, family: pc::FAMILY_V6, _pad: 0 }))
-            .flatten()
-            .map(|b| b.ip.to_string());
+        let v6 = (c.snat_v6_be != [0; 4]).then(|| ip_of(c.snat_v6_be, pc::FAMILY_V6)).flatten().map(|ip| ip.to_string());
         // An all-zero config is "no TC datapath configured", not an error.
         if (v4.is_some() || v6.is_some()) && (c.snat_port_min == 0 || c.snat_port_min > c.snat_port_max) {
             findings.push(tc(
@@ -786,8 +750,8 @@ pub fn check_nodeport(np: &NpSnapshot) -> (NodePortReport, Vec<Finding>) {
     let mut local_endpoints: Vec<String> = np
         .local
         .iter()
-        .map(|(k, _)| match backend_of(&BackendValue { ip_be: k.ip_be, port_be: 0, family: k.family, _pad: 0 }) {
-            Some(b) => b.ip.to_string(),
+        .map(|(k, _)| match ip_of(k.ip_be, k.family) {
+            Some(ip) => ip.to_string(),
             None => format!("family {} {:08x?}", k.family, k.ip_be),
         })
         .collect();
@@ -848,7 +812,7 @@ pub fn report(pin_dir: &Path, snap: &Snapshot) -> Report {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::datapath::map_writer::{backend_value, service_key};
+    use crate::datapath::keys::{backend_value, service_key};
     use crate::model::{Backend, Frontend, Protocol};
 
     fn fe(s: &str, port: u16) -> ServiceKey {

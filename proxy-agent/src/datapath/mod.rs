@@ -1,11 +1,18 @@
 //! The kernel side: loading and pinning the programs and maps, writing
 //! plans into the maps, batch map I/O, the conntrack GC, and reading the
 //! maps back for `dump`.
+//!
+//! Below everything else here: `maps` (the table of pinned maps), `keys`
+//! (how frontends and backends are encoded in them) and `bpf_batch` (whole
+//! map I/O); `object` loads the eBPF object with the maps at their pins.
 
 pub mod bpf_batch;
 pub mod conntrack_gc;
 pub mod dump;
+pub mod keys;
 pub mod map_writer;
+pub mod maps;
 pub mod mounts;
+pub mod object;
 pub mod socket_loader;
 pub mod tc_loader;

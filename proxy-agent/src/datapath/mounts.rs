@@ -73,8 +73,11 @@ pub fn cgroup2_root() -> Result<PathBuf, MountError> {
 
 fn statfs_type(path: &Path) -> io::Result<i64> {
     let c = CString::new(path.as_os_str().as_bytes()).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    // SAFETY: statfs writes into the zeroed struct we own.
+    // SAFETY: `struct statfs` is plain integers, for which all-zero bytes
+    // are a valid value.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is a NUL-terminated path and `st` a `struct statfs` we
+    // own; statfs(2) writes only into it.
     if unsafe { libc::statfs(c.as_ptr(), &raw mut st) } != 0 {
         return Err(io::Error::last_os_error());
     }

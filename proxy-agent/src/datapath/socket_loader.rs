@@ -18,103 +18,19 @@ use std::mem::size_of;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use aya::maps::{Array, MapInfo, MapType};
+use aya::Ebpf;
+use aya::maps::{Array, MapInfo};
 use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr};
-use aya::{Ebpf, EbpfLoader};
 use proxy_common as pc;
 
-use crate::datapath::mounts;
+use crate::datapath::maps::{self, Capacities};
+use crate::datapath::object::{self, EBPF_OBJECT, LINKS_DIR};
+use crate::datapath::{bpf_batch, mounts, tc_loader};
 use crate::util::error_chain::error_chain;
-
-/// The eBPF object, built by build.rs from the `proxy-ebpf` crate.
-pub(crate) static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
 
 /// Socket programs, by function name in the object.
 pub const PROGRAMS: [&str; 8] = ["connect4", "connect6", "sendmsg4", "sendmsg6", "recvmsg4", "recvmsg6", "getpeername4", "getpeername6"];
-
-/// Sub-directory of the pin directory that holds the program links.
-pub const LINKS_DIR: &str = "links";
-
-/// Map capacities (`max_entries`). They apply when a map is created; a map
-/// adopted from a pin keeps the size it was created with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Capacities {
-    pub services: u32,
-    pub slots: u32,
-    pub backends: u32,
-    pub sock_revnat: u32,
-    /// `NP_CT`, the TC datapath's connection tracking (LRU).
-    pub np_conntrack: u32,
-}
-
-impl Default for Capacities {
-    fn default() -> Self {
-        Capacities {
-            services: pc::DEFAULT_MAX_SERVICES,
-            slots: pc::DEFAULT_MAX_SLOTS,
-            backends: pc::DEFAULT_MAX_BACKENDS,
-            sock_revnat: pc::DEFAULT_MAX_SOCK_REVNAT,
-            np_conntrack: pc::DEFAULT_MAX_NP_CT,
-        }
-    }
-}
-
-/// What each pinned map must look like for this agent to adopt it.
-struct MapSpec {
-    name: &'static str,
-    map_type: MapType,
-    key_size: usize,
-    value_size: usize,
-    flag: &'static str,
-}
-
-const MAPS: [MapSpec; 7] = [
-    MapSpec {
-        name: pc::SERVICES_MAP,
-        map_type: MapType::Hash,
-        key_size: size_of::<pc::ServiceKey>(),
-        value_size: size_of::<pc::ServiceValue>(),
-        flag: "--max-services",
-    },
-    MapSpec {
-        name: pc::SLOTS_MAP,
-        map_type: MapType::Hash,
-        key_size: size_of::<pc::SlotKey>(),
-        value_size: size_of::<pc::SlotValue>(),
-        flag: "--max-slots",
-    },
-    MapSpec {
-        name: pc::BACKENDS_MAP,
-        map_type: MapType::Hash,
-        key_size: size_of::<pc::BackendKey>(),
-        value_size: size_of::<pc::BackendValue>(),
-        flag: "--max-backends",
-    },
-    MapSpec {
-        name: pc::SOCK_REVNAT_MAP,
-        map_type: MapType::LruHash,
-        key_size: size_of::<pc::SockRevNatKey>(),
-        value_size: size_of::<pc::SockRevNatValue>(),
-        flag: "--max-sock-revnat",
-    },
-    MapSpec { name: pc::COUNTERS_MAP, map_type: MapType::PerCpuArray, key_size: 4, value_size: 8, flag: "" },
-    // Socket-local storage: its elements live on the sockets, so the pinned
-    // map must survive restarts for sockets opened before one to keep their
-    // reverse translation. The kernel requires max_entries 0 for it.
-    MapSpec { name: pc::SOCK_PEER_MAP, map_type: MapType::SkStorage, key_size: 4, value_size: size_of::<pc::SockPeerValue>(), flag: "" },
-    MapSpec { name: pc::SOCK_CONFIG_MAP, map_type: MapType::Array, key_size: 4, value_size: size_of::<pc::SockConfig>(), flag: "" },
-];
-
-/// Names of the socket programs' maps (every one is pinned).
-pub fn socket_map_names() -> impl Iterator<Item = &'static str> {
-    MAPS.iter().map(|m| m.name)
-}
-
-/// The `--max-*` flag that sizes a map, for error messages.
-pub fn capacity_flag(map: &str) -> &'static str {
-    MAPS.iter().find(|m| m.name == map).map_or("", |m| m.flag)
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -153,35 +69,14 @@ pub enum LoadError {
 /// requested.
 pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<String>, LoadError> {
     mounts::ensure_pin_dir(pin_dir)?;
-    let warnings = check_pinned_maps(pin_dir, caps)?;
+    let warnings = check_pinned_maps(pin_dir, &caps)?;
     // A datapath pinned by an agent version without SOCK_PEER has reverse
     // entries only in SOCK_REVNAT (see `SockConfig`).
     let legacy_revnat = pin_dir.join(pc::SOCK_REVNAT_MAP).exists() && !pin_dir.join(pc::SOCK_PEER_MAP).exists();
 
-    let pins: Vec<(&str, PathBuf)> = MAPS.iter().map(|m| (m.name, pin_dir.join(m.name))).collect();
-    let mut loader = EbpfLoader::new();
-    for (name, path) in &pins {
-        loader.map_pin_path(name, path.as_path());
-    }
-    // The TC programs' maps live in the same object; pin them too so that the
-    // TC loader (tc_loader.rs) and this one share a single copy.
-    let np_pins = crate::datapath::tc_loader::np_map_pins(pin_dir);
-    for (name, path) in &np_pins {
-        loader.map_pin_path(name, path.as_path());
-    }
-    loader
-        .map_max_entries(pc::SERVICES_MAP, caps.services)
-        .map_max_entries(pc::SLOTS_MAP, caps.slots)
-        .map_max_entries(pc::BACKENDS_MAP, caps.backends)
-        .map_max_entries(pc::SOCK_REVNAT_MAP, caps.sock_revnat)
-        // The TC datapath's copies follow the same limits (hash maps are
-        // preallocated, so unused capacity costs memory).
-        .map_max_entries(pc::NP_SERVICES_MAP, caps.services)
-        .map_max_entries(pc::NP_FLAGS_MAP, caps.services)
-        .map_max_entries(pc::NP_SLOTS_MAP, caps.slots)
-        .map_max_entries(pc::NP_BACKENDS_MAP, caps.backends)
-        .map_max_entries(pc::NP_CT_MAP, caps.np_conntrack);
-    let mut ebpf: Ebpf = loader.load(EBPF_OBJECT)?;
+    // Every map of both datapaths, so that the TC loader (tc_loader.rs)
+    // finds them pinned and both share a single copy.
+    let mut ebpf = object::load(EBPF_OBJECT, pin_dir, Some(&caps))?;
 
     let cg = fs::File::open(cgroup).map_err(|source| LoadError::Cgroup { path: cgroup.into(), source })?;
     let links = pin_dir.join(LINKS_DIR);
@@ -230,18 +125,17 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
 ///
 /// "The cookie the next socket gets" is no such bound: kernels that hand
 /// out socket cookies in per-CPU batches of 4096 (`gen_cookie_next`,
-/// include/linux/cookie.h; Debian's 6.12 does, found by the upgrade test
-/// under vmtest) give a fresh socket on one CPU a cookie below those
-/// already given on another. A fresh socket's cookie is
-/// taken into account as well, so that on kernels with one global counter
-/// an entry whose write raced with the detach is still covered. A bound
+/// include/linux/cookie.h; Debian's 6.12 does) give a fresh socket on one
+/// CPU a cookie below those already given on another. A fresh socket's
+/// cookie is taken into account as well, so that on kernels with one global
+/// counter an entry whose write raced with the detach is still covered. A bound
 /// that is too high only makes a few new UDP sockets look in SOCK_REVNAT
 /// for an entry that is not there.
 fn legacy_cookie_bound(ebpf: &Ebpf) -> io::Result<u64> {
     let map = ebpf.map(pc::SOCK_REVNAT_MAP).ok_or_else(|| io::Error::other("SOCK_REVNAT is missing from the object"))?;
     let revnat: aya::maps::HashMap<_, pc::SockRevNatKey, pc::SockRevNatValue> =
         aya::maps::HashMap::try_from(map).map_err(io::Error::other)?;
-    let largest = crate::datapath::bpf_batch::read_all(&revnat).iter().map(|(k, _)| k.cookie).max();
+    let largest = bpf_batch::read_all(&revnat).map_err(io::Error::other)?.iter().map(|(k, _)| k.cookie).max();
     Ok(largest.unwrap_or(0).max(next_socket_cookie()?) + 1)
 }
 
@@ -267,9 +161,12 @@ pub fn socket_cookie(socket: BorrowedFd<'_>) -> io::Result<u64> {
     if rc == 0 { Ok(cookie) } else { Err(io::Error::last_os_error()) }
 }
 
-fn check_pinned_maps(pin_dir: &Path, caps: Capacities) -> Result<Vec<String>, LoadError> {
+/// Checks every map pinned under `pin_dir` against the [`maps::MAPS`]
+/// table; a map whose capacity differs from the one asked for is kept, with
+/// a warning.
+fn check_pinned_maps(pin_dir: &Path, caps: &Capacities) -> Result<Vec<String>, LoadError> {
     let mut warnings = Vec::new();
-    for m in &MAPS {
+    for m in maps::MAPS {
         let path = pin_dir.join(m.name);
         if !path.exists() {
             continue;
@@ -289,29 +186,25 @@ fn check_pinned_maps(pin_dir: &Path, caps: Capacities) -> Result<Vec<String>, Lo
                 m.value_size
             )));
         }
-        let wanted = match m.name {
-            pc::SERVICES_MAP => caps.services,
-            pc::SLOTS_MAP => caps.slots,
-            pc::BACKENDS_MAP => caps.backends,
-            pc::SOCK_REVNAT_MAP => caps.sock_revnat,
-            _ => info.max_entries(),
-        };
-        if wanted != info.max_entries() {
+        if let Some(c) = m.capacity
+            && caps.get(c) != info.max_entries()
+        {
             warnings.push(format!(
                 "map {} was created with {} entries and is kept at that size to keep traffic flowing; {} {} takes effect after `proxy-agent reset`",
                 m.name,
                 info.max_entries(),
-                m.flag,
-                wanted
+                c.flag(),
+                caps.get(c)
             ));
         }
     }
     Ok(warnings)
 }
 
-/// Removes everything `install` created under `pin_dir`: links first (which
-/// detaches the programs), then maps. Missing pieces are fine, so reset is
-/// idempotent.
+/// Removes everything either loader created under `pin_dir`: links first
+/// (which detaches the programs), then the TC programs' cls_bpf filters
+/// (`tc_loader::reset`), then every map of the [`maps::MAPS`] table.
+/// Missing pieces are fine, so reset is idempotent.
 pub fn reset(pin_dir: &Path) -> Result<(), LoadError> {
     let links = pin_dir.join(LINKS_DIR);
     if let Ok(rd) = fs::read_dir(&links) {
@@ -327,10 +220,10 @@ pub fn reset(pin_dir: &Path) -> Result<(), LoadError> {
         }
         remove_dir(&links)?;
     }
-    for m in &MAPS {
+    tc_loader::reset(pin_dir).map_err(|(path, source)| LoadError::Remove { path, source })?;
+    for m in maps::MAPS {
         remove(&pin_dir.join(m.name))?;
     }
-    crate::datapath::tc_loader::reset(pin_dir).map_err(|(path, source)| LoadError::Remove { path, source })?;
     remove_dir(pin_dir)
 }
 

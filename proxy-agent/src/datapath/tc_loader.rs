@@ -14,33 +14,22 @@
 //! On older kernels a clsact qdisc is added and the programs are attached as
 //! direct-action cls_bpf filters over netlink. Such filters belong to the
 //! qdisc, not to a file descriptor, so they also stay after the agent exits;
-//! a restart adds the new filter and then deletes the old one.
+//! our filter has a fixed priority and handle, and a restart swaps its
+//! program in place.
 
 use std::fs;
 use std::io;
 use std::path::{Path, PathBuf};
 
+use aya::Ebpf;
 use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::tc::{self, SchedClassifierLink, TcAttachOptions};
 use aya::programs::{LinkOrder, SchedClassifier, TcAttachType};
 use aya::util::KernelVersion;
-use aya::{Ebpf, EbpfLoader};
-use proxy_common as pc;
 
-use crate::datapath::socket_loader::{EBPF_OBJECT, LINKS_DIR};
+use crate::datapath::mounts;
+use crate::datapath::object::{self, EBPF_OBJECT, LINKS_DIR};
 use crate::util::error_chain::error_chain;
-
-/// The TC programs' maps, all pinned under the pin directory.
-pub const NP_MAPS: [&str; 8] = [
-    pc::NP_SERVICES_MAP,
-    pc::NP_SLOTS_MAP,
-    pc::NP_BACKENDS_MAP,
-    pc::NP_FLAGS_MAP,
-    pc::NP_LOCAL_MAP,
-    pc::NP_CT_MAP,
-    pc::NP_CONFIG_MAP,
-    pc::NP_COUNTERS_MAP,
-];
 
 pub const INGRESS_PROGRAM: &str = "np_ingress";
 pub const EGRESS_PROGRAM: &str = "np_egress";
@@ -67,10 +56,6 @@ pub enum TcMode {
     Tcx,
     /// clsact + cls_bpf over netlink, also where tcx exists.
     Netlink,
-}
-
-pub fn np_map_pins(pin_dir: &Path) -> Vec<(&'static str, PathBuf)> {
-    NP_MAPS.iter().map(|n| (*n, pin_dir.join(n))).collect()
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -230,11 +215,11 @@ fn detach_legacy(entry: &str) -> bool {
     }
 }
 
-/// Removes what this module keeps under the pin directory: legacy filter
-/// records (detaching the filters when run in the namespace that attached
-/// them; never touching a device of another namespace) and the
-/// `NP_*` map pins. Called by `socket_loader::reset`; tcx link pins live in the
-/// links directory, which `socket_loader::reset` clears itself.
+/// Removes what only this module keeps under the pin directory: the legacy
+/// filter records, detaching the filters when run in the namespace that
+/// attached them (never touching a device of another namespace). Part of
+/// `socket_loader::reset`, which removes the tcx link pins (in the links
+/// directory) and the maps itself.
 pub fn reset(pin_dir: &Path) -> Result<(), (PathBuf, io::Error)> {
     let legacy = pin_dir.join(LEGACY_DIR);
     if let Ok(rd) = fs::read_dir(&legacy) {
@@ -243,12 +228,6 @@ pub fn reset(pin_dir: &Path) -> Result<(), (PathBuf, io::Error)> {
             fs::remove_dir(e.path()).map_err(|err| (e.path(), err))?;
         }
         fs::remove_dir(&legacy).map_err(|e| (legacy.clone(), e))?;
-    }
-    for (_, path) in np_map_pins(pin_dir) {
-        match fs::remove_file(&path) {
-            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err((path, e)),
-            _ => {}
-        }
     }
     Ok(())
 }
@@ -294,20 +273,14 @@ fn attach_tcx(prog: &mut SchedClassifier, device: &str, attach_type: TcAttachTyp
 /// programs alone with `BPF_PROG_TEST_RUN`; the returned object keeps them
 /// loaded.
 pub fn load_unattached(pin_dir: &Path) -> Result<Ebpf, TcError> {
-    crate::datapath::mounts::ensure_pin_dir(pin_dir).map_err(|e| TcError::Io { path: pin_dir.into(), source: io::Error::other(e) })?;
+    mounts::ensure_pin_dir(pin_dir).map_err(|e| TcError::Io { path: pin_dir.into(), source: io::Error::other(e) })?;
     load_programs(pin_dir)
 }
 
 /// The eBPF object with every map at its pin under `pin_dir` and both TC
 /// programs loaded (verified), not attached.
 fn load_programs(pin_dir: &Path) -> Result<Ebpf, TcError> {
-    let mut loader = EbpfLoader::new();
-    let pins: Vec<(&str, PathBuf)> =
-        crate::datapath::socket_loader::socket_map_names().chain(NP_MAPS.iter().copied()).map(|n| (n, pin_dir.join(n))).collect();
-    for (name, path) in &pins {
-        loader.map_pin_path(name, path.as_path());
-    }
-    let mut ebpf = loader.load(EBPF_OBJECT)?;
+    let mut ebpf = object::load(EBPF_OBJECT, pin_dir, None)?;
     for program in [INGRESS_PROGRAM, EGRESS_PROGRAM] {
         classifier(&mut ebpf, program)?.load().map_err(|source| TcError::Program { program, source })?;
     }

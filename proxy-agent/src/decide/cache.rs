@@ -31,8 +31,9 @@ pub(crate) struct Update {
 /// A small set kept as a sorted Vec of exact capacity. Nearly every set
 /// here has one element (a Service's only slice, a frontend's only
 /// claimant), for which a BTreeSet allocates a whole node of eleven: 544
-/// bytes for one ObjectRef, 10 MiB of the agent's peak at 10k Services
-/// (issue #7). Iterates in order, like the BTreeSet it replaces.
+/// bytes for one ObjectRef, 10 MiB of the agent's peak at 10k Services.
+/// Iterates in ascending order, as a BTreeSet does, so the first claimant
+/// in namespace/name order is `first()`.
 #[derive(Clone, Debug)]
 struct SortedVec<T>(Vec<T>);
 

@@ -32,7 +32,7 @@ pub fn diff(current: &State, desired: &State) -> Plan {
 /// [`diff`] against `primary` with the entries of `fallback` whose
 /// frontend `primary` lacks, without building that union: a full pass at
 /// 10k Services would otherwise copy every backend set once more at the
-/// agent's memory peak (issue #7).
+/// agent's memory peak.
 pub fn diff_layered(current: &State, primary: &State, fallback: &State) -> Plan {
     let mut desired: BTreeMap<&Frontend, &BTreeSet<Backend>> = primary.iter().collect();
     for (fe, set) in fallback {

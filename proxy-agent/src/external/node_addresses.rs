@@ -114,15 +114,18 @@ pub fn interface_addresses() -> io::Result<Vec<IfAddr>> {
         }
         // SAFETY: ifa_name is a NUL-terminated string owned by the list.
         let device = unsafe { CStr::from_ptr(ifa.ifa_name) }.to_string_lossy().into_owned();
-        // SAFETY: the family says which sockaddr type this is.
+        // SAFETY: ifa_addr is non-null (checked above) and points to a
+        // sockaddr of the family it names, owned by the list until
+        // freeifaddrs (getifaddrs(3)). Read unaligned: the sockaddr header
+        // promises only 2-byte alignment.
         let ip = unsafe {
             match i32::from((*ifa.ifa_addr).sa_family) {
                 libc::AF_INET => {
-                    let sin = &*(ifa.ifa_addr as *const libc::sockaddr_in);
+                    let sin = std::ptr::read_unaligned(ifa.ifa_addr.cast::<libc::sockaddr_in>());
                     IpAddr::V4(Ipv4Addr::from(u32::from_be(sin.sin_addr.s_addr)))
                 }
                 libc::AF_INET6 => {
-                    let sin6 = &*(ifa.ifa_addr as *const libc::sockaddr_in6);
+                    let sin6 = std::ptr::read_unaligned(ifa.ifa_addr.cast::<libc::sockaddr_in6>());
                     IpAddr::V6(Ipv6Addr::from(sin6.sin6_addr.s6_addr))
                 }
                 _ => continue,
@@ -240,11 +243,11 @@ pub fn resolve(addrs: &[IfAddr], devices: &Devices, node_ips: &[IpAddr], default
     }
     let mut snat_v4 = node_ips.iter().find_map(|ip| match ip {
         IpAddr::V4(a) => Some(*a),
-        _ => None,
+        IpAddr::V6(_) => None,
     });
     let mut snat_v6 = node_ips.iter().find_map(|ip| match ip {
         IpAddr::V6(a) => Some(*a),
-        _ => None,
+        IpAddr::V4(_) => None,
     });
     let by_preference =
         devices.iter().filter(|d| default_route_devices.contains(d)).chain(devices.iter().filter(|d| !default_route_devices.contains(d)));

@@ -3,25 +3,21 @@
 //! and writing `external_state` into the `NP_*` maps.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io;
+use std::hash::Hash;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 
-use aya::maps::{Array, HashMap, Map, MapData, PerCpuArray};
+use aya::maps::{Array, HashMap, Map, MapData};
 use proxy_common as pc;
 use proxy_common::{AddrKey, NpConfig, NpFlagsValue, ServiceKey};
 
-use crate::datapath::map_writer::{ApplyError, MapWriter, WriteError, frontend_of, service_key};
+use crate::datapath::bpf_batch::read_all;
+use crate::datapath::keys::{addr_key, frontend_of, service_key};
+use crate::datapath::map_writer::{ApplyError, MapWriter, WriteError};
+use crate::datapath::maps::TC_SERVICE_MAPS;
 use crate::decide::decision::ExternalState;
 use crate::decide::plan;
 use crate::external::node_addresses::{self, Devices, Resolved};
-use crate::model::Frontend;
-
-fn addr_key(ip: &IpAddr) -> AddrKey {
-    // Same encoding as the service keys.
-    let k = service_key(&Frontend { ip: *ip, port: 0, protocol: crate::model::Protocol::Tcp });
-    AddrKey { ip_be: k.ip_be, family: k.family, _pad: [0; 3] }
-}
 
 fn open_map(pin_dir: &Path, name: &'static str) -> Result<MapData, WriteError> {
     MapData::from_pin(pin_dir.join(name)).map_err(|source| WriteError::Open { map: name, source })
@@ -45,7 +41,7 @@ pub struct NodePortOutcome {
 
 impl NodePortWriter {
     pub fn open(pin_dir: &Path) -> Result<NodePortWriter, WriteError> {
-        let writer = MapWriter::open_maps(pin_dir, [pc::NP_SERVICES_MAP, pc::NP_SLOTS_MAP, pc::NP_BACKENDS_MAP])?;
+        let writer = MapWriter::open_maps(pin_dir, &TC_SERVICE_MAPS)?;
         let err = |map: &'static str| move |source| WriteError::Open { map, source };
         let flags = HashMap::try_from(Map::HashMap(open_map(pin_dir, pc::NP_FLAGS_MAP)?)).map_err(err(pc::NP_FLAGS_MAP))?;
         let local = HashMap::try_from(Map::HashMap(open_map(pin_dir, pc::NP_LOCAL_MAP)?)).map_err(err(pc::NP_LOCAL_MAP))?;
@@ -69,7 +65,7 @@ impl NodePortWriter {
     /// those that are removed go after.
     pub fn sync(&mut self, ext: &ExternalState) -> NodePortOutcome {
         let want_local: BTreeSet<AddrKey> = ext.local_endpoints.iter().map(addr_key).collect();
-        let have_local: BTreeSet<AddrKey> = self.local.keys().filter_map(Result::ok).collect();
+        let have_local = keys_of(&self.local, pc::NP_LOCAL_MAP);
         for k in want_local.difference(&have_local) {
             if let Err(e) = self.local.insert(k, 1, 0) {
                 tracing::warn!(error = %e, "marking a local endpoint failed");
@@ -77,7 +73,7 @@ impl NodePortWriter {
         }
         let want_flags: BTreeMap<ServiceKey, NpFlagsValue> =
             ext.policy_local.iter().map(|fe| (service_key(fe), NpFlagsValue { flags: pc::NP_FLAG_POLICY_LOCAL })).collect();
-        let have_flags: BTreeSet<ServiceKey> = self.flags.keys().filter_map(Result::ok).collect();
+        let have_flags = keys_of(&self.flags, pc::NP_FLAGS_MAP);
         for (k, v) in &want_flags {
             if let Err(e) = self.flags.insert(k, v, 0) {
                 tracing::warn!(frontend = ?frontend_of(k), error = %e, "writing policy flags failed");
@@ -95,17 +91,18 @@ impl NodePortWriter {
     }
 }
 
-/// The TC programs' counters summed over CPUs, by name (for tests and
-/// debugging).
-pub fn counters(pin_dir: &Path) -> io::Result<BTreeMap<&'static str, u64>> {
-    let data = MapData::from_pin(pin_dir.join(pc::NP_COUNTERS_MAP)).map_err(io::Error::other)?;
-    let arr: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(data)).map_err(io::Error::other)?;
-    let mut out = BTreeMap::new();
-    for (i, name) in pc::np_counter::NAMES.iter().enumerate() {
-        let v = arr.get(&(i as u32), 0).map_err(io::Error::other)?;
-        out.insert(*name, v.iter().sum());
+/// The keys in one of the small maps `sync` keeps in step with the desired
+/// state. A map that cannot be read counts as empty: every wanted entry is
+/// written again (an idempotent update) and removals wait for the next
+/// pass.
+fn keys_of<K: aya::Pod + Ord + Hash, V: aya::Pod>(map: &HashMap<MapData, K, V>, name: &'static str) -> BTreeSet<K> {
+    match read_all(map) {
+        Ok(entries) => entries.into_iter().map(|(k, _)| k).collect(),
+        Err(e) => {
+            tracing::warn!(map = name, error = %e, "reading the map failed; writing every wanted entry");
+            BTreeSet::new()
+        }
     }
-    Ok(out)
 }
 
 /// `--devices`, `--node-ip`, `--snat-port-range` and `--tc-mode` resolved.

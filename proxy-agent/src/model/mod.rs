@@ -138,7 +138,7 @@ pub struct Endpoint {
     pub terminating: bool,
     /// Node names, zones and hints repeat across endpoints: each is one
     /// shared copy (`intern`), which with the boxed slices keeps an
-    /// endpoint at 88 bytes (issue #7: 100k endpoints at 10k Services).
+    /// endpoint at 88 bytes (100k endpoints at 10k Services).
     pub node_name: Option<Arc<str>>,
     pub zone: Option<Arc<str>>,
     /// `hints.forZones[].name`; `None` when the endpoint carries no zone hint.

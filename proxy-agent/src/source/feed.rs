@@ -48,7 +48,7 @@ impl Stores {
 
     /// [`Self::push`] for a whole relist: taken over as the queue when the
     /// sync loop has drained it, rather than copied (at 10k objects that
-    /// copy was megabytes more at the agent's memory peak, issue #7).
+    /// copy was megabytes more at the agent's memory peak).
     pub(crate) fn push_all(&self, mut deltas: Vec<Delta>) {
         let mut q = self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if q.is_empty() {

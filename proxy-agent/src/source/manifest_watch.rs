@@ -84,6 +84,27 @@ pub fn read(paths: &[PathBuf]) -> ManifestRead {
     read
 }
 
+/// The objects of the last read, by kind.
+pub(crate) type Known = BTreeMap<Kind, BTreeSet<ObjectRef>>;
+
+/// The deltas that take the model from the objects of the last read
+/// (`known`, updated) to `read`'s: every object read, and a removal for
+/// each object that is gone. Like a relist, whose unchanged objects the
+/// model recognises as such.
+pub(crate) fn relist(known: &mut Known, read: BTreeMap<(Kind, ObjectRef), Delta>) -> Vec<Delta> {
+    let mut now = Known::new();
+    for (kind, id) in read.keys() {
+        now.entry(*kind).or_default().insert(id.clone());
+    }
+    let mut deltas: Vec<Delta> = read.into_values().collect();
+    for (kind, ids) in &*known {
+        let current = now.get(kind);
+        deltas.extend(ids.iter().filter(|id| !current.is_some_and(|c| c.contains(*id))).map(|id| Delta::removed(*kind, id.clone())));
+    }
+    *known = now;
+    deltas
+}
+
 /// Starts the task that reads `paths` whenever they change (checked every
 /// `interval`) and queues what it read; returns the queue.
 pub fn start(paths: Vec<PathBuf>, interval: Duration, metrics: Arc<Metrics>, tx: UnboundedSender<Signal>) -> Stores {
@@ -95,7 +116,7 @@ pub fn start(paths: Vec<PathBuf>, interval: Duration, metrics: Arc<Metrics>, tx:
 async fn watch(paths: Vec<PathBuf>, interval: Duration, metrics: Arc<Metrics>, stores: Stores, tx: UnboundedSender<Signal>) {
     let paths = Arc::new(paths);
     let mut last = None;
-    let mut known: BTreeMap<Kind, BTreeSet<ObjectRef>> = BTreeMap::new();
+    let mut known = Known::new();
     loop {
         let p = paths.clone();
         // Reading and parsing is blocking file I/O and CPU work: off the
@@ -112,21 +133,11 @@ async fn watch(paths: Vec<PathBuf>, interval: Duration, metrics: Arc<Metrics>, s
             for e in &read.errors {
                 tracing::warn!(location = %e.location, "manifest skipped: {}", e.reason);
             }
-            let mut now: BTreeMap<Kind, BTreeSet<ObjectRef>> = BTreeMap::new();
-            for (kind, id) in read.deltas.keys() {
-                now.entry(*kind).or_default().insert(id.clone());
-            }
-            let mut deltas: Vec<Delta> = read.deltas.into_values().collect();
-            for (kind, ids) in &known {
-                let current = now.get(kind);
-                deltas
-                    .extend(ids.iter().filter(|id| !current.is_some_and(|c| c.contains(*id))).map(|id| Delta::removed(*kind, id.clone())));
-            }
+            let deltas = relist(&mut known, read.deltas);
             stores.push_all(deltas);
             for kind in Kind::ALL {
-                stores.set_len(kind, now.get(&kind).map_or(0, BTreeSet::len));
+                stores.set_len(kind, known.get(&kind).map_or(0, BTreeSet::len));
             }
-            known = now;
             for kind in Kind::ALL {
                 if tx.send(Signal::Listed { kind }).is_err() {
                     return; // the sync loop is gone: shutting down
@@ -137,21 +148,28 @@ async fn watch(paths: Vec<PathBuf>, interval: Duration, metrics: Arc<Metrics>, s
     }
 }
 
-/// The cluster `text` (one manifest file) describes, as `run` builds it,
-/// with the problems of its objects and documents: for the tests of the
-/// layers above the source.
+/// What one manifest file's `text` reads as: a delta per object, and the
+/// problems of its documents. For the tests of the layers above the source.
 #[cfg(test)]
-pub(crate) fn cluster_from_text(text: &str) -> (crate::model::Cluster, Vec<String>) {
+pub(crate) fn read_text(text: &str) -> ManifestRead {
     let mut parsed = Vec::new();
     let mut errors = Vec::new();
     manifest::parse_into("t.yaml", text, &mut parsed, &mut errors);
-    let mut read = ManifestRead::default();
+    let mut read = ManifestRead { errors, ..ManifestRead::default() };
     for d in &parsed {
         add(&mut read, d);
     }
+    read
+}
+
+/// The cluster `text` describes, as `run` builds it, with the problems of
+/// its objects and documents.
+#[cfg(test)]
+pub(crate) fn cluster_from_text(text: &str) -> (crate::model::Cluster, Vec<String>) {
+    let read = read_text(text);
     let mut model = crate::model::store::Model::default();
     model.apply(read.deltas.into_values());
-    let mut problems: Vec<String> = errors.iter().map(ToString::to_string).collect();
+    let mut problems: Vec<String> = read.errors.iter().map(ToString::to_string).collect();
     problems.extend(model.problems().map(|p| p.error.to_string()));
     (model.cluster, problems)
 }
@@ -160,20 +178,9 @@ pub(crate) fn cluster_from_text(text: &str) -> (crate::model::Cluster, Vec<Strin
 mod tests {
     use super::*;
 
-    fn docs(text: &str) -> ManifestRead {
-        let mut parsed = Vec::new();
-        let mut errors = Vec::new();
-        manifest::parse_into("m.yaml", text, &mut parsed, &mut errors);
-        let mut read = ManifestRead { errors, ..ManifestRead::default() };
-        for d in &parsed {
-            add(&mut read, d);
-        }
-        read
-    }
-
     #[test]
     fn duplicates_keep_the_last_and_nameless_objects_keep_their_location() {
-        let read = docs(
+        let read = read_text(
             "kind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}\n---\n\
              kind: Service\nmetadata: {name: a}\nspec: {clusterIP: 10.96.0.2, ports: [{port: 80}]}\n---\n\
              kind: Service\nspec: {clusterIP: 10.96.0.3, ports: [{port: 80}]}\n---\n\
@@ -182,7 +189,7 @@ mod tests {
         );
         let a = &read.deltas[&(Kind::Service, ObjectRef::new("default", "a"))];
         assert!(a.problems.iter().any(|p| p.error.reason.contains("more than once")), "{a:?}");
-        let nameless: Vec<_> = read.deltas.keys().filter(|(_, id)| id.name.starts_with("m.yaml")).collect();
+        let nameless: Vec<_> = read.deltas.keys().filter(|(_, id)| id.name.starts_with("t.yaml")).collect();
         assert_eq!(nameless.len(), 1, "{:?}", read.deltas.keys());
         assert_eq!(read.errors.len(), 1, "{:?}", read.errors);
         assert!(read.errors[0].reason.contains("no kind"));

@@ -4,7 +4,7 @@
 //!
 //! Why not k8s-openapi's types: at 10k Services x 10 endpoints, a cold
 //! list is 20k objects, and deserializing them was most of the agent's work
-//! before its first sync (issue #7, cold sync through the API server).
+//! before its first sync (cold sync through the API server).
 //! The typed structs allocate every field of every endpoint (targetRef's
 //! five strings, deprecatedTopology, ...) and every field of
 //! `metadata.managedFields`, which a real cluster fills on every object;

@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
 
 use crate::datapath::map_writer::{ApplyError, MapWriter, WriteError};
+use crate::datapath::maps;
 use crate::decide::cache::DecisionCache;
 use crate::decide::decision::{self, PortDecision};
 use crate::decide::plan::{self, Plan};
@@ -79,7 +80,7 @@ impl SocketMaps for MemoryMaps {
             match self.capacity {
                 Some(max) if !self.programmed.contains_key(fe) && used >= max => failures.push(ApplyError {
                     frontend: *fe,
-                    error: WriteError::Full { map: proxy_common::SERVICES_MAP, used, max, needed: 1, flag: "--max-services" },
+                    error: WriteError::Full { map: maps::SERVICES.name, used, max, needed: 1, flag: maps::SERVICES.flag() },
                 }),
                 _ => {
                     self.programmed.insert(*fe, backends.clone());

@@ -180,7 +180,7 @@ impl<W: SocketMaps> SyncLoop<W> {
                 }
                 // Before the first sync, a listed kind goes into the model
                 // while the others are still listing, instead of on the
-                // first sync's critical path (issue #7, cold sync). The
+                // first sync's critical path (the cold sync). The
                 // changes it reports are not needed: the first sync
                 // decides every Service anyway (`changes.all`).
                 if !self.all_listed() && !self.health.is_ready() {
@@ -368,5 +368,177 @@ async fn sleep_until(at: Option<Instant>) {
     match at {
         Some(t) => tokio::time::sleep_until(t.into()).await,
         None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! The loop from manifest text to map contents, with the maps in
+    //! memory: YAML -> deltas -> model -> decisions -> plan -> maps, as
+    //! `run` wires it, without root or a kernel.
+
+    use super::*;
+    use crate::model::{Backend, Frontend, Protocol};
+    use crate::source::manifest_watch::{Known, read_text, relist};
+    use crate::sync::pass::MemoryMaps;
+
+    struct Harness {
+        sync: SyncLoop<MemoryMaps>,
+        known: Known,
+    }
+
+    impl Harness {
+        fn new(node: &str, capacity: Option<u32>) -> Harness {
+            let config = SyncConfig { node: node.into(), min_sync_interval: Duration::ZERO, sync_period: Duration::from_secs(30) };
+            let maps = MemoryMaps { capacity, ..MemoryMaps::default() };
+            let health = Arc::new(Health::new(Duration::from_mins(1)));
+            Harness { sync: SyncLoop::new(config, maps, Stores::default(), Arc::new(Metrics::new()), health, None), known: Known::new() }
+        }
+
+        /// Hands the manifest over as the manifest source does, then runs a
+        /// sync if every kind has been listed.
+        fn read(&mut self, text: &str) -> SyncStats {
+            let read = read_text(text);
+            assert!(read.errors.is_empty(), "{:?}", read.errors);
+            self.sync.stores.push_all(relist(&mut self.known, read.deltas));
+            for kind in Kind::ALL {
+                self.sync.handle(Signal::Listed { kind });
+            }
+            self.sync_if_listed()
+        }
+
+        fn sync_if_listed(&mut self) -> SyncStats {
+            let before = self.sync.writer.programmed.clone();
+            if self.sync.all_listed() {
+                self.sync.sync_now();
+            }
+            SyncStats { changed: before != self.sync.writer.programmed }
+        }
+
+        fn backends(&self, ip: &str, port: u16) -> Option<Vec<String>> {
+            let fe = Frontend { ip: ip.parse().ok()?, port, protocol: Protocol::Tcp };
+            self.sync.writer.programmed.get(&fe).map(|b| b.iter().map(Backend::to_string).collect())
+        }
+
+        fn metrics(&self) -> String {
+            self.sync.metrics.encode()
+        }
+    }
+
+    struct SyncStats {
+        changed: bool,
+    }
+
+    const NODES: &str = "
+kind: Node
+metadata: {name: a, labels: {topology.kubernetes.io/zone: z1}}
+---
+kind: Node
+metadata: {name: b, labels: {topology.kubernetes.io/zone: z2}}
+";
+
+    fn service(name: &str, ip: &str, extra: &str) -> String {
+        format!(
+            "---
+kind: Service
+metadata: {{name: {name}, namespace: shop{extra}}}
+spec: {{clusterIP: {ip}, ports: [{{port: 80, targetPort: 8080}}]}}
+"
+        )
+    }
+
+    fn slice(service: &str, endpoints: &[(&str, &str)]) -> String {
+        let eps: Vec<String> = endpoints.iter().map(|(ip, node)| format!("{{addresses: [{ip}], nodeName: {node}}}")).collect();
+        format!(
+            "---
+kind: EndpointSlice
+metadata: {{name: {service}-1, namespace: shop, labels: {{kubernetes.io/service-name: {service}}}}}
+addressType: IPv4
+ports: [{{port: 8080}}]
+endpoints: [{}]
+",
+            eps.join(", ")
+        )
+    }
+
+    #[test]
+    fn manifests_become_map_contents_and_follow_edits() {
+        let mut h = Harness::new("a", None);
+        let web = service("web", "10.96.0.10", "");
+        let text = format!("{NODES}{web}{}", slice("web", &[("10.244.1.1", "a"), ("10.244.2.1", "b")]));
+        assert!(h.read(&text).changed);
+        assert_eq!(h.backends("10.96.0.10", 80), Some(vec!["10.244.1.1:8080".into(), "10.244.2.1:8080".into()]));
+        assert!(h.sync.health.is_ready());
+
+        // The same objects again: nothing to write.
+        assert!(!h.read(&text).changed);
+
+        // One endpoint gone: the frontend follows.
+        let text = format!("{NODES}{web}{}", slice("web", &[("10.244.2.1", "b")]));
+        assert!(h.read(&text).changed);
+        assert_eq!(h.backends("10.96.0.10", 80), Some(vec!["10.244.2.1:8080".into()]));
+
+        // The Service deleted from the files: its frontend is removed.
+        h.read(NODES);
+        assert_eq!(h.backends("10.96.0.10", 80), None);
+        assert!(h.sync.writer.programmed.is_empty());
+    }
+
+    #[test]
+    fn topology_keys_rank_for_this_node() {
+        let keys = ", annotations: {topoproxy.io/topology-keys: \"topology.kubernetes.io/zone,*\"}";
+        let text = format!("{NODES}{}{}", service("db", "10.96.0.20", keys), slice("db", &[("10.244.1.1", "a"), ("10.244.2.1", "b")]));
+        let mut on_b = Harness::new("b", None);
+        on_b.read(&text);
+        assert_eq!(on_b.backends("10.96.0.20", 80), Some(vec!["10.244.2.1:8080".into()]), "zone z2 first on node b");
+        let mut on_a = Harness::new("a", None);
+        on_a.read(&text);
+        assert_eq!(on_a.backends("10.96.0.20", 80), Some(vec!["10.244.1.1:8080".into()]), "zone z1 first on node a");
+    }
+
+    #[test]
+    fn nothing_is_written_before_every_kind_is_listed() {
+        let mut h = Harness::new("a", None);
+        let read = read_text(&format!("{NODES}{}{}", service("web", "10.96.0.10", ""), slice("web", &[("10.244.1.1", "a")])));
+        h.sync.stores.push_all(relist(&mut h.known, read.deltas));
+        h.sync.handle(Signal::Listed { kind: Kind::Service });
+        h.sync.handle(Signal::Listed { kind: Kind::EndpointSlice });
+        assert!(!h.sync_if_listed().changed, "Nodes are not listed yet");
+        assert!(!h.sync.health.is_ready());
+        h.sync.handle(Signal::Listed { kind: Kind::Node });
+        assert!(h.sync_if_listed().changed);
+        assert_eq!(h.backends("10.96.0.10", 80).map(|b| b.len()), Some(1));
+    }
+
+    #[test]
+    fn a_full_map_is_reported_and_retried_when_room_is_freed() {
+        let mut h = Harness::new("a", Some(1));
+        let (web, api) = (service("web", "10.96.0.10", ""), service("api", "10.96.0.11", ""));
+        let slices = format!("{}{}", slice("web", &[("10.244.1.1", "a")]), slice("api", &[("10.244.1.2", "a")]));
+        h.read(&format!("{NODES}{web}{api}{slices}"));
+        // Frontends are written in address order: web's 10.96.0.10 took the
+        // one entry, api's did not fit.
+        assert_eq!(h.backends("10.96.0.10", 80).map(|b| b.len()), Some(1));
+        assert_eq!(h.backends("10.96.0.11", 80), None);
+        assert!(h.metrics().contains("topoproxy_errors_total{reason=\"map_full\"} 1"), "{}", h.metrics());
+        // web deleted: api gets its room in the same pass.
+        h.read(&format!("{NODES}{api}{slices}"));
+        assert_eq!(h.backends("10.96.0.11", 80).map(|b| b.len()), Some(1));
+        assert_eq!(h.backends("10.96.0.10", 80), None);
+    }
+
+    #[test]
+    fn a_clash_is_warned_and_the_first_service_keeps_the_address() {
+        let mut h = Harness::new("a", None);
+        let text = format!(
+            "{NODES}{}{}{}{}",
+            service("one", "10.96.0.30", ""),
+            service("two", "10.96.0.30", ""),
+            slice("one", &[("10.244.1.1", "a")]),
+            slice("two", &[("10.244.1.2", "a")])
+        );
+        h.read(&text);
+        assert_eq!(h.backends("10.96.0.30", 80), Some(vec!["10.244.1.1:8080".into()]));
+        assert!(h.sync.logged.iter().any(|l| l.contains("10.96.0.30")), "{:?}", h.sync.logged);
     }
 }

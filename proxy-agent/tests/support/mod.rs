@@ -1,10 +1,9 @@
 //! Shared pieces of the privileged tests: a simulated node (cgroup, pin
 //! directory, agent process) on an isolated "cluster network" namespace
-//! whose pod addresses live on loopback.
+//! whose pod addresses live on loopback. These need the agent binary
+//! (`CARGO_BIN_EXE_proxy-agent`, set only for this package's tests); what
+//! does not is in proxy-test-support.
 #![allow(dead_code)] // each test binary uses a different subset
-
-pub(crate) mod apiserver;
-pub(crate) mod checksum;
 
 use std::collections::BTreeSet;
 use std::fs;
@@ -12,9 +11,10 @@ use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use proxy_agent::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in, spawn_backend};
+use proxy_test_support::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in, spawn_backend};
+use proxy_test_support::wait::eventually;
 use serde_json::Value;
 
 pub(crate) fn agent_bin() -> PathBuf {
@@ -192,28 +192,6 @@ pub(crate) fn set(names: &[&str]) -> BTreeSet<String> {
     names.iter().map(std::string::ToString::to_string).collect()
 }
 
-/// How long the tests wait for the agent to catch up: 30 s, or
-/// `TOPOPROXY_TEST_WAIT_SECS` (`cargo xtask vmtest` raises it, since under
-/// CPU emulation the agent needs tens of seconds to verify its programs).
-pub(crate) fn wait_limit() -> Duration {
-    let secs = std::env::var("TOPOPROXY_TEST_WAIT_SECS").ok().and_then(|s| s.parse().ok()).unwrap_or(30);
-    Duration::from_secs(secs)
-}
-
-/// Polls `check` until it returns `Some`, or panics with `what` and the last
-/// observation after a generous deadline. This waits for the agent to catch
-/// up; it asserts nothing about speed.
-pub(crate) fn eventually<T, D: std::fmt::Debug>(what: &str, mut check: impl FnMut() -> Result<T, D>) -> T {
-    let deadline = Instant::now() + wait_limit();
-    loop {
-        match check() {
-            Ok(v) => return v,
-            Err(last) if Instant::now() > deadline => panic!("timed out waiting for {what}; last saw {last:?}"),
-            Err(_) => std::thread::sleep(Duration::from_millis(50)),
-        }
-    }
-}
-
 /// Probes until the set of answering backends is exactly `want`.
 pub(crate) fn wait_for_backends(node: &Node, net: &PodNetwork, to: &str, extra: &[&str], want: &[&str]) {
     let want = set(want);
@@ -318,27 +296,6 @@ impl Node {
                 .ok_or(())
         })
     }
-}
-
-/// A plain HTTP/1.0 GET on loopback: (status code, body).
-pub(crate) fn http_get(addr: std::net::SocketAddr, path: &str) -> Result<(u16, String), String> {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(2)).map_err(|e| e.to_string())?;
-    let _ = s.set_read_timeout(Some(Duration::from_secs(5)));
-    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").map_err(|e| e.to_string())?;
-    let mut buf = String::new();
-    s.read_to_string(&mut buf).map_err(|e| e.to_string())?;
-    let code = buf.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or(format!("bad response {buf:?}"))?;
-    let body = buf.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
-    Ok((code, body))
-}
-
-/// The value of one sample line of a Prometheus exposition, e.g.
-/// `topoproxy_errors_total{reason="watch_expired"}`.
-pub(crate) fn metric(text: &str, series: &str) -> Option<f64> {
-    text.lines()
-        .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
-        .and_then(|l| l[series.len()..].split_whitespace().next()?.parse().ok())
 }
 
 /// A client connecting in a loop in the background; `finish` stops it and

@@ -1,13 +1,11 @@
-//! The stand-in API server itself (`support::apiserver`): the protocol
-//! details the agent tests rely on without observing them directly.
-
-mod support;
+//! The stand-in API server itself (`proxy_test_support::apiserver`): the
+//! protocol details the agent tests rely on without observing them directly.
 
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
+use proxy_test_support::apiserver::{ApiServer, selector_matches};
 use serde_json::{Value, json};
-use support::apiserver::{ApiServer, selector_matches};
 
 /// One HTTP/1.0 request; returns the status code and the body read
 /// until the server closes or `wait` passes (watches stay open).

@@ -18,7 +18,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::datapath::mounts;
+use proxy_agent::datapath::{mounts, socket_loader};
 
 static COUNTER: AtomicU32 = AtomicU32::new(0);
 
@@ -300,7 +300,7 @@ impl PinDir {
         if let Ok(rd) = fs::read_dir(&base) {
             for e in rd.flatten() {
                 if stale(&e.file_name().to_string_lossy(), prefix) {
-                    let _ = crate::datapath::socket_loader::reset(&e.path());
+                    let _ = socket_loader::reset(&e.path());
                 }
             }
         }
@@ -316,7 +316,7 @@ impl PinDir {
 
 impl Drop for PinDir {
     fn drop(&mut self) {
-        let _ = crate::datapath::socket_loader::reset(&self.path);
+        let _ = socket_loader::reset(&self.path);
     }
 }
 

@@ -56,14 +56,14 @@ use serde_json::{Value, json};
 use tokio::sync::{broadcast, mpsc, oneshot};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub(crate) enum Resource {
+enum Resource {
     Services,
     EndpointSlices,
     Nodes,
 }
 
 impl Resource {
-    pub(crate) fn kind(self) -> &'static str {
+    fn kind(self) -> &'static str {
         match self {
             Resource::Services => "Service",
             Resource::EndpointSlices => "EndpointSlice",
@@ -130,7 +130,7 @@ struct State {
     /// its watch cache and serializes every list, but it runs on other
     /// machines: here it shares the agent's cores, and rendering 20k
     /// objects per cold sync took most of a core away from the agent being
-    /// measured (issue #7).
+    /// measured.
     items: BTreeMap<Key, String>,
     history: Vec<Arc<Change>>,
     tx: broadcast::Sender<Msg>,
@@ -243,7 +243,7 @@ impl State {
 }
 
 /// One stand-in API server on 127.0.0.1.
-pub(crate) struct ApiServer {
+pub struct ApiServer {
     addr: SocketAddr,
     state: Arc<Mutex<State>>,
     stop: Option<oneshot::Sender<()>>,
@@ -252,14 +252,14 @@ pub(crate) struct ApiServer {
 
 impl ApiServer {
     /// A new server on a free port whose history starts after `first_rv`.
-    pub(crate) fn start(first_rv: u64) -> ApiServer {
+    pub fn start(first_rv: u64) -> ApiServer {
         Self::start_on("127.0.0.1:0".parse().expect("literal address"), first_rv, Vec::new())
     }
 
     /// A server on `addr` (retried while the port is still held by a
     /// stopped predecessor) with a fresh history: `objects` are created at
     /// versions `first_rv + 1 ..`.
-    pub(crate) fn start_on(addr: SocketAddr, first_rv: u64, objects: Vec<Value>) -> ApiServer {
+    pub fn start_on(addr: SocketAddr, first_rv: u64, objects: Vec<Value>) -> ApiServer {
         let (tx, _) = broadcast::channel(1 << 16);
         let mut st = State {
             rv: first_rv,
@@ -326,12 +326,12 @@ impl ApiServer {
         self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    pub(crate) fn addr(&self) -> SocketAddr {
+    pub fn addr(&self) -> SocketAddr {
         self.addr
     }
 
     /// A kubeconfig for this server (http, no credentials).
-    pub(crate) fn write_kubeconfig(&self, path: &Path) {
+    pub fn write_kubeconfig(&self, path: &Path) {
         let text = format!(
             "apiVersion: v1\nkind: Config\nclusters:\n- name: test\n  cluster:\n    server: http://{}\ncontexts:\n- name: test\n  context:\n    cluster: test\n    user: test\nusers:\n- name: test\n  user: {{}}\ncurrent-context: test\n",
             self.addr
@@ -339,36 +339,36 @@ impl ApiServer {
         std::fs::write(path, text).expect("write kubeconfig");
     }
 
-    pub(crate) fn set_bookmark_interval(&self, d: Duration) {
+    pub fn set_bookmark_interval(&self, d: Duration) {
         self.lock().bookmark_interval = d;
     }
 
     /// Ends watches after `d`; clients resume from their last version.
-    pub(crate) fn set_watch_cutoff(&self, d: Duration) {
+    pub fn set_watch_cutoff(&self, d: Duration) {
         self.lock().watch_cutoff = Some(d);
     }
 
     /// Creates or replaces an object (by kind, namespace and name).
-    pub(crate) fn apply(&self, obj: Value) -> u64 {
+    pub fn apply(&self, obj: Value) -> u64 {
         self.lock().apply(obj)
     }
 
     /// Many objects, each its own change, under one lock (a burst).
-    pub(crate) fn apply_all(&self, objs: Vec<Value>) {
+    pub fn apply_all(&self, objs: Vec<Value>) {
         let mut st = self.lock();
         for o in objs {
             st.apply(o);
         }
     }
 
-    pub(crate) fn delete(&self, kind: &str, namespace: &str, name: &str) -> bool {
+    pub fn delete(&self, kind: &str, namespace: &str, name: &str) -> bool {
         let res = Resource::of_kind(kind).unwrap_or_else(|| panic!("unknown kind {kind}"));
         let ns = if res.namespaced() { namespace.to_string() } else { String::new() };
         self.lock().delete(&(res, ns, name.to_string()))
     }
 
     /// Deletes every object of `kind`, one change each.
-    pub(crate) fn delete_all(&self, kind: &str) {
+    pub fn delete_all(&self, kind: &str) {
         let res = Resource::of_kind(kind).unwrap_or_else(|| panic!("unknown kind {kind}"));
         let mut st = self.lock();
         let keys: Vec<Key> = st.objects.keys().filter(|k| k.0 == res).cloned().collect();
@@ -378,18 +378,18 @@ impl ApiServer {
     }
 
     /// The current objects (with kind), e.g. to restart with a new history.
-    pub(crate) fn objects(&self) -> Vec<Value> {
+    pub fn objects(&self) -> Vec<Value> {
         self.lock().objects.values().cloned().collect()
     }
 
-    pub(crate) fn resource_version(&self) -> u64 {
+    pub fn resource_version(&self) -> u64 {
         self.lock().rv
     }
 
     /// Compacts the history up to now and sends every open watch an ERROR
     /// event with a 410 Status, as the API server does to watchers whose
     /// version fell out of its window. They must relist.
-    pub(crate) fn expire_watches(&self) {
+    pub fn expire_watches(&self) {
         let mut st = self.lock();
         // Every change so far is compacted away: a watch can start from the
         // current version only.
@@ -398,27 +398,27 @@ impl ApiServer {
     }
 
     /// BOOKMARK events sent so far (all servers of this process).
-    pub(crate) fn bookmarks_sent() -> u64 {
+    pub fn bookmarks_sent() -> u64 {
         BOOKMARKS.load(Ordering::Relaxed)
     }
 
     /// Open watch streams.
-    pub(crate) fn open_watches(&self) -> usize {
+    pub fn open_watches(&self) -> usize {
         self.lock().tx.receiver_count()
     }
 
     /// Events POSTed so far.
-    pub(crate) fn events(&self) -> Vec<Value> {
+    pub fn events(&self) -> Vec<Value> {
         self.lock().events.clone()
     }
 
     /// "METHOD path?query [accept]" of every request so far.
-    pub(crate) fn requests(&self) -> Vec<String> {
+    pub fn requests(&self) -> Vec<String> {
         self.lock().requests.clone()
     }
 
     /// Stops listening and drops every connection.
-    pub(crate) fn stop(mut self) {
+    pub fn stop(mut self) {
         self.shutdown();
     }
 
@@ -676,7 +676,7 @@ fn parse_selector(s: &str) -> Result<Vec<Req>, String> {
 }
 
 /// Whether `obj`'s labels match a label selector (for the server's own tests).
-pub(crate) fn selector_matches(selector: &str, obj: &Value) -> Result<bool, String> {
+pub fn selector_matches(selector: &str, obj: &Value) -> Result<bool, String> {
     Ok(label_matches(&parse_selector(selector)?, obj))
 }
 

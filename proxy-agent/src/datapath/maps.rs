@@ -1,0 +1,238 @@
+//! Every map the eBPF object pins, in one table: its name (from
+//! proxy-common), the datapath whose programs use it, the kernel type and
+//! key/value sizes a pinned copy must have, and the capacity flag that sizes
+//! it. The loaders pin and size the maps from this table, `install` checks
+//! adopted pins against it, `reset` removes what it lists, and the map
+//! writer and `dump` name their maps and flags through it.
+
+use std::mem::size_of;
+
+use Datapath::{Socket, Tc};
+use aya::maps::MapType;
+use proxy_common as pc;
+use proxy_common::{
+    AddrKey, BackendKey, BackendValue, CtKey, CtValue, NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SockConfig,
+    SockPeerValue, SockRevNatKey, SockRevNatValue,
+};
+
+/// Which programs use a map.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Datapath {
+    /// The cgroup socket programs (connect, sendmsg, recvmsg, getpeername).
+    Socket,
+    /// The TC programs for external traffic (NodePort, LoadBalancer IPs,
+    /// externalIPs).
+    Tc,
+}
+
+impl Datapath {
+    /// How `dump` names the datapath (part of its JSON output).
+    pub const fn label(self) -> &'static str {
+        match self {
+            Datapath::Socket => "socket",
+            Datapath::Tc => "tc",
+        }
+    }
+}
+
+/// A capacity the agent sets: a field of [`Capacities`] and the flag that
+/// sets it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Capacity {
+    Services,
+    Slots,
+    Backends,
+    SockRevNat,
+    NpConntrack,
+}
+
+impl Capacity {
+    pub const ALL: [Capacity; 5] = [Capacity::Services, Capacity::Slots, Capacity::Backends, Capacity::SockRevNat, Capacity::NpConntrack];
+
+    /// The `proxy-agent run` flag, for messages that tell how to raise it.
+    pub const fn flag(self) -> &'static str {
+        match self {
+            Capacity::Services => "--max-services",
+            Capacity::Slots => "--max-slots",
+            Capacity::Backends => "--max-backends",
+            Capacity::SockRevNat => "--max-sock-revnat",
+            Capacity::NpConntrack => "--max-np-conntrack",
+        }
+    }
+}
+
+/// Map capacities (`max_entries`). They apply when a map is created; a map
+/// adopted from a pin keeps the size it was created with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Capacities {
+    pub services: u32,
+    pub slots: u32,
+    pub backends: u32,
+    pub sock_revnat: u32,
+    /// `NP_CT`, the TC datapath's connection tracking (LRU).
+    pub np_conntrack: u32,
+}
+
+impl Default for Capacities {
+    fn default() -> Self {
+        Capacities {
+            services: pc::DEFAULT_MAX_SERVICES,
+            slots: pc::DEFAULT_MAX_SLOTS,
+            backends: pc::DEFAULT_MAX_BACKENDS,
+            sock_revnat: pc::DEFAULT_MAX_SOCK_REVNAT,
+            np_conntrack: pc::DEFAULT_MAX_NP_CT,
+        }
+    }
+}
+
+impl Capacities {
+    pub fn get(&self, c: Capacity) -> u32 {
+        match c {
+            Capacity::Services => self.services,
+            Capacity::Slots => self.slots,
+            Capacity::Backends => self.backends,
+            Capacity::SockRevNat => self.sock_revnat,
+            Capacity::NpConntrack => self.np_conntrack,
+        }
+    }
+}
+
+/// One pinned map, as this agent expects to find it.
+#[derive(Debug)]
+pub struct MapSpec {
+    /// The name in the object file and of the pin under the pin directory.
+    pub name: &'static str,
+    pub datapath: Datapath,
+    pub map_type: MapType,
+    pub key_size: usize,
+    /// Per element; per CPU for the per-CPU types.
+    pub value_size: usize,
+    /// What sizes the map; `None` keeps the object's `max_entries`.
+    pub capacity: Option<Capacity>,
+}
+
+impl MapSpec {
+    const fn new<K, V>(name: &'static str, datapath: Datapath, map_type: MapType, capacity: Option<Capacity>) -> MapSpec {
+        MapSpec { name, datapath, map_type, key_size: size_of::<K>(), value_size: size_of::<V>(), capacity }
+    }
+
+    /// The flag that sizes the map; empty when none does.
+    pub fn flag(&self) -> &'static str {
+        self.capacity.map_or("", Capacity::flag)
+    }
+}
+
+pub static SERVICES: MapSpec = MapSpec::new::<ServiceKey, ServiceValue>(pc::SERVICES_MAP, Socket, MapType::Hash, Some(Capacity::Services));
+pub static SLOTS: MapSpec = MapSpec::new::<SlotKey, SlotValue>(pc::SLOTS_MAP, Socket, MapType::Hash, Some(Capacity::Slots));
+pub static BACKENDS: MapSpec = MapSpec::new::<BackendKey, BackendValue>(pc::BACKENDS_MAP, Socket, MapType::Hash, Some(Capacity::Backends));
+pub static SOCK_REVNAT: MapSpec =
+    MapSpec::new::<SockRevNatKey, SockRevNatValue>(pc::SOCK_REVNAT_MAP, Socket, MapType::LruHash, Some(Capacity::SockRevNat));
+pub static COUNTERS: MapSpec = MapSpec::new::<u32, u64>(pc::COUNTERS_MAP, Socket, MapType::PerCpuArray, None);
+/// Socket-local storage: its elements live on the sockets, so the pinned
+/// map must survive restarts for sockets opened before one to keep their
+/// reverse translation. The kernel requires max_entries 0 for it, and its
+/// key is a socket descriptor (an int).
+pub static SOCK_PEER: MapSpec = MapSpec::new::<i32, SockPeerValue>(pc::SOCK_PEER_MAP, Socket, MapType::SkStorage, None);
+pub static SOCK_CONFIG: MapSpec = MapSpec::new::<u32, SockConfig>(pc::SOCK_CONFIG_MAP, Socket, MapType::Array, None);
+
+// The TC datapath's copies of the service maps follow the socket ones'
+// capacities: hash maps are preallocated, so unused capacity costs memory.
+pub static NP_SERVICES: MapSpec =
+    MapSpec::new::<ServiceKey, ServiceValue>(pc::NP_SERVICES_MAP, Tc, MapType::Hash, Some(Capacity::Services));
+pub static NP_SLOTS: MapSpec = MapSpec::new::<SlotKey, SlotValue>(pc::NP_SLOTS_MAP, Tc, MapType::Hash, Some(Capacity::Slots));
+pub static NP_BACKENDS: MapSpec =
+    MapSpec::new::<BackendKey, BackendValue>(pc::NP_BACKENDS_MAP, Tc, MapType::Hash, Some(Capacity::Backends));
+pub static NP_FLAGS: MapSpec = MapSpec::new::<ServiceKey, NpFlagsValue>(pc::NP_FLAGS_MAP, Tc, MapType::Hash, Some(Capacity::Services));
+pub static NP_LOCAL: MapSpec = MapSpec::new::<AddrKey, u32>(pc::NP_LOCAL_MAP, Tc, MapType::Hash, None);
+pub static NP_CT: MapSpec = MapSpec::new::<CtKey, CtValue>(pc::NP_CT_MAP, Tc, MapType::LruHash, Some(Capacity::NpConntrack));
+pub static NP_CONFIG: MapSpec = MapSpec::new::<u32, NpConfig>(pc::NP_CONFIG_MAP, Tc, MapType::Array, None);
+pub static NP_COUNTERS: MapSpec = MapSpec::new::<u32, u64>(pc::NP_COUNTERS_MAP, Tc, MapType::PerCpuArray, None);
+
+/// Every pinned map. Maps of the object that are not listed (per-CPU
+/// scratch space) are private to each load.
+pub static MAPS: [&MapSpec; 15] = [
+    &SERVICES,
+    &SLOTS,
+    &BACKENDS,
+    &SOCK_REVNAT,
+    &COUNTERS,
+    &SOCK_PEER,
+    &SOCK_CONFIG,
+    &NP_SERVICES,
+    &NP_SLOTS,
+    &NP_BACKENDS,
+    &NP_FLAGS,
+    &NP_LOCAL,
+    &NP_CT,
+    &NP_CONFIG,
+    &NP_COUNTERS,
+];
+
+/// The three maps that hold one datapath's services: frontend to service
+/// entry, slots of each generation, backend addresses. Both datapaths lay
+/// them out alike, so one map writer and one consistency check serve both.
+#[derive(Debug)]
+pub struct ServiceMaps {
+    pub services: &'static MapSpec,
+    pub slots: &'static MapSpec,
+    pub backends: &'static MapSpec,
+}
+
+impl ServiceMaps {
+    pub fn datapath(&self) -> Datapath {
+        self.services.datapath
+    }
+}
+
+pub static SOCKET_SERVICE_MAPS: ServiceMaps = ServiceMaps { services: &SERVICES, slots: &SLOTS, backends: &BACKENDS };
+pub static TC_SERVICE_MAPS: ServiceMaps = ServiceMaps { services: &NP_SERVICES, slots: &NP_SLOTS, backends: &NP_BACKENDS };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_map_is_listed_once_under_its_own_name() {
+        let mut names: Vec<&str> = MAPS.iter().map(|m| m.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), MAPS.len());
+        for name in [
+            pc::SERVICES_MAP,
+            pc::SLOTS_MAP,
+            pc::BACKENDS_MAP,
+            pc::SOCK_REVNAT_MAP,
+            pc::COUNTERS_MAP,
+            pc::SOCK_PEER_MAP,
+            pc::SOCK_CONFIG_MAP,
+            pc::NP_SERVICES_MAP,
+            pc::NP_SLOTS_MAP,
+            pc::NP_BACKENDS_MAP,
+            pc::NP_FLAGS_MAP,
+            pc::NP_LOCAL_MAP,
+            pc::NP_CT_MAP,
+            pc::NP_CONFIG_MAP,
+            pc::NP_COUNTERS_MAP,
+        ] {
+            assert!(names.contains(&name), "{name} is not in MAPS");
+        }
+    }
+
+    #[test]
+    fn both_service_map_sets_have_one_layout_and_a_flag_each() {
+        for set in [&SOCKET_SERVICE_MAPS, &TC_SERVICE_MAPS] {
+            for (m, reference) in [(set.services, &SERVICES), (set.slots, &SLOTS), (set.backends, &BACKENDS)] {
+                assert_eq!(
+                    (m.map_type, m.key_size, m.value_size),
+                    (reference.map_type, reference.key_size, reference.value_size),
+                    "{}",
+                    m.name
+                );
+                assert_eq!(m.datapath, set.datapath(), "{}", m.name);
+                assert_eq!(m.flag(), reference.flag(), "{}", m.name);
+            }
+        }
+        assert_eq!(SLOTS.flag(), "--max-slots");
+        assert_eq!(COUNTERS.flag(), "");
+    }
+}

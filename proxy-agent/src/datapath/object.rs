@@ -1,0 +1,31 @@
+//! The eBPF object both loaders load, and its place under the pin
+//! directory: every map of the [`maps::MAPS`] table pinned by its name,
+//! program links in [`LINKS_DIR`].
+
+use std::path::Path;
+
+use aya::{Ebpf, EbpfError, EbpfLoader};
+
+use crate::datapath::maps::{self, Capacities};
+
+/// The eBPF object, built by build.rs from the `proxy-ebpf` crate.
+pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
+
+/// Sub-directory of the pin directory that holds the program links.
+pub const LINKS_DIR: &str = "links";
+
+/// Loads `object` (no program yet) with every pinned map at its pin under
+/// `pin_dir`: aya reuses a map pinned there instead of creating one, and
+/// pins the ones it creates (`EbpfLoader::map_pin_path`), so every load of
+/// either datapath shares one copy of each map. With `caps`, a map created
+/// now gets its capacity; a pinned map keeps the size it was created with.
+pub fn load(object: &[u8], pin_dir: &Path, caps: Option<&Capacities>) -> Result<Ebpf, EbpfError> {
+    let mut loader = EbpfLoader::new();
+    for m in maps::MAPS {
+        loader.map_pin_path(m.name, pin_dir.join(m.name));
+        if let (Some(caps), Some(c)) = (caps, m.capacity) {
+            loader.map_max_entries(m.name, caps.get(c));
+        }
+    }
+    loader.load(object)
+}

@@ -1,0 +1,546 @@
+//! Ranking a Service's endpoints for one node. Pure: no kube, aya or tokio.
+//!
+//! [`rank`] decides which of a Service port's endpoints this node sends
+//! cluster-policy traffic to (`cluster`) and which it sends local-policy
+//! traffic to (`local`), following the models Kubernetes and OpenYurt have
+//! shipped, in this order of precedence:
+//!
+//! 1. A topology key list, hard constraints in priority order (Service
+//!    Topology, KEP-536, Kubernetes 1.17-1.21; [`topology_keys`]). It comes
+//!    from the first of `spec.topologyKeys`, this project's
+//!    [`topology_keys::ANNOTATION_TOPOLOGY_KEYS`] annotation, or OpenYurt's
+//!    [`openyurt::ANNOTATION_OPENYURT_TOPOLOGY_KEYS`] annotation (OpenYurt's
+//!    own meaning, node pools; [`openyurt`]).
+//! 2. EndpointSlice hints as today's kube-proxy reads them
+//!    (`pkg/proxy/topology.go`: `CategorizeEndpoints`,
+//!    `topologyModeFromHints`, `availableForTopology`; KEP-2433; [`hints`]).
+//! 3. `spec.trafficDistribution` derived from the endpoints' node and zone
+//!    when the control plane wrote no hints (e.g. a control plane without
+//!    the controller that writes them; [`traffic_distribution`]).
+//! 4. Otherwise every usable endpoint, cluster-wide.
+//!
+//! Independently of all that, `local` is the node-local usable endpoints
+//! (internal/externalTrafficPolicy: Local): kube-proxy never applies
+//! topology to them.
+//!
+//! "Usable" is kube-proxy's rule (KEP-1669, `CategorizeEndpoints`): ready
+//! endpoints; when a set has none, the ones that are serving and
+//! terminating, decided for `cluster` and `local` independently.
+//!
+//! This module holds what every model shares (the node's view of the
+//! endpoints, the usable rule), picks the model and assembles the
+//! [`Ranking`]; each model's own rule lives in its submodule.
+
+mod hints;
+mod openyurt;
+mod topology_keys;
+mod traffic_distribution;
+
+use std::collections::BTreeMap;
+use std::fmt;
+
+use crate::model::{Endpoint, Node, Service};
+
+use self::hints::Hints;
+use self::openyurt::{ANNOTATION_OPENYURT_TOPOLOGY_KEYS, YurtTopology};
+use self::topology_keys::{ANNOTATION_TOPOLOGY_KEYS, KeySource};
+
+/// Well-known node label carrying the node's hostname. The ranking never
+/// needs it by name: `spec.topologyKeys` matches whatever label key it
+/// lists (`FilterTopologyEndpoint`), and OpenYurt compares `nodeName`. Only
+/// the tests' Node fixtures set it.
+#[cfg(test)]
+pub(crate) const LABEL_HOSTNAME: &str = "kubernetes.io/hostname";
+/// Well-known node label carrying the node's zone; kube-proxy reads the
+/// node's zone from it (`v1.LabelTopologyZone`).
+pub(crate) const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
+/// The catch-all topology key (`v1.TopologyKeyAny`), also accepted in
+/// older OpenYurt annotation lists.
+pub(crate) const TOPOLOGY_KEY_ANY: &str = "*";
+
+/// Which routing model decided the `cluster` set.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum Model {
+    /// No topology preference (or every preference fell back): every usable
+    /// endpoint.
+    Cluster,
+    /// A topology key list (`spec.topologyKeys` or the
+    /// `topoproxy.io/topology-keys` annotation) decided, including deciding
+    /// that this node has no backends.
+    TopologyKeys,
+    /// OpenYurt's `openyurt.io/topologyKeys` annotation decided (same node
+    /// or same node pool).
+    OpenYurt,
+    /// EndpointSlice `hints.forNodes` for this node (PreferSameNode).
+    HintsNode,
+    /// EndpointSlice `hints.forZones` for this node's zone (PreferSameZone,
+    /// PreferClose, topology-mode Auto).
+    HintsZone,
+    /// `spec.trafficDistribution: PreferSameNode` without hints, derived from
+    /// the endpoints' `nodeName`: endpoints on this node.
+    TrafficDistributionNode,
+    /// `spec.trafficDistribution` without hints, derived from the endpoints'
+    /// zone: endpoints in this node's zone.
+    TrafficDistributionZone,
+}
+
+impl Model {
+    /// Every model, in declaration order; the tests check that the names
+    /// [`Model::as_str`] gives stay stable and distinct.
+    #[cfg(test)]
+    pub(crate) const ALL: [Model; 7] = [
+        Model::Cluster,
+        Model::TopologyKeys,
+        Model::OpenYurt,
+        Model::HintsNode,
+        Model::HintsZone,
+        Model::TrafficDistributionNode,
+        Model::TrafficDistributionZone,
+    ];
+
+    /// Stable name, used in JSON output.
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Model::Cluster => "Cluster",
+            Model::TopologyKeys => "TopologyKeys",
+            Model::OpenYurt => "OpenYurt",
+            Model::HintsNode => "HintsNode",
+            Model::HintsZone => "HintsZone",
+            Model::TrafficDistributionNode => "TrafficDistributionNode",
+            Model::TrafficDistributionZone => "TrafficDistributionZone",
+        }
+    }
+}
+
+impl fmt::Display for Model {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The outcome for one Service port on one node. Indices point into the
+/// endpoint slice given to [`rank`], in ascending order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Ranking {
+    pub model: Model,
+    /// Endpoints for cluster-policy traffic.
+    pub cluster: Vec<usize>,
+    /// Endpoints for local-policy traffic (internal/externalTrafficPolicy: Local).
+    pub local: Vec<usize>,
+    /// Why, in words, for `explain` and logs.
+    pub decision: String,
+    /// Problems with the Service's topology configuration (reported with the
+    /// Service's name by the caller; the ranking still falls back sensibly).
+    pub problems: Vec<String>,
+}
+
+/// What the ranking needs to know about where it runs.
+#[derive(Clone, Copy, Debug)]
+pub struct NodeContext<'a> {
+    pub name: &'a str,
+    /// All known Nodes by name, this one included when known.
+    pub nodes: &'a BTreeMap<String, Node>,
+}
+
+/// Ranks `endpoints` (all endpoints of one Service port) for the node
+/// described by `node`.
+pub(crate) fn rank(svc: &Service, endpoints: &[&Endpoint], node: NodeContext<'_>) -> Ranking {
+    let view = View::new(endpoints, node);
+    let mut problems = Vec::new();
+    let mut notes = Vec::new();
+
+    let (model, cluster, decision) = match constraint(svc, &mut problems, &mut notes) {
+        Some(Constraint::Keys { source, keys }) => {
+            let (cluster, decision) = topology_keys::rank_by_keys(&view, &source, &keys);
+            (Model::TopologyKeys, cluster, decision)
+        }
+        Some(Constraint::OpenYurt(yurt)) => {
+            let (cluster, decision) = openyurt::rank_openyurt(&view, &yurt);
+            (Model::OpenYurt, cluster, decision)
+        }
+        None => rank_by_preference(svc, &view, &mut problems),
+    };
+
+    // kube-proxy computes the Local-policy set from node-local endpoints
+    // only, ignoring topology ("topology ignored for Local endpoints" in
+    // pkg/proxy/topology_test.go), with its own terminating fallback.
+    let local = usable(view.all(), |e| view.is_local(e));
+
+    let mut parts = notes;
+    parts.push(decision);
+    if svc.internal_policy_local || svc.external_policy_local {
+        parts.push(format!("local: {}", local.describe_on(view.node_name)));
+    }
+
+    Ranking { model, cluster: sorted_unique(cluster), local: local.indices, decision: parts.join("; "), problems }
+}
+
+/// Sorts and deduplicates a result (the tiers produce ascending indices
+/// already; this keeps the documented guarantee whatever the path).
+fn sorted_unique(mut v: Vec<usize>) -> Vec<usize> {
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+// ---------------------------------------------------------------------------
+// The endpoints as seen from this node.
+// ---------------------------------------------------------------------------
+
+/// An endpoint with its index in the caller's slice.
+type Indexed<'a> = (usize, &'a Endpoint);
+
+struct View<'a> {
+    endpoints: &'a [&'a Endpoint],
+    node_name: &'a str,
+    nodes: &'a BTreeMap<String, Node>,
+    /// This node's labels; `None` when the node is unknown, in which case
+    /// it has no label at all (as kube-proxy with empty node labels).
+    labels: Option<&'a BTreeMap<String, String>>,
+}
+
+impl<'a> View<'a> {
+    fn new(endpoints: &'a [&'a Endpoint], node: NodeContext<'a>) -> Self {
+        View { endpoints, node_name: node.name, nodes: node.nodes, labels: node.nodes.get(node.name).map(|n| &n.labels) }
+    }
+
+    fn all(&self) -> Vec<Indexed<'a>> {
+        self.endpoints.iter().copied().enumerate().collect()
+    }
+
+    /// This node's value for label `key`.
+    fn node_label(&self, key: &str) -> Option<&'a str> {
+        self.labels.and_then(|l| l.get(key)).map(String::as_str)
+    }
+
+    /// The value of label `key` on the Node an endpoint runs on. An endpoint
+    /// without `nodeName`, or whose Node is unknown, has no labels.
+    fn endpoint_label(&self, ep: &Endpoint, key: &str) -> Option<&'a str> {
+        let node = self.nodes.get(ep.node_name.as_deref()?)?;
+        node.labels.get(key).map(String::as_str)
+    }
+
+    fn is_local(&self, ep: &Endpoint) -> bool {
+        ep.node_name.as_deref() == Some(self.node_name)
+    }
+
+    /// This node's zone; an empty label value is no zone (kube-proxy logs
+    /// "node is missing label" for both).
+    fn zone(&self) -> Option<&'a str> {
+        self.node_label(LABEL_ZONE).filter(|z| !z.is_empty())
+    }
+
+    /// An endpoint's zone: the EndpointSlice's `zone`, which the EndpointSlice
+    /// controller copies from the Node's zone label; when the slice does not
+    /// carry it (hand-written manifests), the Node's label directly.
+    fn endpoint_zone(&self, ep: &'a Endpoint) -> Option<&'a str> {
+        match ep.zone.as_deref() {
+            Some(z) if !z.is_empty() => Some(z),
+            _ => self.endpoint_label(ep, LABEL_ZONE).filter(|z| !z.is_empty()),
+        }
+    }
+}
+
+/// The indices of the candidates `keep` accepts, in the candidates' order.
+fn indices_where(candidates: &[Indexed<'_>], keep: impl Fn(&Endpoint) -> bool) -> Vec<usize> {
+    candidates.iter().filter(|(_, e)| keep(e)).map(|(i, _)| *i).collect()
+}
+
+/// The usable endpoints among a candidate set.
+struct Usable {
+    indices: Vec<usize>,
+    /// No candidate was ready; `indices` are serving and terminating ones.
+    terminating: bool,
+}
+
+impl Usable {
+    fn describe_on(&self, node: &str) -> String {
+        match (self.indices.len(), self.terminating) {
+            (0, _) => format!("no usable endpoint on {node}"),
+            (n, false) => format!("{n} ready on {node}"),
+            (n, true) => format!("no ready endpoint on {node}, {n} serving terminating"),
+        }
+    }
+}
+
+/// Ready endpoints among the candidates `keep` accepts; when none is ready,
+/// the ones that are serving and terminating (kube-proxy's fallback,
+/// KEP-1669 / `CategorizeEndpoints`).
+fn usable(candidates: Vec<Indexed<'_>>, keep: impl Fn(&Endpoint) -> bool) -> Usable {
+    let pick =
+        |f: &dyn Fn(&Endpoint) -> bool| -> Vec<usize> { candidates.iter().filter(|(_, e)| keep(e) && f(e)).map(|(i, _)| *i).collect() };
+    let ready = pick(&|e| e.ready);
+    if !ready.is_empty() {
+        return Usable { indices: ready, terminating: false };
+    }
+    Usable { indices: pick(&|e| e.serving && e.terminating), terminating: true }
+}
+
+fn plural(n: usize, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+// ---------------------------------------------------------------------------
+// Model selection.
+// ---------------------------------------------------------------------------
+
+enum Constraint {
+    /// Kubernetes Service Topology keys, already validated.
+    Keys { source: String, keys: Vec<String> },
+    /// OpenYurt's service topology.
+    OpenYurt(YurtTopology),
+}
+
+/// Finds the Service's topology key list: the first of `spec.topologyKeys`
+/// (non-empty: "If this is not specified or empty, no topology constraints
+/// will be applied"), [`ANNOTATION_TOPOLOGY_KEYS`],
+/// [`ANNOTATION_OPENYURT_TOPOLOGY_KEYS`]. The first source present is the
+/// one that counts: when it is invalid the Service gets no key-based
+/// topology at all (the lower sources are not consulted), as if it had no
+/// keys, until it is fixed.
+fn constraint(svc: &Service, problems: &mut Vec<String>, notes: &mut Vec<String>) -> Option<Constraint> {
+    let yurt = svc.annotations.get(ANNOTATION_OPENYURT_TOPOLOGY_KEYS);
+
+    let Some((source, keys)) = topology_keys::declared_keys(svc) else {
+        return openyurt::parse_openyurt(yurt?, problems).map(Constraint::OpenYurt);
+    };
+    if source == KeySource::Spec && svc.annotations.contains_key(ANNOTATION_TOPOLOGY_KEYS) {
+        notes.push(format!("annotation {ANNOTATION_TOPOLOGY_KEYS} ignored: spec.topologyKeys takes precedence"));
+    }
+    if yurt.is_some() {
+        notes.push(format!("annotation {ANNOTATION_OPENYURT_TOPOLOGY_KEYS} ignored: {} takes precedence", source.label()));
+    }
+    let errors = topology_keys::validate_topology_keys(source.path(), &keys, svc.external_policy_local);
+    if !errors.is_empty() {
+        problems.push(format!("{} ignored until fixed: {}", source.label(), errors.join("; ")));
+        notes.push(format!("{} is invalid and ignored (see problems)", source.label()));
+        return None;
+    }
+    let source = format!("{} [{}]", source.label(), keys.join(", "));
+    Some(Constraint::Keys { source, keys })
+}
+
+/// No topology keys: kube-proxy's `CategorizeEndpoints` for the Cluster
+/// set. With no ready endpoint at all, every serving terminating endpoint,
+/// without topology ("we would already have chosen to ignore topology if
+/// there were no ready endpoints for the given topology"). Otherwise the
+/// hints written on the EndpointSlices ([`hints::rank_by_hints`]); when no
+/// ready endpoint carries any hint and `spec.trafficDistribution` is set,
+/// the same preference derived from the endpoints' node and zone
+/// ([`traffic_distribution::derive`]). Hints that were written but do not
+/// apply are the control plane's call and lead to cluster-wide, as in
+/// kube-proxy: every ready endpoint.
+fn rank_by_preference(svc: &Service, view: &View<'_>, problems: &mut Vec<String>) -> (Model, Vec<usize>, String) {
+    let td = traffic_distribution::parse(svc, problems);
+    let all = view.all();
+    let ready: Vec<Indexed<'_>> = all.iter().copied().filter(|(_, e)| e.ready).collect();
+
+    if ready.is_empty() {
+        let u = usable(all, |_| true);
+        let decision = if u.indices.is_empty() {
+            "no usable endpoints".to_string()
+        } else {
+            format!(
+                "no ready endpoints: {} cluster-wide (topology is not applied to the fallback, as in kube-proxy)",
+                plural(u.indices.len(), "serving terminating endpoint", "serving terminating endpoints")
+            )
+        };
+        return (Model::Cluster, u.indices, decision);
+    }
+
+    let mut log = Vec::new();
+    let by_hints = hints::rank_by_hints(svc, view, &ready, &mut log);
+    if let Hints::Used(model, sel) = by_hints {
+        return (model, sel, log.join("; "));
+    }
+
+    if let Some((dist, raw)) = td {
+        if by_hints == Hints::Ignored {
+            log.push(format!("trafficDistribution {raw}: hints were written, not deriving"));
+        } else if let Some((model, sel)) = traffic_distribution::derive(view, &ready, dist, raw, &mut log) {
+            return (model, sel, log.join("; "));
+        }
+    }
+
+    let sel = indices_where(&ready, |_| true);
+    log.push(format!("{} cluster-wide", plural(sel.len(), "ready endpoint", "ready endpoints")));
+    (Model::Cluster, sel, log.join("; "))
+}
+
+/// Builders and the table runner every model's tests share.
+#[cfg(test)]
+mod test_support;
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use super::test_support::{Case, EpExt, REGION, SvcExt, ep, node, run, svc};
+    use super::*;
+
+    // ----- traffic policies and terminating endpoints (TestCategorizeEndpoints) -----
+
+    #[test]
+    fn policies_and_termination() {
+        run(vec![
+            Case {
+                name: "internalTrafficPolicy: Local, with empty endpoints",
+                svc: svc().itp_local(),
+                says: vec!["local: no usable endpoint on n1"],
+                ..Default::default()
+            },
+            Case {
+                name: "internalTrafficPolicy: Local, but all endpoints are remote",
+                svc: svc().itp_local(),
+                eps: vec![ep(0, "x"), ep(1, "x")],
+                cluster: vec![0, 1],
+                local: vec![],
+                ..Default::default()
+            },
+            Case {
+                name: "internalTrafficPolicy: Local, all endpoints are local",
+                svc: svc().itp_local(),
+                eps: vec![ep(0, "n1"), ep(1, "n1")],
+                cluster: vec![0, 1],
+                local: vec![0, 1],
+                ..Default::default()
+            },
+            Case {
+                name: "internalTrafficPolicy: Local, some endpoints are local",
+                svc: svc().itp_local(),
+                eps: vec![ep(0, "n1"), ep(1, "x")],
+                cluster: vec![0, 1],
+                local: vec![0],
+                ..Default::default()
+            },
+            Case {
+                name: "Cluster traffic policy, endpoints not Ready",
+                eps: vec![ep(0, "x").unready(), ep(1, "x").unready()],
+                cluster: vec![],
+                says: vec!["no usable endpoints"],
+                ..Default::default()
+            },
+            Case {
+                name: "Cluster traffic policy, some endpoints are Ready",
+                eps: vec![ep(0, "x").unready(), ep(1, "x")],
+                cluster: vec![1],
+                ..Default::default()
+            },
+            Case {
+                name: "Cluster traffic policy, all endpoints are terminating",
+                eps: vec![ep(0, "n1").term(), ep(1, "x").term()],
+                cluster: vec![0, 1],
+                local: vec![0],
+                says: vec!["no ready endpoints: 2 serving terminating endpoints cluster-wide"],
+                ..Default::default()
+            },
+            Case {
+                name: "terminating but not serving endpoints are never used",
+                eps: vec![ep(0, "n1").gone(), ep(1, "x").gone()],
+                cluster: vec![],
+                local: vec![],
+                ..Default::default()
+            },
+            Case {
+                name: "iTP: Local, eTP: Cluster, some endpoints local",
+                svc: svc().itp_local(),
+                eps: vec![ep(0, "n1"), ep(1, "x")],
+                cluster: vec![0, 1],
+                local: vec![0],
+                ..Default::default()
+            },
+            Case {
+                name: "iTP: Cluster, eTP: Local, some endpoints local",
+                svc: svc().etp_local(),
+                eps: vec![ep(0, "n1"), ep(1, "x")],
+                cluster: vec![0, 1],
+                local: vec![0],
+                ..Default::default()
+            },
+            Case {
+                name: "iTP: Local, eTP: Local, all endpoints remote",
+                svc: svc().itp_local().etp_local(),
+                eps: vec![ep(0, "x"), ep(1, "x")],
+                cluster: vec![0, 1],
+                local: vec![],
+                ..Default::default()
+            },
+            Case {
+                name: "iTP: Local, eTP: Local, all endpoints remote and terminating",
+                svc: svc().itp_local().etp_local(),
+                eps: vec![ep(0, "x").term(), ep(1, "x").term()],
+                cluster: vec![0, 1],
+                local: vec![],
+                ..Default::default()
+            },
+            Case {
+                name: "iTP: Cluster, eTP: Local, with terminating endpoints",
+                svc: svc().etp_local(),
+                eps: vec![ep(0, "x"), ep(1, "n1").unready(), ep(2, "n1").term(), ep(3, "x").term()],
+                cluster: vec![0],
+                local: vec![2],
+                says: vec!["local: no ready endpoint on n1, 1 serving terminating"],
+                ..Default::default()
+            },
+            Case {
+                name: "local ready endpoints win over local terminating ones",
+                svc: svc().itp_local(),
+                eps: vec![ep(0, "n1").term(), ep(1, "n1"), ep(2, "x")],
+                cluster: vec![1, 2],
+                local: vec![1],
+                ..Default::default()
+            },
+            Case {
+                name: "zone hints with no ready endpoints: terminating fallback ignores topology",
+                nodes: vec![node("n1", &[(LABEL_ZONE, "zone-a")])],
+                eps: vec![ep(0, "x").zh(&["zone-a"]).term(), ep(1, "x").zh(&["zone-b"]).term()],
+                cluster: vec![0, 1],
+                ..Default::default()
+            },
+        ]);
+    }
+
+    #[test]
+    fn model_names_are_stable_and_unique() {
+        let names: Vec<&str> = Model::ALL.iter().map(|m| m.as_str()).collect();
+        assert_eq!(
+            names,
+            ["Cluster", "TopologyKeys", "OpenYurt", "HintsNode", "HintsZone", "TrafficDistributionNode", "TrafficDistributionZone"]
+        );
+        let unique: BTreeSet<&str> = names.iter().copied().collect();
+        assert_eq!(unique.len(), names.len());
+        assert_eq!(Model::HintsZone.to_string(), "HintsZone");
+    }
+
+    #[test]
+    fn decision_reads_well() {
+        let nodes: BTreeMap<String, Node> = [
+            node("node-a", &[(LABEL_HOSTNAME, "node-a"), (LABEL_ZONE, "z1")]),
+            node("node-b", &[(LABEL_HOSTNAME, "node-b"), (LABEL_ZONE, "z1")]),
+            node("node-c", &[(LABEL_HOSTNAME, "node-c"), (LABEL_ZONE, "z2")]),
+        ]
+        .into_iter()
+        .map(|n| (n.name.clone(), n))
+        .collect();
+        let eps = [ep(1, "node-b"), ep(2, "node-b"), ep(3, "node-c")];
+        let refs: Vec<&Endpoint> = eps.iter().collect();
+        let s = svc().keys(&[LABEL_HOSTNAME, LABEL_ZONE, REGION, "*"]);
+        let r = rank(&s, &refs, NodeContext { name: "node-a", nodes: &nodes });
+        assert_eq!(
+            r.decision,
+            "spec.topologyKeys [kubernetes.io/hostname, topology.kubernetes.io/zone, topology.kubernetes.io/region, *]: \
+             none in kubernetes.io/hostname=node-a; 2 in topology.kubernetes.io/zone=z1"
+        );
+        assert_eq!(r.model.as_str(), "TopologyKeys");
+
+        let s = svc().keys(&["*", LABEL_HOSTNAME]);
+        let r = rank(&s, &refs, NodeContext { name: "node-a", nodes: &nodes });
+        assert_eq!(r.problems.len(), 1);
+        assert!(
+            r.problems[0].starts_with("spec.topologyKeys ignored until fixed: spec.topologyKeys[0]: Invalid value"),
+            "{:?}",
+            r.problems
+        );
+        assert_eq!(r.decision, "spec.topologyKeys is invalid and ignored (see problems); 3 ready endpoints cluster-wide");
+    }
+}

@@ -1,0 +1,28 @@
+//! Helpers for proxy-agent's privileged integration tests, its demo and its
+//! benchmark, kept out of the agent's library: proxy-agent takes this crate
+//! as a dev-dependency, so none of it is built into the product.
+//!
+//! One job per module:
+//!
+//! - [`sandbox`]: throwaway network namespaces, cgroups, pin directories and
+//!   processes, isolated from the host and removed on drop;
+//! - [`apiserver`]: a stand-in Kubernetes API server speaking the real
+//!   list/watch protocol over HTTP, for the agent's kube-rs watchers;
+//! - [`prog_test_run`]: `BPF_PROG_TEST_RUN`, running a loaded packet program
+//!   on a frame without attaching it;
+//! - [`checksum`]: the Internet checksum, for frames handed to it;
+//! - [`wait`]: polling until the agent has caught up, with a deadline the
+//!   emulated-kernel runs can raise;
+//! - [`http`]: plain HTTP GETs and Prometheus samples, for the agent's
+//!   health and metrics endpoints.
+//!
+//! What needs the agent binary itself (`CARGO_BIN_EXE_proxy-agent`, which
+//! cargo sets only for proxy-agent's own tests) stays in
+//! `proxy-agent/tests/support`.
+
+pub mod apiserver;
+pub mod checksum;
+pub mod http;
+pub mod prog_test_run;
+pub mod sandbox;
+pub mod wait;
