@@ -1,4 +1,4 @@
-//! External traffic at TC (issue #5): NodePort and externalIPs from a client
+//! External traffic at TC: NodePort and externalIPs from a client
 //! outside the cluster, through two simulated nodes.
 //!
 //! Five isolated namespaces, no link to the host's:
