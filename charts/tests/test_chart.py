@@ -15,10 +15,13 @@ against its `run --help`.
 
 from __future__ import annotations
 
+import http.server
+import json
 import os
 import pathlib
 import re
 import subprocess
+import threading
 
 import helm_python as helm
 import kubernetes_validate
@@ -258,7 +261,9 @@ def test_agent_arguments_environment_and_probes(default_objects):
     }
     assert c["env"] == [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
     assert c["ports"] == [{"name": "metrics", "containerPort": 10256, "protocol": "TCP"}]
-    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    # Liveness is staleness only: /healthz also fails while the node is
+    # being deleted, which must drain load balancers, not restart the agent.
+    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "metrics"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     # Map memory is charged to the agent: no memory limit, a request that
     # covers the default maps.
@@ -352,6 +357,15 @@ def test_values_reach_the_agent(custom_objects):
     assert ds["spec"]["template"]["metadata"]["annotations"] == NON_DEFAULT["podAnnotations"]
 
 
+def test_probe_settings_keep_the_probe_paths():
+    values = {"livenessProbe": {"periodSeconds": 20, "failureThreshold": 3}, "readinessProbe": {"periodSeconds": 2}}
+    c = agent_container(one(render(values), "DaemonSet"))
+    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "metrics"}
+    assert (c["livenessProbe"]["periodSeconds"], c["livenessProbe"]["failureThreshold"]) == (20, 3)
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert c["readinessProbe"]["periodSeconds"] == 2
+
+
 def test_devices_default_to_auto_and_take_a_list_or_none(default_objects, custom_objects):
     # The agent's own default is auto too; the chart says it explicitly so
     # that the DaemonSet shows where the TC programs go.
@@ -418,12 +432,167 @@ def test_rbac_and_service_account_can_be_turned_off():
         ({"metrics": {"port": 70000}}, "/metrics/port"),
         ({"logLevl": "debug"}, "logLevl"),
         ({"bpf": {"root": "relative/path"}}, "/bpf/root"),
+        ({"kubeProxyCleanup": {"nodePortRange": "30000"}}, "/kubeProxyCleanup/nodePortRange"),
+        ({"kubeProxyCleanup": {"enable": True}}, "enable"),
     ],
 )
 def test_bad_values_are_rejected_by_the_schema(values, complaint):
     with pytest.raises(helm.HelmValuesError) as e:
         render(values)
     assert complaint in str(e.value)
+
+
+# --- moving from kube-proxy -------------------------------------------------
+
+
+def test_kube_proxy_cleanup_is_off_by_default(default_objects):
+    pod = one(default_objects, "DaemonSet")["spec"]["template"]["spec"]
+    assert [i["name"] for i in pod["initContainers"]] == ["mount-bpffs"]
+    assert "host-root" not in {v["name"] for v in pod["volumes"]}
+
+
+@pytest.mark.parametrize("mount_bpffs", [True, False])
+def test_kube_proxy_cleanup_runs_the_agent_with_the_nodes_tools(mount_bpffs):
+    values = {"kubeProxyCleanup": {"enabled": True, "nodePortRange": "30000-31000"}, "bpf": {"mountIfMissing": mount_bpffs}}
+    objects = render(values)
+    pod = one(objects, "DaemonSet")["spec"]["template"]["spec"]
+    assert [i["name"] for i in pod["initContainers"]] == (["mount-bpffs"] if mount_bpffs else []) + ["cleanup-kube-proxy"]
+    step = pod["initContainers"][-1]
+    assert step["image"] == agent_container(one(objects, "DaemonSet"))["image"]
+    assert step["securityContext"] == {"privileged": True}
+    assert step["volumeMounts"] == [{"name": "host-root", "mountPath": "/host"}]
+    assert step["command"][:2] == ["sh", "-c"]
+    script = " ".join(step["command"][2].split())
+    # The node's tools (chrooted into its root), and a failure never keeps
+    # the agent from starting.
+    assert script.startswith("proxy-agent cleanup-kube-proxy --host-root=/host --node-port-range=30000-31000 || echo ")
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["host-root"]["hostPath"] == {"path": "/", "type": "Directory"}
+    for kube_version in KUBE_VERSIONS:
+        for obj in objects:
+            if obj["kind"] not in CRD_KINDS:
+                kubernetes_validate.validate(obj, kube_version, strict=True)
+
+
+def test_the_cleanup_steps_flags_exist_in_the_agent():
+    binary = os.environ.get("PROXY_AGENT_BIN")
+    if not binary:
+        pytest.skip("PROXY_AGENT_BIN is not set (cargo test sets it)")
+    assert {"--host-root", "--node-port-range", "--dry-run"} <= agent_flags(binary, "cleanup-kube-proxy")
+
+
+def readme_guide_commands() -> list[str]:
+    """The commands of the README's migration guide (the ```sh blocks after
+    `<!-- migration-guide -->`), continuation lines joined."""
+    lines = (CHART.parent.parent / "README.md").read_text().splitlines()
+    out, cmd, inside = [], "", False
+    for prev, line in zip([""] + lines, lines):
+        if line.strip() == "```sh" and prev.strip() == "<!-- migration-guide -->":
+            inside = True
+        elif inside and line.strip() == "```":
+            inside = False
+        elif inside and line.strip() and not line.strip().startswith("#"):
+            if line.rstrip().endswith("\\"):
+                cmd += line.rstrip()[:-1].strip() + " "
+            else:
+                out.append(cmd + line.strip())
+                cmd = ""
+    return out
+
+
+def test_the_migration_guides_helm_commands_name_real_values():
+    helm_commands = [c for c in readme_guide_commands() if c.startswith("helm install") or c.startswith("helm upgrade")]
+    assert len(helm_commands) == 2, readme_guide_commands()
+    for command in helm_commands:
+        assert " charts/topoproxy " in command, command
+        values: dict = {}
+        for key, value in re.findall(r"--set ([A-Za-z0-9_.]+)=(\S+)", command):
+            node = values
+            *path, last = key.split(".")
+            for part in path:
+                node = node.setdefault(part, {})
+            node[last] = {"true": True, "false": False}.get(value, value)
+        assert values, command
+        # Unknown keys fail the schema (additionalProperties: false).
+        objects = render(values)
+        if values.get("kubeProxyCleanup", {}).get("enabled"):
+            pod = one(objects, "DaemonSet")["spec"]["template"]["spec"]
+            assert "cleanup-kube-proxy" in [i["name"] for i in pod["initContainers"]]
+
+
+class _StandInApiServer(http.server.BaseHTTPRequestHandler):
+    """Just enough of the API server for Helm's `lookup`: discovery of
+    apps/v1 and a GET of one DaemonSet (kube-system/kube-proxy when the
+    server's `kube_proxy` is set), answered as the API server answers."""
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def _send(self, code: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self):  # noqa: N802 (http.server's naming)
+        path = self.path.split("?")[0]
+        self.server.requests.append(path)
+        not_found = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404,
+                     "message": f"{path} not found"}
+        if path == "/version":
+            self._send(200, {"major": "1", "minor": "33", "gitVersion": "v1.33.0"})
+        elif path == "/api":
+            self._send(200, {"kind": "APIVersions", "versions": ["v1"], "serverAddressByClientCIDRs": []})
+        elif path == "/api/v1":
+            self._send(200, {"kind": "APIResourceList", "groupVersion": "v1", "resources": []})
+        elif path == "/apis":
+            group = {"name": "apps", "versions": [{"groupVersion": "apps/v1", "version": "v1"}],
+                     "preferredVersion": {"groupVersion": "apps/v1", "version": "v1"}}
+            self._send(200, {"kind": "APIGroupList", "apiVersion": "v1", "groups": [group]})
+        elif path == "/apis/apps/v1":
+            resource = {"name": "daemonsets", "singularName": "daemonset", "namespaced": True, "kind": "DaemonSet",
+                        "verbs": ["get", "list", "watch"], "shortNames": ["ds"]}
+            self._send(200, {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": "apps/v1", "resources": [resource]})
+        elif path == "/apis/apps/v1/namespaces/kube-system/daemonsets/kube-proxy" and self.server.kube_proxy:
+            self._send(200, {"apiVersion": "apps/v1", "kind": "DaemonSet",
+                             "metadata": {"name": "kube-proxy", "namespace": "kube-system", "uid": "1"},
+                             "spec": {"selector": {"matchLabels": {"k8s-app": "kube-proxy"}}}})
+        else:
+            self._send(404, not_found)
+
+
+def render_against_cluster(kube_proxy: bool) -> tuple[str, list[str]]:
+    """NOTES.txt as `helm install` renders it against a cluster with (or
+    without) a kube-proxy DaemonSet, and the paths Helm asked for."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _StandInApiServer)
+    server.kube_proxy = kube_proxy
+    server.requests = []
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    kubeconfig = yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "t",
+        "clusters": [{"name": "t", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
+        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "t"}}],
+        "users": [{"name": "t", "user": {}}],
+    })
+    try:
+        with helm.Config(kubeconfig_content=kubeconfig, namespace=NAMESPACE) as cfg, helm.Chart.load(CHART) as chart:
+            manifests = cfg.render(chart, None, name=RELEASE, namespace=NAMESPACE, is_install=True)
+    finally:
+        server.shutdown()
+    return next(t for p, t in manifests.items() if p.endswith("NOTES.txt")), server.requests
+
+
+def test_notes_say_how_to_move_from_a_kube_proxy_found_at_install():
+    text, requests = render_against_cluster(kube_proxy=True)
+    assert "/apis/apps/v1/namespaces/kube-system/daemonsets/kube-proxy" in requests, requests
+    assert "kubeProxyCoexistence: kube-system/kube-proxy is a DaemonSet of this cluster." in text
+    assert f"helm upgrade {RELEASE} CHART -n {NAMESPACE} --reuse-values --set kubeProxyCleanup.enabled=true" in text
+    assert "kubeProxyCoexistence" not in render_against_cluster(kube_proxy=False)[0]
+    # Offline (helm template, --dry-run=client) the cluster cannot be seen.
+    assert "kubeProxyCoexistence" not in notes()
 
 
 # --- the chart and the agent binary agree -----------------------------------

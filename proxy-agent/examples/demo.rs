@@ -22,10 +22,10 @@
 //!
 //! Run it with `cargo xtask demo`; it needs root.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fs;
 use std::io::{BufRead, BufReader};
-use std::net::{IpAddr, SocketAddr};
+use std::net::SocketAddr;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -34,14 +34,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
-use proxy_agent::source::manifest;
 use proxy_test_support::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in};
+use proxy_test_support::scenario::{NodeSpec, PodSpec, ServiceSpec, Tally, print_table, read_scenario, tally};
 use serde_json::Value;
 
-const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
-const LABEL_POOL: &str = "apps.openyurt.io/nodepool";
-const ANNOTATION_OPENYURT: &str = "openyurt.io/topologyKeys";
-const ANNOTATION_TOPOPROXY: &str = "topoproxy.io/topology-keys";
 /// ENETUNREACH: what a client sees before its node's agent programmed the
 /// ClusterIP (the namespace has no route for it).
 const ENETUNREACH: i64 = 101;
@@ -112,107 +108,6 @@ fn die_with_parent(cmd: &mut Command) {
             Ok(())
         });
     }
-}
-
-// ---------------------------------------------------------------------------
-// What the manifests describe.
-// ---------------------------------------------------------------------------
-
-struct NodeSpec {
-    name: String,
-    zone: String,
-    pool: String,
-}
-
-struct ServiceSpec {
-    name: String,
-    frontend: SocketAddr,
-    udp: bool,
-    topology: String,
-}
-
-struct PodSpec {
-    name: String,
-    node: String,
-    ip: IpAddr,
-    ports: BTreeSet<u16>,
-}
-
-struct Scenario {
-    nodes: Vec<NodeSpec>,
-    services: Vec<ServiceSpec>,
-    pods: Vec<PodSpec>,
-}
-
-fn str_at<'a>(v: &'a Value, path: &[&str]) -> Option<&'a str> {
-    path.iter().try_fold(v, |v, k| v.get(*k))?.as_str()
-}
-
-fn read_scenario(dir: &Path) -> Result<Scenario> {
-    let (docs, errors) = manifest::load(&[dir.to_path_buf()]);
-    if let Some(e) = errors.first() {
-        bail!("reading {}: {e}", dir.display());
-    }
-    let mut nodes = Vec::new();
-    let mut services = Vec::new();
-    let mut pods: BTreeMap<String, PodSpec> = BTreeMap::new();
-    for d in &docs {
-        let v = &d.value;
-        let name = str_at(v, &["metadata", "name"]).unwrap_or_default().to_string();
-        match str_at(v, &["kind"]) {
-            Some("Node") => {
-                let label = |k: &str| str_at(v, &["metadata", "labels", k]).unwrap_or("-").to_string();
-                nodes.push(NodeSpec { name, zone: label(LABEL_ZONE), pool: label(LABEL_POOL) });
-            }
-            Some("Service") => {
-                let Some(ip) = str_at(v, &["spec", "clusterIP"]).and_then(|s| s.parse::<IpAddr>().ok()) else {
-                    continue;
-                };
-                let Some(port) = v.pointer("/spec/ports/0") else { continue };
-                let number = port.get("port").and_then(Value::as_u64).and_then(|p| u16::try_from(p).ok()).unwrap_or(0);
-                let udp = port.get("protocol").and_then(Value::as_str) == Some("UDP");
-                let annotation = |k: &str| str_at(v, &["metadata", "annotations", k]).map(|a| format!("{k}: {a}"));
-                let topology = annotation(ANNOTATION_OPENYURT)
-                    .or_else(|| annotation(ANNOTATION_TOPOPROXY))
-                    .or_else(|| v.pointer("/spec/topologyKeys").map(|k| format!("spec.topologyKeys: {k}")))
-                    .or_else(|| str_at(v, &["spec", "trafficDistribution"]).map(|t| format!("trafficDistribution: {t}")))
-                    .unwrap_or_else(|| "no topology".into());
-                services.push(ServiceSpec { name, frontend: SocketAddr::new(ip, number), udp, topology });
-            }
-            Some("EndpointSlice") => {
-                let port_numbers: Vec<u16> = v
-                    .get("ports")
-                    .and_then(Value::as_array)
-                    .into_iter()
-                    .flatten()
-                    .filter_map(|p| p.get("port").and_then(Value::as_u64).and_then(|p| u16::try_from(p).ok()))
-                    .collect();
-                for ep in v.get("endpoints").and_then(Value::as_array).into_iter().flatten() {
-                    let Some(ip) = ep.pointer("/addresses/0").and_then(Value::as_str).and_then(|s| s.parse::<IpAddr>().ok()) else {
-                        continue;
-                    };
-                    let pod_name = str_at(ep, &["targetRef", "name"]).map_or_else(|| ip.to_string(), str::to_string);
-                    let node = str_at(ep, &["nodeName"]).unwrap_or("-").to_string();
-                    let pod = pods.entry(pod_name.clone()).or_insert_with(|| PodSpec {
-                        name: pod_name.clone(),
-                        node,
-                        ip,
-                        ports: BTreeSet::new(),
-                    });
-                    if pod.ip != ip {
-                        bail!("pod {pod_name} has two addresses in the EndpointSlices ({} and {ip})", pod.ip);
-                    }
-                    pod.ports.extend(&port_numbers);
-                }
-            }
-            _ => {}
-        }
-    }
-    nodes.sort_by(|a, b| a.name.cmp(&b.name));
-    if nodes.is_empty() || services.is_empty() || pods.is_empty() {
-        bail!("{} needs Nodes, Services with a clusterIP and EndpointSlices", dir.display());
-    }
-    Ok(Scenario { nodes, services, pods: pods.into_values().collect() })
 }
 
 // ---------------------------------------------------------------------------
@@ -315,7 +210,7 @@ fn run(args: &Args) -> Result<()> {
     let manifests = args.manifests.clone().unwrap_or_else(|| PathBuf::from(BUNDLED_MANIFESTS));
     let manifests = manifests.canonicalize().with_context(|| format!("manifest directory {}", manifests.display()))?;
     anyhow::ensure!(agent.is_file(), "{} not found; build it with `cargo build -p proxy-agent`", agent.display());
-    let scenario = read_scenario(&manifests)?;
+    let scenario = read_scenario(&manifests).map_err(anyhow::Error::msg)?;
 
     let (cluster, started) = start(&agent, &manifests, scenario.nodes, &scenario.pods);
     let result = started.and_then(|()| exercise(&agent, &manifests, cluster.as_ref(), &scenario.services, &scenario.pods, args));
@@ -482,9 +377,6 @@ fn wait_programmed(agent: &Path, cluster: &Cluster, services: &[ServiceSpec]) ->
     Ok(())
 }
 
-/// Reply counts per backend name, or per failure reason.
-type Tally = BTreeMap<String, u32>;
-
 fn exercise(
     agent: &Path,
     manifests: &Path,
@@ -505,22 +397,9 @@ fn exercise(
         let mut row = Vec::new();
         for svc in services {
             check_interrupted()?;
-            let mut tally = Tally::new();
-            for line in probe(agent, cluster, &n.spec.name, svc, args.requests, 2000)? {
-                let key = if line.get("ok") == Some(&Value::Bool(true)) {
-                    line.get("reply").and_then(Value::as_str).unwrap_or("?").to_string()
-                } else {
-                    match errno(&line) {
-                        Some(111) => "(refused)".to_string(),
-                        Some(101) => "(unreachable)".to_string(),
-                        _ => format!("({})", line.get("error").and_then(Value::as_str).unwrap_or("failed")),
-                    }
-                };
-                *tally.entry(key).or_default() += 1;
-            }
-            row.push(tally);
+            row.push(tally(&probe(agent, cluster, &n.spec.name, svc, args.requests, 2000)?));
         }
-        results.push((format!("{} ({}, {})", n.spec.name, n.spec.zone, n.spec.pool), row));
+        results.push((n.spec.label(), row));
     }
     check_interrupted()?;
 
@@ -590,35 +469,5 @@ fn print_log_tail(a: &Agent) {
     eprintln!("--- last lines of the agent log of {} ---", a.node);
     for l in &lines[lines.len().saturating_sub(15)..] {
         eprintln!("{l}");
-    }
-}
-
-/// Rows: client node; columns: Services; cells: one line per backend that
-/// answered, with its count.
-fn print_table(services: &[ServiceSpec], results: &[(String, Vec<Tally>)]) {
-    let cell_lines = |t: &Tally| -> Vec<String> { t.iter().map(|(k, v)| format!("{k} x{v}")).collect() };
-    let mut widths = vec![results.iter().map(|(r, _)| r.len()).chain(["client pod on node".len()]).max().unwrap_or(0)];
-    for (i, s) in services.iter().enumerate() {
-        let w = results.iter().flat_map(|(_, row)| cell_lines(&row[i])).map(|l| l.len()).chain([s.name.len()]).max().unwrap_or(0);
-        widths.push(w);
-    }
-    let line = |cells: &[&str]| {
-        let s: Vec<String> = cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}")).collect();
-        println!("{}", s.join("  |  ").trim_end());
-    };
-    let header: Vec<&str> = std::iter::once("client pod on node").chain(services.iter().map(|s| s.name.as_str())).collect();
-    line(&header);
-    let rule: Vec<String> = widths.iter().map(|w| "-".repeat(*w)).collect();
-    println!("{}", rule.join("--+--"));
-    for (label, row) in results {
-        let cells: Vec<Vec<String>> = row.iter().map(cell_lines).collect();
-        let height = cells.iter().map(Vec::len).max().unwrap_or(1).max(1);
-        for k in 0..height {
-            let first = if k == 0 { label.as_str() } else { "" };
-            let mut out: Vec<&str> = vec![first];
-            out.extend(cells.iter().map(|c| c.get(k).map_or("", String::as_str)));
-            line(&out);
-        }
-        println!("{}", rule.join("--+--"));
     }
 }

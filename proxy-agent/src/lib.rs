@@ -11,16 +11,19 @@
 //!                                            health check node ports)
 //! sync/ drives one loop over all of them; observe/ (metrics, HTTP) and
 //! util/ sit below everything and import nothing from the crate's folders.
+//! migrate/ stands beside the flow: it reads what kube-proxy left on a node
+//! (`proxy-agent cleanup-kube-proxy`) and uses nothing above util.
 //! ```
 //!
 //! A folder imports only from folders below it in this order: `util`,
-//! `observe`, `model`, `source`/`decide`, `datapath`, `external`, `sync`
-//! (`tests/layers.rs` checks it). Modules are `pub` only where another
+//! `observe`, `model`/`migrate`, `source`/`decide`, `datapath`, `external`,
+//! `sync` (`tests/layers.rs` checks it). Modules are `pub` only where another
 //! crate (the binary, the tests, the bench, proxy-test-support) uses them.
 
 pub mod datapath;
 pub mod decide;
 pub mod external;
+pub mod migrate;
 pub mod model;
 pub mod observe;
 pub mod source;

@@ -27,6 +27,8 @@ enum Command {
     Probe(cmd::probe::ProbeArgs),
     /// Print what the pinned maps hold (frontends, slots, backends, counters) and check their consistency.
     Dump(cmd::dump::DumpArgs),
+    /// Remove what kube-proxy left on this node (its iptables chains, nftables tables, IPVS state); `--dry-run` only prints it.
+    CleanupKubeProxy(cmd::cleanup_kube_proxy::CleanupArgs),
     /// Answer every TCP connection and UDP datagram with a name (a test backend).
     #[command(hide = true)]
     ServeHostname(cmd::serve_hostname::ServeArgs),
@@ -44,6 +46,7 @@ fn main() -> std::process::ExitCode {
         Command::Explain(a) => cmd::explain::explain(a),
         Command::Probe(a) => cmd::probe::probe(a),
         Command::Dump(a) => cmd::dump::dump(a),
+        Command::CleanupKubeProxy(a) => cmd::cleanup_kube_proxy::cleanup(a),
         Command::ServeHostname(a) => cmd::serve_hostname::serve(a),
     };
     match result {

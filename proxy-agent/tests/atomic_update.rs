@@ -23,7 +23,7 @@ fn be(ip: &str) -> Backend {
 }
 
 fn upsert(fe: Frontend, backends: &[Backend]) -> Plan {
-    Plan { upserts: vec![(fe, backends.to_vec())], deletes: vec![] }
+    Plan { upserts: vec![(fe, backends.to_vec())], deletes: vec![], ..Plan::default() }
 }
 
 fn probe(net: &PodNetwork, cg: &Cgroup, args: &[&str]) -> Vec<serde_json::Value> {

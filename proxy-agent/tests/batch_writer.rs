@@ -102,7 +102,7 @@ fn room_is_judged_one_frontend_at_a_time() {
     let set = |from: u32| -> Vec<Backend> { (from..from + 10).map(be).collect() };
     // Three frontends of ten: 30 slots fit, the fourth does not, and the
     // error names the map and the flag; the others are written.
-    let plan = Plan { upserts: (0..4).map(|i| (fe(i), set(0))).collect(), deletes: vec![] };
+    let plan = Plan { upserts: (0..4).map(|i| (fe(i), set(0))).collect(), deletes: vec![], ..Plan::default() };
     let errors = w.apply(&plan);
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert_eq!(errors[0].frontend, fe(3));
@@ -113,7 +113,7 @@ fn room_is_judged_one_frontend_at_a_time() {
     // Free one frontend, then rewrite the other two: each rewrite needs
     // its new slots beside its old ones (10 + 10 + 10 = 30 at the peak),
     // which fits one at a time but not with both rewrites staged together.
-    let plan = Plan { upserts: vec![(fe(1), set(5)), (fe(2), set(5))], deletes: vec![fe(0)] };
+    let plan = Plan { upserts: vec![(fe(1), set(5)), (fe(2), set(5))], deletes: vec![fe(0)], ..Plan::default() };
     let errors = w.apply(&plan);
     assert!(errors.is_empty(), "{errors:?}");
     let five: BTreeSet<Backend> = set(5).into_iter().collect();
@@ -122,7 +122,11 @@ fn room_is_judged_one_frontend_at_a_time() {
 
     // Backends: 10 in use, 25 room; a set of 20 new ones does not fit,
     // one of 15 does.
-    let plan = Plan { upserts: vec![(fe(5), (100..120).map(be).collect()), (fe(6), (100..115).map(be).collect())], deletes: vec![fe(1)] };
+    let plan = Plan {
+        upserts: vec![(fe(5), (100..120).map(be).collect()), (fe(6), (100..115).map(be).collect())],
+        deletes: vec![fe(1)],
+        ..Plan::default()
+    };
     let errors = w.apply(&plan);
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert_eq!(errors[0].frontend, fe(5));
@@ -144,7 +148,7 @@ fn a_batch_the_kernel_refuses_falls_back_and_names_the_frontend() {
         slots.insert(SlotKey { service_id: 9999, generation: 1, slot }, SlotValue { backend_id: 9999 }, 0).expect("insert");
     }
     let set: Vec<Backend> = (0..10).map(be).collect();
-    let plan = Plan { upserts: (0..3).map(|i| (fe(i), set.clone())).collect(), deletes: vec![] };
+    let plan = Plan { upserts: (0..3).map(|i| (fe(i), set.clone())).collect(), deletes: vec![], ..Plan::default() };
     let errors = w.apply(&plan);
     assert_eq!(errors.len(), 1, "{errors:?}");
     assert_eq!(errors[0].frontend, fe(2), "the frontend that did not fit is named");
@@ -163,14 +167,14 @@ fn deleting_a_frontend_whose_slots_are_partly_gone_removes_the_rest() {
     let dp = datapath(Capacities::default());
     let mut w = MapWriter::open(dp.pins.path()).expect("open");
     let set: Vec<Backend> = (0..5).map(be).collect();
-    assert!(w.apply(&Plan { upserts: vec![(fe(0), set.clone()), (fe(1), set)], deletes: vec![] }).is_empty());
+    assert!(w.apply(&Plan { upserts: vec![(fe(0), set.clone()), (fe(1), set)], deletes: vec![], ..Plan::default() }).is_empty());
     // A slot in the middle of fe(0)'s disappears: the delete batch meets
     // ENOENT there and must go on with the keys after it.
     let mut slots: HashMap<MapData, SlotKey, SlotValue> = open(dp.pins.path(), "SLOTS");
     let services: HashMap<MapData, ServiceKey, ServiceValue> = open(dp.pins.path(), "SERVICES");
     let v = services.get(&service_key(&fe(0)), 0).expect("service entry");
     slots.remove(&SlotKey { service_id: v.service_id, generation: v.generation, slot: 2 }).expect("remove slot");
-    assert!(w.apply(&Plan { upserts: vec![], deletes: vec![fe(0), fe(1)] }).is_empty());
+    assert!(w.apply(&Plan { upserts: vec![], deletes: vec![fe(0), fe(1)], ..Plan::default() }).is_empty());
     assert_eq!(counts(dp.pins.path()), (0, 0, 0));
 }
 

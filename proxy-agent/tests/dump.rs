@@ -65,6 +65,7 @@ fn dump_shows_the_programmed_state_and_flags_corruption() {
     let plan = Plan {
         upserts: vec![(web, vec![be("10.244.4.1", 8080), be("10.244.4.2", 8080)]), (dns, vec![be("fd00:244::4", 5353)])],
         deletes: vec![],
+        ..Plan::default()
     };
     assert!(writer.apply(&plan).is_empty());
     // Traffic, so that the counters have something to show.
@@ -146,7 +147,8 @@ fn bpftool_prints_map_fields_by_name() {
     let pins = PinDir::new("tpt").expect("pins");
     socket_loader::install(cg.path(), pins.path(), Capacities::default()).expect("install");
     let mut writer = MapWriter::open(pins.path()).expect("open maps");
-    let plan = Plan { upserts: vec![(fe("10.96.0.41", 443, Protocol::Tcp), vec![be("10.244.4.9", 8443)])], deletes: vec![] };
+    let plan =
+        Plan { upserts: vec![(fe("10.96.0.41", 443, Protocol::Tcp), vec![be("10.244.4.9", 8443)])], deletes: vec![], ..Plan::default() };
     assert!(writer.apply(&plan).is_empty());
     for (map, fields) in [
         ("SERVICES", &["ip_be", "port_be", "proto", "family", "service_id", "backend_count", "generation"][..]),

@@ -14,7 +14,10 @@ impl Drop for Dir {
 }
 
 fn explain(manifest: &str) -> serde_json::Value {
-    let dir = Dir(std::env::temp_dir().join(format!("topoproxy-explain-{}", std::process::id())));
+    // One directory per call: the tests of this file run in parallel.
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = Dir(std::env::temp_dir().join(format!("topoproxy-explain-{}-{n}", std::process::id())));
     std::fs::create_dir_all(&dir.0).expect("temp dir");
     let path = dir.0.join("cluster.yaml");
     std::fs::write(&path, manifest).expect("write manifest");
@@ -57,4 +60,52 @@ fn explain_warns_about_clashes_like_run() {
     let services = doc["services"].as_array().expect("services");
     let one = services.iter().find(|s| s["name"] == "one").expect("one is explained");
     assert_eq!(one["clusterEndpoints"], serde_json::json!(["10.244.1.1:8080"]));
+}
+
+/// `clusterEndpoints` and `localEndpoints` are null when no traffic of the
+/// port uses that set, as kube-proxy's CategorizeEndpoints returns them.
+#[test]
+fn explain_shows_only_the_endpoint_sets_in_use() {
+    let svc = |name: &str, ip: &str, spec: &str| {
+        format!(
+            "---
+kind: Service
+metadata: {{name: {name}, namespace: shop}}
+spec: {{clusterIP: {ip}, {spec}ports: [{{port: 80, targetPort: 8080{}}}]}}
+---
+kind: EndpointSlice
+metadata: {{name: {name}-1, namespace: shop, labels: {{kubernetes.io/service-name: {name}}}}}
+addressType: IPv4
+ports: [{{port: 8080}}]
+endpoints: [{{addresses: [10.244.1.1], nodeName: a}}, {{addresses: [10.244.2.1], nodeName: b}}]
+",
+            if spec.contains("NodePort") { ", nodePort: 30080" } else { "" }
+        )
+    };
+    let doc = explain(&format!(
+        "kind: Node\nmetadata: {{name: a}}\n{}{}{}{}{}",
+        svc("plain", "10.96.0.40", ""),
+        svc("itp-local", "10.96.0.41", "internalTrafficPolicy: Local, "),
+        svc("itp-local-np", "10.96.0.42", "type: NodePort, internalTrafficPolicy: Local, "),
+        svc("etp-local", "10.96.0.43", "type: LoadBalancer, externalTrafficPolicy: Local, externalIPs: [192.0.2.1], "),
+        svc("etp-local-unreachable", "10.96.0.44", "externalTrafficPolicy: Local, "),
+    ));
+    let both = serde_json::json!(["10.244.1.1:8080", "10.244.2.1:8080"]);
+    let here = serde_json::json!(["10.244.1.1:8080"]);
+    let null = serde_json::Value::Null;
+    let want = [
+        ("plain", &both, &null),
+        ("itp-local", &null, &here),
+        // Reachable from outside: the node's own connections to the NodePort
+        // use the cluster-wide set.
+        ("itp-local-np", &both, &here),
+        ("etp-local", &both, &here),
+        ("etp-local-unreachable", &both, &null),
+    ];
+    let services = doc["services"].as_array().expect("services");
+    for (name, cluster, local) in want {
+        let s = services.iter().find(|s| s["name"] == name).unwrap_or_else(|| panic!("{name} is explained"));
+        assert_eq!(&s["clusterEndpoints"], cluster, "{name}: {s}");
+        assert_eq!(&s["localEndpoints"], local, "{name}: {s}");
+    }
 }

@@ -7,7 +7,7 @@ mod support;
 
 use std::time::Duration;
 
-use proxy_test_support::apiserver::ApiServer;
+use proxy_test_support::apiserver::{ApiServer, KubeVersion};
 use proxy_test_support::http::{http_get, metric};
 use proxy_test_support::wait::eventually;
 use serde_json::{Value, json};
@@ -51,7 +51,7 @@ fn node_obj(name: &str, zone: &str) -> Value {
         "apiVersion": "v1",
         "kind": "Node",
         "metadata": {"name": name, "labels": {"kubernetes.io/hostname": name, ZONE: zone}},
-        // Status is large on real nodes; the agent asks for metadata only.
+        // Status is large on real nodes; the agent skips it while reading.
         "status": {"conditions": [{"type": "Ready", "status": "True"}], "nodeInfo": {"kubeletVersion": "v1.33.0"}},
     })
 }
@@ -64,8 +64,14 @@ struct Cluster {
 
 impl Cluster {
     fn new(first_rv: u64) -> Cluster {
+        Self::new_as(KubeVersion::CURRENT, first_rv)
+    }
+
+    /// An API server of release `kv` (1.21 for `spec.topologyKeys`, which
+    /// today's API server drops).
+    fn new_as(kv: KubeVersion, first_rv: u64) -> Cluster {
         let dir = TempDir::new("tpt-kube");
-        let api = ApiServer::start(first_rv);
+        let api = ApiServer::start_as(kv, "127.0.0.1:0".parse().expect("address"), first_rv, Vec::new());
         api.write_kubeconfig(&dir.0.join("kubeconfig"));
         Cluster { api: Some(api), dir }
     }
@@ -174,22 +180,27 @@ fn services_and_slices_follow_the_api_server() {
     let log = node.agent_log();
     assert!(!log.contains("list/watch failed") && !log.contains("relist"), "{log}");
     let reqs = api.requests();
-    let lists = reqs.iter().filter(|r| r.starts_with("GET") && !r.contains("watch=true")).count();
+    // Besides the collections, the agent reads the discovery document once
+    // (which EndpointSlice and Event versions are served).
+    let lists = reqs.iter().filter(|r| r.starts_with("GET") && !r.contains("watch=true") && !r.starts_with("GET /apis [")).count();
     let watches = reqs.iter().filter(|r| r.contains("watch=true")).count();
     assert_eq!(lists, 3, "one list per kind, then only resumed watches: {reqs:#?}");
+    assert_eq!(reqs.iter().filter(|r| r.starts_with("GET /apis [")).count(), 1, "{reqs:#?}");
     assert!(watches > 3, "watches were resumed: {reqs:#?}");
     let services_watch = reqs.iter().find(|r| r.contains("/api/v1/services?") && r.contains("watch=true")).expect("a Service watch");
     assert!(
         services_watch.contains("labelSelector=%21service.kubernetes.io%2Fservice-proxy-name%2C%21service.kubernetes.io%2Fheadless"),
         "{services_watch}"
     );
+    // Nodes are listed and watched whole: their taints are in the spec,
+    // which metadata-only objects do not carry.
     assert!(
-        reqs.iter().any(|r| r.contains("/api/v1/nodes?") && r.contains("watch=true") && r.contains("as=PartialObjectMetadata;")),
-        "Nodes are watched metadata-only: {reqs:#?}"
+        reqs.iter().any(|r| r.contains("/api/v1/nodes?") && r.contains("watch=true") && !r.contains("PartialObjectMetadata")),
+        "Nodes are watched with their spec: {reqs:#?}"
     );
     assert!(
-        reqs.iter().any(|r| r.contains("/api/v1/nodes?") && !r.contains("watch=true") && r.contains("as=PartialObjectMetadataList")),
-        "Nodes are listed metadata-only: {reqs:#?}"
+        reqs.iter().any(|r| r.contains("/api/v1/nodes?") && !r.contains("watch=true") && !r.contains("PartialObjectMetadata")),
+        "Nodes are listed with their spec: {reqs:#?}"
     );
 }
 
@@ -198,7 +209,7 @@ fn a_node_label_change_reranks_topology_services() {
     let mut net = PodNetwork::new();
     net.backend("pod-b", "10.244.22.2", &[8080]);
     net.backend("pod-c", "10.244.22.3", &[8080]);
-    let cluster = Cluster::new(1);
+    let cluster = Cluster::new_as(KubeVersion::V1_21, 1);
     let api = cluster.api();
     api.apply_all(vec![
         node_obj("node-a", "z1"),
@@ -397,13 +408,17 @@ fn health_metrics_and_events() {
     });
     let (code, body) = http_get(maddr, "/healthz").expect("healthz");
     assert_eq!(code, 200, "an unreachable API server does not make the agent unhealthy: {body}");
+    let v: Value = serde_json::from_str(&body).expect("/healthz answers JSON");
+    assert_eq!(v["nodeEligible"], true, "eligible until a Node says otherwise: {v}");
     let (code, _) = http_get(maddr, "/nope").expect("404");
     assert_eq!(code, 404);
 
     let trigger = "2020-01-01T00:00:00Z";
     let mut with_trigger = slice("web", "web-1", &[("not-an-ip", "node-a"), ("10.244.26.1", "node-a"), ("10.244.26.2", "node-a")]);
     with_trigger["metadata"]["annotations"] = json!({"endpoints.kubernetes.io/last-change-trigger-time": trigger});
-    cluster.api = Some(ApiServer::start_on(
+    // 1.21: the last release with spec.topologyKeys.
+    cluster.api = Some(ApiServer::start_as(
+        KubeVersion::V1_21,
         addr,
         1,
         vec![
@@ -480,9 +495,99 @@ fn health_metrics_and_events() {
     // is measured from it, like kube-proxy does.
     assert_eq!(m("topoproxy_network_programming_duration_seconds_count{kind=\"EndpointSlice\"}"), 1.0);
     assert!(m("topoproxy_network_programming_duration_seconds_sum{kind=\"EndpointSlice\"}") > 86_400.0 * 365.0);
+    // kube-proxy's names for the same figures.
+    assert!(m("kubeproxy_sync_proxy_rules_duration_seconds_count") >= m("topoproxy_sync_duration_seconds_count"));
+    assert!(m("kubeproxy_sync_proxy_rules_last_timestamp_seconds") > 1.7e9);
+    assert_eq!(m("kubeproxy_network_programming_duration_seconds_count"), 1.0, "the EndpointSlice change");
+    assert_eq!(m("kubeproxy_network_programming_duration_seconds_bucket{le=\"300.0\"}"), 0.0, "a trigger years ago");
+    assert!(m("kubeproxy_sync_proxy_rules_service_changes_total") >= 2.0, "two valid Services listed");
+    assert!(m("kubeproxy_sync_proxy_rules_endpoint_changes_total") >= 3.0, "two slices listed, one changed");
+    assert_eq!(m("kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"}"), 0.0);
+    assert!(m("kubeproxy_proxy_healthz_total{code=\"200\"}") >= 1.0);
     let log = node.agent_log();
     assert!(log.contains("default/badip") && log.contains("is not an IP address"), "{log}");
     assert_eq!(log.matches("object skipped: spec.clusterIPs: \"10.96.26.300\"").count(), 1, "a bad object is logged once: {log}");
+}
+
+/// `/healthz`, as cloud load balancers probe it (KEP-3836), fails while this
+/// node is going away: its Node gets a `deletionTimestamp`, or the cluster
+/// autoscaler's `ToBeDeletedByClusterAutoscaler` taint. Through the real
+/// watcher; `/livez` (the kubelet's liveness probe) and the traffic are not
+/// affected.
+#[test]
+fn healthz_fails_while_this_node_is_going_away() {
+    let mut net = PodNetwork::new();
+    pod_ips(&mut net, "10.244.29", 1);
+    let cluster = Cluster::new(1);
+    let api = cluster.api();
+    api.apply_all(vec![
+        node_obj("node-a", "z1"),
+        node_obj("node-b", "z1"),
+        service("web", "10.96.29.10", 80, json!({}), json!({})),
+        slice("web", "web-1", &[("10.244.29.1", "node-a")]),
+        service("only-local", "10.96.29.11", 80, json!({"internalTrafficPolicy": "Local"}), json!({})),
+        slice("only-local", "only-local-1", &[("10.244.29.1", "node-b")]),
+    ]);
+    let mut node = Node::new("node-a");
+    node.start_kube_agent(&cluster.kubeconfig(), &[]);
+    wait_for_backends(&node, &net, "10.96.29.10:80", &[], &["pod-1"]);
+    let maddr = node.metrics_address();
+    let get = |path: &str| -> (u16, Value) {
+        let (code, body) = http_get(maddr, path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        (code, serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path} {body:?}: {e}")))
+    };
+    let healthz_is = |want: u16| {
+        eventually(&format!("/healthz {want}"), || match get("/healthz") {
+            (code, v) if code == want => Ok(v),
+            other => Err(other),
+        })
+    };
+    let v = healthz_is(200);
+    assert_eq!(v["nodeEligible"], true, "{v}");
+    let time = |v: &Value, field: &str| -> k8s_openapi::jiff::Timestamp {
+        v[field].as_str().and_then(|t| t.parse().ok()).unwrap_or_else(|| panic!("{field} is no RFC 3339 time: {v}"))
+    };
+    assert_eq!(time(&v, "lastUpdated"), time(&v, "currentTime"), "healthy: lastUpdated is now, as kube-proxy answers: {v}");
+
+    // Being deleted (the finalizers of a real cluster keep it around).
+    let mut deleting = node_obj("node-a", "z1");
+    deleting["metadata"]["deletionTimestamp"] = json!("2024-05-01T10:00:00Z");
+    api.apply(deleting);
+    let v = healthz_is(503);
+    assert_eq!(v["nodeEligible"], false, "{v}");
+    assert!(time(&v, "lastUpdated") <= time(&v, "currentTime"), "{v}");
+    let (code, v) = get("/livez");
+    assert_eq!(code, 200, "a node going away is no reason to restart its proxy: {v}");
+    assert!(v.get("nodeEligible").is_none() && v["lastUpdated"].is_string(), "{v}");
+    // The datapath keeps serving until the node is gone.
+    wait_for_backends(&node, &net, "10.96.29.10:80", &[], &["pod-1"]);
+    assert!(node.agent_log().contains("this node is going away (its Node has a deletionTimestamp)"), "{}", node.agent_log());
+
+    // Back to normal, then tainted by the cluster autoscaler.
+    api.apply(node_obj("node-a", "z1"));
+    healthz_is(200);
+    let mut tainted = node_obj("node-a", "z1");
+    tainted["spec"] = json!({"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "value": "1714557600", "effect": "NoSchedule"}]});
+    api.apply(tainted);
+    let v = healthz_is(503);
+    assert_eq!(v["nodeEligible"], false, "{v}");
+    // Another node's taint is not ours.
+    api.apply(node_obj("node-a", "z1"));
+    let mut other = node_obj("node-b", "z1");
+    other["spec"] = json!({"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]});
+    api.apply(other);
+    healthz_is(200);
+
+    let text = metrics_text(&node);
+    let m = |s: &str| metric(&text, s).unwrap_or_else(|| panic!("{s} missing from\n{text}"));
+    assert!(m("kubeproxy_proxy_healthz_total{code=\"503\"}") >= 2.0, "{text}");
+    assert!(m("kubeproxy_proxy_healthz_total{code=\"200\"}") >= 3.0, "{text}");
+    assert!(m("kubeproxy_proxy_livez_total{code=\"200\"}") >= 1.0, "{text}");
+    assert_eq!(m("kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"}"), 1.0, "only-local: {text}");
+    assert_eq!(m("kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"external\"}"), 0.0, "{text}");
+    assert!(m("kubeproxy_sync_proxy_rules_duration_seconds_count") >= 1.0);
+    assert!(m("kubeproxy_sync_proxy_rules_service_changes_total") >= 2.0);
+    assert!(m("kubeproxy_sync_proxy_rules_endpoint_changes_total") >= 2.0);
 }
 
 /// A map that is too small: what does not fit is logged and counted, the
@@ -532,10 +637,37 @@ fn manifests_mode_serves_health_and_metrics_when_asked() {
         }
         .yaml(),
     );
+    node.write_manifest("node.yaml", "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\n");
     node.start_agent_with(&["--metrics-address", "127.0.0.1:0"]);
     wait_for_backends(&node, &net, "10.96.28.10:80", &[], &["pod-1"]);
     let (code, body) = http_get(node.metrics_address(), "/readyz").expect("readyz");
     assert_eq!((code, body.trim()), (200, "ok"));
     wait_metric(&node, "topoproxy_frontends_programmed", |v| v == 1.0);
     wait_metric(&node, "topoproxy_map_entries{map=\"BACKENDS\"}", |v| v == 1.0);
+    wait_metric(&node, "kubeproxy_sync_proxy_rules_service_changes_total", |v| v == 1.0);
+    wait_metric(&node, "kubeproxy_sync_proxy_rules_endpoint_changes_total", |v| v >= 1.0);
+
+    // The Node manifest says the node is going away, then that it is not.
+    let maddr = node.metrics_address();
+    let healthz_is = |want: u16, eligible: bool| {
+        eventually(&format!("/healthz {want}"), || match http_get(maddr, "/healthz") {
+            Ok((code, body)) if code == want => {
+                let v: Value = serde_json::from_str(&body).map_err(|e| format!("{body:?}: {e}"))?;
+                if v["nodeEligible"] == eligible { Ok(()) } else { Err(body) }
+            }
+            other => Err(format!("{other:?}")),
+        });
+    };
+    healthz_is(200, true);
+    let leaving = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a, deletionTimestamp: \"2024-05-01T10:00:00Z\"}\n";
+    node.write_manifest("node.yaml", leaving);
+    healthz_is(503, false);
+    let (code, _) = http_get(maddr, "/livez").expect("livez");
+    assert_eq!(code, 200);
+    node.write_manifest("node.yaml", "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\n");
+    healthz_is(200, true);
+    let tainted = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\nspec:\n  taints: [{key: ToBeDeletedByClusterAutoscaler, effect: NoSchedule}]\n";
+    node.write_manifest("node.yaml", tainted);
+    healthz_is(503, false);
+    wait_for_backends(&node, &net, "10.96.28.10:80", &[], &["pod-1"]);
 }

@@ -12,8 +12,17 @@ use std::path::{Path, PathBuf};
 
 /// Folders of proxy-agent's library from the bottom up. Two folders of the
 /// same rank may not use each other.
-const RANKS: [(&str, u8); 8] =
-    [("util", 0), ("observe", 0), ("model", 1), ("source", 2), ("decide", 2), ("datapath", 3), ("external", 4), ("sync", 5)];
+const RANKS: [(&str, u8); 9] = [
+    ("util", 0),
+    ("observe", 0),
+    ("model", 1),
+    ("migrate", 1),
+    ("source", 2),
+    ("decide", 2),
+    ("datapath", 3),
+    ("external", 4),
+    ("sync", 5),
+];
 
 /// Every `.rs` file under `dir`, as its module path ("datapath::map_writer";
 /// `mod.rs` is its folder's module, `lib.rs`/`main.rs` the root "").

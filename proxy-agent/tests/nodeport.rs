@@ -421,6 +421,7 @@ fn local_policy_keeps_the_client_address_drops_without_local_endpoints_and_serve
     assert_eq!(body["service"]["namespace"], "default");
     assert_eq!(body["service"]["name"], "web");
     assert_eq!(body["localEndpoints"], 1);
+    assert_eq!(body["serviceProxyHealthy"], true, "{body}");
     let (status, body) = eventually("health check on node-a", || http_get(&w.client, &format!("{NODE_A}:32000")));
     assert_eq!(status, 503, "{body}");
     assert_eq!(body["localEndpoints"], 0);
@@ -615,6 +616,9 @@ fn explain_shows_the_external_frontends_of_the_one_decision_path() {
     assert_eq!(http["externalTrafficPolicy"], "Local");
     assert_eq!(http["externalEndpoints"], serde_json::json!([format!("{POD_A}:8080"), format!("[{POD_A6}]:8080")]), "{http}");
     assert_eq!(http["healthCheckNodePort"], 32000);
+    // eTP Local and reachable from outside: both sets are used (the node's
+    // own connections to the NodePort take the cluster-wide one).
+    assert!(http["clusterEndpoints"].is_array() && http["localEndpoints"].is_array(), "{http}");
 }
 
 #[test]

@@ -180,7 +180,13 @@ fn explain_prints_the_documented_json_shape() {
     assert_eq!(keys["frontends"], serde_json::json!(["10.96.1.1:80"]));
     assert_eq!(keys["model"], "TopologyKeys");
     assert_eq!(keys["clusterEndpoints"], serde_json::json!(["10.244.10.2:8080"]));
-    assert_eq!(keys["localEndpoints"], serde_json::json!([]));
+    // No Local policy: no traffic of the port uses the node-local set.
+    assert_eq!(keys["localEndpoints"], serde_json::Value::Null);
+    // internalTrafficPolicy: Local and no way in from outside: the
+    // cluster-wide set is not used; node-a has no endpoint of its own.
+    let node_local = doc["services"].as_array().expect("services").iter().find(|s| s["name"] == "node-local").expect("node-local");
+    assert_eq!(node_local["clusterEndpoints"], serde_json::Value::Null, "{node_local}");
+    assert_eq!(node_local["localEndpoints"], serde_json::json!([]), "{node_local}");
     let decision = keys["decision"].as_str().expect("decision");
     assert!(decision.contains("kubernetes.io/hostname") && decision.contains("topology.kubernetes.io/zone=z1"), "{decision}");
 
@@ -191,4 +197,5 @@ fn explain_prints_the_documented_json_shape() {
         .expect("run explain");
     let text = String::from_utf8_lossy(&table.stdout);
     assert!(text.contains("default/keys port http (80/TCP)") && text.contains("model:     TopologyKeys"), "{text}");
+    assert!(text.contains("  local:     (not used)") && text.contains("  cluster:   (not used)"), "{text}");
 }

@@ -41,12 +41,26 @@ pub const SOCK_REVNAT_MAP: &str = "SOCK_REVNAT";
 pub const COUNTERS_MAP: &str = "COUNTERS";
 pub const SOCK_PEER_MAP: &str = "SOCK_PEER";
 pub const SOCK_CONFIG_MAP: &str = "SOCK_CONFIG";
+/// ClientIP session affinity of the socket programs ([`SockAffinityKey`]
+/// -> [`AffinityValue`]), LRU.
+pub const AFFINITY_MAP: &str = "AFFINITY";
+/// The backends an affinity entry may still name ([`AffinityMatchKey`] ->
+/// [`AffinityMatchValue`]).
+pub const AFFINITY_MATCH_MAP: &str = "AFFINITY_MATCH";
+/// `loadBalancerSourceRanges` per frontend ([`SourceRangeKey`] -> u32), LPM
+/// trie.
+pub const SOURCE_RANGES_MAP: &str = "SOURCE_RANGES";
+/// One-element array holding [`NodeNetns`].
+pub const NODE_NETNS_MAP: &str = "NODE_NETNS";
 
 /// Default capacities; the agent can override each at load time.
 pub const DEFAULT_MAX_SERVICES: u32 = 65_536;
 pub const DEFAULT_MAX_SLOTS: u32 = 1_048_576;
 pub const DEFAULT_MAX_BACKENDS: u32 = 262_144;
 pub const DEFAULT_MAX_SOCK_REVNAT: u32 = 262_144;
+/// Clients remembered per datapath for ClusterIP session affinity (one
+/// entry per client and affine frontend; the least recently used go first).
+pub const DEFAULT_MAX_AFFINITY: u32 = 65_536;
 
 /// A frontend: what a client dials. IPv4 addresses live in `ip_be[0]`, the
 /// other three words are zero, so the key stays the same size for both
@@ -75,9 +89,28 @@ pub struct ServiceValue {
     pub backend_count: u32,
     /// Generation of the slot set this entry points at.
     pub generation: u32,
-    /// Reserved; always zero.
+    /// `SVC_FLAG_*` bits: what the frontend needs besides its backends. An
+    /// agent version without them wrote zero, which the programs read as
+    /// "neither".
     pub flags: u32,
 }
+
+/// `ServiceValue.flags`: `sessionAffinity: ClientIP`. A client's choice is
+/// kept in `AFFINITY`/`NP_AFFINITY` and honoured while `AFFINITY_MATCH`/
+/// `NP_AFFINITY_MATCH` lists its backend under the frontend's current
+/// generation (which also carries the timeout).
+pub const SVC_FLAG_AFFINITY: u32 = 1;
+/// `ServiceValue.flags`: `loadBalancerSourceRanges` apply: only clients
+/// whose address matches an entry of `SOURCE_RANGES`/`NP_SOURCE_RANGES`
+/// under the frontend's (service id, generation) get through. No entry at
+/// all means no client does (the filter fails closed).
+pub const SVC_FLAG_SOURCE_RANGES: u32 = 2;
+/// `ServiceValue.flags`, socket programs only: with `SVC_FLAG_SOURCE_RANGES`,
+/// the node's own processes (its network namespace, `NODE_NETNS`) may
+/// connect although their socket has no source address yet: one of the
+/// node's addresses lies inside a range (kube-proxy lets the node through
+/// in that case too).
+pub const SVC_FLAG_SOURCE_RANGES_NODE: u32 = 4;
 
 impl ServiceValue {
     /// The slot of this service's current generation that `hash` selects.
@@ -180,6 +213,122 @@ pub struct SockConfig {
     pub legacy_revnat_cookie_below: u64,
 }
 
+/// `AFFINITY` key: the client, as the socket programs see it, and the
+/// frontend. At connect() a socket has no source address yet (the kernel
+/// picks it after the hook, `ip_route_connect`), so the client is its
+/// network namespace: one pod is one namespace (`bpf_get_netns_cookie`),
+/// and every process of the node's own namespace is one client, as all of
+/// them reach a Service from the node's address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SockAffinityKey {
+    pub netns_cookie: u64,
+    pub service_id: u32,
+    pub _pad: u32,
+}
+
+/// The single element of `NODE_NETNS`, which the agent writes when it
+/// installs the datapath.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NodeNetns {
+    /// The cookie (`SO_NETNS_COOKIE`, `bpf_get_netns_cookie`) of the node's
+    /// own network namespace: the agent's, which runs with the host's
+    /// network. Sockets there are the node's processes, whose source
+    /// address is one of the node's. 0 until written: no socket is then
+    /// taken for the node's.
+    pub netns_cookie: u64,
+}
+
+/// `NP_AFFINITY` key: the client's source address as the TC programs see
+/// it (kube-proxy's ClientIP), and the frontend.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct NpAffinityKey {
+    pub client_be: [u32; 4],
+    pub service_id: u32,
+    pub family: u8,
+    pub _pad: [u8; 3],
+}
+
+/// A client's backend for one frontend, and when a connection (or a UDP
+/// flow) last used it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AffinityValue {
+    /// `bpf_ktime_get_coarse_ns` (CLOCK_MONOTONIC) of the last use,
+    /// refreshed at most every [`AFFINITY_REFRESH_NS`].
+    pub last_used_ns: u64,
+    pub backend_id: u32,
+    pub _pad: u32,
+}
+
+/// `AFFINITY_MATCH` / `NP_AFFINITY_MATCH` key: backend `backend_id` is in
+/// the slot set of generation `generation` of frontend `service_id` (the
+/// same fields as [`SlotKey`], with the backend in place of the slot). The
+/// agent writes these for every backend of an affine frontend's new
+/// generation before switching the frontend to it, and deletes the old
+/// generation's afterwards, so the set a program sees is always the one of
+/// the generation it read: an affinity entry is honoured only while its
+/// backend is one the frontend currently sends to (a removed, no longer
+/// serving or no longer topology-eligible backend drops out at once).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AffinityMatchKey {
+    pub service_id: u32,
+    pub generation: u32,
+    pub backend_id: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct AffinityMatchValue {
+    /// `sessionAffinityConfig.clientIP.timeoutSeconds`: an entry unused
+    /// for longer is ignored (and replaced by the next choice).
+    pub timeout_s: u32,
+}
+
+/// The programs rewrite an affinity entry's `last_used_ns` only when it is
+/// at least this old, not on every connect() or datagram: a store takes the
+/// entry's cache line exclusive (see `touch` in `proxy-ebpf/src/nodeport.rs`
+/// for the same reasoning). Timeouts are whole seconds (at least 1), so an
+/// entry may expire up to this much early.
+pub const AFFINITY_REFRESH_NS: u64 = 100_000_000;
+
+/// Whether an affinity entry last used at `last_used_ns` has expired at
+/// `now_ns` under a timeout of `timeout_s` seconds (kube-proxy: the entry
+/// lives `timeoutSeconds` after its last use). A clock that went backwards
+/// (never for CLOCK_MONOTONIC) counts as fresh.
+#[inline(always)]
+pub fn affinity_expired(now_ns: u64, last_used_ns: u64, timeout_s: u32) -> bool {
+    now_ns.saturating_sub(last_used_ns) > u64::from(timeout_s) * 1_000_000_000
+}
+
+/// The address part of a `SOURCE_RANGES` / `NP_SOURCE_RANGES` key (an LPM
+/// trie key is this behind a `u32` prefix length in bits). The frontend's
+/// service id and generation, and the family, always match in full
+/// ([`SOURCE_RANGE_FIXED_BITS`]); the address matches the range's prefix.
+/// The generation ties a frontend's ranges to its slot set, so a change of
+/// ranges switches in the same hash map update as the backends (the agent
+/// writes the new generation's ranges first and deletes the old ones after
+/// the switch). Addresses in network byte order: the trie compares bytes
+/// from the first, most significant, one.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct SourceRangeKey {
+    pub service_id: u32,
+    pub generation: u32,
+    pub family: u8,
+    pub _pad: [u8; 3],
+    pub addr_be: [u32; 4],
+}
+
+/// Bits of a [`SourceRangeKey`] before the address: service id,
+/// generation, family and padding. A range `a.b.c.d/n` is stored with
+/// prefix length `SOURCE_RANGE_FIXED_BITS + n`; a lookup passes
+/// `SOURCE_RANGE_FIXED_BITS + 128`.
+pub const SOURCE_RANGE_FIXED_BITS: u32 = 96;
+
 /// Indexes into the per-CPU `COUNTERS` array. The programs count by reason
 /// instead of logging per packet.
 pub mod counter {
@@ -199,7 +348,21 @@ pub mod counter {
     /// Socket-local storage could not be allocated (memory pressure); the
     /// translation went to `SOCK_REVNAT` instead.
     pub const PEER_STORAGE_FAILED: u32 = 6;
-    pub const COUNT: u32 = 8;
+    /// A connect/sendmsg to a LoadBalancer IP with `loadBalancerSourceRanges`
+    /// from a client outside them was refused (`ECONNREFUSED`).
+    pub const REFUSED_SOURCE_RANGE: u32 = 7;
+    /// A client's affinity entry chose the backend.
+    pub const AFFINITY_HIT: u32 = 8;
+    /// A client's affinity entry had expired or named a backend the
+    /// frontend no longer uses; a new backend was chosen (and remembered).
+    pub const AFFINITY_STALE: u32 = 9;
+    /// An affinity entry could not be stored; the connection still went to
+    /// the backend chosen.
+    pub const AFFINITY_UPDATE_FAILED: u32 = 10;
+    /// The size of the array. Datapaths pinned by an agent version with 8
+    /// counters keep their array (the counters above 7 then count nothing
+    /// until `proxy-agent reset`).
+    pub const COUNT: u32 = 16;
 
     /// Names for display, indexed by counter id.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -210,7 +373,15 @@ pub mod counter {
         "reversed",
         "ctx_error",
         "peer_storage_failed",
-        "reserved7",
+        "refused_source_range",
+        "affinity_hit",
+        "affinity_stale",
+        "affinity_update_failed",
+        "reserved11",
+        "reserved12",
+        "reserved13",
+        "reserved14",
+        "reserved15",
     ];
 }
 
@@ -257,6 +428,14 @@ const _: () = {
     assert!(core::mem::size_of::<SockRevNatValue>() == 20);
     assert!(core::mem::size_of::<SockPeerValue>() == 40);
     assert!(core::mem::size_of::<SockConfig>() == 8);
+    assert!(core::mem::size_of::<NodeNetns>() == 8);
+    assert!(core::mem::size_of::<SockAffinityKey>() == 16);
+    assert!(core::mem::size_of::<NpAffinityKey>() == 24);
+    assert!(core::mem::size_of::<AffinityValue>() == 16);
+    assert!(core::mem::size_of::<AffinityMatchKey>() == 12);
+    assert!(core::mem::size_of::<AffinityMatchValue>() == 4);
+    assert!(core::mem::size_of::<SourceRangeKey>() == 28);
+    assert!(SOURCE_RANGE_FIXED_BITS as usize == 8 * core::mem::offset_of!(SourceRangeKey, addr_be));
 };
 
 #[cfg(feature = "user")]
@@ -270,7 +449,8 @@ mod pod {
     //! inserted no padding of its own.
 
     use super::{
-        BackendKey, BackendValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SockConfig, SockPeerValue, SockRevNatKey, SockRevNatValue,
+        AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, NodeNetns, NpAffinityKey, ServiceKey, ServiceValue,
+        SlotKey, SlotValue, SockAffinityKey, SockConfig, SockPeerValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
     };
 
     // SAFETY: repr(C) integers only; 16 + 2 + 1 + 1 = 20 bytes, no padding.
@@ -293,6 +473,20 @@ mod pod {
     unsafe impl aya::Pod for SockPeerValue {}
     // SAFETY: repr(C), one u64, no padding.
     unsafe impl aya::Pod for SockConfig {}
+    // SAFETY: repr(C), one u64, no padding.
+    unsafe impl aya::Pod for NodeNetns {}
+    // SAFETY: repr(C) integers only; 8 + 4 + 4 (`_pad`) = 16 bytes, no padding.
+    unsafe impl aya::Pod for SockAffinityKey {}
+    // SAFETY: repr(C) integers only; 16 + 4 + 1 + 3 (`_pad`) = 24 bytes, no padding.
+    unsafe impl aya::Pod for NpAffinityKey {}
+    // SAFETY: repr(C) integers only; 8 + 4 + 4 (`_pad`) = 16 bytes, no padding.
+    unsafe impl aya::Pod for AffinityValue {}
+    // SAFETY: repr(C), three u32 = 12 bytes, no padding.
+    unsafe impl aya::Pod for AffinityMatchKey {}
+    // SAFETY: repr(C), one u32, no padding.
+    unsafe impl aya::Pod for AffinityMatchValue {}
+    // SAFETY: repr(C) integers only; 4 + 4 + 1 + 3 (`_pad`) + 16 = 28 bytes, no padding.
+    unsafe impl aya::Pod for SourceRangeKey {}
 }
 
 #[cfg(test)]
@@ -385,6 +579,36 @@ mod tests {
         assert_eq!(offset_of!(SockRevNatKey, ip_be), 8);
         assert_eq!(offset_of!(SockRevNatKey, family), 26);
         assert_eq!(offset_of!(BackendValue, port_be), 16);
+        assert_eq!(offset_of!(SourceRangeKey, addr_be), 12);
+        assert_eq!(offset_of!(AffinityValue, backend_id), 8);
+    }
+
+    #[test]
+    fn affinity_expires_after_its_timeout_without_use() {
+        let s = 1_000_000_000u64;
+        // (now, last used, timeout) -> expired
+        let cases = [
+            (10 * s, 10 * s, 1, false),
+            (11 * s, 10 * s, 1, false),
+            (11 * s + 1, 10 * s, 1, true),
+            (10 * s + 10_800 * s, 10 * s, 10_800, false),
+            (10 * s + 10_800 * s + 1, 10 * s, 10_800, true),
+            // A clock that reads earlier than the entry: fresh, not 584 years old.
+            (5 * s, 10 * s, 1, false),
+            (u64::MAX, 0, 86_400, true),
+        ];
+        for (now, last, timeout, want) in cases {
+            assert_eq!(affinity_expired(now, last, timeout), want, "{now} {last} {timeout}");
+        }
+        assert!(AFFINITY_REFRESH_NS < s, "refreshes finer than the shortest timeout");
+    }
+
+    #[test]
+    fn counter_names_fill_their_arrays() {
+        assert_eq!(counter::NAMES[counter::REFUSED_SOURCE_RANGE as usize], "refused_source_range");
+        assert_eq!(counter::NAMES[counter::AFFINITY_UPDATE_FAILED as usize], "affinity_update_failed");
+        assert_eq!(np_counter::NAMES[np_counter::DROPPED_SOURCE_RANGE as usize], "dropped_source_range");
+        assert_eq!(np_counter::NAMES[np_counter::AFFINITY_UPDATE_FAILED as usize], "affinity_update_failed");
     }
 }
 
@@ -412,6 +636,12 @@ pub const NP_CT_MAP: &str = "NP_CT";
 /// One-element array holding [`NpConfig`].
 pub const NP_CONFIG_MAP: &str = "NP_CONFIG";
 pub const NP_COUNTERS_MAP: &str = "NP_COUNTERS";
+/// The TC programs' session affinity ([`NpAffinityKey`] -> [`AffinityValue`]), LRU.
+pub const NP_AFFINITY_MAP: &str = "NP_AFFINITY";
+/// As [`AFFINITY_MATCH_MAP`], for `NP_SERVICES`' frontends.
+pub const NP_AFFINITY_MATCH_MAP: &str = "NP_AFFINITY_MATCH";
+/// As [`SOURCE_RANGES_MAP`], for `NP_SERVICES`' frontends.
+pub const NP_SOURCE_RANGES_MAP: &str = "NP_SOURCE_RANGES";
 
 pub const DEFAULT_MAX_NP_CT: u32 = 262_144;
 pub const DEFAULT_MAX_NP_LOCAL: u32 = 65_536;
@@ -644,7 +874,24 @@ pub mod np_counter {
     pub const REWRITE_FAILED: u32 = 10;
     /// An ICMP error about a tracked flow was translated back.
     pub const ICMP_TRANSLATED: u32 = 11;
-    pub const COUNT: u32 = 16;
+    /// A new flow to a LoadBalancer IP from a source outside its
+    /// `loadBalancerSourceRanges`: dropped (kube-proxy drops it too).
+    pub const DROPPED_SOURCE_RANGE: u32 = 12;
+    /// A client's affinity entry chose the backend of a new flow.
+    pub const AFFINITY_HIT: u32 = 13;
+    /// A client's affinity entry had expired or named a backend the
+    /// frontend no longer uses; a new backend was chosen.
+    pub const AFFINITY_STALE: u32 = 14;
+    /// An affinity entry could not be stored (the flow was translated).
+    pub const AFFINITY_UPDATE_FAILED: u32 = 15;
+    /// A TCP segment to a frontend that opens no connection (no SYN, or a
+    /// SYN-ACK) and belongs to no tracked flow: passed untouched, so that a
+    /// connection translated before the programs were attached (by
+    /// kube-proxy, in netfilter's conntrack) goes on as it was.
+    pub const PASS_UNTRACKED_TCP: u32 = 16;
+    /// Room for counters to come: the pinned map keeps its size across
+    /// upgrades (`reservedN` entries are not exported).
+    pub const COUNT: u32 = 24;
 
     pub const NAMES: [&str; COUNT as usize] = [
         "new_flow",
@@ -659,10 +906,18 @@ pub mod np_counter {
         "slot_miss",
         "rewrite_failed",
         "icmp_translated",
-        "reserved12",
-        "reserved13",
-        "reserved14",
-        "reserved15",
+        "dropped_source_range",
+        "affinity_hit",
+        "affinity_stale",
+        "affinity_update_failed",
+        "pass_untracked_tcp",
+        "reserved17",
+        "reserved18",
+        "reserved19",
+        "reserved20",
+        "reserved21",
+        "reserved22",
+        "reserved23",
     ];
 }
 

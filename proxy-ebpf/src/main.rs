@@ -6,6 +6,12 @@
 //! (as Cilium's `bpf_sock.c` does) means the packets themselves carry the
 //! backend address, so no per-packet NAT and no conntrack are needed.
 //!
+//! A frontend may ask for more than a backend (`ServiceValue::flags`): with
+//! `loadBalancerSourceRanges` a client outside them is refused, and with
+//! session affinity a client keeps the backend its affinity entry names
+//! while the frontend still uses it (see `proxy-common`'s
+//! `AffinityMatchKey`).
+//!
 //! Every entry point is a thin wrapper around a `try_` function. Errors of
 //! our own (a context read that fails, a slot that vanished under us) are
 //! counted and the socket is left exactly as the application asked: we never
@@ -24,17 +30,19 @@ mod sockaddr;
 
 use aya_ebpf::{
     EbpfContext,
-    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
+    btf_maps::lpm_trie::Key,
+    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_coarse_ns, bpf_set_retval},
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
 use proxy_common::{
-    BackendKey, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, ServiceKey, ServiceValue, SockPeerValue, SockRevNatKey, SockRevNatValue,
-    counter, socket_hash,
+    AFFINITY_REFRESH_NS, AffinityMatchKey, AffinityValue, BackendKey, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, SOURCE_RANGE_FIXED_BITS,
+    SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, SVC_FLAG_SOURCE_RANGES_NODE, ServiceKey, ServiceValue, SockAffinityKey, SockPeerValue,
+    SockRevNatKey, SockRevNatValue, SourceRangeKey, affinity_expired, counter, socket_hash,
 };
 
-use maps::{BACKENDS, SERVICES, SLOTS, SOCK_CONFIG, SOCK_PEER, SOCK_REVNAT, count};
-use sockaddr::{Addr, read_peer, write_peer};
+use maps::{AFFINITY, AFFINITY_MATCH, BACKENDS, NODE_NETNS, SERVICES, SLOTS, SOCK_CONFIG, SOCK_PEER, SOCK_REVNAT, SOURCE_RANGES, count};
+use sockaddr::{Addr, bound_source, read_peer, write_peer};
 
 /// sock_addr programs return 1 to let the call proceed.
 const ALLOW: i32 = 1;
@@ -143,16 +151,21 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
     let Some(svc) = (unsafe { SERVICES.get(&key) }).copied() else {
         return Ok(ALLOW); // not a frontend: none of our business
     };
+    if svc.flags & SVC_FLAG_SOURCE_RANGES != 0 && !source_allowed::<FAMILY>(ctx, &svc, mapped.is_some()) {
+        // kube-proxy drops such packets; at connect() the one clear answer
+        // is a refusal, as for a Service without endpoints.
+        return Ok(refuse(counter::REFUSED_SOURCE_RANGE));
+    }
     if svc.backend_count == 0 {
         // Kubernetes promises "connection refused" for a Service with no
         // endpoint for this client; bpf_set_retval exists on >= 5.18 and the
         // agent refuses to load on older kernels.
-        count(counter::REFUSED_NO_BACKEND);
-        // SAFETY: the helper takes a plain integer and touches no memory of
-        // ours; on a kernel without it the program fails to load instead.
-        unsafe { bpf_set_retval(-ECONNREFUSED) };
-        return Ok(REJECT);
+        return Ok(refuse(counter::REFUSED_NO_BACKEND));
     }
+    // A client with a fresh affinity entry keeps its backend; everyone
+    // else gets the usual choice below, which is then remembered.
+    let affinity = if svc.flags & SVC_FLAG_AFFINITY != 0 { Some(affinity_key(ctx, svc.service_id)) } else { None };
+    let sticky = affinity.as_ref().and_then(|k| affinity_lookup(k, &svc));
 
     // The cookie is fetched only where it is needed: the first call on a
     // socket assigns it (`__sock_gen_cookie`, a shared counter).
@@ -173,21 +186,27 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
     // update and only then deletes the previous generation's slots. A reader
     // that loaded the old entry just before may find its slot gone; looking
     // the service up once more then sees the new generation.
-    let backend = match lookup_backend(&svc, hash) {
+    let backend = match sticky {
         Some(b) => b,
         None => {
-            // SAFETY: as for the first lookup: valid for the run, copied out
-            // at once.
-            let Some(fresh) = (unsafe { SERVICES.get(&key) }).copied() else {
-                return Ok(ALLOW); // deleted meanwhile: behave as for a non-service
+            let (id, b) = match lookup_backend(&svc, hash) {
+                Some(b) => b,
+                None => {
+                    // SAFETY: as for the first lookup: valid for the run,
+                    // copied out at once.
+                    let Some(fresh) = (unsafe { SERVICES.get(&key) }).copied() else {
+                        return Ok(ALLOW); // deleted meanwhile: behave as for a non-service
+                    };
+                    if fresh.backend_count == 0 {
+                        return Ok(refuse(counter::REFUSED_NO_BACKEND));
+                    }
+                    lookup_backend(&fresh, hash).ok_or(counter::SLOT_MISS)?
+                }
             };
-            if fresh.backend_count == 0 {
-                count(counter::REFUSED_NO_BACKEND);
-                // SAFETY: as above: an integer argument, no memory access.
-                unsafe { bpf_set_retval(-ECONNREFUSED) };
-                return Ok(REJECT);
+            if let Some(k) = &affinity {
+                affinity_remember(k, id);
             }
-            lookup_backend(&fresh, hash).ok_or(counter::SLOT_MISS)?
+            b
         }
     };
     if backend.family != dst.family {
@@ -200,16 +219,122 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
     Ok(ALLOW)
 }
 
+/// Fails the call with `ECONNREFUSED`, counting `reason`.
 #[inline(always)]
-fn lookup_backend(svc: &ServiceValue, hash: u32) -> Option<Addr> {
+fn refuse(reason: u32) -> i32 {
+    count(reason);
+    // SAFETY: the helper takes a plain integer and touches no memory of
+    // ours; on a kernel without it (< 5.18) the program fails to load
+    // instead, and the agent says so.
+    unsafe { bpf_set_retval(-ECONNREFUSED) };
+    REJECT
+}
+
+/// The backend of the slot `hash` selects: its id and address.
+#[inline(always)]
+fn lookup_backend(svc: &ServiceValue, hash: u32) -> Option<(u32, Addr)> {
     // SAFETY: map values stay valid memory for the program run (RCU,
     // preallocated elements), and each is read right away, before the next
     // map operation; a concurrently recycled element yields integers that
     // are valid if stale.
     let id = unsafe { SLOTS.get(&svc.slot_for(hash)) }?.backend_id;
-    // SAFETY: as above; the fields are copied into `Addr` at once.
+    Some((id, backend_addr(id)?))
+}
+
+#[inline(always)]
+fn backend_addr(id: u32) -> Option<Addr> {
+    // SAFETY: as in `lookup_backend`; the fields are copied into `Addr` at
+    // once.
     let b = unsafe { BACKENDS.get(&BackendKey { backend_id: id }) }?;
     Some(Addr { ip_be: b.ip_be, port_be: b.port_be, family: b.family })
+}
+
+/// Whether the client of this call may reach a frontend with
+/// `loadBalancerSourceRanges`.
+///
+/// A socket bound to an address (`bind()` before `connect()`) is judged by
+/// that address, as kube-proxy judges a packet by its source. An unbound
+/// socket has no source address yet at this hook; the kernel picks it
+/// afterwards. In the node's own network namespace (`NODE_NETNS`) it will
+/// be one of the node's addresses, which the agent checked against the
+/// ranges (`SVC_FLAG_SOURCE_RANGES_NODE`). In a pod's namespace it is the pod's
+/// address, which this hook cannot see: such a connection is refused, so
+/// that a restricted LoadBalancer is never opened to pods outside its
+/// ranges (pods inside them reach it by binding their own address first).
+#[inline(always)]
+fn source_allowed<const FAMILY: u8>(ctx: &SockAddrContext, svc: &ServiceValue, mapped: bool) -> bool {
+    let bound = bound_source::<FAMILY>(ctx.sock_addr);
+    // An IPv4 frontend dialled from an AF_INET6 socket: a bound source is
+    // the mapped form of an IPv4 address (anything else cannot reach IPv4).
+    let src = if mapped { bound.unmapped_v4().unwrap_or(Addr { ip_be: [0; 4], port_be: 0, family: FAMILY_V4 }) } else { bound };
+    if src.ip_be == [0; 4] {
+        if svc.flags & SVC_FLAG_SOURCE_RANGES_NODE == 0 {
+            return false;
+        }
+        let node = NODE_NETNS.get(0).map_or(0, |n| n.netns_cookie);
+        // SAFETY: the helper gets this program's own context (the sock_addr
+        // variant, `bpf_get_netns_cookie_sock_addr`, Linux >= 5.8) and
+        // touches no memory of ours.
+        let own = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+        return node != 0 && own == node;
+    }
+    let key = Key::new(
+        SOURCE_RANGE_FIXED_BITS + 128,
+        SourceRangeKey { service_id: svc.service_id, generation: svc.generation, family: src.family, _pad: [0; 3], addr_be: src.ip_be },
+    );
+    SOURCE_RANGES.get(&key).is_some()
+}
+
+/// The backend this client's affinity entry names for `svc`, when the
+/// entry is fresh and its backend is still one the frontend uses (listed in
+/// `AFFINITY_MATCH` under the generation `svc` was read at). Refreshes the
+/// entry's time on a hit.
+#[inline(always)]
+fn affinity_lookup(key: &SockAffinityKey, svc: &ServiceValue) -> Option<Addr> {
+    let entry = AFFINITY.get_ptr_mut(key)?;
+    // SAFETY: `entry` is the value pointer of an AFFINITY element, valid
+    // for the run (RCU; LRU elements are preallocated and never freed while
+    // the map exists). It is read once here; another CPU may refresh or
+    // evict and reuse the element meanwhile, which leaves stale or mixed
+    // integers, every one a valid `AffinityValue`.
+    let found = unsafe { *entry };
+    // SAFETY: the helper takes no arguments and touches no memory of ours
+    // (any program type, Linux >= 5.11).
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let mkey = AffinityMatchKey { service_id: svc.service_id, generation: svc.generation, backend_id: found.backend_id };
+    // SAFETY: a map value, valid for the run, read at once.
+    let fresh = unsafe { AFFINITY_MATCH.get(&mkey) }.is_some_and(|m| !affinity_expired(now, found.last_used_ns, m.timeout_s));
+    let Some(addr) = (if fresh { backend_addr(found.backend_id) } else { None }) else {
+        count(counter::AFFINITY_STALE);
+        return None;
+    };
+    if now.saturating_sub(found.last_used_ns) >= AFFINITY_REFRESH_NS {
+        // SAFETY: as above; an aligned u64 store into the element, which a
+        // concurrent refresh of the same client may overwrite (either time
+        // is right to within a refresh period).
+        unsafe { (*entry).last_used_ns = now };
+    }
+    count(counter::AFFINITY_HIT);
+    Some(addr)
+}
+
+/// Records that the client of `key` now uses backend `backend_id`.
+#[inline(always)]
+fn affinity_remember(key: &SockAffinityKey, backend_id: u32) {
+    // SAFETY: the helper takes no arguments and touches no memory of ours.
+    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    if AFFINITY.insert(key, &AffinityValue { last_used_ns: now, backend_id, _pad: 0 }, 0).is_err() {
+        count(counter::AFFINITY_UPDATE_FAILED);
+    }
+}
+
+/// The client is the caller's network namespace (see `SockAffinityKey`).
+#[inline(always)]
+fn affinity_key(ctx: &SockAddrContext, service_id: u32) -> SockAffinityKey {
+    // SAFETY: the helper gets this program's own context, as its sock_addr
+    // variant requires, and touches no memory of ours.
+    let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
+    SockAffinityKey { netns_cookie, service_id, _pad: 0 }
 }
 
 /// Records that this socket reaches `frontend` at `backend`, for the

@@ -11,12 +11,14 @@
 //! pinned by an older agent (which only compares type and sizes).
 
 use aya_ebpf::{
-    btf_maps::{Array, HashMap, LruHashMap, PerCpuArray, SkStorage},
+    bindings::BPF_F_NO_PREALLOC,
+    btf_maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, SkStorage},
     macros::btf_map,
 };
 use proxy_common::{
-    BackendKey, BackendValue, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCK_REVNAT, ServiceKey,
-    ServiceValue, SlotKey, SlotValue, SockConfig, SockPeerValue, SockRevNatKey, SockRevNatValue, counter,
+    AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, DEFAULT_MAX_AFFINITY, DEFAULT_MAX_BACKENDS,
+    DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCK_REVNAT, NodeNetns, ServiceKey, ServiceValue, SlotKey, SlotValue,
+    SockAffinityKey, SockConfig, SockPeerValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, counter,
 };
 
 // The capacity is part of the type (a const generic the BTF records as an
@@ -42,6 +44,30 @@ pub static SOCK_PEER: SkStorage<SockPeerValue> = SkStorage::new();
 /// One element the agent writes (see `SockConfig`).
 #[btf_map(name = "SOCK_CONFIG")]
 pub static SOCK_CONFIG: Array<SockConfig, 1> = Array::new();
+
+/// Session affinity: each client's backend per affine frontend. LRU:
+/// clients come and go without telling anyone, so the entries of those that
+/// left must age out; the agent deletes a frontend's entries when it drops
+/// affinity or goes away.
+#[btf_map(name = "AFFINITY")]
+pub static AFFINITY: LruHashMap<SockAffinityKey, AffinityValue, { DEFAULT_MAX_AFFINITY as usize }> = LruHashMap::new();
+
+/// The backends of each affine frontend's current generation (see
+/// `AffinityMatchKey`). Not preallocated: it holds entries only for affine
+/// frontends, while its capacity follows `SLOTS`, which bounds it.
+#[btf_map(name = "AFFINITY_MATCH")]
+pub static AFFINITY_MATCH: HashMap<AffinityMatchKey, AffinityMatchValue, { DEFAULT_MAX_SLOTS as usize }, { BPF_F_NO_PREALLOC as usize }> =
+    HashMap::new();
+
+/// `loadBalancerSourceRanges` per frontend and generation (see
+/// `SourceRangeKey`). LPM tries are never preallocated (the kernel requires
+/// `BPF_F_NO_PREALLOC`, the type's default).
+#[btf_map(name = "SOURCE_RANGES")]
+pub static SOURCE_RANGES: LpmTrie<SourceRangeKey, u32, { DEFAULT_MAX_SERVICES as usize }> = LpmTrie::new();
+
+/// One element the agent writes: the node's own network namespace.
+#[btf_map(name = "NODE_NETNS")]
+pub static NODE_NETNS: Array<NodeNetns, 1> = Array::new();
 
 #[btf_map(name = "COUNTERS")]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();

@@ -33,13 +33,18 @@ use aya_ebpf::{
     programs::TcContext,
 };
 use proxy_common::{
-    AddrKey, BackendKey, BackendValue, CT_DIR_FORWARD, CT_DIR_REPLY, CT_DIR_REPLY_SNAT, CT_DIR_SNAT, CT_FLAG_CLOSING, CT_FLAG_REPLIED,
-    CT_FLAG_SNAT, CT_REFRESH_S, CT_TIMEOUT_OTHER_S, CT_TIMEOUT_TCP_CLOSING_S, CT_TIMEOUT_TCP_S, CT_TIMEOUT_TCP_SYN_S, CtKey, CtValue,
-    FAMILY_V4, NP_FLAG_POLICY_LOCAL, PROTO_TCP, ServiceKey, ServiceValue, ct_dir_from_client, ct_flags_after, flow_hash, np_counter,
+    AFFINITY_REFRESH_NS, AddrKey, AffinityMatchKey, AffinityValue, BackendKey, BackendValue, CT_DIR_FORWARD, CT_DIR_REPLY,
+    CT_DIR_REPLY_SNAT, CT_DIR_SNAT, CT_FLAG_CLOSING, CT_FLAG_REPLIED, CT_FLAG_SNAT, CT_REFRESH_S, CT_TIMEOUT_OTHER_S,
+    CT_TIMEOUT_TCP_CLOSING_S, CT_TIMEOUT_TCP_S, CT_TIMEOUT_TCP_SYN_S, CtKey, CtValue, FAMILY_V4, NP_FLAG_POLICY_LOCAL, NpAffinityKey,
+    PROTO_TCP, SOURCE_RANGE_FIXED_BITS, SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRangeKey,
+    affinity_expired, ct_dir_from_client, ct_flags_after, flow_hash, np_counter,
 };
 
-use crate::nodeport_maps::{NP_BACKENDS, NP_CONFIG, NP_CT, NP_FLAGS, NP_LOCAL, NP_SCRATCH, NP_SERVICES, NP_SLOTS, NpScratch, np_count};
-use crate::packet::{Parsed, Pkt, TCP_FIN, TCP_RST, parse, rewrite};
+use crate::nodeport_maps::{
+    NP_AFFINITY, NP_AFFINITY_MATCH, NP_BACKENDS, NP_CONFIG, NP_CT, NP_FLAGS, NP_LOCAL, NP_SCRATCH, NP_SERVICES, NP_SLOTS, NP_SOURCE_RANGES,
+    NpScratch, np_count,
+};
+use crate::packet::{Parsed, Pkt, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, parse, rewrite};
 
 /// Let the packet continue (see the module comment).
 const PASS: i32 = TC_ACT_UNSPEC;
@@ -188,6 +193,12 @@ fn may_be_snat_reply(p: &Pkt) -> bool {
 
 #[inline(always)]
 fn now_s() -> u32 {
+    // CLOCK_MONOTONIC seconds fit u32 for 136 years of uptime.
+    (now_ns() / 1_000_000_000) as u32
+}
+
+#[inline(always)]
+fn now_ns() -> u64 {
     // CLOCK_MONOTONIC_COARSE, the same clock as the agent's CLOCK_MONOTONIC
     // (conntrack_gc.rs) as of the last timer tick: `ktime_get_coarse_ns`
     // reads the timekeeper's base (kernel/time/timekeeping.c) where
@@ -196,9 +207,8 @@ fn now_s() -> u32 {
     // (at most 10 ms) behind is nothing against second-granular timestamps
     // and timeouts of seconds to hours; it never runs ahead of the agent's
     // clock. Available to every program type since Linux 5.11.
-    // CLOCK_MONOTONIC seconds fit u32 for 136 years of uptime.
     // SAFETY: the helper takes no arguments and touches no memory of ours.
-    (unsafe { bpf_ktime_get_coarse_ns() } / 1_000_000_000) as u32
+    unsafe { bpf_ktime_get_coarse_ns() }
 }
 
 /// A packet matched the tracked entry `v` (of direction `dir`): keep the
@@ -356,37 +366,67 @@ fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
     let Some(svc) = (unsafe { NP_SERVICES.get(&skey) }) else {
         return Ok(PASS); // not a frontend
     };
+    if p.proto == PROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN {
+        // A segment that opens no connection, of a flow NP_CT does not
+        // track: the connection began before these programs were attached
+        // (kube-proxy translated it, and netfilter's conntrack keeps its NAT
+        // binding until it ends: nf_nat applies a connection's binding to
+        // each of its packets), or its entry is gone. A backend picked now
+        // never saw the handshake and could only answer with a RST; left to
+        // the stack, a connection netfilter knows goes on as before.
+        return Err(np_counter::PASS_UNTRACKED_TCP);
+    }
+    if svc.flags & SVC_FLAG_SOURCE_RANGES != 0 && !source_allowed(p, svc) {
+        // A LoadBalancer IP restricted by loadBalancerSourceRanges, and the
+        // client is outside them: dropped, as kube-proxy's firewall chain
+        // does (a refusal would tell a scanner the address is in use).
+        np_count(np_counter::DROPPED_SOURCE_RANGE);
+        return Ok(TC_ACT_SHOT);
+    }
     if svc.backend_count == 0 {
         return no_backend(p, &skey);
     }
+    // Read only now: a packet that is not for a frontend (most of what the
+    // device sees) has no use for the time.
+    let now_ns = now_ns();
+    let now = (now_ns / 1_000_000_000) as u32;
+    let affine = svc.flags & SVC_FLAG_AFFINITY != 0;
+    let sticky = if affine { affinity_lookup(p, svc, now_ns) } else { None };
     let hash = flow_hash(&p.saddr, p.sport_be, p.proto) ^ svc.service_id.wrapping_mul(0x9e37_79b9);
-    let (backend_id, b) = match pick(svc, hash) {
+    let (backend_id, b) = match sticky {
         Some(b) => b,
         None => {
-            // Rewritten by the agent under us: look once more (see the
-            // socket programs for the generation protocol).
-            // SAFETY: as for the first lookup.
-            let Some(fresh) = (unsafe { NP_SERVICES.get(&skey) }) else {
-                return Ok(PASS);
+            let picked = match pick(svc, hash) {
+                Some(b) => b,
+                None => {
+                    // Rewritten by the agent under us: look once more (see
+                    // the socket programs for the generation protocol).
+                    // SAFETY: as for the first lookup.
+                    let Some(fresh) = (unsafe { NP_SERVICES.get(&skey) }) else {
+                        return Ok(PASS);
+                    };
+                    if fresh.backend_count == 0 {
+                        return no_backend(p, &skey);
+                    }
+                    pick(fresh, hash).ok_or(np_counter::SLOT_MISS)?
+                }
             };
-            if fresh.backend_count == 0 {
-                return no_backend(p, &skey);
+            if affine {
+                affinity_remember(p, svc.service_id, picked.0, now_ns);
             }
-            pick(fresh, hash).ok_or(np_counter::SLOT_MISS)?
+            picked
         }
     };
     if b.family != p.family {
         return Err(np_counter::PASS_UNPARSED);
     }
-    // Read only now: a packet that is not for a frontend (most of what the
-    // device sees) has no use for the time.
-    let now = now_s();
     let Some(s) = NP_SCRATCH.get_ptr_mut(0) else {
         return Err(np_counter::CT_UPDATE_FAILED);
     };
     // SAFETY: this CPU's slot of NP_SCRATCH element 0, never freed while
     // the map exists. No other reference to it is live: the caller holds
-    // none, `no_backend` has not run (it returns before this point), and no
+    // none, `no_backend` has not run (it returns before this point), the
+    // source-range and affinity helpers' references ended with them, and no
     // other TC program runs on this CPU until this one returns (bottom
     // halves are disabled). `reservation_expired` reborrows it from here.
     let s = unsafe { &mut *s };
@@ -535,6 +575,81 @@ fn apply(ctx: &TcContext, p: &Pkt, v: &CtValue) -> Result<i32, u32> {
             np_count(np_counter::REWRITE_FAILED);
             Ok(TC_ACT_SHOT)
         }
+    }
+}
+
+/// Whether a new flow's source lies inside the `loadBalancerSourceRanges`
+/// of its frontend (`svc`, which has `SVC_FLAG_SOURCE_RANGES`): one lookup
+/// in the frontend's ranges of its current generation. The agent adds the
+/// LoadBalancer IP itself as a source when one of the node's addresses is
+/// inside a range (kube-proxy's rule for a VIP the node answers for: such
+/// requests loop back with the VIP as source).
+#[inline(always)]
+fn source_allowed(p: &Pkt, svc: &ServiceValue) -> bool {
+    let Some(s) = NP_SCRATCH.get_ptr_mut(0) else {
+        // Cannot happen (element 0 of a per-CPU array always exists); the
+        // filter fails closed.
+        return false;
+    };
+    // SAFETY: this CPU's slot of NP_SCRATCH element 0, never freed while
+    // the map exists. No other reference to it is live: `new_flow_inner`
+    // takes its own only after this returns, and no other TC program runs
+    // on this CPU until this one returns (bottom halves are disabled).
+    let s = unsafe { &mut *s };
+    s.range.prefix_len = SOURCE_RANGE_FIXED_BITS + 128;
+    s.range.data =
+        SourceRangeKey { service_id: svc.service_id, generation: svc.generation, family: p.family, _pad: [0; 3], addr_be: p.saddr };
+    NP_SOURCE_RANGES.get(&s.range).is_some()
+}
+
+/// The backend this client's affinity entry names for `svc`, when the
+/// entry is fresh and its backend still one the frontend uses (listed in
+/// `NP_AFFINITY_MATCH` under `svc`'s generation). Refreshes the entry on a
+/// hit.
+#[inline(always)]
+fn affinity_lookup(p: &Pkt, svc: &ServiceValue, now_ns: u64) -> Option<(u32, &'static BackendValue)> {
+    let s = NP_SCRATCH.get_ptr_mut(0)?;
+    // SAFETY: this CPU's slot of NP_SCRATCH element 0 (see
+    // `source_allowed`); the reference ends with this function.
+    let s = unsafe { &mut *s };
+    s.affinity = NpAffinityKey { client_be: p.saddr, service_id: svc.service_id, family: p.family, _pad: [0; 3] };
+    let entry = NP_AFFINITY.get_ptr_mut(&s.affinity)?;
+    // SAFETY: the value pointer of an NP_AFFINITY element, valid for the
+    // run (RCU, preallocated LRU elements never freed while the map
+    // exists), read once; a concurrent refresh or an eviction that reuses
+    // the element leaves stale or mixed integers, still a valid value.
+    let found = unsafe { *entry };
+    let mkey = AffinityMatchKey { service_id: svc.service_id, generation: svc.generation, backend_id: found.backend_id };
+    // SAFETY: a map value, valid for the run, read at once.
+    let fresh = unsafe { NP_AFFINITY_MATCH.get(&mkey) }.is_some_and(|m| !affinity_expired(now_ns, found.last_used_ns, m.timeout_s));
+    // SAFETY: as in `pick`: valid for the run, used only within it.
+    let Some(b) = (if fresh { unsafe { NP_BACKENDS.get(&BackendKey { backend_id: found.backend_id }) } } else { None }) else {
+        np_count(np_counter::AFFINITY_STALE);
+        return None;
+    };
+    if now_ns.saturating_sub(found.last_used_ns) >= AFFINITY_REFRESH_NS {
+        // SAFETY: as above; an aligned u64 store into the element.
+        unsafe { (*entry).last_used_ns = now_ns };
+    }
+    np_count(np_counter::AFFINITY_HIT);
+    Some((found.backend_id, b))
+}
+
+/// Records that this client now uses `backend_id` of frontend
+/// `service_id`.
+#[inline(always)]
+fn affinity_remember(p: &Pkt, service_id: u32, backend_id: u32, now_ns: u64) {
+    let Some(s) = NP_SCRATCH.get_ptr_mut(0) else {
+        np_count(np_counter::AFFINITY_UPDATE_FAILED);
+        return;
+    };
+    // SAFETY: this CPU's slot of NP_SCRATCH element 0 (see
+    // `source_allowed`); the reference ends with this function.
+    let s = unsafe { &mut *s };
+    s.affinity = NpAffinityKey { client_be: p.saddr, service_id, family: p.family, _pad: [0; 3] };
+    s.affinity_val = AffinityValue { last_used_ns: now_ns, backend_id, _pad: 0 };
+    if NP_AFFINITY.insert(&s.affinity, &s.affinity_val, 0).is_err() {
+        np_count(np_counter::AFFINITY_UPDATE_FAILED);
     }
 }
 

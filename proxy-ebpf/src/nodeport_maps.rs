@@ -6,12 +6,14 @@
 //! datapaths' definitions apart.
 
 use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
     macros::map,
-    maps::{Array, HashMap, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LpmTrie, LruHashMap, PerCpuArray, lpm_trie::Key},
 };
 use proxy_common::{
-    AddrKey, BackendKey, BackendValue, CtKey, CtValue, DEFAULT_MAX_BACKENDS, DEFAULT_MAX_NP_CT, DEFAULT_MAX_NP_LOCAL, DEFAULT_MAX_SERVICES,
-    DEFAULT_MAX_SLOTS, NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, np_counter,
+    AddrKey, AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, CtKey, CtValue, DEFAULT_MAX_AFFINITY,
+    DEFAULT_MAX_BACKENDS, DEFAULT_MAX_NP_CT, DEFAULT_MAX_NP_LOCAL, DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, NpAffinityKey, NpConfig,
+    NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SourceRangeKey, np_counter,
 };
 
 #[map(name = "NP_SERVICES")]
@@ -43,6 +45,24 @@ pub static NP_LOCAL: HashMap<AddrKey, u32> = HashMap::with_max_entries(DEFAULT_M
 #[map(name = "NP_CT")]
 pub static NP_CT: LruHashMap<CtKey, CtValue> = LruHashMap::with_max_entries(DEFAULT_MAX_NP_CT, 0);
 
+/// Session affinity by client address (see `NpAffinityKey`); LRU, as the
+/// socket datapath's `AFFINITY`.
+#[map(name = "NP_AFFINITY")]
+pub static NP_AFFINITY: LruHashMap<NpAffinityKey, AffinityValue> = LruHashMap::with_max_entries(DEFAULT_MAX_AFFINITY, 0);
+
+/// The backends of each affine frontend's current generation (see
+/// `AffinityMatchKey`); entries only for affine frontends, so not
+/// preallocated.
+#[map(name = "NP_AFFINITY_MATCH")]
+pub static NP_AFFINITY_MATCH: HashMap<AffinityMatchKey, AffinityMatchValue> =
+    HashMap::with_max_entries(DEFAULT_MAX_SLOTS, BPF_F_NO_PREALLOC);
+
+/// `loadBalancerSourceRanges` per frontend and generation (see
+/// `SourceRangeKey`); the kernel requires LPM tries unpreallocated, which
+/// `LpmTrie` always asks for.
+#[map(name = "NP_SOURCE_RANGES")]
+pub static NP_SOURCE_RANGES: LpmTrie<SourceRangeKey, u32> = LpmTrie::with_max_entries(DEFAULT_MAX_SERVICES, 0);
+
 #[map(name = "NP_CONFIG")]
 pub static NP_CONFIG: Array<NpConfig> = Array::with_max_entries(1, 0);
 
@@ -59,6 +79,12 @@ pub struct NpScratch {
     pub val: CtValue,
     /// The other direction's key, for FIN/RST marking and SNAT takeover.
     pub peer: CtKey,
+    /// The source-range lookup of a new flow to a filtered frontend.
+    pub range: Key<SourceRangeKey>,
+    /// The client's affinity entry for an affine frontend, as looked up and
+    /// as written back.
+    pub affinity: NpAffinityKey,
+    pub affinity_val: AffinityValue,
 }
 
 #[map(name = "NP_SCRATCH")]

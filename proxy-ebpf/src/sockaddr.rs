@@ -71,6 +71,37 @@ pub fn write_peer<const FAMILY: u8>(sa: *mut bpf_sock_addr, to: &Addr) {
     }
 }
 
+/// The address the socket is bound to (`bind()` before `connect()`), in
+/// the family of the socket's attach type; all zero when it is not bound,
+/// which is the common case: the kernel picks the source address only after
+/// the connect and sendmsg hooks ran (`ip_route_connect`,
+/// `udp_sendmsg`). Same requirements on `sa` and `FAMILY` as `read_peer`.
+#[inline(always)]
+pub fn bound_source<const FAMILY: u8>(sa: *mut bpf_sock_addr) -> Addr {
+    // SAFETY: `sa` is the running program's context. `sk` is readable by
+    // every sock_addr attach type as one 8-byte load, which the verifier
+    // types as a non-null socket pointer (PTR_TO_SOCKET,
+    // `sock_addr_is_valid_access`), valid for the run; `src_ip4` and each
+    // word of `src_ip6` are readable from it as aligned 4-byte loads
+    // (`bpf_sock_is_valid_access`), which the verifier turns into reads of
+    // the socket's `inet_rcv_saddr` / `sk_v6_rcv_saddr`. `addr_of!` creates
+    // no reference to kernel memory.
+    unsafe {
+        let sk = read_volatile(addr_of!((*sa).__bindgen_anon_1.sk));
+        let ip_be = if FAMILY == FAMILY_V4 {
+            [read_volatile(addr_of!((*sk).src_ip4)), 0, 0, 0]
+        } else {
+            [
+                read_volatile(addr_of!((*sk).src_ip6[0])),
+                read_volatile(addr_of!((*sk).src_ip6[1])),
+                read_volatile(addr_of!((*sk).src_ip6[2])),
+                read_volatile(addr_of!((*sk).src_ip6[3])),
+            ]
+        };
+        Addr { ip_be, port_be: 0, family: FAMILY }
+    }
+}
+
 /// The third word of an IPv4-mapped IPv6 address `::ffff:a.b.c.d` (RFC 4291
 /// 2.5.5.2), as it sits in memory.
 const V4_MAPPED_WORD2: u32 = u32::from_ne_bytes([0, 0, 0xff, 0xff]);

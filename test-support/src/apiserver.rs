@@ -3,8 +3,19 @@
 //! watchers run against it.
 //!
 //! What it implements (as the API server does, simplified where noted):
-//! - Collections: core/v1 `services` and `nodes`, discovery.k8s.io/v1
-//!   `endpointslices`, all-namespaces and namespaced paths.
+//! - A chosen Kubernetes release ([`KubeVersion`]): the group versions it
+//!   serves, the fields its objects keep, and the shape of some errors.
+//!   `KubeVersion::V1_18` serves discovery.k8s.io/v1beta1 and
+//!   events.k8s.io/v1beta1 only and keeps `spec.topologyKeys`;
+//!   `KubeVersion::V1_21` serves v1 and v1beta1 of both; `KubeVersion::CURRENT`
+//!   (the default) serves only v1 and drops `spec.topologyKeys`.
+//! - Discovery: `/api`, `/api/v1`, `/apis`, `/apis/{group}`,
+//!   `/apis/{group}/{version}` list what the release serves.
+//! - Collections: core/v1 `services` and `nodes`, discovery.k8s.io
+//!   `endpointslices` in every version the release serves (objects are kept
+//!   in the v1 shape and converted per request, as the API server converts
+//!   between versions: v1beta1's `topology` map carries the zone and, with
+//!   no `nodeName`, the hostname), all-namespaces and namespaced paths.
 //! - Lists: a global, monotonically increasing resourceVersion (like
 //!   etcd's revision) in `metadata.resourceVersion`; `labelSelector`
 //!   (`k`, `!k`, `k=v`, `k==v`, `k!=v`, `k in (..)`, `k notin (..)`);
@@ -26,12 +37,18 @@
 //!   A version older than the compaction point gets HTTP 200 and an ERROR
 //!   event with a 410 Status ("too old resource version") and the stream
 //!   ends; a version newer than the server's gets HTTP 504 "Too large
-//!   resource version" (the watch cache's answer). `expire_watches` sends
-//!   the 410 ERROR to every open watch (what a compaction does to watchers
-//!   that fell behind). A watcher that cannot keep up is closed.
-//! - Events: POST events.k8s.io/v1 and core/v1 Events (validated for the
-//!   fields events.k8s.io/v1 requires), PATCH accepted; kept for tests.
-//! - `/version`. Everything else is a 404 Status.
+//!   resource version" (the watch cache's answer; with a
+//!   `ResourceVersionTooLarge` cause from 1.19 on, the message alone
+//!   before). `expire_watches` sends the 410 ERROR to every open watch
+//!   (what a compaction does to watchers that fell behind). A watcher that
+//!   cannot keep up is closed.
+//! - Events: POST events.k8s.io (the versions the release serves) and
+//!   core/v1 Events (validated for the fields events.k8s.io requires, and
+//!   for an `apiVersion` that matches the path), PATCH accepted; kept for
+//!   tests with the version they were posted to.
+//! - `/version`. Everything else is a 404: a Status from 1.24 on, the
+//!   plain-text `404 page not found` of Go's mux before (what an older API
+//!   server answers for a group version it does not serve).
 //!
 //! Not implemented: authentication, protobuf, streaming lists
 //! (`sendInitialEvents`), writes other than Events through HTTP (the test
@@ -71,10 +88,27 @@ impl Resource {
         }
     }
 
+    /// The version objects are kept in (requests for another version of
+    /// the group are converted).
     fn api_version(self) -> &'static str {
         match self {
             Resource::Services | Resource::Nodes => "v1",
             Resource::EndpointSlices => "discovery.k8s.io/v1",
+        }
+    }
+
+    fn group(self) -> &'static str {
+        match self {
+            Resource::Services | Resource::Nodes => "",
+            Resource::EndpointSlices => DISCOVERY,
+        }
+    }
+
+    fn plural(self) -> &'static str {
+        match self {
+            Resource::Services => "services",
+            Resource::EndpointSlices => "endpointslices",
+            Resource::Nodes => "nodes",
         }
     }
 
@@ -91,6 +125,161 @@ impl Resource {
         }
     }
 }
+
+/// The groups whose versions changed between the releases a server can
+/// behave as.
+const DISCOVERY: &str = "discovery.k8s.io";
+const EVENTS: &str = "events.k8s.io";
+
+/// The Kubernetes release a stand-in server behaves as (1.`minor`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KubeVersion {
+    pub minor: u32,
+}
+
+impl KubeVersion {
+    /// OpenYurt's walk-through's cluster: EndpointSlices and events.k8s.io
+    /// in v1beta1 only, `spec.topologyKeys` (ServiceTopology enabled), no
+    /// `internalTrafficPolicy` or `trafficDistribution`.
+    pub const V1_18: KubeVersion = KubeVersion { minor: 18 };
+    /// The last release with `spec.topologyKeys`, and the first that serves
+    /// discovery.k8s.io/v1 (beside v1beta1).
+    pub const V1_21: KubeVersion = KubeVersion { minor: 21 };
+    /// Today's API: v1 only, no `spec.topologyKeys`.
+    pub const CURRENT: KubeVersion = KubeVersion { minor: 33 };
+
+    /// The versions of `group` this release serves, preferred first
+    /// (discovery.k8s.io/v1 came in 1.21, events.k8s.io/v1 in 1.19; both
+    /// v1beta1s were removed in 1.25).
+    fn versions(self, group: &str) -> Vec<&'static str> {
+        let m = self.minor;
+        let mut out = Vec::new();
+        match group {
+            "" => out.push("v1"),
+            DISCOVERY => {
+                if m >= 21 {
+                    out.push("v1");
+                }
+                if (17..=24).contains(&m) {
+                    out.push("v1beta1");
+                }
+            }
+            EVENTS => {
+                if m >= 19 {
+                    out.push("v1");
+                }
+                if m <= 24 {
+                    out.push("v1beta1");
+                }
+            }
+            _ => {}
+        }
+        out
+    }
+
+    fn serves(self, group: &str, version: &str) -> bool {
+        self.versions(group).contains(&version)
+    }
+
+    /// Drops the fields this release does not have from an object in the
+    /// shape it is kept in (what the API server does to unknown fields on
+    /// write, and to fields of disabled features).
+    fn prune(self, res: Resource, obj: &mut Value) {
+        let m = self.minor;
+        match res {
+            Resource::Services => {
+                let Some(spec) = obj.get_mut("spec").and_then(Value::as_object_mut) else { return };
+                // ServiceTopology: 1.17-1.21, removed in 1.22.
+                if !(17..=21).contains(&m) {
+                    spec.remove("topologyKeys");
+                }
+                // Beta (on by default) in 1.22 and 1.31.
+                if m < 22 {
+                    spec.remove("internalTrafficPolicy");
+                }
+                if m < 31 {
+                    spec.remove("trafficDistribution");
+                }
+            }
+            Resource::EndpointSlices => {
+                for ep in obj.get_mut("endpoints").and_then(Value::as_array_mut).into_iter().flatten() {
+                    let Some(ep) = ep.as_object_mut() else { continue };
+                    // v1beta1 got nodeName in 1.20, hints in 1.21; the
+                    // serving and terminating conditions are on by
+                    // default from 1.22.
+                    if m < 20 {
+                        ep.remove("nodeName");
+                    }
+                    if m < 21 {
+                        ep.remove("hints");
+                    }
+                    if m < 22
+                        && let Some(c) = ep.get_mut("conditions").and_then(Value::as_object_mut)
+                    {
+                        c.remove("serving");
+                        c.remove("terminating");
+                    }
+                }
+            }
+            Resource::Nodes => {}
+        }
+    }
+
+    /// An unserved path: a Status from 1.24 on (the apiserver's
+    /// notfoundhandler), the plain text of Go's `http.NotFound` before.
+    fn not_found(self, path: &str) -> Response<Body> {
+        if self.minor >= 24 {
+            return error(404, "NotFound", &format!("the server could not find the requested resource ({path})"));
+        }
+        let mut r = Response::new(Full::new(Bytes::from_static(b"404 page not found\n")).boxed());
+        *r.status_mut() = StatusCode::NOT_FOUND;
+        r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("text/plain; charset=utf-8"));
+        r
+    }
+}
+
+/// discovery.k8s.io/v1beta1 -> v1, as the API server converts
+/// (pkg/apis/discovery/v1beta1/conversion.go): the zone leaves the
+/// `topology` map for `zone`, the hostname leaves it when it equals
+/// `nodeName`, the rest stays as `deprecatedTopology`.
+fn slice_to_v1(mut obj: Value) -> Value {
+    for ep in obj.get_mut("endpoints").and_then(Value::as_array_mut).into_iter().flatten() {
+        let Some(ep) = ep.as_object_mut() else { continue };
+        let Some(Value::Object(mut topology)) = ep.remove("topology") else { continue };
+        if let Some(zone) = topology.remove(ZONE_LABEL) {
+            ep.insert("zone".into(), zone);
+        }
+        if topology.get(HOSTNAME_LABEL).is_some_and(|h| Some(h) == ep.get("nodeName")) {
+            topology.remove(HOSTNAME_LABEL);
+        }
+        if !topology.is_empty() {
+            ep.insert("deprecatedTopology".into(), Value::Object(topology));
+        }
+    }
+    obj
+}
+
+/// discovery.k8s.io/v1 -> v1beta1: `deprecatedTopology` and `zone` make up
+/// the `topology` map again.
+fn slice_to_v1beta1(mut obj: Value) -> Value {
+    for ep in obj.get_mut("endpoints").and_then(Value::as_array_mut).into_iter().flatten() {
+        let Some(ep) = ep.as_object_mut() else { continue };
+        let mut topology = match ep.remove("deprecatedTopology") {
+            Some(Value::Object(t)) => t,
+            _ => serde_json::Map::new(),
+        };
+        if let Some(zone) = ep.remove("zone") {
+            topology.insert(ZONE_LABEL.into(), zone);
+        }
+        if !topology.is_empty() {
+            ep.insert("topology".into(), Value::Object(topology));
+        }
+    }
+    obj
+}
+
+const ZONE_LABEL: &str = "topology.kubernetes.io/zone";
+const HOSTNAME_LABEL: &str = "kubernetes.io/hostname";
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum ChangeType {
@@ -137,9 +326,15 @@ struct State {
     events: Vec<Value>,
     requests: Vec<String>,
     bookmark_interval: Duration,
+    /// Whether `allowWatchBookmarks` is honoured (servers before 1.15, or
+    /// with the feature off, ignore it).
+    bookmarks_served: bool,
     /// Ends every watch after this long even if the client asked for more
     /// (the API server does so after --min-request-timeout, randomised).
     watch_cutoff: Option<Duration>,
+    version: KubeVersion,
+    /// Where it listens (the `/api` discovery document names it).
+    addr: SocketAddr,
 }
 
 static UID: AtomicU64 = AtomicU64::new(1);
@@ -180,8 +375,21 @@ impl State {
         let _ = self.tx.send(Msg::Change(c));
     }
 
-    fn apply(&mut self, mut obj: Value) -> u64 {
+    fn apply(&mut self, obj: Value) -> u64 {
         let key = Self::key_of(&obj).unwrap_or_else(|| panic!("test object without kind/name: {obj}"));
+        // Kept in one version: an object written in another is converted,
+        // and what this release does not have is dropped.
+        let written = obj.get("apiVersion").and_then(Value::as_str).unwrap_or(key.0.api_version()).to_string();
+        let (group, version) = written.rsplit_once('/').unwrap_or(("", written.as_str()));
+        assert!(
+            group == key.0.group() && self.version.serves(group, version),
+            "test object {}/{} in {written}, which Kubernetes 1.{} does not serve",
+            key.1,
+            key.2,
+            self.version.minor
+        );
+        let mut obj = if key.0 == Resource::EndpointSlices && version == "v1beta1" { slice_to_v1(obj) } else { obj };
+        self.version.prune(key.0, &mut obj);
         self.rv += 1;
         let old = self.objects.get(&key).cloned();
         let meta = obj
@@ -260,6 +468,12 @@ impl ApiServer {
     /// stopped predecessor) with a fresh history: `objects` are created at
     /// versions `first_rv + 1 ..`.
     pub fn start_on(addr: SocketAddr, first_rv: u64, objects: Vec<Value>) -> ApiServer {
+        Self::start_as(KubeVersion::CURRENT, addr, first_rv, objects)
+    }
+
+    /// [`Self::start_on`] for a server that behaves as Kubernetes `version`.
+    /// `objects` may be in any version of their group that it serves.
+    pub fn start_as(version: KubeVersion, addr: SocketAddr, first_rv: u64, objects: Vec<Value>) -> ApiServer {
         let (tx, _) = broadcast::channel(1 << 16);
         let mut st = State {
             rv: first_rv,
@@ -271,7 +485,10 @@ impl ApiServer {
             events: Vec::new(),
             requests: Vec::new(),
             bookmark_interval: Duration::from_secs(1),
+            bookmarks_served: true,
             watch_cutoff: None,
+            version,
+            addr,
         };
         for o in objects {
             st.apply(o);
@@ -319,6 +536,7 @@ impl ApiServer {
             rt.shutdown_background();
         });
         let addr = bound_rx.recv_timeout(Duration::from_secs(15)).expect("test API server did not start");
+        state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).addr = addr;
         ApiServer { addr, state, stop: Some(stop_tx), thread: Some(thread) }
     }
 
@@ -341,6 +559,12 @@ impl ApiServer {
 
     pub fn set_bookmark_interval(&self, d: Duration) {
         self.lock().bookmark_interval = d;
+    }
+
+    /// Ignores `allowWatchBookmarks` from now on, as a server without the
+    /// feature does: watchers resume from the last object they saw.
+    pub fn set_bookmarks_served(&self, served: bool) {
+        self.lock().bookmarks_served = served;
     }
 
     /// Ends watches after `d`; clients resume from their last version.
@@ -377,9 +601,17 @@ impl ApiServer {
         }
     }
 
-    /// The current objects (with kind), e.g. to restart with a new history.
+    /// The current objects (with kind), each in the newest version of its
+    /// group this server serves, e.g. to restart with a new history.
     pub fn objects(&self) -> Vec<Value> {
-        self.lock().objects.values().cloned().collect()
+        let s = self.lock();
+        s.objects
+            .iter()
+            .map(|((res, _, _), o)| {
+                let version = group_version(res.group(), s.version.versions(res.group()).first().copied().unwrap_or("v1"));
+                present(Shape { res: *res, version, meta_only: false }, o, true)
+            })
+            .collect()
     }
 
     pub fn resource_version(&self) -> u64 {
@@ -490,30 +722,96 @@ fn query(q: Option<&str>) -> BTreeMap<String, String> {
 }
 
 enum Route {
-    Collection(Resource, Option<String>),
-    Events(String),
+    /// A collection in a group version (`"v1"`, `"discovery.k8s.io/v1beta1"`).
+    Collection(Resource, &'static str, Option<String>),
+    /// Events of a namespace, in a group version.
+    Events(&'static str, String),
     Event(String, String),
     Version,
+    /// A discovery document.
+    Discovery(Value),
 }
 
-fn route(path: &str) -> Option<Route> {
+/// `group/version` of a served version, or `version` for the core group.
+fn group_version(group: &str, version: &'static str) -> &'static str {
+    match (group, version) {
+        (DISCOVERY, "v1") => "discovery.k8s.io/v1",
+        (DISCOVERY, _) => "discovery.k8s.io/v1beta1",
+        (EVENTS, "v1") => "events.k8s.io/v1",
+        (EVENTS, _) => "events.k8s.io/v1beta1",
+        (_, v) => v,
+    }
+}
+
+/// The served version named by a path segment, if `group` has it.
+fn served(kv: KubeVersion, group: &str, version: &str) -> Option<&'static str> {
+    kv.versions(group).into_iter().find(|v| *v == version)
+}
+
+fn route(kv: KubeVersion, addr: SocketAddr, path: &str) -> Option<Route> {
     let seg: Vec<&str> = path.trim_matches('/').split('/').collect();
     use Resource::{EndpointSlices, Nodes, Services};
     Some(match seg.as_slice() {
         ["version"] => Route::Version,
-        ["api", "v1", "services"] => Route::Collection(Services, None),
-        ["api", "v1", "namespaces", ns, "services"] => Route::Collection(Services, Some(ns.to_string())),
-        ["api", "v1", "nodes"] => Route::Collection(Nodes, None),
-        ["apis", "discovery.k8s.io", "v1", "endpointslices"] => Route::Collection(EndpointSlices, None),
-        ["apis", "discovery.k8s.io", "v1", "namespaces", ns, "endpointslices"] => Route::Collection(EndpointSlices, Some(ns.to_string())),
-        ["apis", "events.k8s.io", "v1", "namespaces", ns, "events"] | ["api", "v1", "namespaces", ns, "events"] => {
-            Route::Events(ns.to_string())
+        ["api"] => Route::Discovery(json!({
+            "kind": "APIVersions", "versions": ["v1"],
+            "serverAddressByClientCIDRs": [{"clientCIDR": "0.0.0.0/0", "serverAddress": addr.to_string()}],
+        })),
+        ["apis"] => {
+            let groups: Vec<Value> = [DISCOVERY, EVENTS].iter().filter_map(|g| api_group(kv, g)).collect();
+            Route::Discovery(json!({"kind": "APIGroupList", "apiVersion": "v1", "groups": groups}))
         }
-        ["apis", "events.k8s.io", "v1", "namespaces", ns, "events", name] | ["api", "v1", "namespaces", ns, "events", name] => {
+        ["apis", group] => Route::Discovery(api_group(kv, group)?),
+        ["api", "v1"] => Route::Discovery(resource_list("v1", &[(Services, "Service"), (Nodes, "Node")], true)),
+        ["apis", group, version] => {
+            let v = served(kv, group, version)?;
+            let resources: &[(Resource, &str)] = if *group == DISCOVERY { &[(EndpointSlices, "EndpointSlice")] } else { &[] };
+            Route::Discovery(resource_list(group_version(group, v), resources, *group == EVENTS))
+        }
+        ["api", "v1", "services"] => Route::Collection(Services, "v1", None),
+        ["api", "v1", "namespaces", ns, "services"] => Route::Collection(Services, "v1", Some(ns.to_string())),
+        ["api", "v1", "nodes"] => Route::Collection(Nodes, "v1", None),
+        ["apis", DISCOVERY, version, "endpointslices"] => {
+            Route::Collection(EndpointSlices, group_version(DISCOVERY, served(kv, DISCOVERY, version)?), None)
+        }
+        ["apis", DISCOVERY, version, "namespaces", ns, "endpointslices"] => {
+            Route::Collection(EndpointSlices, group_version(DISCOVERY, served(kv, DISCOVERY, version)?), Some(ns.to_string()))
+        }
+        ["apis", EVENTS, version, "namespaces", ns, "events"] => {
+            Route::Events(group_version(EVENTS, served(kv, EVENTS, version)?), ns.to_string())
+        }
+        ["api", "v1", "namespaces", ns, "events"] => Route::Events("v1", ns.to_string()),
+        ["apis", EVENTS, version, "namespaces", ns, "events", name] => {
+            served(kv, EVENTS, version)?;
             Route::Event(ns.to_string(), name.to_string())
         }
+        ["api", "v1", "namespaces", ns, "events", name] => Route::Event(ns.to_string(), name.to_string()),
         _ => return None,
     })
+}
+
+/// The APIGroup discovery document of `group`, if the release serves it.
+fn api_group(kv: KubeVersion, group: &str) -> Option<Value> {
+    let versions: Vec<Value> =
+        kv.versions(group).into_iter().map(|v| json!({"groupVersion": group_version(group, v), "version": v})).collect();
+    let preferred = versions.first()?.clone();
+    Some(json!({"kind": "APIGroup", "apiVersion": "v1", "name": group, "versions": versions, "preferredVersion": preferred}))
+}
+
+/// The APIResourceList of a group version: its collections, and Events
+/// when `events`.
+fn resource_list(group_version: &str, resources: &[(Resource, &str)], events: bool) -> Value {
+    let verbs = json!(["get", "list", "watch"]);
+    let mut list: Vec<Value> = resources
+        .iter()
+        .map(|(r, kind)| {
+            json!({"name": r.plural(), "singularName": kind.to_lowercase(), "namespaced": r.namespaced(), "kind": kind, "verbs": verbs})
+        })
+        .collect();
+    if events {
+        list.push(json!({"name": "events", "singularName": "event", "namespaced": true, "kind": "Event", "verbs": ["create", "get", "list", "patch", "watch"]}));
+    }
+    json!({"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version, "resources": list})
 }
 
 async fn handle(st: Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Body> {
@@ -521,15 +819,21 @@ async fn handle(st: Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Body>
     let path = req.uri().path().to_string();
     let q = query(req.uri().query());
     let method = req.method().clone();
-    lock(&st).requests.push(format!("{method} {} [{accept}]", req.uri()));
-    let Some(r) = route(&path) else {
-        return error(404, "NotFound", &format!("the server could not find the requested resource ({path})"));
+    let (kv, addr) = {
+        let mut s = lock(&st);
+        s.requests.push(format!("{method} {} [{accept}]", req.uri()));
+        (s.version, s.addr)
+    };
+    let Some(r) = route(kv, addr, &path) else {
+        return kv.not_found(&path);
     };
     match (method, r) {
-        (Method::GET, Route::Version) => {
-            full(StatusCode::OK, &json!({"major": "1", "minor": "33", "gitVersion": "v1.33.0-topoproxy-test"}))
-        }
-        (Method::GET, Route::Collection(res, ns)) => {
+        (Method::GET, Route::Version) => full(
+            StatusCode::OK,
+            &json!({"major": "1", "minor": kv.minor.to_string(), "gitVersion": format!("v1.{}.0-topoproxy-test", kv.minor)}),
+        ),
+        (Method::GET, Route::Discovery(doc)) => full(StatusCode::OK, &doc),
+        (Method::GET, Route::Collection(res, version, ns)) => {
             let meta_only = accept.contains("as=PartialObjectMetadata");
             let selector = match q.get("labelSelector").map(|s| parse_selector(s)).transpose() {
                 Ok(s) => s.unwrap_or_default(),
@@ -540,13 +844,14 @@ async fn handle(st: Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Body>
                 Err(e) => return error(400, "BadRequest", &e),
             };
             let filter = Filter { ns, selector, fields };
+            let shape = Shape { res, version, meta_only };
             if q.get("watch").is_some_and(|w| w == "true" || w == "1") {
-                watch(st, res, filter, &q, meta_only)
+                watch(st, shape, filter, &q)
             } else {
-                list(&st, res, &filter, &q, meta_only)
+                list(&st, shape, &filter, &q)
             }
         }
-        (Method::POST, Route::Events(ns)) => {
+        (Method::POST, Route::Events(api_version, ns)) => {
             let body = match req.into_body().collect().await {
                 Ok(b) => b.to_bytes(),
                 Err(_) => return error(400, "BadRequest", "unreadable body"),
@@ -555,9 +860,18 @@ async fn handle(st: Arc<Mutex<State>>, req: Request<Incoming>) -> Response<Body>
                 Ok(v) => v,
                 Err(e) => return error(400, "BadRequest", &format!("invalid JSON: {e}")),
             };
-            if let Err(msg) = validate_event(&ev, path.starts_with("/apis/events.k8s.io")) {
+            // The API server decodes the body as the path's version.
+            if let Some(written) = ev.get("apiVersion").and_then(Value::as_str).filter(|v| *v != api_version) {
+                return error(
+                    400,
+                    "BadRequest",
+                    &format!("the API version in the data ({written}) does not match the expected API version ({api_version})"),
+                );
+            }
+            if let Err(msg) = validate_event(&ev, api_version != "v1") {
                 return error(422, "Invalid", &format!("Event is invalid: {msg}"));
             }
+            ev["apiVersion"] = json!(api_version);
             let mut s = lock(&st);
             s.rv += 1;
             ev["metadata"]["namespace"] = json!(ns);
@@ -736,10 +1050,39 @@ impl Filter {
     }
 }
 
+/// What a request asks objects to look like: the collection, the group
+/// version, and whether metadata-only.
+#[derive(Clone, Copy)]
+struct Shape {
+    res: Resource,
+    /// `"v1"`, `"discovery.k8s.io/v1beta1"`, ...
+    version: &'static str,
+    meta_only: bool,
+}
+
+impl Shape {
+    /// Objects are kept in this shape (and list items rendered in it).
+    fn is_stored(self) -> bool {
+        !self.meta_only && self.version == self.res.api_version()
+    }
+
+    fn list_kind(self) -> (String, &'static str) {
+        if self.meta_only {
+            ("PartialObjectMetadataList".to_string(), "meta.k8s.io/v1")
+        } else {
+            (format!("{}List", self.res.kind()), self.version)
+        }
+    }
+
+    fn kind(self) -> (&'static str, &'static str) {
+        if self.meta_only { ("PartialObjectMetadata", "meta.k8s.io/v1") } else { (self.res.kind(), self.version) }
+    }
+}
+
 /// How an object is shown: metadata-only, or typed with or without
-/// kind/apiVersion (list items carry none).
-fn present(res: Resource, obj: &Value, meta_only: bool, with_type: bool) -> Value {
-    if meta_only {
+/// kind/apiVersion (list items carry none), in the asked-for version.
+fn present(shape: Shape, obj: &Value, with_type: bool) -> Value {
+    if shape.meta_only {
         let mut o = json!({"metadata": obj.get("metadata").cloned().unwrap_or(json!({}))});
         if with_type {
             o["kind"] = json!("PartialObjectMetadata");
@@ -747,11 +1090,15 @@ fn present(res: Resource, obj: &Value, meta_only: bool, with_type: bool) -> Valu
         }
         return o;
     }
-    let mut o = obj.clone();
+    let mut o = if shape.res == Resource::EndpointSlices && shape.version.ends_with("v1beta1") {
+        slice_to_v1beta1(obj.clone())
+    } else {
+        obj.clone()
+    };
     if let Some(m) = o.as_object_mut() {
         if with_type {
-            m.insert("kind".into(), json!(res.kind()));
-            m.insert("apiVersion".into(), json!(res.api_version()));
+            m.insert("kind".into(), json!(shape.res.kind()));
+            m.insert("apiVersion".into(), json!(shape.version));
         } else {
             m.remove("kind");
             m.remove("apiVersion");
@@ -760,8 +1107,9 @@ fn present(res: Resource, obj: &Value, meta_only: bool, with_type: bool) -> Valu
     o
 }
 
-fn list(st: &Arc<Mutex<State>>, res: Resource, filter: &Filter, q: &BTreeMap<String, String>, meta_only: bool) -> Response<Body> {
+fn list(st: &Arc<Mutex<State>>, shape: Shape, filter: &Filter, q: &BTreeMap<String, String>) -> Response<Body> {
     let s = lock(st);
+    let res = shape.res;
     let (at, offset) = if let Some(c) = q.get("continue").filter(|c| !c.is_empty()) {
         let parsed = c.split_once(':').and_then(|(a, b)| Some((a.parse::<u64>().ok()?, b.parse::<usize>().ok()?)));
         let Some((rv, off)) = parsed else { return error(400, "BadRequest", "invalid continue token") };
@@ -781,7 +1129,7 @@ fn list(st: &Arc<Mutex<State>>, res: Resource, filter: &Filter, q: &BTreeMap<Str
             }
             (Some(rv), Some("Exact")) => (rv, 0),
             (Some(rv), _) if rv > s.rv => {
-                return too_large(rv, s.rv);
+                return too_large(s.version, rv, s.rv);
             }
             _ => (s.rv, 0),
         }
@@ -804,11 +1152,7 @@ fn list(st: &Arc<Mutex<State>>, res: Resource, filter: &Filter, q: &BTreeMap<Str
         metadata["continue"] = json!(format!("{at}:{next}"));
         metadata["remainingItemCount"] = json!(all.len() - next);
     }
-    let (kind, api_version) = if meta_only {
-        ("PartialObjectMetadataList".to_string(), "meta.k8s.io/v1")
-    } else {
-        (format!("{}List", res.kind()), res.api_version())
-    };
+    let (kind, api_version) = shape.list_kind();
     // Written item by item without copying the objects (list items carry
     // no kind/apiVersion, as in real list responses).
     let mut body = format!("{{\"kind\":{},\"apiVersion\":{},\"metadata\":{},\"items\":[", json!(kind), json!(api_version), metadata);
@@ -816,10 +1160,10 @@ fn list(st: &Arc<Mutex<State>>, res: Resource, filter: &Filter, q: &BTreeMap<Str
         if i > 0 {
             body.push(',');
         }
-        match s.items.get(*k).filter(|_| !meta_only && at >= s.rv) {
+        match s.items.get(*k).filter(|_| shape.is_stored() && at >= s.rv) {
             Some(item) => body.push_str(item),
-            None if meta_only => body.push_str(&present(res, o, true, true).to_string()),
-            None => body.push_str(&untyped_json(o)),
+            None if shape.meta_only => body.push_str(&present(shape, o, true).to_string()),
+            None => body.push_str(&untyped_json(&present(shape, o, false))),
         }
     }
     body.push_str("]}");
@@ -847,10 +1191,15 @@ fn untyped_json(obj: &Value) -> String {
     }
 }
 
-fn too_large(rv: u64, current: u64) -> Response<Body> {
+fn too_large(kv: KubeVersion, rv: u64, current: u64) -> Response<Body> {
     let mut v = status(504, "Timeout", &format!("Too large resource version: {rv}, current: {current}"));
-    v["details"] =
-        json!({"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}], "retryAfterSeconds": 1});
+    // The cause came with 1.19's NewTooLargeResourceVersionError; before,
+    // only the message told this timeout from others.
+    v["details"] = if kv.minor >= 19 {
+        json!({"causes": [{"reason": "ResourceVersionTooLarge", "message": "Too large resource version"}], "retryAfterSeconds": 1})
+    } else {
+        json!({"retryAfterSeconds": 1})
+    };
     let mut r = full(StatusCode::GATEWAY_TIMEOUT, &v);
     // The API server turns details.retryAfterSeconds into this header.
     r.headers_mut().insert(hyper::header::RETRY_AFTER, hyper::header::HeaderValue::from_static("1"));
@@ -865,10 +1214,10 @@ fn line(ty: &str, obj: Value) -> Bytes {
 
 /// The watch event a change becomes for a watcher with `filter`, if any
 /// (the watch cache's rules for objects entering or leaving a selector).
-fn event_for(c: &Change, filter: &Filter, meta_only: bool) -> Option<Bytes> {
+fn event_for(c: &Change, filter: &Filter, shape: Shape) -> Option<Bytes> {
     let new_ok = filter.matches(&c.obj);
     let old_ok = c.old.as_ref().is_some_and(|o| filter.matches(o));
-    let show = |o: &Value| present(c.res, o, meta_only, true);
+    let show = |o: &Value| present(shape, o, true);
     match c.ty {
         ChangeType::Added if new_ok => Some(line("ADDED", show(&c.obj))),
         ChangeType::Modified if new_ok && old_ok => Some(line("MODIFIED", show(&c.obj))),
@@ -887,8 +1236,9 @@ fn expired_line(rv: &str, oldest: u64) -> Bytes {
     line("ERROR", status(410, "Expired", &format!("too old resource version: {rv} ({oldest})")))
 }
 
-fn watch(st: Arc<Mutex<State>>, res: Resource, filter: Filter, q: &BTreeMap<String, String>, meta_only: bool) -> Response<Body> {
-    let bookmarks = q.get("allowWatchBookmarks").is_some_and(|v| v == "true");
+fn watch(st: Arc<Mutex<State>>, shape: Shape, filter: Filter, q: &BTreeMap<String, String>) -> Response<Body> {
+    let res = shape.res;
+    let mut bookmarks = q.get("allowWatchBookmarks").is_some_and(|v| v == "true");
     let mut timeout = Duration::from_secs(q.get("timeoutSeconds").and_then(|t| t.parse().ok()).unwrap_or(1800));
     let rv_param = q.get("resourceVersion").cloned().unwrap_or_default();
     let (out_tx, mut out_rx) = mpsc::channel::<Bytes>(1024);
@@ -899,7 +1249,7 @@ fn watch(st: Arc<Mutex<State>>, res: Resource, filter: Filter, q: &BTreeMap<Stri
             "" | "0" => {
                 // "Get state and start at most recent": synthetic ADDED events.
                 for o in s.objects.iter().filter(|(k, _)| k.0 == res).map(|(_, o)| o).filter(|o| filter.matches(o)) {
-                    first.push(line("ADDED", present(res, o, meta_only, true)));
+                    first.push(line("ADDED", present(shape, o, true)));
                 }
             }
             v => {
@@ -912,16 +1262,17 @@ fn watch(st: Arc<Mutex<State>>, res: Resource, filter: Filter, q: &BTreeMap<Stri
                     return stream_response(StreamBody::new(body).boxed());
                 }
                 if n > s.rv {
-                    return too_large(n, s.rv);
+                    return too_large(s.version, n, s.rv);
                 }
                 for c in s.history.iter().filter(|c| c.rv > n && c.res == res) {
-                    first.extend(event_for(c, &filter, meta_only));
+                    first.extend(event_for(c, &filter, shape));
                 }
             }
         }
         if let Some(c) = s.watch_cutoff {
             timeout = timeout.min(c);
         }
+        bookmarks &= s.bookmarks_served;
         (s.tx.subscribe(), first, s.rv, s.bookmark_interval)
     };
     tokio::spawn(async move {
@@ -943,7 +1294,7 @@ fn watch(st: Arc<Mutex<State>>, res: Resource, filter: Filter, q: &BTreeMap<Stri
                         match rx.try_recv() {
                             Ok(Msg::Change(c)) => {
                                 last = last.max(c.rv);
-                                if c.res == res && let Some(b) = event_for(&c, &filter, meta_only) && out_tx.send(b).await.is_err() {
+                                if c.res == res && let Some(b) = event_for(&c, &filter, shape) && out_tx.send(b).await.is_err() {
                                     return;
                                 }
                             }
@@ -955,8 +1306,7 @@ fn watch(st: Arc<Mutex<State>>, res: Resource, filter: Filter, q: &BTreeMap<Stri
                             Err(_) => return,
                         }
                     }
-                    let kind = if meta_only { "PartialObjectMetadata" } else { res.kind() };
-                    let api_version = if meta_only { "meta.k8s.io/v1" } else { res.api_version() };
+                    let (kind, api_version) = shape.kind();
                     let bm = json!({"kind": kind, "apiVersion": api_version, "metadata": {"resourceVersion": last.to_string()}});
                     if out_tx.send(line("BOOKMARK", bm)).await.is_err() {
                         return;
@@ -971,7 +1321,7 @@ fn watch(st: Arc<Mutex<State>>, res: Resource, filter: Filter, q: &BTreeMap<Stri
                 Ok(Msg::Change(c)) => {
                     last = last.max(c.rv);
                     if c.res == res
-                        && let Some(b) = event_for(&c, &filter, meta_only)
+                        && let Some(b) = event_for(&c, &filter, shape)
                         && out_tx.send(b).await.is_err()
                     {
                         return;

@@ -15,6 +15,12 @@
 //!   emulated-kernel runs can raise;
 //! - [`http`]: plain HTTP GETs and Prometheus samples, for the agent's
 //!   health and metrics endpoints.
+//! - [`kube_proxy`]: kube-proxy's iptables and nftables rulesets for given
+//!   Services (and rules of other components), their packet counters and
+//!   the NAT bindings in conntrack, for the migration tests.
+//! - [`scenario`]: the demo's cluster read from manifests, and its table of
+//!   the backends each node's clients reached (the demo and the container
+//!   image test print it).
 //!
 //! What needs the agent binary itself (`CARGO_BIN_EXE_proxy-agent`, which
 //! cargo sets only for proxy-agent's own tests) stays in
@@ -23,6 +29,8 @@
 pub mod apiserver;
 pub mod checksum;
 pub mod http;
+pub mod kube_proxy;
 pub mod prog_test_run;
 pub mod sandbox;
+pub mod scenario;
 pub mod wait;

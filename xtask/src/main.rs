@@ -12,6 +12,9 @@
 //! - `demo`: a simulated 3-node cluster on this machine.
 //! - `bench`: the benchmark report, next to iptables and nftables.
 //! - `vmtest`: chosen datapath tests on Debian's 6.1 and 6.12 kernels under qemu.
+//! - `image`: the agent's container image from the Dockerfile, with podman
+//!   and Debian packages (no image registry); `--test` also runs it as the
+//!   chart's DaemonSet.
 //!
 //! Every command runs the `setup` checks first. xtask depends on nothing of
 //! the project's own, so it builds before the eBPF toolchain exists.
@@ -20,6 +23,7 @@ mod bench;
 mod build_ebpf;
 mod chart_env;
 mod demo;
+mod image;
 mod libtest;
 mod lint;
 mod setup;
@@ -81,6 +85,17 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// Build the agent's container image from the Dockerfile without an
+    /// image registry: a static agent, Debian's busybox-static and CA
+    /// certificates (mmdebstrap), podman with runc and vfs storage. Tags it
+    /// as the chart's default image, writes target/image/*.oci.tar and
+    /// prints its size. Needs root.
+    Image {
+        /// Then run it as the chart's DaemonSet (the image test that
+        /// `cargo xtask test` runs).
+        #[arg(long)]
+        test: bool,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -93,6 +108,7 @@ fn main() -> std::process::ExitCode {
         Command::Demo { args } => demo::run(&args),
         Command::Bench { args } => bench::run(&args),
         Command::Vmtest { args } => vmtest::run(&args),
+        Command::Image { test } => image::run(test),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

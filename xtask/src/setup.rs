@@ -11,10 +11,12 @@ use anyhow::{Context, Result, bail};
 use crate::util;
 
 /// Debian packages: LLVM 22 and the libraries bpf-linker links against,
-/// `ip` for the demo's namespaces, bpftool to inspect pinned maps, and
-/// iptables/nftables, which `cargo xtask bench` compares against.
-const DEBIAN_PACKAGES: [&str; 8] =
-    ["llvm-22-dev", "libpolly-22-dev", "libzstd-dev", "zlib1g-dev", "iproute2", "bpftool", "iptables", "nftables"];
+/// `ip` for the demo's namespaces, bpftool to inspect pinned maps,
+/// iptables/nftables, which `cargo xtask bench` compares against and the
+/// kube-proxy migration tests load kube-proxy's rules with, and ipset and
+/// conntrack, which those tests (and the migration guide they run) use.
+const DEBIAN_PACKAGES: [&str; 10] =
+    ["llvm-22-dev", "libpolly-22-dev", "libzstd-dev", "zlib1g-dev", "iproute2", "bpftool", "iptables", "nftables", "ipset", "conntrack"];
 
 /// bpf-linker release that builds against Debian's LLVM 22.
 const BPF_LINKER_VERSION: &str = "0.13.0";

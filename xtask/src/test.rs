@@ -18,6 +18,11 @@
 //! CI and the default run both. Otherwise the VM run is skipped (and its
 //! tests counted as skipped) only when qemu cannot be installed or a kernel
 //! cannot be downloaded.
+//!
+//! Last, the image step (`image.rs`, also `cargo xtask image --test`)
+//! builds the agent's container image and runs it as the chart's
+//! DaemonSet; it is left out with `-p`, and skipped with its reason only
+//! where podman cannot be installed or cannot run a container.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::Stdio;
@@ -25,7 +30,7 @@ use std::process::Stdio;
 use anyhow::{Context, Result, bail};
 
 use crate::libtest::Totals;
-use crate::{lint, setup, util, vmtest};
+use crate::{image, lint, setup, util, vmtest};
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     if !util::is_root() {
@@ -101,6 +106,14 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
         }
     }
+    // The container image, built and run as the chart's DaemonSet
+    // (image.rs); like the VM run, it follows even when a test failed.
+    let image_failed = if selects {
+        println!("\nimage test not run: packages were selected with -p (`cargo xtask image --test` runs it alone)");
+        None
+    } else {
+        image::test_step(&mut totals)
+    };
     if totals.binaries > 0 {
         totals.print_summary();
     }
@@ -108,6 +121,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         bail!("tests failed ({status})");
     }
     if let Some(why) = vm_failed {
+        bail!(why);
+    }
+    if let Some(why) = image_failed {
         bail!(why);
     }
     Ok(())

@@ -88,10 +88,12 @@ const HOST_PROGRAMS: [&str; 2] = ["/usr/sbin/ip", "/usr/sbin/tc"];
 /// the datapath on each kernel: NodePort end to end with a remote backend
 /// (DNAT, SNAT, conntrack), the agent's own TC mode choice across a restart,
 /// the TC programs alone under BPF_PROG_TEST_RUN (parsing and translation
-/// edge cases), and the socket load balancer (connect and the
-/// `bpf_set_retval` refusal; UDP both ways, with the socket-local storage
-/// its reverse path uses).
-const TESTS: [(&str, &[&str]); 2] = [
+/// edge cases), the socket load balancer (connect and the `bpf_set_retval`
+/// refusal; UDP both ways, with the socket-local storage its reverse path
+/// uses), session affinity at both layers (the netns cookie and the coarse
+/// clock in sock_addr programs), and loadBalancerSourceRanges (an LPM trie
+/// read by both datapaths).
+const TESTS: [(&str, &[&str]); 5] = [
     (
         "nodeport",
         &[
@@ -109,6 +111,29 @@ const TESTS: [(&str, &[&str]); 2] = [
             "one_udp_socket_talking_to_two_services_and_a_pod_sees_each_true_source",
             "an_ipv4_service_dialled_as_an_ipv4_mapped_address_from_an_ipv6_socket",
             "a_udp_reply_read_after_an_upgrade_from_an_agent_without_socket_storage_shows_the_service",
+        ],
+    ),
+    (
+        "session_affinity",
+        &[
+            "fifty_connects_from_one_pod_land_on_one_backend_and_another_pod_chooses_its_own",
+            "use_refreshes_the_entry_and_after_the_timeout_new_choices_are_made",
+            "a_backend_removed_or_no_longer_ready_loses_its_clients_at_once",
+            "an_agent_restart_keeps_every_client_on_its_backend_and_dropping_affinity_forgets_them",
+        ],
+    ),
+    (
+        "lb_policy",
+        &[
+            "tc_admits_only_the_source_ranges_to_the_load_balancer_ip_and_keeps_each_client_on_one_backend",
+            "pods_outside_the_source_ranges_are_refused_and_ip_mode_proxy_addresses_are_left_alone",
+        ],
+    ),
+    (
+        "policy_maps",
+        &[
+            "affinity_match_entries_follow_each_generation_and_clients_go_with_affinity",
+            "source_ranges_follow_each_generation_and_are_read_back",
         ],
     ),
 ];
@@ -788,14 +813,17 @@ mod tests {
                 r#"{{"reason":"compiler-artifact","target":{{"name":"{name}","kind":["{kind}"]}},"profile":{{"test":{test}}},"executable":"{exe}","fresh":true}}"#
             )
         };
-        let lines = [
+        let mut lines = vec![
             msg("proxy-agent", "lib", false, "null").replace("\"null\"", "null"),
             msg("proxy-agent", "bin", false, "/t/debug/proxy-agent"),
             msg("nodeport", "test", true, "/t/debug/deps/nodeport-1"),
             msg("socket_lb", "test", true, "/t/debug/deps/socket_lb-2"),
-            r#"{"reason":"build-finished","success":true}"#.to_string(),
-        ]
-        .join("\n");
+        ];
+        for (name, _) in TESTS.iter().filter(|(n, _)| !["nodeport", "socket_lb"].contains(n)) {
+            lines.push(msg(name, "test", true, &format!("/t/debug/deps/{name}-3")));
+        }
+        lines.push(r#"{"reason":"build-finished","success":true}"#.to_string());
+        let lines = lines.join("\n");
         let b = parse_artifacts(&lines).expect("all present");
         assert_eq!(b.dir, Path::new("/t/debug"));
         assert_eq!(b.agent, Path::new("/t/debug/proxy-agent"));

@@ -171,6 +171,12 @@ fn frontends(size: usize) -> plan::State {
     st
 }
 
+/// One more TCP Service past a population of `size`, for the session
+/// affinity row.
+fn affine_frontend(size: usize) -> Frontend {
+    Frontend { ip: IpAddr::V4(rules::service_ip(BPF_BASE, size)), port: 80, protocol: Protocol::Tcp }
+}
+
 /// Memory the kernel charges for a pinned map (`memlock` in fdinfo).
 fn map_memlock(pin: &Path) -> u64 {
     let Ok(data) = aya::maps::MapData::from_pin(pin) else { return 0 };
@@ -428,9 +434,20 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
             size,
             &ns_bpf.path(),
             SocketAddr::new(IpAddr::V4(rules::service_ip(BPF_BASE, last)), 80),
+            false,
             args.repeats,
             args.rounds,
         )?;
+        step(&format!("{size}: connect4 run time to a Service with session affinity"));
+        let affine = affine_frontend(size);
+        let mut with_affine = desired.clone();
+        with_affine.insert(affine, desired.values().next().cloned().unwrap_or_default());
+        let policies: plan::Policies = [(affine, plan::FrontendPolicy { affinity_timeout_s: Some(10_800), source_ranges: None })].into();
+        let errors = writer.apply(&plan::diff_with_policies(&writer.state(), &writer.policies(), &with_affine, &policies));
+        if let Some(e) = errors.first() {
+            bail!("programming the affine Service failed: {e}");
+        }
+        connect_runtime.measure(size, &ns_bpf.path(), SocketAddr::new(affine.ip, 80), true, args.repeats, args.rounds)?;
     }
     // Listener threads block in accept(); they end with the process.
     stop.store(true, Ordering::Relaxed);
@@ -439,7 +456,7 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
     step("map memory");
     let map_mem: u64 = ["SERVICES", "SLOTS", "BACKENDS"].iter().map(|m| map_memlock(&pins.path().join(m))).sum();
     drop(member);
-    let mut sections = vec![connect_runtime.section()];
+    let mut sections = vec![connect_runtime.section(), connect_runtime.affinity_section()];
     let program_added = connect_runtime.added_ns();
     drop(connect_runtime);
     // `--only socket-lb`: the socket load balancer's sections and nothing else.

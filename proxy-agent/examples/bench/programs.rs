@@ -2,7 +2,8 @@
 //! the same type from the same object (`proxy-ebpf/src/baseline.rs`):
 //!
 //! * connect4 under the connect() workload, from the kernel's per-program
-//!   run-time statistics (`bpf_prog_info.run_time_ns / run_cnt`);
+//!   run-time statistics (`bpf_prog_info.run_time_ns / run_cnt`), to a
+//!   plain Service and to one with session affinity;
 //! * the NodePort ingress program under `BPF_PROG_TEST_RUN`, in ns per
 //!   packet.
 
@@ -71,6 +72,8 @@ pub(crate) struct ConnectRuntime {
     empty_id: u32,
     /// Services -> per-repeat ns/run of (ours, empty).
     samples: BTreeMap<usize, (Vec<f64>, Vec<f64>)>,
+    /// The same to a Service with `sessionAffinity: ClientIP`.
+    affine: BTreeMap<usize, (Vec<f64>, Vec<f64>)>,
 }
 
 impl ConnectRuntime {
@@ -88,12 +91,21 @@ impl ConnectRuntime {
         prog.load()?;
         let empty_id = prog.info()?.id();
         let cgroup = File::open(cg.path())?;
-        Ok(ConnectRuntime { ebpf, cgroup, ours_id, empty_id, samples: BTreeMap::new() })
+        Ok(ConnectRuntime { ebpf, cgroup, ours_id, empty_id, samples: BTreeMap::new(), affine: BTreeMap::new() })
     }
 
     /// Runs the connect workload against `to` (a Service of the current
-    /// population) `repeats` times and records ns per run of both programs.
-    pub(crate) fn measure(&mut self, size: usize, ns_path: &Path, to: SocketAddr, repeats: usize, rounds: usize) -> Result<()> {
+    /// population; `affine` when it has session affinity) `repeats` times
+    /// and records ns per run of both programs.
+    pub(crate) fn measure(
+        &mut self,
+        size: usize,
+        ns_path: &Path,
+        to: SocketAddr,
+        affine: bool,
+        repeats: usize,
+        rounds: usize,
+    ) -> Result<()> {
         let _stats = StatsOn::new()?;
         let prog: &mut CgroupSockAddr = self.ebpf.program_mut(EMPTY_CONNECT4).context("empty program")?.try_into()?;
         let link = prog.attach(&self.cgroup, CgroupAttachMode::default())?;
@@ -106,7 +118,7 @@ impl ConnectRuntime {
                 if failed > 0 {
                     bail!("{failed} connects failed during the run-time measurement");
                 }
-                let cell = self.samples.entry(size).or_default();
+                let cell = if affine { self.affine.entry(size).or_default() } else { self.samples.entry(size).or_default() };
                 cell.0.push(per(o0, o1));
                 cell.1.push(per(e0, e1));
             }
@@ -151,6 +163,24 @@ impl ConnectRuntime {
             svgs: vec![("connect4_runtime.svg".into(), svg_bars("connect4 run time per call", "ns", &xs, &series))],
             targets: Vec::new(),
         }
+    }
+
+    /// connect4 to a Service with `sessionAffinity: ClientIP` next to a
+    /// plain one, at each population.
+    pub(crate) fn affinity_section(&self) -> Section {
+        let mut md = String::from(
+            "## Session affinity: connect4 run time per connect\n\nThe same run-time statistics as above, under the same TCP connect workload, to the last Service of the population (plain) and to one more Service with the same 10 endpoints and `sessionAffinity: ClientIP`. The workload is one client (one network namespace), so after its first connect every connect is an affinity hit: an LRU lookup of its entry, a lookup of the backend's match entry under the current generation, a clock read and, at most every 100 ms, the entry's refresh, in place of the random slot choice. Median over repeats, the empty program's figure subtracted.\n\n| Services | plain Service | affine Service | added by affinity |\n|---|---|---|---|\n",
+        );
+        let mut rows = Vec::new();
+        for (size, (ours, empty)) in &self.affine {
+            let Some((plain, plain_empty)) = self.samples.get(size) else { continue };
+            let affine = spread(ours).median - spread(empty).median;
+            let plain = spread(plain).median - spread(plain_empty).median;
+            let _ = writeln!(md, "| {size} | {plain:.0} ns | {affine:.0} ns | {:.0} ns |", affine - plain);
+            rows.push(json!({"services": size, "plain_ns": plain, "affine_ns": affine, "added_ns": affine - plain, "affine_raw_ns": spread(ours).json()}));
+        }
+        md.push_str("\nNo target in the issue.\n\n");
+        Section { key: "connect4_affinity", markdown: md, json: json!(rows), svgs: Vec::new(), targets: Vec::new() }
     }
 }
 

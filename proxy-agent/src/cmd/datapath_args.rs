@@ -38,6 +38,11 @@ pub(crate) struct DatapathArgs {
     /// local one).
     #[arg(long, default_value_t = pc::DEFAULT_MAX_NP_CT)]
     pub max_np_conntrack: u32,
+    /// Capacity of each datapath's session affinity LRU map (AFFINITY,
+    /// NP_AFFINITY): clients remembered per `sessionAffinity: ClientIP`
+    /// frontend, the least recently used forgotten first.
+    #[arg(long, default_value_t = pc::DEFAULT_MAX_AFFINITY)]
+    pub max_affinity: u32,
     /// Node interfaces that get the TC programs for traffic from outside
     /// (NodePort, LoadBalancer IPs, externalIPs): `auto` (the interfaces
     /// that hold the node's addresses, followed as addresses come and go),
@@ -105,6 +110,7 @@ impl DatapathArgs {
             backends: self.max_backends,
             sock_revnat: self.max_sock_revnat,
             np_conntrack: self.max_np_conntrack,
+            affinity: self.max_affinity,
         };
         for c in Capacity::ALL {
             anyhow::ensure!(caps.get(c) > 0, "{} must be at least 1", c.flag());

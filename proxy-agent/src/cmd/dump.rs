@@ -13,7 +13,7 @@ use std::process::ExitCode;
 use anyhow::Context;
 use clap::{Args, ValueEnum};
 use proxy_agent::DEFAULT_BPFFS;
-use proxy_agent::datapath::dump::{self, BackendView, NodePortReport, Report, SlotView};
+use proxy_agent::datapath::dump::{self, AffinityView, BackendView, NodePortReport, Report, ServiceView, SlotView};
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Output {
@@ -57,18 +57,20 @@ fn table(out: &mut impl Write, r: &Report) -> std::io::Result<()> {
         let note = if s.backend_count == 0 { " (connections refused)" } else { "" };
         writeln!(
             out,
-            "{}  id {} gen {}  {} backend{}{note}",
+            "{}  id {} gen {}  {} backend{}{note}{}",
             s.frontend,
             s.service_id,
             s.generation,
             s.backend_count,
-            if s.backend_count == 1 { "" } else { "s" }
+            if s.backend_count == 1 { "" } else { "s" },
+            policy_note(s)
         )?;
         slot_lines(out, "  ", &s.slots)?;
     }
     writeln!(out)?;
     writeln!(out, "backends: {}", r.backends.len())?;
     backend_lines(out, "  ", &r.backends)?;
+    affinity_lines(out, "", &r.affinity)?;
     writeln!(out)?;
     let counters: Vec<String> = r.counters.iter().map(|(k, v)| format!("{k}={v}")).collect();
     writeln!(out, "counters: {}", counters.join(" "))?;
@@ -100,6 +102,41 @@ fn slot_lines(out: &mut impl Write, indent: &str, slots: &[SlotView]) -> std::io
             (Some(id), None) => writeln!(out, "{indent}[{}] #{id} (no such backend)", slot.slot)?,
             (None, _) => writeln!(out, "{indent}[{}] (missing slot)", slot.slot)?,
         }
+    }
+    Ok(())
+}
+
+/// Session affinity and source ranges of a frontend, for its line.
+fn policy_note(s: &ServiceView) -> String {
+    let mut note = String::new();
+    if let Some(t) = s.affinity_timeout_seconds {
+        note.push_str(&format!("  affinity ClientIP {t}s"));
+    }
+    if let Some(r) = &s.source_ranges {
+        let ranges = if r.is_empty() { "none (closed)".to_string() } else { r.join(",") };
+        note.push_str(&format!("  source ranges {ranges}{}", if s.source_ranges_node { " +node" } else { "" }));
+    }
+    note
+}
+
+/// Clients' affinity entries listed one by one in the table; JSON lists
+/// them all.
+const AFFINITY_LISTED: usize = 200;
+
+/// The clients' affinity entries, when there are any.
+fn affinity_lines(out: &mut impl Write, indent: &str, entries: &[AffinityView]) -> std::io::Result<()> {
+    if entries.is_empty() {
+        return Ok(());
+    }
+    writeln!(out, "{indent}affinity: {} client{}", entries.len(), if entries.len() == 1 { "" } else { "s" })?;
+    for a in entries.iter().take(AFFINITY_LISTED) {
+        let backend = a.backend.as_deref().unwrap_or("(no such backend)");
+        let idle = a.idle_ms.map_or_else(String::new, |ms| format!("  idle {}.{:03}s", ms / 1000, ms % 1000));
+        let state = if a.honoured { "" } else { "  (not honoured: expired or backend no longer used)" };
+        writeln!(out, "{indent}  {}  {}  =>  #{} {backend}{idle}{state}", a.frontend, a.client, a.backend_id)?;
+    }
+    if entries.len() > AFFINITY_LISTED {
+        writeln!(out, "{indent}  ... {} more (--output json lists all)", entries.len() - AFFINITY_LISTED)?;
     }
     Ok(())
 }
@@ -137,19 +174,21 @@ fn nodeport_table(out: &mut impl Write, np: &NodePortReport) -> std::io::Result<
             if s.backend_count == 0 { if s.external_traffic_policy == Some("Local") { " (dropped)" } else { " (rejected)" } } else { "" };
         writeln!(
             out,
-            "  {}  id {} gen {}  {} backend{}  policy {}{note}",
+            "  {}  id {} gen {}  {} backend{}  policy {}{note}{}",
             s.frontend,
             s.service_id,
             s.generation,
             s.backend_count,
             if s.backend_count == 1 { "" } else { "s" },
             s.external_traffic_policy.unwrap_or("Cluster"),
+            policy_note(s),
         )?;
         slot_lines(out, "    ", &s.slots)?;
     }
     writeln!(out, "  backends: {}", np.backends.len())?;
     backend_lines(out, "    ", &np.backends)?;
     writeln!(out, "  local endpoints: {}", if np.local_endpoints.is_empty() { "none".to_string() } else { np.local_endpoints.join(" ") })?;
+    affinity_lines(out, "  ", &np.affinity)?;
     writeln!(out, "  conntrack: {} entries", np.conntrack.len())?;
     for c in np.conntrack.iter().take(CONNTRACK_LISTED) {
         let age = c.age_seconds.map_or_else(String::new, |a| format!("  {a}s ago"));

@@ -9,6 +9,7 @@ use std::process::ExitCode;
 
 use clap::{Args, ValueEnum};
 use proxy_agent::decide::decision::PortDecision;
+use proxy_agent::model::Backend;
 use proxy_agent::model::store::{Changes, Model};
 use proxy_agent::source::manifest_watch;
 use proxy_agent::sync::pass::{CachedSync, MemoryMaps};
@@ -68,8 +69,12 @@ pub(crate) fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
                 }
                 writeln!(out, "  model:     {}", d.model)?;
                 writeln!(out, "  decision:  {}", d.decision)?;
-                writeln!(out, "  cluster:   {}", join(d.cluster.iter().map(ToString::to_string)))?;
-                writeln!(out, "  local:     {}", join(d.local.iter().map(ToString::to_string)))?;
+                writeln!(out, "  cluster:   {}", used(d.uses_cluster_endpoints(), &d.cluster))?;
+                writeln!(out, "  local:     {}", used(d.uses_local_endpoints(), &d.local))?;
+                writeln!(out, "  affinity:  {}", affinity_label(d))?;
+                if let Some(ranges) = &d.source_ranges {
+                    writeln!(out, "  sources:   {} ({})", ranges_label(ranges), filtered_label(d))?;
+                }
             }
             for w in &warnings {
                 writeln!(out, "\nwarning: {w}")?;
@@ -86,6 +91,37 @@ fn sockaddr(ip: std::net::IpAddr, port: u16) -> String {
 fn join(items: impl Iterator<Item = String>) -> String {
     let v: Vec<String> = items.collect();
     if v.is_empty() { "(none)".into() } else { v.join(", ") }
+}
+
+/// An endpoint set for the table: "(not used)" when no traffic of the port
+/// uses it.
+fn used(is_used: bool, set: &[Backend]) -> String {
+    if is_used { join(set.iter().map(ToString::to_string)) } else { "(not used)".into() }
+}
+
+/// An endpoint set for JSON: null when no traffic of the port uses it.
+fn used_json(is_used: bool, set: &[Backend]) -> Option<Vec<String>> {
+    is_used.then(|| set.iter().map(ToString::to_string).collect())
+}
+
+/// `sessionAffinity` for the table: `None`, or `ClientIP` with its timeout.
+fn affinity_label(d: &PortDecision) -> String {
+    match d.affinity_timeout_s {
+        Some(t) => format!("ClientIP, timeout {t}s (every frontend; clients kept per frontend)"),
+        None => "None".into(),
+    }
+}
+
+/// `loadBalancerSourceRanges` for the table; none valid means nobody from
+/// outside gets in.
+fn ranges_label(ranges: &[proxy_agent::model::Cidr]) -> String {
+    if ranges.is_empty() { "no valid range: closed to every client".into() } else { join(ranges.iter().map(ToString::to_string)) }
+}
+
+/// Which frontends the source ranges filter.
+fn filtered_label(d: &PortDecision) -> String {
+    let filtered: Vec<String> = d.load_balancer_ips.iter().map(|ip| sockaddr(*ip, d.port.port)).collect();
+    if filtered.is_empty() { "no LoadBalancer IP to filter".into() } else { format!("filters {}", filtered.join(", ")) }
 }
 
 fn port_label(d: &PortDecision) -> String {
@@ -112,7 +148,14 @@ fn to_json(d: &PortDecision) -> serde_json::Value {
         "healthCheckNodePort": if d.external_local { d.health_check_node_port } else { None },
         "model": d.model,
         "decision": d.decision,
-        "clusterEndpoints": d.cluster.iter().map(ToString::to_string).collect::<Vec<_>>(),
-        "localEndpoints": d.local.iter().map(ToString::to_string).collect::<Vec<_>>(),
+        // As kube-proxy's CategorizeEndpoints: null when no traffic of the
+        // port uses the set (pkg/proxy/topology.go).
+        "clusterEndpoints": used_json(d.uses_cluster_endpoints(), &d.cluster),
+        "localEndpoints": used_json(d.uses_local_endpoints(), &d.local),
+        "sessionAffinity": if d.affinity_timeout_s.is_some() { "ClientIP" } else { "None" },
+        "sessionAffinityTimeoutSeconds": d.affinity_timeout_s,
+        // null: no filter; []: no range parsed, nobody from outside gets in.
+        "loadBalancerSourceRanges": d.source_ranges.as_ref().map(|r| r.iter().map(ToString::to_string).collect::<Vec<_>>()),
+        "sourceRangeFrontends": d.source_ranges.as_ref().map(|_| d.load_balancer_ips.iter().map(|ip| sockaddr(*ip, d.port.port)).collect::<Vec<_>>()),
     })
 }

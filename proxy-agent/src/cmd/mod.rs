@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub(crate) mod cleanup_kube_proxy;
 pub(crate) mod conntrack_args;
 pub(crate) mod datapath_args;
 pub(crate) mod dump;

@@ -38,6 +38,11 @@ pub(crate) struct ProbeArgs {
     message: String,
     #[arg(long, default_value_t = 2000)]
     timeout_ms: u64,
+    /// Bind each socket to this source address before connecting or
+    /// sending (the port is the kernel's choice), as an application that
+    /// picks its own address does.
+    #[arg(long)]
+    bind: Option<std::net::IpAddr>,
     /// With --udp: after the first datagram is sent, print the socket's
     /// cookie (`{"held":true,"cookie":N}`) and wait for a line on stdin
     /// before reading the reply, so a test can change the datapath (e.g.
@@ -65,7 +70,11 @@ fn failure(stage: &str, e: &std::io::Error) -> serde_json::Value {
 }
 
 fn tcp_once(args: &ProbeArgs, timeout: Duration) -> serde_json::Value {
-    let mut s = match TcpStream::connect_timeout(&args.to, timeout) {
+    let connected = match args.bind {
+        Some(from) => connect_from(from, args.to, timeout),
+        None => TcpStream::connect_timeout(&args.to, timeout),
+    };
+    let mut s = match connected {
         Ok(s) => s,
         Err(e) => return failure("connect", &e),
     };
@@ -82,8 +91,70 @@ fn tcp_once(args: &ProbeArgs, timeout: Duration) -> serde_json::Value {
     json!({"ok": true, "peer": peer, "reply": reply.trim()})
 }
 
+/// A TCP connection from address `from` (bound before connect(), port 0),
+/// giving up after `timeout`.
+fn connect_from(from: std::net::IpAddr, to: SocketAddr, timeout: Duration) -> std::io::Result<TcpStream> {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let family = if to.is_ipv4() { libc::AF_INET } else { libc::AF_INET6 };
+    // SAFETY: socket(2) returns a new descriptor that we own, or -1.
+    let fd = unsafe { libc::socket(family, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is open and owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let check = |rc: libc::c_int| if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) };
+    let (addr, len) = sockaddr(SocketAddr::new(from, 0));
+    // SAFETY: `addr` holds a sockaddr of `len` bytes of the socket's family.
+    check(unsafe { libc::bind(fd.as_raw_fd(), (&raw const addr).cast(), len) })?;
+    // A blocking connect() gives up after SO_SNDTIMEO (`inet_stream_connect`
+    // waits `sock_sndtimeo`).
+    let tv = libc::timeval { tv_sec: timeout.as_secs().try_into().unwrap_or(libc::time_t::MAX), tv_usec: timeout.subsec_micros().into() };
+    let tv_len = std::mem::size_of::<libc::timeval>() as libc::socklen_t;
+    // SAFETY: SO_SNDTIMEO reads a timeval of the size passed.
+    check(unsafe { libc::setsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_SNDTIMEO, (&raw const tv).cast(), tv_len) })?;
+    let (addr, len) = sockaddr(to);
+    // SAFETY: as for bind.
+    check(unsafe { libc::connect(fd.as_raw_fd(), (&raw const addr).cast(), len) })?;
+    Ok(TcpStream::from(fd))
+}
+
+/// `a` as the kernel takes it.
+fn sockaddr(a: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: all-zero bytes are a valid sockaddr_storage.
+    let mut out: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let len = match a {
+        SocketAddr::V4(v4) => {
+            let sin = libc::sockaddr_in {
+                sin_family: libc::AF_INET as libc::sa_family_t,
+                sin_port: v4.port().to_be(),
+                sin_addr: libc::in_addr { s_addr: u32::from_ne_bytes(v4.ip().octets()) },
+                sin_zero: [0; 8],
+            };
+            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in.
+            unsafe { std::ptr::write((&raw mut out).cast(), sin) };
+            std::mem::size_of::<libc::sockaddr_in>()
+        }
+        SocketAddr::V6(v6) => {
+            let sin6 = libc::sockaddr_in6 {
+                sin6_family: libc::AF_INET6 as libc::sa_family_t,
+                sin6_port: v6.port().to_be(),
+                sin6_flowinfo: 0,
+                sin6_addr: libc::in6_addr { s6_addr: v6.ip().octets() },
+                sin6_scope_id: 0,
+            };
+            // SAFETY: sockaddr_storage is larger than and aligned for sockaddr_in6.
+            unsafe { std::ptr::write((&raw mut out).cast(), sin6) };
+            std::mem::size_of::<libc::sockaddr_in6>()
+        }
+    };
+    (out, len as libc::socklen_t)
+}
+
 fn udp_once(args: &ProbeArgs, timeout: Duration) -> serde_json::Value {
-    let bind: SocketAddr = if args.to.is_ipv4() { "0.0.0.0:0" } else { "[::]:0" }.parse().expect("literal address");
+    let any: std::net::IpAddr =
+        if args.to.is_ipv4() { std::net::Ipv4Addr::UNSPECIFIED.into() } else { std::net::Ipv6Addr::UNSPECIFIED.into() };
+    let bind = SocketAddr::new(args.bind.unwrap_or(any), 0);
     let s = match UdpSocket::bind(bind) {
         Ok(s) => s,
         Err(e) => return failure("bind", &e),

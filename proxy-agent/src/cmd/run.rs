@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use proxy_agent::datapath::dump::np_counter_sums;
+use proxy_agent::datapath::dump::{np_counter_sums, socket_counter_sums};
 use proxy_agent::datapath::map_writer::MapWriter;
 use proxy_agent::datapath::{conntrack_gc, socket_loader};
 use proxy_agent::external::node_addresses;
@@ -22,7 +22,7 @@ use proxy_agent::external::nodeport::ExternalDatapath;
 use proxy_agent::observe::health_server::{self, DEFAULT_STALE_AFTER, Health};
 use proxy_agent::observe::metrics::Metrics;
 use proxy_agent::source::feed::{Signal, Stores};
-use proxy_agent::source::{kube_watch, manifest_watch};
+use proxy_agent::source::{api_versions, kube_watch, manifest_watch};
 use proxy_agent::sync::events::{self, EventReporter};
 use proxy_agent::sync::sync_loop::{SyncConfig, SyncLoop};
 use tokio::signal::unix::{SignalKind, signal};
@@ -201,9 +201,12 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
         (manifest_watch::start(args.manifests.clone(), interval, metrics.clone(), tx.clone()), None)
     } else {
         let client = client(args.kubeconfig.as_ref()).await?;
-        let stores = kube_watch::start(client.clone(), tx.clone());
+        // EndpointSlices and Events changed version between 1.17 and
+        // today: both wait for what the API server serves.
+        let versions = api_versions::negotiate(client.clone(), metrics.clone());
+        let stores = kube_watch::start(client.clone(), versions.clone(), tx.clone());
         let instance = format!("{}-{}", events::REPORTING_CONTROLLER, args.node);
-        (stores, Some(EventReporter::spawn(client, instance, metrics.clone())))
+        (stores, Some(EventReporter::spawn(client, instance, metrics.clone(), versions)))
     };
 
     let cgroup = args.datapath.cgroup()?;
@@ -232,9 +235,11 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     }
     tracing::info!(devices = ?external.devices, node_addresses = ?external.node_addrs, "external traffic datapath ready");
 
-    // NP_COUNTERS in /metrics, and the conntrack GC of NP_CT.
+    // NP_COUNTERS and COUNTERS in /metrics, and the conntrack GC of NP_CT.
     let counters_dir = pin_dir.clone();
     metrics.export_nodeport_counters(Box::new(move || np_counter_sums(&counters_dir).map_err(|e| e.to_string())));
+    let counters_dir = pin_dir.clone();
+    metrics.export_socket_counters(Box::new(move || socket_counter_sums(&counters_dir).map_err(|e| e.to_string())));
     let _conntrack_gc = conntrack_gc::spawn(pin_dir.clone(), args.datapath.conntrack.gc_config(), metrics.clone());
     // Node addresses are followed, not read once: a change asks the sync
     // loop for a pass, in which `refresh` re-resolves devices, NodePort

@@ -8,6 +8,11 @@
 //! without a kernel. The maps are opened with `BPF_F_RDONLY`: a dump can
 //! never change what the datapath serves.
 //!
+//! What frontends need besides their backends is decoded and checked the
+//! same way for both datapaths: session affinity (each affine frontend's
+//! timeout and match entries, every client's entry with its backend and
+//! whether the programs would still honour it) and source ranges.
+//!
 //! A dump taken while an agent rewrites a service can catch the writer
 //! between its steps (new slots written but not yet switched to, old ones
 //! not yet deleted) and report orphans that vanish a moment later; the
@@ -21,11 +26,12 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 use aya::Pod;
+use aya::maps::lpm_trie::LpmTrie;
 use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray};
 use proxy_common as pc;
 use proxy_common::{
-    AddrKey, BackendKey, BackendValue, CtKey, CtValue, NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SockRevNatKey,
-    SockRevNatValue,
+    AddrKey, AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, CtKey, CtValue, NpAffinityKey, NpConfig,
+    NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SockAffinityKey, SockRevNatKey, SockRevNatValue, SourceRangeKey,
 };
 use serde::Serialize;
 
@@ -55,9 +61,27 @@ pub struct Snapshot {
     /// Per-CPU values summed, indexed by counter id.
     pub counters: Vec<u64>,
     pub maps: Vec<MapUsage>,
+    /// `AFFINITY_MATCH`, `SOURCE_RANGES` and `AFFINITY`.
+    pub policy: PolicySnapshot,
     /// The TC datapath's `NP_*` maps; `None` when they are not pinned (a
     /// datapath installed by an agent without external-traffic support).
     pub nodeport: Option<NpSnapshot>,
+}
+
+/// One datapath's policy maps, as raw entries; empty when they are not
+/// pinned (a datapath installed by an agent version without them).
+#[derive(Clone, Debug, Default)]
+pub struct PolicySnapshot {
+    pub matches: Vec<(AffinityMatchKey, AffinityMatchValue)>,
+    /// Each source range entry: (prefix length in bits, key).
+    pub ranges: Vec<(u32, SourceRangeKey)>,
+    /// The clients' affinity entries: (service id, client, entry). The
+    /// client is `netns N` (a network namespace cookie) for the socket
+    /// datapath and an address for the TC one.
+    pub clients: Vec<(u32, String, AffinityValue)>,
+    /// CLOCK_MONOTONIC nanoseconds when the entries were read (the clock
+    /// of `AffinityValue::last_used_ns`).
+    pub now_ns: Option<u64>,
 }
 
 /// Everything the `NP_*` maps hold, as raw entries.
@@ -75,6 +99,8 @@ pub struct NpSnapshot {
     /// CLOCK_MONOTONIC seconds when the conntrack table was read, to show
     /// entries' ages (`seen_s` is on that clock).
     pub now_s: Option<u32>,
+    /// `NP_AFFINITY_MATCH`, `NP_SOURCE_RANGES` and `NP_AFFINITY`.
+    pub policy: PolicySnapshot,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -175,16 +201,69 @@ pub fn read(pin_dir: &Path) -> Result<Snapshot, DumpError> {
     // Only the size of the reverse-translation table is interesting here.
     hash_entries::<SockRevNatKey, SockRevNatValue>(pin_dir, &maps::SOCK_REVNAT, usage)?;
     snap.counters = counter_sums(pin_dir, &maps::COUNTERS, usage)?;
+    snap.policy =
+        read_policy::<SockAffinityKey>(pin_dir, &SOCKET_SERVICE_MAPS, usage, |k| (k.service_id, format!("netns {}", k.netns_cookie)))?;
     if pin_dir.join(maps::NP_SERVICES.name).exists() {
         snap.nodeport = Some(read_nodeport(pin_dir, usage)?);
     }
     Ok(snap)
 }
 
+/// A datapath's policy maps (see [`PolicySnapshot`]); `client` names the
+/// client of an affinity key.
+fn read_policy<K: Pod + Eq + Hash>(
+    pin_dir: &Path,
+    names: &'static ServiceMaps,
+    usage: &mut Vec<MapUsage>,
+    client: impl Fn(&K) -> (u32, String),
+) -> Result<PolicySnapshot, DumpError> {
+    if !pin_dir.join(names.affinity_match.name).exists() {
+        return Ok(PolicySnapshot::default());
+    }
+    let matches = sorted_entries(pin_dir, names.affinity_match, usage)?;
+    let (map, max) = open(pin_dir, names.source_ranges)?;
+    let path = pin_dir.join(names.source_ranges.name);
+    let trie: LpmTrie<MapData, SourceRangeKey, u32> = LpmTrie::try_from(map).map_err(|error| DumpError::Kind { path, error })?;
+    let mut ranges = Vec::new();
+    for k in trie.keys() {
+        let k = k.map_err(|error| DumpError::Read { map: names.source_ranges.name, error })?;
+        ranges.push((k.prefix_len(), k.data()));
+    }
+    ranges.sort_unstable();
+    usage.push(MapUsage { name: names.source_ranges.name, entries: ranges.len() as u64, max_entries: max });
+    let entries: Vec<(K, AffinityValue)> = hash_entries(pin_dir, names.affinity, usage)?;
+    let mut clients: Vec<(u32, String, AffinityValue)> = entries
+        .iter()
+        .map(|(k, v)| {
+            let (sid, c) = client(k);
+            (sid, c, *v)
+        })
+        .collect();
+    clients.sort_by(|a, b| (a.0, &a.1).cmp(&(b.0, &b.1)));
+    Ok(PolicySnapshot { matches, ranges, clients, now_ns: monotonic_now_ns() })
+}
+
+/// CLOCK_MONOTONIC in nanoseconds, the clock the programs' coarse reads
+/// follow (to within a tick).
+fn monotonic_now_ns() -> Option<u64> {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec into `ts`.
+    if unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &raw mut ts) } != 0 {
+        return None;
+    }
+    Some(u64::try_from(ts.tv_sec).ok()? * 1_000_000_000 + u64::try_from(ts.tv_nsec).ok()?)
+}
+
 /// The TC programs' `NP_COUNTERS` summed over CPUs, indexed by counter id
 /// (`proxy_common::np_counter::NAMES`). Read-only; used by `/metrics`.
 pub fn np_counter_sums(pin_dir: &Path) -> Result<Vec<u64>, DumpError> {
     counter_sums(pin_dir, &maps::NP_COUNTERS, &mut Vec::new())
+}
+
+/// The socket hooks' `COUNTERS` summed over CPUs, indexed by counter id
+/// (`proxy_common::counter::NAMES`). Read-only; used by `/metrics`.
+pub fn socket_counter_sums(pin_dir: &Path) -> Result<Vec<u64>, DumpError> {
+    counter_sums(pin_dir, &maps::COUNTERS, &mut Vec::new())
 }
 
 /// [`np_counter_sums`] by name, for the counters this agent knows.
@@ -209,6 +288,12 @@ fn read_nodeport(pin_dir: &Path, usage: &mut Vec<MapUsage>) -> Result<NpSnapshot
     np.config = Some(config.get(&0, 0).map_err(|error| DumpError::Read { map: pc::NP_CONFIG_MAP, error })?);
     usage.push(MapUsage { name: pc::NP_CONFIG_MAP, entries: u64::from(max), max_entries: max });
     np.counters = counter_sums(pin_dir, &maps::NP_COUNTERS, usage)?;
+    np.policy = read_policy::<NpAffinityKey>(pin_dir, &TC_SERVICE_MAPS, usage, |k| {
+        (
+            k.service_id,
+            ip_of(k.client_be, k.family).map_or_else(|| format!("family {} {:08x?}", k.family, k.client_be), |ip| ip.to_string()),
+        )
+    })?;
     Ok(np)
 }
 
@@ -265,14 +350,22 @@ pub enum FindingKind {
     UnknownConntrackEntry,
     /// `NP_CONFIG`'s SNAT port range is empty (min above max, or port 0).
     BadSnatConfig,
+    /// An affine frontend's backend without an affinity match entry under
+    /// the current generation: its clients' affinity is ignored.
+    MissingAffinityMatch,
+    /// Affinity match entries or source ranges of a generation no frontend
+    /// is at (or of a frontend without affinity / source ranges).
+    OrphanPolicyEntries,
 }
 
 impl FindingKind {
     pub fn severity(self) -> Severity {
         match self {
-            FindingKind::OrphanSlots | FindingKind::UnreferencedBackend | FindingKind::OrphanFlags | FindingKind::StaleFlow => {
-                Severity::Warning
-            }
+            FindingKind::OrphanSlots
+            | FindingKind::UnreferencedBackend
+            | FindingKind::OrphanFlags
+            | FindingKind::StaleFlow
+            | FindingKind::OrphanPolicyEntries => Severity::Warning,
             _ => Severity::Error,
         }
     }
@@ -342,6 +435,38 @@ pub struct ServiceView {
     /// TC frontends only: `Local` or `Cluster` (from `NP_FLAGS`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub external_traffic_policy: Option<&'static str>,
+    /// `sessionAffinity: ClientIP`: the timeout of the current generation's
+    /// match entries (0 when there are none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub affinity_timeout_seconds: Option<u32>,
+    /// `loadBalancerSourceRanges` in force: the ranges of the current
+    /// generation (empty: nobody gets in).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source_ranges: Option<Vec<String>>,
+    /// Socket datapath: the node's own processes may connect without a
+    /// bound address (a node address lies inside a range).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub source_ranges_node: bool,
+}
+
+/// A client's affinity entry.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct AffinityView {
+    /// The affine frontend, or `service id N` when none has that id.
+    pub frontend: String,
+    /// `netns N` (socket datapath) or the client's address (TC).
+    pub client: String,
+    pub backend_id: u32,
+    /// `None` when the backend is gone or undecodable.
+    pub backend: Option<String>,
+    /// Milliseconds since a connection last used the entry.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub idle_ms: Option<u64>,
+    /// Whether the programs would send the client's next connection to
+    /// this backend: the frontend is affine, lists the backend under its
+    /// current generation, and the entry has not expired.
+    pub honoured: bool,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -511,6 +636,9 @@ pub fn check_maps(
             backend_count: value.backend_count,
             slots: slot_views,
             external_traffic_policy: None,
+            affinity_timeout_seconds: None,
+            source_ranges: None,
+            source_ranges_node: false,
         });
     }
 
@@ -563,6 +691,118 @@ pub fn check_maps(
     }
     sort_findings(&mut findings);
     Analysis { services: views, backends: backend_views, findings }
+}
+
+/// Decodes a datapath's policy maps onto its frontends (`views`, as
+/// [`check_maps`] made them from `services`): each affine frontend's
+/// timeout, each filtered frontend's ranges, and every client's affinity
+/// entry. Finds affine frontends whose backends lack a match entry, and
+/// match entries or ranges that belong to no current generation.
+pub fn check_policies(
+    names: &ServiceMaps,
+    services: &[(ServiceKey, ServiceValue)],
+    backends: &[(BackendKey, BackendValue)],
+    p: &PolicySnapshot,
+    views: &mut [ServiceView],
+) -> (Vec<AffinityView>, Vec<Finding>) {
+    let mut findings = Vec::new();
+    let view_of: BTreeMap<u32, usize> = views.iter().enumerate().map(|(i, v)| (v.service_id, i)).collect();
+    let current: BTreeMap<u32, &ServiceValue> = services.iter().map(|(_, v)| (v.service_id, v)).collect();
+    let mut matches: BTreeMap<(u32, u32), BTreeMap<u32, u32>> = BTreeMap::new();
+    for (k, v) in &p.matches {
+        matches.entry((k.service_id, k.generation)).or_default().insert(k.backend_id, v.timeout_s);
+    }
+    let mut ranges: BTreeMap<(u32, u32), Vec<String>> = BTreeMap::new();
+    for (len, k) in &p.ranges {
+        let key = aya::maps::lpm_trie::Key::new(*len, *k);
+        let shown = crate::datapath::keys::cidr_of(&key).map_or_else(|| format!("prefix {len} of {:08x?}", k.addr_be), |c| c.to_string());
+        ranges.entry((k.service_id, k.generation)).or_default().push(shown);
+    }
+    let mut live = BTreeSet::new();
+    for (sid, v) in &current {
+        let name = view_of.get(sid).map_or_else(|| format!("service id {sid}"), |i| views[*i].frontend.clone());
+        let Some(view) = view_of.get(sid).map(|i| &mut views[*i]) else { continue };
+        if v.flags & pc::SVC_FLAG_AFFINITY != 0 {
+            live.insert(("match", *sid, v.generation));
+            let listed = matches.get(&(*sid, v.generation));
+            view.affinity_timeout_seconds = Some(listed.and_then(|m| m.values().next().copied()).unwrap_or(0));
+            for slot in &view.slots {
+                if let Some(id) = slot.backend_id
+                    && !listed.is_some_and(|m| m.contains_key(&id))
+                {
+                    findings.push(
+                        Finding::new(
+                            FindingKind::MissingAffinityMatch,
+                            format!(
+                                "{name}: backend #{id} has no {} entry under generation {}: its clients' affinity is ignored",
+                                names.affinity_match.name, v.generation
+                            ),
+                        )
+                        .service(*sid, v.generation)
+                        .slot(slot.slot)
+                        .backend(id),
+                    );
+                }
+            }
+        }
+        if v.flags & pc::SVC_FLAG_SOURCE_RANGES != 0 {
+            live.insert(("range", *sid, v.generation));
+            view.source_ranges = Some(ranges.get(&(*sid, v.generation)).cloned().unwrap_or_default());
+            view.source_ranges_node = v.flags & pc::SVC_FLAG_SOURCE_RANGES_NODE != 0;
+        }
+    }
+    for (what, map, keys) in [
+        ("match", names.affinity_match.name, matches.iter().map(|(k, m)| (*k, m.len())).collect::<Vec<_>>()),
+        ("range", names.source_ranges.name, ranges.iter().map(|(k, r)| (*k, r.len())).collect::<Vec<_>>()),
+    ] {
+        for ((sid, generation), n) in keys {
+            if !live.contains(&(what, sid, generation)) {
+                let why = match current.get(&sid) {
+                    None => "no service entry has this id".to_string(),
+                    Some(v) if v.generation != generation => format!("the service is at generation {}", v.generation),
+                    Some(_) => "the frontend's flags do not ask for them".to_string(),
+                };
+                findings.push(
+                    Finding::new(
+                        FindingKind::OrphanPolicyEntries,
+                        format!(
+                            "{n} {map} entr{} of service id {sid} generation {generation} are unused: {why}",
+                            if n == 1 { "y" } else { "ies" }
+                        ),
+                    )
+                    .service(sid, generation),
+                );
+            }
+        }
+    }
+    let backend_table: BTreeMap<u32, &BackendValue> = backends.iter().map(|(k, v)| (k.backend_id, v)).collect();
+    let clients = p
+        .clients
+        .iter()
+        .map(|(sid, client, v)| {
+            let frontend = view_of.get(sid).map_or_else(|| format!("service id {sid}"), |i| views[*i].frontend.clone());
+            let idle_ms = p.now_ns.map(|now| now.saturating_sub(v.last_used_ns) / 1_000_000);
+            let honoured = current.get(sid).is_some_and(|s| {
+                s.flags & pc::SVC_FLAG_AFFINITY != 0
+                    && matches
+                        .get(&(*sid, s.generation))
+                        .and_then(|m| m.get(&v.backend_id))
+                        .is_some_and(|t| p.now_ns.is_none_or(|now| !pc::affinity_expired(now, v.last_used_ns, *t)))
+            });
+            AffinityView {
+                frontend,
+                client: client.clone(),
+                backend_id: v.backend_id,
+                backend: backend_table.get(&v.backend_id).and_then(|b| backend_of(b)).map(|b| b.to_string()),
+                idle_ms,
+                honoured,
+            }
+        })
+        .collect();
+    for f in &mut findings {
+        f.datapath = names.datapath().label();
+    }
+    (clients, findings)
 }
 
 /// Errors first; within a severity, socket before TC, grouped by kind and
@@ -626,6 +866,8 @@ pub struct NodePortReport {
     pub local_endpoints: Vec<String>,
     pub conntrack: Vec<CtView>,
     pub counters: BTreeMap<String, u64>,
+    /// NP_AFFINITY: each client's backend per affine frontend.
+    pub affinity: Vec<AffinityView>,
 }
 
 fn endpoint(ip_be: [u32; 4], port_be: u16, family: u8) -> String {
@@ -655,11 +897,13 @@ fn ct_flag_names(flags: u32) -> Vec<&'static str> {
 pub fn check_nodeport(np: &NpSnapshot) -> (NodePortReport, Vec<Finding>) {
     let a = check_maps(&TC_SERVICE_MAPS, &np.services, &np.slots, &np.backends);
     let mut findings = a.findings;
+    let mut views = a.services;
+    let (affinity, policy_findings) = check_policies(&TC_SERVICE_MAPS, &np.services, &np.backends, &np.policy, &mut views);
+    findings.extend(policy_findings);
     let tc = |kind, message| Finding { datapath: DATAPATH_TC, ..Finding::new(kind, message) };
 
     let flags: BTreeMap<ServiceKey, u32> = np.flags.iter().map(|(k, v)| (*k, v.flags)).collect();
     let services: BTreeSet<ServiceKey> = np.services.iter().map(|(k, _)| *k).collect();
-    let mut views = a.services;
     let keys_by_name: BTreeMap<String, ServiceKey> =
         np.services.iter().map(|(k, _)| (frontend_of(k).map_or_else(|| raw_key(k), |f| f.to_string()), *k)).collect();
     for v in &mut views {
@@ -764,6 +1008,7 @@ pub fn check_nodeport(np: &NpSnapshot) -> (NodePortReport, Vec<Finding>) {
         local_endpoints,
         conntrack,
         counters: named_np_counters(&np.counters),
+        affinity,
     };
     (report, findings)
 }
@@ -780,6 +1025,8 @@ pub struct Report {
     pub services: Vec<ServiceView>,
     pub backends: Vec<BackendView>,
     pub counters: BTreeMap<String, u64>,
+    /// AFFINITY: each client's backend per affine frontend.
+    pub affinity: Vec<AffinityView>,
     /// Findings about both datapaths (`datapath` says which).
     pub findings: Vec<Finding>,
     /// The TC datapath (NodePort, LoadBalancer IPs, externalIPs); absent
@@ -791,6 +1038,9 @@ pub struct Report {
 pub fn report(pin_dir: &Path, snap: &Snapshot) -> Report {
     let a = check(&snap.services, &snap.slots, &snap.backends);
     let mut findings = a.findings;
+    let mut services = a.services;
+    let (affinity, policy_findings) = check_policies(&SOCKET_SERVICE_MAPS, &snap.services, &snap.backends, &snap.policy, &mut services);
+    findings.extend(policy_findings);
     let nodeport = snap.nodeport.as_ref().map(|np| {
         let (r, f) = check_nodeport(np);
         findings.extend(f);
@@ -801,9 +1051,10 @@ pub fn report(pin_dir: &Path, snap: &Snapshot) -> Report {
         pin_dir: pin_dir.display().to_string(),
         consistent: findings.is_empty(),
         maps: snap.maps.clone(),
-        services: a.services,
+        services,
         backends: a.backends,
         counters: named_counters(&snap.counters),
+        affinity,
         findings,
         nodeport,
     }
@@ -1016,6 +1267,7 @@ mod tests {
             }),
             counters: vec![3, 7],
             now_s: Some(100),
+            policy: PolicySnapshot::default(),
         }
     }
 
@@ -1090,11 +1342,61 @@ mod tests {
     }
 
     #[test]
+    fn affinity_and_source_ranges_are_decoded_and_checked() {
+        let (mut s, sl, b) = healthy();
+        // 10.96.0.10:80 (id 1, generation 3, backends #10 and #11) is
+        // affine; 10.96.0.11:53 (id 2) filtered, with the node allowed.
+        s[0].1.flags = pc::SVC_FLAG_AFFINITY;
+        s[1].1.flags = pc::SVC_FLAG_SOURCE_RANGES | pc::SVC_FLAG_SOURCE_RANGES_NODE;
+        let m = |sid, generation, backend_id, timeout_s| {
+            (AffinityMatchKey { service_id: sid, generation, backend_id }, AffinityMatchValue { timeout_s })
+        };
+        let range = |sid, generation, text: &str| {
+            let k = crate::datapath::keys::source_range_key(sid, generation, &crate::model::Cidr::parse(text).expect("literal"));
+            (k.prefix_len(), k.data())
+        };
+        let s_ns = 1_000_000_000u64;
+        let entry = |backend_id, last_used_ns| AffinityValue { last_used_ns, backend_id, _pad: 0 };
+        let p = PolicySnapshot {
+            matches: vec![m(1, 3, 10, 2), m(1, 3, 11, 2), m(1, 2, 10, 2)],
+            ranges: vec![range(2, 1, "10.0.0.0/8"), range(2, 1, "192.0.2.0/24")],
+            clients: vec![
+                (1, "netns 7".into(), entry(10, 99 * s_ns)),
+                (1, "netns 8".into(), entry(11, 90 * s_ns)),
+                (1, "netns 9".into(), entry(12, 99 * s_ns)),
+            ],
+            now_ns: Some(100 * s_ns),
+        };
+        let mut views = check(&s, &sl, &b).services;
+        let (clients, findings) = check_policies(&SOCKET_SERVICE_MAPS, &s, &b, &p, &mut views);
+        assert_eq!(views[0].affinity_timeout_seconds, Some(2));
+        assert_eq!(views[1].source_ranges, Some(vec!["10.0.0.0/8".to_string(), "192.0.2.0/24".to_string()]));
+        assert!(views[1].source_ranges_node && views[0].source_ranges.is_none());
+        // Fresh and listed; expired; a backend the frontend does not use.
+        let honoured: Vec<(&str, bool)> = clients.iter().map(|c| (c.client.as_str(), c.honoured)).collect();
+        assert_eq!(honoured, [("netns 7", true), ("netns 8", false), ("netns 9", false)]);
+        assert_eq!(
+            (clients[0].frontend.as_str(), clients[0].backend.as_deref(), clients[0].idle_ms),
+            ("10.96.0.10:80/TCP", Some("10.244.1.2:8080"), Some(1000))
+        );
+        // The previous generation's match entry is left over.
+        assert_eq!(findings.iter().map(|f| (f.kind, f.generation)).collect::<Vec<_>>(), [(FindingKind::OrphanPolicyEntries, Some(2))]);
+
+        // A backend without its match entry loses its clients' affinity.
+        let p = PolicySnapshot { matches: vec![m(1, 3, 10, 2)], ..p };
+        let mut views = check(&s, &sl, &b).services;
+        let (_, findings) = check_policies(&SOCKET_SERVICE_MAPS, &s, &b, &p, &mut views);
+        let missing: Vec<(FindingKind, Severity, Option<u32>)> = findings.iter().map(|f| (f.kind, f.severity, f.backend_id)).collect();
+        assert_eq!(missing, [(FindingKind::MissingAffinityMatch, Severity::Error, Some(11))]);
+    }
+
+    #[test]
     fn counters_are_named() {
         let named = named_counters(&[5, 0, 1, 0, 2, 0, 0, 0]);
         assert_eq!(named["translated"], 5);
         assert_eq!(named["slot_miss"], 1);
         assert_eq!(named["reversed"], 2);
         assert_eq!(named.len(), 8);
+        assert_eq!(named_counters(&[0; 16])["affinity_hit"], 0);
     }
 }

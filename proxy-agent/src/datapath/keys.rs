@@ -8,10 +8,11 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
+use aya::maps::lpm_trie::Key;
 use proxy_common as pc;
-use proxy_common::{AddrKey, BackendValue, ServiceKey};
+use proxy_common::{AddrKey, BackendValue, ServiceKey, SourceRangeKey};
 
-use crate::model::{Backend, Frontend, Protocol};
+use crate::model::{Backend, Cidr, Frontend, Protocol};
 
 /// Encodes a frontend as the datapath's key.
 pub fn service_key(fe: &Frontend) -> ServiceKey {
@@ -51,6 +52,25 @@ pub fn backend_of(v: &BackendValue) -> Option<Backend> {
 pub fn addr_key(ip: &IpAddr) -> AddrKey {
     let (ip_be, family) = ip_words(ip);
     AddrKey { ip_be, family, _pad: [0; 3] }
+}
+
+/// A source range of frontend `service_id` at `generation`, as the LPM trie
+/// keys it: the fixed part matched in full, then the range's prefix.
+pub fn source_range_key(service_id: u32, generation: u32, c: &Cidr) -> Key<SourceRangeKey> {
+    let (addr_be, family) = ip_words(&c.addr);
+    Key::new(
+        pc::SOURCE_RANGE_FIXED_BITS + u32::from(c.prefix_len),
+        SourceRangeKey { service_id, generation, family, _pad: [0; 3], addr_be },
+    )
+}
+
+/// Decodes a source range key; `None` for one this agent would never write.
+pub fn cidr_of(k: &Key<SourceRangeKey>) -> Option<Cidr> {
+    let data = k.data();
+    let prefix_len = u8::try_from(k.prefix_len().checked_sub(pc::SOURCE_RANGE_FIXED_BITS)?).ok()?;
+    let max = if data.family == pc::FAMILY_V4 { 32 } else { 128 };
+    (prefix_len <= max).then_some(())?;
+    Some(Cidr { addr: ip_of(data.addr_be, data.family)?, prefix_len })
 }
 
 /// The address in `words` of family `family`; `None` for a family this
@@ -113,5 +133,22 @@ mod tests {
             assert_eq!(ip_of(k.ip_be, k.family), Some(ip));
         }
         assert_eq!(ip_of([1, 0, 0, 0], 7), None);
+    }
+
+    #[test]
+    fn source_range_keys_put_the_address_in_network_order_behind_the_fixed_part() {
+        for text in ["10.0.0.0/8", "192.0.2.7/32", "0.0.0.0/0", "fd00::/64"] {
+            let c = Cidr::parse(text).unwrap();
+            let k = source_range_key(7, 3, &c);
+            assert_eq!(k.prefix_len(), 96 + u32::from(c.prefix_len), "{text}");
+            let d = k.data();
+            assert_eq!((d.service_id, d.generation), (7, 3));
+            assert_eq!(cidr_of(&k), Some(c), "{text}");
+        }
+        let k = source_range_key(1, 1, &Cidr::parse("10.1.0.0/16").unwrap());
+        // The trie compares bytes from the first: 10 must come first.
+        assert_eq!(k.data().addr_be[0].to_ne_bytes(), [10, 1, 0, 0]);
+        assert_eq!(cidr_of(&Key::new(40, k.data())), None, "a prefix shorter than the fixed part");
+        assert_eq!(cidr_of(&Key::new(96 + 33, k.data())), None, "longer than an IPv4 address");
     }
 }

@@ -22,20 +22,39 @@
 //! write are written again in chunks of their own, so that a failure names
 //! the frontend, map and reason.
 //!
+//! A frontend's policy goes with its generation. Session affinity: the
+//! `AFFINITY_MATCH` entries (service id, generation, backend id) of the new
+//! generation are written with its slots, before the switch, and the old
+//! generation's go with its slots, after it; a program honours a client's
+//! affinity entry only when its backend is listed under the generation it
+//! read, so a removed or no longer eligible backend loses its clients at
+//! the switch. Source ranges: the `SOURCE_RANGES` entries carry the
+//! generation too, and follow the same order. The service entry's flags
+//! switch with the rest. A frontend whose policy changes is therefore
+//! rewritten under a fresh generation like one whose backends change, and
+//! when a frontend drops affinity or goes away its clients' entries in the
+//! affinity LRU map are deleted after the switch.
+//!
 //! Service and backend ids are read back from the maps when the writer is
-//! opened, so they stay stable across agent restarts.
+//! opened, so they stay stable across agent restarts, and so is each
+//! frontend's policy (its flags, match entries and ranges).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
+use aya::maps::lpm_trie::{Key, LpmTrie};
 use aya::maps::{HashMap, Map, MapData, MapError};
 use foldhash::{HashMap as FastHashMap, HashSet as FastHashSet};
-use proxy_common::{BackendKey, BackendValue, ServiceKey, ServiceValue, SlotKey, SlotValue};
+use proxy_common as pc;
+use proxy_common::{
+    AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, NpAffinityKey, ServiceKey, ServiceValue, SlotKey,
+    SlotValue, SockAffinityKey, SourceRangeKey,
+};
 
 use crate::datapath::bpf_batch::{self, BatchError};
-use crate::datapath::keys::{backend_of, backend_value, frontend_of, service_key};
-use crate::datapath::maps::{MapSpec, SOCKET_SERVICE_MAPS, ServiceMaps};
-use crate::decide::plan::{Plan, State};
+use crate::datapath::keys::{backend_of, backend_value, cidr_of, frontend_of, service_key, source_range_key};
+use crate::datapath::maps::{Datapath, MapSpec, SOCKET_SERVICE_MAPS, ServiceMaps};
+use crate::decide::plan::{FrontendPolicy, Plan, Policies, SourceRanges, State};
 use crate::model::{Backend, Frontend};
 
 #[derive(Debug, thiserror::Error)]
@@ -64,7 +83,17 @@ pub struct ApplyError {
 struct Programmed {
     value: ServiceValue,
     backends: Vec<Backend>,
+    policy: FrontendPolicy,
 }
+
+/// A datapath's affinity LRU map; the two datapaths key clients
+/// differently (network namespace, source address).
+enum AffinityTable {
+    Socket(HashMap<MapData, SockAffinityKey, AffinityValue>),
+    Tc(HashMap<MapData, NpAffinityKey, AffinityValue>),
+}
+
+type RangeKey = Key<SourceRangeKey>;
 
 pub struct MapWriter {
     /// The maps this writer owns: the socket datapath's, or the TC
@@ -73,9 +102,17 @@ pub struct MapWriter {
     services: HashMap<MapData, ServiceKey, ServiceValue>,
     slots: HashMap<MapData, SlotKey, SlotValue>,
     backends: HashMap<MapData, BackendKey, BackendValue>,
+    affinity_match: HashMap<MapData, AffinityMatchKey, AffinityMatchValue>,
+    source_ranges: LpmTrie<MapData, SourceRangeKey, u32>,
+    affinity: AffinityTable,
     max_services: u32,
     max_slots: u32,
     max_backends: u32,
+    max_matches: u32,
+    max_ranges: u32,
+    /// Entries in `affinity_match` and `source_ranges` (current generations).
+    matches_used: u32,
+    ranges_used: u32,
     programmed: BTreeMap<Frontend, Programmed>,
     /// Backend address to (id, number of frontends using it).
     backend_ids: FastHashMap<Backend, (u32, u32)>,
@@ -85,13 +122,24 @@ pub struct MapWriter {
     backend_id_set: BTreeSet<u32>,
     next_service_id: u32,
     next_backend_id: u32,
+    /// Service ids whose frontend dropped affinity or went away during the
+    /// current `apply`: their clients' entries are swept at its end.
+    affinity_gone: BTreeSet<u32>,
 }
 
 fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, spec: &'static MapSpec) -> Result<(HashMap<MapData, K, V>, u32), WriteError> {
     let err = |source| WriteError::Open { map: spec.name, source };
     let data = MapData::from_pin(pin_dir.join(spec.name)).map_err(err)?;
     let max = data.info().map_err(err)?.max_entries();
-    Ok((HashMap::try_from(Map::HashMap(data)).map_err(err)?, max))
+    let map = if spec.map_type == aya::maps::MapType::LruHash { Map::LruHashMap(data) } else { Map::HashMap(data) };
+    Ok((HashMap::try_from(map).map_err(err)?, max))
+}
+
+fn open_lpm(pin_dir: &Path, spec: &'static MapSpec) -> Result<(LpmTrie<MapData, SourceRangeKey, u32>, u32), WriteError> {
+    let err = |source| WriteError::Open { map: spec.name, source };
+    let data = MapData::from_pin(pin_dir.join(spec.name)).map_err(err)?;
+    let max = data.info().map_err(err)?.max_entries();
+    Ok((LpmTrie::try_from(Map::LpmTrie(data)).map_err(err)?, max))
 }
 
 impl MapWriter {
@@ -107,14 +155,27 @@ impl MapWriter {
         let (services, max_services) = open_hash(pin_dir, maps.services)?;
         let (slots, max_slots) = open_hash(pin_dir, maps.slots)?;
         let (backends, max_backends) = open_hash(pin_dir, maps.backends)?;
+        let (affinity_match, max_matches) = open_hash(pin_dir, maps.affinity_match)?;
+        let (source_ranges, max_ranges) = open_lpm(pin_dir, maps.source_ranges)?;
+        let affinity = match maps.datapath() {
+            Datapath::Socket => AffinityTable::Socket(open_hash(pin_dir, maps.affinity)?.0),
+            Datapath::Tc => AffinityTable::Tc(open_hash(pin_dir, maps.affinity)?.0),
+        };
         let mut w = MapWriter {
             maps,
             services,
             slots,
             backends,
+            affinity_match,
+            source_ranges,
+            affinity,
             max_services,
             max_slots,
             max_backends,
+            max_matches,
+            max_ranges,
+            matches_used: 0,
+            ranges_used: 0,
             programmed: BTreeMap::new(),
             backend_ids: FastHashMap::default(),
             slots_used: 0,
@@ -122,6 +183,7 @@ impl MapWriter {
             backend_id_set: BTreeSet::new(),
             next_service_id: 1,
             next_backend_id: 1,
+            affinity_gone: BTreeSet::new(),
         };
         w.read_back()?;
         Ok(w)
@@ -137,11 +199,52 @@ impl MapWriter {
         let entries: Vec<(ServiceKey, ServiceValue)> = bpf_batch::read_all(&self.services).map_err(read_err(self.maps.services))?;
         let slot_table: FastHashMap<SlotKey, SlotValue> =
             bpf_batch::read_all(&self.slots).map_err(read_err(self.maps.slots))?.into_iter().collect();
+        let match_table: Vec<(AffinityMatchKey, AffinityMatchValue)> =
+            bpf_batch::read_all(&self.affinity_match).map_err(read_err(self.maps.affinity_match))?;
+        let range_table: Vec<RangeKey> = self.source_ranges.keys().collect::<Result<_, _>>().map_err(read_err(self.maps.source_ranges))?;
+        // Per (service id, generation): the affinity timeout and how many
+        // backends are listed, and the source ranges.
+        let mut matches_of: BTreeMap<(u32, u32), (u32, u32)> = BTreeMap::new();
+        for (k, v) in &match_table {
+            let e = matches_of.entry((k.service_id, k.generation)).or_insert((v.timeout_s, 0));
+            e.1 += 1;
+        }
+        let mut ranges_of: BTreeMap<(u32, u32), Vec<crate::model::Cidr>> = BTreeMap::new();
+        for k in &range_table {
+            let data = k.data();
+            if let Some(c) = cidr_of(k) {
+                ranges_of.entry((data.service_id, data.generation)).or_default().push(c);
+            }
+        }
+        // The (service id, generation) of every frontend whose flags ask
+        // for match entries, and for ranges.
+        let mut live_matches: BTreeSet<(u32, u32)> = BTreeSet::new();
+        let mut live_ranges: BTreeSet<(u32, u32)> = BTreeSet::new();
         let mut live_slots = FastHashSet::default();
         let mut max_sid = 0;
         for (key, value) in entries {
             max_sid = max_sid.max(value.service_id);
             let Some(fe) = frontend_of(&key) else { continue };
+            let (sid, generation) = (value.service_id, value.generation);
+            if value.flags & pc::SVC_FLAG_AFFINITY != 0 {
+                live_matches.insert((sid, generation));
+            }
+            if value.flags & pc::SVC_FLAG_SOURCE_RANGES != 0 {
+                live_ranges.insert((sid, generation));
+            }
+            // A timeout of 0 (never written) stands for entries this agent
+            // cannot trust (some missing): the next plan rewrites the
+            // frontend, as for a missing slot.
+            let affinity_timeout_s = (value.flags & pc::SVC_FLAG_AFFINITY != 0).then(|| match matches_of.get(&(sid, generation)) {
+                Some((timeout, n)) if *n == value.backend_count => *timeout,
+                _ => 0,
+            });
+            let source_ranges = (value.flags & pc::SVC_FLAG_SOURCE_RANGES != 0).then(|| {
+                let mut cidrs = ranges_of.get(&(sid, generation)).cloned().unwrap_or_default();
+                cidrs.sort();
+                SourceRanges { cidrs, node: value.flags & pc::SVC_FLAG_SOURCE_RANGES_NODE != 0 }
+            });
+            let policy = FrontendPolicy { affinity_timeout_s, source_ranges };
             let mut list = Vec::new();
             for slot in 0..value.backend_count {
                 let sk = SlotKey { service_id: value.service_id, generation: value.generation, slot };
@@ -157,12 +260,25 @@ impl MapWriter {
             }
             self.slots_used += value.backend_count;
             self.service_id_set.insert(value.service_id);
-            self.programmed.insert(fe, Programmed { value, backends: list });
+            self.programmed.insert(fe, Programmed { value, backends: list, policy });
         }
-        // Orphans: slots of old generations, backends nobody references.
-        // What cannot be deleted now is left for the next agent to find.
+        // Orphans: slots, match entries and ranges of old generations,
+        // backends nobody references. What cannot be deleted now is left
+        // for the next agent to find.
         let stale_slots: Vec<SlotKey> = slot_table.keys().filter(|k| !live_slots.contains(*k)).copied().collect();
         let _ = delete_keys(&mut self.slots, &stale_slots);
+        let (kept, stale_matches): (Vec<AffinityMatchKey>, Vec<AffinityMatchKey>) =
+            match_table.iter().map(|(k, _)| *k).partition(|k| live_matches.contains(&(k.service_id, k.generation)));
+        let _ = delete_keys(&mut self.affinity_match, &stale_matches);
+        self.matches_used = kept.len() as u32;
+        for k in &range_table {
+            let data = k.data();
+            if live_ranges.contains(&(data.service_id, data.generation)) {
+                self.ranges_used += 1;
+            } else {
+                let _ = self.source_ranges.remove(k);
+            }
+        }
         self.backend_id_set = self.backend_ids.values().map(|(id, _)| *id).collect();
         let orphans: Vec<BackendKey> =
             backend_table.keys().filter(|id| !self.backend_id_set.contains(*id)).map(|id| BackendKey { backend_id: *id }).collect();
@@ -177,6 +293,16 @@ impl MapWriter {
         self.programmed.iter().map(|(fe, p)| (*fe, p.backends.iter().copied().collect())).collect()
     }
 
+    /// The policies of the programmed frontends that have one.
+    pub fn policies(&self) -> Policies {
+        self.programmed.iter().filter(|(_, p)| !p.policy.is_default()).map(|(fe, p)| (*fe, p.policy.clone())).collect()
+    }
+
+    /// The policy `fe` is programmed with.
+    pub fn policy_of(&self, fe: &Frontend) -> Option<&FrontendPolicy> {
+        self.programmed.get(fe).map(|p| &p.policy)
+    }
+
     /// Applies a plan. Each frontend is written completely or not at all;
     /// the ones that failed are returned and the rest is applied.
     pub fn apply(&mut self, plan: &Plan) -> Vec<ApplyError> {
@@ -189,12 +315,13 @@ impl MapWriter {
             if chunk.frontends.contains(fe) {
                 self.flush(&mut chunk, &mut errors);
             }
-            let staged = match self.stage(&mut chunk, fe, backends) {
+            let policy = plan.policy_of(fe);
+            let staged = match self.stage(&mut chunk, fe, backends, policy) {
                 // Full only beside the chunk's own entries (old generations
                 // not yet deleted): write the chunk, then try again.
                 Err(WriteError::Full { .. }) if !chunk.staged.is_empty() => {
                     self.flush(&mut chunk, &mut errors);
-                    self.stage(&mut chunk, fe, backends)
+                    self.stage(&mut chunk, fe, backends, policy)
                 }
                 staged => staged,
             };
@@ -206,13 +333,36 @@ impl MapWriter {
             }
         }
         self.flush(&mut chunk, &mut errors);
+        let gone = std::mem::take(&mut self.affinity_gone);
+        self.sweep_affinity(&gone);
         errors
+    }
+
+    /// Deletes the clients' affinity entries of the frontends (service ids)
+    /// in `gone`, which dropped affinity or were removed: no program honours
+    /// them any more (their match entries are gone), and an LRU map would
+    /// keep them until pushed out. One pass over the map, only when some
+    /// affine frontend went.
+    fn sweep_affinity(&mut self, gone: &BTreeSet<u32>) {
+        if gone.is_empty() {
+            return;
+        }
+        let swept = match &mut self.affinity {
+            AffinityTable::Socket(m) => sweep(m, gone, |k| k.service_id),
+            AffinityTable::Tc(m) => sweep(m, gone, |k| k.service_id),
+        };
+        match swept {
+            Ok(n) => tracing::debug!(map = self.maps.affinity.name, entries = n, "removed the affinity of frontends that dropped it"),
+            // Harmless: without match entries nothing honours them, and the
+            // LRU map ages them out.
+            Err(e) => tracing::warn!(map = self.maps.affinity.name, error = %e, "removing stale affinity entries failed"),
+        }
     }
 
     /// Checks room for one frontend beside `chunk`, reserves its ids and
     /// queues its entries. Nothing is written and nothing changes but the id
     /// sets, so an error leaves the writer as it was.
-    fn stage(&mut self, chunk: &mut Chunk, fe: &Frontend, backends: &[Backend]) -> Result<(), WriteError> {
+    fn stage(&mut self, chunk: &mut Chunk, fe: &Frontend, backends: &[Backend], policy: &FrontendPolicy) -> Result<(), WriteError> {
         let old = self.programmed.get(fe);
         let n = u32::try_from(backends.len()).unwrap_or(u32::MAX);
 
@@ -236,6 +386,17 @@ impl MapWriter {
         let used_backends = (self.backend_ids.len() + chunk.created.len()) as u32;
         if used_backends.saturating_add(new_backends) > self.max_backends {
             return Err(full(self.maps.backends, used_backends, self.max_backends, new_backends));
+        }
+        let n_matches = if policy.affinity_timeout_s.is_some() { n } else { 0 };
+        let used_matches = self.matches_used.saturating_add(chunk.match_keys.len() as u32);
+        if used_matches.saturating_add(n_matches) > self.max_matches {
+            return Err(full(self.maps.affinity_match, used_matches, self.max_matches, n_matches));
+        }
+        let ranges = policy.source_ranges.as_ref().map_or(&[][..], |r| r.cidrs.as_slice());
+        let n_ranges = u32::try_from(ranges.len()).unwrap_or(u32::MAX);
+        let used_ranges = self.ranges_used.saturating_add(chunk.range_keys.len() as u32);
+        if used_ranges.saturating_add(n_ranges) > self.max_ranges {
+            return Err(full(self.maps.source_ranges, used_ranges, self.max_ranges, n_ranges));
         }
 
         let service_id = if let Some(p) = old {
@@ -274,13 +435,27 @@ impl MapWriter {
             self.service_id_set.insert(service_id);
             chunk.new_services += 1;
         }
+        let matches_from = chunk.match_keys.len();
         for (slot, backend_id) in ids.into_iter().enumerate() {
             chunk.slot_keys.push(SlotKey { service_id, generation, slot: slot as u32 });
             chunk.slot_values.push(SlotValue { backend_id });
+            if let Some(timeout_s) = policy.affinity_timeout_s {
+                chunk.match_keys.push(AffinityMatchKey { service_id, generation, backend_id });
+                chunk.match_values.push(AffinityMatchValue { timeout_s });
+            }
         }
+        let ranges_from = chunk.range_keys.len();
+        chunk.range_keys.extend(ranges.iter().map(|c| source_range_key(service_id, generation, c)));
         chunk.service_keys.push(service_key(fe));
-        chunk.service_values.push(ServiceValue { service_id, backend_count: n, generation, flags: 0 });
-        chunk.staged.push(Staged { frontend: *fe, backends: backends.to_vec(), old: old.cloned() });
+        chunk.service_values.push(ServiceValue { service_id, backend_count: n, generation, flags: policy_flags(policy) });
+        chunk.staged.push(Staged {
+            frontend: *fe,
+            backends: backends.to_vec(),
+            old: old.cloned(),
+            policy: policy.clone(),
+            matches: matches_from..chunk.match_keys.len(),
+            ranges: ranges_from..chunk.range_keys.len(),
+        });
         chunk.frontends.insert(*fe);
         Ok(())
     }
@@ -321,25 +496,33 @@ impl MapWriter {
         for (i, (st, value)) in c.staged.into_iter().zip(c.service_values).enumerate() {
             if i < switched {
                 self.slots_used = self.slots_used.saturating_add(value.backend_count);
-                self.programmed.insert(st.frontend, Programmed { value, backends: st.backends });
+                self.matches_used = self.matches_used.saturating_add(st.matches.len() as u32);
+                self.ranges_used = self.ranges_used.saturating_add(st.ranges.len() as u32);
                 if let Some(old) = &st.old {
                     self.drop_generation(old, &mut dead);
+                    if old.policy.affinity_timeout_s.is_some() && st.policy.affinity_timeout_s.is_none() {
+                        self.affinity_gone.insert(value.service_id);
+                    }
                 }
+                self.programmed.insert(st.frontend, Programmed { value, backends: st.backends, policy: st.policy });
                 continue;
             }
-            // Not switched: its new slots go (some may be written) and its
-            // service id is free again unless the frontend had one before.
+            // Not switched: its new slots, match entries and ranges go (some
+            // may be written) and its service id is free again unless the
+            // frontend had one before.
             dead.slots.extend((0..value.backend_count).map(|slot| SlotKey {
                 service_id: value.service_id,
                 generation: value.generation,
                 slot,
             }));
+            dead.matches.extend_from_slice(&c.match_keys[st.matches.clone()]);
+            dead.ranges.extend_from_slice(&c.range_keys[st.ranges.clone()]);
             if st.old.is_none() {
                 self.service_id_set.remove(&value.service_id);
             }
             match failure.take() {
                 Some((map, e)) if alone => errors.push(ApplyError { frontend: st.frontend, error: syscall_error(map, e) }),
-                _ => retry.push((st.frontend, st.backends)),
+                _ => retry.push((st.frontend, st.backends, st.policy)),
             }
         }
         // Backends created for frontends that did not switch.
@@ -353,9 +536,9 @@ impl MapWriter {
         // (4) and (5). Before the retries: their ids may be reused.
         self.delete_dead(&dead);
 
-        for (fe, backends) in retry {
+        for (fe, backends, policy) in retry {
             let mut own = Chunk::default();
-            match self.stage(&mut own, &fe, &backends) {
+            match self.stage(&mut own, &fe, &backends, &policy) {
                 Ok(()) => self.flush(&mut own, errors),
                 Err(error) => errors.push(ApplyError { frontend: fe, error }),
             }
@@ -375,6 +558,16 @@ impl MapWriter {
         if let Err(e) = bpf_batch::update(&mut self.slots, &c.slot_keys, &c.slot_values) {
             return (0, Some((self.maps.slots.name, e)));
         }
+        if let Err(e) = bpf_batch::update(&mut self.affinity_match, &c.match_keys, &c.match_values) {
+            return (0, Some((self.maps.affinity_match.name, e)));
+        }
+        // LPM tries take no batch updates (kernel/bpf/lpm_trie.c has no
+        // map_update_batch); a LoadBalancer has a handful of ranges.
+        for (applied, k) in c.range_keys.iter().enumerate() {
+            if let Err(e) = self.source_ranges.insert(k, 0, 0) {
+                return (0, Some((self.maps.source_ranges.name, BatchError { applied, source: std::io::Error::other(e) })));
+            }
+        }
         match bpf_batch::update(&mut self.services, &c.service_keys, &c.service_values) {
             Ok(()) => (c.staged.len(), None),
             Err(e) => (e.applied.min(c.staged.len()), Some((self.maps.services.name, e))),
@@ -389,6 +582,9 @@ impl MapWriter {
         for fe in frontends {
             if let Some(old) = self.programmed.remove(fe) {
                 self.service_id_set.remove(&old.value.service_id);
+                if old.policy.affinity_timeout_s.is_some() {
+                    self.affinity_gone.insert(old.value.service_id);
+                }
                 keys.push(service_key(fe));
                 olds.push((fe, old));
             }
@@ -409,6 +605,21 @@ impl MapWriter {
         let (service_id, generation) = (old.value.service_id, old.value.generation);
         dead.slots.extend((0..old.value.backend_count).map(|slot| SlotKey { service_id, generation, slot }));
         self.slots_used = self.slots_used.saturating_sub(old.value.backend_count);
+        // Match entries name backend ids, which go with the last reference
+        // below: collect them first.
+        if old.policy.affinity_timeout_s.is_some() {
+            let from = dead.matches.len();
+            dead.matches.extend(old.backends.iter().filter_map(|b| self.backend_ids.get(b)).map(|(backend_id, _)| AffinityMatchKey {
+                service_id,
+                generation,
+                backend_id: *backend_id,
+            }));
+            self.matches_used = self.matches_used.saturating_sub((dead.matches.len() - from) as u32);
+        }
+        if let Some(r) = &old.policy.source_ranges {
+            dead.ranges.extend(r.cidrs.iter().map(|c| source_range_key(service_id, generation, c)));
+            self.ranges_used = self.ranges_used.saturating_sub(r.cidrs.len() as u32);
+        }
         for b in &old.backends {
             let last = match self.backend_ids.get_mut(b) {
                 Some(e) => {
@@ -425,10 +636,22 @@ impl MapWriter {
         }
     }
 
-    /// Slots first: a slot never names a backend that is gone.
+    /// Slots and match entries first: neither ever names a backend that is
+    /// gone.
     fn delete_dead(&mut self, dead: &Dead) {
         for (_, e) in delete_keys(&mut self.slots, &dead.slots) {
             tracing::debug!(map = self.maps.slots.name, error = %e, "removing a stale slot failed");
+        }
+        for (_, e) in delete_keys(&mut self.affinity_match, &dead.matches) {
+            tracing::debug!(map = self.maps.affinity_match.name, error = %e, "removing a stale affinity match failed");
+        }
+        for k in &dead.ranges {
+            match self.source_ranges.remove(k) {
+                Err(e) if !bpf_batch::is_not_found(&e) => {
+                    tracing::debug!(map = self.maps.source_ranges.name, error = %e, "removing a stale source range failed");
+                }
+                _ => {}
+            }
         }
         for (_, e) in delete_keys(&mut self.backends, &dead.backends) {
             tracing::debug!(map = self.maps.backends.name, error = %e, "removing an unused backend failed");
@@ -466,13 +689,42 @@ impl MapWriter {
     }
 
     /// (map, entries in use, capacity) per map, for metrics and `dump`.
-    pub fn occupancy(&self) -> [(&'static str, u32, u32); 3] {
+    pub fn occupancy(&self) -> [(&'static str, u32, u32); 5] {
         [
             (self.maps.services.name, self.programmed.len() as u32, self.max_services),
             (self.maps.slots.name, self.slots_used, self.max_slots),
             (self.maps.backends.name, self.backend_ids.len() as u32, self.max_backends),
+            (self.maps.affinity_match.name, self.matches_used, self.max_matches),
+            (self.maps.source_ranges.name, self.ranges_used, self.max_ranges),
         ]
     }
+}
+
+/// `ServiceValue.flags` for a policy.
+fn policy_flags(p: &FrontendPolicy) -> u32 {
+    let mut flags = 0;
+    if p.affinity_timeout_s.is_some() {
+        flags |= pc::SVC_FLAG_AFFINITY;
+    }
+    if let Some(r) = &p.source_ranges {
+        flags |= pc::SVC_FLAG_SOURCE_RANGES;
+        if r.node {
+            flags |= pc::SVC_FLAG_SOURCE_RANGES_NODE;
+        }
+    }
+    flags
+}
+
+/// Deletes the entries of an affinity map whose frontend is in `gone`;
+/// returns how many there were.
+fn sweep<K: aya::Pod + Eq + std::hash::Hash>(
+    map: &mut HashMap<MapData, K, AffinityValue>,
+    gone: &BTreeSet<u32>,
+    service_id: impl Fn(&K) -> u32,
+) -> Result<usize, MapError> {
+    let keys: Vec<K> = bpf_batch::read_all(map)?.into_iter().map(|(k, _)| k).filter(|k| gone.contains(&service_id(k))).collect();
+    let failed = delete_keys(map, &keys);
+    Ok(keys.len() - failed.len())
 }
 
 /// Frontends whose entries are staged, not yet written.
@@ -484,6 +736,9 @@ struct Chunk {
     service_values: Vec<ServiceValue>,
     slot_keys: Vec<SlotKey>,
     slot_values: Vec<SlotValue>,
+    match_keys: Vec<AffinityMatchKey>,
+    match_values: Vec<AffinityMatchValue>,
+    range_keys: Vec<RangeKey>,
     /// Backends the chunk adds, with the ids reserved for them.
     created: Vec<(Backend, u32)>,
     created_ids: FastHashMap<Backend, u32>,
@@ -495,12 +750,18 @@ struct Staged {
     frontend: Frontend,
     backends: Vec<Backend>,
     old: Option<Programmed>,
+    policy: FrontendPolicy,
+    /// Its entries in the chunk's `match_keys` and `range_keys`.
+    matches: std::ops::Range<usize>,
+    ranges: std::ops::Range<usize>,
 }
 
 /// Entries to delete once nothing refers to them.
 #[derive(Default)]
 struct Dead {
     slots: Vec<SlotKey>,
+    matches: Vec<AffinityMatchKey>,
+    ranges: Vec<RangeKey>,
     backends: Vec<BackendKey>,
 }
 

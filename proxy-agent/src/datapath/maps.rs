@@ -9,10 +9,12 @@ use std::mem::size_of;
 
 use Datapath::{Socket, Tc};
 use aya::maps::MapType;
+use aya::maps::lpm_trie::Key;
 use proxy_common as pc;
 use proxy_common::{
-    AddrKey, BackendKey, BackendValue, CtKey, CtValue, NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SockConfig,
-    SockPeerValue, SockRevNatKey, SockRevNatValue,
+    AddrKey, AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, CtKey, CtValue, NodeNetns, NpAffinityKey,
+    NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SockAffinityKey, SockConfig, SockPeerValue, SockRevNatKey,
+    SockRevNatValue, SourceRangeKey,
 };
 
 /// Which programs use a map.
@@ -44,10 +46,12 @@ pub enum Capacity {
     Backends,
     SockRevNat,
     NpConntrack,
+    Affinity,
 }
 
 impl Capacity {
-    pub const ALL: [Capacity; 5] = [Capacity::Services, Capacity::Slots, Capacity::Backends, Capacity::SockRevNat, Capacity::NpConntrack];
+    pub const ALL: [Capacity; 6] =
+        [Capacity::Services, Capacity::Slots, Capacity::Backends, Capacity::SockRevNat, Capacity::NpConntrack, Capacity::Affinity];
 
     /// The `proxy-agent run` flag, for messages that tell how to raise it.
     pub const fn flag(self) -> &'static str {
@@ -57,6 +61,7 @@ impl Capacity {
             Capacity::Backends => "--max-backends",
             Capacity::SockRevNat => "--max-sock-revnat",
             Capacity::NpConntrack => "--max-np-conntrack",
+            Capacity::Affinity => "--max-affinity",
         }
     }
 }
@@ -71,6 +76,9 @@ pub struct Capacities {
     pub sock_revnat: u32,
     /// `NP_CT`, the TC datapath's connection tracking (LRU).
     pub np_conntrack: u32,
+    /// `AFFINITY` and `NP_AFFINITY`, the clients remembered for session
+    /// affinity (LRU, each datapath its own).
+    pub affinity: u32,
 }
 
 impl Default for Capacities {
@@ -81,6 +89,7 @@ impl Default for Capacities {
             backends: pc::DEFAULT_MAX_BACKENDS,
             sock_revnat: pc::DEFAULT_MAX_SOCK_REVNAT,
             np_conntrack: pc::DEFAULT_MAX_NP_CT,
+            affinity: pc::DEFAULT_MAX_AFFINITY,
         }
     }
 }
@@ -93,6 +102,7 @@ impl Capacities {
             Capacity::Backends => self.backends,
             Capacity::SockRevNat => self.sock_revnat,
             Capacity::NpConntrack => self.np_conntrack,
+            Capacity::Affinity => self.affinity,
         }
     }
 }
@@ -134,6 +144,17 @@ pub static COUNTERS: MapSpec = MapSpec::new::<u32, u64>(pc::COUNTERS_MAP, Socket
 /// key is a socket descriptor (an int).
 pub static SOCK_PEER: MapSpec = MapSpec::new::<i32, SockPeerValue>(pc::SOCK_PEER_MAP, Socket, MapType::SkStorage, None);
 pub static SOCK_CONFIG: MapSpec = MapSpec::new::<u32, SockConfig>(pc::SOCK_CONFIG_MAP, Socket, MapType::Array, None);
+pub static NODE_NETNS: MapSpec = MapSpec::new::<u32, NodeNetns>(pc::NODE_NETNS_MAP, Socket, MapType::Array, None);
+pub static AFFINITY: MapSpec =
+    MapSpec::new::<SockAffinityKey, AffinityValue>(pc::AFFINITY_MAP, Socket, MapType::LruHash, Some(Capacity::Affinity));
+/// Not preallocated (entries only for affine frontends); bounded like the
+/// slots it mirrors.
+pub static AFFINITY_MATCH: MapSpec =
+    MapSpec::new::<AffinityMatchKey, AffinityMatchValue>(pc::AFFINITY_MATCH_MAP, Socket, MapType::Hash, Some(Capacity::Slots));
+/// LPM trie (never preallocated): a few ranges per LoadBalancer frontend at
+/// most, bounded like the frontends.
+pub static SOURCE_RANGES: MapSpec =
+    MapSpec::new::<Key<SourceRangeKey>, u32>(pc::SOURCE_RANGES_MAP, Socket, MapType::LpmTrie, Some(Capacity::Services));
 
 // The TC datapath's copies of the service maps follow the socket ones'
 // capacities: hash maps are preallocated, so unused capacity costs memory.
@@ -147,10 +168,16 @@ pub static NP_LOCAL: MapSpec = MapSpec::new::<AddrKey, u32>(pc::NP_LOCAL_MAP, Tc
 pub static NP_CT: MapSpec = MapSpec::new::<CtKey, CtValue>(pc::NP_CT_MAP, Tc, MapType::LruHash, Some(Capacity::NpConntrack));
 pub static NP_CONFIG: MapSpec = MapSpec::new::<u32, NpConfig>(pc::NP_CONFIG_MAP, Tc, MapType::Array, None);
 pub static NP_COUNTERS: MapSpec = MapSpec::new::<u32, u64>(pc::NP_COUNTERS_MAP, Tc, MapType::PerCpuArray, None);
+pub static NP_AFFINITY: MapSpec =
+    MapSpec::new::<NpAffinityKey, AffinityValue>(pc::NP_AFFINITY_MAP, Tc, MapType::LruHash, Some(Capacity::Affinity));
+pub static NP_AFFINITY_MATCH: MapSpec =
+    MapSpec::new::<AffinityMatchKey, AffinityMatchValue>(pc::NP_AFFINITY_MATCH_MAP, Tc, MapType::Hash, Some(Capacity::Slots));
+pub static NP_SOURCE_RANGES: MapSpec =
+    MapSpec::new::<Key<SourceRangeKey>, u32>(pc::NP_SOURCE_RANGES_MAP, Tc, MapType::LpmTrie, Some(Capacity::Services));
 
 /// Every pinned map. Maps of the object that are not listed (per-CPU
 /// scratch space) are private to each load.
-pub static MAPS: [&MapSpec; 15] = [
+pub static MAPS: [&MapSpec; 22] = [
     &SERVICES,
     &SLOTS,
     &BACKENDS,
@@ -158,6 +185,10 @@ pub static MAPS: [&MapSpec; 15] = [
     &COUNTERS,
     &SOCK_PEER,
     &SOCK_CONFIG,
+    &NODE_NETNS,
+    &AFFINITY,
+    &AFFINITY_MATCH,
+    &SOURCE_RANGES,
     &NP_SERVICES,
     &NP_SLOTS,
     &NP_BACKENDS,
@@ -166,16 +197,26 @@ pub static MAPS: [&MapSpec; 15] = [
     &NP_CT,
     &NP_CONFIG,
     &NP_COUNTERS,
+    &NP_AFFINITY,
+    &NP_AFFINITY_MATCH,
+    &NP_SOURCE_RANGES,
 ];
 
-/// The three maps that hold one datapath's services: frontend to service
-/// entry, slots of each generation, backend addresses. Both datapaths lay
-/// them out alike, so one map writer and one consistency check serve both.
+/// The maps that hold one datapath's services: frontend to service entry,
+/// slots of each generation, backend addresses, and what a frontend needs
+/// besides its backends (session affinity, source ranges). Both datapaths
+/// lay them out alike, so one map writer and one consistency check serve
+/// both.
 #[derive(Debug)]
 pub struct ServiceMaps {
     pub services: &'static MapSpec,
     pub slots: &'static MapSpec,
     pub backends: &'static MapSpec,
+    /// The clients' affinity entries (the programs write them; the agent
+    /// deletes those of frontends that drop affinity or go away).
+    pub affinity: &'static MapSpec,
+    pub affinity_match: &'static MapSpec,
+    pub source_ranges: &'static MapSpec,
 }
 
 impl ServiceMaps {
@@ -184,8 +225,22 @@ impl ServiceMaps {
     }
 }
 
-pub static SOCKET_SERVICE_MAPS: ServiceMaps = ServiceMaps { services: &SERVICES, slots: &SLOTS, backends: &BACKENDS };
-pub static TC_SERVICE_MAPS: ServiceMaps = ServiceMaps { services: &NP_SERVICES, slots: &NP_SLOTS, backends: &NP_BACKENDS };
+pub static SOCKET_SERVICE_MAPS: ServiceMaps = ServiceMaps {
+    services: &SERVICES,
+    slots: &SLOTS,
+    backends: &BACKENDS,
+    affinity: &AFFINITY,
+    affinity_match: &AFFINITY_MATCH,
+    source_ranges: &SOURCE_RANGES,
+};
+pub static TC_SERVICE_MAPS: ServiceMaps = ServiceMaps {
+    services: &NP_SERVICES,
+    slots: &NP_SLOTS,
+    backends: &NP_BACKENDS,
+    affinity: &NP_AFFINITY,
+    affinity_match: &NP_AFFINITY_MATCH,
+    source_ranges: &NP_SOURCE_RANGES,
+};
 
 #[cfg(test)]
 mod tests {
@@ -213,6 +268,13 @@ mod tests {
             pc::NP_CT_MAP,
             pc::NP_CONFIG_MAP,
             pc::NP_COUNTERS_MAP,
+            pc::NODE_NETNS_MAP,
+            pc::AFFINITY_MAP,
+            pc::AFFINITY_MATCH_MAP,
+            pc::SOURCE_RANGES_MAP,
+            pc::NP_AFFINITY_MAP,
+            pc::NP_AFFINITY_MATCH_MAP,
+            pc::NP_SOURCE_RANGES_MAP,
         ] {
             assert!(names.contains(&name), "{name} is not in MAPS");
         }
@@ -221,7 +283,16 @@ mod tests {
     #[test]
     fn both_service_map_sets_have_one_layout_and_a_flag_each() {
         for set in [&SOCKET_SERVICE_MAPS, &TC_SERVICE_MAPS] {
-            for (m, reference) in [(set.services, &SERVICES), (set.slots, &SLOTS), (set.backends, &BACKENDS)] {
+            // The affinity maps key clients differently (network namespace
+            // at the socket layer, source address at TC).
+            assert_eq!((set.affinity.map_type, set.affinity.value_size, set.affinity.flag()), (MapType::LruHash, 16, "--max-affinity"));
+            for (m, reference) in [
+                (set.services, &SERVICES),
+                (set.slots, &SLOTS),
+                (set.backends, &BACKENDS),
+                (set.affinity_match, &AFFINITY_MATCH),
+                (set.source_ranges, &SOURCE_RANGES),
+            ] {
                 assert_eq!(
                     (m.map_type, m.key_size, m.value_size),
                     (reference.map_type, reference.key_size, reference.value_size),
@@ -234,5 +305,6 @@ mod tests {
         }
         assert_eq!(SLOTS.flag(), "--max-slots");
         assert_eq!(COUNTERS.flag(), "");
+        assert_eq!(NP_AFFINITY.flag(), "--max-affinity");
     }
 }

@@ -58,6 +58,8 @@ pub enum LoadError {
     MissingMap { map: &'static str },
     #[error("cannot record the sockets an older agent version translated (SOCK_CONFIG): {0}")]
     LegacyConfig(io::Error),
+    #[error("cannot record the node's network namespace (NODE_NETNS): {0}")]
+    NodeNetns(io::Error),
     #[error("cannot open cgroup {path}: {source}")]
     Cgroup { path: PathBuf, source: io::Error },
     #[error("cannot remove {path}: {source}")]
@@ -107,6 +109,13 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
         fs::rename(&staging, &final_path).map_err(|e| pin_err(e.to_string()))?;
         drop(pinned); // the pin keeps the link attached
     }
+    // Which sockets are the node's own processes: those of the agent's
+    // network namespace (it runs with the host's network). Written at every
+    // start, so a datapath adopted from another namespace follows.
+    let cookie = netns_cookie().map_err(LoadError::NodeNetns)?;
+    let map = ebpf.map_mut(pc::NODE_NETNS_MAP).ok_or(LoadError::MissingMap { map: pc::NODE_NETNS_MAP })?;
+    let mut node: Array<_, pc::NodeNetns> = Array::try_from(map).map_err(|e| LoadError::NodeNetns(io::Error::other(e)))?;
+    node.set(0, pc::NodeNetns { netns_cookie: cookie }, 0).map_err(|e| LoadError::NodeNetns(io::Error::other(e)))?;
     if legacy_revnat {
         // The old programs are detached now (their pins were replaced), so
         // the sockets they translated are the ones with entries in
@@ -151,6 +160,24 @@ fn next_socket_cookie() -> io::Result<u64> {
     socket_cookie(fd.as_fd())
 }
 
+/// The cookie of the calling thread's network namespace, as
+/// `bpf_get_netns_cookie` reports it for a socket there (`SO_NETNS_COOKIE`,
+/// Linux >= 5.14, net/core/sock.c).
+pub fn netns_cookie() -> io::Result<u64> {
+    // SAFETY: socket(2) returns a new descriptor that we own, or -1.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is open and owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut cookie: u64 = 0;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: SO_NETNS_COOKIE writes a u64 into the buffer we pass with its size.
+    let rc = unsafe { libc::getsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_NETNS_COOKIE, (&raw mut cookie).cast(), &raw mut len) };
+    if rc == 0 { Ok(cookie) } else { Err(io::Error::last_os_error()) }
+}
+
 /// A socket's cookie, as `bpf_get_socket_cookie` sees it (SO_COOKIE hands
 /// out the same one, `net/core/sock.c`).
 pub fn socket_cookie(socket: BorrowedFd<'_>) -> io::Result<u64> {
@@ -185,6 +212,23 @@ fn check_pinned_maps(pin_dir: &Path, caps: &Capacities) -> Result<Vec<String>, L
                 m.key_size,
                 m.value_size
             )));
+        }
+        // The counter arrays grow as reasons are added; one pinned by an
+        // older version keeps its size, and the programs' lookups past its
+        // end find nothing, so those reasons go uncounted.
+        let counters = match m.name {
+            pc::COUNTERS_MAP => Some(pc::counter::COUNT),
+            pc::NP_COUNTERS_MAP => Some(pc::np_counter::COUNT),
+            _ => None,
+        };
+        if let Some(n) = counters
+            && info.max_entries() < n
+        {
+            warnings.push(format!(
+                "map {} was created with {} counters, this agent has {n}; the others are not counted until `proxy-agent reset`",
+                m.name,
+                info.max_entries()
+            ));
         }
         if let Some(c) = m.capacity
             && caps.get(c) != info.max_entries()

@@ -14,7 +14,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::decide::decision::{self, PortDecision};
-use crate::decide::plan::State;
+use crate::decide::plan::{Policies, State};
 use crate::decide::topology::NodeContext;
 use crate::model::store::Changes;
 use crate::model::{Cluster, EndpointSlice, Family, Frontend, ObjectRef};
@@ -90,6 +90,8 @@ pub(crate) struct DecisionCache {
     claims: BTreeMap<Frontend, SortedVec<ObjectRef>>,
     /// ClusterIP frontends with their backends: what `desired_state` gives.
     desired: State,
+    /// Their policies, where not the default: what `desired_policies` gives.
+    desired_policies: Policies,
     /// Frontends claimed by more than one Service.
     clashed: BTreeSet<Frontend>,
     /// Services with a decision that carries problems.
@@ -185,6 +187,14 @@ impl DecisionCache {
                     self.desired.remove(fe);
                 }
             }
+            match self.policy_for(fe) {
+                Some(p) => {
+                    self.desired_policies.insert(*fe, p);
+                }
+                None => {
+                    self.desired_policies.remove(fe);
+                }
+            }
         }
         // A frontend's owner may be a Service that did not change (it
         // claimed the frontend second and now owns it).
@@ -222,9 +232,23 @@ impl DecisionCache {
         Some(d.internal_backends().iter().filter(|b| Family::of(&b.ip) == fam).copied().collect())
     }
 
+    /// The policy of `fe` from its owner (as [`Self::backends_for`]), when
+    /// it is not the default.
+    fn policy_for(&self, fe: &Frontend) -> Option<crate::decide::plan::FrontendPolicy> {
+        let owner = self.claims.get(fe)?.first()?;
+        let d = self.decisions.get(owner)?.iter().find(|d| d.frontends.contains(fe))?;
+        Some(d.frontend_policy(fe, &[], false)).filter(|p| !p.is_default())
+    }
+
     /// The ClusterIP part of the desired socket state.
     pub(crate) fn desired(&self) -> &State {
         &self.desired
+    }
+
+    /// The policies of the ClusterIP frontends in [`Self::desired`] that
+    /// have one.
+    pub(crate) fn desired_policies(&self) -> &Policies {
+        &self.desired_policies
     }
 
     /// Every decision, Services in namespace/name order, ports in spec
@@ -345,6 +369,16 @@ mod tests {
                 ),
             ),
             (
+                "session affinity",
+                format!(
+                    "{NODES}{}{}{}{}",
+                    svc("web", "10.96.0.1", ", sessionAffinity: ClientIP"),
+                    svc("api", "10.96.0.2", local),
+                    slice("web-1", "api", &[("10.244.0.1", "a"), ("10.244.0.3", "b")]),
+                    slice("api-1", "api", &[("10.244.1.1", "a")])
+                ),
+            ),
+            (
                 "a clash: zzz takes api's address",
                 format!(
                     "{NODES}{}{}{}{}{}",
@@ -391,10 +425,18 @@ mod tests {
                 slices: c.slices.keys().chain(prev.slices.keys()).filter(|k| c.slices.get(*k) != prev.slices.get(*k)).cloned().collect(),
             };
             let before = cache.desired().clone();
+            let before_policies = cache.desired_policies().clone();
             let touched = cache.update(&c, &changes).frontends;
             let full = decision::decide(&c, "a");
             let (want, clashes) = decision::desired_state(&full);
             assert_eq!(cache.desired(), &want, "step {name}");
+            let want_policies = decision::desired_policies(&full);
+            assert_eq!(cache.desired_policies(), &want_policies, "step {name}");
+            for fe in want_policies.keys().chain(before_policies.keys()) {
+                if want_policies.get(fe) != before_policies.get(fe) {
+                    assert!(touched.contains(fe), "step {name}: {fe}'s policy changed but it was not reported");
+                }
+            }
             assert_eq!(cache.decisions().cloned().collect::<Vec<_>>(), full, "step {name}");
             let mut got_clashes = cache.clashes();
             got_clashes.sort();

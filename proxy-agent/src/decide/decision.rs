@@ -4,8 +4,9 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
+use crate::decide::plan::{FrontendPolicy, Policies, SourceRanges};
 use crate::decide::topology::{self, NodeContext};
-use crate::model::{Backend, Cluster, Endpoint, EndpointSlice, Family, Frontend, ObjectRef, Service, ServicePort};
+use crate::model::{Backend, Cidr, Cluster, Endpoint, EndpointSlice, Family, Frontend, ObjectRef, Service, ServicePort};
 
 /// The outcome for one Service port on this node.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -34,6 +35,15 @@ pub struct PortDecision {
     pub external_ips: Vec<std::net::IpAddr>,
     /// `spec.healthCheckNodePort`, served only with externalTrafficPolicy: Local.
     pub health_check_node_port: Option<u16>,
+    /// `sessionAffinity: ClientIP`: the timeout in seconds. It applies to
+    /// every frontend of the port, each keeping its own clients' choices.
+    pub affinity_timeout_s: Option<u32>,
+    /// The LoadBalancer ingress IPs among `external_ips`: the frontends
+    /// `source_ranges` apply to (never NodePorts or externalIPs, as in
+    /// kube-proxy).
+    pub load_balancer_ips: Vec<std::net::IpAddr>,
+    /// `loadBalancerSourceRanges` that parsed; `None` without the field.
+    pub source_ranges: Option<Vec<Cidr>>,
     /// Problems found in the Service's configuration, to be reported with
     /// its name.
     pub problems: Vec<String>,
@@ -61,6 +71,71 @@ impl PortDecision {
     /// The backends ClusterIP traffic from this node may use.
     pub fn internal_backends(&self) -> &[Backend] {
         if self.internal_local { &self.local } else { &self.cluster }
+    }
+
+    /// What frontend `fe` of this port needs besides its backends, on a
+    /// node with addresses `node_addrs`, for the TC datapath (`at_tc`,
+    /// traffic from outside) or the socket one (the node's pods and
+    /// processes).
+    ///
+    /// Source ranges apply to LoadBalancer ingress IPs only, with the
+    /// ranges of the frontend's family; a frontend whose Service has ranges
+    /// but none of its family admits nobody (kube-proxy would leave that
+    /// family unfiltered; a restricted LoadBalancer stays restricted here).
+    /// When one of the node's addresses lies inside a range, kube-proxy
+    /// lets the node reach the LoadBalancer IP, and packets that loop back
+    /// with the IP itself as source: at TC the IP is added as a range of
+    /// its own, on the socket datapath the node's processes are let through
+    /// (`SourceRanges::node`).
+    pub fn frontend_policy(&self, fe: &Frontend, node_addrs: &[std::net::IpAddr], at_tc: bool) -> FrontendPolicy {
+        let source_ranges = self.source_ranges.as_ref().filter(|_| self.load_balancer_ips.contains(&fe.ip)).map(|all| {
+            let family = Family::of(&fe.ip);
+            let mut cidrs: Vec<Cidr> = all.iter().filter(|c| Family::of(&c.addr) == family).copied().collect();
+            let node = node_addrs.iter().any(|a| cidrs.iter().any(|c| c.contains(a)));
+            if at_tc && node {
+                let prefix_len = if family == Family::V4 { 32 } else { 128 };
+                cidrs.push(Cidr { addr: fe.ip, prefix_len });
+            }
+            cidrs.sort();
+            cidrs.dedup();
+            SourceRanges { cidrs, node: node && !at_tc }
+        });
+        FrontendPolicy { affinity_timeout_s: self.affinity_timeout_s, source_ranges }
+    }
+
+    /// Whether traffic can reach this port from outside the node's pods
+    /// and processes: a NodePort, LoadBalancer ingress IPs or externalIPs
+    /// (kube-proxy's `ExternallyAccessible`, pkg/proxy/serviceport.go).
+    pub fn externally_accessible(&self) -> bool {
+        self.port.node_port.is_some() || !self.external_ips.is_empty()
+    }
+
+    /// Whether some traffic of this port uses `cluster`: ClusterIP traffic
+    /// unless internalTrafficPolicy is Local, and external traffic in any
+    /// case (from the node itself it always does; kube-proxy's
+    /// `UsesClusterEndpoints`).
+    pub fn uses_cluster_endpoints(&self) -> bool {
+        !self.internal_local || self.externally_accessible()
+    }
+
+    /// Whether some traffic of this port uses `local`: ClusterIP traffic
+    /// with internalTrafficPolicy Local, or traffic from outside with
+    /// externalTrafficPolicy Local when the port is reachable from outside
+    /// (kube-proxy's `UsesLocalEndpoints`).
+    pub fn uses_local_endpoints(&self) -> bool {
+        self.internal_local || (self.external_local && self.externally_accessible())
+    }
+
+    /// Whether this port has usable endpoints somewhere but, for its
+    /// (internal, external) Local policy, none on this node: the traffic of
+    /// that policy is dropped here. kube-proxy counts these in
+    /// `sync_proxy_rules_no_local_endpoints_total{traffic_policy}` and does
+    /// not count a port without any endpoint (that one is rejected).
+    pub fn no_local_endpoints(&self) -> (bool, bool) {
+        if !self.local.is_empty() || self.cluster.is_empty() {
+            return (false, false);
+        }
+        (self.internal_local, self.external_local && self.externally_accessible())
     }
 }
 
@@ -127,6 +202,9 @@ pub fn decide_service(svc: &Service, slices: &[&EndpointSlice], ctx: NodeContext
             external_local: svc.external_policy_local,
             external_ips: svc.external_ips.iter().chain(&svc.load_balancer_ips).copied().collect(),
             health_check_node_port: svc.health_check_node_port,
+            affinity_timeout_s: svc.session_affinity,
+            load_balancer_ips: svc.load_balancer_ips.clone(),
+            source_ranges: svc.load_balancer_source_ranges.clone(),
             problems: ranking.problems,
         });
     }
@@ -157,6 +235,26 @@ pub fn desired_state(decisions: &[PortDecision]) -> (BTreeMap<Frontend, BTreeSet
     (out, clashes)
 }
 
+/// The policies of the ClusterIP frontends these decisions call for, with
+/// the owner [`desired_state`] gives each frontend (only the frontends
+/// whose policy is not the default).
+pub fn desired_policies(decisions: &[PortDecision]) -> Policies {
+    let mut out = Policies::new();
+    let mut owned = std::collections::BTreeSet::new();
+    for d in decisions {
+        for fe in &d.frontends {
+            if !owned.insert(*fe) {
+                continue;
+            }
+            let p = d.frontend_policy(fe, &[], false);
+            if !p.is_default() {
+                out.insert(*fe, p);
+            }
+        }
+    }
+    out
+}
+
 /// A health check node port to serve (externalTrafficPolicy: Local).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HealthCheck {
@@ -179,6 +277,10 @@ pub struct ExternalState {
     pub socket: BTreeMap<Frontend, BTreeSet<Backend>>,
     /// Entries for the TC datapath (traffic arriving from outside).
     pub tc: BTreeMap<Frontend, BTreeSet<Backend>>,
+    /// The policies of the `socket` and `tc` frontends that have one
+    /// (session affinity, source ranges).
+    pub socket_policies: Policies,
+    pub tc_policies: Policies,
     /// TC frontends with externalTrafficPolicy: Local (dropped, not
     /// rejected, without a local endpoint).
     pub policy_local: BTreeSet<Frontend>,
@@ -246,13 +348,23 @@ pub fn external_state_of<'a>(
                 _ => {}
             }
             owner.insert(*fe, &d.service);
-            out.socket.entry(*fe).or_insert_with(|| of_family(&d.cluster, fe));
+            if !out.socket.contains_key(fe) {
+                out.socket.insert(*fe, of_family(&d.cluster, fe));
+                let p = d.frontend_policy(fe, node_addrs, false);
+                if !p.is_default() {
+                    out.socket_policies.insert(*fe, p);
+                }
+            }
         }
         for fe in &external {
             if out.tc.contains_key(fe) {
                 continue; // already reported above
             }
             out.tc.insert(*fe, of_family(d.external_backends(), fe));
+            let p = d.frontend_policy(fe, node_addrs, true);
+            if !p.is_default() {
+                out.tc_policies.insert(*fe, p);
+            }
             if d.external_local {
                 out.policy_local.insert(*fe);
             }
@@ -354,6 +466,84 @@ endpoints:
 }
 
 #[cfg(test)]
+mod policy_tests {
+    use super::tests::cluster;
+    use super::*;
+
+    /// One Service port on node `a`, with an endpoint on `endpoint_node`.
+    fn port(itp: &str, etp: &str, service_type: &str, node_port: &str, external_ips: &str, endpoint_node: &str) -> PortDecision {
+        let yaml = format!(
+            r"
+apiVersion: v1
+kind: Service
+metadata: {{name: web}}
+spec:
+  type: {service_type}
+  clusterIP: 10.96.0.10
+  internalTrafficPolicy: {itp}
+  externalTrafficPolicy: {etp}
+  externalIPs: [{external_ips}]
+  ports: [{{port: 80{node_port}}}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: web-1, labels: {{kubernetes.io/service-name: web}}}}
+addressType: IPv4
+ports: [{{port: 8080}}]
+endpoints: [{{addresses: [10.244.0.1], nodeName: {endpoint_node}}}]
+"
+        );
+        let mut d = decide(&cluster(&yaml), "a");
+        assert_eq!(d.len(), 1);
+        d.remove(0)
+    }
+
+    #[test]
+    fn which_endpoint_sets_a_port_uses() {
+        // (iTP, eTP, type, nodePort, externalIPs) -> (uses cluster, uses local)
+        let cases = [
+            ("Cluster", "Cluster", "ClusterIP", "", "", (true, false)),
+            ("Local", "Cluster", "ClusterIP", "", "", (false, true)),
+            // eTP Local means nothing without a way in from outside.
+            ("Cluster", "Local", "ClusterIP", "", "", (true, false)),
+            ("Local", "Local", "ClusterIP", "", "", (false, true)),
+            // Reachable from outside: the node's own connections to the
+            // external frontends use the cluster-wide set.
+            ("Local", "Cluster", "NodePort", ", nodePort: 30080", "", (true, true)),
+            ("Cluster", "Local", "NodePort", ", nodePort: 30080", "", (true, true)),
+            ("Cluster", "Cluster", "NodePort", ", nodePort: 30080", "", (true, false)),
+            ("Cluster", "Local", "ClusterIP", "", "192.0.2.10", (true, true)),
+            ("Local", "Local", "LoadBalancer", ", nodePort: 30080", "", (true, true)),
+        ];
+        for (itp, etp, ty, np, ext, want) in cases {
+            let d = port(itp, etp, ty, np, ext, "a");
+            assert_eq!((d.uses_cluster_endpoints(), d.uses_local_endpoints()), want, "iTP {itp}, eTP {etp}, {ty}{np} {ext}");
+        }
+    }
+
+    #[test]
+    fn ports_without_local_endpoints_are_counted_per_policy() {
+        // (iTP, eTP, type, nodePort, externalIPs, endpoint's node) -> (internal, external)
+        let cases = [
+            ("Local", "Cluster", "ClusterIP", "", "", "b", (true, false)),
+            ("Local", "Cluster", "ClusterIP", "", "", "a", (false, false)),
+            ("Cluster", "Local", "NodePort", ", nodePort: 30080", "", "b", (false, true)),
+            ("Cluster", "Local", "ClusterIP", "", "", "b", (false, false)),
+            ("Local", "Local", "NodePort", ", nodePort: 30080", "", "b", (true, true)),
+            ("Cluster", "Cluster", "NodePort", ", nodePort: 30080", "", "b", (false, false)),
+        ];
+        for (itp, etp, ty, np, ext, on, want) in cases {
+            let d = port(itp, etp, ty, np, ext, on);
+            assert_eq!(d.no_local_endpoints(), want, "iTP {itp}, eTP {etp}, {ty}{np} {ext}, endpoint on {on}");
+        }
+        // No endpoint anywhere: rejected, not counted.
+        let mut d = port("Local", "Local", "NodePort", ", nodePort: 30080", "", "b");
+        d.cluster.clear();
+        assert_eq!(d.no_local_endpoints(), (false, false));
+    }
+}
+
+#[cfg(test)]
 mod external_tests {
     use super::tests::cluster;
     use super::*;
@@ -430,5 +620,103 @@ endpoints:
         let ext = external_state(&decide(&cluster(&svc("Local")), "c"), &node);
         assert!(ext.tc[&fe("10.0.0.1", 30080)].is_empty());
         assert_eq!(ext.health_checks[0].local_endpoints, 0);
+    }
+}
+
+#[cfg(test)]
+mod frontend_policy_tests {
+    use super::tests::cluster;
+    use super::*;
+    use crate::model::Protocol;
+    use std::net::IpAddr;
+
+    /// A dual-stack LoadBalancer Service with affinity and source ranges.
+    fn lb(ranges: &str) -> Vec<PortDecision> {
+        let yaml = format!(
+            r"
+apiVersion: v1
+kind: Service
+metadata: {{name: web}}
+spec:
+  type: LoadBalancer
+  clusterIPs: [10.96.0.10, 'fd00::10']
+  externalIPs: [192.0.2.10]
+  sessionAffinity: ClientIP
+  sessionAffinityConfig: {{clientIP: {{timeoutSeconds: 60}}}}
+  loadBalancerSourceRanges: [{ranges}]
+  ports: [{{name: http, port: 80, nodePort: 30080}}]
+status:
+  loadBalancer: {{ingress: [{{ip: 198.51.100.7}}, {{ip: '2001:db8::7'}}]}}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {{name: web-1, labels: {{kubernetes.io/service-name: web}}}}
+addressType: IPv4
+ports: [{{name: http, port: 8080}}]
+endpoints: [{{addresses: [10.244.0.1], nodeName: a}}]
+"
+        );
+        decide(&cluster(&yaml), "a")
+    }
+
+    fn fe(ip: &str, port: u16) -> Frontend {
+        Frontend { ip: ip.parse().unwrap(), port, protocol: Protocol::Tcp }
+    }
+    fn cidrs(p: &FrontendPolicy) -> Vec<String> {
+        p.source_ranges.as_ref().map(|r| r.cidrs.iter().map(ToString::to_string).collect()).unwrap_or_default()
+    }
+
+    #[test]
+    fn affinity_reaches_every_frontend_and_ranges_only_the_load_balancer_ips() {
+        let d = lb("10.0.0.0/8, 203.0.113.0/24");
+        let node: Vec<IpAddr> = vec!["192.168.1.5".parse().unwrap()];
+        let ext = external_state(&d, &node);
+        // Every frontend is affine with the Service's timeout.
+        let clusterip = desired_policies(&d);
+        assert_eq!(clusterip.len(), 2, "both ClusterIPs: {clusterip:?}");
+        for p in clusterip.values().chain(ext.socket_policies.values()).chain(ext.tc_policies.values()) {
+            assert_eq!(p.affinity_timeout_s, Some(60), "{p:?}");
+        }
+        assert!(clusterip.values().all(|p| p.source_ranges.is_none()), "ClusterIPs are never filtered");
+        for (fe, filtered) in [(fe("198.51.100.7", 80), true), (fe("192.0.2.10", 80), false), (fe("192.168.1.5", 30080), false)] {
+            for (datapath, policies) in [("socket", &ext.socket_policies), ("tc", &ext.tc_policies)] {
+                let p = &policies[&fe];
+                assert_eq!(p.source_ranges.is_some(), filtered, "{datapath} {fe}: only LoadBalancer IPs are filtered");
+            }
+        }
+        let lb4 = fe("198.51.100.7", 80);
+        assert_eq!(cidrs(&ext.tc_policies[&lb4]), ["10.0.0.0/8", "203.0.113.0/24"]);
+        assert_eq!(ext.socket_policies[&lb4].source_ranges.as_ref().map(|r| r.node), Some(false), "the node is outside the ranges");
+        // The IPv6 ingress IP: no IPv6 range, so it admits nobody.
+        let lb6 = fe("2001:db8::7", 80);
+        assert_eq!(ext.tc_policies[&lb6].source_ranges, Some(SourceRanges::default()));
+    }
+
+    #[test]
+    fn a_node_inside_the_ranges_may_reach_its_load_balancer_ip() {
+        let d = lb("192.168.0.0/16");
+        let node: Vec<IpAddr> = vec!["192.168.1.5".parse().unwrap()];
+        let ext = external_state(&d, &node);
+        let lb4 = fe("198.51.100.7", 80);
+        // TC: the LoadBalancer IP itself joins the sources (kube-proxy's
+        // rule for requests that loop back with the VIP as source).
+        assert_eq!(cidrs(&ext.tc_policies[&lb4]), ["192.168.0.0/16", "198.51.100.7/32"]);
+        assert!(!ext.tc_policies[&lb4].source_ranges.as_ref().is_some_and(|r| r.node));
+        // Socket datapath: the node's own processes.
+        let socket = ext.socket_policies[&lb4].source_ranges.clone().expect("filtered");
+        assert!(socket.node);
+        assert_eq!(socket.cidrs.len(), 1);
+        // Not when the node's address is elsewhere.
+        let ext = external_state(&d, &["10.1.1.1".parse().unwrap()]);
+        assert_eq!(ext.socket_policies[&lb4].source_ranges.as_ref().map(|r| r.node), Some(false));
+    }
+
+    #[test]
+    fn services_without_affinity_or_ranges_have_no_policy() {
+        let yaml = "apiVersion: v1\nkind: Service\nmetadata: {name: a}\nspec: {type: LoadBalancer, clusterIP: 10.96.0.1, ports: [{port: 80, nodePort: 30001}]}\nstatus: {loadBalancer: {ingress: [{ip: 198.51.100.1}]}}\n";
+        let d = decide(&cluster(yaml), "n");
+        let ext = external_state(&d, &["10.0.0.1".parse().unwrap()]);
+        assert!(desired_policies(&d).is_empty());
+        assert!(ext.socket_policies.is_empty() && ext.tc_policies.is_empty());
     }
 }

@@ -3,53 +3,111 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::model::{Backend, Frontend};
+use crate::model::{Backend, Cidr, Frontend};
 
 pub type State = BTreeMap<Frontend, BTreeSet<Backend>>;
+
+/// What a frontend needs besides its backends. The default (no affinity,
+/// no source filter) is what most frontends have.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct FrontendPolicy {
+    /// `sessionAffinity: ClientIP`: the timeout in seconds.
+    pub affinity_timeout_s: Option<u32>,
+    /// `loadBalancerSourceRanges` (LoadBalancer ingress IPs only).
+    pub source_ranges: Option<SourceRanges>,
+}
+
+impl FrontendPolicy {
+    pub fn is_default(&self) -> bool {
+        *self == FrontendPolicy::default()
+    }
+}
+
+/// Who may reach a frontend with `loadBalancerSourceRanges`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SourceRanges {
+    /// The ranges of the frontend's address family. Empty: nobody (the
+    /// filter fails closed when no range of the Service parsed, or none is
+    /// of this family).
+    pub cidrs: Vec<Cidr>,
+    /// One of the node's addresses lies inside a range, so the node's own
+    /// processes may connect (the socket datapath, which cannot see their
+    /// source address yet; kube-proxy lets the node through the same way).
+    pub node: bool,
+}
+
+/// Frontends whose policy is not the default, with it.
+pub type Policies = BTreeMap<Frontend, FrontendPolicy>;
 
 /// What to change, per frontend. Each entry is applied atomically by the
 /// writer; entries are independent of one another.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Plan {
-    /// Frontends to create or whose backend set changes, with the new set.
+    /// Frontends to create or whose backend set or policy changes, with the
+    /// new set.
     pub upserts: Vec<(Frontend, Vec<Backend>)>,
     /// Frontends to remove.
     pub deletes: Vec<Frontend>,
+    /// The policy of each upsert whose policy is not the default.
+    pub policies: Policies,
 }
 
 impl Plan {
     pub fn is_empty(&self) -> bool {
         self.upserts.is_empty() && self.deletes.is_empty()
     }
+
+    /// The policy an upserted frontend is to be written with.
+    pub fn policy_of(&self, fe: &Frontend) -> &FrontendPolicy {
+        static DEFAULT: FrontendPolicy = FrontendPolicy { affinity_timeout_s: None, source_ranges: None };
+        self.policies.get(fe).unwrap_or(&DEFAULT)
+    }
 }
 
 /// Frontends that are equal on both sides produce nothing, so re-applying
-/// the same desired state is a no-op.
+/// the same desired state is a no-op. Every frontend gets the default
+/// policy.
 pub fn diff(current: &State, desired: &State) -> Plan {
-    diff_entries(current, desired.iter(), |fe| desired.contains_key(fe))
+    diff_with_policies(current, &Policies::new(), desired, &Policies::new())
 }
 
-/// [`diff`] against `primary` with the entries of `fallback` whose
-/// frontend `primary` lacks, without building that union: a full pass at
-/// 10k Services would otherwise copy every backend set once more at the
-/// agent's memory peak.
-pub fn diff_layered(current: &State, primary: &State, fallback: &State) -> Plan {
+/// [`diff`] where a frontend whose policy differs is rewritten too, also
+/// when its backends are the same.
+pub fn diff_with_policies(current: &State, current_policies: &Policies, desired: &State, desired_policies: &Policies) -> Plan {
+    diff_entries(current, current_policies, desired.iter(), desired_policies, |fe| desired.contains_key(fe))
+}
+
+/// [`diff_with_policies`] against `primary` with the entries of `fallback`
+/// whose frontend `primary` lacks, without building that union: a full
+/// pass at 10k Services would otherwise copy every backend set once more at
+/// the agent's memory peak. `desired_policies` covers both.
+pub fn diff_layered(current: &State, current_policies: &Policies, primary: &State, fallback: &State, desired_policies: &Policies) -> Plan {
     let mut desired: BTreeMap<&Frontend, &BTreeSet<Backend>> = primary.iter().collect();
     for (fe, set) in fallback {
         desired.entry(fe).or_insert(set);
     }
-    diff_entries(current, desired.iter().map(|(fe, set)| (*fe, *set)), |fe| desired.contains_key(fe))
+    diff_entries(current, current_policies, desired.iter().map(|(fe, set)| (*fe, *set)), desired_policies, |fe| desired.contains_key(fe))
 }
 
 fn diff_entries<'a>(
     current: &State,
+    current_policies: &Policies,
     desired: impl Iterator<Item = (&'a Frontend, &'a BTreeSet<Backend>)>,
+    desired_policies: &Policies,
     wanted: impl Fn(&Frontend) -> bool,
 ) -> Plan {
+    // A default policy listed in a map is the same as none listed.
+    fn policy<'p>(m: &'p Policies, fe: &Frontend) -> Option<&'p FrontendPolicy> {
+        m.get(fe).filter(|p| !p.is_default())
+    }
     let mut plan = Plan::default();
     for (fe, want) in desired {
-        if current.get(fe) != Some(want) {
+        let want_policy = policy(desired_policies, fe);
+        if current.get(fe) != Some(want) || policy(current_policies, fe) != want_policy {
             plan.upserts.push((*fe, want.iter().copied().collect()));
+            if let Some(p) = want_policy {
+                plan.policies.insert(*fe, p.clone());
+            }
         }
     }
     for fe in current.keys() {
@@ -148,9 +206,42 @@ mod tests {
         let fallback = state(&[(a, &[b2]), (b, &[b2])]);
         let mut union = fallback.clone();
         union.extend(primary.clone());
-        let got = diff_layered(&current, &primary, &fallback);
+        let none = Policies::new();
+        let got = diff_layered(&current, &none, &primary, &fallback, &none);
         assert_eq!(got, diff(&current, &union));
         assert_eq!(got.upserts, vec![(b, vec![b2]), (c, vec![b2])]);
         assert_eq!(got.deletes, vec![d]);
+    }
+
+    #[test]
+    fn a_policy_change_rewrites_the_frontend_with_its_backends() {
+        let a = fe("10.96.0.10", 80, Protocol::Tcp);
+        let b1 = be("10.244.0.1", 8080);
+        let sticky = FrontendPolicy { affinity_timeout_s: Some(10_800), source_ranges: None };
+        let shorter = FrontendPolicy { affinity_timeout_s: Some(2), source_ranges: None };
+        let closed = FrontendPolicy { affinity_timeout_s: None, source_ranges: Some(SourceRanges::default()) };
+        let pol = |p: Option<&FrontendPolicy>| -> Policies { p.map(|p| (a, p.clone())).into_iter().collect() };
+        let st = state(&[(a, &[b1])]);
+        // (name, current policy, desired policy, rewritten)
+        let cases = [
+            ("none to none", None, None, false),
+            ("affinity on", None, Some(&sticky), true),
+            ("affinity unchanged", Some(&sticky), Some(&sticky), false),
+            ("timeout changes", Some(&sticky), Some(&shorter), true),
+            ("affinity off", Some(&sticky), None, true),
+            ("source filter on, fails closed", None, Some(&closed), true),
+            ("a listed default is no policy", None, Some(&FrontendPolicy::default()), false),
+        ];
+        for (name, cur, want, rewritten) in cases {
+            let plan = diff_with_policies(&st, &pol(cur), &st, &pol(want));
+            assert_eq!(plan.upserts == vec![(a, vec![b1])], rewritten, "{name}");
+            assert!(plan.deletes.is_empty(), "{name}");
+            let written = if rewritten { want.filter(|p| !p.is_default()).cloned().unwrap_or_default() } else { FrontendPolicy::default() };
+            assert_eq!(plan.policy_of(&a), &written, "{name}");
+        }
+        // A backend change carries the unchanged policy along.
+        let plan = diff_with_policies(&st, &pol(Some(&sticky)), &state(&[(a, &[])]), &pol(Some(&sticky)));
+        assert_eq!(plan.upserts, vec![(a, vec![])]);
+        assert_eq!(plan.policy_of(&a), &sticky);
     }
 }

@@ -79,7 +79,7 @@ impl NodePortWriter {
                 tracing::warn!(frontend = ?frontend_of(k), error = %e, "writing policy flags failed");
             }
         }
-        let plan = plan::diff(&self.writer.state(), &ext.tc);
+        let plan = plan::diff_with_policies(&self.writer.state(), &self.writer.policies(), &ext.tc, &ext.tc_policies);
         let failures = self.writer.apply(&plan);
         for k in have_flags.iter().filter(|k| !want_flags.contains_key(k)) {
             let _ = self.flags.remove(k);
@@ -251,6 +251,12 @@ impl ExternalDatapath {
         self.devices = new.devices.clone();
         self.resolved = new;
         changed
+    }
+
+    /// Makes the health check node ports report the agent's own health
+    /// (`serviceProxyHealthy`), read on every request.
+    pub fn report_agent_health(&self, health: std::sync::Arc<crate::observe::health_server::Health>) {
+        self.health.report_agent_health(health);
     }
 
     /// Whether `apply` reads `ExternalState::local_endpoints` (only the TC

@@ -110,10 +110,71 @@ pub struct Service {
     pub external_policy_local: bool,
     /// `spec.trafficDistribution`, verbatim.
     pub traffic_distribution: Option<String>,
-    /// `spec.externalIPs` and `status.loadBalancer.ingress[].ip`.
+    /// `spec.externalIPs` and `status.loadBalancer.ingress[].ip`. An
+    /// ingress IP with `ipMode: Proxy` is not among them: the cloud's load
+    /// balancer proxies such traffic to the node itself, so the address must
+    /// reach it untranslated (KEP-1860).
     pub external_ips: Vec<IpAddr>,
     pub load_balancer_ips: Vec<IpAddr>,
     pub health_check_node_port: Option<u16>,
+    /// `spec.sessionAffinity: ClientIP`, with its timeout in seconds
+    /// (`sessionAffinityConfig.clientIP.timeoutSeconds`, 10800 unless set).
+    /// `None`: no affinity.
+    pub session_affinity: Option<u32>,
+    /// `spec.loadBalancerSourceRanges`, the entries that parse. `None` when
+    /// the field is empty (no filter); an empty list when no entry parses,
+    /// which lets no client in (the filter fails closed).
+    pub load_balancer_source_ranges: Option<Vec<Cidr>>,
+}
+
+/// An address range, `addr/prefix_len`, with the host bits cleared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub prefix_len: u8,
+}
+
+impl Cidr {
+    /// Parses `10.0.0.0/8` or `fd00::/64` (surrounding whitespace allowed).
+    /// Host bits are cleared, as Go's `net.ParseCIDR`, which Kubernetes
+    /// validates the field with, does (`10.1.2.3/8` is `10.0.0.0/8`).
+    pub fn parse(s: &str) -> Option<Cidr> {
+        let (ip, len) = s.trim().split_once('/')?;
+        let addr: IpAddr = ip.parse().ok()?;
+        let prefix_len: u8 = len.parse().ok()?;
+        let bits = match addr {
+            IpAddr::V4(_) => 32,
+            IpAddr::V6(_) => 128,
+        };
+        if prefix_len > bits {
+            return None;
+        }
+        Some(Cidr { addr: Self::masked(addr, prefix_len), prefix_len })
+    }
+
+    /// Whether `ip` lies inside the range (never across families).
+    pub fn contains(&self, ip: &IpAddr) -> bool {
+        Family::of(ip) == Family::of(&self.addr) && Self::masked(*ip, self.prefix_len) == self.addr
+    }
+
+    fn masked(ip: IpAddr, prefix_len: u8) -> IpAddr {
+        match ip {
+            IpAddr::V4(v4) => {
+                let mask = u32::MAX.checked_shl(32 - u32::from(prefix_len)).unwrap_or(0);
+                IpAddr::V4((u32::from(v4) & mask).into())
+            }
+            IpAddr::V6(v6) => {
+                let mask = u128::MAX.checked_shl(128 - u32::from(prefix_len)).unwrap_or(0);
+                IpAddr::V6((u128::from(v6) & mask).into())
+            }
+        }
+    }
+}
+
+impl fmt::Display for Cidr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix_len)
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -138,16 +199,28 @@ pub struct Endpoint {
     pub terminating: bool,
     /// Node names, zones and hints repeat across endpoints: each is one
     /// shared copy (`intern`), which with the boxed slices keeps an
-    /// endpoint at 88 bytes (100k endpoints at 10k Services).
+    /// endpoint at 96 bytes (100k endpoints at 10k Services).
     pub node_name: Option<Arc<str>>,
     pub zone: Option<Arc<str>>,
     /// `hints.forZones[].name`; `None` when the endpoint carries no zone hint.
     pub hint_zones: Option<Box<[Arc<str>]>>,
     /// `hints.forNodes[].name`; `None` when the endpoint carries no node hint.
     pub hint_nodes: Option<Box<[Arc<str>]>>,
+    /// Labels of the endpoint's node that its EndpointSlice reported beside
+    /// `node_name` and `zone`: what is left of discovery.k8s.io/v1beta1's
+    /// `topology` map (Kubernetes 1.17-1.24; the EndpointSlice controller
+    /// copied the Node's hostname, zone and region labels into it) once
+    /// those two are taken out, which v1 serves as `deprecatedTopology`.
+    /// Topology decisions read it only for an endpoint whose Node the agent
+    /// does not know. `None` for endpoints written through v1; shared by
+    /// the endpoints of a slice that report the same labels.
+    pub topology: Option<Arc<NodeTopology>>,
 }
 
-const _: () = assert!(std::mem::size_of::<Endpoint>() <= 88);
+/// Node labels as an EndpointSlice reports them (label key to value).
+pub type NodeTopology = BTreeMap<Arc<str>, Arc<str>>;
+
+const _: () = assert!(std::mem::size_of::<Endpoint>() <= 96);
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EndpointSlice {
@@ -163,6 +236,12 @@ pub struct EndpointSlice {
 pub struct Node {
     pub name: String,
     pub labels: BTreeMap<String, String>,
+    /// Why the node is going away, when it is: `metadata.deletionTimestamp`
+    /// is set, or the cluster autoscaler tainted it
+    /// `ToBeDeletedByClusterAutoscaler` before removing it (kube-proxy's
+    /// `SyncNode`, KEP-3836). Only this node's own health reads it; no
+    /// routing decision does.
+    pub leaving: Option<&'static str>,
 }
 
 /// Everything one agent knows, keyed for deterministic iteration.
@@ -204,5 +283,32 @@ pub struct Backend {
 impl fmt::Display for Backend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}", std::net::SocketAddr::new(self.ip, self.port))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cidrs_parse_like_kubernetes_and_match_their_family_only() {
+        // (text, parsed, an address inside, an address outside)
+        let cases = [
+            ("10.0.0.0/8", Some("10.0.0.0/8"), "10.255.1.2", "11.0.0.1"),
+            (" 10.1.2.3/8 ", Some("10.0.0.0/8"), "10.0.0.1", "192.0.2.1"),
+            ("192.0.2.7/32", Some("192.0.2.7/32"), "192.0.2.7", "192.0.2.8"),
+            ("0.0.0.0/0", Some("0.0.0.0/0"), "203.0.113.9", "::1"),
+            ("fd00::1/64", Some("fd00::/64"), "fd00::ffff", "fd01::1"),
+            ("::/0", Some("::/0"), "2001:db8::1", "10.0.0.1"),
+        ];
+        for (text, want, inside, outside) in cases {
+            let c = Cidr::parse(text).unwrap_or_else(|| panic!("{text} did not parse"));
+            assert_eq!(Some(c.to_string().as_str()), want, "{text}");
+            assert!(c.contains(&inside.parse().unwrap()), "{text} contains {inside}");
+            assert!(!c.contains(&outside.parse().unwrap()), "{text} does not contain {outside}");
+        }
+        for bad in ["10.0.0.0", "10.0.0.0/33", "fd00::/129", "10.0.0/8", "x/8", "10.0.0.0/-1", "10.0.0.0/8/8", ""] {
+            assert_eq!(Cidr::parse(bad), None, "{bad}");
+        }
     }
 }

@@ -171,13 +171,16 @@ impl Model {
                         Some(Object::Node(n)) => Some(n),
                         _ => None,
                     };
-                    // Node labels feed every topology decision.
-                    if self.cluster.nodes.get(&d.id.name) != new.as_ref() {
+                    // Node labels feed every topology decision; whether a
+                    // node is leaving feeds none (only this node's health),
+                    // so that alone decides nothing again.
+                    let old = self.cluster.nodes.get(&d.id.name);
+                    if old != new.as_ref() {
+                        changes.all |= old.map(|n| &n.labels) != new.as_ref().map(|n| &n.labels);
                         match new {
                             Some(n) => self.cluster.nodes.insert(d.id.name.clone(), n),
                             None => self.cluster.nodes.remove(&d.id.name),
                         };
-                        changes.all = true;
                     }
                 }
             }
@@ -210,6 +213,8 @@ mod tests {
             external_ips: Vec::new(),
             load_balancer_ips: Vec::new(),
             health_check_node_port: None,
+            session_affinity: None,
+            load_balancer_source_ranges: None,
         };
         Delta {
             kind: Kind::Service,
@@ -236,17 +241,21 @@ mod tests {
         assert!(!m.cluster.services.contains_key(&ObjectRef::new("ns", "b")));
         assert!(!m.service_uids.contains_key(&ObjectRef::new("ns", "b")));
 
-        let node = |zone: &str| Delta {
+        let node = |zone: &str, leaving: Option<&'static str>| Delta {
             kind: Kind::Node,
             id: ObjectRef::new("", "n1"),
             present: true,
             uid: None,
-            object: Some(Object::Node(Node { name: "n1".into(), labels: [("zone".to_string(), zone.to_string())].into() })),
+            object: Some(Object::Node(Node { name: "n1".into(), labels: [("zone".to_string(), zone.to_string())].into(), leaving })),
             problems: Vec::new(),
         };
-        assert!(m.apply([node("z1")]).all);
-        assert!(m.apply([node("z1")]).is_empty(), "a heartbeat without label changes is nothing");
-        assert!(m.apply([node("z2")]).all);
+        assert!(m.apply([node("z1", None)]).all);
+        assert!(m.apply([node("z1", None)]).is_empty(), "a heartbeat without label changes is nothing");
+        assert!(m.apply([node("z2", None)]).all);
+        // Leaving changes the node, not any decision.
+        assert!(m.apply([node("z2", Some("deletionTimestamp"))]).is_empty());
+        assert_eq!(m.cluster.nodes["n1"].leaving, Some("deletionTimestamp"));
+        assert!(m.apply([Delta::removed(Kind::Node, ObjectRef::new("", "n1"))]).all, "a node's labels are gone with it");
     }
 
     #[test]

@@ -1,10 +1,18 @@
-//! `/healthz`, `/readyz` and `/metrics` over plain HTTP/1.1.
+//! `/healthz`, `/livez`, `/readyz` and `/metrics` over plain HTTP/1.1.
 //!
-//! - `/healthz` answers like kube-proxy's health server (port 10256): 200
-//!   unless a change has been waiting longer than the staleness limit
-//!   without a sync, which means the sync loop is stuck. An API server
-//!   outage does not make the agent unhealthy: the datapath keeps serving
-//!   its last state, and restarting the agent would not help.
+//! - `/healthz` answers like kube-proxy's health server on port 10256
+//!   (pkg/proxy/healthcheck, KEP-3836): 200 unless the sync loop is stuck
+//!   (a change has waited longer than the staleness limit without a sync)
+//!   or this node is going away (its Node has a `deletionTimestamp` or the
+//!   cluster autoscaler's `ToBeDeletedByClusterAutoscaler` taint). Cloud
+//!   load balancers probe it for `externalTrafficPolicy: Cluster` Services,
+//!   so a failing answer drains the node before it is removed. The body is
+//!   kube-proxy's: `{"lastUpdated", "currentTime", "nodeEligible"}`. An API
+//!   server outage does not make the agent unhealthy: the datapath keeps
+//!   serving its last state, and restarting the agent would not help.
+//! - `/livez`: the same staleness check without the node's state, for the
+//!   kubelet's liveness probe: a node being drained is no reason to restart
+//!   its proxy.
 //! - `/readyz`: 200 once the first full sync has been applied (in
 //!   Kubernetes mode: after every watched kind was listed), 503 with the
 //!   reason before.
@@ -39,6 +47,19 @@ struct State {
     waiting_for: String,
     last_sync: Option<SystemTime>,
     pending_since: Option<Instant>,
+    /// Why this node is going away, when it is (`/healthz`'s
+    /// `nodeEligible: false`). A node is eligible until the sync loop says
+    /// otherwise, as kube-proxy's health server starts.
+    node_leaving: Option<String>,
+}
+
+/// What `/healthz` and `/livez` found, at `now`.
+struct Probe {
+    /// No change has waited past the staleness limit.
+    fresh: bool,
+    node_eligible: bool,
+    last_sync: Option<SystemTime>,
+    now: SystemTime,
 }
 
 /// What the sync loop tells the health endpoints.
@@ -50,7 +71,13 @@ pub struct Health {
 impl Health {
     pub fn new(stale_after: Duration) -> Health {
         Health {
-            state: Mutex::new(State { ready: false, waiting_for: "the first sync".into(), last_sync: None, pending_since: None }),
+            state: Mutex::new(State {
+                ready: false,
+                waiting_for: "the first sync".into(),
+                last_sync: None,
+                pending_since: None,
+                node_leaving: None,
+            }),
             stale_after,
         }
     }
@@ -86,18 +113,49 @@ impl Health {
         self.lock().ready
     }
 
-    fn healthz(&self) -> (StatusCode, String) {
+    /// Records whether this node is going away (`Some(why)`) or not. Returns
+    /// whether that changed, so the caller logs only transitions.
+    pub fn set_node_leaving(&self, why: Option<&str>) -> bool {
+        let mut s = self.lock();
+        if s.node_leaving.as_deref() == why {
+            return false;
+        }
+        s.node_leaving = why.map(str::to_string);
+        true
+    }
+
+    /// Whether the agent can be trusted to serve this node: not stuck, and
+    /// the node not going away. Health check node ports report it
+    /// (`serviceProxyHealthy`) and fail while it is false.
+    pub fn proxy_healthy(&self) -> bool {
+        let p = self.probe();
+        p.fresh && p.node_eligible
+    }
+
+    fn probe(&self) -> Probe {
         let s = self.lock();
-        let last =
-            s.last_sync.and_then(|t| t.duration_since(UNIX_EPOCH).ok()).map_or("null".to_string(), |d| format!("{:.3}", d.as_secs_f64()));
-        let pending = s.pending_since.map(|p| p.elapsed());
-        let stuck = pending.is_some_and(|p| p > self.stale_after);
+        let fresh = s.pending_since.is_none_or(|p| p.elapsed() <= self.stale_after);
+        Probe { fresh, node_eligible: s.node_leaving.is_none(), last_sync: s.last_sync, now: SystemTime::now() }
+    }
+
+    /// `/healthz`: staleness and the node's eligibility.
+    fn healthz(&self) -> (StatusCode, String) {
+        let p = self.probe();
+        let healthy = p.fresh && p.node_eligible;
         let body = format!(
-            "{{\"healthy\":{},\"lastSyncUnixSeconds\":{last},\"pendingSeconds\":{}}}\n",
-            !stuck,
-            pending.map_or("null".to_string(), |p| format!("{:.3}", p.as_secs_f64()))
+            "{{\"lastUpdated\": \"{}\", \"currentTime\": \"{}\", \"nodeEligible\": {}}}\n",
+            last_updated(&p, healthy),
+            go_time(p.now),
+            p.node_eligible
         );
-        (if stuck { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK }, body)
+        (if healthy { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, body)
+    }
+
+    /// `/livez`: staleness only.
+    fn livez(&self) -> (StatusCode, String) {
+        let p = self.probe();
+        let body = format!("{{\"lastUpdated\": \"{}\", \"currentTime\": \"{}\"}}\n", last_updated(&p, p.fresh), go_time(p.now));
+        (if p.fresh { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE }, body)
     }
 
     fn readyz(&self) -> (StatusCode, String) {
@@ -108,6 +166,48 @@ impl Health {
             (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: waiting for {}\n", s.waiting_for))
         }
     }
+}
+
+/// `lastUpdated` as kube-proxy reports it: the current time while healthy
+/// (older kube-proxies reported every sync there, even one that changed
+/// nothing, and load balancers compare it with `currentTime`), else the
+/// last completed sync.
+fn last_updated(p: &Probe, healthy: bool) -> String {
+    if healthy { go_time(p.now) } else { p.last_sync.map_or_else(|| GO_ZERO_TIME.to_string(), go_time) }
+}
+
+/// Go's zero `time.Time` in JSON: what kube-proxy reports as `lastUpdated`
+/// before its first sync.
+const GO_ZERO_TIME: &str = "0001-01-01T00:00:00Z";
+
+/// A time as Go's `time.Time` marshals to JSON: RFC 3339 in UTC, with the
+/// fraction of a second up to nanoseconds and no trailing zeros.
+fn go_time(t: SystemTime) -> String {
+    let (secs, nanos) = match t.duration_since(UNIX_EPOCH) {
+        Ok(d) => (d.as_secs(), d.subsec_nanos()),
+        Err(_) => return GO_ZERO_TIME.to_string(),
+    };
+    // Days since 1970-01-01 to a civil date (Howard Hinnant's days_from_civil
+    // inverse, for the proleptic Gregorian calendar).
+    let days = secs / 86_400;
+    let rem = secs % 86_400;
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    let mut out = format!("{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}", rem / 3600, rem % 3600 / 60, rem % 60);
+    if nanos > 0 {
+        let frac = format!("{nanos:09}");
+        out.push('.');
+        out.push_str(frac.trim_end_matches('0'));
+    }
+    out.push('Z');
+    out
 }
 
 /// Binds the listener (so a bad address is reported before anything else
@@ -148,8 +248,14 @@ fn respond(req: &Request<Incoming>, health: &Health, metrics: &Metrics) -> Respo
         return reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "only GET\n".into());
     }
     match req.uri().path() {
-        "/healthz" | "/livez" => {
+        "/healthz" => {
             let (code, body) = health.healthz();
+            metrics.proxy_healthz(code.as_u16());
+            reply(code, "application/json", body)
+        }
+        "/livez" => {
+            let (code, body) = health.livez();
+            metrics.proxy_livez(code.as_u16());
             reply(code, "application/json", body)
         }
         "/readyz" => {
@@ -157,7 +263,7 @@ fn respond(req: &Request<Incoming>, health: &Health, metrics: &Metrics) -> Respo
             reply(code, "text/plain; charset=utf-8", body)
         }
         "/metrics" => reply(StatusCode::OK, "application/openmetrics-text; version=1.0.0; charset=utf-8", metrics.encode()),
-        _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found; try /healthz, /readyz or /metrics\n".into()),
+        _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found; try /healthz, /livez, /readyz or /metrics\n".into()),
     }
 }
 
@@ -182,8 +288,62 @@ mod tests {
         h.pending();
         std::thread::sleep(Duration::from_millis(2));
         assert_eq!(h.healthz().0, StatusCode::SERVICE_UNAVAILABLE, "a change stuck past the limit");
+        assert_eq!(h.livez().0, StatusCode::SERVICE_UNAVAILABLE, "/livez reports staleness too");
+        assert!(!h.proxy_healthy());
         h.synced();
         assert_eq!(h.healthz().0, StatusCode::OK);
+        assert_eq!(h.livez().0, StatusCode::OK);
         assert_eq!(h.readyz().0, StatusCode::OK);
+    }
+
+    fn json(body: &str) -> serde_json::Value {
+        serde_json::from_str(body).unwrap_or_else(|e| panic!("{body:?}: {e}"))
+    }
+
+    #[test]
+    fn a_leaving_node_fails_healthz_but_not_livez() {
+        let h = Health::new(Duration::from_mins(1));
+        h.synced();
+        let (code, body) = h.healthz();
+        let v = json(&body);
+        assert_eq!(code, StatusCode::OK);
+        assert_eq!(v["nodeEligible"], true);
+        assert_eq!(v["lastUpdated"], v["currentTime"], "healthy: lastUpdated is now, as kube-proxy reports it");
+
+        assert!(h.set_node_leaving(Some("its Node has a deletionTimestamp")));
+        assert!(!h.set_node_leaving(Some("its Node has a deletionTimestamp")), "no change, no transition");
+        let (code, body) = h.healthz();
+        let v = json(&body);
+        assert_eq!(code, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(v["nodeEligible"], false);
+        assert_ne!(v["lastUpdated"], GO_ZERO_TIME, "the last sync");
+        assert!(!h.proxy_healthy(), "health check node ports fail too");
+        let (code, body) = h.livez();
+        assert_eq!(code, StatusCode::OK, "a node being drained is no reason to restart its proxy");
+        let v = json(&body);
+        assert!(v.get("nodeEligible").is_none() && v["currentTime"].is_string(), "{v}");
+
+        assert!(h.set_node_leaving(None));
+        assert_eq!(h.healthz().0, StatusCode::OK);
+        assert!(h.proxy_healthy());
+    }
+
+    #[test]
+    fn never_synced_and_stuck_reports_go_zero_time() {
+        let h = Health::new(Duration::ZERO);
+        h.pending();
+        std::thread::sleep(Duration::from_millis(2));
+        let v = json(&h.livez().1);
+        assert_eq!(v["lastUpdated"], GO_ZERO_TIME);
+    }
+
+    #[test]
+    fn times_are_formatted_like_go_json() {
+        let t = |secs: u64, nanos: u32| go_time(UNIX_EPOCH + Duration::new(secs, nanos));
+        assert_eq!(t(0, 0), "1970-01-01T00:00:00Z");
+        assert_eq!(t(1_714_557_600, 0), "2024-05-01T10:00:00Z");
+        assert_eq!(t(1_714_557_600, 120_000_000), "2024-05-01T10:00:00.12Z");
+        assert_eq!(t(951_782_400 + 86_399, 1), "2000-02-29T23:59:59.000000001Z", "a leap day");
+        assert_eq!(t(4_102_444_800, 0), "2100-01-01T00:00:00Z");
     }
 }

@@ -1,8 +1,16 @@
 //! Prometheus metrics of the agent, served on `/metrics` by
-//! `health_server`. Names follow kube-proxy's where there is a counterpart
-//! (`kubeproxy_sync_proxy_rules_duration_seconds`,
-//! `kubeproxy_network_programming_duration_seconds`), with the `topoproxy_`
-//! prefix so both can be scraped side by side during a migration.
+//! `health_server`. The agent's own metrics are `topoproxy_*`. What
+//! kube-proxy also measures is exported a second time under kube-proxy's
+//! name, type, labels and buckets (pkg/proxy/metrics), so that dashboards
+//! and alerts written for kube-proxy keep working when this agent replaces
+//! it: `kubeproxy_sync_proxy_rules_duration_seconds`,
+//! `kubeproxy_sync_proxy_rules_last_timestamp_seconds`,
+//! `kubeproxy_network_programming_duration_seconds`,
+//! `kubeproxy_sync_proxy_rules_{endpoint,service}_changes_total`,
+//! `kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy}`,
+//! `kubeproxy_proxy_healthz_total{code}` and
+//! `kubeproxy_proxy_livez_total{code}`. The `topoproxy_*` counterparts stay
+//! where they say more (labels by kind, finer buckets).
 //!
 //! Every metric is an atomic: the sync loop, the watchers and the HTTP
 //! server share one `Metrics` through an `Arc` without locks of their own.
@@ -41,6 +49,9 @@ pub mod reason {
     pub const WATCH: &str = "watch";
     /// The API server expired our resourceVersion (410 Gone): a relist follows.
     pub const WATCH_EXPIRED: &str = "watch_expired";
+    /// The API server's discovery document could not be read (retried
+    /// with backoff; the watchers that need it wait).
+    pub const API_DISCOVERY: &str = "api_discovery";
     /// A Kubernetes Event could not be posted.
     pub const EVENT_POST: &str = "event_post";
     /// A manifest file could not be read (manifests mode).
@@ -49,30 +60,44 @@ pub mod reason {
     pub const CONNTRACK_GC: &str = "conntrack_gc";
 }
 
-/// `topoproxy_nodeport_packets_total{reason}`: the TC programs' per-CPU
-/// `NP_COUNTERS`, read from the pinned map at scrape time and summed over
-/// CPUs. Read per scrape rather than copied periodically, so the values are
-/// current and the agent keeps no second copy that could drift (the map
-/// outlives agent restarts, and so do its counts). Reserved slots are
-/// skipped. Until a pin directory is set, or when the map cannot be read
-/// (not installed yet, removed by `reset`), the family is absent rather
-/// than zero.
-/// Reads the per-reason sums of `NP_COUNTERS`; given by the caller, which
-/// knows where the map is pinned.
+/// Reads the per-reason sums of one of the programs' per-CPU counter
+/// arrays; given by the caller, which knows where the map is pinned.
 pub type CounterReader = Box<dyn Fn() -> Result<Vec<u64>, String> + Send + Sync>;
 
-#[derive(Default)]
-struct NodePortCounters {
+/// The programs' own counters, by reason: `topoproxy_nodeport_packets_total`
+/// (TC, `NP_COUNTERS`) and `topoproxy_socket_lb_calls_total` (the cgroup
+/// socket hooks, `COUNTERS`). Read from the pinned map at scrape time and
+/// summed over CPUs, rather than copied periodically, so the values are
+/// current and the agent keeps no second copy that could drift (the maps
+/// outlive agent restarts, and so do their counts). Reserved slots are
+/// skipped. Until a reader is set, or when the map cannot be read (not
+/// installed yet, removed by `reset`), the family is absent rather than
+/// zero.
+struct KernelCounters {
+    family: &'static str,
+    help: &'static str,
+    names: &'static [&'static str],
     read: std::sync::OnceLock<CounterReader>,
 }
 
-impl std::fmt::Debug for NodePortCounters {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NodePortCounters").field("exported", &self.read.get().is_some()).finish()
+impl KernelCounters {
+    fn new(family: &'static str, help: &'static str, names: &'static [&'static str]) -> KernelCounters {
+        KernelCounters { family, help, names, read: std::sync::OnceLock::new() }
     }
 }
 
-impl Collector for NodePortCounters {
+impl std::fmt::Debug for KernelCounters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KernelCounters")
+            .field("family", &self.family)
+            .field("help", &self.help)
+            .field("names", &self.names)
+            .field("exported", &self.read.get().is_some())
+            .finish()
+    }
+}
+
+impl Collector for KernelCounters {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         let Some(read) = self.read.get() else {
             return Ok(());
@@ -80,18 +105,13 @@ impl Collector for NodePortCounters {
         let sums = match read() {
             Ok(s) => s,
             Err(e) => {
-                tracing::debug!("NP_COUNTERS not exported: {e}");
+                tracing::debug!(family = self.family, "counters not exported: {e}");
                 return Ok(());
             }
         };
-        let mut family = encoder.encode_descriptor(
-            "nodeport_packets",
-            "Packets of external traffic (NodePort, LoadBalancer IPs, externalIPs) seen by the TC programs, by outcome (NP_COUNTERS, summed over CPUs)",
-            None,
-            MetricType::Counter,
-        )?;
+        let mut family = encoder.encode_descriptor(self.family, self.help, None, MetricType::Counter)?;
         for (i, value) in sums.iter().enumerate() {
-            let Some(name) = proxy_common::np_counter::NAMES.get(i) else { continue };
+            let Some(name) = self.names.get(i) else { continue };
             if name.starts_with("reserved") {
                 continue;
             }
@@ -102,8 +122,71 @@ impl Collector for NodePortCounters {
     }
 }
 
+/// The series kube-proxy exports (pkg/proxy/metrics), for what the agent
+/// measures too. No `ip_family` label: one sync programs both families
+/// (kube-proxy 1.33 added the label because it runs one proxier per family).
+struct KubeProxy {
+    sync_duration: Histogram,
+    last_sync: Gauge<f64, std::sync::atomic::AtomicU64>,
+    network_programming: Histogram,
+    endpoint_changes: Counter,
+    service_changes: Counter,
+    no_local_endpoints: Family<Labels, Gauge>,
+    healthz: Family<Labels, Counter>,
+    livez: Family<Labels, Counter>,
+}
+
+impl KubeProxy {
+    fn register(registry: &mut Registry) -> KubeProxy {
+        // SyncProxyRulesLatency: 1 ms .. ~16 s, doubling.
+        let sync_duration = Histogram::new(exponential_buckets(0.001, 2.0, 15));
+        registry.register_with_unit("sync_proxy_rules_duration", "SyncProxyRules latency in seconds", Unit::Seconds, sync_duration.clone());
+        let last_sync = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        registry.register(
+            "sync_proxy_rules_last_timestamp_seconds",
+            "The last time proxy rules were successfully synced",
+            last_sync.clone(),
+        );
+        let network_programming = Histogram::new(network_programming_buckets());
+        registry.register_with_unit(
+            "network_programming_duration",
+            "In Cluster Network Programming Latency in seconds",
+            Unit::Seconds,
+            network_programming.clone(),
+        );
+        let endpoint_changes = Counter::default();
+        registry.register("sync_proxy_rules_endpoint_changes", "Cumulative proxy rules Endpoint changes", endpoint_changes.clone());
+        let service_changes = Counter::default();
+        registry.register("sync_proxy_rules_service_changes", "Cumulative proxy rules Service changes", service_changes.clone());
+        // A gauge despite its name, as in kube-proxy: recounted every sync.
+        let no_local_endpoints = Family::<Labels, Gauge>::default();
+        registry.register(
+            "sync_proxy_rules_no_local_endpoints_total",
+            "Number of services with a Local traffic policy and no endpoints",
+            no_local_endpoints.clone(),
+        );
+        let healthz = Family::<Labels, Counter>::default();
+        registry.register("proxy_healthz", "Cumulative proxy healthz HTTP status", healthz.clone());
+        let livez = Family::<Labels, Counter>::default();
+        registry.register("proxy_livez", "Cumulative proxy livez HTTP status", livez.clone());
+        KubeProxy { sync_duration, last_sync, network_programming, endpoint_changes, service_changes, no_local_endpoints, healthz, livez }
+    }
+}
+
+/// kube-proxy's NetworkProgrammingLatency buckets: 0, 0.25 s, 0.5 s, every
+/// second to 59 s, every 5 s to 115 s, every 30 s to 5 min (component-base's
+/// MergeBuckets starts the list with 0).
+fn network_programming_buckets() -> Vec<f64> {
+    let mut b = vec![0.0, 0.25, 0.5];
+    b.extend((1..=59).map(f64::from));
+    b.extend((0..12).map(|i| 60.0 + 5.0 * f64::from(i)));
+    b.extend((0..7).map(|i| 120.0 + 30.0 * f64::from(i)));
+    b
+}
+
 pub struct Metrics {
     registry: Registry,
+    kube_proxy: KubeProxy,
     sync_duration: Histogram,
     network_programming: Family<Labels, Histogram, fn() -> Histogram>,
     syncs: Counter,
@@ -117,10 +200,12 @@ pub struct Metrics {
     map_capacity: Family<Labels, Gauge>,
     watch_events: Family<Labels, Counter>,
     events_posted: Counter,
+    api_versions: Family<Labels, Gauge>,
     conntrack_gc_runs: Counter,
     conntrack_gc_flows: Family<Labels, Counter>,
     conntrack_gc_entries: Family<Labels, Counter>,
-    nodeport_counters: std::sync::Arc<NodePortCounters>,
+    nodeport_counters: std::sync::Arc<KernelCounters>,
+    socket_counters: std::sync::Arc<KernelCounters>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -137,7 +222,8 @@ impl Default for Metrics {
 
 impl Metrics {
     pub fn new() -> Metrics {
-        let mut registry = Registry::with_prefix("topoproxy");
+        let mut root = Registry::default();
+        let registry = root.sub_registry_with_prefix("topoproxy");
         let sync_duration = Histogram::new(exponential_buckets(0.0005, 2.0, 16));
         registry.register_with_unit(
             "sync_duration",
@@ -174,6 +260,12 @@ impl Metrics {
         registry.register("watch_events", "Watch events received from the API server, by kind", watch_events.clone());
         let events_posted = Counter::default();
         registry.register("kubernetes_events_posted", "Kubernetes Events posted about bad objects", events_posted.clone());
+        let api_versions = Family::<Labels, Gauge>::default();
+        registry.register(
+            "api_version",
+            "The version of each API group whose version differs between Kubernetes releases that the agent negotiated with the API server (1 = in use)",
+            api_versions.clone(),
+        );
         let conntrack_gc_runs = Counter::default();
         registry.register("conntrack_gc_runs", "Sweeps of the TC conntrack map NP_CT completed", conntrack_gc_runs.clone());
         let conntrack_gc_flows = Family::<Labels, Counter>::default();
@@ -188,10 +280,22 @@ impl Metrics {
             "Entries deleted from NP_CT by the conntrack GC (two to four per flow), by reason",
             conntrack_gc_entries.clone(),
         );
-        let nodeport_counters = std::sync::Arc::new(NodePortCounters::default());
+        let nodeport_counters = std::sync::Arc::new(KernelCounters::new(
+            "nodeport_packets",
+            "Packets of external traffic (NodePort, LoadBalancer IPs, externalIPs) seen by the TC programs, by outcome (NP_COUNTERS, summed over CPUs)",
+            &proxy_common::np_counter::NAMES,
+        ));
         registry.register_collector(Box::new(nodeport_counters.clone()));
+        let socket_counters = std::sync::Arc::new(KernelCounters::new(
+            "socket_lb_calls",
+            "Calls of the cgroup socket hooks (connect, sendmsg, recvmsg, getpeername) by outcome (COUNTERS, summed over CPUs)",
+            &proxy_common::counter::NAMES,
+        ));
+        registry.register_collector(Box::new(socket_counters.clone()));
+        let kube_proxy = KubeProxy::register(root.sub_registry_with_prefix("kubeproxy"));
         Metrics {
-            registry,
+            registry: root,
+            kube_proxy,
             sync_duration,
             network_programming,
             syncs,
@@ -205,10 +309,12 @@ impl Metrics {
             map_capacity,
             watch_events,
             events_posted,
+            api_versions,
             conntrack_gc_runs,
             conntrack_gc_flows,
             conntrack_gc_entries,
             nodeport_counters,
+            socket_counters,
         }
     }
 
@@ -217,6 +323,13 @@ impl Metrics {
     /// counts: an agent has one pin directory.
     pub fn export_nodeport_counters(&self, read: CounterReader) {
         let _ = self.nodeport_counters.read.set(read);
+    }
+
+    /// Exports the socket hooks' `COUNTERS`, as `read` returns them, from
+    /// now on (`topoproxy_socket_lb_calls_total`). Only the first call
+    /// counts.
+    pub fn export_socket_counters(&self, read: CounterReader) {
+        let _ = self.socket_counters.read.set(read);
     }
 
     /// Records one conntrack GC sweep: deletions by reason, and `NP_CT`'s
@@ -261,6 +374,15 @@ impl Metrics {
         self.events_posted.inc();
     }
 
+    /// Records the API versions in use, as (group, version) pairs; the
+    /// series of an earlier negotiation go away.
+    pub fn set_api_versions(&self, in_use: &[(&str, &str)]) {
+        self.api_versions.clear();
+        for (group, version) in in_use {
+            self.api_versions.get_or_create(&vec![("group", (*group).to_string()), ("version", (*version).to_string())]).set(1);
+        }
+    }
+
     pub fn set_objects(&self, kind: &str, n: usize) {
         self.objects.get_or_create(&vec![("kind", kind.to_string())]).set(n as i64);
     }
@@ -273,13 +395,44 @@ impl Metrics {
         self.network_programming.get_or_create(&vec![("kind", kind.to_string())]).observe(secs);
     }
 
+    /// Records the time from `trigger` until now for a change of an
+    /// EndpointSlice, as kube-proxy's `network_programming_duration_seconds`
+    /// does (it is defined on endpoint changes: sig-scalability's network
+    /// programming latency SLI).
+    pub fn endpoints_programmed(&self, trigger: SystemTime) {
+        let secs = SystemTime::now().duration_since(trigger).unwrap_or_default().as_secs_f64();
+        self.kube_proxy.network_programming.observe(secs);
+    }
+
+    /// Counts Services and EndpointSlices that changed (added, updated,
+    /// deleted), as kube-proxy's change trackers count their events.
+    pub fn object_changes(&self, services: usize, endpoint_slices: usize) {
+        self.kube_proxy.service_changes.inc_by(services as u64);
+        self.kube_proxy.endpoint_changes.inc_by(endpoint_slices as u64);
+    }
+
+    /// Counts one answer of `/healthz`.
+    pub fn proxy_healthz(&self, code: u16) {
+        self.kube_proxy.healthz.get_or_create(&vec![("code", code.to_string())]).inc();
+    }
+
+    /// Counts one answer of `/livez`.
+    pub fn proxy_livez(&self, code: u16) {
+        self.kube_proxy.livez.get_or_create(&vec![("code", code.to_string())]).inc();
+    }
+
     /// Records one completed sync: its duration, what the maps now hold and
     /// the map failures it returned.
     pub fn record_sync(&self, s: &SyncFigures<'_>) {
         self.sync_duration.observe(s.took.as_secs_f64());
+        self.kube_proxy.sync_duration.observe(s.took.as_secs_f64());
         self.syncs.inc();
         let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default().as_secs_f64();
         self.last_sync.set(now);
+        self.kube_proxy.last_sync.set(now);
+        for (policy, n) in [("internal", s.no_local_internal), ("external", s.no_local_external)] {
+            self.kube_proxy.no_local_endpoints.get_or_create(&vec![("traffic_policy", policy.to_string())]).set(n as i64);
+        }
         self.frontends_programmed.set(s.frontends as i64);
         self.endpoints_programmed.set(s.endpoints as i64);
         self.services_programmed.set(s.services as i64);
@@ -316,6 +469,11 @@ pub struct SyncFigures<'a> {
     /// Frontends not written because a map was full, or for another reason.
     pub map_full: usize,
     pub write_failed: usize,
+    /// Service ports with endpoints somewhere whose internal (external)
+    /// traffic policy is Local and that have none on this node: kube-proxy's
+    /// `sync_proxy_rules_no_local_endpoints_total{traffic_policy}`.
+    pub no_local_internal: usize,
+    pub no_local_external: usize,
 }
 
 #[cfg(test)]
@@ -338,6 +496,64 @@ mod tests {
     }
 
     #[test]
+    fn kube_proxy_names_types_and_buckets() {
+        let m = Metrics::new();
+        m.record_sync(&SyncFigures { took: Duration::from_millis(3), no_local_internal: 2, ..SyncFigures::default() });
+        m.object_changes(1, 4);
+        m.object_changes(0, 1);
+        m.endpoints_programmed(SystemTime::now() - Duration::from_secs(2));
+        m.proxy_healthz(200);
+        m.proxy_healthz(503);
+        m.proxy_healthz(200);
+        m.proxy_livez(200);
+        let text = m.encode();
+        for want in [
+            "# TYPE kubeproxy_sync_proxy_rules_duration_seconds histogram",
+            "kubeproxy_sync_proxy_rules_duration_seconds_count 1",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.004\"} 1",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"0.002\"} 0",
+            "kubeproxy_sync_proxy_rules_duration_seconds_bucket{le=\"16.384\"} 1",
+            "# TYPE kubeproxy_sync_proxy_rules_last_timestamp_seconds gauge",
+            "# TYPE kubeproxy_network_programming_duration_seconds histogram",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"0.0\"} 0",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"2.0\"} 0",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"3.0\"} 1",
+            "kubeproxy_network_programming_duration_seconds_bucket{le=\"300.0\"} 1",
+            "kubeproxy_sync_proxy_rules_service_changes_total 1",
+            "kubeproxy_sync_proxy_rules_endpoint_changes_total 5",
+            "# TYPE kubeproxy_sync_proxy_rules_no_local_endpoints_total gauge",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"} 2",
+            "kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"external\"} 0",
+            "kubeproxy_proxy_healthz_total{code=\"200\"} 2",
+            "kubeproxy_proxy_healthz_total{code=\"503\"} 1",
+            "kubeproxy_proxy_livez_total{code=\"200\"} 1",
+            // Ours stay.
+            "topoproxy_sync_duration_seconds_count 1",
+        ] {
+            assert!(text.lines().any(|l| l == want || l.starts_with(&format!("{want} "))), "{want} missing from\n{text}");
+        }
+        let last = text.lines().find_map(|l| l.strip_prefix("kubeproxy_sync_proxy_rules_last_timestamp_seconds "));
+        assert!(last.and_then(|v| v.parse::<f64>().ok()).is_some_and(|v| v > 1.7e9), "{text}");
+        // 0, 0.25, 0.5, 1..59, 60..115, 120..300, +Inf
+        assert_eq!(
+            text.lines().filter(|l| l.starts_with("kubeproxy_network_programming_duration_seconds_bucket")).count(),
+            3 + 59 + 12 + 7 + 1
+        );
+        assert!(text.trim_end().ends_with("# EOF"));
+    }
+
+    #[test]
+    fn api_versions_replace_earlier_ones() {
+        let m = Metrics::new();
+        m.set_api_versions(&[("discovery.k8s.io", "v1beta1"), ("events.k8s.io", "v1beta1")]);
+        m.set_api_versions(&[("discovery.k8s.io", "v1"), ("events.k8s.io", "v1")]);
+        let text = m.encode();
+        assert!(text.contains("topoproxy_api_version{group=\"discovery.k8s.io\",version=\"v1\"} 1"), "{text}");
+        assert!(text.contains("topoproxy_api_version{group=\"events.k8s.io\",version=\"v1\"} 1"), "{text}");
+        assert!(!text.contains("v1beta1"), "{text}");
+    }
+
+    #[test]
     fn conntrack_gc_sweeps_are_counted_by_reason() {
         let m = Metrics::new();
         let stats = GcFigures { entries: 10, capacity: 100, deleted: &[("expired", 2, 6), ("stale_backend", 0, 0)] };
@@ -355,5 +571,9 @@ mod tests {
         m.export_nodeport_counters(Box::new(|| Err("not pinned".to_string())));
         let text = m.encode();
         assert!(!text.contains("nodeport_packets") && text.trim_end().ends_with("# EOF"), "{text}");
+        m.export_socket_counters(Box::new(|| Ok(vec![5, 0, 0, 0, 0, 0, 0, 0, 2])));
+        let text = m.encode();
+        assert!(text.contains("topoproxy_socket_lb_calls_total{reason=\"translated\"} 5"), "{text}");
+        assert!(text.contains("topoproxy_socket_lb_calls_total{reason=\"affinity_hit\"} 2"), "{text}");
     }
 }

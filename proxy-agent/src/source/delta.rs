@@ -7,7 +7,7 @@ use serde_json::Value;
 use crate::model::ObjectRef;
 use crate::model::store::{Delta, Kind, Object, ObjectProblem};
 use crate::source::objects::{self, Converted, SERVICE_NAME_LABEL};
-use crate::source::wire::{WireService, WireSlice};
+use crate::source::wire::{WireNode, WireService, WireSlice};
 
 /// Converts one object of `kind` (as JSON, the API server's or a test's)
 /// into what the model needs. The same `objects::*_from_json` functions
@@ -46,6 +46,18 @@ pub(crate) fn service_delta(s: WireService) -> Delta {
     let mut d =
         Delta { kind: Kind::Service, id: id.clone(), present: true, uid: s.metadata.uid.clone(), object: None, problems: Vec::new() };
     record(&mut d, Some(id), objects::service_from_wire(s), Object::Service);
+    d
+}
+
+/// A Node as the watcher receives it, converted like [`delta_from_value`]
+/// converts one given as JSON.
+pub(crate) fn node_delta(n: WireNode) -> Delta {
+    let id = ObjectRef::new("", n.metadata.name.clone().unwrap_or_default());
+    let mut d = Delta { kind: Kind::Node, id, present: true, uid: None, object: None, problems: Vec::new() };
+    match objects::node_from_wire(n) {
+        Ok(n) => d.object = Some(Object::Node(n)),
+        Err(error) => d.problems.push(ObjectProblem { kind: Kind::Node, error, service: None }),
+    }
     d
 }
 
@@ -138,6 +150,21 @@ mod tests {
         // Problems come by kind, then namespace/name: shop/orphan, shop/web-1.
         assert_eq!((got[1].0, got[1].1.as_deref()), (Kind::EndpointSlice, None), "an orphan slice has no Service");
         assert_eq!((got[2].0, got[2].1.as_deref()), (Kind::EndpointSlice, Some("shop/web")), "a bad endpoint is reported on its Service");
+    }
+
+    #[test]
+    fn watched_nodes_convert_like_json_ones() {
+        let v = json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": "n1", "labels": {"topology.kubernetes.io/zone": "z1"}},
+            "spec": {"taints": [{"key": "ToBeDeletedByClusterAutoscaler", "effect": "NoSchedule"}]},
+            "status": {"conditions": [{"type": "Ready", "status": "True"}]}
+        });
+        let wire: crate::source::wire::WireNode = serde_json::from_value(v.clone()).expect("wire node");
+        let d = node_delta(wire);
+        assert_eq!(d.object, delta_from_value(Kind::Node, &v).object);
+        assert!(matches!(&d.object, Some(Object::Node(n)) if n.leaving.is_some() && n.labels.len() == 1), "{d:?}");
+        assert_eq!((d.id.namespace.as_str(), d.id.name.as_str()), ("", "n1"), "Nodes are not namespaced");
     }
 
     #[test]

@@ -3,13 +3,21 @@
 //! it arrives, and queue the result for the sync loop (`source::feed`).
 //!
 //! Objects are converted by the same `objects` functions that read
-//! manifests, so both sources agree on every check. Services and
-//! EndpointSlices are deserialized into the slim shapes of `wire`, which
-//! keep only what conversion reads (and `spec.topologyKeys`, Kubernetes
-//! 1.17-1.21, which today's typed `Service` would drop). Nodes are watched
-//! metadata-only (`PartialObjectMetadata`): labels are all the agent reads
-//! of a Node, and Node status is large and changes every few seconds
-//! (heartbeats), which would wake the agent for nothing.
+//! manifests, so both sources agree on every check. Services,
+//! EndpointSlices and Nodes are deserialized into the slim shapes of
+//! `wire`, which keep only what conversion reads (and `spec.topologyKeys`,
+//! Kubernetes 1.17-1.21, which today's typed `Service` would drop). Of a
+//! Node that is its labels, its `deletionTimestamp` and its taints' keys
+//! (this node's `/healthz`); its status, large and rewritten by every
+//! heartbeat, is skipped while deserializing, and a heartbeat changes
+//! nothing in the model.
+//!
+//! EndpointSlices are watched in the version `api_versions` negotiated
+//! with the API server: discovery.k8s.io/v1, or v1beta1 on 1.17-1.20.
+//! Every watcher lists, then watches (kube-runtime's default, not the
+//! streaming list, `sendInitialEvents`, that only 1.27 and later serve),
+//! and asks for bookmarks, which a server without them ignores: the watch
+//! then resumes from the last object it delivered.
 //!
 //! The model only ever changes by whole relists or single events, and a
 //! relist replaces a kind's objects only once it is complete
@@ -25,20 +33,20 @@ use std::hash::Hash;
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Node;
-use kube::api::{Api, PartialObjectMeta};
+use kube::api::Api;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, DefaultBackoff};
 use kube::{Client, Resource};
-use serde::Serialize;
 use serde::de::DeserializeOwned;
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::model::ObjectRef;
 use crate::model::store::{Delta, Kind};
-use crate::source::delta::{delta_from_value, service_delta, slice_delta};
+use crate::source::api_versions::{Negotiated, Version};
+use crate::source::delta::{node_delta, service_delta, slice_delta};
 use crate::source::feed::{Signal, Stores};
-use crate::source::wire::{WireService, WireSlice};
+use crate::source::wire::{WireNode, WireService, WireSlice};
+use crate::source::wire_v1beta1::WireSliceV1beta1;
 use crate::util::error_chain::error_chain;
 
 /// Services another proxy implements, and headless Services, are not
@@ -55,36 +63,89 @@ pub const SERVICE_LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-n
 pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
 /// Starts one watcher task per kind and returns the queue they fill.
-/// The tasks run until the runtime shuts down.
-pub fn start(client: Client, tx: UnboundedSender<Signal>) -> Stores {
+/// EndpointSlices are watched in the version `versions` negotiates. The
+/// tasks run until the runtime shuts down.
+pub fn start(client: Client, versions: Negotiated, tx: UnboundedSender<Signal>) -> Stores {
     let stores = Stores::default();
     let services: Api<WireService> = Api::all(client.clone());
     let svc_config = watcher::Config::default().labels(SERVICE_LABEL_SELECTOR);
     tokio::spawn(watch_kind(services, svc_config, stores.clone(), Kind::Service, tx.clone(), |_| None, |s| Some(service_delta(s))));
 
-    let slices: Api<WireSlice> = Api::all(client.clone());
-    tokio::spawn(watch_kind(
-        slices,
-        watcher::Config::default(),
-        stores.clone(),
-        Kind::EndpointSlice,
-        tx.clone(),
-        slice_trigger_time,
-        |s| Some(slice_delta(s)),
-    ));
+    tokio::spawn(watch_slices(client.clone(), versions, stores.clone(), tx.clone()));
 
-    // `Api<PartialObjectMeta<K>>` makes list and watch send the
-    // `as=PartialObjectMetadata[List];g=meta.k8s.io;v=v1` Accept header
-    // (what kube's deprecated `metadata_watcher` did).
-    let nodes: Api<PartialObjectMeta<Node>> = Api::all(client);
-    tokio::spawn(watch_kind(nodes, watcher::Config::default(), stores.clone(), Kind::Node, tx, |_| None, |o| convert(Kind::Node, &o)));
+    // Full Nodes, not metadata-only ones: the taints are in the spec.
+    let nodes: Api<WireNode> = Api::all(client);
+    tokio::spawn(watch_kind(nodes, watcher::Config::default(), stores.clone(), Kind::Node, tx, |_| None, |n| Some(node_delta(n))));
 
     stores
 }
 
-fn slice_trigger_time(s: &WireSlice) -> Option<SystemTime> {
-    let raw = s.metadata.annotations.as_ref()?.get(TRIGGER_TIME_ANNOTATION)?;
+fn slice_trigger_time<K: Resource>(s: &K) -> Option<SystemTime> {
+    let raw = s.meta().annotations.as_ref()?.get(TRIGGER_TIME_ANNOTATION)?;
     parse_trigger_time(raw)
+}
+
+/// EndpointSlices in the version negotiated with the API server: v1, or
+/// v1beta1 converted into v1's shape as it arrives (`wire_v1beta1`), so the
+/// model is the same. When the API server answers 404 for the version in
+/// use, the version is negotiated again and the watch continues in the new
+/// one with the objects it knows, whose relist then replaces them without
+/// a gap (an object keeps its resourceVersion across versions, so only
+/// changed ones are converted again).
+async fn watch_slices(client: Client, mut versions: Negotiated, stores: Stores, tx: UnboundedSender<Signal>) {
+    let kind = Kind::EndpointSlice;
+    let mut known = HashMap::new();
+    let Some(mut chosen) = versions.current().await else { return };
+    let mut backoff = DefaultBackoff::default();
+    loop {
+        let stopped = match chosen.endpoint_slices {
+            Some(Version::V1) => {
+                let w: Watch<WireSlice> = Watch {
+                    api: Api::all(client.clone()),
+                    config: watcher::Config::default(),
+                    kind,
+                    trigger_of: slice_trigger_time,
+                    convert_of: |s| Some(slice_delta(s)),
+                };
+                watch_until(&w, &stores, &tx, &mut known, true).await
+            }
+            Some(Version::V1beta1) => {
+                let w: Watch<WireSliceV1beta1> = Watch {
+                    api: Api::all(client.clone()),
+                    config: watcher::Config::default(),
+                    kind,
+                    trigger_of: slice_trigger_time,
+                    convert_of: |s| Some(slice_delta(s.into_v1())),
+                };
+                watch_until(&w, &stores, &tx, &mut known, true).await
+            }
+            None => {
+                let message = "the API server serves neither discovery.k8s.io/v1 nor v1beta1 EndpointSlices (Kubernetes 1.17 \
+                               and later do): no endpoints can be listed, the datapath stays as it is; asking again"
+                    .to_string();
+                if tx.send(Signal::Failed { kind, expired: false, message }).is_err() {
+                    return;
+                }
+                Stopped::NotServed
+            }
+        };
+        if stopped == Stopped::Shutdown {
+            return;
+        }
+        if let Some(was) = chosen.endpoint_slices {
+            let was = was.as_str();
+            tracing::warn!(
+                version = was,
+                "the API server no longer serves discovery.k8s.io/{was} EndpointSlices; negotiating the version again"
+            );
+        }
+        tokio::time::sleep(backoff.next().unwrap_or(Duration::from_secs(30))).await;
+        let Some(next) = versions.renegotiate().await else { return };
+        if next.endpoint_slices != chosen.endpoint_slices {
+            backoff = DefaultBackoff::default();
+        }
+        chosen = next;
+    }
 }
 
 /// Parses an RFC 3339 time as the EndpointSlice controller writes it.
@@ -95,17 +156,26 @@ pub fn parse_trigger_time(raw: &str) -> Option<SystemTime> {
 /// Whether a watcher error means our resourceVersion is unusable and only
 /// a relist helps.
 ///
-/// - 410 Gone as a watch ERROR event: the watcher relists by itself.
+/// - 410 Gone as a watch ERROR event: the watcher relists by itself. A
+///   Status whose `code` is 0 ("0 if not set", metav1.Status) that says
+///   `Expired` or `Gone` only in its `reason`: kube-runtime's watcher
+///   relists only on code 410 and would resume the expired version
+///   forever, so the caller restarts it.
 /// - 410 Gone as the HTTP status of the watch request (some proxies and
 ///   older servers answer so), and 504 "Too large resource version" (the
 ///   API server's watch cache is behind our version, e.g. after etcd was
 ///   restored or replaced, apiserver storage/cacher): kube-runtime's
 ///   watcher would retry the same version forever, so the caller restarts
 ///   it, as client-go's reflector does for both
-///   (`isExpiredError`/`isTooLargeResourceVersionError` -> relist).
+///   (`isExpiredError`/`isTooLargeResourceVersionError` -> relist). API
+///   servers before 1.19 say "too large" only in the message (the
+///   `ResourceVersionTooLarge` cause came later).
 fn classify(e: &watcher::Error) -> (bool, bool) {
     let status = match e {
-        watcher::Error::WatchError(s) => return (s.code == 410, false),
+        watcher::Error::WatchError(s) => {
+            let by_reason = s.code == 0 && matches!(s.reason.as_str(), "Expired" | "Gone");
+            return (s.code == 410 || by_reason, by_reason);
+        }
         watcher::Error::WatchStartFailed(kube::Error::Api(s)) => s,
         watcher::Error::InitialListFailed(kube::Error::Api(s)) => return (s.code == 410, false),
         _ => return (false, false),
@@ -126,14 +196,34 @@ fn key_of<K: Resource>(obj: &K) -> (ObjectRef, String) {
     )
 }
 
-/// Converts one object as received.
-fn convert<K: Serialize>(kind: Kind, obj: &K) -> Option<Delta> {
-    // Serializing a value that was deserialized from JSON cannot fail in
-    // practice; an object that somehow does is skipped like a bad object.
-    let v = serde_json::to_value(obj).ok()?;
-    Some(delta_from_value(kind, &v))
+/// One kind's watch: what to watch, and how its objects become deltas.
+struct Watch<K: Resource> {
+    api: Api<K>,
+    config: watcher::Config,
+    kind: Kind,
+    trigger_of: fn(&K) -> Option<SystemTime>,
+    convert_of: fn(K) -> Option<Delta>,
 }
 
+/// Why a watch ended.
+#[derive(Debug, PartialEq, Eq)]
+enum Stopped {
+    /// The sync loop is gone: shutting down.
+    Shutdown,
+    /// The API server answered 404 for the collection: it does not serve
+    /// this version (any more).
+    NotServed,
+}
+
+/// A 404 for the list or the watch itself: the group version is not
+/// served. API servers before 1.24 answer it in plain text ("404 page not
+/// found"), which kube turns into a Status with only the code.
+fn not_served(e: &watcher::Error) -> bool {
+    matches!(e, watcher::Error::InitialListFailed(kube::Error::Api(s)) | watcher::Error::WatchStartFailed(kube::Error::Api(s)) if s.code == 404)
+}
+
+/// Watches a kind for as long as the agent runs (core/v1, which every
+/// release serves: a 404 is retried like any other failure).
 async fn watch_kind<K>(
     api: Api<K>,
     config: watcher::Config,
@@ -146,17 +236,34 @@ async fn watch_kind<K>(
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
     K::DynamicType: Eq + Hash + Clone + Send + Sync,
 {
+    let mut known = HashMap::new();
+    watch_until(&Watch { api, config, kind, trigger_of, convert_of }, &stores, &tx, &mut known, false).await;
+}
+
+/// Runs a watch until the agent shuts down or, with `stop_if_not_served`,
+/// until the API server answers 404 for it. `known` holds the objects the
+/// model has of this kind, with their resourceVersions; kept across
+/// watcher restarts (and versions) like a store would be.
+async fn watch_until<K>(
+    w: &Watch<K>,
+    stores: &Stores,
+    tx: &UnboundedSender<Signal>,
+    known: &mut HashMap<ObjectRef, String>,
+    stop_if_not_served: bool,
+) -> Stopped
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
+    K::DynamicType: Eq + Hash + Clone + Send + Sync,
+{
+    let (kind, trigger_of, convert_of) = (w.kind, w.trigger_of, w.convert_of);
     let mut restart_backoff = DefaultBackoff::default();
-    // The objects the model holds for this kind, with their
-    // resourceVersions; kept across watcher restarts like a store would be.
-    let mut known: HashMap<ObjectRef, String> = HashMap::new();
     // A relist in progress: what it has seen, and the deltas it will hand
     // over when complete.
     let mut relist: Option<(HashMap<ObjectRef, String>, Vec<Delta>)> = None;
     loop {
         // default_backoff: exponential 0.8 s .. 30 s with jitter between
         // failed attempts (client-go's reflector values), reset by success.
-        let mut stream = watcher::watcher(api.clone(), config.clone()).default_backoff().boxed();
+        let mut stream = watcher::watcher(w.api.clone(), w.config.clone()).default_backoff().boxed();
         let mut restart = false;
         while let Some(item) = stream.next().await {
             match item {
@@ -196,7 +303,7 @@ async fn watch_kind<K>(
                         watcher::Event::InitDone => {
                             let (seen, mut deltas) = relist.take().unwrap_or_default();
                             deltas.extend(known.keys().filter(|k| !seen.contains_key(*k)).map(|k| Delta::removed(kind, k.clone())));
-                            known = seen;
+                            *known = seen;
                             stores.push_all(deltas);
                             stores.set_len(kind, known.len());
                             Some(Signal::Listed { kind })
@@ -205,14 +312,17 @@ async fn watch_kind<K>(
                     if let Some(s) = signal
                         && tx.send(s).is_err()
                     {
-                        return; // the sync loop is gone: shutting down
+                        return Stopped::Shutdown;
                     }
                 }
                 Err(e) => {
                     let (expired, needs_restart) = classify(&e);
                     let message = error_chain(&e);
                     if tx.send(Signal::Failed { kind, expired, message }).is_err() {
-                        return;
+                        return Stopped::Shutdown;
+                    }
+                    if stop_if_not_served && not_served(&e) {
+                        return Stopped::NotServed;
                     }
                     if needs_restart {
                         restart = true;
@@ -248,5 +358,45 @@ mod tests {
         assert_eq!(classify(&e), (true, true));
         let e = watcher::Error::WatchStartFailed(kube::Error::Api(Box::new(status(500, "boom"))));
         assert_eq!(classify(&e), (false, false));
+    }
+
+    #[test]
+    fn older_error_shapes_are_recognised() {
+        let status = |code: u16, reason: &str, message: &str| kube::core::Status {
+            code,
+            reason: reason.into(),
+            message: message.into(),
+            ..Default::default()
+        };
+        // 1.17-1.18: "too large" in the message only, no cause.
+        let e = watcher::Error::WatchStartFailed(kube::Error::Api(Box::new(status(
+            504,
+            "Timeout",
+            "Too large resource version: 9, current: 3",
+        ))));
+        assert_eq!(classify(&e), (true, true));
+        // An expiry told by reason alone: kube-runtime would not relist.
+        let e = watcher::Error::WatchError(Box::new(status(0, "Expired", "too old resource version")));
+        assert_eq!(classify(&e), (true, true));
+        let e = watcher::Error::WatchError(Box::new(status(0, "InternalError", "etcd")));
+        assert_eq!(classify(&e), (false, false));
+        // A 504 for another reason is not an expiry.
+        let e = watcher::Error::WatchStartFailed(kube::Error::Api(Box::new(status(504, "Timeout", "request timed out"))));
+        assert_eq!(classify(&e), (false, false));
+    }
+
+    #[test]
+    fn a_404_means_not_served_whatever_its_body() {
+        // What kube makes of a plain-text "404 page not found" (API
+        // servers before 1.24) and of a 404 Status.
+        let plain = kube::core::Status::failure("404 page not found", "Failed to parse error data").with_code(404);
+        let json = kube::core::Status { code: 404, reason: "NotFound".into(), ..Default::default() };
+        for s in [plain, json] {
+            assert!(not_served(&watcher::Error::InitialListFailed(kube::Error::Api(Box::new(s.clone())))));
+            assert!(not_served(&watcher::Error::WatchStartFailed(kube::Error::Api(Box::new(s.clone())))));
+            assert!(!not_served(&watcher::Error::WatchError(Box::new(s))), "a 404 event inside a watch is the watch's business");
+        }
+        let e = watcher::Error::InitialListFailed(kube::Error::Api(Box::new(kube::core::Status { code: 403, ..Default::default() })));
+        assert!(!not_served(&e));
     }
 }

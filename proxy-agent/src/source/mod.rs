@@ -1,8 +1,11 @@
 //! Where the cluster comes from: manifest files, or the API server's
 //! list/watch. Both convert objects with the same functions (`delta`,
-//! `objects`, from the slim `wire` shapes) and fill the same queue
-//! (`feed`) that the sync loop drains.
+//! `objects`, from the slim `wire` shapes; `wire_v1beta1` for the
+//! EndpointSlices of 1.17-1.24 API servers) and fill the same queue
+//! (`feed`) that the sync loop drains. `api_versions` negotiates which
+//! versions the watchers and the Event poster use.
 
+pub mod api_versions;
 pub(crate) mod delta;
 pub mod feed;
 pub mod kube_watch;
@@ -10,3 +13,4 @@ pub mod manifest;
 pub mod manifest_watch;
 pub(crate) mod objects;
 pub(crate) mod wire;
+pub(crate) mod wire_v1beta1;

@@ -3,17 +3,20 @@
 //! fails is reported with its kind, name and the reason, and left out; the
 //! rest of the cluster is built as usual.
 
-use std::collections::BTreeMap;
-
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::Deserialize;
 use serde_json::Value;
 
 use crate::model::store::ObjectError;
-use crate::model::{Endpoint, EndpointSlice, Family, Node, ObjectRef, Protocol, Service, ServicePort, ServiceType, SlicePort};
-use crate::source::wire::{FirstAddress, WireService, WireSlice};
+use crate::model::{
+    Cidr, Endpoint, EndpointSlice, Family, Node, NodeTopology, ObjectRef, Protocol, Service, ServicePort, ServiceType, SlicePort,
+};
+use crate::source::wire::{FirstAddress, WireNode, WireService, WireSlice};
+use crate::source::wire_v1beta1::WireSliceV1beta1;
+use crate::util::intern::intern;
 
 /// Label that ties an EndpointSlice to its Service (discovery.k8s.io/v1).
 pub(crate) const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
@@ -22,6 +25,15 @@ pub(crate) const SERVICE_NAME_LABEL: &str = "kubernetes.io/service-name";
 pub(crate) const SERVICE_PROXY_NAME_LABEL: &str = "service.kubernetes.io/service-proxy-name";
 /// Marks a Service whose endpoints are consumed only through DNS.
 pub(crate) const HEADLESS_LABEL: &str = "service.kubernetes.io/headless";
+/// The taint the cluster autoscaler puts on a node it is about to remove
+/// (kube-proxy's `ToBeDeletedTaint`, pkg/proxy/healthcheck).
+pub(crate) const TO_BE_DELETED_TAINT: &str = "ToBeDeletedByClusterAutoscaler";
+
+/// `sessionAffinityConfig.clientIP.timeoutSeconds` when unset, and the
+/// largest the API server accepts (core/v1
+/// `DefaultClientIPServiceAffinitySeconds`, `MaxClientIPServiceAffinitySeconds`).
+pub(crate) const DEFAULT_AFFINITY_TIMEOUT_S: u32 = 10_800;
+pub(crate) const MAX_AFFINITY_TIMEOUT_S: u32 = 86_400;
 
 /// What happened to one object.
 #[derive(Debug)]
@@ -172,9 +184,68 @@ pub(crate) fn service_from_wire(svc: WireService) -> Conversion<Service> {
         list.iter().map(|s| parse_ip(s).ok_or_else(|| fail(K, &ns, &name, format!("{field}: {s:?} is not an IP address")))).collect()
     };
     let external_ips = ips(&spec.external_ips.clone().unwrap_or_default(), "spec.externalIPs")?;
-    let lb: Vec<String> =
-        svc.status.and_then(|s| s.load_balancer).and_then(|lb| lb.ingress).unwrap_or_default().into_iter().filter_map(|i| i.ip).collect();
+    let mut lb: Vec<String> = Vec::new();
+    for (i, ingress) in svc.status.and_then(|s| s.load_balancer).and_then(|lb| lb.ingress).unwrap_or_default().into_iter().enumerate() {
+        let Some(ip) = ingress.ip else { continue };
+        match ingress.ip_mode.as_deref() {
+            // KEP-1860: the cloud's load balancer proxies this address to
+            // the node, so traffic to it must reach the node as it is.
+            Some("Proxy") => continue,
+            None | Some("VIP") => {}
+            Some(other) => problems.push(fail(
+                K,
+                &ns,
+                &name,
+                format!("status.loadBalancer.ingress[{i}].ipMode {other:?} is unknown (VIP and Proxy are); {ip} is treated as VIP"),
+            )),
+        }
+        lb.push(ip);
+    }
     let load_balancer_ips = ips(&lb, "status.loadBalancer.ingress[].ip")?;
+    let session_affinity = match spec.session_affinity.as_deref() {
+        None | Some("None") => None,
+        Some("ClientIP") => {
+            let timeout = spec.session_affinity_config.as_ref().and_then(|c| c.client_ip.as_ref()).and_then(|c| c.timeout_seconds);
+            match timeout {
+                None => Some(DEFAULT_AFFINITY_TIMEOUT_S),
+                Some(t) => Some(u32::try_from(t).ok().filter(|t| (1..=MAX_AFFINITY_TIMEOUT_S).contains(t)).unwrap_or_else(|| {
+                    problems.push(fail(
+                        K,
+                        &ns,
+                        &name,
+                        format!(
+                            "spec.sessionAffinityConfig.clientIP.timeoutSeconds {t} is out of range 1-{MAX_AFFINITY_TIMEOUT_S}; the default {DEFAULT_AFFINITY_TIMEOUT_S} is used"
+                        ),
+                    ));
+                    DEFAULT_AFFINITY_TIMEOUT_S
+                })),
+            }
+        }
+        Some(other) => {
+            problems.push(fail(K, &ns, &name, format!("spec.sessionAffinity {other:?} is unknown (None and ClientIP are); None is used")));
+            None
+        }
+    };
+    let load_balancer_source_ranges = match spec.load_balancer_source_ranges.take().unwrap_or_default() {
+        ranges if ranges.is_empty() => None,
+        ranges => {
+            let mut valid = Vec::with_capacity(ranges.len());
+            for (i, r) in ranges.iter().enumerate() {
+                match Cidr::parse(r) {
+                    Some(c) => valid.push(c),
+                    None => problems.push(fail(
+                        K,
+                        &ns,
+                        &name,
+                        format!(
+                            "spec.loadBalancerSourceRanges[{i}] {r:?} is not a CIDR; ignored (the other ranges stay in force, and with none the LoadBalancer IPs admit no client)"
+                        ),
+                    )),
+                }
+            }
+            Some(valid)
+        }
+    };
     let external_policy = spec.external_traffic_policy.as_deref().unwrap_or("Cluster");
     let service = Service {
         id: ObjectRef::new(ns.clone(), name.clone()),
@@ -190,6 +261,8 @@ pub(crate) fn service_from_wire(svc: WireService) -> Conversion<Service> {
         external_ips,
         load_balancer_ips,
         health_check_node_port: spec.health_check_node_port.and_then(port_u16),
+        session_affinity,
+        load_balancer_source_ranges,
     };
     Ok((Converted::Ok(service), problems))
 }
@@ -198,6 +271,10 @@ pub(crate) fn service_from_wire(svc: WireService) -> Conversion<Service> {
 /// returned beside the slice (that part is left out); problems with the
 /// slice as a whole are the `Err`.
 pub(crate) fn slice_from_json(v: &Value) -> Conversion<EndpointSlice> {
+    // What `kubectl get endpointslices -o yaml` gives on 1.17-1.20.
+    if v.get("apiVersion").and_then(Value::as_str) == Some("discovery.k8s.io/v1beta1") {
+        return from_json("EndpointSlice", v, |s: WireSliceV1beta1| slice_from_wire(s.into_v1()));
+    }
     from_json("EndpointSlice", v, slice_from_wire)
 }
 
@@ -237,6 +314,9 @@ pub(crate) fn slice_from_wire(slice: WireSlice) -> Conversion<EndpointSlice> {
         }
     }
     let eps = slice.endpoints.unwrap_or_default();
+    // The topologies of this slice's endpoints so far: endpoints on one
+    // node report the same labels and share one copy.
+    let mut topologies: Vec<Arc<NodeTopology>> = Vec::new();
     // Exact capacity: the model keeps these for as long as the slice exists
     // (at 10k slices, doubling growth would hold a third more than needed).
     let mut endpoints = Vec::with_capacity(eps.len());
@@ -275,25 +355,51 @@ pub(crate) fn slice_from_wire(slice: WireSlice) -> Conversion<EndpointSlice> {
             zone: ep.zone.map(|z| z.0),
             hint_zones: hints.for_zones.map(|z| z.into_iter().map(|z| z.name.0).collect()),
             hint_nodes: hints.for_nodes.map(|n| n.into_iter().map(|n| n.name.0).collect()),
+            topology: ep.deprecated_topology.map(|labels| shared_topology(&mut topologies, &labels)),
         });
     }
     Ok((Converted::Ok(EndpointSlice { id: ObjectRef::new(ns, name), service_name, family, ports, endpoints }), problems))
 }
 
+/// One shared copy of a reported node topology per distinct label set.
+fn shared_topology(seen: &mut Vec<Arc<NodeTopology>>, labels: &std::collections::BTreeMap<String, String>) -> Arc<NodeTopology> {
+    let same =
+        |t: &&Arc<NodeTopology>| t.len() == labels.len() && t.iter().zip(labels).all(|((k, v), (k2, v2))| **k == **k2 && **v == **v2);
+    if let Some(t) = seen.iter().find(same) {
+        return t.clone();
+    }
+    let t: Arc<NodeTopology> = Arc::new(labels.iter().map(|(k, v)| (intern(k), intern(v))).collect());
+    seen.push(t.clone());
+    t
+}
+
+/// Converts a Node given as JSON (a manifest) through the wire shape the
+/// watcher uses, so both read the same fields.
 pub(crate) fn node_from_json(v: &Value) -> Result<Node, ObjectError> {
     let (_, name) = object_ref(v);
     if name.is_empty() {
         return Err(fail("Node", "", "", "metadata.name is missing"));
     }
-    let labels: BTreeMap<String, String> = match v.get("metadata").and_then(|m| m.get("labels")) {
-        None | Some(Value::Null) => BTreeMap::new(),
-        Some(l) => BTreeMap::<String, String>::deserialize(l).map_err(|e| ObjectError {
-            kind: "Node".into(),
-            object: name.clone(),
-            reason: format!("metadata.labels: {e}"),
-        })?,
+    let wire =
+        WireNode::deserialize(v).map_err(|e| ObjectError { kind: "Node".into(), object: name, reason: format!("malformed: {e}") })?;
+    node_from_wire(wire)
+}
+
+/// [`node_from_json`] for a Node the watcher deserialized.
+pub(crate) fn node_from_wire(node: WireNode) -> Result<Node, ObjectError> {
+    let name = node.metadata.name.unwrap_or_default();
+    if name.is_empty() {
+        return Err(fail("Node", "", "", "metadata.name is missing"));
+    }
+    let tainted = node.spec.and_then(|s| s.taints).unwrap_or_default().iter().any(|t| t.key.as_deref() == Some(TO_BE_DELETED_TAINT));
+    let leaving = if node.metadata.deletion_timestamp.is_some() {
+        Some("its Node has a deletionTimestamp")
+    } else if tainted {
+        Some("its Node is tainted ToBeDeletedByClusterAutoscaler")
+    } else {
+        None
     };
-    Ok(Node { name, labels })
+    Ok(Node { name, labels: node.metadata.labels.unwrap_or_default(), leaving })
 }
 
 #[cfg(test)]
@@ -439,9 +545,177 @@ endpoints:
     }
 
     #[test]
+    fn leaving_nodes_are_recognised() {
+        let (c, e) = cluster(
+            r#"
+kind: Node
+metadata: {name: deleted, deletionTimestamp: "2024-05-01T10:00:00Z"}
+---
+kind: Node
+metadata: {name: tainted}
+spec: {taints: [{key: node.kubernetes.io/unschedulable, effect: NoSchedule}, {key: ToBeDeletedByClusterAutoscaler, value: "1714557600", effect: NoSchedule}]}
+---
+kind: Node
+metadata: {name: cordoned, labels: {topology.kubernetes.io/zone: z1}}
+spec: {unschedulable: true, taints: [{key: node.kubernetes.io/unschedulable, effect: NoSchedule}]}
+"#,
+        );
+        assert!(e.is_empty(), "{e:?}");
+        assert_eq!(c.nodes["deleted"].leaving, Some("its Node has a deletionTimestamp"));
+        assert_eq!(c.nodes["tainted"].leaving, Some("its Node is tainted ToBeDeletedByClusterAutoscaler"));
+        assert_eq!(c.nodes["cordoned"].leaving, None, "a cordoned node still serves");
+        assert_eq!(c.nodes["cordoned"].labels["topology.kubernetes.io/zone"], "z1");
+        let (_, e) = cluster("kind: Node\nmetadata: {name: bad, labels: [x]}\n");
+        assert!(e.len() == 1 && e[0].starts_with("Node bad: malformed:"), "{e:?}");
+    }
+
+    #[test]
+    fn v1beta1_slices_convert_into_the_same_model() {
+        // As a 1.18 API server serves it: topology map, no nodeName, ready only.
+        let (c, e) = cluster(
+            r"
+apiVersion: discovery.k8s.io/v1beta1
+kind: EndpointSlice
+metadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints:
+- addresses: [10.244.0.1]
+  topology: {kubernetes.io/hostname: n1, topology.kubernetes.io/zone: z1, topology.kubernetes.io/region: r1}
+- addresses: [10.244.0.2]
+  conditions: {ready: false}
+  topology: {kubernetes.io/hostname: n1, topology.kubernetes.io/zone: z1, topology.kubernetes.io/region: r1}
+- addresses: [10.244.0.3]
+  conditions: {ready: true}
+  topology: {kubernetes.io/hostname: n2, failure-domain.beta.kubernetes.io/zone: z2}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-2, namespace: shop, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+ports: [{name: http, port: 8080}]
+endpoints:
+- addresses: [10.244.0.1]
+  nodeName: n1
+  zone: z1
+",
+        );
+        assert!(e.is_empty(), "{e:?}");
+        let beta = &c.slices[&ObjectRef::new("shop", "web-1")];
+        let v1 = &c.slices[&ObjectRef::new("shop", "web-2")];
+        let (a, b, d) = (&beta.endpoints[0], &beta.endpoints[1], &beta.endpoints[2]);
+        assert_eq!((a.node_name.as_deref(), a.zone.as_deref()), (Some("n1"), Some("z1")));
+        assert!(a.ready && a.serving && !a.terminating, "no conditions: ready, as kube-proxy 1.17-1.20 read it");
+        assert!(!b.ready && !b.serving && !b.terminating, "not ready: never used");
+        let topology = a.topology.as_ref().expect("region is kept");
+        assert_eq!(topology.iter().map(|(k, v)| (&**k, &**v)).collect::<Vec<_>>(), [("topology.kubernetes.io/region", "r1")]);
+        assert!(a.topology.as_ref().zip(b.topology.as_ref()).is_some_and(|(x, y)| Arc::ptr_eq(x, y)), "one copy per slice");
+        assert_eq!((d.node_name.as_deref(), d.zone.as_deref()), (Some("n2"), Some("z2")));
+        // Apart from what only v1beta1 reports, the same endpoint as v1's.
+        let mut same = a.clone();
+        same.topology = None;
+        assert_eq!(same, v1.endpoints[0]);
+        assert_eq!(beta.ports, v1.ports);
+    }
+
+    #[test]
     fn malformed_typed_fields_are_reported() {
         let (_, e) = cluster("apiVersion: v1\nkind: Service\nmetadata: {name: m}\nspec: {ports: [{port: eighty}]}\n");
         assert_eq!(e.len(), 1);
         assert!(e[0].starts_with("Service default/m: malformed:"), "{e:?}");
+    }
+}
+
+#[cfg(test)]
+mod service_policy_tests {
+    use crate::model::{Cidr, ObjectRef, Service};
+
+    fn convert(spec: &str, status: &str) -> (Option<Service>, Vec<String>) {
+        let yaml = format!("apiVersion: v1\nkind: Service\nmetadata: {{name: lb}}\nspec: {spec}\nstatus: {status}\n");
+        let (mut c, e) = crate::source::manifest_watch::cluster_from_text(&yaml);
+        (c.services.remove(&ObjectRef::new("default", "lb")), e)
+    }
+
+    const LB: &str = "type: LoadBalancer, clusterIP: 10.96.0.10, ports: [{port: 80, nodePort: 30080}]";
+
+    #[test]
+    fn session_affinity_and_its_timeout() {
+        // (spec fields, affinity, problem)
+        let cases = [
+            ("", None, None),
+            (", sessionAffinity: None", None, None),
+            (", sessionAffinity: ClientIP", Some(10_800), None),
+            (", sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 2}}", Some(2), None),
+            (", sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 86400}}", Some(86_400), None),
+            (", sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {}}", Some(10_800), None),
+            // The API server would have refused these; the default stands in.
+            (
+                ", sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 86401}}",
+                Some(10_800),
+                Some(
+                    "Service default/lb: spec.sessionAffinityConfig.clientIP.timeoutSeconds 86401 is out of range 1-86400; the default 10800 is used",
+                ),
+            ),
+            (
+                ", sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 0}}",
+                Some(10_800),
+                Some(
+                    "Service default/lb: spec.sessionAffinityConfig.clientIP.timeoutSeconds 0 is out of range 1-86400; the default 10800 is used",
+                ),
+            ),
+            (
+                ", sessionAffinity: Cookie",
+                None,
+                Some("Service default/lb: spec.sessionAffinity \"Cookie\" is unknown (None and ClientIP are); None is used"),
+            ),
+            // A timeout without ClientIP means nothing.
+            (", sessionAffinityConfig: {clientIP: {timeoutSeconds: 5}}", None, None),
+        ];
+        for (fields, affinity, problem) in cases {
+            let (svc, e) = convert(&format!("{{{LB}{fields}}}"), "{}");
+            let svc = svc.unwrap_or_else(|| panic!("{fields}: not converted: {e:?}"));
+            assert_eq!(svc.session_affinity, affinity, "{fields}");
+            assert_eq!(e.first().map(String::as_str), problem, "{fields}");
+            assert!(e.len() <= 1, "{fields}: {e:?}");
+        }
+    }
+
+    #[test]
+    fn bad_source_ranges_are_reported_and_the_rest_stay_in_force() {
+        let cidr = |s: &str| Cidr::parse(s).expect("literal");
+        let (svc, e) = convert(&format!("{{{LB}, loadBalancerSourceRanges: [10.0.0.0/8, nonsense, \" 192.0.2.0/24\", 10.0.0.1]}}"), "{}");
+        let svc = svc.expect("converted");
+        assert_eq!(svc.load_balancer_source_ranges, Some(vec![cidr("10.0.0.0/8"), cidr("192.0.2.0/24")]));
+        assert_eq!(
+            e,
+            [
+                "Service default/lb: spec.loadBalancerSourceRanges[1] \"nonsense\" is not a CIDR; ignored (the other ranges stay in force, and with none the LoadBalancer IPs admit no client)",
+                "Service default/lb: spec.loadBalancerSourceRanges[3] \"10.0.0.1\" is not a CIDR; ignored (the other ranges stay in force, and with none the LoadBalancer IPs admit no client)",
+            ]
+        );
+        // None valid: the filter stays, with nothing in it (fails closed).
+        let (svc, e) = convert(&format!("{{{LB}, loadBalancerSourceRanges: [bad]}}"), "{}");
+        assert_eq!(svc.expect("converted").load_balancer_source_ranges, Some(vec![]));
+        assert_eq!(e.len(), 1);
+        // Absent or empty: no filter.
+        for fields in ["", ", loadBalancerSourceRanges: []"] {
+            let (svc, e) = convert(&format!("{{{LB}{fields}}}"), "{}");
+            assert_eq!(svc.expect("converted").load_balancer_source_ranges, None, "{fields}");
+            assert!(e.is_empty(), "{e:?}");
+        }
+    }
+
+    #[test]
+    fn ip_mode_proxy_addresses_are_left_alone() {
+        let status = "{loadBalancer: {ingress: [{ip: 198.51.100.1}, {ip: 198.51.100.2, ipMode: VIP}, {ip: 198.51.100.3, ipMode: Proxy}, {hostname: lb.example.org}, {ip: 198.51.100.4, ipMode: Tunnel}]}}";
+        let (svc, e) = convert(&format!("{{{LB}}}"), status);
+        let ips: Vec<String> = svc.expect("converted").load_balancer_ips.iter().map(ToString::to_string).collect();
+        assert_eq!(ips, ["198.51.100.1", "198.51.100.2", "198.51.100.4"]);
+        assert_eq!(
+            e,
+            [
+                "Service default/lb: status.loadBalancer.ingress[4].ipMode \"Tunnel\" is unknown (VIP and Proxy are); 198.51.100.4 is treated as VIP"
+            ]
+        );
     }
 }

@@ -1,5 +1,5 @@
-//! The shapes Services and EndpointSlices are deserialized into, by the
-//! watchers straight off the API server's response and by the manifest
+//! The shapes Services, EndpointSlices and Nodes are deserialized into, by
+//! the watchers straight off the API server's response and by the manifest
 //! reader from parsed YAML: only the fields conversion (`objects`) reads.
 //!
 //! Why not k8s-openapi's types: at 10k Services x 10 endpoints, a cold
@@ -49,7 +49,7 @@ struct WireMeta {
 
 /// kube's `Resource` hands out an `ObjectMeta`, so the slim metadata is
 /// moved into one (the fields not read stay empty).
-fn meta<'de, D: Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Error> {
+pub(super) fn meta<'de, D: Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Error> {
     let m = Option::<WireMeta>::deserialize(d)?;
     Ok(m.map(|m| ObjectMeta {
         name: m.name,
@@ -91,6 +91,22 @@ pub(crate) struct WireServiceSpec {
     pub internal_traffic_policy: Option<String>,
     pub traffic_distribution: Option<String>,
     pub health_check_node_port: Option<i32>,
+    pub session_affinity: Option<String>,
+    pub session_affinity_config: Option<WireSessionAffinityConfig>,
+    pub load_balancer_source_ranges: Option<Vec<String>>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct WireSessionAffinityConfig {
+    #[serde(rename = "clientIP")]
+    pub client_ip: Option<WireClientIpConfig>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct WireClientIpConfig {
+    pub timeout_seconds: Option<i64>,
 }
 
 #[derive(Clone, Debug, Deserialize)]
@@ -114,8 +130,11 @@ pub(crate) struct WireLoadBalancer {
 }
 
 #[derive(Clone, Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub(crate) struct WireIngress {
     pub ip: Option<String>,
+    /// `VIP` (the default) or `Proxy` (KEP-1860, Kubernetes >= 1.29).
+    pub ip_mode: Option<String>,
 }
 
 /// discovery/v1 EndpointSlice.
@@ -145,6 +164,10 @@ pub(crate) struct WireEndpoint {
     pub node_name: Option<Name>,
     pub zone: Option<Name>,
     pub hints: Option<WireHints>,
+    /// The v1beta1 `topology` labels that have no field of their own in v1
+    /// (API servers 1.21-1.24 serve them on slices written through
+    /// v1beta1; `wire_v1beta1` fills it when converting).
+    pub deprecated_topology: Option<BTreeMap<String, String>>,
 }
 
 #[derive(Clone, Copy, Debug, Default, Deserialize)]
@@ -268,6 +291,77 @@ macro_rules! resource {
 resource!(WireService, "Service", "", "v1", "services");
 resource!(WireSlice, "EndpointSlice", "discovery.k8s.io", "v1", "endpointslices");
 
+/// What the agent reads of a Node's metadata: its labels (topology) and
+/// whether it is being deleted (this node's health).
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct WireNodeMeta {
+    name: Option<String>,
+    resource_version: Option<String>,
+    labels: Option<BTreeMap<String, String>>,
+    deletion_timestamp: Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Time>,
+}
+
+fn node_meta<'de, D: Deserializer<'de>>(d: D) -> Result<ObjectMeta, D::Error> {
+    let m = Option::<WireNodeMeta>::deserialize(d)?;
+    Ok(m.map(|m| ObjectMeta {
+        name: m.name,
+        resource_version: m.resource_version,
+        labels: m.labels,
+        deletion_timestamp: m.deletion_timestamp,
+        ..ObjectMeta::default()
+    })
+    .unwrap_or_default())
+}
+
+/// core/v1 Node: the metadata above and the keys of `spec.taints`. Most of
+/// a Node is `status` (conditions, addresses, images, heartbeats), which
+/// changes every few seconds on a real node; it is skipped here without
+/// being allocated, and the model changes only when labels, deletion or
+/// taints do (metadata-only watches would save the bytes on the wire too,
+/// but carry no taints, and the cluster autoscaler marks a node it is about
+/// to remove with one).
+#[derive(Clone, Debug, Default, Deserialize)]
+pub(crate) struct WireNode {
+    #[serde(default, deserialize_with = "node_meta")]
+    pub metadata: ObjectMeta,
+    pub spec: Option<WireNodeSpec>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize)]
+pub(crate) struct WireNodeSpec {
+    pub taints: Option<Vec<WireTaint>>,
+}
+
+/// A taint's key; its value and effect do not matter to the agent.
+#[derive(Clone, Debug, Deserialize)]
+pub(crate) struct WireTaint {
+    pub key: Option<String>,
+}
+
+impl kube::Resource for WireNode {
+    type DynamicType = ();
+    type Scope = k8s_openapi::ClusterResourceScope;
+    fn kind((): &()) -> Cow<'_, str> {
+        Cow::Borrowed("Node")
+    }
+    fn group((): &()) -> Cow<'_, str> {
+        Cow::Borrowed("")
+    }
+    fn version((): &()) -> Cow<'_, str> {
+        Cow::Borrowed("v1")
+    }
+    fn plural((): &()) -> Cow<'_, str> {
+        Cow::Borrowed("nodes")
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -307,6 +401,31 @@ mod tests {
         let hint = &eps[0].hints.as_ref().and_then(|h| h.for_zones.as_ref()).expect("hints")[0].name;
         assert!(Arc::ptr_eq(&zone.0, &hint.0), "one shared copy per name");
         assert_eq!(eps[1].conditions.and_then(|c| c.ready), Some(false));
+    }
+
+    #[test]
+    fn nodes_keep_labels_deletion_and_taint_keys_only() {
+        use k8s_openapi::api::core::v1::Node;
+        assert_eq!(WireNode::url_path(&(), None), Node::url_path(&(), None));
+        let v = json!({
+            "apiVersion": "v1", "kind": "Node",
+            "metadata": {"name": "n1", "resourceVersion": "9", "labels": {"topology.kubernetes.io/zone": "z1"},
+                         "deletionTimestamp": "2024-05-01T10:00:00Z", "annotations": {"a": "b"},
+                         "managedFields": [{"manager": "kubelet"}]},
+            "spec": {"podCIDR": "10.244.1.0/24",
+                     "taints": [{"key": "ToBeDeletedByClusterAutoscaler", "value": "1714557600", "effect": "NoSchedule"}, {"effect": "NoExecute"}]},
+            "status": {"conditions": [{"type": "Ready", "status": "True", "lastHeartbeatTime": "2024-05-01T10:00:00Z"}],
+                       "images": [{"names": ["registry/x:1"], "sizeBytes": 1}]}
+        });
+        let n = WireNode::deserialize(&v).expect("node");
+        assert_eq!(n.metadata.name.as_deref(), Some("n1"));
+        assert_eq!(n.metadata.resource_version.as_deref(), Some("9"));
+        assert!(n.metadata.deletion_timestamp.is_some());
+        assert!(n.metadata.annotations.is_none() && n.metadata.managed_fields.is_none());
+        let taints = n.spec.and_then(|s| s.taints).expect("taints");
+        assert_eq!(taints.iter().map(|t| t.key.as_deref()).collect::<Vec<_>>(), [Some("ToBeDeletedByClusterAutoscaler"), None]);
+        let bare = WireNode::deserialize(&json!({"metadata": {"name": "n2"}})).expect("bare node");
+        assert!(bare.spec.is_none() && bare.metadata.deletion_timestamp.is_none());
     }
 
     #[test]

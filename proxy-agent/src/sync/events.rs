@@ -1,12 +1,19 @@
 //! Kubernetes Events about Services the agent could not program as asked,
 //! so that `kubectl describe service` shows why.
 //!
-//! Events are `events.k8s.io/v1` Events (the API that replaced core/v1
-//! Events for new writers) with `reportingController: topoproxy` and
+//! Events are events.k8s.io Events (the API that replaced core/v1 Events
+//! for new writers) with `reportingController: topoproxy` and
 //! `reportingInstance: topoproxy-<node>`, type Warning, regarding the
-//! Service. Every node sees the same bad object; each node's agent reports
-//! it once (per problem, while it lasts), which matches how kube-proxy and
-//! the kubelet report per-node observations.
+//! Service. They are posted in the version negotiated with the API server
+//! (`source::api_versions`): v1 from Kubernetes 1.19, v1beta1 before,
+//! whose Event has the same fields under another `apiVersion`. A 404 for
+//! the version in use (a control plane upgraded past 1.24 no longer serves
+//! v1beta1) negotiates again; an API server that serves neither gets no
+//! Events, which is said once.
+//!
+//! Every node sees the same bad object; each node's agent reports it once
+//! (per problem, while it lasts), which matches how kube-proxy and the
+//! kubelet report per-node observations.
 //!
 //! Deduplication: a problem is posted once and remembered while it is
 //! current. When it goes away and later comes back it is posted again. A
@@ -21,11 +28,12 @@ use k8s_openapi::api::events::v1::Event;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::Timestamp;
 use kube::Client;
-use kube::api::{Api, PostParams};
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, PostParams, TypeMeta};
 use tokio::sync::watch;
 
 use crate::model::ObjectRef;
 use crate::observe::metrics::{Metrics, reason as metric_reason};
+use crate::source::api_versions::{EVENTS_GROUP, Negotiated, Version};
 
 /// `reportingController` of every Event the agent posts.
 pub const REPORTING_CONTROLLER: &str = "topoproxy";
@@ -132,6 +140,15 @@ pub fn event_for(p: &ServiceProblem, instance: &str, now: Timestamp) -> Event {
     }
 }
 
+/// `event` as an events.k8s.io Event of `version`: v1beta1's Event has
+/// v1's fields, so only `apiVersion` differs.
+pub fn event_object(event: &Event, version: Version) -> Result<(ApiResource, DynamicObject), serde_json::Error> {
+    let resource = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(EVENTS_GROUP, version.as_str(), "Event"), "events");
+    let mut obj: DynamicObject = serde_json::from_value(serde_json::to_value(event)?)?;
+    obj.types = Some(TypeMeta { api_version: resource.api_version.clone(), kind: resource.kind.clone() });
+    Ok((resource, obj))
+}
+
 /// Posts Events in the background. The sync loop publishes the complete
 /// list of current problems after each sync (`publish`); only the latest
 /// list matters, so a slow or unavailable API server never holds up the
@@ -142,10 +159,11 @@ pub struct EventReporter {
 
 impl EventReporter {
     /// Starts the posting task. `instance` is the reportingInstance (the
-    /// API server limits it to 128 characters).
-    pub fn spawn(client: Client, instance: String, metrics: Arc<Metrics>) -> EventReporter {
+    /// API server limits it to 128 characters); Events wait for `versions`
+    /// to be negotiated.
+    pub fn spawn(client: Client, instance: String, metrics: Arc<Metrics>, versions: Negotiated) -> EventReporter {
         let (tx, rx) = watch::channel(Arc::new(Vec::new()));
-        tokio::spawn(post_loop(client, instance, metrics, rx));
+        tokio::spawn(post_loop(client, instance, metrics, versions, rx));
         EventReporter { tx }
     }
 
@@ -154,9 +172,17 @@ impl EventReporter {
     }
 }
 
-async fn post_loop(client: Client, instance: String, metrics: Arc<Metrics>, mut rx: watch::Receiver<Arc<Vec<ServiceProblem>>>) {
+async fn post_loop(
+    client: Client,
+    instance: String,
+    metrics: Arc<Metrics>,
+    mut versions: Negotiated,
+    mut rx: watch::Receiver<Arc<Vec<ServiceProblem>>>,
+) {
     let mut dedup = Deduper::default();
     let mut retry = false;
+    let Some(mut chosen) = versions.current().await else { return };
+    let mut said_unserved = false;
     loop {
         if retry {
             // Some posts failed: look again after a while even if nothing
@@ -170,10 +196,29 @@ async fn post_loop(client: Client, instance: String, metrics: Arc<Metrics>, mut 
         }
         let current = rx.borrow_and_update().clone();
         retry = false;
+        let Some(version) = chosen.events else {
+            if !said_unserved {
+                tracing::warn!(
+                    "the API server serves neither events.k8s.io/v1 nor v1beta1: problems are logged and counted, not posted as Events"
+                );
+                said_unserved = true;
+            }
+            continue;
+        };
+        let mut not_served = false;
         for p in dedup.fresh(&current) {
-            let api: Api<Event> = Api::namespaced(client.clone(), &p.service.namespace);
-            match api.create(&PostParams::default(), &event_for(&p, &instance, Timestamp::now())).await {
-                Ok(_) => metrics.event_posted(),
+            let posted = match event_object(&event_for(&p, &instance, Timestamp::now()), version) {
+                Ok((resource, obj)) => {
+                    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &p.service.namespace, &resource);
+                    api.create(&PostParams::default(), &obj).await.map(drop).map_err(|e| {
+                        not_served |= matches!(&e, kube::Error::Api(s) if s.code == 404);
+                        e.to_string()
+                    })
+                }
+                Err(e) => Err(e.to_string()),
+            };
+            match posted {
+                Ok(()) => metrics.event_posted(),
                 Err(e) => {
                     tracing::debug!(service = %p.service, reason = p.reason, error = %e, "posting Event failed; will retry");
                     metrics.error(metric_reason::EVENT_POST);
@@ -181,6 +226,14 @@ async fn post_loop(client: Client, instance: String, metrics: Arc<Metrics>, mut 
                     retry = true;
                 }
             }
+        }
+        if not_served {
+            tracing::warn!("the API server answers 404 for {EVENTS_GROUP}/{}; negotiating the version again", version.as_str());
+            match versions.renegotiate().await {
+                Some(v) => chosen = v,
+                None => return,
+            }
+            said_unserved = false;
         }
     }
 }
@@ -218,6 +271,24 @@ mod tests {
         assert_eq!(e.metadata.namespace.as_deref(), Some("default"));
         let long = event_for(&prob, &"n".repeat(300), Timestamp::UNIX_EPOCH);
         assert_eq!(long.reporting_instance.map(|i| i.len()), Some(MAX_FIELD));
+    }
+
+    #[test]
+    fn v1beta1_events_have_v1s_fields() {
+        let e = event_for(&p("web", "bad"), "topoproxy-node-a", Timestamp::UNIX_EPOCH);
+        let (v1_res, v1) = event_object(&e, Version::V1).expect("v1");
+        let (beta_res, beta) = event_object(&e, Version::V1beta1).expect("v1beta1");
+        assert_eq!((v1_res.api_version.as_str(), v1_res.plural.as_str()), ("events.k8s.io/v1", "events"));
+        assert_eq!(beta_res.api_version, "events.k8s.io/v1beta1");
+        let json = |o: &DynamicObject| serde_json::to_value(o).expect("json");
+        let (mut a, b) = (json(&v1), json(&beta));
+        assert_eq!(b["apiVersion"], "events.k8s.io/v1beta1");
+        assert_eq!(b["kind"], "Event");
+        a["apiVersion"] = b["apiVersion"].clone();
+        assert_eq!(a, b, "only apiVersion differs");
+        for field in ["eventTime", "reportingController", "reportingInstance", "action", "reason", "note", "type", "regarding"] {
+            assert!(b.get(field).is_some(), "{field} missing: {b}");
+        }
     }
 
     #[test]

@@ -11,7 +11,7 @@ use crate::datapath::map_writer::{ApplyError, MapWriter, WriteError};
 use crate::datapath::maps;
 use crate::decide::cache::DecisionCache;
 use crate::decide::decision::{self, PortDecision};
-use crate::decide::plan::{self, Plan};
+use crate::decide::plan::{self, FrontendPolicy, Plan, Policies};
 use crate::external::nodeport::ExternalDatapath;
 use crate::model::store::Changes;
 use crate::model::{Backend, Cluster, Frontend, ObjectRef};
@@ -22,6 +22,10 @@ pub trait SocketMaps {
     fn state(&self) -> plan::State;
     /// The backends programmed for `fe`, in slot order.
     fn backends_of(&self, fe: &Frontend) -> Option<&[Backend]>;
+    /// The programmed frontends whose policy is not the default.
+    fn policies(&self) -> Policies;
+    /// The policy `fe` is programmed with.
+    fn policy_of(&self, fe: &Frontend) -> Option<&FrontendPolicy>;
     /// Applies a plan; each frontend is written completely or not at all,
     /// and the ones that failed are returned.
     fn apply(&mut self, plan: &Plan) -> Vec<ApplyError>;
@@ -39,6 +43,12 @@ impl SocketMaps for MapWriter {
     }
     fn backends_of(&self, fe: &Frontend) -> Option<&[Backend]> {
         MapWriter::backends_of(self, fe)
+    }
+    fn policies(&self) -> Policies {
+        MapWriter::policies(self)
+    }
+    fn policy_of(&self, fe: &Frontend) -> Option<&FrontendPolicy> {
+        MapWriter::policy_of(self, fe)
     }
     fn apply(&mut self, plan: &Plan) -> Vec<ApplyError> {
         MapWriter::apply(self, plan)
@@ -60,6 +70,8 @@ impl SocketMaps for MapWriter {
 #[derive(Debug, Default)]
 pub struct MemoryMaps {
     pub programmed: BTreeMap<Frontend, Vec<Backend>>,
+    /// The programmed frontends' policies, where not the default.
+    pub policies: Policies,
     pub capacity: Option<u32>,
 }
 
@@ -70,9 +82,17 @@ impl SocketMaps for MemoryMaps {
     fn backends_of(&self, fe: &Frontend) -> Option<&[Backend]> {
         self.programmed.get(fe).map(Vec::as_slice)
     }
+    fn policies(&self) -> Policies {
+        self.policies.clone()
+    }
+    fn policy_of(&self, fe: &Frontend) -> Option<&FrontendPolicy> {
+        static DEFAULT: FrontendPolicy = FrontendPolicy { affinity_timeout_s: None, source_ranges: None };
+        self.programmed.contains_key(fe).then(|| self.policies.get(fe).unwrap_or(&DEFAULT))
+    }
     fn apply(&mut self, plan: &Plan) -> Vec<ApplyError> {
         for fe in &plan.deletes {
             self.programmed.remove(fe);
+            self.policies.remove(fe);
         }
         let mut failures = Vec::new();
         for (fe, backends) in &plan.upserts {
@@ -84,6 +104,10 @@ impl SocketMaps for MemoryMaps {
                 }),
                 _ => {
                     self.programmed.insert(*fe, backends.clone());
+                    match plan.policies.get(fe) {
+                        Some(p) => self.policies.insert(*fe, p.clone()),
+                        None => self.policies.remove(fe),
+                    };
                 }
             }
         }
@@ -113,6 +137,11 @@ pub struct SyncOutcome {
     pub failures: Vec<ApplyError>,
     /// Services with at least one ClusterIP frontend in the maps.
     pub services_programmed: usize,
+    /// Service ports with endpoints elsewhere and none on this node for
+    /// their internal / external Local policy
+    /// (`PortDecision::no_local_endpoints`), over every Service.
+    pub no_local_internal: usize,
+    pub no_local_external: usize,
 }
 
 /// The passes of the sync loop. Decisions come from the `DecisionCache`
@@ -124,8 +153,9 @@ pub struct SyncOutcome {
 pub struct CachedSync {
     cache: DecisionCache,
     /// External frontends in the socket map (NodePorts from the node
-    /// itself, external IPs) as last computed.
+    /// itself, external IPs) as last computed, and their policies.
     external_socket: plan::State,
+    external_policies: Policies,
     /// Services with at least one ClusterIP frontend in the maps.
     programmed: BTreeSet<ObjectRef>,
     /// Services with external frontends or a health check node port: the
@@ -139,6 +169,12 @@ pub struct CachedSync {
     /// the next pass, whatever it was triggered by, so that room freed by
     /// a deleted Service is used at once rather than at the next full pass.
     retry: BTreeSet<Frontend>,
+    /// Per Service with any, its ports without local endpoints for the
+    /// internal and external Local policy, and the sums over all Services:
+    /// kept up to date with the decisions, so a pass does not visit every
+    /// decision to count them.
+    no_local_of: BTreeMap<ObjectRef, (usize, usize)>,
+    no_local: (usize, usize),
 }
 
 impl CachedSync {
@@ -146,11 +182,30 @@ impl CachedSync {
         CachedSync {
             cache: DecisionCache::new(node),
             external_socket: plan::State::new(),
+            external_policies: Policies::new(),
             programmed: BTreeSet::new(),
             external_services: BTreeSet::new(),
             local_of: BTreeMap::new(),
             local_refs: BTreeMap::new(),
             retry: BTreeSet::new(),
+            no_local_of: BTreeMap::new(),
+            no_local: (0, 0),
+        }
+    }
+
+    /// Recounts the ports without local endpoints of the Services in `ids`
+    /// after they were decided again.
+    fn track_no_local<'a>(&mut self, ids: impl IntoIterator<Item = &'a ObjectRef>) {
+        for id in ids {
+            let mut now = (0, 0);
+            for d in self.cache.decisions_of(id) {
+                let (internal, external) = d.no_local_endpoints();
+                now.0 += usize::from(internal);
+                now.1 += usize::from(external);
+            }
+            let before = if now == (0, 0) { self.no_local_of.remove(id) } else { self.no_local_of.insert(id.clone(), now) };
+            let before = before.unwrap_or_default();
+            self.no_local = (self.no_local.0 + now.0 - before.0, self.no_local.1 + now.1 - before.1);
         }
     }
 
@@ -207,10 +262,18 @@ impl CachedSync {
         let retried = std::mem::take(&mut self.retry);
         touched.extend(retried.iter().copied());
         if changes.all {
-            let all: Vec<ObjectRef> =
-                self.cache.service_ids().chain(self.local_of.keys()).chain(self.external_services.iter()).cloned().collect();
+            let all: Vec<ObjectRef> = self
+                .cache
+                .service_ids()
+                .chain(self.local_of.keys())
+                .chain(self.external_services.iter())
+                .chain(self.no_local_of.keys())
+                .cloned()
+                .collect();
+            self.track_no_local(&all);
             self.track_external(all);
         } else {
+            self.track_no_local(&update.services);
             self.track_external(update.services.iter().cloned());
         }
         let ext = external.as_deref().map(|e| {
@@ -225,21 +288,35 @@ impl CachedSync {
             ext
         });
         let ext_socket = ext.as_ref().map(|e| e.socket.clone()).unwrap_or_default();
+        let ext_policies = ext.as_ref().map(|e| e.socket_policies.clone()).unwrap_or_default();
         for fe in ext_socket.keys().chain(self.external_socket.keys()) {
-            if ext_socket.get(fe) != self.external_socket.get(fe) {
+            if ext_socket.get(fe) != self.external_socket.get(fe) || ext_policies.get(fe) != self.external_policies.get(fe) {
                 touched.insert(*fe);
             }
         }
         self.external_socket = ext_socket;
-        // ClusterIPs keep priority over external frontends.
+        self.external_policies = ext_policies;
+        // ClusterIPs keep priority over external frontends, with their
+        // policies.
         let want = |fe: &Frontend| self.cache.desired().get(fe).or_else(|| self.external_socket.get(fe));
+        let want_policy = |fe: &Frontend| {
+            if self.cache.desired().contains_key(fe) { self.cache.desired_policies().get(fe) } else { self.external_policies.get(fe) }
+        };
         let plan = if full {
-            plan::diff_layered(&writer.state(), self.cache.desired(), &self.external_socket)
+            let mut policies = self.cache.desired_policies().clone();
+            for (fe, p) in &self.external_policies {
+                if !self.cache.desired().contains_key(fe) {
+                    policies.insert(*fe, p.clone());
+                }
+            }
+            plan::diff_layered(&writer.state(), &writer.policies(), self.cache.desired(), &self.external_socket, &policies)
         } else {
             let current: plan::State =
                 touched.iter().filter_map(|fe| Some((*fe, writer.backends_of(fe)?.iter().copied().collect()))).collect();
+            let current_policies: Policies = touched.iter().filter_map(|fe| Some((*fe, writer.policy_of(fe)?.clone()))).collect();
             let desired: plan::State = touched.iter().filter_map(|fe| Some((*fe, want(fe)?.clone()))).collect();
-            plan::diff(&current, &desired)
+            let desired_policies: Policies = touched.iter().filter_map(|fe| Some((*fe, want_policy(fe)?.clone()))).collect();
+            plan::diff_with_policies(&current, &current_policies, &desired, &desired_policies)
         };
         let mut failures = writer.apply(&plan);
         self.retry = failures.iter().map(|f| f.frontend).collect();
@@ -277,6 +354,63 @@ impl CachedSync {
             .collect::<BTreeSet<_>>()
             .into_iter()
             .collect();
-        SyncOutcome { upserts, deletes, problems, failures, services_programmed: self.programmed.len() }
+        SyncOutcome {
+            upserts,
+            deletes,
+            problems,
+            failures,
+            services_programmed: self.programmed.len(),
+            no_local_internal: self.no_local.0,
+            no_local_external: self.no_local.1,
+        }
+    }
+}
+
+#[cfg(test)]
+mod policy_tests {
+    use super::*;
+    use crate::model::Protocol;
+
+    fn cluster(affinity: &str) -> Cluster {
+        let yaml = format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: web}}\nspec: {{clusterIP: 10.96.0.10, ports: [{{port: 80}}]{affinity}}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-1, labels: {{kubernetes.io/service-name: web}}}}\naddressType: IPv4\nports: [{{port: 8080}}]\nendpoints: [{{addresses: [10.244.0.1], nodeName: a}}, {{addresses: [10.244.0.2], nodeName: b}}]\n"
+        );
+        let (c, e) = crate::source::manifest_watch::cluster_from_text(&yaml);
+        assert!(e.is_empty(), "{e:?}");
+        c
+    }
+
+    /// The plan the pass hands the writer for affinity: a change of
+    /// affinity alone rewrites the frontend (with its unchanged backends),
+    /// and nothing else does.
+    #[test]
+    fn affinity_changes_rewrite_the_frontend_and_nothing_else_does() {
+        let fe = Frontend { ip: "10.96.0.10".parse().unwrap(), port: 80, protocol: Protocol::Tcp };
+        let web = Changes { services: [ObjectRef::new("default", "web")].into(), ..Changes::default() };
+        let mut pass = CachedSync::new("a");
+        let mut maps = MemoryMaps::default();
+        // (step, affinity fields, full pass, writes, timeout programmed)
+        let steps = [
+            ("first sync", ", sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}", true, 1, Some(60)),
+            ("unchanged", ", sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}", false, 0, Some(60)),
+            (
+                "unchanged, full pass",
+                ", sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 60}}",
+                true,
+                0,
+                Some(60),
+            ),
+            ("shorter timeout", ", sessionAffinity: ClientIP, sessionAffinityConfig: {clientIP: {timeoutSeconds: 2}}", false, 1, Some(2)),
+            ("affinity dropped", "", false, 1, None),
+            ("no affinity, full pass", "", true, 0, None),
+            ("affinity back, full pass", ", sessionAffinity: ClientIP", true, 1, Some(10_800)),
+        ];
+        for (i, (name, fields, full, writes, timeout)) in steps.into_iter().enumerate() {
+            let changes = if i == 0 { Changes { all: true, ..Changes::default() } } else { web.clone() };
+            let outcome = pass.pass(&mut maps, None, &cluster(fields), &changes, full);
+            assert_eq!(outcome.upserts, writes, "{name}");
+            assert_eq!(maps.policy_of(&fe).and_then(|p| p.affinity_timeout_s), timeout, "{name}");
+            assert_eq!(maps.backends_of(&fe).map(<[Backend]>::len), Some(2), "{name}: the backends stay");
+        }
     }
 }

@@ -17,6 +17,10 @@
 //! The external datapath (TC maps, health check node ports) is written in
 //! the same pass, and the node's addresses are resolved again when the
 //! address watcher says they changed, or on a full pass.
+//!
+//! The loop also tells the health server whether this node is going away
+//! (its Node being deleted or tainted for removal, kube-proxy's `SyncNode`),
+//! whenever Nodes reach the model.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;
@@ -29,7 +33,7 @@ use tokio::sync::mpsc::error::TryRecvError;
 
 use crate::datapath::map_writer::WriteError;
 use crate::external::nodeport::ExternalDatapath;
-use crate::model::store::{Kind, Model, ObjectProblem};
+use crate::model::store::{Changes, Kind, Model, ObjectProblem};
 use crate::observe::health_server::Health;
 use crate::observe::metrics::{Metrics, SyncFigures, reason};
 use crate::source::feed::{Signal, Stores};
@@ -73,6 +77,9 @@ pub struct SyncLoop<W: SocketMaps> {
     logged: BTreeSet<String>,
     /// Whether the last attempt of each kind failed, to log recoveries.
     failing: BTreeMap<Kind, bool>,
+    /// Whether this node's Node object has been seen: once it has, its
+    /// disappearance means the node was deleted.
+    node_seen: bool,
 }
 
 impl<W: SocketMaps> SyncLoop<W> {
@@ -103,12 +110,14 @@ impl<W: SocketMaps> SyncLoop<W> {
             last_sync: None,
             logged: BTreeSet::new(),
             failing: BTreeMap::new(),
+            node_seen: false,
         }
     }
 
     /// Writes the external datapath in every pass too; `addresses_changed`
     /// is raised by whoever watches the node's addresses.
     pub fn with_external(mut self, external: ExternalDatapath, addresses_changed: Arc<AtomicBool>) -> Self {
+        external.report_agent_health(self.health.clone());
         self.external = Some(external);
         self.addresses_changed = addresses_changed;
         self
@@ -184,7 +193,7 @@ impl<W: SocketMaps> SyncLoop<W> {
                 // changes it reports are not needed: the first sync
                 // decides every Service anyway (`changes.all`).
                 if !self.all_listed() && !self.health.is_ready() {
-                    self.model.apply(self.stores.drain());
+                    self.apply_queued();
                 }
                 self.dirty = true;
                 self.mark_pending();
@@ -226,6 +235,43 @@ impl<W: SocketMaps> SyncLoop<W> {
         }
     }
 
+    /// Applies what the sources queued to the model, counts the Services
+    /// and EndpointSlices that changed (kube-proxy's change counters; a
+    /// manifest relist or a duplicated event that changes nothing counts
+    /// nothing) and follows this node's Node.
+    fn apply_queued(&mut self) -> Changes {
+        let changes = self.model.apply(self.stores.drain());
+        self.metrics.object_changes(changes.services.len(), changes.slices.len());
+        self.follow_this_node();
+        changes
+    }
+
+    /// Tells the health server whether this node is going away. A Node not
+    /// seen yet (not listed yet, or manifests without it) leaves the node
+    /// eligible, as kube-proxy's health server starts; one that was seen and
+    /// is gone was deleted.
+    fn follow_this_node(&mut self) {
+        let leaving = match self.model.cluster.nodes.get(&self.config.node) {
+            Some(n) => {
+                self.node_seen = true;
+                n.leaving
+            }
+            None if self.node_seen => Some("its Node was deleted"),
+            None => None,
+        };
+        if !self.health.set_node_leaving(leaving) {
+            return;
+        }
+        if let Some(why) = leaving {
+            tracing::info!(
+                node = %self.config.node,
+                "this node is going away ({why}): /healthz and the health check node ports fail so that load balancers drain it"
+            );
+        } else {
+            tracing::info!(node = %self.config.node, "this node is no longer going away: /healthz passes again");
+        }
+    }
+
     fn recovered(&mut self, kind: Kind) {
         if self.failing.insert(kind, false) == Some(true) {
             tracing::info!(kind = kind.as_str(), "API server reachable again");
@@ -235,7 +281,7 @@ impl<W: SocketMaps> SyncLoop<W> {
     fn sync_now(&mut self) {
         let started = Instant::now();
         let first = !self.health.is_ready();
-        let mut changes = self.model.apply(self.stores.drain());
+        let mut changes = self.apply_queued();
         // The first pass decides everything; a pass without pending changes
         // is the periodic resync (--sync-period), which compares the whole
         // state with the maps and retries frontends that failed.
@@ -325,12 +371,17 @@ impl<W: SocketMaps> SyncLoop<W> {
             occupancy: &occupancy,
             map_full,
             write_failed: outcome.failures.len() - map_full,
+            no_local_internal: outcome.no_local_internal,
+            no_local_external: outcome.no_local_external,
         });
         for kind in Kind::ALL {
             self.metrics.set_objects(kind.as_str(), self.stores.len(kind));
         }
         for (kind, trigger) in self.pending.drain(..) {
             self.metrics.programmed(kind.as_str(), trigger);
+            if kind == Kind::EndpointSlice {
+                self.metrics.endpoints_programmed(trigger);
+            }
         }
         self.health.synced();
         self.dirty = false;
@@ -525,6 +576,87 @@ endpoints: [{}]
         h.read(&format!("{NODES}{api}{slices}"));
         assert_eq!(h.backends("10.96.0.11", 80).map(|b| b.len()), Some(1));
         assert_eq!(h.backends("10.96.0.10", 80), None);
+    }
+
+    #[test]
+    fn this_node_leaving_is_told_to_health_and_nothing_is_decided_again() {
+        let mut h = Harness::new("a", None);
+        let web = format!("{}{}", service("web", "10.96.0.10", ""), slice("web", &[("10.244.1.1", "a")]));
+        h.read(&format!("{NODES}{web}"));
+        assert!(h.sync.health.proxy_healthy());
+        let leaving = NODES.replace("metadata: {name: a,", "metadata: {name: a, deletionTimestamp: \"2024-05-01T10:00:00Z\",");
+        assert!(!h.read(&format!("{leaving}{web}")).changed, "the maps do not depend on it");
+        assert!(!h.sync.health.proxy_healthy(), "a Node with a deletionTimestamp is leaving");
+        h.read(&format!("{NODES}{web}"));
+        assert!(h.sync.health.proxy_healthy());
+        let tainted = NODES.replace(
+            "metadata: {name: a, labels: {topology.kubernetes.io/zone: z1}}",
+            "metadata: {name: a, labels: {topology.kubernetes.io/zone: z1}}\nspec: {taints: [{key: ToBeDeletedByClusterAutoscaler, effect: NoSchedule}]}",
+        );
+        h.read(&format!("{tainted}{web}"));
+        assert!(!h.sync.health.proxy_healthy(), "the autoscaler's taint marks it too");
+        h.read(&format!("{NODES}{web}"));
+        assert!(h.sync.health.proxy_healthy());
+        // Another node leaving is not this node's business.
+        h.read(&format!(
+            "{}{web}",
+            NODES.replace("metadata: {name: b,", "metadata: {name: b, deletionTimestamp: \"2024-05-01T10:00:00Z\",")
+        ));
+        assert!(h.sync.health.proxy_healthy());
+        // This node's Node deleted.
+        let only_b = "kind: Node\nmetadata: {name: b, labels: {topology.kubernetes.io/zone: z2}}\n";
+        h.read(&format!("{only_b}{web}"));
+        assert!(!h.sync.health.proxy_healthy(), "a Node that was seen and is gone was deleted");
+    }
+
+    /// The value of one series in an exposition.
+    fn sample(text: &str, series: &str) -> Option<f64> {
+        text.lines().find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+    }
+
+    #[test]
+    fn kube_proxy_metrics_count_changes_and_ports_without_local_endpoints() {
+        let mut h = Harness::new("a", None);
+        let local = |name: &str, ip: &str, policy: &str, node: &str| {
+            format!(
+                "---
+kind: Service
+metadata: {{name: {name}, namespace: shop}}
+spec: {{type: NodePort, clusterIP: {ip}, {policy}: Local, ports: [{{port: 80, nodePort: 3{}}}]}}
+{}",
+                &ip[ip.len() - 4..].replace('.', ""),
+                slice(name, &[("10.244.2.1", node)])
+            )
+        };
+        let text = format!(
+            "{NODES}{}{}{}{}",
+            local("itp-remote", "10.96.0.51", "internalTrafficPolicy", "b"),
+            local("itp-local", "10.96.0.52", "internalTrafficPolicy", "a"),
+            local("etp-remote", "10.96.0.53", "externalTrafficPolicy", "b"),
+            local("etp-remote2", "10.96.0.54", "externalTrafficPolicy", "b"),
+        );
+        h.read(&text);
+        let m = h.metrics();
+        let value = |series: &str| sample(&m, series);
+        assert_eq!(value("kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"}"), Some(1.0), "{m}");
+        assert_eq!(value("kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"external\"}"), Some(2.0), "{m}");
+        assert_eq!(value("kubeproxy_sync_proxy_rules_service_changes_total"), Some(4.0), "{m}");
+        assert_eq!(value("kubeproxy_sync_proxy_rules_endpoint_changes_total"), Some(4.0), "{m}");
+        assert_eq!(value("kubeproxy_sync_proxy_rules_duration_seconds_count"), Some(1.0), "{m}");
+        // One Service's endpoint moves here, another Service goes: the counts follow.
+        let text = format!(
+            "{NODES}{}{}{}",
+            local("itp-remote", "10.96.0.51", "internalTrafficPolicy", "b"),
+            local("itp-local", "10.96.0.52", "internalTrafficPolicy", "a"),
+            local("etp-remote", "10.96.0.53", "externalTrafficPolicy", "a"),
+        );
+        h.read(&text);
+        let m = h.metrics();
+        let value = |series: &str| sample(&m, series);
+        assert_eq!(value("kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"internal\"}"), Some(1.0), "{m}");
+        assert_eq!(value("kubeproxy_sync_proxy_rules_no_local_endpoints_total{traffic_policy=\"external\"}"), Some(0.0), "{m}");
+        assert_eq!(value("kubeproxy_sync_proxy_rules_service_changes_total"), Some(5.0), "one Service deleted: {m}");
+        assert_eq!(value("kubeproxy_sync_proxy_rules_endpoint_changes_total"), Some(6.0), "one slice changed, one deleted: {m}");
     }
 
     #[test]

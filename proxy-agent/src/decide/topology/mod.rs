@@ -45,11 +45,11 @@ use self::hints::Hints;
 use self::openyurt::{ANNOTATION_OPENYURT_TOPOLOGY_KEYS, YurtTopology};
 use self::topology_keys::{ANNOTATION_TOPOLOGY_KEYS, KeySource};
 
-/// Well-known node label carrying the node's hostname. The ranking never
-/// needs it by name: `spec.topologyKeys` matches whatever label key it
-/// lists (`FilterTopologyEndpoint`), and OpenYurt compares `nodeName`. Only
-/// the tests' Node fixtures set it.
-#[cfg(test)]
+/// Well-known node label carrying the node's hostname. `spec.topologyKeys`
+/// matches whatever label key it lists (`FilterTopologyEndpoint`) and
+/// OpenYurt compares `nodeName`; the ranking names it only to read an
+/// endpoint's `nodeName` as this label when the endpoint's Node is unknown
+/// ([`View::endpoint_label`]).
 pub(crate) const LABEL_HOSTNAME: &str = "kubernetes.io/hostname";
 /// Well-known node label carrying the node's zone; kube-proxy reads the
 /// node's zone from it (`v1.LabelTopologyZone`).
@@ -213,11 +213,33 @@ impl<'a> View<'a> {
         self.labels.and_then(|l| l.get(key)).map(String::as_str)
     }
 
-    /// The value of label `key` on the Node an endpoint runs on. An endpoint
-    /// without `nodeName`, or whose Node is unknown, has no labels.
-    fn endpoint_label(&self, ep: &Endpoint, key: &str) -> Option<&'a str> {
-        let node = self.nodes.get(ep.node_name.as_deref()?)?;
-        node.labels.get(key).map(String::as_str)
+    /// The value of label `key` on the Node an endpoint runs on.
+    ///
+    /// When the agent knows that Node, its own labels, which the Node
+    /// watch keeps current. When it does not (a Node not listed yet, or
+    /// never readable), the labels the endpoint's EndpointSlice reported
+    /// for it, which is what kube-proxy 1.17-1.21 matched topology keys
+    /// against (`FilterTopologyEndpoint` read `endpoint.Topology`, filled
+    /// from discovery.k8s.io/v1beta1's `topology` map, pkg/proxy/topology.go):
+    /// [`Endpoint::topology`], then `zone` as `topology.kubernetes.io/zone`
+    /// and `nodeName` as `kubernetes.io/hostname`, the two labels v1 (and
+    /// the API server's v1beta1 conversion) moved out of that map. An
+    /// endpoint with neither a known Node nor reported labels has none.
+    fn endpoint_label<'e>(&self, ep: &'e Endpoint, key: &str) -> Option<&'e str>
+    where
+        'a: 'e,
+    {
+        if let Some(node) = ep.node_name.as_deref().and_then(|n| self.nodes.get(n)) {
+            return node.labels.get(key).map(String::as_str);
+        }
+        if let Some(value) = ep.topology.as_deref().and_then(|t| t.get(key)) {
+            return Some(value);
+        }
+        match key {
+            LABEL_ZONE => ep.zone.as_deref(),
+            LABEL_HOSTNAME => ep.node_name.as_deref(),
+            _ => None,
+        }
     }
 
     fn is_local(&self, ep: &Endpoint) -> bool {

@@ -22,6 +22,8 @@ pub(super) fn svc() -> Service {
         external_ips: Vec::new(),
         load_balancer_ips: Vec::new(),
         health_check_node_port: None,
+        session_affinity: None,
+        load_balancer_source_ranges: None,
     }
 }
 
@@ -68,6 +70,7 @@ pub(super) fn ep(n: u8, node: &str) -> Endpoint {
         zone: None,
         hint_zones: None,
         hint_nodes: None,
+        topology: None,
     }
 }
 
@@ -80,6 +83,8 @@ pub(super) trait EpExt {
     fn zone(self, z: &str) -> Self;
     fn zh(self, zones: &[&str]) -> Self;
     fn nh(self, nodes: &[&str]) -> Self;
+    /// Node labels the EndpointSlice reported (v1beta1 `topology`).
+    fn topo(self, labels: &[(&str, &str)]) -> Self;
 }
 
 impl EpExt for Endpoint {
@@ -112,10 +117,14 @@ impl EpExt for Endpoint {
         self.hint_nodes = Some(nodes.iter().map(|z| (*z).into()).collect());
         self
     }
+    fn topo(mut self, labels: &[(&str, &str)]) -> Self {
+        self.topology = Some(std::sync::Arc::new(labels.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect()));
+        self
+    }
 }
 
 pub(super) fn node(name: &str, labels: &[(&str, &str)]) -> Node {
-    Node { name: name.to_string(), labels: labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect() }
+    Node { name: name.to_string(), labels: labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(), leaving: None }
 }
 
 pub(super) const REGION: &str = "topology.kubernetes.io/region";

@@ -160,8 +160,10 @@ fn starts_and_ends_alnum(s: &str, alnum: impl Fn(char) -> bool) -> bool {
 /// Kubernetes' `FilterTopologyEndpoint` (pkg/proxy/topology.go, 1.17-1.21):
 /// for each key in order, the endpoints whose Node has the same value for
 /// that label as this node; the first key with a match wins. A key this node
-/// lacks is skipped; an endpoint whose Node is unknown or lacks the label
-/// does not match; `"*"` matches every endpoint. No match: no backends, the
+/// lacks is skipped; an endpoint whose Node lacks the label does not match
+/// (one whose Node is unknown is matched by the labels its EndpointSlice
+/// reported, v1beta1's `topology`, as kube-proxy matched every endpoint:
+/// `View::endpoint_label`); `"*"` matches every endpoint. No match: no backends, the
 /// connection is refused ("If this field is specified, but all entries have
 /// no backends that match the topology of the client, the service has no
 /// backends for that client and connections should fail").
@@ -687,6 +689,84 @@ mod tests {
                 cluster: vec![0],
                 problems: 1,
                 local: vec![0],
+                ..Default::default()
+            },
+        ]);
+    }
+
+    // ----- endpoints whose Node is unknown: the labels their slice reported -----
+
+    #[test]
+    fn reported_topology_stands_in_for_unknown_nodes() {
+        // "ghost" and "edge" have no Node object; what their slices said
+        // about them (v1beta1 `topology`, v1 `zone` and `nodeName`) is all
+        // there is, as it was all kube-proxy 1.17-1.21 ever read.
+        let region = |ep: Endpoint, r: &str| ep.topo(&[(REGION, r)]);
+        run(vec![
+            Case {
+                name: "zone from the slice's zone of an endpoint on an unknown node",
+                svc: svc().keys(&[LABEL_HOSTNAME, LABEL_ZONE, "*"]),
+                nodes: k8s_nodes(),
+                this: "n3",
+                eps: vec![ep(1, "ghost").zone("90002"), ep(2, "ghost").zone("90001"), ep(3, "n1")],
+                model: Model::TopologyKeys,
+                cluster: vec![0],
+                says: vec!["none in kubernetes.io/hostname=n3; 1 in topology.kubernetes.io/zone=90002"],
+                ..Default::default()
+            },
+            Case {
+                name: "any reported label, here the region",
+                svc: svc().keys(&[LABEL_ZONE, REGION]),
+                nodes: k8s_nodes(),
+                this: "n5",
+                eps: vec![region(ep(1, "ghost"), "cd"), region(ep(2, "ghost"), "us"), ep(3, "n1")],
+                model: Model::TopologyKeys,
+                // n1 is a known node in region cd too.
+                cluster: vec![0, 2],
+                says: vec!["none in topology.kubernetes.io/zone=90003; 2 in topology.kubernetes.io/region=cd"],
+                ..Default::default()
+            },
+            Case {
+                name: "nodeName stands for the hostname label of an unknown node",
+                svc: svc().keys(&[LABEL_HOSTNAME]),
+                nodes: vec![node("edge", &[]), node("n1", &[(LABEL_HOSTNAME, "edge")])],
+                this: "n1",
+                eps: vec![ep(1, "gone"), ep(2, "edge")],
+                model: Model::TopologyKeys,
+                // "edge" is known and has no hostname label: no match; the
+                // unknown "gone" reports its name, which is not "edge".
+                cluster: vec![],
+                ..Default::default()
+            },
+            Case {
+                name: "a reported hostname label that differs from nodeName is that label",
+                svc: svc().keys(&[LABEL_HOSTNAME]),
+                nodes: vec![node("n1", &[(LABEL_HOSTNAME, "host-1")])],
+                this: "n1",
+                eps: vec![ep(1, "n1.example").topo(&[(LABEL_HOSTNAME, "host-1")]), ep(2, "host-1.example")],
+                model: Model::TopologyKeys,
+                cluster: vec![0],
+                ..Default::default()
+            },
+            Case {
+                name: "a known Node's labels win over what the slice reported",
+                svc: svc().keys(&[LABEL_ZONE, "*"]),
+                nodes: k8s_nodes(),
+                this: "n1",
+                // n3 moved from zone 90001 (as the slice still says) to 90002.
+                eps: vec![ep(1, "n3").zone("90001").topo(&[(REGION, "cd")]), ep(2, "n2")],
+                model: Model::TopologyKeys,
+                cluster: vec![1],
+                ..Default::default()
+            },
+            Case {
+                name: "OpenYurt's node pool of an unknown node is read the same way",
+                svc: svc().ann(ANNOTATION_OPENYURT_TOPOLOGY_KEYS, "openyurt.io/nodepool"),
+                nodes: vec![node("n1", &[(LABEL_OPENYURT_NODEPOOL, "hangzhou")])],
+                this: "n1",
+                eps: vec![ep(1, "ghost").topo(&[(LABEL_OPENYURT_NODEPOOL, "hangzhou")]), ep(2, "ghost")],
+                model: Model::OpenYurt,
+                cluster: vec![0],
                 ..Default::default()
             },
         ]);
