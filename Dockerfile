@@ -28,7 +28,8 @@
 #   PACKAGES      an image whose filesystem holds the Debian packages
 #                 busybox-static and ca-certificates, installed or merely
 #                 extracted; default: the debian-packages stage below.
-#   RUST_IMAGE, DEBIAN_IMAGE  the registry images the default path starts from.
+#   RUST_IMAGE, DEBIAN_IMAGE  the registry images the default path starts from;
+#   RUST_NIGHTLY  the nightly of the eBPF build (its LLVM must be bpf-linker's).
 #
 # Size goal: 25 MB uncompressed (`cargo xtask image` prints the size). The
 # agent is about 18 MB, busybox 2 MB, the certificates 0.2 MB. A Debian
@@ -49,6 +50,9 @@ ARG DEBIAN_IMAGE=docker.io/library/debian:bookworm-slim
 # the object.
 FROM ${RUST_IMAGE} AS agent-build
 ARG BPF_LINKER_VERSION=0.13.0
+# The nightly whose LLVM (22) is bpf-linker's: a newer nightly's bitcode
+# fails in bpf-linker with "Invalid record".
+ARG RUST_NIGHTLY=nightly-2026-05-20
 ENV DEBIAN_FRONTEND=noninteractive
 # LLVM 22 comes from bookworm-security; without LLVM_PREFIX bpf-linker's build
 # finds Debian's default LLVM 14 and fails to link -lLLVM. cmake is for
@@ -56,7 +60,11 @@ ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
  && apt-get install -y --no-install-recommends llvm-22-dev libpolly-22-dev libzstd-dev zlib1g-dev cmake \
  && rm -rf /var/lib/apt/lists/*
-RUN rustup toolchain install nightly --profile minimal --component rust-src
+# proxy-agent's build.rs runs `rustup run nightly`: the dated toolchain is
+# installed under that name as well.
+RUN rustup toolchain install ${RUST_NIGHTLY} --profile minimal --component rust-src \
+ && ln -s "${RUST_NIGHTLY}-x86_64-unknown-linux-gnu" "${RUSTUP_HOME:-$HOME/.rustup}/toolchains/nightly-x86_64-unknown-linux-gnu" \
+ && rustup run nightly rustc --version
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     LLVM_PREFIX=/usr/lib/llvm-22 PATH=/usr/lib/llvm-22/bin:$PATH \
     cargo install bpf-linker --version ${BPF_LINKER_VERSION} --locked \
@@ -81,13 +89,16 @@ RUN apt-get update \
 
 # --- The runtime's files, laid out from those packages ----------------------
 # Exec form with busybox's own shell: an image of merely extracted packages
-# has no /bin/sh. The CA bundle is made as update-ca-certificates would
+# has no /bin/sh. The applets are relative links: `busybox --install` would
+# point them at the path busybox runs from, /usr/bin/busybox where /bin is a
+# link to usr/bin (an installed bookworm), which the runtime does not have.
+# The CA bundle is made as update-ca-certificates would
 # (every Mozilla certificate, the default of /etc/ca-certificates.conf),
 # because extracted packages never ran its trigger.
 FROM ${PACKAGES} AS runtime-files
 RUN ["/bin/busybox", "sh", "-ec", "mkdir -p /rootfs/bin /rootfs/usr/local/bin /rootfs/etc/ssl/certs /rootfs/tmp \
  && cp /bin/busybox /rootfs/bin/busybox \
- && /bin/busybox --install -s /rootfs/bin \
+ && for a in $(/bin/busybox --list); do [ -e /rootfs/bin/$a ] || ln -s busybox /rootfs/bin/$a; done \
  && cat /usr/share/ca-certificates/mozilla/*.crt > /rootfs/etc/ssl/certs/ca-certificates.crt \
  && echo 'root:x:0:0:root:/root:/bin/sh' > /rootfs/etc/passwd \
  && echo 'root:x:0:' > /rootfs/etc/group \

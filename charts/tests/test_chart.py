@@ -31,9 +31,22 @@ import yaml
 CHART = pathlib.Path(__file__).resolve().parent.parent / "topoproxy"
 RELEASE = "tp"
 NAMESPACE = "kube-system"
-# Oldest and newest Kubernetes minors we claim to support (Chart.yaml
-# kubeVersion says >= 1.25; 1.30 is the oldest still maintained upstream).
-KUBE_VERSIONS = ["1.30.0", "1.37.0"]
+# Schemas to validate against: the oldest kubernetes-validate ships (1.25)
+# and today's. Chart.yaml's kubeVersion goes down to 1.17 (the first
+# release with EndpointSlices, which the agent negotiates down to
+# v1beta1); for the releases without a schema here,
+# test_objects_use_only_apis_served_since_1_17 checks the API versions.
+KUBE_VERSIONS = ["1.25.0", "1.37.0"]
+# (apiVersion, kind) of every object the chart may render, each served by
+# every API server since 1.17 (ServiceMonitor is the Prometheus operator's).
+SERVED_SINCE_1_17 = {
+    ("v1", "ServiceAccount"),
+    ("v1", "Service"),
+    ("apps/v1", "DaemonSet"),
+    ("rbac.authorization.k8s.io/v1", "ClusterRole"),
+    ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+}
 # Objects of CRDs have no schema in kubernetes-validate; they are checked by
 # hand below.
 CRD_KINDS = {"ServiceMonitor"}
@@ -139,6 +152,19 @@ def custom_objects() -> list[dict]:
 
 
 # --- schema validation -------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", [None, NON_DEFAULT], ids=["default-values", "non-default-values"])
+def test_objects_use_only_apis_served_since_1_17(values):
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["kubeVersion"] == ">=1.17.0-0"
+    for obj in render(values):
+        assert (obj["apiVersion"], obj["kind"]) in SERVED_SINCE_1_17, f"{obj['apiVersion']} {obj['kind']} is not served by 1.17"
+    # The RBAC rules name API groups whose versions the agent negotiates:
+    # events.k8s.io and discovery.k8s.io hold v1beta1 and v1 alike.
+    rules = [r for o in render(values) if o["kind"] == "ClusterRole" for r in o["rules"]]
+    groups = {g for r in rules for g in r.get("apiGroups", [])}
+    assert {"discovery.k8s.io", "events.k8s.io"} <= groups, groups
 
 
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)

@@ -912,6 +912,56 @@ mod test_run {
     }
 
     #[test]
+    fn a_source_outside_the_ranges_is_dropped_whatever_its_tcp_flags() {
+        use proxy_agent::decide::plan::{FrontendPolicy, SourceRanges};
+        use proxy_agent::model::Cidr;
+        require_root();
+        let lb = fe("10.0.9.9:80", Protocol::Tcp);
+        let pins = PinDir::new("tnsr").expect("pins");
+        let mut ebpf = proxy_agent::datapath::tc_loader::load_unattached(pins.path()).expect("load");
+        let prog: &mut aya::programs::SchedClassifier = ebpf.program_mut("np_ingress").expect("np_ingress").try_into().expect("classifier");
+        let ingress = prog.fd().expect("fd").as_fd().as_raw_fd();
+        let mut w = proxy_agent::external::nodeport::NodePortWriter::open(pins.path()).expect("writer");
+        w.set_config(Some("10.0.3.1".parse().unwrap()), None, (61000, 65535)).expect("config");
+        let policy = FrontendPolicy {
+            source_ranges: Some(SourceRanges { cidrs: vec![Cidr::parse("10.0.1.0/24").unwrap()], node: false }),
+            ..Default::default()
+        };
+        let ext = ExternalState {
+            tc: [(lb, [be("10.244.1.1:8080")].into_iter().collect())].into_iter().collect(),
+            local_endpoints: ["10.244.1.1".parse().unwrap()].into_iter().collect(),
+            tc_policies: [(lb, policy)].into_iter().collect(),
+            ..Default::default()
+        };
+        let o = w.sync(&ext);
+        assert!(o.failures.is_empty(), "{:?}", o.failures);
+        let segment = |src: [u8; 4], flags: u8| {
+            let mut t = tcp_syn(40000, 80);
+            t[13] = flags;
+            with_l4_csum4(ipv4(6, src, [10, 0, 9, 9], &[], 0, &t), 16)
+        };
+        // (flags, name): a non-SYN segment of an untracked flow would pass
+        // to netfilter from an allowed source; from any other it is dropped
+        // like the SYN.
+        let flags = [(0x02, "SYN"), (0x10, "ACK"), (0x18, "PSH|ACK"), (0x04, "RST"), (0x11, "FIN|ACK"), (0x12, "SYN|ACK")];
+        for (f, name) in flags {
+            let frame = segment([192, 0, 2, 7], f);
+            let (rc, out) = run(ingress, &frame);
+            assert_eq!(rc, SHOT, "{name} from outside the ranges");
+            assert_eq!(out, frame, "{name}: not rewritten");
+        }
+        let c = proxy_agent::datapath::dump::np_counters(pins.path()).unwrap();
+        assert_eq!(c["dropped_source_range"], flags.len() as u64, "{c:?}");
+        assert_eq!(c["pass_untracked_tcp"], 0, "{c:?}");
+        // Inside the ranges the untracked pass still applies.
+        let frame = segment([10, 0, 1, 1], 0x10);
+        let (rc, out) = run(ingress, &frame);
+        assert_eq!((rc, out), (PASS, frame), "an allowed client's untracked ACK goes to the stack");
+        let c = proxy_agent::datapath::dump::np_counters(pins.path()).unwrap();
+        assert_eq!((c["dropped_source_range"], c["pass_untracked_tcp"]), (flags.len() as u64, 1), "{c:?}");
+    }
+
+    #[test]
     fn local_policy_without_local_endpoints_drops_and_cluster_policy_rejects() {
         let local = fe("10.0.1.2:30080", Protocol::Tcp);
         let cluster = fe("10.0.1.2:30081", Protocol::Tcp);

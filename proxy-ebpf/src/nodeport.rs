@@ -366,6 +366,16 @@ fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
     let Some(svc) = (unsafe { NP_SERVICES.get(&skey) }) else {
         return Ok(PASS); // not a frontend
     };
+    if svc.flags & SVC_FLAG_SOURCE_RANGES != 0 && !source_allowed(p, svc) {
+        // A LoadBalancer IP restricted by loadBalancerSourceRanges, and the
+        // client is outside them: dropped, as kube-proxy's firewall chain
+        // does (a refusal would tell a scanner the address is in use).
+        // Checked before the untracked-TCP pass below: kube-proxy's firewall
+        // chain drops by source whatever the segment's flags, so a non-SYN
+        // segment from outside the ranges must not reach the stack either.
+        np_count(np_counter::DROPPED_SOURCE_RANGE);
+        return Ok(TC_ACT_SHOT);
+    }
     if p.proto == PROTO_TCP && p.tcp_flags & (TCP_SYN | TCP_ACK) != TCP_SYN {
         // A segment that opens no connection, of a flow NP_CT does not
         // track: the connection began before these programs were attached
@@ -375,13 +385,6 @@ fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
         // never saw the handshake and could only answer with a RST; left to
         // the stack, a connection netfilter knows goes on as before.
         return Err(np_counter::PASS_UNTRACKED_TCP);
-    }
-    if svc.flags & SVC_FLAG_SOURCE_RANGES != 0 && !source_allowed(p, svc) {
-        // A LoadBalancer IP restricted by loadBalancerSourceRanges, and the
-        // client is outside them: dropped, as kube-proxy's firewall chain
-        // does (a refusal would tell a scanner the address is in use).
-        np_count(np_counter::DROPPED_SOURCE_RANGE);
-        return Ok(TC_ACT_SHOT);
     }
     if svc.backend_count == 0 {
         return no_backend(p, &skey);
