@@ -37,14 +37,14 @@ mod support;
 
 use std::collections::BTreeSet;
 use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
 use std::process::Stdio;
 use std::sync::mpsc;
 use std::time::Duration;
 
 use proxy_test_support::kube_proxy::{ServicePort, iptables_counters, iptables_ruleset, nft_counters, nft_ruleset, run_in};
-use proxy_test_support::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in, spawn_backend, spawn_in_netns};
+use proxy_test_support::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in, echo_server, spawn_backend, spawn_in_netns};
 use proxy_test_support::wait::{eventually, wait_limit};
 use support::{TempDir, agent_bin, replies, require_root, set};
 
@@ -347,32 +347,6 @@ fn tuples(listing: &str) -> BTreeSet<String> {
         .collect()
 }
 
-/// A TCP echo server in `ns` (one line in, `echo LINE` out).
-fn echo_server(ns: &Netns, addr: &str) {
-    let addr: SocketAddr = addr.parse().expect("addr");
-    let (ready_tx, ready_rx) = mpsc::channel();
-    spawn_in_netns(ns, move || {
-        let l = TcpListener::bind(addr).expect("bind");
-        ready_tx.send(()).expect("ready");
-        for c in l.incoming() {
-            let Ok(c) = c else { continue };
-            std::thread::spawn(move || {
-                let mut r = BufReader::new(c.try_clone().expect("clone"));
-                let mut w = c;
-                let mut line = String::new();
-                while r.read_line(&mut line).is_ok_and(|n| n > 0) {
-                    if w.write_all(format!("echo {line}").as_bytes()).is_err() {
-                        break;
-                    }
-                    line.clear();
-                }
-            });
-        }
-    })
-    .expect("echo server");
-    ready_rx.recv_timeout(Duration::from_secs(5)).expect("echo server ready");
-}
-
 /// One TCP connection from the client that stays open; `say` sends a line
 /// and returns the answer.
 struct Connection {
@@ -492,7 +466,7 @@ fn on_node(node: &Node, command: &str) -> (i32, String) {
 
 fn run_the_guide(kube_proxy: KubeProxy) {
     let mut node = Node::new();
-    echo_server(&node.pod_b, &format!("{POD_B}:8081"));
+    echo_server(&node.pod_b, format!("{POD_B}:8081").parse().expect("addr")).expect("echo server");
 
     // kube-proxy alone: its rules are live and translate every path.
     kube_proxy.write_rules(&node.ns);

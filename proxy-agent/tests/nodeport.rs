@@ -29,13 +29,13 @@
 mod support;
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::mpsc;
 use std::time::Duration;
 
-use proxy_test_support::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in, in_netns, spawn_backend, spawn_in_netns};
+use proxy_test_support::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in, echo_server, in_netns, spawn_backend, spawn_in_netns};
 use proxy_test_support::wait::{eventually, wait_limit};
 use support::*;
 
@@ -340,36 +340,6 @@ fn load_balancer_and_external_ips_are_served_and_node_ports_work_from_the_node_i
     }
 }
 
-/// A TCP server on `addr` inside `ns` that reports every client's source
-/// address and then echoes lines until the client closes.
-fn peer_reporting_server(ns: &Netns, addr: &str) -> mpsc::Receiver<SocketAddr> {
-    let (tx, rx) = mpsc::channel();
-    let (ready_tx, ready_rx) = mpsc::channel();
-    let addr: SocketAddr = addr.parse().expect("addr");
-    spawn_in_netns(ns, move || {
-        let l = TcpListener::bind(addr).expect("bind");
-        ready_tx.send(()).expect("ready");
-        for c in l.incoming() {
-            let Ok(c) = c else { continue };
-            let _ = tx.send(c.peer_addr().expect("peer"));
-            std::thread::spawn(move || {
-                let mut r = BufReader::new(c.try_clone().expect("clone"));
-                let mut w = c;
-                let mut line = String::new();
-                while r.read_line(&mut line).is_ok_and(|n| n > 0) {
-                    if w.write_all(format!("echo {line}").as_bytes()).is_err() {
-                        break;
-                    }
-                    line.clear();
-                }
-            });
-        }
-    })
-    .expect("server thread");
-    ready_rx.recv_timeout(Duration::from_secs(5)).expect("server ready");
-    rx
-}
-
 fn http_get(ns: &Netns, to: &str) -> Result<(u16, serde_json::Value), String> {
     let to: SocketAddr = to.parse().expect("addr");
     in_netns(ns, move || -> Result<(u16, serde_json::Value), String> {
@@ -397,7 +367,7 @@ fn local_policy_keeps_the_client_address_drops_without_local_endpoints_and_serve
         "- {name: dns, port: 5353, protocol: UDP}\n- {name: peer, port: 8081, protocol: TCP}\n",
     );
     w.publish(&yaml);
-    let peers = peer_reporting_server(&w.nodes[1].pod, &format!("{POD_B}:8081"));
+    let peers = echo_server(&w.nodes[1].pod, format!("{POD_B}:8081").parse().expect("addr")).expect("echo server");
     w.start();
     w.wait_for(&format!("{NODE_B}:30080"), &[], &["pod-b"]);
     w.wait_for(&format!("{NODE_B}:30053"), &["--udp"], &["pod-b"]);
@@ -515,7 +485,7 @@ fn established_flow_survives_restart(mode: &'static str) {
         )
     };
     w.publish(&with_peer(&["node-b"]));
-    let _peers = peer_reporting_server(&w.nodes[1].pod, &format!("{POD_B}:8081"));
+    let _peers = echo_server(&w.nodes[1].pod, format!("{POD_B}:8081").parse().expect("addr")).expect("echo server");
     w.start();
     w.wait_for(&format!("{NODE_A}:30080"), &[], &["pod-b"]);
     let (cmd_tx, cmd_rx) = mpsc::channel::<String>();

@@ -10,6 +10,7 @@
 use std::ffi::CString;
 use std::fs;
 use std::io;
+use std::net::SocketAddr;
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::CommandExt;
@@ -150,6 +151,44 @@ pub fn spawn_in_netns<T: Send + 'static>(
         }
         Ok(f())
     }))
+}
+
+/// A TCP server on `addr` inside `netns` that answers every line with
+/// `echo LINE` on long-lived connections, and reports each client's address
+/// (as the server sees it: translated or not) on the returned channel.
+/// Returns once the socket listens.
+pub fn echo_server(netns: &Netns, addr: SocketAddr) -> io::Result<std::sync::mpsc::Receiver<SocketAddr>> {
+    use std::io::{BufRead, BufReader, Write};
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    spawn_in_netns(netns, move || {
+        let l = match std::net::TcpListener::bind(addr) {
+            Ok(l) => l,
+            Err(e) => return ready_tx.send(Err(e)).ok(),
+        };
+        ready_tx.send(Ok(())).ok()?;
+        for c in l.incoming() {
+            let Ok(c) = c else { continue };
+            if let Ok(peer) = c.peer_addr() {
+                let _ = tx.send(peer);
+            }
+            std::thread::spawn(move || {
+                let Ok(read) = c.try_clone() else { return };
+                let mut r = BufReader::new(read);
+                let mut w = c;
+                let mut line = String::new();
+                while r.read_line(&mut line).is_ok_and(|n| n > 0) {
+                    if w.write_all(format!("echo {line}").as_bytes()).is_err() {
+                        break;
+                    }
+                    line.clear();
+                }
+            });
+        }
+        Some(())
+    })?;
+    ready_rx.recv_timeout(Duration::from_secs(5)).map_err(|_| io::Error::other("echo server did not start"))??;
+    Ok(rx)
 }
 
 impl Drop for Netns {
