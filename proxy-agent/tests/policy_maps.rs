@@ -42,12 +42,12 @@ fn datapath(caps: Capacities) -> Datapath {
 }
 
 fn affine(timeout_s: u32) -> FrontendPolicy {
-    FrontendPolicy { affinity_timeout_s: Some(timeout_s), source_ranges: None }
+    FrontendPolicy { affinity_timeout_s: Some(timeout_s), affinity_scope: 77, source_ranges: None }
 }
 
 fn filtered(cidrs: &[&str], node: bool) -> FrontendPolicy {
     let cidrs = cidrs.iter().map(|c| Cidr::parse(c).expect("literal")).collect();
-    FrontendPolicy { affinity_timeout_s: None, source_ranges: Some(SourceRanges { cidrs, node }) }
+    FrontendPolicy { affinity_timeout_s: None, affinity_scope: 0, source_ranges: Some(SourceRanges { cidrs, node }) }
 }
 
 /// Brings the writer to `want` with `policies`, as a sync pass would.
@@ -107,7 +107,8 @@ fn affinity_match_entries_follow_each_generation_and_clients_go_with_affinity() 
     let mut policies: Policies = [(a, affine(60))].into();
     sync(&mut w, &want, &policies);
     let v = service(pins, &a);
-    assert_eq!(v.flags, pc::SVC_FLAG_AFFINITY);
+    assert_eq!(v.flags, pc::SVC_FLAG_AFFINITY | (77 << pc::SVC_AFFINITY_SCOPE_SHIFT));
+    assert_eq!(v.affinity_scope(), 77, "the scope rides in the flags' upper bits");
     assert_eq!(service(pins, &other).flags, 0, "a frontend without affinity has no flag");
     let want_matches = |v: &ServiceValue, timeout: u32| -> BTreeSet<(u32, u32, u32, u32)> {
         ids(pins, &a).into_iter().map(|id| (v.service_id, v.generation, id, timeout)).collect()
@@ -126,16 +127,11 @@ fn affinity_match_entries_follow_each_generation_and_clients_go_with_affinity() 
     let mut c = clients(pins);
     for netns_cookie in [7, 8] {
         let backend_id = *ids(pins, &a).iter().next().expect("a backend");
-        c.insert(
-            SockAffinityKey { netns_cookie, service_id: v2.service_id, _pad: 0 },
-            AffinityValue { last_used_ns: 1, backend_id, _pad: 0 },
-            0,
-        )
-        .expect("client entry");
+        c.insert(SockAffinityKey { netns_cookie, scope_id: 77, _pad: 0 }, AffinityValue { last_used_ns: 1, backend_id, _pad: 0 }, 0)
+            .expect("client entry");
     }
-    // One of another frontend's: never touched.
-    c.insert(SockAffinityKey { netns_cookie: 7, service_id: service(pins, &other).service_id, _pad: 0 }, AffinityValue::default(), 0)
-        .expect("client entry");
+    // One of another Service port's scope: never touched.
+    c.insert(SockAffinityKey { netns_cookie: 7, scope_id: 78, _pad: 0 }, AffinityValue::default(), 0).expect("client entry");
 
     // A shorter timeout: a new generation with the new timeout; the
     // clients keep their entries.
@@ -158,20 +154,31 @@ fn affinity_match_entries_follow_each_generation_and_clients_go_with_affinity() 
     sync(&mut w, &want, &policies);
     assert_eq!(service(pins, &a).flags, 0);
     assert!(matches(pins).is_empty());
-    let left: Vec<u32> = clients(pins).keys().map(|k| k.expect("key").service_id).collect();
-    assert_eq!(left, [service(pins, &other).service_id]);
+    let left: Vec<u32> = clients(pins).keys().map(|k| k.expect("key").scope_id).collect();
+    assert_eq!(left, [78]);
 
     // Affinity back, clients again, then the frontend goes: its clients go
     // with it.
     policies.insert(a, affine(10_800));
     sync(&mut w, &want, &policies);
-    let sid = service(pins, &a).service_id;
-    clients(pins).insert(SockAffinityKey { netns_cookie: 9, service_id: sid, _pad: 0 }, AffinityValue::default(), 0).expect("client");
+    clients(pins).insert(SockAffinityKey { netns_cookie: 9, scope_id: 77, _pad: 0 }, AffinityValue::default(), 0).expect("client");
+    let scoped = || clients(pins).keys().filter(|k| k.as_ref().expect("key").scope_id == 77).count();
+    // A second frontend of the same Service port (its LoadBalancer IP,
+    // say) shares the scope: while one of them is affine the clients stay.
+    let lb = fe(3);
+    want.insert(lb, [be(2)].into());
+    policies.insert(lb, affine(10_800));
+    sync(&mut w, &want, &policies);
+    assert_eq!(service(pins, &lb).affinity_scope(), 77);
     want.remove(&a);
+    policies.remove(&a);
+    sync(&mut w, &want, &policies);
+    assert_eq!(scoped(), 1, "the scope's other frontend keeps its clients");
+    want.remove(&lb);
     policies.clear();
     sync(&mut w, &want, &policies);
     assert!(matches(pins).is_empty());
-    assert!(clients(pins).keys().all(|k| k.expect("key").service_id != sid), "the removed frontend's clients are gone");
+    assert_eq!(scoped(), 0, "the clients go with the scope's last frontend");
     let r = dump::report(pins, &dump::read(pins).expect("dump"));
     assert!(r.consistent, "{:?}", r.findings);
 }

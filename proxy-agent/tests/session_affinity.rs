@@ -121,6 +121,34 @@ fn fifty_connects_from_one_pod_land_on_one_backend_and_another_pod_chooses_its_o
     assert!(r.consistent, "{:?}", r.findings);
 }
 
+/// kube-proxy keeps a client's choice per Service port, so a pod that
+/// reaches the port through its ClusterIP and through its external IP keeps
+/// one backend: the first connect through the second frontend is already an
+/// affinity hit, and the dump lists one entry for the two frontends.
+#[test]
+fn the_frontends_of_one_service_port_share_a_clients_choice() {
+    let external = format!("{CLIENT_IP}  externalIPs: [192.0.2.10]\n");
+    let (net, node) = setup(&web(&external, &THREE));
+    let first = first_ok(&node, &net, &["--to", WEB]);
+    let hits = counter(&node, "affinity_hit");
+    let via_external = one_backend("pod 1 through the external IP", &node.probe(&net, &["--to", "192.0.2.10:80", "--count", "20"]));
+    assert_eq!(via_external, first, "the ClusterIP's choice holds for the external IP");
+    assert!(counter(&node, "affinity_hit") >= hits + 20, "every connect through the external IP was an affinity hit");
+    // And the other way round, for a second pod.
+    let other = OtherPod::new(&net);
+    let second = one_backend("pod 2 through the external IP", &other.probe(&node, &["--to", "192.0.2.10:80"]));
+    assert_eq!(one_backend("pod 2 through the ClusterIP", &other.probe(&node, &["--to", WEB, "--count", "20"])), second);
+    let snap = dump::read(node.pins.path()).expect("read maps");
+    let r = dump::report(node.pins.path(), &snap);
+    let tcp: Vec<&dump::AffinityView> = r.affinity.iter().filter(|a| a.frontend.contains("10.96.0.10:80/TCP")).collect();
+    assert_eq!(tcp.len(), 2, "one entry per pod for the TCP port, not one per frontend: {:?}", r.affinity);
+    assert!(tcp.iter().all(|a| a.frontend.contains("192.0.2.10:80/TCP") && a.honoured), "{tcp:?}");
+    let scopes: std::collections::BTreeSet<Option<u32>> =
+        r.services.iter().filter(|s| s.frontend.ends_with(":80/TCP")).map(|s| s.affinity_scope).collect();
+    assert_eq!(scopes.len(), 1, "the port's frontends carry one scope: {scopes:?}");
+    assert!(r.consistent, "{:?}", r.findings);
+}
+
 #[test]
 fn use_refreshes_the_entry_and_after_the_timeout_new_choices_are_made() {
     // 3 s: short enough to wait out, long enough that a probe process

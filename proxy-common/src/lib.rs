@@ -89,9 +89,11 @@ pub struct ServiceValue {
     pub backend_count: u32,
     /// Generation of the slot set this entry points at.
     pub generation: u32,
-    /// `SVC_FLAG_*` bits: what the frontend needs besides its backends. An
-    /// agent version without them wrote zero, which the programs read as
-    /// "neither".
+    /// `SVC_FLAG_*` bits (the low [`SVC_AFFINITY_SCOPE_SHIFT`] bits): what
+    /// the frontend needs besides its backends. An agent version without
+    /// them wrote zero, which the programs read as "neither". The bits
+    /// above hold the session-affinity scope (see
+    /// [`ServiceValue::affinity_scope`]).
     pub flags: u32,
 }
 
@@ -112,7 +114,28 @@ pub const SVC_FLAG_SOURCE_RANGES: u32 = 2;
 /// in that case too).
 pub const SVC_FLAG_SOURCE_RANGES_NODE: u32 = 4;
 
+/// `ServiceValue.flags` above this many bits: the affinity scope id, 24
+/// bits, 0 for none.
+pub const SVC_AFFINITY_SCOPE_SHIFT: u32 = 8;
+/// The largest affinity scope id `ServiceValue.flags` can carry.
+pub const SVC_AFFINITY_SCOPE_MAX: u32 = u32::MAX >> SVC_AFFINITY_SCOPE_SHIFT;
+
 impl ServiceValue {
+    /// The key under which clients' affinity choices for this frontend are
+    /// kept. kube-proxy keeps ClientIP affinity per Service port (its
+    /// `recent` lists hang off the port's endpoint chains, shared by the
+    /// ClusterIP, NodePort and LoadBalancer rules), so all frontends of one
+    /// Service port and family carry the same scope id. A value written by
+    /// an agent without scopes (0) keeps its choices per frontend, under
+    /// the service id.
+    #[inline(always)]
+    pub fn affinity_scope(&self) -> u32 {
+        match self.flags >> SVC_AFFINITY_SCOPE_SHIFT {
+            0 => self.service_id,
+            scope => scope,
+        }
+    }
+
     /// The slot of this service's current generation that `hash` selects.
     /// `backend_count` must be non-zero (see [`select_slot`]).
     #[inline(always)]
@@ -214,7 +237,7 @@ pub struct SockConfig {
 }
 
 /// `AFFINITY` key: the client, as the socket programs see it, and the
-/// frontend. At connect() a socket has no source address yet (the kernel
+/// Service port. At connect() a socket has no source address yet (the kernel
 /// picks it after the hook, `ip_route_connect`), so the client is its
 /// network namespace: one pod is one namespace (`bpf_get_netns_cookie`),
 /// and every process of the node's own namespace is one client, as all of
@@ -223,7 +246,8 @@ pub struct SockConfig {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SockAffinityKey {
     pub netns_cookie: u64,
-    pub service_id: u32,
+    /// [`ServiceValue::affinity_scope`]: the Service port, not the frontend.
+    pub scope_id: u32,
     pub _pad: u32,
 }
 
@@ -241,17 +265,18 @@ pub struct NodeNetns {
 }
 
 /// `NP_AFFINITY` key: the client's source address as the TC programs see
-/// it (kube-proxy's ClientIP), and the frontend.
+/// it (kube-proxy's ClientIP), and the Service port.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct NpAffinityKey {
     pub client_be: [u32; 4],
-    pub service_id: u32,
+    /// [`ServiceValue::affinity_scope`]: the Service port, not the frontend.
+    pub scope_id: u32,
     pub family: u8,
     pub _pad: [u8; 3],
 }
 
-/// A client's backend for one frontend, and when a connection (or a UDP
+/// A client's backend for one Service port, and when a connection (or a UDP
 /// flow) last used it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

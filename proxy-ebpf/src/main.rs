@@ -164,7 +164,7 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
     }
     // A client with a fresh affinity entry keeps its backend; everyone
     // else gets the usual choice below, which is then remembered.
-    let affinity = if svc.flags & SVC_FLAG_AFFINITY != 0 { Some(affinity_key(ctx, svc.service_id)) } else { None };
+    let affinity = if svc.flags & SVC_FLAG_AFFINITY != 0 { Some(affinity_key(ctx, svc.affinity_scope())) } else { None };
     let sticky = affinity.as_ref().and_then(|k| affinity_lookup(k, &svc));
 
     // The cookie is fetched only where it is needed: the first call on a
@@ -328,13 +328,14 @@ fn affinity_remember(key: &SockAffinityKey, backend_id: u32) {
     }
 }
 
-/// The client is the caller's network namespace (see `SockAffinityKey`).
+/// The client is the caller's network namespace, the scope the Service
+/// port (see `SockAffinityKey`).
 #[inline(always)]
-fn affinity_key(ctx: &SockAddrContext, service_id: u32) -> SockAffinityKey {
+fn affinity_key(ctx: &SockAddrContext, scope_id: u32) -> SockAffinityKey {
     // SAFETY: the helper gets this program's own context, as its sock_addr
     // variant requires, and touches no memory of ours.
     let netns_cookie = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
-    SockAffinityKey { netns_cookie, service_id, _pad: 0 }
+    SockAffinityKey { netns_cookie, scope_id, _pad: 0 }
 }
 
 /// Records that this socket reaches `frontend` at `backend`, for the

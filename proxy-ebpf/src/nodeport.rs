@@ -415,7 +415,7 @@ fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
                 }
             };
             if affine {
-                affinity_remember(p, svc.service_id, picked.0, now_ns);
+                affinity_remember(p, svc.affinity_scope(), picked.0, now_ns);
             }
             picked
         }
@@ -615,7 +615,7 @@ fn affinity_lookup(p: &Pkt, svc: &ServiceValue, now_ns: u64) -> Option<(u32, &'s
     // SAFETY: this CPU's slot of NP_SCRATCH element 0 (see
     // `source_allowed`); the reference ends with this function.
     let s = unsafe { &mut *s };
-    s.affinity = NpAffinityKey { client_be: p.saddr, service_id: svc.service_id, family: p.family, _pad: [0; 3] };
+    s.affinity = NpAffinityKey { client_be: p.saddr, scope_id: svc.affinity_scope(), family: p.family, _pad: [0; 3] };
     let entry = NP_AFFINITY.get_ptr_mut(&s.affinity)?;
     // SAFETY: the value pointer of an NP_AFFINITY element, valid for the
     // run (RCU, preallocated LRU elements never freed while the map
@@ -638,10 +638,10 @@ fn affinity_lookup(p: &Pkt, svc: &ServiceValue, now_ns: u64) -> Option<(u32, &'s
     Some((found.backend_id, b))
 }
 
-/// Records that this client now uses `backend_id` of frontend
-/// `service_id`.
+/// Records that this client now uses `backend_id` for the Service port of
+/// affinity scope `scope_id`.
 #[inline(always)]
-fn affinity_remember(p: &Pkt, service_id: u32, backend_id: u32, now_ns: u64) {
+fn affinity_remember(p: &Pkt, scope_id: u32, backend_id: u32, now_ns: u64) {
     let Some(s) = NP_SCRATCH.get_ptr_mut(0) else {
         np_count(np_counter::AFFINITY_UPDATE_FAILED);
         return;
@@ -649,7 +649,7 @@ fn affinity_remember(p: &Pkt, service_id: u32, backend_id: u32, now_ns: u64) {
     // SAFETY: this CPU's slot of NP_SCRATCH element 0 (see
     // `source_allowed`); the reference ends with this function.
     let s = unsafe { &mut *s };
-    s.affinity = NpAffinityKey { client_be: p.saddr, service_id, family: p.family, _pad: [0; 3] };
+    s.affinity = NpAffinityKey { client_be: p.saddr, scope_id, family: p.family, _pad: [0; 3] };
     s.affinity_val = AffinityValue { last_used_ns: now_ns, backend_id, _pad: 0 };
     if NP_AFFINITY.insert(&s.affinity, &s.affinity_val, 0).is_err() {
         np_count(np_counter::AFFINITY_UPDATE_FAILED);

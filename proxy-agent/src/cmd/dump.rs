@@ -111,6 +111,9 @@ fn policy_note(s: &ServiceView) -> String {
     let mut note = String::new();
     if let Some(t) = s.affinity_timeout_seconds {
         note.push_str(&format!("  affinity ClientIP {t}s"));
+        if let Some(scope) = s.affinity_scope {
+            note.push_str(&format!(" scope {scope}"));
+        }
     }
     if let Some(r) = &s.source_ranges {
         let ranges = if r.is_empty() { "none (closed)".to_string() } else { r.join(",") };
@@ -133,7 +136,7 @@ fn affinity_lines(out: &mut impl Write, indent: &str, entries: &[AffinityView]) 
         let backend = a.backend.as_deref().unwrap_or("(no such backend)");
         let idle = a.idle_ms.map_or_else(String::new, |ms| format!("  idle {}.{:03}s", ms / 1000, ms % 1000));
         let state = if a.honoured { "" } else { "  (not honoured: expired or backend no longer used)" };
-        writeln!(out, "{indent}  {}  {}  =>  #{} {backend}{idle}{state}", a.frontend, a.client, a.backend_id)?;
+        writeln!(out, "{indent}  scope {} ({})  {}  =>  #{} {backend}{idle}{state}", a.scope, a.frontend, a.client, a.backend_id)?;
     }
     if entries.len() > AFFINITY_LISTED {
         writeln!(out, "{indent}  ... {} more (--output json lists all)", entries.len() - AFFINITY_LISTED)?;

@@ -75,7 +75,7 @@ pub struct PolicySnapshot {
     pub matches: Vec<(AffinityMatchKey, AffinityMatchValue)>,
     /// Each source range entry: (prefix length in bits, key).
     pub ranges: Vec<(u32, SourceRangeKey)>,
-    /// The clients' affinity entries: (service id, client, entry). The
+    /// The clients' affinity entries: (affinity scope, client, entry). The
     /// client is `netns N` (a network namespace cookie) for the socket
     /// datapath and an address for the TC one.
     pub clients: Vec<(u32, String, AffinityValue)>,
@@ -202,7 +202,7 @@ pub fn read(pin_dir: &Path) -> Result<Snapshot, DumpError> {
     hash_entries::<SockRevNatKey, SockRevNatValue>(pin_dir, &maps::SOCK_REVNAT, usage)?;
     snap.counters = counter_sums(pin_dir, &maps::COUNTERS, usage)?;
     snap.policy =
-        read_policy::<SockAffinityKey>(pin_dir, &SOCKET_SERVICE_MAPS, usage, |k| (k.service_id, format!("netns {}", k.netns_cookie)))?;
+        read_policy::<SockAffinityKey>(pin_dir, &SOCKET_SERVICE_MAPS, usage, |k| (k.scope_id, format!("netns {}", k.netns_cookie)))?;
     if pin_dir.join(maps::NP_SERVICES.name).exists() {
         snap.nodeport = Some(read_nodeport(pin_dir, usage)?);
     }
@@ -289,10 +289,7 @@ fn read_nodeport(pin_dir: &Path, usage: &mut Vec<MapUsage>) -> Result<NpSnapshot
     usage.push(MapUsage { name: pc::NP_CONFIG_MAP, entries: u64::from(max), max_entries: max });
     np.counters = counter_sums(pin_dir, &maps::NP_COUNTERS, usage)?;
     np.policy = read_policy::<NpAffinityKey>(pin_dir, &TC_SERVICE_MAPS, usage, |k| {
-        (
-            k.service_id,
-            ip_of(k.client_be, k.family).map_or_else(|| format!("family {} {:08x?}", k.family, k.client_be), |ip| ip.to_string()),
-        )
+        (k.scope_id, ip_of(k.client_be, k.family).map_or_else(|| format!("family {} {:08x?}", k.family, k.client_be), |ip| ip.to_string()))
     })?;
     Ok(np)
 }
@@ -439,6 +436,10 @@ pub struct ServiceView {
     /// match entries (0 when there are none).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub affinity_timeout_seconds: Option<u32>,
+    /// With affinity: the scope its clients' entries are kept under, shared
+    /// by the frontends of one Service port and family.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub affinity_scope: Option<u32>,
     /// `loadBalancerSourceRanges` in force: the ranges of the current
     /// generation (empty: nobody gets in).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -453,7 +454,10 @@ pub struct ServiceView {
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct AffinityView {
-    /// The affine frontend, or `service id N` when none has that id.
+    /// The affinity scope (one per Service port and family, see
+    /// `ServiceValue::affinity_scope`).
+    pub scope: u32,
+    /// The affine frontends of the scope, or `scope N` when none has it.
     pub frontend: String,
     /// `netns N` (socket datapath) or the client's address (TC).
     pub client: String,
@@ -464,8 +468,9 @@ pub struct AffinityView {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub idle_ms: Option<u64>,
     /// Whether the programs would send the client's next connection to
-    /// this backend: the frontend is affine, lists the backend under its
-    /// current generation, and the entry has not expired.
+    /// this backend through at least one of the scope's frontends: the
+    /// frontend is affine, lists the backend under its current generation,
+    /// and the entry has not expired.
     pub honoured: bool,
 }
 
@@ -637,6 +642,7 @@ pub fn check_maps(
             slots: slot_views,
             external_traffic_policy: None,
             affinity_timeout_seconds: None,
+            affinity_scope: None,
             source_ranges: None,
             source_ranges_node: false,
         });
@@ -726,6 +732,7 @@ pub fn check_policies(
             live.insert(("match", *sid, v.generation));
             let listed = matches.get(&(*sid, v.generation));
             view.affinity_timeout_seconds = Some(listed.and_then(|m| m.values().next().copied()).unwrap_or(0));
+            view.affinity_scope = Some(v.affinity_scope());
             for slot in &view.slots {
                 if let Some(id) = slot.backend_id
                     && !listed.is_some_and(|m| m.contains_key(&id))
@@ -776,20 +783,36 @@ pub fn check_policies(
         }
     }
     let backend_table: BTreeMap<u32, &BackendValue> = backends.iter().map(|(k, v)| (k.backend_id, v)).collect();
+    // The affine frontends of each scope.
+    let mut members: BTreeMap<u32, Vec<&ServiceValue>> = BTreeMap::new();
+    for v in current.values().filter(|v| v.flags & pc::SVC_FLAG_AFFINITY != 0) {
+        members.entry(v.affinity_scope()).or_default().push(v);
+    }
     let clients = p
         .clients
         .iter()
-        .map(|(sid, client, v)| {
-            let frontend = view_of.get(sid).map_or_else(|| format!("service id {sid}"), |i| views[*i].frontend.clone());
+        .map(|(scope, client, v)| {
+            let sharing = members.get(scope).map_or(&[][..], Vec::as_slice);
+            let frontend = if sharing.is_empty() {
+                format!("scope {scope}")
+            } else {
+                let names: Vec<String> = sharing
+                    .iter()
+                    .map(|s| {
+                        view_of.get(&s.service_id).map_or_else(|| format!("service id {}", s.service_id), |i| views[*i].frontend.clone())
+                    })
+                    .collect();
+                names.join(", ")
+            };
             let idle_ms = p.now_ns.map(|now| now.saturating_sub(v.last_used_ns) / 1_000_000);
-            let honoured = current.get(sid).is_some_and(|s| {
-                s.flags & pc::SVC_FLAG_AFFINITY != 0
-                    && matches
-                        .get(&(*sid, s.generation))
-                        .and_then(|m| m.get(&v.backend_id))
-                        .is_some_and(|t| p.now_ns.is_none_or(|now| !pc::affinity_expired(now, v.last_used_ns, *t)))
+            let honoured = sharing.iter().any(|s| {
+                matches
+                    .get(&(s.service_id, s.generation))
+                    .and_then(|m| m.get(&v.backend_id))
+                    .is_some_and(|t| p.now_ns.is_none_or(|now| !pc::affinity_expired(now, v.last_used_ns, *t)))
             });
             AffinityView {
+                scope: *scope,
                 frontend,
                 client: client.clone(),
                 backend_id: v.backend_id,

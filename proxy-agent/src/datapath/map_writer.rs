@@ -122,8 +122,10 @@ pub struct MapWriter {
     backend_id_set: BTreeSet<u32>,
     next_service_id: u32,
     next_backend_id: u32,
-    /// Service ids whose frontend dropped affinity or went away during the
-    /// current `apply`: their clients' entries are swept at its end.
+    /// Affinity scopes (see `ServiceValue::affinity_scope`) of frontends
+    /// that dropped affinity, changed scope or went away during the current
+    /// `apply`: their clients' entries are swept at its end unless another
+    /// frontend still uses the scope.
     affinity_gone: BTreeSet<u32>,
 }
 
@@ -244,7 +246,10 @@ impl MapWriter {
                 cidrs.sort();
                 SourceRanges { cidrs, node: value.flags & pc::SVC_FLAG_SOURCE_RANGES_NODE != 0 }
             });
-            let policy = FrontendPolicy { affinity_timeout_s, source_ranges };
+            // Scope 0 (an agent without scopes) reads as "none": the next
+            // plan rewrites the frontend with its Service port's scope.
+            let affinity_scope = value.flags >> pc::SVC_AFFINITY_SCOPE_SHIFT;
+            let policy = FrontendPolicy { affinity_timeout_s, affinity_scope, source_ranges };
             let mut list = Vec::new();
             for slot in 0..value.backend_count {
                 let sk = SlotKey { service_id: value.service_id, generation: value.generation, slot };
@@ -333,23 +338,32 @@ impl MapWriter {
             }
         }
         self.flush(&mut chunk, &mut errors);
-        let gone = std::mem::take(&mut self.affinity_gone);
+        let mut gone = std::mem::take(&mut self.affinity_gone);
+        // A scope is shared by the frontends of one Service port: it goes
+        // only with the last of them.
+        if !gone.is_empty() {
+            for p in self.programmed.values() {
+                if let Some(scope) = affinity_scope(&p.value) {
+                    gone.remove(&scope);
+                }
+            }
+        }
         self.sweep_affinity(&gone);
         errors
     }
 
-    /// Deletes the clients' affinity entries of the frontends (service ids)
-    /// in `gone`, which dropped affinity or were removed: no program honours
+    /// Deletes the clients' affinity entries of the scopes in `gone`, whose
+    /// last frontend dropped affinity or was removed: no program honours
     /// them any more (their match entries are gone), and an LRU map would
     /// keep them until pushed out. One pass over the map, only when some
-    /// affine frontend went.
+    /// affine scope went.
     fn sweep_affinity(&mut self, gone: &BTreeSet<u32>) {
         if gone.is_empty() {
             return;
         }
         let swept = match &mut self.affinity {
-            AffinityTable::Socket(m) => sweep(m, gone, |k| k.service_id),
-            AffinityTable::Tc(m) => sweep(m, gone, |k| k.service_id),
+            AffinityTable::Socket(m) => sweep(m, gone, |k| k.scope_id),
+            AffinityTable::Tc(m) => sweep(m, gone, |k| k.scope_id),
         };
         match swept {
             Ok(n) => tracing::debug!(map = self.maps.affinity.name, entries = n, "removed the affinity of frontends that dropped it"),
@@ -500,8 +514,8 @@ impl MapWriter {
                 self.ranges_used = self.ranges_used.saturating_add(st.ranges.len() as u32);
                 if let Some(old) = &st.old {
                     self.drop_generation(old, &mut dead);
-                    if old.policy.affinity_timeout_s.is_some() && st.policy.affinity_timeout_s.is_none() {
-                        self.affinity_gone.insert(value.service_id);
+                    if old.policy.affinity_timeout_s.is_some() && Some(old.value.affinity_scope()) != affinity_scope(&value) {
+                        self.affinity_gone.insert(old.value.affinity_scope());
                     }
                 }
                 self.programmed.insert(st.frontend, Programmed { value, backends: st.backends, policy: st.policy });
@@ -583,7 +597,7 @@ impl MapWriter {
             if let Some(old) = self.programmed.remove(fe) {
                 self.service_id_set.remove(&old.value.service_id);
                 if old.policy.affinity_timeout_s.is_some() {
-                    self.affinity_gone.insert(old.value.service_id);
+                    self.affinity_gone.insert(old.value.affinity_scope());
                 }
                 keys.push(service_key(fe));
                 olds.push((fe, old));
@@ -704,7 +718,7 @@ impl MapWriter {
 fn policy_flags(p: &FrontendPolicy) -> u32 {
     let mut flags = 0;
     if p.affinity_timeout_s.is_some() {
-        flags |= pc::SVC_FLAG_AFFINITY;
+        flags |= pc::SVC_FLAG_AFFINITY | ((p.affinity_scope & pc::SVC_AFFINITY_SCOPE_MAX) << pc::SVC_AFFINITY_SCOPE_SHIFT);
     }
     if let Some(r) = &p.source_ranges {
         flags |= pc::SVC_FLAG_SOURCE_RANGES;
@@ -715,14 +729,19 @@ fn policy_flags(p: &FrontendPolicy) -> u32 {
     flags
 }
 
-/// Deletes the entries of an affinity map whose frontend is in `gone`;
+/// The affinity scope of a frontend written as `value`, if it is affine.
+fn affinity_scope(value: &ServiceValue) -> Option<u32> {
+    (value.flags & pc::SVC_FLAG_AFFINITY != 0).then(|| value.affinity_scope())
+}
+
+/// Deletes the entries of an affinity map whose scope is in `gone`;
 /// returns how many there were.
 fn sweep<K: aya::Pod + Eq + std::hash::Hash>(
     map: &mut HashMap<MapData, K, AffinityValue>,
     gone: &BTreeSet<u32>,
-    service_id: impl Fn(&K) -> u32,
+    scope_id: impl Fn(&K) -> u32,
 ) -> Result<usize, MapError> {
-    let keys: Vec<K> = bpf_batch::read_all(map)?.into_iter().map(|(k, _)| k).filter(|k| gone.contains(&service_id(k))).collect();
+    let keys: Vec<K> = bpf_batch::read_all(map)?.into_iter().map(|(k, _)| k).filter(|k| gone.contains(&scope_id(k))).collect();
     let failed = delete_keys(map, &keys);
     Ok(keys.len() - failed.len())
 }

@@ -36,7 +36,8 @@ pub struct PortDecision {
     /// `spec.healthCheckNodePort`, served only with externalTrafficPolicy: Local.
     pub health_check_node_port: Option<u16>,
     /// `sessionAffinity: ClientIP`: the timeout in seconds. It applies to
-    /// every frontend of the port, each keeping its own clients' choices.
+    /// every frontend of the port, which share their clients' choices (see
+    /// [`PortDecision::affinity_scope`]).
     pub affinity_timeout_s: Option<u32>,
     /// The LoadBalancer ingress IPs among `external_ips`: the frontends
     /// `source_ranges` apply to (never NodePorts or externalIPs, as in
@@ -100,7 +101,44 @@ impl PortDecision {
             cidrs.dedup();
             SourceRanges { cidrs, node: node && !at_tc }
         });
-        FrontendPolicy { affinity_timeout_s: self.affinity_timeout_s, source_ranges }
+        let affinity_scope = if self.affinity_timeout_s.is_some() { self.affinity_scope(Family::of(&fe.ip)) } else { 0 };
+        FrontendPolicy { affinity_timeout_s: self.affinity_timeout_s, affinity_scope, source_ranges }
+    }
+
+    /// The affinity scope of this port's frontends of `family`: kube-proxy
+    /// keeps a ClientIP choice per Service port (its `recent` lists hang off
+    /// the port's endpoint chains, which the ClusterIP, NodePort and
+    /// LoadBalancer rules share), so a pod that reaches the port through
+    /// its ClusterIP and its LoadBalancer IP keeps one backend. The family
+    /// is part of it because a choice names a backend address of one
+    /// family.
+    ///
+    /// A hash of the port's identity, not a counter: it is the same after a
+    /// restart, on every node and for every agent version, with nothing to
+    /// store. It fills the 24 bits `ServiceValue.flags` has room for; two
+    /// ports whose hashes collide share their clients' entries, which costs
+    /// only stickiness for a client of both (every program checks that the
+    /// remembered backend is one the frontend it serves uses). With a
+    /// thousand affine ports in a cluster that happens with a chance of
+    /// about 3 %.
+    pub fn affinity_scope(&self, family: Family) -> u32 {
+        // FNV-1a: fixed, documented constants, so the value never depends
+        // on a std hasher's seed or version.
+        let mut h: u32 = 0x811c_9dc5;
+        let fields: [&[u8]; 5] = [
+            self.service.namespace.as_bytes(),
+            self.service.name.as_bytes(),
+            self.port.name.as_bytes(),
+            self.port.protocol.as_str().as_bytes(),
+            if family == Family::V4 { b"4" } else { b"6" },
+        ];
+        for field in fields {
+            for b in field.iter().chain(std::iter::once(&0u8)) {
+                h = (h ^ u32::from(*b)).wrapping_mul(0x0100_0193);
+            }
+        }
+        let folded = (h >> 24) ^ (h & proxy_common::SVC_AFFINITY_SCOPE_MAX);
+        folded.max(1)
     }
 
     /// Whether traffic can reach this port from outside the node's pods
@@ -690,6 +728,50 @@ endpoints: [{{addresses: [10.244.0.1], nodeName: a}}]
         // The IPv6 ingress IP: no IPv6 range, so it admits nobody.
         let lb6 = fe("2001:db8::7", 80);
         assert_eq!(ext.tc_policies[&lb6].source_ranges, Some(SourceRanges::default()));
+    }
+
+    /// One scope per Service port and family, shared by all its frontends
+    /// on both datapaths, and different for every other port.
+    #[test]
+    fn affinity_is_scoped_per_service_port_and_family() {
+        let d = lb("10.0.0.0/8");
+        let node: Vec<IpAddr> = vec!["192.168.1.5".parse().unwrap()];
+        let ext = external_state(&d, &node);
+        let all: Vec<(Frontend, u32)> = desired_policies(&d)
+            .iter()
+            .chain(&ext.socket_policies)
+            .chain(&ext.tc_policies)
+            .map(|(fe, p)| (*fe, p.affinity_scope))
+            .collect();
+        let of = |v4: bool| -> BTreeSet<u32> { all.iter().filter(|(fe, _)| fe.ip.is_ipv4() == v4).map(|(_, s)| *s).collect() };
+        let (v4, v6) = (of(true), of(false));
+        assert_eq!(v4.len(), 1, "every IPv4 frontend of the port shares one scope: {all:?}");
+        assert_eq!(v6.len(), 1, "and every IPv6 one: {all:?}");
+        assert_ne!(v4, v6, "a choice names a backend of one family");
+        assert!(v4.iter().chain(&v6).all(|s| (1..=proxy_common::SVC_AFFINITY_SCOPE_MAX).contains(s)), "fits the flags, never 0");
+        // (what changes, Service name, port name, protocol): each is another
+        // scope; the same identity is the same scope, here and after a
+        // restart (a hash, nothing stored).
+        let port = |name: &str, svc: &str, protocol: Protocol| {
+            let mut p = d[0].clone();
+            p.service.name = svc.into();
+            p.port.name = name.into();
+            p.port.protocol = protocol;
+            p.affinity_scope(Family::V4)
+        };
+        let base = port("http", "web", Protocol::Tcp);
+        assert_eq!(Some(&base), v4.iter().next());
+        for (what, other) in [
+            ("port name", port("https", "web", Protocol::Tcp)),
+            ("Service", port("http", "api", Protocol::Tcp)),
+            ("protocol", port("http", "web", Protocol::Udp)),
+        ] {
+            assert_ne!(other, base, "another {what} is another scope");
+        }
+        // Without affinity no frontend carries a scope.
+        let mut plain = d[0].clone();
+        plain.affinity_timeout_s = None;
+        assert_eq!(plain.frontend_policy(&fe("10.96.0.10", 80), &node, false).affinity_scope, 0);
     }
 
     #[test]

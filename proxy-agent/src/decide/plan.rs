@@ -13,6 +13,11 @@ pub type State = BTreeMap<Frontend, BTreeSet<Backend>>;
 pub struct FrontendPolicy {
     /// `sessionAffinity: ClientIP`: the timeout in seconds.
     pub affinity_timeout_s: Option<u32>,
+    /// With affinity: the id under which clients' choices are kept, one per
+    /// Service port and family (see `decision::affinity_scope`), so that a
+    /// client keeps its backend across the port's frontends as kube-proxy
+    /// keeps it. 0 without affinity.
+    pub affinity_scope: u32,
     /// `loadBalancerSourceRanges` (LoadBalancer ingress IPs only).
     pub source_ranges: Option<SourceRanges>,
 }
@@ -59,7 +64,7 @@ impl Plan {
 
     /// The policy an upserted frontend is to be written with.
     pub fn policy_of(&self, fe: &Frontend) -> &FrontendPolicy {
-        static DEFAULT: FrontendPolicy = FrontendPolicy { affinity_timeout_s: None, source_ranges: None };
+        static DEFAULT: FrontendPolicy = FrontendPolicy { affinity_timeout_s: None, affinity_scope: 0, source_ranges: None };
         self.policies.get(fe).unwrap_or(&DEFAULT)
     }
 }
@@ -217,9 +222,9 @@ mod tests {
     fn a_policy_change_rewrites_the_frontend_with_its_backends() {
         let a = fe("10.96.0.10", 80, Protocol::Tcp);
         let b1 = be("10.244.0.1", 8080);
-        let sticky = FrontendPolicy { affinity_timeout_s: Some(10_800), source_ranges: None };
-        let shorter = FrontendPolicy { affinity_timeout_s: Some(2), source_ranges: None };
-        let closed = FrontendPolicy { affinity_timeout_s: None, source_ranges: Some(SourceRanges::default()) };
+        let sticky = FrontendPolicy { affinity_timeout_s: Some(10_800), affinity_scope: 1, source_ranges: None };
+        let shorter = FrontendPolicy { affinity_timeout_s: Some(2), affinity_scope: 1, source_ranges: None };
+        let closed = FrontendPolicy { affinity_timeout_s: None, affinity_scope: 0, source_ranges: Some(SourceRanges::default()) };
         let pol = |p: Option<&FrontendPolicy>| -> Policies { p.map(|p| (a, p.clone())).into_iter().collect() };
         let st = state(&[(a, &[b1])]);
         // (name, current policy, desired policy, rewritten)

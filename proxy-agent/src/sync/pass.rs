@@ -86,7 +86,7 @@ impl SocketMaps for MemoryMaps {
         self.policies.clone()
     }
     fn policy_of(&self, fe: &Frontend) -> Option<&FrontendPolicy> {
-        static DEFAULT: FrontendPolicy = FrontendPolicy { affinity_timeout_s: None, source_ranges: None };
+        static DEFAULT: FrontendPolicy = FrontendPolicy { affinity_timeout_s: None, affinity_scope: 0, source_ranges: None };
         self.programmed.contains_key(fe).then(|| self.policies.get(fe).unwrap_or(&DEFAULT))
     }
     fn apply(&mut self, plan: &Plan) -> Vec<ApplyError> {
