@@ -325,6 +325,47 @@ def test_rbac_is_read_only_except_events(default_objects):
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tp-topoproxy", "namespace": NAMESPACE}]
 
 
+# The only writes the agent's identity may make: Events about the objects
+# it reads (core/v1 before 1.19, events.k8s.io/v1 after). Verbs that act on
+# RBAC itself or on other identities are never granted, not even with read.
+EVENT_VERBS = {"create", "patch"}
+READ_VERBS = {"get", "list", "watch"}
+ESCALATING_VERBS = {"escalate", "bind", "impersonate", "approve", "sign", "*"}
+
+
+@pytest.mark.parametrize(
+    "values",
+    [
+        None,
+        NON_DEFAULT,
+        {"privileged": True},
+        {"kubeProxyCleanup": {"enabled": True}},
+        {"metrics": {"service": {"enabled": True}, "serviceMonitor": {"enabled": True}}},
+    ],
+    ids=["default-values", "non-default-values", "privileged", "kube-proxy-cleanup", "monitoring"],
+)
+def test_rbac_stays_read_only_apart_from_events_whatever_the_values(values):
+    objects = render(values)
+    roles = [o for o in objects if o["kind"] in ("ClusterRole", "Role")]
+    assert [r["kind"] for r in roles] == ["ClusterRole"], "one ClusterRole, no namespaced Role"
+    for rule in roles[0]["rules"]:
+        assert not rule.get("nonResourceURLs") and not rule.get("resourceNames"), rule
+        verbs, resources, groups = set(rule["verbs"]), set(rule["resources"]), set(rule["apiGroups"])
+        assert not verbs & ESCALATING_VERBS and "*" not in resources and "*" not in groups, rule
+        if verbs <= READ_VERBS:
+            # Read access only to what the agent turns into map entries:
+            # no Secrets, ConfigMaps or Pods.
+            assert resources <= {"services", "nodes", "endpointslices"}, rule
+            assert groups <= {"", "discovery.k8s.io"}, rule
+        else:
+            assert verbs <= EVENT_VERBS and resources == {"events"} and groups <= {"", "events.k8s.io"}, rule
+    # Bound to the chart's own ServiceAccount only, and to nothing else.
+    bindings = [o for o in objects if o["kind"] in ("ClusterRoleBinding", "RoleBinding")]
+    assert [b["kind"] for b in bindings] == ["ClusterRoleBinding"]
+    assert bindings[0]["roleRef"]["name"] == roles[0]["metadata"]["name"]
+    assert [(s["kind"], s["namespace"]) for s in bindings[0]["subjects"]] == [("ServiceAccount", NAMESPACE)]
+
+
 def test_notes_say_how_to_inspect_and_warn_about_the_api_server():
     text = notes()
     assert "rollout status daemonset/tp-topoproxy" in text

@@ -13,6 +13,7 @@
 //! util/ sit below everything and import nothing from the crate's folders.
 //! migrate/ stands beside the flow: it reads what kube-proxy left on a node
 //! (`proxy-agent cleanup-kube-proxy`) and uses nothing above util.
+//! `fuzzing` sits on top: the fuzz targets' entry points into all of it.
 //! ```
 //!
 //! A folder imports only from folders below it in this order: `util`,
@@ -23,6 +24,9 @@
 pub mod datapath;
 pub mod decide;
 pub mod external;
+/// Entry points for the fuzz targets in `fuzz/`; not the agent's API.
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod migrate;
 pub mod model;
 pub mod observe;

@@ -652,6 +652,7 @@ fn node_address_changes_are_followed_without_a_restart() {
 
 mod test_run {
     use super::*;
+    use proxy_agent::datapath::tc_loader;
     use proxy_agent::decide::decision::ExternalState;
     use proxy_agent::model::{Backend, Frontend, Protocol};
     use proxy_test_support::checksum::csum;
@@ -736,9 +737,11 @@ mod test_run {
         require_root();
         let pins = PinDir::new("tnpr").expect("pins");
         let mut ebpf = proxy_agent::datapath::tc_loader::load_unattached(pins.path()).expect("load");
-        let prog: &mut aya::programs::SchedClassifier = ebpf.program_mut("np_ingress").expect("np_ingress").try_into().expect("classifier");
+        let prog: &mut aya::programs::SchedClassifier =
+            ebpf.program_mut(&tc_loader::loaded_name(tc_loader::INGRESS_PROGRAM)).expect("np_ingress").try_into().expect("classifier");
         let ingress = prog.fd().expect("fd").as_fd().as_raw_fd();
-        let prog: &mut aya::programs::SchedClassifier = ebpf.program_mut("np_egress").expect("np_egress").try_into().expect("classifier");
+        let prog: &mut aya::programs::SchedClassifier =
+            ebpf.program_mut(&tc_loader::loaded_name(tc_loader::EGRESS_PROGRAM)).expect("np_egress").try_into().expect("classifier");
         let egress = prog.fd().expect("fd").as_fd().as_raw_fd();
         let mut w = proxy_agent::external::nodeport::NodePortWriter::open(pins.path()).expect("writer");
         w.set_config(Some("10.0.3.1".parse().unwrap()), Some("fd00:3::1".parse().unwrap()), ports).expect("config");
@@ -889,7 +892,8 @@ mod test_run {
         let lb = fe("10.0.9.9:80", Protocol::Tcp);
         let pins = PinDir::new("tnsr").expect("pins");
         let mut ebpf = proxy_agent::datapath::tc_loader::load_unattached(pins.path()).expect("load");
-        let prog: &mut aya::programs::SchedClassifier = ebpf.program_mut("np_ingress").expect("np_ingress").try_into().expect("classifier");
+        let prog: &mut aya::programs::SchedClassifier =
+            ebpf.program_mut(&tc_loader::loaded_name(tc_loader::INGRESS_PROGRAM)).expect("np_ingress").try_into().expect("classifier");
         let ingress = prog.fd().expect("fd").as_fd().as_raw_fd();
         let mut w = proxy_agent::external::nodeport::NodePortWriter::open(pins.path()).expect("writer");
         w.set_config(Some("10.0.3.1".parse().unwrap()), None, (61000, 65535)).expect("config");

@@ -17,6 +17,7 @@ use std::path::Path;
 
 use aya::maps::{HashMap, Map, MapData};
 use proxy_agent::datapath::conntrack_gc::{self, Timeouts};
+use proxy_agent::datapath::tc_loader;
 use proxy_agent::decide::decision::ExternalState;
 use proxy_agent::external::nodeport::NodePortWriter;
 use proxy_agent::model::{Backend, Frontend, Protocol};
@@ -153,7 +154,8 @@ impl Loaded {
             let prog: &mut aya::programs::SchedClassifier = ebpf.program_mut(name).expect(name).try_into().expect("classifier");
             prog.fd().expect("fd").as_fd().as_raw_fd()
         };
-        let (ingress, egress) = (fd("np_ingress"), fd("np_egress"));
+        let (ingress, egress) =
+            (fd(&tc_loader::loaded_name(tc_loader::INGRESS_PROGRAM)), fd(&tc_loader::loaded_name(tc_loader::EGRESS_PROGRAM)));
         let mut writer = NodePortWriter::open(pins.path()).expect("open the TC maps");
         writer.set_config(Some(Ipv4Addr::from(SNAT)), None, snat_ports).expect("config");
         let mut l = Loaded { _ebpf: ebpf, ingress, egress, writer, pins };
@@ -405,7 +407,8 @@ fn a_running_agent_sweeps_conntrack_and_exports_the_tc_counters() {
     // Bump a TC counter: an IPv4 fragment through the agent's own maps
     // (programs loaded here, unattached, on the agent's pins).
     let mut ebpf = proxy_agent::datapath::tc_loader::load_unattached(node.pins.path()).expect("load the TC programs");
-    let prog: &mut aya::programs::SchedClassifier = ebpf.program_mut("np_ingress").expect("np_ingress").try_into().expect("classifier");
+    let prog: &mut aya::programs::SchedClassifier =
+        ebpf.program_mut(&tc_loader::loaded_name(tc_loader::INGRESS_PROGRAM)).expect("np_ingress").try_into().expect("classifier");
     let ingress = prog.fd().expect("fd").as_fd().as_raw_fd();
     let fragment = ipv4(17, CLIENT, NODE, 0x2000, &[0; 16]);
     assert_eq!(run(ingress, &fragment).0, PASS);

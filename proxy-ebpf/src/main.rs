@@ -19,19 +19,23 @@
 
 #![no_std]
 #![no_main]
+// `sock_iter` emits its kfunc call as a raw instruction (aya 0.14 has no kfunc relocation).
+#![feature(asm_experimental_arch)]
 
 mod baseline;
 mod icmp;
+mod kernel;
 mod maps;
 mod nodeport;
 mod nodeport_maps;
 mod packet;
+mod sock_iter;
 mod sockaddr;
 
 use aya_ebpf::{
     EbpfContext,
     btf_maps::lpm_trie::Key,
-    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_ktime_get_coarse_ns, bpf_set_retval},
+    helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
     macros::cgroup_sock_addr,
     programs::SockAddrContext,
 };
@@ -64,22 +68,45 @@ enum Pick {
 
 #[cgroup_sock_addr(connect4)]
 pub fn connect4(ctx: SockAddrContext) -> i32 {
-    verdict(try_forward::<FAMILY_V4>(&ctx, Pick::Random))
+    verdict(try_forward::<FAMILY_V4, { kernel::FULL }>(&ctx, Pick::Random))
 }
 
 #[cgroup_sock_addr(connect6)]
 pub fn connect6(ctx: SockAddrContext) -> i32 {
-    verdict(try_forward::<FAMILY_V6>(&ctx, Pick::Random))
+    verdict(try_forward::<FAMILY_V6, { kernel::FULL }>(&ctx, Pick::Random))
 }
 
 #[cgroup_sock_addr(sendmsg4)]
 pub fn sendmsg4(ctx: SockAddrContext) -> i32 {
-    verdict(try_forward::<FAMILY_V4>(&ctx, Pick::PerSocket))
+    verdict(try_forward::<FAMILY_V4, { kernel::FULL }>(&ctx, Pick::PerSocket))
 }
 
 #[cgroup_sock_addr(sendmsg6)]
 pub fn sendmsg6(ctx: SockAddrContext) -> i32 {
-    verdict(try_forward::<FAMILY_V6>(&ctx, Pick::PerSocket))
+    verdict(try_forward::<FAMILY_V6, { kernel::FULL }>(&ctx, Pick::PerSocket))
+}
+
+// The same four for kernels without `bpf_set_retval` or the coarse clock
+// (see `kernel`); the agent attaches one set or the other under the same
+// link names.
+#[cgroup_sock_addr(connect4)]
+pub fn connect4_compat(ctx: SockAddrContext) -> i32 {
+    verdict(try_forward::<FAMILY_V4, { kernel::COMPAT }>(&ctx, Pick::Random))
+}
+
+#[cgroup_sock_addr(connect6)]
+pub fn connect6_compat(ctx: SockAddrContext) -> i32 {
+    verdict(try_forward::<FAMILY_V6, { kernel::COMPAT }>(&ctx, Pick::Random))
+}
+
+#[cgroup_sock_addr(sendmsg4)]
+pub fn sendmsg4_compat(ctx: SockAddrContext) -> i32 {
+    verdict(try_forward::<FAMILY_V4, { kernel::COMPAT }>(&ctx, Pick::PerSocket))
+}
+
+#[cgroup_sock_addr(sendmsg6)]
+pub fn sendmsg6_compat(ctx: SockAddrContext) -> i32 {
+    verdict(try_forward::<FAMILY_V6, { kernel::COMPAT }>(&ctx, Pick::PerSocket))
 }
 
 // recvmsg and getpeername programs must return 1: the kernel rejects any
@@ -123,7 +150,7 @@ fn verdict(result: Result<i32, u32>) -> i32 {
 // pointer whose offset was computed at run time ("dereference of modified
 // ctx ptr").
 #[inline(always)]
-fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i32, u32> {
+fn try_forward<const FAMILY: u8, const KERNEL: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i32, u32> {
     let sa = ctx.sock_addr;
     // SAFETY: `sa` is the `bpf_sock_addr` context the kernel passed to this
     // program: non-null and valid for the whole run. `protocol` is readable
@@ -154,18 +181,17 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
     if svc.flags & SVC_FLAG_SOURCE_RANGES != 0 && !source_allowed::<FAMILY>(ctx, &svc, mapped.is_some()) {
         // kube-proxy drops such packets; at connect() the one clear answer
         // is a refusal, as for a Service without endpoints.
-        return Ok(refuse(counter::REFUSED_SOURCE_RANGE));
+        return Ok(refuse::<KERNEL>(counter::REFUSED_SOURCE_RANGE));
     }
     if svc.backend_count == 0 {
         // Kubernetes promises "connection refused" for a Service with no
-        // endpoint for this client; bpf_set_retval exists on >= 5.18 and the
-        // agent refuses to load on older kernels.
-        return Ok(refuse(counter::REFUSED_NO_BACKEND));
+        // endpoint for this client (see `refuse` for older kernels).
+        return Ok(refuse::<KERNEL>(counter::REFUSED_NO_BACKEND));
     }
     // A client with a fresh affinity entry keeps its backend; everyone
     // else gets the usual choice below, which is then remembered.
     let affinity = if svc.flags & SVC_FLAG_AFFINITY != 0 { Some(affinity_key(ctx, svc.affinity_scope())) } else { None };
-    let sticky = affinity.as_ref().and_then(|k| affinity_lookup(k, &svc));
+    let sticky = affinity.as_ref().and_then(|k| affinity_lookup::<KERNEL>(k, &svc));
 
     // The cookie is fetched only where it is needed: the first call on a
     // socket assigns it (`__sock_gen_cookie`, a shared counter).
@@ -198,13 +224,13 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
                         return Ok(ALLOW); // deleted meanwhile: behave as for a non-service
                     };
                     if fresh.backend_count == 0 {
-                        return Ok(refuse(counter::REFUSED_NO_BACKEND));
+                        return Ok(refuse::<KERNEL>(counter::REFUSED_NO_BACKEND));
                     }
                     lookup_backend(&fresh, hash).ok_or(counter::SLOT_MISS)?
                 }
             };
             if let Some(k) = &affinity {
-                affinity_remember(k, id);
+                affinity_remember::<KERNEL>(k, id);
             }
             b
         }
@@ -213,20 +239,25 @@ fn try_forward<const FAMILY: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i3
         return Err(counter::CTX_ERROR);
     }
 
-    remember(ctx, proto, cookie, &backend, &dst);
+    remember(ctx, proto, cookie, &backend, &dst, matches!(pick, Pick::Random));
     write_peer::<FAMILY>(sa, &if mapped.is_some() { backend.mapped_v6() } else { backend });
     count(counter::TRANSLATED);
     Ok(ALLOW)
 }
 
-/// Fails the call with `ECONNREFUSED`, counting `reason`.
+/// Fails the call with `ECONNREFUSED` (Kubernetes promises "connection
+/// refused" for a Service without endpoints), counting `reason`. The
+/// `COMPAT` variant has no `bpf_set_retval` (Linux 5.18), so there the
+/// call fails with the kernel's default `EPERM`.
 #[inline(always)]
-fn refuse(reason: u32) -> i32 {
+fn refuse<const KERNEL: u8>(reason: u32) -> i32 {
     count(reason);
-    // SAFETY: the helper takes a plain integer and touches no memory of
-    // ours; on a kernel without it (< 5.18) the program fails to load
-    // instead, and the agent says so.
-    unsafe { bpf_set_retval(-ECONNREFUSED) };
+    if KERNEL == kernel::FULL {
+        // SAFETY: the helper takes a plain integer and touches no memory
+        // of ours; only the FULL variant calls it, which the agent loads
+        // where the kernel has it.
+        unsafe { bpf_set_retval(-ECONNREFUSED) };
+    }
     REJECT
 }
 
@@ -290,7 +321,7 @@ fn source_allowed<const FAMILY: u8>(ctx: &SockAddrContext, svc: &ServiceValue, m
 /// `AFFINITY_MATCH` under the generation `svc` was read at). Refreshes the
 /// entry's time on a hit.
 #[inline(always)]
-fn affinity_lookup(key: &SockAffinityKey, svc: &ServiceValue) -> Option<Addr> {
+fn affinity_lookup<const KERNEL: u8>(key: &SockAffinityKey, svc: &ServiceValue) -> Option<Addr> {
     let entry = AFFINITY.get_ptr_mut(key)?;
     // SAFETY: `entry` is the value pointer of an AFFINITY element, valid
     // for the run (RCU; LRU elements are preallocated and never freed while
@@ -298,9 +329,7 @@ fn affinity_lookup(key: &SockAffinityKey, svc: &ServiceValue) -> Option<Addr> {
     // evict and reuse the element meanwhile, which leaves stale or mixed
     // integers, every one a valid `AffinityValue`.
     let found = unsafe { *entry };
-    // SAFETY: the helper takes no arguments and touches no memory of ours
-    // (any program type, Linux >= 5.11).
-    let now = unsafe { bpf_ktime_get_coarse_ns() };
+    let now = kernel::now_ns::<KERNEL>();
     let mkey = AffinityMatchKey { service_id: svc.service_id, generation: svc.generation, backend_id: found.backend_id };
     // SAFETY: a map value, valid for the run, read at once.
     let fresh = unsafe { AFFINITY_MATCH.get(&mkey) }.is_some_and(|m| !affinity_expired(now, found.last_used_ns, m.timeout_s));
@@ -320,9 +349,8 @@ fn affinity_lookup(key: &SockAffinityKey, svc: &ServiceValue) -> Option<Addr> {
 
 /// Records that the client of `key` now uses backend `backend_id`.
 #[inline(always)]
-fn affinity_remember(key: &SockAffinityKey, backend_id: u32) {
-    // SAFETY: the helper takes no arguments and touches no memory of ours.
-    let now = unsafe { bpf_ktime_get_coarse_ns() };
+fn affinity_remember<const KERNEL: u8>(key: &SockAffinityKey, backend_id: u32) {
+    let now = kernel::now_ns::<KERNEL>();
     if AFFINITY.insert(key, &AffinityValue { last_used_ns: now, backend_id, _pad: 0 }, 0).is_err() {
         count(counter::AFFINITY_UPDATE_FAILED);
     }
@@ -355,8 +383,15 @@ fn affinity_key(ctx: &SockAddrContext, scope_id: u32) -> SockAffinityKey {
 /// concurrent reader never sees it half-written. Later, different
 /// translations of the same socket (unconnected UDP talking to several
 /// Services) go to `SOCK_REVNAT` and mark the storage `spilled`.
+///
+/// A UDP connect() (`connect`) is recorded in `SOCK_REVNAT` as well: the
+/// agent finds the sockets to terminate when their backend leaves by
+/// their cookie and peer, and socket storage cannot be read from user
+/// space for UDP sockets (sock_diag reports it for TCP only:
+/// `inet_sk_diag_fill` stops before it without a connection sock). One
+/// LRU insert per connect(), like TCP; sendmsg() pays nothing more.
 #[inline(always)]
-fn remember(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, frontend: &Addr) {
+fn remember(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, frontend: &Addr, connect: bool) {
     let family = backend.family;
     if proto == PROTO_UDP {
         let mut first = SockPeerValue {
@@ -400,9 +435,12 @@ fn remember(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, front
                 && p.frontend_ip_be == frontend.ip_be
                 && p.frontend_port_be == frontend.port_be
             {
-                return;
+                if !connect {
+                    return;
+                }
+            } else {
+                p.spilled = 1;
             }
-            p.spilled = 1;
         }
     }
     // Cookies start at 1 (`__sock_gen_cookie`), so 0 means "not fetched yet".

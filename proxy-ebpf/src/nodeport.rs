@@ -28,7 +28,6 @@
 
 use aya_ebpf::{
     bindings::{BPF_NOEXIST, TC_ACT_SHOT, TC_ACT_UNSPEC},
-    helpers::bpf_ktime_get_coarse_ns,
     macros::classifier,
     programs::TcContext,
 };
@@ -40,6 +39,7 @@ use proxy_common::{
     affinity_expired, ct_dir_from_client, ct_flags_after, flow_hash, np_counter,
 };
 
+use crate::kernel;
 use crate::nodeport_maps::{
     NP_AFFINITY, NP_AFFINITY_MATCH, NP_BACKENDS, NP_CONFIG, NP_CT, NP_FLAGS, NP_LOCAL, NP_SCRATCH, NP_SERVICES, NP_SLOTS, NP_SOURCE_RANGES,
     NpScratch, np_count,
@@ -54,12 +54,23 @@ const SNAT_TRIES: u32 = 8;
 
 #[classifier]
 pub fn np_ingress(ctx: TcContext) -> i32 {
-    tc_verdict(try_nodeport(&ctx, true))
+    tc_verdict(try_nodeport::<{ kernel::FULL }>(&ctx, true))
 }
 
 #[classifier]
 pub fn np_egress(ctx: TcContext) -> i32 {
-    tc_verdict(try_nodeport(&ctx, false))
+    tc_verdict(try_nodeport::<{ kernel::FULL }>(&ctx, false))
+}
+
+// The same two for kernels without the coarse clock (see `kernel`).
+#[classifier]
+pub fn np_ingress_compat(ctx: TcContext) -> i32 {
+    tc_verdict(try_nodeport::<{ kernel::COMPAT }>(&ctx, true))
+}
+
+#[classifier]
+pub fn np_egress_compat(ctx: TcContext) -> i32 {
+    tc_verdict(try_nodeport::<{ kernel::COMPAT }>(&ctx, false))
 }
 
 /// `Err` carries a counter id: count it and let the packet through as it is
@@ -76,7 +87,7 @@ fn tc_verdict(r: Result<i32, u32>) -> i32 {
 }
 
 #[inline(always)]
-fn try_nodeport(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
+fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
     let p = match parse(ctx) {
         Parsed::L4(p) => p,
         Parsed::Icmp(i) => return Ok(crate::icmp::handle(ctx, &i, ingress)),
@@ -102,7 +113,7 @@ fn try_nodeport(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
         let v = unsafe { &mut *v };
         // A reply to our SNAT port (ingress) or a backend's reply towards
         // the client (egress): the flow, and the SNAT port, are in use.
-        touch(&p, v, key.dir);
+        touch::<KERNEL>(&p, v, key.dir);
         return apply(ctx, &p, v);
     }
     if !ingress {
@@ -112,7 +123,7 @@ fn try_nodeport(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
             // SAFETY: an NP_CT value pointer, valid for the run; races as
             // for the reply entry above.
             let v = unsafe { &mut *v };
-            touch(&p, v, CT_DIR_SNAT);
+            touch::<KERNEL>(&p, v, CT_DIR_SNAT);
             return apply(ctx, &p, v);
         }
         return Ok(PASS);
@@ -127,12 +138,12 @@ fn try_nodeport(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
         // the reply entry above.
         let v = unsafe { &mut *v };
         if backend_alive(v) {
-            touch(&p, v, CT_DIR_FORWARD);
+            touch::<KERNEL>(&p, v, CT_DIR_FORWARD);
             return apply(ctx, &p, v);
         }
         np_count(np_counter::STALE_BACKEND);
     }
-    let r = new_flow(&p, &key);
+    let r = new_flow::<KERNEL>(&p, &key);
     if r >= NEW_FLOW_ERR {
         return Err((r & 0xffff_ffff) as u32);
     }
@@ -191,24 +202,13 @@ fn may_be_snat_reply(p: &Pkt) -> bool {
     if p.family == FAMILY_V4 { p.daddr[0] == cfg.snat_v4_be } else { p.daddr == cfg.snat_v6_be }
 }
 
+/// CLOCK_MONOTONIC seconds, the clock of the agent's conntrack GC
+/// (conntrack_gc.rs; see `kernel::now_ns` for the coarse read, which never
+/// runs ahead of it).
 #[inline(always)]
-fn now_s() -> u32 {
+fn now_s<const KERNEL: u8>() -> u32 {
     // CLOCK_MONOTONIC seconds fit u32 for 136 years of uptime.
-    (now_ns() / 1_000_000_000) as u32
-}
-
-#[inline(always)]
-fn now_ns() -> u64 {
-    // CLOCK_MONOTONIC_COARSE, the same clock as the agent's CLOCK_MONOTONIC
-    // (conntrack_gc.rs) as of the last timer tick: `ktime_get_coarse_ns`
-    // reads the timekeeper's base (kernel/time/timekeeping.c) where
-    // `bpf_ktime_get_ns` also reads the clocksource (a TSC read, or a
-    // paravirt clock under a hypervisor) on every tracked packet. A tick
-    // (at most 10 ms) behind is nothing against second-granular timestamps
-    // and timeouts of seconds to hours; it never runs ahead of the agent's
-    // clock. Available to every program type since Linux 5.11.
-    // SAFETY: the helper takes no arguments and touches no memory of ours.
-    unsafe { bpf_ktime_get_coarse_ns() }
+    (kernel::now_ns::<KERNEL>() / 1_000_000_000) as u32
 }
 
 /// A packet matched the tracked entry `v` (of direction `dir`): keep the
@@ -228,8 +228,8 @@ fn now_ns() -> u64 {
 /// writes when the bit is clear (kernel/bpf/bpf_lru_list.h). Timeouts are
 /// seconds to hours, so one second of slack costs nothing.
 #[inline(always)]
-fn touch(p: &Pkt, v: &mut CtValue, dir: u8) {
-    let now = now_s();
+fn touch<const KERNEL: u8>(p: &Pkt, v: &mut CtValue, dir: u8) {
+    let now = now_s::<KERNEL>();
     if now.wrapping_sub(v.seen_s) >= CT_REFRESH_S {
         v.seen_s = now;
     }
@@ -344,8 +344,8 @@ const TRANSLATE: i32 = 0x7fff_0000;
 /// kernel/bpf/verifier.c, `prepare_func_exit`). Whether it does depends on
 /// the generated code around it, so an unrelated edit can bring it on.
 #[inline(never)]
-fn new_flow(p: &Pkt, fwd_key: &CtKey) -> i64 {
-    match new_flow_inner(p, fwd_key) {
+fn new_flow<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> i64 {
+    match new_flow_inner::<KERNEL>(p, fwd_key) {
         Ok(verdict) => i64::from(verdict),
         Err(reason) => NEW_FLOW_ERR | i64::from(reason),
     }
@@ -356,7 +356,7 @@ fn new_flow(p: &Pkt, fwd_key: &CtKey) -> i64 {
 const NEW_FLOW_ERR: i64 = 1 << 40;
 
 #[inline(always)]
-fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
+fn new_flow_inner<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
     let skey = ServiceKey { ip_be: p.daddr, port_be: p.dport_be, proto: p.proto, family: p.family };
     // SAFETY: map values stay valid memory for the run (rcu_read_lock, and
     // preallocated hash elements are never freed while the map exists).
@@ -387,11 +387,11 @@ fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
         return Err(np_counter::PASS_UNTRACKED_TCP);
     }
     if svc.backend_count == 0 {
-        return no_backend(p, &skey);
+        return no_backend::<KERNEL>(p, &skey);
     }
     // Read only now: a packet that is not for a frontend (most of what the
     // device sees) has no use for the time.
-    let now_ns = now_ns();
+    let now_ns = kernel::now_ns::<KERNEL>();
     let now = (now_ns / 1_000_000_000) as u32;
     let affine = svc.flags & SVC_FLAG_AFFINITY != 0;
     let sticky = if affine { affinity_lookup(p, svc, now_ns) } else { None };
@@ -409,7 +409,7 @@ fn new_flow_inner(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
                         return Ok(PASS);
                     };
                     if fresh.backend_count == 0 {
-                        return no_backend(p, &skey);
+                        return no_backend::<KERNEL>(p, &skey);
                     }
                     pick(fresh, hash).ok_or(np_counter::SLOT_MISS)?
                 }
@@ -702,8 +702,8 @@ fn pick(svc: &ServiceValue, hash: u32) -> Option<(u32, &'static BackendValue)> {
 ///   external IPs that are not assigned to the node. No forward entry is
 ///   kept: the next packet looks at the Service again.
 #[inline(always)]
-fn no_backend(p: &Pkt, skey: &ServiceKey) -> Result<i32, u32> {
-    let now = now_s();
+fn no_backend<const KERNEL: u8>(p: &Pkt, skey: &ServiceKey) -> Result<i32, u32> {
+    let now = now_s::<KERNEL>();
     // SAFETY: valid memory for the run (RCU, preallocated hash elements);
     // `flags` is copied out at once.
     let flags = unsafe { NP_FLAGS.get(skey) }.map(|f| f.flags).unwrap_or(0);

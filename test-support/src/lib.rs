@@ -21,6 +21,9 @@
 //! - [`scenario`]: the demo's cluster read from manifests, and its table of
 //!   the backends each node's clients reached (the demo and the container
 //!   image test print it).
+//! - [`traffic`]: steady traffic (long-lived and new TCP connections, UDP
+//!   over long-lived and new sockets) checked line by line while a test
+//!   breaks things, and the table of attempts and failures per fault.
 //!
 //! What needs the agent binary itself (`CARGO_BIN_EXE_proxy-agent`, which
 //! cargo sets only for proxy-agent's own tests) stays in
@@ -33,4 +36,5 @@ pub mod kube_proxy;
 pub mod prog_test_run;
 pub mod sandbox;
 pub mod scenario;
+pub mod traffic;
 pub mod wait;

@@ -256,13 +256,20 @@ impl Drop for Cgroup {
 /// because `ip netns exec` style remounts would hide /sys/fs/cgroup; setns()
 /// keeps the filesystem view.
 pub fn command_in(program: impl AsRef<std::ffi::OsStr>, netns: Option<&Netns>, cgroup: Option<&Cgroup>) -> io::Result<Command> {
+    command_at(program, netns.map(Netns::path).as_deref(), cgroup.map(Cgroup::path))
+}
+
+/// [`command_in`] by path: the namespace's file (`/run/netns/NAME`) and
+/// the cgroup's directory, for threads that outlive the borrow of a
+/// [`Netns`] or [`Cgroup`].
+pub fn command_at(program: impl AsRef<std::ffi::OsStr>, netns: Option<&Path>, cgroup: Option<&Path>) -> io::Result<Command> {
     let mut cmd = Command::new(program);
     let ns_file = match netns {
-        Some(ns) => Some(fs::File::open(ns.path())?),
+        Some(ns) => Some(fs::File::open(ns)?),
         None => None,
     };
     let procs = match cgroup {
-        Some(cg) => Some(CString::new(cg.path().join("cgroup.procs").as_os_str().as_bytes()).map_err(io::Error::other)?),
+        Some(cg) => Some(CString::new(cg.join("cgroup.procs").as_os_str().as_bytes()).map_err(io::Error::other)?),
         None => None,
     };
     // SAFETY: the closure only makes async-signal-safe system calls

@@ -11,6 +11,8 @@
 //!   tests (root) and `vmtest`.
 //! - `demo`: a simulated 3-node cluster on this machine.
 //! - `bench`: the benchmark report, next to iptables and nftables.
+//! - `fuzz`: the cargo-fuzz targets (`fuzz/`) for a while each, and with
+//!   `--packets N` the packet-path fuzz of the TC programs.
 //! - `vmtest`: chosen datapath tests on Debian's 6.1 and 6.12 kernels under qemu.
 //! - `image`: the agent's container image from the Dockerfile, with podman
 //!   and Debian packages (no image registry); `--test` also runs it as the
@@ -23,6 +25,7 @@ mod bench;
 mod build_ebpf;
 mod chart_env;
 mod demo;
+mod fuzz;
 mod image;
 mod libtest;
 mod lint;
@@ -76,11 +79,23 @@ enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
-    /// Boot Debian 12's 6.1 (no tcx: clsact fallback) and 6.12 kernels under
-    /// qemu (TCG) and run chosen datapath tests inside; reports per kernel.
-    /// Reuses `cargo test`'s debug binaries. Arguments after `--`:
-    /// `--kernel 6.1|6.12` (repeatable), `--timeout-secs N`, `--only FILTER`,
-    /// `--concurrent|--sequential`.
+    /// Run every cargo-fuzz target in fuzz/ (manifests, watch bodies,
+    /// object conversion, topology keys and annotations, the decision's
+    /// properties) for a while each, with the seeds of fuzz/corpus; fails on
+    /// a crash and names its input. `--seconds N` per target (default 60),
+    /// `--target NAME` (repeatable; `none` for none), `--dev` for an
+    /// unoptimised build, `--packets N [--packet-seed S]` also runs the
+    /// packet-path fuzz of the TC programs with N packets (root).
+    Fuzz {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Boot Debian's 5.10 (the floor: compat programs), 6.1 (no tcx: clsact
+    /// fallback), 6.12 and newest (unstable) kernels under qemu (TCG) and
+    /// run chosen datapath tests inside; reports per kernel. Reuses `cargo
+    /// test`'s debug binaries. Arguments after `--`: `--kernel
+    /// 5.10|6.1|6.12|sid` (repeatable), `--timeout-secs N`, `--only FILTER`,
+    /// `--guests N|--concurrent|--sequential`.
     Vmtest {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
@@ -107,6 +122,7 @@ fn main() -> std::process::ExitCode {
         Command::Test { args } => test::run(&args),
         Command::Demo { args } => demo::run(&args),
         Command::Bench { args } => bench::run(&args),
+        Command::Fuzz { args } => fuzz::run(&args),
         Command::Vmtest { args } => vmtest::run(&args),
         Command::Image { test } => image::run(test),
     };

@@ -42,6 +42,7 @@ pub(crate) fn ensure() -> Result<()> {
     rust_components(Some("nightly"), &["rustfmt", "clippy"])?;
     debian_packages()?;
     bpf_linker()?;
+    cargo_fuzz()?;
     crate::chart_env::ensure()?;
     Ok(())
 }
@@ -154,6 +155,33 @@ pub(crate) fn ensure_debian_packages(packages: &[&str], no_recommends: bool) -> 
     let still: Vec<&str> = missing.iter().copied().filter(|p| !installed(p)).collect();
     if !still.is_empty() {
         bail!("apt-get install finished but these packages are still missing: {}", still.join(" "));
+    }
+    Ok(())
+}
+
+/// cargo-fuzz release the fuzz targets (`fuzz/`) are run with.
+const CARGO_FUZZ_VERSION: &str = "0.13.2";
+
+/// cargo-fuzz, for `cargo xtask fuzz` and the fuzz step of `cargo xtask
+/// test` (it drives libFuzzer builds with nightly).
+fn cargo_fuzz() -> Result<()> {
+    let bin = util::cargo_home().join("bin/cargo-fuzz");
+    // "cargo-fuzz 0.13.2"
+    let version = util::output(util::cmd(&bin).arg("--version")).and_then(|o| o.split_whitespace().nth(1).map(str::to_string));
+    if let Some(v) = version {
+        println!("ok: cargo-fuzz {v} present");
+        return Ok(());
+    }
+    println!("installing: cargo-fuzz {CARGO_FUZZ_VERSION} (cargo install cargo-fuzz --locked; about two minutes)");
+    let mut c = util::cmd("cargo");
+    c.args(["install", "cargo-fuzz", "--version", CARGO_FUZZ_VERSION, "--locked"])
+        // Our own build's settings must not leak into the install.
+        .env_remove("CARGO_TARGET_DIR")
+        .env_remove("RUSTFLAGS")
+        .env_remove("RUSTUP_TOOLCHAIN");
+    util::run(&mut c)?;
+    if util::output(util::cmd(&bin).arg("--version")).is_none() {
+        bail!("cargo-fuzz was installed but `{} --version` fails", bin.display());
     }
     Ok(())
 }

@@ -19,6 +19,9 @@
 //! tests counted as skipped) only when qemu cannot be installed or a kernel
 //! cannot be downloaded.
 //!
+//! After the tests, the fuzz step (`fuzz.rs`) runs every cargo-fuzz
+//! target for a few seconds; like the VM run it is left out with `-p`.
+//!
 //! Last, the image step (`image.rs`, also `cargo xtask image --test`)
 //! builds the agent's container image and runs it as the chart's
 //! DaemonSet; it is left out with `-p`, and skipped with its reason only
@@ -30,7 +33,7 @@ use std::process::Stdio;
 use anyhow::{Context, Result, bail};
 
 use crate::libtest::Totals;
-use crate::{image, lint, setup, util, vmtest};
+use crate::{fuzz, image, lint, setup, util, vmtest};
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     if !util::is_root() {
@@ -80,6 +83,14 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     }
     let status = child.wait()?;
     drop(out);
+    // The fuzz targets, briefly (fuzz.rs); they follow even when a test
+    // failed, like the VM run.
+    let fuzz_failed = if selects {
+        println!("\nfuzz step not run: packages were selected with -p (`cargo xtask fuzz` runs it alone)");
+        None
+    } else {
+        fuzz::ci_step(&mut totals)
+    };
     // The VM run follows even when a test failed above, so that one run
     // shows every failure; it reuses the debug binaries built above.
     let mut vm_failed = None;
@@ -119,6 +130,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     }
     if !status.success() {
         bail!("tests failed ({status})");
+    }
+    if let Some(why) = fuzz_failed {
+        bail!(why);
     }
     if let Some(why) = vm_failed {
         bail!(why);

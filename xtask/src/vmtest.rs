@@ -1,6 +1,8 @@
 //! `cargo xtask vmtest`: runs a chosen set of datapath tests on other
-//! kernels, Debian 12's 6.1 (no tcx: the TC programs must go through clsact
-//! + cls_bpf) and 6.12 (tcx), each booted under qemu.
+//! kernels, each booted under qemu: Debian 11's 5.10 (the supported floor:
+//! the compat programs, without `bpf_set_retval` or the coarse clock),
+//! Debian 12's 6.1 (no tcx: the TC programs must go through clsact +
+//! cls_bpf) and 6.12 (tcx).
 //!
 //! KVM is not usable on this machine kind (nested, no vmx/svm; PLATFORM.md),
 //! so qemu emulates the CPU (TCG). Per kernel:
@@ -25,8 +27,8 @@
 //!   exits 0 whatever the guest did.
 //!
 //! The guest has no network card (`-nic none`): every test makes its own
-//! namespaces inside the VM. Both guests boot at the same time by default
-//! (see [`Options::concurrent`]); `cargo xtask test` runs this after the
+//! namespaces inside the VM. Two guests boot at the same time by default
+//! (see [`Options::guests`]); `cargo xtask test` runs this after the
 //! workspace's tests.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -53,33 +55,90 @@ struct Kernel {
     fallback_pattern: &'static str,
     /// The TC attach mode the agent's auto mode must choose there.
     tc_mode: &'static str,
+    /// The socket programs' variant the agent's probe must pick there
+    /// (`full`, or `compat` without `bpf_set_retval` or the coarse clock).
+    socket_programs: &'static str,
+    /// The binaries of [`TESTS`] run there.
+    binaries: &'static [&'static str],
+    /// Tests left out there (libtest `--skip` filters).
+    skip: &'static [&'static str],
+    /// A Debian suite other than the machine's own that carries the
+    /// package: apt gets a private configuration for it under
+    /// `target/vmtest/apt/<suite>` and the machine's sources stay as they
+    /// are. `None`: the machine's own sources.
+    suite: Option<&'static str>,
 }
 
-const KERNELS: [Kernel; 2] = [
+const KERNELS: [Kernel; 4] = [
+    Kernel {
+        label: "5.10",
+        package: "linux-image-5.10.0-46-amd64",
+        fallback_pattern: r"^linux-image-5\.10\.0-[0-9]+-amd64$",
+        tc_mode: "netlink",
+        socket_programs: "compat",
+        binaries: EDGE_BINARIES,
+        skip: &[],
+        // Debian 11: the LTS kernel of Amazon Linux 2 and many edge boards,
+        // and the floor the agent supports.
+        suite: Some("bullseye"),
+    },
     Kernel {
         label: "6.1",
         package: "linux-image-6.1.0-56-amd64",
         fallback_pattern: r"^linux-image-6\.1\.0-[0-9]+-amd64$",
         // tcx (NET_XGRESS) arrived in 6.6.
         tc_mode: "netlink",
+        socket_programs: "full",
+        binaries: ALL_BINARIES,
+        skip: &[],
+        suite: None,
     },
     Kernel {
         label: "6.12",
         package: "linux-image-6.12.117+deb12-amd64",
         fallback_pattern: r"^linux-image-6\.12\.[0-9]+\+deb12-amd64$",
         tc_mode: "tcx",
+        socket_programs: "full",
+        binaries: ALL_BINARIES,
+        skip: &[],
+        suite: None,
+    },
+    Kernel {
+        label: "sid",
+        // The newest kernel Debian ships, from unstable; its version moves
+        // every few weeks, so the pattern picks whatever is current.
+        package: "linux-image-7.2.13+deb14-amd64",
+        fallback_pattern: r"^linux-image-[0-9]+\.[0-9]+\.[0-9]+\+deb14-amd64$",
+        tc_mode: "tcx",
+        socket_programs: "full",
+        binaries: EDGE_BINARIES,
+        // The packet-level cases run under 5.10 (the compat TC programs)
+        // and 6.1/6.12 already; here they would only add emulated minutes.
+        skip: &["test_run::"],
+        suite: Some("sid"),
     },
 ];
+
+/// Every binary of [`TESTS`]: the kernels most clusters run.
+const ALL_BINARIES: &[&str] = &["nodeport", "socket_lb", "session_affinity", "lb_policy", "policy_maps", "stale_backends"];
+/// The ends of the range (the 5.10 floor, the newest kernel): the socket
+/// load balancer and NodePort sets, upgrades and restarts included, which
+/// hold every program variant and attach mode; four guests on two cores
+/// must still fit CI's time.
+const EDGE_BINARIES: &[&str] = &["nodeport", "socket_lb"];
 
 /// Host packages: the emulator, a static busybox for the initramfs,
 /// iproute2 (copied in with its libraries) and xz for 6.12's `.ko.xz`.
 const HOST_PACKAGES: [&str; 4] = ["qemu-system-x86", "busybox-static", "iproute2", "xz-utils"];
 
 /// Modules the tests need, besides what is built into Debian's kernels:
-/// veth pairs, the clsact qdisc and cls_bpf for the pre-tcx path, and 9p
-/// over virtio for the share. Their dependencies are added from each
-/// module's `depends=`; a name that is built in is skipped.
-const MODULES: [&str; 7] = ["virtio_pci", "veth", "sch_ingress", "cls_bpf", "9pnet", "9pnet_virtio", "9p"];
+/// veth pairs, the clsact qdisc and cls_bpf for the pre-tcx path, 9p
+/// over virtio for the share, and sock_diag for TCP and UDP (the agent's
+/// netlink `SOCK_DESTROY`; Debian builds them as modules, and the guest
+/// has no modprobe to load them on demand). Their dependencies are added
+/// from each module's `depends=`; a name that is built in is skipped.
+const MODULES: [&str; 10] =
+    ["virtio_pci", "veth", "sch_ingress", "cls_bpf", "9pnet", "9pnet_virtio", "9p", "inet_diag", "tcp_diag", "udp_diag"];
 
 /// Host programs copied into the initramfs with their shared libraries.
 const HOST_PROGRAMS: [&str; 2] = ["/usr/sbin/ip", "/usr/sbin/tc"];
@@ -91,9 +150,11 @@ const HOST_PROGRAMS: [&str; 2] = ["/usr/sbin/ip", "/usr/sbin/tc"];
 /// edge cases), the socket load balancer (connect and the `bpf_set_retval`
 /// refusal; UDP both ways, with the socket-local storage its reverse path
 /// uses), session affinity at both layers (the netns cookie and the coarse
-/// clock in sock_addr programs), and loadBalancerSourceRanges (an LPM trie
-/// read by both datapaths).
-const TESTS: [(&str, &[&str]); 5] = [
+/// clock in sock_addr programs), loadBalancerSourceRanges (an LPM trie
+/// read by both datapaths), and sockets and flows to a departed backend
+/// ended (BPF socket iterators where the kernel has `bpf_sock_destroy`,
+/// 6.12; netlink `SOCK_DESTROY` on 6.1, and on 6.12 when told to).
+const TESTS: [(&str, &[&str]); 6] = [
     (
         "nodeport",
         &[
@@ -105,6 +166,7 @@ const TESTS: [(&str, &[&str]); 5] = [
     (
         "socket_lb",
         &[
+            "the_kernel_probe_picks_the_programs_this_kernel_needs",
             "tcp_reaches_every_backend_and_getpeername_reports_the_cluster_ip",
             "a_service_without_usable_backends_refuses_connections",
             "udp_is_translated_both_ways_and_sticks_to_one_backend_per_socket",
@@ -136,12 +198,21 @@ const TESTS: [(&str, &[&str]); 5] = [
             "source_ranges_follow_each_generation_and_are_read_back",
         ],
     ),
+    (
+        "stale_backends",
+        &[
+            "a_connected_udp_client_moves_to_the_surviving_backend",
+            "a_tcp_connection_to_a_deleted_backend_is_aborted_and_others_are_untouched",
+            "the_netlink_fallback_terminates_udp_and_tcp_sockets_too",
+            "nodeport_udp_flows_move_to_the_surviving_backend",
+        ],
+    ),
 ];
 
 /// The deadline of the tests' waits (`proxy_test_support::wait::eventually`)
 /// in the guest; the agent verifies its TC programs in seconds there, not
 /// milliseconds.
-const WAIT_SECS: u32 = 240;
+const WAIT_SECS: u32 = 360;
 
 /// Console markers written by the guest's /init.
 const MARK: &str = "@@vmtest";
@@ -173,17 +244,19 @@ pub(crate) struct Options {
     pub timeout: Duration,
     /// libtest filters run in every test binary instead of [`TESTS`].
     pub only: Vec<String>,
-    /// Boot the kernels at the same time instead of one after the other.
-    /// The default: on this 2-core machine, with other builds running, both
-    /// guests together took 360 s where one after the other took 812 s
-    /// (6.1: 409 s, 6.12: 344 s), because a guest spends much of its time
-    /// waiting (agent start-up, the tests' polling), not emulating.
-    pub concurrent: bool,
+    /// How many guests run at the same time. Two by default: on this
+    /// 2-core machine, with other builds running, two guests together took
+    /// 360 s where one after the other took 812 s (6.1: 409 s, 6.12: 344 s),
+    /// because a guest spends much of its time waiting (agent start-up, the
+    /// tests' polling), not emulating; four at once, with builds beside
+    /// them, slowed the guests until an agent restart outlasted the tests'
+    /// deadline.
+    pub guests: usize,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { kernels: Vec::new(), timeout: Duration::from_mins(15), only: Vec::new(), concurrent: true }
+        Options { kernels: Vec::new(), timeout: Duration::from_mins(25), only: Vec::new(), guests: 2 }
     }
 }
 
@@ -193,20 +266,24 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
-            "--kernel" => opts.kernels.push(it.next().context("--kernel needs a value (6.1 or 6.12)")?.clone()),
+            "--kernel" => opts.kernels.push(it.next().context("--kernel needs a value (5.10, 6.1, 6.12 or sid)")?.clone()),
             "--timeout-secs" => {
                 let v = it.next().context("--timeout-secs needs a value")?;
                 opts.timeout = Duration::from_secs(v.parse().with_context(|| format!("--timeout-secs {v}"))?);
             }
             "--only" => opts.only.push(it.next().context("--only needs a libtest filter")?.clone()),
-            "--concurrent" => opts.concurrent = true,
-            "--sequential" => opts.concurrent = false,
+            "--concurrent" => opts.guests = usize::MAX,
+            "--sequential" => opts.guests = 1,
+            "--guests" => {
+                let v = it.next().context("--guests needs a number")?;
+                opts.guests = v.parse::<usize>().with_context(|| format!("--guests {v}"))?.max(1);
+            }
             "-h" | "--help" => {
                 println!(
-                    "cargo xtask vmtest [--kernel 6.1|6.12]... [--timeout-secs N (per kernel, default 900)] [--only FILTER]...\n\
-                     \x20   [--concurrent|--sequential]\n\
+                    "cargo xtask vmtest [--kernel 5.10|6.1|6.12|sid]... [--timeout-secs N (per kernel, default 1500)] [--only FILTER]...\n\
+                     \x20   [--guests N|--concurrent|--sequential]\n\
                      --only runs the tests matching FILTER (libtest substring) in each test binary instead of the chosen set.\n\
-                     --concurrent (default) boots the kernels at the same time, --sequential one after the other."
+                     --guests N boots N kernels at a time (default 2), --concurrent all at once, --sequential one after the other."
                 );
                 return Ok(());
             }
@@ -267,14 +344,22 @@ pub(crate) fn run_with(opts: &Options) -> Result<Outcome> {
     } else {
         let mut v = Vec::new();
         for want in &opts.kernels {
-            v.push(KERNELS.iter().find(|k| k.label == want).with_context(|| format!("unknown kernel {want:?}; known: 6.1, 6.12"))?);
+            v.push(
+                KERNELS
+                    .iter()
+                    .find(|k| k.label == want)
+                    .with_context(|| format!("unknown kernel {want:?}; known: 5.10, 6.1, 6.12, sid"))?,
+            );
         }
         v
     };
     // First, so that a skip can say how many tests it leaves out.
     let bins = find_tests()?;
     let skipped = |reason: String| -> Result<Outcome> {
-        let tests = planned_tests(&bins, &opts.only)? * kernels.len() as u64;
+        let mut tests = 0;
+        for k in &kernels {
+            tests += planned_tests(&bins, k, &opts.only)?;
+        }
         Ok(Outcome::Skipped { reason, tests })
     };
     if let Err(e) = setup::ensure_debian_packages(&HOST_PACKAGES, true) {
@@ -289,19 +374,15 @@ pub(crate) fn run_with(opts: &Options) -> Result<Outcome> {
         }
     }
     let mut runs = Vec::new();
-    if opts.concurrent {
-        // One thread per guest; each prefixes its console lines with its
-        // kernel's label.
+    // Waves of `guests` kernels; one thread per guest, each prefixing its
+    // console lines with its kernel's label.
+    for wave in unpacked.chunks(opts.guests.max(1)) {
         let results: Vec<Result<KernelRun>> = std::thread::scope(|s| {
-            let handles: Vec<_> = unpacked.iter().map(|(k, dir)| s.spawn(|| boot(k, dir, &bins, &cache, opts))).collect();
+            let handles: Vec<_> = wave.iter().map(|(k, dir)| s.spawn(|| boot(k, dir, &bins, &cache, opts))).collect();
             handles.into_iter().map(|h| h.join().unwrap_or_else(|_| Err(anyhow::anyhow!("a boot thread panicked")))).collect()
         });
         for r in results {
             runs.push(r?);
-        }
-    } else {
-        for (k, dir) in &unpacked {
-            runs.push(boot(k, dir, &bins, &cache, opts)?);
         }
     }
     Ok(Outcome::Ran(runs))
@@ -318,7 +399,8 @@ fn fetch_kernel(k: &Kernel, cache: &Path) -> Result<PathBuf> {
         println!("ok: kernel {} cached", k.package);
         return Ok(dir);
     }
-    let package = resolve_package(k)?;
+    let apt = AptConfig::for_suite(k.suite, cache)?;
+    let package = resolve_package(k, &apt)?;
     if package != k.package
         && let Some(dir) = cached_kernel(cache, &package)
     {
@@ -330,16 +412,32 @@ fn fetch_kernel(k: &Kernel, cache: &Path) -> Result<PathBuf> {
     fs::create_dir_all(&dl).with_context(|| format!("create {}", dl.display()))?;
     // _apt cannot write into root's target/: download as root without the
     // sandbox warning.
-    util::run(util::cmd("apt-get").current_dir(&dl).args(["-o", "APT::Sandbox::User=root", "download", &package]))?;
-    let deb = fs::read_dir(&dl)?
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| p.extension().is_some_and(|x| x == "deb"))
-        .with_context(|| format!("apt-get download left no .deb in {}", dl.display()))?;
+    // Newer Debian kernels split the image package into the kernel
+    // (`linux-binary-*`), its modules (`linux-modules-*`) and their lists
+    // (`linux-base-*`, with modules.builtin), on which `linux-image-*` only
+    // depends: fetch those as well when they exist.
+    let mut packages = vec![package.clone()];
+    if let Some(rest) = package.strip_prefix("linux-image-") {
+        for part in ["linux-base-", "linux-binary-", "linux-modules-"] {
+            let name = format!("{part}{rest}");
+            if util::output(util::cmd("apt-cache").args(&apt.options).args(["show", &name])).is_some_and(|o| !o.trim().is_empty()) {
+                packages.push(name);
+            }
+        }
+    }
+    util::run(
+        util::cmd("apt-get").current_dir(&dl).args(&apt.options).args(["-o", "APT::Sandbox::User=root", "download"]).args(&packages),
+    )?;
+    let debs: Vec<PathBuf> = fs::read_dir(&dl)?.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "deb")).collect();
+    if debs.is_empty() {
+        bail!("apt-get download left no .deb in {}", dl.display());
+    }
     let dest = cache.join(&package);
     let partial = cache.join(format!("{package}.partial"));
     let _ = fs::remove_dir_all(&partial);
-    util::run(util::cmd("dpkg").arg("-x").arg(&deb).arg(&partial))?;
+    for deb in &debs {
+        util::run(util::cmd("dpkg").arg("-x").arg(deb).arg(&partial))?;
+    }
     let _ = fs::remove_dir_all(&dest);
     fs::rename(&partial, &dest)?;
     let _ = fs::remove_dir_all(&dl);
@@ -351,15 +449,59 @@ fn cached_kernel(cache: &Path, package: &str) -> Option<PathBuf> {
     (vmlinuz(&dir).is_some() && modules_dir(&dir).is_some()).then_some(dir)
 }
 
+/// apt options for a kernel's suite: none for the machine's own sources; for
+/// another suite, a sources list, package lists and cache of its own (so
+/// the machine's apt configuration is never changed), fetched once.
+struct AptConfig {
+    options: Vec<String>,
+}
+
+impl AptConfig {
+    fn for_suite(suite: Option<&str>, cache: &Path) -> Result<AptConfig> {
+        let Some(suite) = suite else { return Ok(AptConfig { options: Vec::new() }) };
+        let root = cache.parent().unwrap_or(cache).join("apt").join(suite);
+        let lists = root.join("lists");
+        for d in [lists.join("partial"), root.join("cache/archives/partial")] {
+            fs::create_dir_all(&d).with_context(|| format!("create {}", d.display()))?;
+        }
+        let sources = root.join("sources.list");
+        // The Debian archive keyring signs every suite; kernel updates of
+        // a release arrive through its security suite, which unstable
+        // (sid) does not have.
+        let key = "[signed-by=/usr/share/keyrings/debian-archive-keyring.gpg]";
+        let mut list = format!("deb {key} http://deb.debian.org/debian {suite} main\n");
+        if suite != "sid" {
+            list.push_str(&format!("deb {key} http://deb.debian.org/debian-security {suite}-security main\n"));
+        }
+        fs::write(&sources, list)?;
+        let mut options = Vec::new();
+        for (name, value) in [
+            ("Dir::Etc::SourceList", sources.display().to_string()),
+            ("Dir::Etc::SourceParts", "/dev/null".to_string()),
+            ("Dir::State::Lists", lists.display().to_string()),
+            ("Dir::Cache", root.join("cache").display().to_string()),
+        ] {
+            options.push("-o".to_string());
+            options.push(format!("{name}={value}"));
+        }
+        let fetched =
+            fs::read_dir(&lists).is_ok_and(|mut d| d.any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().contains("Packages"))));
+        if !fetched {
+            util::run(util::cmd("apt-get").args(&options).args(["-o", "APT::Sandbox::User=root", "update"]))?;
+        }
+        Ok(AptConfig { options })
+    }
+}
+
 /// `k.package` when the archive has it, else the newest match of its
 /// fallback pattern (`apt-get update` first when neither is known).
-fn resolve_package(k: &Kernel) -> Result<String> {
+fn resolve_package(k: &Kernel, apt: &AptConfig) -> Result<String> {
     let candidate = |name: &str| {
-        util::output(util::cmd("apt-cache").args(["policy", name]))
+        util::output(util::cmd("apt-cache").args(&apt.options).args(["policy", name]))
             .is_some_and(|o| o.lines().any(|l| l.trim().starts_with("Candidate:") && !l.contains("(none)")))
     };
     let newest = || -> Option<String> {
-        let out = util::output(util::cmd("apt-cache").args(["search", "--names-only", k.fallback_pattern]))?;
+        let out = util::output(util::cmd("apt-cache").args(&apt.options).args(["search", "--names-only", k.fallback_pattern]))?;
         let mut names: Vec<String> = out.lines().filter_map(|l| l.split_whitespace().next().map(str::to_string)).collect();
         names.sort_by_key(|n| version_key(n));
         names.pop()
@@ -373,7 +515,7 @@ fn resolve_package(k: &Kernel) -> Result<String> {
             return Ok(n);
         }
         if attempt == 0 {
-            util::run(util::cmd("apt-get").arg("update"))?;
+            util::run(util::cmd("apt-get").args(&apt.options).args(["-o", "APT::Sandbox::User=root", "update"]))?;
         }
     }
     bail!("neither {} nor a package matching {} is known to apt", k.package, k.fallback_pattern)
@@ -384,17 +526,23 @@ fn version_key(name: &str) -> Vec<u64> {
     name.split(|c: char| !c.is_ascii_digit()).filter_map(|p| p.parse().ok()).collect()
 }
 
+/// `boot/vmlinuz-*`, or `usr/lib/modules/<release>/vmlinuz` where the
+/// package is split (`linux-binary-*`).
 fn vmlinuz(dir: &Path) -> Option<PathBuf> {
-    fs::read_dir(dir.join("boot"))
-        .ok()?
-        .flatten()
-        .map(|e| e.path())
-        .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-")))
+    let boot = fs::read_dir(dir.join("boot"))
+        .ok()
+        .and_then(|d| d.flatten().map(|e| e.path()).find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("vmlinuz-"))));
+    boot.or_else(|| modules_dir(dir).map(|m| m.join("vmlinuz")).filter(|p| p.is_file()))
 }
 
-/// `lib/modules/<release>` of an unpacked kernel package.
+/// `lib/modules/<release>` (or `usr/lib/modules/<release>`, merged /usr)
+/// of an unpacked kernel package.
 fn modules_dir(dir: &Path) -> Option<PathBuf> {
-    fs::read_dir(dir.join("lib/modules")).ok()?.flatten().map(|e| e.path()).find(|p| p.join("kernel").is_dir())
+    ["lib/modules", "usr/lib/modules"]
+        .iter()
+        .filter_map(|sub| fs::read_dir(dir.join(sub)).ok())
+        .flat_map(|d| d.flatten().map(|e| e.path()))
+        .find(|p| p.join("kernel").is_dir())
 }
 
 /// Module names are spelled with `-` or `_` interchangeably.
@@ -552,15 +700,18 @@ fn parse_artifacts(json_lines: &str) -> Result<Binaries> {
 
 /// How many tests the chosen filters select in each guest, from the host's
 /// `--list` of the same binaries: what a skipped run counts as skipped.
-fn planned_tests(bins: &Binaries, only: &[String]) -> Result<u64> {
+fn planned_tests(bins: &Binaries, k: &Kernel, only: &[String]) -> Result<u64> {
     let mut n = 0;
-    for (name, filters) in TESTS {
+    for &(name, filters) in TESTS.iter().filter(|(name, _)| k.binaries.contains(name)) {
         let mut c = util::cmd(&bins.tests[name]);
         c.args(["--list", "--format", "terse"]);
         if only.is_empty() {
             c.args(filters);
         } else {
             c.args(only);
+        }
+        for f in k.skip {
+            c.args(["--skip", f]);
         }
         let out = util::output(&mut c).with_context(|| format!("{} --list failed", bins.tests[name].display()))?;
         n += out.lines().filter(|l| l.ends_with(": test")).count() as u64;
@@ -603,7 +754,8 @@ fn shell_quote(s: &str) -> String {
 }
 
 /// The guest's /init: mounts, modules, the share, the tests, power off.
-fn init_script(modules: &[String], share: &Path, tests: &[(PathBuf, &[&str])], tc_mode: &str) -> String {
+fn init_script(modules: &[String], share: &Path, tests: &[(PathBuf, &[&str])], k: &Kernel) -> String {
+    let (tc_mode, socket_programs) = (k.tc_mode, k.socket_programs);
     let share = shell_quote(&share.to_string_lossy());
     let mut s = String::from(
         "#!/bin/busybox sh\n\
@@ -628,6 +780,8 @@ fn init_script(modules: &[String], share: &Path, tests: &[(PathBuf, &[&str])], t
          echo \"{MARK} kernel $(uname -r)\"\n\
          # The mode the agent's auto mode must pick on this kernel.\n\
          export TOPOPROXY_EXPECT_TC_MODE={tc_mode}\n\
+         # The socket programs' variant the agent's probe must pick.\n\
+         export TOPOPROXY_EXPECT_SOCKET_PROGRAMS={socket_programs}\n\
          # Emulation is one to two orders of magnitude slower than the host:\n\
          # the tests' waits for the agent get a longer deadline.\n\
          export TOPOPROXY_TEST_WAIT_SECS={WAIT_SECS}\n\
@@ -635,7 +789,10 @@ fn init_script(modules: &[String], share: &Path, tests: &[(PathBuf, &[&str])], t
     ));
     for (exe, filters) in tests {
         let name = exe.file_name().unwrap_or_default().to_string_lossy().into_owned();
-        let filters: Vec<String> = filters.iter().map(|f| shell_quote(f)).collect();
+        let mut filters: Vec<String> = filters.iter().map(|f| shell_quote(f)).collect();
+        for f in k.skip {
+            filters.push(format!("--skip {}", shell_quote(f)));
+        }
         s.push_str(&format!(
             "echo '{MARK} begin {name}'\n\
              {} --test-threads=1 {}\n\
@@ -680,10 +837,13 @@ fn make_initramfs(k: &Kernel, kernel_dir: &Path, bins: &Binaries, work: &Path, o
         names.push(name);
     }
     let only: Vec<&str> = only.iter().map(String::as_str).collect();
-    let tests: Vec<(PathBuf, &[&str])> =
-        TESTS.iter().map(|(name, filters)| (bins.tests[*name].clone(), if only.is_empty() { *filters } else { &only[..] })).collect();
+    let tests: Vec<(PathBuf, &[&str])> = TESTS
+        .iter()
+        .filter(|(name, _)| k.binaries.contains(name))
+        .map(|(name, filters)| (bins.tests[*name].clone(), if only.is_empty() { *filters } else { &only[..] }))
+        .collect();
     let init = root.join("init");
-    fs::write(&init, init_script(&names, &bins.dir, &tests, k.tc_mode))?;
+    fs::write(&init, init_script(&names, &bins.dir, &tests, k))?;
     {
         use std::os::unix::fs::PermissionsExt;
         fs::set_permissions(&init, fs::Permissions::from_mode(0o755))?;
@@ -781,8 +941,8 @@ fn boot(k: &Kernel, kernel_dir: &Path, bins: &Binaries, cache: &Path, opts: &Opt
             problems.push(e.clone());
         }
     }
-    if done && totals.binaries < TESTS.len() as u64 {
-        problems.push(format!("{} of {} test binaries printed a result", totals.binaries, TESTS.len()));
+    if done && totals.binaries < k.binaries.len() as u64 {
+        problems.push(format!("{} of {} test binaries printed a result", totals.binaries, k.binaries.len()));
     }
     Ok(KernelRun { label: k.label.to_string(), release: seen_kernel.unwrap_or(release), totals, seconds, problems })
 }
@@ -834,10 +994,20 @@ mod tests {
     }
 
     #[test]
+    fn every_kernel_runs_known_binaries_and_the_common_kernels_run_all() {
+        let names: Vec<&str> = TESTS.iter().map(|(n, _)| *n).collect();
+        assert_eq!(ALL_BINARIES, &names[..]);
+        for k in &KERNELS {
+            assert!(k.binaries.iter().all(|b| names.contains(b)), "{}", k.label);
+            assert!(k.binaries.contains(&"socket_lb") && k.binaries.contains(&"nodeport"), "{}", k.label);
+        }
+    }
+
+    #[test]
     fn init_runs_each_test_binary_between_markers() {
         let exe = PathBuf::from("/t/debug/deps/nodeport-1");
         let filters: &[&str] = &["a", "test_run::"];
-        let s = init_script(&["veth".into()], Path::new("/t/debug"), &[(exe, filters)], "netlink");
+        let s = init_script(&["veth".into()], Path::new("/t/debug"), &[(exe, filters)], &KERNELS[1]);
         assert!(s.contains("insmod /lib/modules/veth.ko"));
         assert!(s.contains("'/t/debug/deps/nodeport-1' --test-threads=1 'a' 'test_run::'"));
         assert!(s.contains("@@vmtest end nodeport-1 rc=$?"));

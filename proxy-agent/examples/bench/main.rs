@@ -9,6 +9,7 @@
 
 mod control_plane;
 mod forwarding;
+mod manifest_input;
 mod programs;
 mod report;
 mod rules;
@@ -50,9 +51,12 @@ struct Args {
     /// the connect4 run time; `nodeport`: only the NodePort program under
     /// BPF_PROG_TEST_RUN; `cold-start`: only the agent binary's cold sync
     /// from manifests, `--repeats` times, printed and not written to a
-    /// report; all three for quick before/after comparisons).
+    /// report; all three for quick before/after comparisons;
+    /// `manifest-input`: only the manifest-mode cold starts and idle cost
+    /// of manifest_input.rs).
     only: Option<String>,
     cp: control_plane::Options,
+    mi: manifest_input::Options,
     /// BPF_PROG_TEST_RUN calls per case and repeat, and the NodePort
     /// frontends in the maps (programs.rs).
     np_calls: usize,
@@ -69,6 +73,7 @@ fn parse_args() -> Result<Args> {
         out: PathBuf::from("results/bench"),
         only: None,
         cp: control_plane::Options::default(),
+        mi: manifest_input::Options::default(),
         np_calls: 20_000,
         np_frontends: 1_000,
         fwd: forwarding::Options::default(),
@@ -93,9 +98,16 @@ fn parse_args() -> Result<Args> {
                     bail!("unknown flag {cp}; control-plane flags: {}", control_plane::FLAGS_HELP);
                 }
             }
+            mi if mi.starts_with("--mi-") => {
+                let v = val()?;
+                if !manifest_input::flag(&mut a.mi, mi, &v)? {
+                    bail!("unknown flag {mi}; manifest input flags: {}", manifest_input::FLAGS_HELP);
+                }
+            }
             other => bail!(
-                "unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 6 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|nodeport|cold-start --np-calls 20000 --np-frontends 1000 --fwd-services 1000 --fwd-udp-ms 1000 {}",
-                control_plane::FLAGS_HELP
+                "unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 6 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|nodeport|cold-start|manifest-input --np-calls 20000 --np-frontends 1000 --fwd-services 1000 --fwd-udp-ms 1000 {} {}",
+                control_plane::FLAGS_HELP,
+                manifest_input::FLAGS_HELP
             ),
         }
     }
@@ -307,6 +319,11 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
         let section = programs::nodeport_test_run(args.repeats, args.np_calls, args.np_frontends)?;
         return programs::write_alone(&args.out, section);
     }
+    if args.only.as_deref() == Some("manifest-input") {
+        let section = manifest_input::run(&args.mi, args.repeats, scratch, args.cp.agent.as_deref())?.section();
+        let doc = json!({ section.key: section.json });
+        return Ok(report::write_part(&args.out, "manifest input", &section.markdown, doc, &section.targets, &[])?);
+    }
     if args.only.as_deref() == Some("cold-start") {
         let (cold, rss, restart) = agent_start_repeats(args.repeats, scratch, args.cp.agent.as_deref(), true)?;
         println!(
@@ -464,6 +481,7 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
     let socket_only = args.only.as_deref() == Some("socket-lb");
     let cold = if socket_only { None } else { Some(agent_start_repeats(args.repeats, scratch, args.cp.agent.as_deref(), false)?) };
     if !socket_only {
+        sections.push(manifest_input::run(&args.mi, args.repeats, scratch, args.cp.agent.as_deref())?.section());
         sections.push(programs::nodeport_test_run(args.repeats, args.np_calls, args.np_frontends)?);
         sections.push(forwarding::run(&args.fwd, args.repeats, args.rounds, scratch)?);
     }

@@ -14,6 +14,7 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use proxy_agent::DEFAULT_BPFFS;
 use proxy_agent::datapath::dump::{self, AffinityView, BackendView, NodePortReport, Report, ServiceView, SlotView};
+use proxy_agent::datapath::kernel_features::KernelFeatures;
 
 #[derive(Clone, Copy, ValueEnum)]
 enum Output {
@@ -36,10 +37,32 @@ const INCONSISTENT: u8 = 2;
 pub(crate) fn dump(args: DumpArgs) -> anyhow::Result<ExitCode> {
     let snap = dump::read(&args.bpffs).with_context(|| format!("reading the maps pinned in {}", args.bpffs.display()))?;
     let report = dump::report(&args.bpffs, &snap);
+    // What this kernel offers, as the agent's start-up probe sees it: the
+    // program variants it loads and every fallback.
+    let kernel = KernelFeatures::get();
     let mut out = std::io::stdout().lock();
     match args.output {
-        Output::Json => writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?,
-        Output::Table => table(&mut out, &report)?,
+        Output::Json => {
+            let mut value = serde_json::to_value(&report)?;
+            if let Some(o) = value.as_object_mut() {
+                let features: serde_json::Map<String, serde_json::Value> =
+                    kernel.features.iter().map(|f| (f.name.to_string(), serde_json::Value::Bool(f.present))).collect();
+                o.insert(
+                    "kernel".into(),
+                    serde_json::json!({
+                        "release": kernel.release,
+                        "socketPrograms": kernel.socket_variant().label(),
+                        "tcPrograms": kernel.tc_variant().label(),
+                        "features": features,
+                    }),
+                );
+            }
+            writeln!(out, "{}", serde_json::to_string_pretty(&value)?)?;
+        }
+        Output::Table => {
+            writeln!(out, "kernel: {}", kernel.summary())?;
+            table(&mut out, &report)?;
+        }
     }
     out.flush()?;
     Ok(if report.consistent { ExitCode::SUCCESS } else { ExitCode::from(INCONSISTENT) })

@@ -11,6 +11,8 @@ use std::time::Duration;
 use clap::Args;
 use serde_json::json;
 
+// Each bool is one command-line switch of its own.
+#[allow(clippy::struct_excessive_bools)]
 #[derive(Args)]
 pub(crate) struct ProbeArgs {
     /// Address to reach, e.g. 10.96.0.10:80 or [fd00::10]:80.
@@ -22,9 +24,28 @@ pub(crate) struct ProbeArgs {
     /// With --udp: connect() the socket first instead of using sendto().
     #[arg(long)]
     connected: bool,
-    /// Number of attempts, each on a new socket.
+    /// Number of attempts, each on a new socket (with --stream: exchanges
+    /// over the one socket).
     #[arg(long, default_value_t = 1)]
     count: u32,
+    /// Pause between attempts (or exchanges), so that a long run is a
+    /// steady stream rather than a busy loop.
+    #[arg(long, default_value_t = 0)]
+    interval_ms: u64,
+    /// Keep one socket for the whole run, as a long-lived connection does:
+    /// each of the --count exchanges sends --message and reads one reply
+    /// (TCP: a line each way, so the backend must answer line by line; UDP:
+    /// a datagram each way). A TCP stream stops at its first failure (the
+    /// connection is broken); a UDP one goes on, since a lost datagram
+    /// leaves the socket usable.
+    #[arg(long, conflicts_with_all = ["per_socket", "also", "hold"])]
+    stream: bool,
+    /// With --stream: after a failure other than a timeout (the socket was
+    /// aborted, reset or refused), open a new socket to --to and go on, as
+    /// a client that reconnects does; the line of the first exchange on
+    /// the new socket says `"reconnected": true`.
+    #[arg(long, requires = "stream")]
+    reconnect: bool,
     /// With --udp: datagrams per socket (all must reach the same backend).
     #[arg(long, default_value_t = 1)]
     per_socket: u32,
@@ -53,16 +74,33 @@ pub(crate) struct ProbeArgs {
 
 pub(crate) fn probe(args: ProbeArgs) -> anyhow::Result<ExitCode> {
     let timeout = Duration::from_millis(args.timeout_ms.max(1));
+    if args.stream {
+        return stream(&args, timeout);
+    }
     let mut failed = false;
-    let out = std::io::stdout();
-    for _ in 0..args.count {
+    for i in 0..args.count {
+        if i > 0 {
+            pause(&args);
+        }
         let line = if args.udp { udp_once(&args, timeout) } else { tcp_once(&args, timeout) };
         failed |= line.get("ok") != Some(&json!(true));
-        let mut lock = out.lock();
-        writeln!(lock, "{line}")?;
-        lock.flush()?;
+        print_line(&line)?;
     }
     Ok(if failed { ExitCode::from(1) } else { ExitCode::SUCCESS })
+}
+
+/// One JSON line, flushed at once: whoever reads the output follows the
+/// attempts as they happen.
+fn print_line(line: &serde_json::Value) -> std::io::Result<()> {
+    let mut lock = std::io::stdout().lock();
+    writeln!(lock, "{line}")?;
+    lock.flush()
+}
+
+fn pause(args: &ProbeArgs) {
+    if args.interval_ms > 0 {
+        std::thread::sleep(Duration::from_millis(args.interval_ms));
+    }
 }
 
 fn failure(stage: &str, e: &std::io::Error) -> serde_json::Value {
@@ -201,6 +239,110 @@ fn udp_once(args: &ProbeArgs, timeout: Duration) -> serde_json::Value {
         "sameBackend": same,
         "connectedPeer": connected_peer,
     })
+}
+
+/// `--stream`: one socket, `--count` exchanges, one line each (with its
+/// sequence number `seq`).
+fn stream(args: &ProbeArgs, timeout: Duration) -> anyhow::Result<ExitCode> {
+    let mut failed = false;
+    let opened = if args.udp { udp_stream(args, timeout) } else { tcp_stream(args, timeout) };
+    let mut exchange = match opened {
+        Ok(f) => f,
+        Err(line) => {
+            print_line(&line)?;
+            return Ok(ExitCode::from(1));
+        }
+    };
+    let mut reconnected = false;
+    for seq in 0..args.count {
+        if seq > 0 {
+            pause(args);
+        }
+        let mut line = exchange();
+        line["seq"] = json!(seq);
+        if std::mem::take(&mut reconnected) {
+            line["reconnected"] = json!(true);
+        }
+        let ok = line.get("ok") == Some(&json!(true));
+        failed |= !ok;
+        print_line(&line)?;
+        let timed_out = matches!(line["errno"].as_i64(), Some(e) if e == i64::from(libc::EAGAIN));
+        if !ok && args.reconnect && !timed_out {
+            match if args.udp { udp_stream(args, timeout) } else { tcp_stream(args, timeout) } {
+                Ok(f) => {
+                    exchange = f;
+                    reconnected = true;
+                }
+                Err(line) => {
+                    print_line(&line)?;
+                    break;
+                }
+            }
+        } else if !ok && !args.udp {
+            break;
+        }
+    }
+    Ok(if failed { ExitCode::from(1) } else { ExitCode::SUCCESS })
+}
+
+/// One exchange over a stream's socket: its JSON line without `seq`.
+type Exchange = Box<dyn FnMut() -> serde_json::Value>;
+
+/// A connected TCP socket that sends `--message` as a line and reads one
+/// line back per exchange.
+fn tcp_stream(args: &ProbeArgs, timeout: Duration) -> Result<Exchange, serde_json::Value> {
+    use std::io::BufRead;
+    let connected = match args.bind {
+        Some(from) => connect_from(from, args.to, timeout),
+        None => TcpStream::connect_timeout(&args.to, timeout),
+    };
+    let mut s = connected.map_err(|e| failure("connect", &e))?;
+    let _ = s.set_read_timeout(Some(timeout));
+    let _ = s.set_write_timeout(Some(timeout));
+    let peer = s.peer_addr().map(|p| p.to_string()).unwrap_or_default();
+    let mut reader = std::io::BufReader::new(s.try_clone().map_err(|e| failure("connect", &e))?);
+    let message = format!("{}\n", args.message.trim_end_matches('\n'));
+    Ok(Box::new(move || {
+        if let Err(e) = s.write_all(message.as_bytes()) {
+            return failure("send", &e);
+        }
+        let mut reply = String::new();
+        match reader.read_line(&mut reply) {
+            Ok(0) => json!({"ok": false, "stage": "recv", "errno": null, "error": "connection closed by the peer"}),
+            Ok(_) => json!({"ok": true, "peer": peer, "reply": reply.trim()}),
+            Err(e) => failure("recv", &e),
+        }
+    }))
+}
+
+/// A UDP socket (connected with --connected) that sends `--message` and
+/// reads one datagram per exchange. A reply that arrives after its
+/// exchange timed out is discarded before the next send, so it is never
+/// taken for the next exchange's.
+fn udp_stream(args: &ProbeArgs, timeout: Duration) -> Result<Exchange, serde_json::Value> {
+    let any: std::net::IpAddr =
+        if args.to.is_ipv4() { std::net::Ipv4Addr::UNSPECIFIED.into() } else { std::net::Ipv6Addr::UNSPECIFIED.into() };
+    let s = UdpSocket::bind(SocketAddr::new(args.bind.unwrap_or(any), 0)).map_err(|e| failure("bind", &e))?;
+    let _ = s.set_read_timeout(Some(timeout));
+    if args.connected {
+        s.connect(args.to).map_err(|e| failure("connect", &e))?;
+    }
+    let (to, connected, message) = (args.to, args.connected, args.message.clone());
+    let mut buf = [0u8; 1500];
+    Ok(Box::new(move || {
+        if s.set_nonblocking(true).is_ok() {
+            while s.recv_from(&mut buf).is_ok() {}
+            let _ = s.set_nonblocking(false);
+        }
+        let sent = if connected { s.send(message.as_bytes()) } else { s.send_to(message.as_bytes(), to) };
+        if let Err(e) = sent {
+            return failure("send", &e);
+        }
+        match s.recv_from(&mut buf) {
+            Ok((n, from)) => json!({"ok": true, "peer": from.to_string(), "reply": String::from_utf8_lossy(&buf[..n]).trim()}),
+            Err(e) => failure("recv", &e),
+        }
+    }))
 }
 
 /// See `--hold`. The reverse translation runs when the application reads

@@ -15,7 +15,10 @@ use anyhow::Context;
 use clap::Args;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use proxy_agent::datapath::dump::{np_counter_sums, socket_counter_sums};
+use proxy_agent::datapath::kernel_features::KernelFeatures;
 use proxy_agent::datapath::map_writer::MapWriter;
+use proxy_agent::datapath::pin_guard::{self, PinGuard};
+use proxy_agent::datapath::sock_destroy::{self, Terminator};
 use proxy_agent::datapath::{conntrack_gc, socket_loader};
 use proxy_agent::external::node_addresses;
 use proxy_agent::external::nodeport::ExternalDatapath;
@@ -41,13 +44,15 @@ pub(crate) struct RunArgs {
     node: String,
     /// Manifest files or directories (YAML or JSON, multi-document, List
     /// objects) holding Services, EndpointSlices and Nodes. Watched for
-    /// changes; write them atomically (write elsewhere, then rename).
+    /// changes (inotify); a file is taken once it parses, and one that
+    /// does not keeps its previous objects.
     /// Without --manifests the agent watches the Kubernetes API server
     /// (in-cluster configuration, or --kubeconfig).
     #[arg(long, num_args = 1..)]
     manifests: Vec<PathBuf>,
-    /// How often manifests are checked for changes.
-    #[arg(long, default_value_t = 200)]
+    /// How often manifests are checked for changes inotify did not report
+    /// (a stat of each file; only changed files are read).
+    #[arg(long, default_value_t = 30_000)]
     poll_interval_ms: u64,
     /// kubeconfig file to reach the API server (Kubernetes mode). Without
     /// it the in-cluster configuration is used (service account token and
@@ -212,6 +217,12 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     let cgroup = args.datapath.cgroup()?;
     let pin_dir = args.datapath.bpffs.clone();
     let caps = args.datapath.capacities()?;
+    // What the kernel offers decides which program variants load; said once
+    // here and kept in /metrics (the loaders refuse a kernel below the
+    // floor before they pin anything).
+    let kernel = KernelFeatures::get();
+    tracing::info!("kernel features: {}", kernel.summary());
+    metrics.set_kernel_features(&kernel.features.iter().map(|f| (f.name, f.present)).collect::<Vec<_>>());
     let warnings = socket_loader::install(&cgroup, &pin_dir, caps)
         .with_context(|| format!("installing the datapath on cgroup {} with pins in {}", cgroup.display(), pin_dir.display()))?;
     for w in warnings {
@@ -235,12 +246,28 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     }
     tracing::info!(devices = ?external.devices, node_addresses = ?external.node_addrs, "external traffic datapath ready");
 
+    // Sockets translated to a backend that leaves are terminated (and TC
+    // flows to it flushed) by a worker thread; which mechanism this kernel
+    // offers is said once, here.
+    let detected = sock_destroy::detect(&pin_dir);
+    sock_destroy::report(&detected.detection, &metrics);
+    let terminator = Terminator::start(pin_dir.clone(), detected, metrics.clone()).context("starting the socket termination worker")?;
+
     // NP_COUNTERS and COUNTERS in /metrics, and the conntrack GC of NP_CT.
     let counters_dir = pin_dir.clone();
     metrics.export_nodeport_counters(Box::new(move || np_counter_sums(&counters_dir).map_err(|e| e.to_string())));
     let counters_dir = pin_dir.clone();
     metrics.export_socket_counters(Box::new(move || socket_counter_sums(&counters_dir).map_err(|e| e.to_string())));
     let _conntrack_gc = conntrack_gc::spawn(pin_dir.clone(), args.datapath.conntrack.gc_config(), metrics.clone());
+    // Pins removed under us are put back (the maps themselves live on in
+    // the programs; see pin_guard).
+    let _pin_guard = match PinGuard::open(&pin_dir, &cgroup, caps) {
+        Ok(guard) => Some(pin_guard::spawn(guard, metrics.clone())),
+        Err(e) => {
+            tracing::warn!("pins removed under the agent will not be put back: {e}");
+            None
+        }
+    };
     // Node addresses are followed, not read once: a change asks the sync
     // loop for a pass, in which `refresh` re-resolves devices, NodePort
     // addresses and SNAT before the maps are written.
@@ -260,7 +287,11 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
             _ = int.recv() => {}
         }
     };
-    SyncLoop::new(config, writer, stores, metrics, health, events).with_external(external, addresses_changed).run(rx, shutdown).await;
+    SyncLoop::new(config, writer, stores, metrics, health, events)
+        .with_external(external, addresses_changed)
+        .with_termination(terminator)
+        .run(rx, shutdown)
+        .await;
     // Nothing to tear down: pinned links and maps keep serving until the
     // next agent adopts them or `proxy-agent reset` removes them.
     tracing::info!("stopping; the pinned datapath keeps serving");

@@ -22,6 +22,13 @@
 //!
 //! Deciding ([`plan`], [`expired`]) is pure and table-tested; [`sweep`]
 //! does the map I/O.
+//!
+//! Besides the periodic sweep, [`flush`] deletes at once the flows of
+//! given frontend-backend pairs when a backend leaves a frontend's set
+//! (`decide::departures`): a backend that another frontend still uses
+//! stays in `NP_BACKENDS`, so without it such flows would keep going to a
+//! deleted pod until they idle out (kube-proxy flushes UDP conntrack
+//! entries of removed endpoints the same way, pkg/proxy/conntrack/cleanup.go).
 
 use std::collections::HashMap as StdHashMap;
 use std::path::{Path, PathBuf};
@@ -184,6 +191,96 @@ pub fn plan(entries: &[(CtKey, CtValue)], now_s: u32, t: &Timeouts, mut backend_
     }
     out.sort_by(|a, b| (a.reason, &a.keys[0].saddr_be, a.keys[0].sport_be).cmp(&(b.reason, &b.keys[0].saddr_be, b.keys[0].sport_be)));
     out
+}
+
+/// What a flow connects, read from one of its entries: the frontend the
+/// client addressed and the backend it was sent to (addresses and ports
+/// in network byte order, as `CtKey`/`CtValue` keep them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct FlowEnds {
+    pub proto: u8,
+    pub family: u8,
+    pub frontend_be: [u32; 4],
+    pub frontend_port_be: u16,
+    pub backend_be: [u32; 4],
+    pub backend_port_be: u16,
+}
+
+/// The ends of the flow `k` belongs to, from the entries that hold both:
+/// the forward entry (client -> frontend, translated to client ->
+/// backend) and the reply entry (backend -> client, translated to
+/// frontend -> client). The SNAT legs name the node's address instead.
+pub fn ends_of(k: &CtKey, v: &CtValue) -> Option<FlowEnds> {
+    let ends = |frontend_be, frontend_port_be, backend_be, backend_port_be| FlowEnds {
+        proto: k.proto,
+        family: k.family,
+        frontend_be,
+        frontend_port_be,
+        backend_be,
+        backend_port_be,
+    };
+    match k.dir {
+        pc::CT_DIR_FORWARD => Some(ends(k.daddr_be, k.dport_be, v.daddr_be, v.dport_be)),
+        pc::CT_DIR_REPLY => Some(ends(v.saddr_be, v.sport_be, k.saddr_be, k.sport_be)),
+        _ => None,
+    }
+}
+
+/// Which flows to flush: those with an entry whose [`ends_of`] `target`
+/// labels, with every entry of the flow (forward legs first, as [`plan`]
+/// orders them). A flow matched through several entries is listed once,
+/// under the first label found.
+pub fn plan_flush<L: Copy>(entries: &[(CtKey, CtValue)], mut target: impl FnMut(&FlowEnds) -> Option<L>) -> Vec<(L, Vec<CtKey>)> {
+    let mut flows: StdHashMap<CtKey, (Option<L>, Vec<CtKey>)> = StdHashMap::new();
+    for (k, v) in entries {
+        let f = flows.entry(flow_of(k, v)).or_insert((None, Vec::new()));
+        f.1.push(*k);
+        if f.0.is_none() {
+            f.0 = ends_of(k, v).and_then(|e| target(&e));
+        }
+    }
+    let mut out: Vec<(L, Vec<CtKey>)> = flows
+        .into_values()
+        .filter_map(|(label, mut keys)| {
+            keys.sort_by_key(|k| (!pc::ct_dir_from_client(k.dir), k.dir, k.saddr_be, k.sport_be));
+            Some((label?, keys))
+        })
+        .collect();
+    out.sort_by_key(|(_, keys)| (keys[0].saddr_be, keys[0].sport_be, keys[0].dir));
+    out
+}
+
+/// What one [`flush`] deleted under one label.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Flushed {
+    pub flows: usize,
+    pub entries: usize,
+}
+
+/// Deletes from the `NP_CT` pinned under `pin_dir` every flow
+/// [`plan_flush`] picks with `target`, and returns the counts per label.
+/// Blocking; run it off the async threads.
+pub fn flush<L: Copy + Eq + std::hash::Hash>(
+    pin_dir: &Path,
+    target: impl FnMut(&FlowEnds) -> Option<L>,
+) -> Result<StdHashMap<L, Flushed>, GcError> {
+    let (mut ct, _) = open_hash::<CtKey, CtValue>(pin_dir, pc::NP_CT_MAP)?;
+    let entries = read_all(&ct).map_err(|source| GcError::Read { map: pc::NP_CT_MAP, source })?;
+    let mut out: StdHashMap<L, Flushed> = StdHashMap::new();
+    for (label, keys) in plan_flush(&entries, target) {
+        let mut deleted = 0;
+        for k in &keys {
+            match ct.remove(k) {
+                Ok(()) => deleted += 1,
+                Err(e) if is_not_found(&e) => {}
+                Err(source) => return Err(GcError::Delete { map: pc::NP_CT_MAP, source }),
+            }
+        }
+        let f = out.entry(label).or_default();
+        f.flows += 1;
+        f.entries += deleted;
+    }
+    Ok(out)
 }
 
 /// CLOCK_MONOTONIC in seconds: the clock of `bpf_ktime_get_ns`
@@ -421,6 +518,43 @@ mod tests {
             (key(b, n, 30, snat_port, proto, CT_DIR_REPLY_SNAT), val(b, c, 30, client_port, 7, reply_seen, flags | pc::CT_FLAG_SNAT)),
             (key(b, c, 30, client_port, proto, CT_DIR_REPLY), val(f, c, 20, client_port, 7, reply_seen, flags)),
         ]
+    }
+
+    #[test]
+    fn flush_picks_the_flows_of_a_frontend_backend_pair_whole() {
+        // remote_flow: client 1 -> frontend 2:20 -> backend 3:30 (node 4).
+        let to_3 = |e: &FlowEnds| {
+            (e.frontend_be[0] == 2 && e.frontend_port_be == 20 && e.backend_be[0] == 3 && e.backend_port_be == 30).then_some(e.proto)
+        };
+        // (name, entries, flows picked, entries picked)
+        let local_flow = |port: u16, backend: u32| {
+            vec![
+                (key(1, 2, port, 20, PROTO_UDP, CT_DIR_FORWARD), val(1, backend, port, 30, 9, 0, 0)),
+                (key(backend, 1, 30, port, PROTO_UDP, CT_DIR_REPLY), val(2, 1, 20, port, 9, 0, 0)),
+            ]
+        };
+        type Case = (&'static str, Vec<(CtKey, CtValue)>, usize, usize);
+        let cases: Vec<Case> = vec![
+            ("a remote flow: all four entries", remote_flow(10, PROTO_UDP, 0, 0, 0), 1, 4),
+            ("a local flow: both entries", local_flow(11, 3), 1, 2),
+            ("a flow to another backend stays", local_flow(12, 5), 0, 0),
+            ("reply entries alone (forward legs evicted) still match", remote_flow(13, PROTO_TCP, 0, 0, 0).split_off(2), 1, 2),
+            ("SNAT legs alone name no frontend", remote_flow(14, PROTO_UDP, 0, 0, 0)[1..3].to_vec(), 0, 0),
+        ];
+        for (name, entries, flows, n) in cases {
+            let got = plan_flush(&entries, to_3);
+            assert_eq!(got.len(), flows, "{name}: {got:?}");
+            assert_eq!(got.iter().map(|(_, k)| k.len()).sum::<usize>(), n, "{name}");
+            for (proto, keys) in &got {
+                assert_eq!(*proto, entries[0].0.proto, "{name}: labelled by the target");
+                let first_reply = keys.iter().position(|k| !pc::ct_dir_from_client(k.dir)).unwrap_or(keys.len());
+                assert!(keys[first_reply..].iter().all(|k| !pc::ct_dir_from_client(k.dir)), "{name}: forward legs first");
+            }
+        }
+        let mut all = remote_flow(20, PROTO_UDP, 0, 0, 0);
+        all.extend(local_flow(21, 5));
+        all.extend(remote_flow(22, PROTO_TCP, 0, 0, 0));
+        assert_eq!(plan_flush(&all, to_3).len(), 2, "each flow judged on its own");
     }
 
     #[test]

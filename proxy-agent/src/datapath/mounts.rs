@@ -26,6 +26,12 @@ pub enum MountError {
     Create { path: PathBuf, source: io::Error },
     #[error("{path} is not on a BPF filesystem (bpffs); pins there would not survive")]
     NotBpffs { path: PathBuf },
+    #[error(
+        "refusing pin directory {path}: it is owned by uid {owner}, not by this agent's uid {ours}; another user could have placed or could replace maps and links there. Remove it (or chown it to uid {ours}) if it is yours"
+    )]
+    ForeignOwner { path: PathBuf, owner: u32, ours: u32 },
+    #[error("cannot make pin directory {path} private (mode 0700): {source}")]
+    Permissions { path: PathBuf, source: io::Error },
 }
 
 /// The mount point of the first cgroup2 filesystem in `mountinfo` text.
@@ -104,6 +110,34 @@ pub fn ensure_pin_dir(pin_dir: &Path) -> Result<(), MountError> {
     }
     if !is_bpffs(pin_dir) {
         return Err(MountError::NotBpffs { path: pin_dir.into() });
+    }
+    make_private(pin_dir)
+}
+
+/// Refuses a pin directory another user owns, and makes ours reachable by
+/// its owner only.
+///
+/// A bpffs mounts world-writable with the sticky bit (mode 1777 unless
+/// `mode=` says otherwise, kernel/bpf/inode.c `bpf_fill_super`), so any
+/// user may create the pin directory before the agent does, or a symlink
+/// in its place (checked without following it); the owner of the directory
+/// can then rename, replace or remove the agent's pins (the sticky bit
+/// protects entries only from users who own neither them nor the
+/// directory). The pins themselves get mode 0600 less the umask
+/// (`bpf_obj_pin_user`), but a directory made with the default umask is
+/// 0755 and lets every user list what the datapath holds; 0700 keeps the
+/// pins and the links below out of reach of anyone but root.
+fn make_private(pin_dir: &Path) -> Result<(), MountError> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let meta = fs::symlink_metadata(pin_dir).map_err(|source| MountError::Create { path: pin_dir.into(), source })?;
+    // SAFETY: geteuid has no preconditions.
+    let ours = unsafe { libc::geteuid() };
+    if meta.uid() != ours {
+        return Err(MountError::ForeignOwner { path: pin_dir.into(), owner: meta.uid(), ours });
+    }
+    if meta.mode() & 0o7777 != 0o700 {
+        fs::set_permissions(pin_dir, fs::Permissions::from_mode(0o700))
+            .map_err(|source| MountError::Permissions { path: pin_dir.into(), source })?;
     }
     Ok(())
 }

@@ -24,6 +24,7 @@ use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::{CgroupAttachMode, CgroupSockAddr};
 use proxy_common as pc;
 
+use crate::datapath::kernel_features::{self, KernelFeatures};
 use crate::datapath::maps::{self, Capacities};
 use crate::datapath::object::{self, EBPF_OBJECT, LINKS_DIR};
 use crate::datapath::{bpf_batch, mounts, tc_loader};
@@ -31,6 +32,10 @@ use crate::util::error_chain::error_chain;
 
 /// Socket programs, by function name in the object.
 pub const PROGRAMS: [&str; 8] = ["connect4", "connect6", "sendmsg4", "sendmsg6", "recvmsg4", "recvmsg6", "getpeername4", "getpeername6"];
+
+/// The programs built in a full and a compat variant (`<name>_compat`):
+/// the ones that refuse calls and read the clock.
+const VARIANT_PROGRAMS: [&str; 4] = ["connect4", "connect6", "sendmsg4", "sendmsg6"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
@@ -46,10 +51,10 @@ pub enum LoadError {
     Object(#[from] aya::EbpfError),
     #[error("program {program} is missing from the eBPF object")]
     MissingProgram { program: &'static str },
-    #[error(
-        "program {program}: {source}. cgroup socket programs need Linux >= 5.18 (bpf_set_retval) and bpf_link support; see the README's requirements"
-    )]
+    #[error("program {program}: {source}. See the README's kernel requirements")]
     Program { program: &'static str, source: aya::programs::ProgramError },
+    #[error("{0}; nothing was installed")]
+    Kernel(String),
     #[error("program {program}: cannot use a bpf_link ({source}); Linux >= 5.7 is required for pinned cgroup links")]
     Link { program: &'static str, source: aya::programs::links::LinkError },
     #[error("program {program}: cannot pin its link at {path}: {reason}")]
@@ -70,8 +75,15 @@ pub enum LoadError {
 /// not stop the agent, e.g. a pinned map whose capacity differs from the one
 /// requested.
 pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<String>, LoadError> {
+    // Before anything is pinned or attached: a kernel below the floor gets
+    // one sentence, never half a datapath.
+    let kernel = KernelFeatures::get();
+    if let Some(why) = kernel.unsupported() {
+        return Err(LoadError::Kernel(why));
+    }
+    let variant = kernel.socket_variant();
     mounts::ensure_pin_dir(pin_dir)?;
-    let warnings = check_pinned_maps(pin_dir, &caps)?;
+    let mut warnings = check_pinned_maps(pin_dir, &caps)?;
     // A datapath pinned by an agent version without SOCK_PEER has reverse
     // entries only in SOCK_REVNAT (see `SockConfig`).
     let legacy_revnat = pin_dir.join(pc::SOCK_REVNAT_MAP).exists() && !pin_dir.join(pc::SOCK_PEER_MAP).exists();
@@ -85,8 +97,12 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
     fs::create_dir_all(&links).map_err(|source| mounts::MountError::Create { path: links.clone(), source })?;
 
     for program in PROGRAMS {
+        // The forward programs come in variants (see `KernelFeatures`); the
+        // link keeps the base name, so an upgrade that changes the variant
+        // still replaces the old link in place.
+        let name = if VARIANT_PROGRAMS.contains(&program) { variant.program(program) } else { program.to_string() };
         let prog: &mut CgroupSockAddr = ebpf
-            .program_mut(program)
+            .program_mut(&name)
             .ok_or(LoadError::MissingProgram { program })?
             .try_into()
             .map_err(|source| LoadError::Program { program, source })?;
@@ -112,10 +128,19 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
     // Which sockets are the node's own processes: those of the agent's
     // network namespace (it runs with the host's network). Written at every
     // start, so a datapath adopted from another namespace follows.
-    let cookie = netns_cookie().map_err(LoadError::NodeNetns)?;
-    let map = ebpf.map_mut(pc::NODE_NETNS_MAP).ok_or(LoadError::MissingMap { map: pc::NODE_NETNS_MAP })?;
-    let mut node: Array<_, pc::NodeNetns> = Array::try_from(map).map_err(|e| LoadError::NodeNetns(io::Error::other(e)))?;
-    node.set(0, pc::NodeNetns { netns_cookie: cookie }, 0).map_err(|e| LoadError::NodeNetns(io::Error::other(e)))?;
+    // Without SO_NETNS_COOKIE (Linux < 5.14) the entry stays 0, which the
+    // programs read as "no socket is the node's" (see `NodeNetns`).
+    if kernel.has(kernel_features::SO_NETNS_COOKIE) {
+        let cookie = kernel_features::netns_cookie().map_err(LoadError::NodeNetns)?;
+        let map = ebpf.map_mut(pc::NODE_NETNS_MAP).ok_or(LoadError::MissingMap { map: pc::NODE_NETNS_MAP })?;
+        let mut node: Array<_, pc::NodeNetns> = Array::try_from(map).map_err(|e| LoadError::NodeNetns(io::Error::other(e)))?;
+        node.set(0, pc::NodeNetns { netns_cookie: cookie }, 0).map_err(|e| LoadError::NodeNetns(io::Error::other(e)))?;
+    } else {
+        warnings.push(
+            "the kernel has no SO_NETNS_COOKIE (Linux < 5.14): the node's own processes are not admitted to LoadBalancer IPs by loadBalancerSourceRanges"
+                .to_string(),
+        );
+    }
     if legacy_revnat {
         // The old programs are detached now (their pins were replaced), so
         // the sockets they translated are the ones with entries in
@@ -158,24 +183,6 @@ fn next_socket_cookie() -> io::Result<u64> {
     // SAFETY: `fd` is open and owned by nobody else.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     socket_cookie(fd.as_fd())
-}
-
-/// The cookie of the calling thread's network namespace, as
-/// `bpf_get_netns_cookie` reports it for a socket there (`SO_NETNS_COOKIE`,
-/// Linux >= 5.14, net/core/sock.c).
-pub fn netns_cookie() -> io::Result<u64> {
-    // SAFETY: socket(2) returns a new descriptor that we own, or -1.
-    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `fd` is open and owned by nobody else.
-    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-    let mut cookie: u64 = 0;
-    let mut len = size_of::<u64>() as libc::socklen_t;
-    // SAFETY: SO_NETNS_COOKIE writes a u64 into the buffer we pass with its size.
-    let rc = unsafe { libc::getsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_NETNS_COOKIE, (&raw mut cookie).cast(), &raw mut len) };
-    if rc == 0 { Ok(cookie) } else { Err(io::Error::last_os_error()) }
 }
 
 /// A socket's cookie, as `bpf_get_socket_cookie` sees it (SO_COOKIE hands

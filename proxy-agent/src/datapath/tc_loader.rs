@@ -25,8 +25,8 @@ use aya::Ebpf;
 use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::tc::{self, SchedClassifierLink, TcAttachOptions};
 use aya::programs::{LinkOrder, SchedClassifier, TcAttachType};
-use aya::util::KernelVersion;
 
+use crate::datapath::kernel_features::{self, KernelFeatures};
 use crate::datapath::mounts;
 use crate::datapath::object::{self, EBPF_OBJECT, LINKS_DIR};
 use crate::util::error_chain::error_chain;
@@ -81,9 +81,10 @@ pub fn install(pin_dir: &Path, devices: &[String], mode: TcMode) -> Result<Vec<S
     let mut ebpf = load_programs(pin_dir)?;
     let links = pin_dir.join(LINKS_DIR);
     fs::create_dir_all(&links).map_err(|source| TcError::Io { path: links.clone(), source })?;
-    // tcx (NET_XGRESS) arrived in Linux 6.6.
+    // tcx (NET_XGRESS) arrived in Linux 6.6; probed, not read off the
+    // version (see `KernelFeatures`).
     let tcx = match mode {
-        TcMode::Auto => KernelVersion::current().is_ok_and(|v| v >= KernelVersion::new(6, 6, 0)),
+        TcMode::Auto => KernelFeatures::get().has(kernel_features::TCX),
         TcMode::Tcx => true,
         TcMode::Netlink => false,
     };
@@ -287,6 +288,15 @@ fn load_programs(pin_dir: &Path) -> Result<Ebpf, TcError> {
     Ok(ebpf)
 }
 
+/// The object's name of TC program `program` ([`INGRESS_PROGRAM`] or
+/// [`EGRESS_PROGRAM`]) in the variant this kernel loads (see
+/// `KernelFeatures`).
+pub fn loaded_name(program: &'static str) -> String {
+    KernelFeatures::get().tc_variant().program(program)
+}
+
+/// The loaded variant of TC program `program`.
 fn classifier<'a>(ebpf: &'a mut Ebpf, program: &'static str) -> Result<&'a mut SchedClassifier, TcError> {
-    ebpf.program_mut(program).ok_or(TcError::MissingProgram { program })?.try_into().map_err(|source| TcError::Program { program, source })
+    let name = loaded_name(program);
+    ebpf.program_mut(&name).ok_or(TcError::MissingProgram { program })?.try_into().map_err(|source| TcError::Program { program, source })
 }

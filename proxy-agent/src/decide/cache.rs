@@ -211,6 +211,12 @@ impl DecisionCache {
         self.claims.get(fe)?.first()
     }
 
+    /// The EndpointSlices of `service` in `cluster`, through the index
+    /// kept here rather than a scan of every slice.
+    pub(crate) fn slices_of<'a>(&'a self, cluster: &'a Cluster, service: &ObjectRef) -> impl Iterator<Item = &'a EndpointSlice> + 'a {
+        self.slices_of.get(service).into_iter().flat_map(SortedVec::iter).filter_map(|s| cluster.slices.get(s))
+    }
+
     /// The ClusterIP frontends `service` owns.
     pub(crate) fn owned_frontends<'a>(&'a self, service: &'a ObjectRef) -> impl Iterator<Item = &'a Frontend> + 'a {
         self.decisions.get(service).into_iter().flatten().flat_map(|d| d.frontends.iter()).filter(move |fe| self.owner(fe) == Some(service))

@@ -4,5 +4,6 @@
 
 pub(crate) mod cache;
 pub mod decision;
+pub mod departures;
 pub mod plan;
 pub(crate) mod topology;

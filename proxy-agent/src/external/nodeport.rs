@@ -16,8 +16,9 @@ use crate::datapath::keys::{addr_key, frontend_of, service_key};
 use crate::datapath::map_writer::{ApplyError, MapWriter, WriteError};
 use crate::datapath::maps::TC_SERVICE_MAPS;
 use crate::decide::decision::ExternalState;
-use crate::decide::plan;
+use crate::decide::{departures, plan};
 use crate::external::node_addresses::{self, Devices, Resolved};
+use crate::model::{Backend, Frontend};
 
 fn open_map(pin_dir: &Path, name: &'static str) -> Result<MapData, WriteError> {
     MapData::from_pin(pin_dir.join(name)).map_err(|source| WriteError::Open { map: name, source })
@@ -37,6 +38,10 @@ pub struct NodePortOutcome {
     pub upserts: usize,
     pub deletes: usize,
     pub failures: Vec<ApplyError>,
+    /// Per frontend written, the backends it lost that clients could
+    /// leave for others (`departures::left`): their conntrack flows may
+    /// have to go.
+    pub left: Vec<(Frontend, Vec<Backend>)>,
 }
 
 impl NodePortWriter {
@@ -80,14 +85,21 @@ impl NodePortWriter {
             }
         }
         let plan = plan::diff_with_policies(&self.writer.state(), &self.writer.policies(), &ext.tc, &ext.tc_policies);
+        let mut left: Vec<(Frontend, Vec<Backend>)> = plan
+            .upserts
+            .iter()
+            .map(|(fe, new)| (*fe, departures::left(self.writer.backends_of(fe).unwrap_or_default(), Some(new))))
+            .filter(|(_, l)| !l.is_empty())
+            .collect();
         let failures = self.writer.apply(&plan);
+        left.retain(|(fe, _)| !failures.iter().any(|f| f.frontend == *fe));
         for k in have_flags.iter().filter(|k| !want_flags.contains_key(k)) {
             let _ = self.flags.remove(k);
         }
         for k in have_local.difference(&want_local) {
             let _ = self.local.remove(k);
         }
-        NodePortOutcome { upserts: plan.upserts.len(), deletes: plan.deletes.len(), failures }
+        NodePortOutcome { upserts: plan.upserts.len(), deletes: plan.deletes.len(), failures, left }
     }
 }
 

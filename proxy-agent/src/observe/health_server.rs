@@ -244,8 +244,13 @@ pub async fn serve(listener: TcpListener, health: Arc<Health>, metrics: Arc<Metr
 }
 
 fn respond(req: &Request<Incoming>, health: &Health, metrics: &Metrics) -> Response<Full<Bytes>> {
+    // Nothing here changes state: every other method (POST, PUT, DELETE,
+    // PATCH, ...) gets 405 with the methods that are allowed, which RFC 9110
+    // (15.5.6) requires in the answer, whatever the path.
     if req.method() != Method::GET && req.method() != Method::HEAD {
-        return reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "only GET\n".into());
+        let mut r = reply(StatusCode::METHOD_NOT_ALLOWED, "text/plain", "only GET and HEAD\n".into());
+        r.headers_mut().insert(hyper::header::ALLOW, hyper::header::HeaderValue::from_static("GET, HEAD"));
+        return r;
     }
     match req.uri().path() {
         "/healthz" => {
@@ -335,6 +340,41 @@ mod tests {
         std::thread::sleep(Duration::from_millis(2));
         let v = json(&h.livez().1);
         assert_eq!(v["lastUpdated"], GO_ZERO_TIME);
+    }
+
+    /// Through a real listener: the endpoints serve no write operation,
+    /// and a refused request changes nothing a later GET sees.
+    #[tokio::test]
+    async fn only_get_and_head_are_served() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let health = Arc::new(Health::new(Duration::from_mins(1)));
+        health.synced();
+        let metrics = Arc::new(Metrics::new());
+        let (listener, addr) = bind("127.0.0.1:0".parse().expect("address")).await.expect("bind loopback");
+        let task = tokio::spawn(serve(listener, health, metrics));
+        let request = |method: &'static str, path: &'static str| async move {
+            let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+            let req = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 4\r\n\r\nbody");
+            s.write_all(req.as_bytes()).await.expect("request");
+            let mut out = String::new();
+            s.read_to_string(&mut out).await.expect("response");
+            out
+        };
+        let before = request("GET", "/metrics").await;
+        for method in ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE"] {
+            for path in ["/metrics", "/healthz", "/livez", "/readyz", "/", "/nope"] {
+                let r = request(method, path).await;
+                assert!(r.starts_with("HTTP/1.1 405 "), "{method} {path}: {r}");
+                assert!(r.to_ascii_lowercase().contains("\r\nallow: get, head\r\n"), "{method} {path}: {r}");
+            }
+        }
+        assert!(request("HEAD", "/healthz").await.starts_with("HTTP/1.1 200 "));
+        let after = request("GET", "/metrics").await;
+        assert!(before.starts_with("HTTP/1.1 200 ") && after.starts_with("HTTP/1.1 200 "));
+        let series =
+            |r: &str| r.lines().filter(|l| l.starts_with("topoproxy_") && !l.contains("healthz")).map(str::to_string).collect::<Vec<_>>();
+        assert_eq!(series(&before), series(&after), "refused requests changed the metrics");
+        task.abort();
     }
 
     #[test]

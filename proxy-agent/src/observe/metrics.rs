@@ -58,6 +58,14 @@ pub mod reason {
     pub const MANIFEST: &str = "manifest";
     /// A conntrack GC sweep of `NP_CT` failed (retried next interval).
     pub const CONNTRACK_GC: &str = "conntrack_gc";
+    /// A map or link pin was removed from the pin directory under the
+    /// running agent (put back, or failing to be: see the log).
+    pub const PIN_REMOVED: &str = "pin_removed";
+    /// Terminating the sockets of departed backends failed in a network
+    /// namespace, or for one socket (the others still go).
+    pub const SOCKET_TERMINATION: &str = "socket_termination";
+    /// Flushing the `NP_CT` flows of departed backends failed.
+    pub const CONNTRACK_FLUSH: &str = "conntrack_flush";
 }
 
 /// Reads the per-reason sums of one of the programs' per-CPU counter
@@ -201,9 +209,16 @@ pub struct Metrics {
     watch_events: Family<Labels, Counter>,
     events_posted: Counter,
     api_versions: Family<Labels, Gauge>,
+    kernel_features: Family<Labels, Gauge>,
     conntrack_gc_runs: Counter,
     conntrack_gc_flows: Family<Labels, Counter>,
     conntrack_gc_entries: Family<Labels, Counter>,
+    termination_mechanism: Family<Labels, Gauge>,
+    sockets_terminated: Family<Labels, Counter>,
+    termination_batches: Counter,
+    termination_namespaces: Gauge,
+    conntrack_flushed_flows: Family<Labels, Counter>,
+    conntrack_flushed_entries: Family<Labels, Counter>,
     nodeport_counters: std::sync::Arc<KernelCounters>,
     socket_counters: std::sync::Arc<KernelCounters>,
 }
@@ -266,6 +281,12 @@ impl Metrics {
             "The version of each API group whose version differs between Kubernetes releases that the agent negotiated with the API server (1 = in use)",
             api_versions.clone(),
         );
+        let kernel_features = Family::<Labels, Gauge>::default();
+        registry.register(
+            "kernel_feature",
+            "What the running kernel offers the datapath, probed at start-up (1 = present, 0 = the agent falls back; see the README's kernel table)",
+            kernel_features.clone(),
+        );
         let conntrack_gc_runs = Counter::default();
         registry.register("conntrack_gc_runs", "Sweeps of the TC conntrack map NP_CT completed", conntrack_gc_runs.clone());
         let conntrack_gc_flows = Family::<Labels, Counter>::default();
@@ -279,6 +300,42 @@ impl Metrics {
             "conntrack_gc_entries_deleted",
             "Entries deleted from NP_CT by the conntrack GC (two to four per flow), by reason",
             conntrack_gc_entries.clone(),
+        );
+        let termination_mechanism = Family::<Labels, Gauge>::default();
+        registry.register(
+            "socket_termination_mechanism",
+            "How sockets translated to a backend that left are terminated on this kernel (1 = in use): iterators (BPF socket iterators with bpf_sock_destroy), netlink (SOCK_DESTROY) or none",
+            termination_mechanism.clone(),
+        );
+        let sockets_terminated = Family::<Labels, Counter>::default();
+        registry.register(
+            "sockets_terminated",
+            "Sockets the socket load balancer had translated to a backend that left its frontend's set, terminated, by protocol and reason (deleted, not_serving, topology)",
+            sockets_terminated.clone(),
+        );
+        let termination_batches = Counter::default();
+        registry.register(
+            "socket_termination_batches",
+            "Walks of every network namespace for sockets to terminate (one per batch of departed backends)",
+            termination_batches.clone(),
+        );
+        let termination_namespaces = Gauge::default();
+        registry.register(
+            "socket_termination_namespaces",
+            "Network namespaces the last termination walk visited",
+            termination_namespaces.clone(),
+        );
+        let conntrack_flushed_flows = Family::<Labels, Counter>::default();
+        registry.register(
+            "conntrack_flushed_flows",
+            "Flows deleted from NP_CT because their backend left the frontend's set, by protocol and reason (deleted, not_serving, topology)",
+            conntrack_flushed_flows.clone(),
+        );
+        let conntrack_flushed_entries = Family::<Labels, Counter>::default();
+        registry.register(
+            "conntrack_flushed_entries",
+            "Entries of those flows deleted from NP_CT (two to four per flow), by protocol and reason",
+            conntrack_flushed_entries.clone(),
         );
         let nodeport_counters = std::sync::Arc::new(KernelCounters::new(
             "nodeport_packets",
@@ -310,9 +367,16 @@ impl Metrics {
             watch_events,
             events_posted,
             api_versions,
+            kernel_features,
             conntrack_gc_runs,
             conntrack_gc_flows,
             conntrack_gc_entries,
+            termination_mechanism,
+            sockets_terminated,
+            termination_batches,
+            termination_namespaces,
+            conntrack_flushed_flows,
+            conntrack_flushed_entries,
             nodeport_counters,
             socket_counters,
         }
@@ -348,6 +412,35 @@ impl Metrics {
         self.map_capacity.get_or_create(&map).set(i64::from(s.capacity));
     }
 
+    /// Records which termination mechanism is in use (`iterators`,
+    /// `netlink` or `none`), with every known one exported so the
+    /// unused ones read 0.
+    pub fn set_termination_mechanism(&self, in_use: &str, known: &[&str]) {
+        for m in known {
+            self.termination_mechanism.get_or_create(&vec![("mechanism", (*m).to_string())]).set(i64::from(*m == in_use));
+        }
+    }
+
+    /// Counts `n` sockets of `protocol` terminated for `reason`.
+    pub fn sockets_terminated(&self, protocol: &str, reason: &str, n: usize) {
+        let labels = vec![("protocol", protocol.to_string()), ("reason", reason.to_string())];
+        self.sockets_terminated.get_or_create(&labels).inc_by(n as u64);
+    }
+
+    /// Records one walk of the node's network namespaces.
+    pub fn termination_batch(&self, namespaces: usize) {
+        self.termination_batches.inc();
+        self.termination_namespaces.set(namespaces as i64);
+    }
+
+    /// Counts `flows` flows (`entries` entries) of `protocol` flushed from
+    /// `NP_CT` for `reason`.
+    pub fn conntrack_flushed(&self, protocol: &str, reason: &str, flows: usize, entries: usize) {
+        let labels = vec![("protocol", protocol.to_string()), ("reason", reason.to_string())];
+        self.conntrack_flushed_flows.get_or_create(&labels).inc_by(flows as u64);
+        self.conntrack_flushed_entries.get_or_create(&labels).inc_by(entries as u64);
+    }
+
     /// The text exposition (OpenMetrics, which Prometheus scrapes as is).
     pub fn encode(&self) -> String {
         let mut out = String::new();
@@ -380,6 +473,13 @@ impl Metrics {
         self.api_versions.clear();
         for (group, version) in in_use {
             self.api_versions.get_or_create(&vec![("group", (*group).to_string()), ("version", (*version).to_string())]).set(1);
+        }
+    }
+
+    /// Records the kernel's probed features, as (name, present) pairs.
+    pub fn set_kernel_features(&self, features: &[(&str, bool)]) {
+        for (name, present) in features {
+            self.kernel_features.get_or_create(&vec![("name", (*name).to_string())]).set(i64::from(*present));
         }
     }
 
@@ -540,6 +640,15 @@ mod tests {
             3 + 59 + 12 + 7 + 1
         );
         assert!(text.trim_end().ends_with("# EOF"));
+    }
+
+    #[test]
+    fn kernel_features_are_gauges_by_name() {
+        let m = Metrics::new();
+        m.set_kernel_features(&[("set_retval", true), ("tcx", false)]);
+        let text = m.encode();
+        assert!(text.contains("topoproxy_kernel_feature{name=\"set_retval\"} 1"), "{text}");
+        assert!(text.contains("topoproxy_kernel_feature{name=\"tcx\"} 0"), "{text}");
     }
 
     #[test]

@@ -27,6 +27,7 @@ pub(crate) fn delta_from_value(kind: Kind, v: &Value) -> Delta {
                 .and_then(|m| m.get("labels"))
                 .and_then(|l| l.get(SERVICE_NAME_LABEL))
                 .and_then(Value::as_str)
+                .filter(|name| !name.is_empty())
                 .map(|name| ObjectRef::new(id.namespace.clone(), name));
             record(&mut d, owner, objects::slice_from_json(v), Object::Slice);
         }
@@ -83,7 +84,13 @@ fn record<T>(d: &mut Delta, service: Option<ObjectRef>, result: objects::Convers
 pub(crate) fn slice_delta(s: WireSlice) -> Delta {
     let (ns, name) = objects::meta_ref(&s.metadata);
     let id = ObjectRef::new(ns, name);
-    let owner = s.metadata.labels.as_ref().and_then(|l| l.get(SERVICE_NAME_LABEL)).map(|name| ObjectRef::new(id.namespace.clone(), name));
+    let owner = s
+        .metadata
+        .labels
+        .as_ref()
+        .and_then(|l| l.get(SERVICE_NAME_LABEL))
+        .filter(|name| !name.is_empty())
+        .map(|name| ObjectRef::new(id.namespace.clone(), name));
     let mut d = Delta { kind: Kind::EndpointSlice, id, present: true, uid: None, object: None, problems: Vec::new() };
     record(&mut d, owner, objects::slice_from_wire(s), Object::Slice);
     d

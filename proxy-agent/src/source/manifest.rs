@@ -1,23 +1,28 @@
-//! Reading Kubernetes manifests from files and directories: YAML or JSON,
-//! several documents per file, `List` objects flattened. The result is raw
-//! JSON values; `objects.rs` turns them into the model.
+//! Reading Kubernetes manifests: which files make up a manifest set
+//! ([`files`]), and the objects each file holds, handed to a [`Sink`] one
+//! at a time so that no file is ever held whole: JSON (`kubectl get -o
+//! json`: one object, or a `List`) item by item (`manifest_json`), YAML
+//! streams document by document (`manifest_yaml`). Objects of a kind
+//! ending in `List` are flattened, nested ones too.
+//!
+//! A file parses or it does not. A syntax error anywhere in it, or a read
+//! error, is the file's [`ManifestError`], and whoever collects its
+//! objects drops what it handed over (`manifest_set` keeps the objects of
+//! the file's last good read). A problem confined to one document (not an
+//! object, `items` not a list) goes to [`Sink::problem`] and the rest of
+//! the file is read.
 
-use std::collections::hash_map::DefaultHasher;
 use std::fs;
-use std::hash::{Hash, Hasher};
+use std::io::{BufRead, BufReader, Seek};
 use std::path::{Path, PathBuf};
 
-use serde::Deserialize;
 use serde_json::Value;
 
-/// One Kubernetes object and where it came from ("file.yaml#2").
-#[derive(Clone, Debug)]
-pub struct Document {
-    pub location: String,
-    pub value: Value,
-}
+use crate::source::{manifest_json, manifest_yaml};
 
-/// A file or document that could not be read. Reading goes on with the rest.
+/// A file, document or object that could not be read. The location names
+/// the file, and the document (`file.yaml#2`) and list item
+/// (`file.json#1[41]`) where there is one.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{location}: {reason}")]
 pub struct ManifestError {
@@ -25,296 +30,269 @@ pub struct ManifestError {
     pub reason: String,
 }
 
+/// One object of a manifest file, not yet converted into the model.
+#[derive(Debug)]
+pub enum Object<'a> {
+    /// The JSON text of one object (a `List` item, or a JSON file's
+    /// object): converted straight into the wire shapes, never through a
+    /// generic value. `kind` and `api_version` were read ahead.
+    Json { text: &'a str, kind: Option<String>, api_version: Option<String> },
+    /// One YAML document, or one item of a `List` in one, parsed.
+    Value(Value),
+}
+
+impl Object<'_> {
+    /// The object's `kind`, when it is a string.
+    pub fn kind(&self) -> Option<&str> {
+        match self {
+            Object::Json { kind, .. } => kind.as_deref(),
+            Object::Value(v) => v.get("kind").and_then(Value::as_str),
+        }
+    }
+
+    /// The object's `apiVersion`, when it is a string.
+    pub fn api_version(&self) -> Option<&str> {
+        match self {
+            Object::Json { api_version, .. } => api_version.as_deref(),
+            Object::Value(v) => v.get("apiVersion").and_then(Value::as_str),
+        }
+    }
+
+    /// The object as a JSON value (tests and tools; the agent converts
+    /// without one).
+    pub fn into_value(self) -> Result<Value, String> {
+        match self {
+            Object::Json { text, .. } => serde_json::from_str(text).map_err(|e| e.to_string()),
+            Object::Value(v) => Ok(v),
+        }
+    }
+}
+
+/// Where a file's objects go as they are parsed.
+pub trait Sink {
+    /// One object, at `location`.
+    fn object(&mut self, location: &str, object: Object<'_>);
+    /// A document that is not an object, a `List` whose `items` is not a
+    /// list: reported, and the rest of the file is read.
+    fn problem(&mut self, error: ManifestError);
+    /// Forget what this file handed over so far: it is parsed again from
+    /// the start (text that began like JSON and turned out to be YAML).
+    fn restart(&mut self);
+}
+
 const EXTENSIONS: [&str; 3] = ["yaml", "yml", "json"];
 
 /// The manifest files under `paths`, sorted, directories walked
 /// recursively. A path that is a file is taken whatever its extension.
+/// Inside directories, names starting with a dot are skipped: editors'
+/// swap files, and the `..data` and `..2024_...` directories through
+/// which the kubelet swaps a ConfigMap volume's files (their files are
+/// also reachable by the volume's own symlinks, so they would be read
+/// twice).
 pub fn files(paths: &[PathBuf]) -> (Vec<PathBuf>, Vec<ManifestError>) {
-    let mut out = Vec::new();
-    let mut errors = Vec::new();
-    for p in paths {
-        walk(p, true, &mut out, &mut errors);
-    }
-    out.sort();
-    out.dedup();
-    (out, errors)
+    let listing = list(paths);
+    (listing.files.into_iter().map(|(p, _)| p).collect(), listing.errors)
 }
 
-fn walk(p: &Path, explicit: bool, out: &mut Vec<PathBuf>, errors: &mut Vec<ManifestError>) {
-    let err = |reason: String| ManifestError { location: p.display().to_string(), reason };
+/// What [`files`] found, with each file's metadata (symlinks followed).
+pub(crate) struct Listing {
+    pub files: Vec<(PathBuf, fs::Metadata)>,
+    pub errors: Vec<ManifestError>,
+    /// Paths that exist but could not be looked into (permissions, I/O
+    /// errors): the files under them are unknown, not gone.
+    pub unlisted: Vec<PathBuf>,
+}
+
+pub(crate) fn list(paths: &[PathBuf]) -> Listing {
+    let mut listing = Listing { files: Vec::new(), errors: Vec::new(), unlisted: Vec::new() };
+    for p in paths {
+        walk(p, true, &mut listing);
+    }
+    listing.files.sort_by(|a, b| a.0.cmp(&b.0));
+    listing.files.dedup_by(|a, b| a.0 == b.0);
+    listing
+}
+
+fn walk(p: &Path, explicit: bool, listing: &mut Listing) {
+    let hidden = p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'));
+    if hidden && !explicit {
+        return;
+    }
+    let mut fail = |reason: String, e: &std::io::Error| {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            listing.unlisted.push(p.to_path_buf());
+        }
+        listing.errors.push(ManifestError { location: p.display().to_string(), reason });
+    };
     match fs::metadata(p) {
         Ok(m) if m.is_dir() => match fs::read_dir(p) {
             Ok(rd) => {
                 let mut entries: Vec<PathBuf> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
                 entries.sort();
                 for e in entries {
-                    walk(&e, false, out, errors);
+                    walk(&e, false, listing);
                 }
             }
-            Err(e) => errors.push(err(format!("cannot list directory: {e}"))),
+            Err(e) => fail(format!("cannot list directory: {e}"), &e),
         },
-        Ok(_) => {
+        Ok(m) => {
             let wanted = p.extension().and_then(|e| e.to_str()).is_some_and(|e| EXTENSIONS.contains(&e.to_ascii_lowercase().as_str()));
-            // Editors leave hidden swap files next to manifests; skip them in
-            // directories.
-            let hidden = p.file_name().and_then(|n| n.to_str()).is_some_and(|n| n.starts_with('.'));
-            if explicit || (wanted && !hidden) {
-                out.push(p.to_path_buf());
+            if explicit || wanted {
+                listing.files.push((p.to_path_buf(), m));
             }
         }
-        Err(e) => errors.push(err(format!("cannot read: {e}"))),
+        // A dangling symlink in a directory (a ConfigMap volume between
+        // two swaps) is no file; one given by name is reported.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => {}
+        Err(e) => fail(format!("cannot read: {e}"), &e),
     }
 }
 
-/// Reads every object from `paths`.
+/// Reads one file into `sink`. `Err`: the file could not be read or does
+/// not parse; what it handed to `sink` before is not the file's content.
+pub fn read_file(path: &Path, sink: &mut impl Sink) -> Result<(), ManifestError> {
+    let source = path.display().to_string();
+    let cannot = |e: std::io::Error| ManifestError { location: source.clone(), reason: format!("cannot read: {e}") };
+    let file = fs::File::open(path).map_err(cannot)?;
+    let size = file.metadata().map_or(0, |m| m.len());
+    let mut reader = BufReader::with_capacity(READ_BUFFER, file);
+    if let Some(offset) = starts_like_json(&mut reader).map_err(cannot)? {
+        let is_json = is_json_name(path);
+        // Only for an error message: where in the file a byte offset is.
+        let locate = |at: u64| {
+            let mut head = Vec::new();
+            let _ = fs::File::open(path).and_then(|f| std::io::Read::read_to_end(&mut std::io::Read::take(f, at), &mut head));
+            manifest_json::position(&head, at)
+        };
+        match manifest_json::parse(&source, &mut reader, offset, &locate, sink) {
+            Ok(()) => return Ok(()),
+            // A `.json` file is JSON: YAML, a superset, would take some
+            // broken JSON (`nul`, a missing quote) for strings.
+            Err(manifest_json::Failure::Fatal(e) | manifest_json::Failure::NotJson(e)) if is_json => return Err(e),
+            Err(manifest_json::Failure::Fatal(e)) => return Err(e),
+            // Flow-style YAML (`{kind: Service, ...}`) starts like JSON.
+            Err(manifest_json::Failure::NotJson(_)) => {
+                sink.restart();
+                reader.rewind().map_err(cannot)?;
+                return manifest_yaml::parse(&source, reader, size, sink);
+            }
+        }
+    }
+    // From the start: the white space looked past counts in line numbers.
+    reader.rewind().map_err(cannot)?;
+    manifest_yaml::parse(&source, reader, size, sink)
+}
+
+/// [`read_file`] for text already in memory (tests, fuzzing); `source`
+/// names it in locations.
+pub fn parse_text(source: &str, text: &str, sink: &mut impl Sink) -> Result<(), ManifestError> {
+    let mut bytes = text.as_bytes();
+    if let Ok(Some(offset)) = starts_like_json(&mut bytes) {
+        match manifest_json::parse(source, bytes, offset, &|at| manifest_json::position(text.as_bytes(), at), sink) {
+            Ok(()) => return Ok(()),
+            Err(manifest_json::Failure::Fatal(e) | manifest_json::Failure::NotJson(e)) if is_json_name(Path::new(source)) => return Err(e),
+            Err(manifest_json::Failure::Fatal(e)) => return Err(e),
+            Err(manifest_json::Failure::NotJson(_)) => sink.restart(),
+        }
+    }
+    manifest_yaml::parse(source, text.as_bytes(), text.len() as u64, sink)
+}
+
+const READ_BUFFER: usize = 256 * 1024;
+
+fn is_json_name(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e.eq_ignore_ascii_case("json"))
+}
+
+/// Whether the first thing in `r` after white space (and a UTF-8 byte
+/// order mark, which JSON parsers refuse) opens a JSON object or array:
+/// if so, how many bytes of white space (and mark) were consumed.
+fn starts_like_json(r: &mut impl BufRead) -> std::io::Result<Option<u64>> {
+    let mut consumed = 0u64;
+    loop {
+        let buf = r.fill_buf()?;
+        if buf.is_empty() {
+            return Ok(None);
+        }
+        let bom = if consumed == 0 && buf.starts_with(b"\xEF\xBB\xBF") { 3 } else { 0 };
+        let skip = bom + buf[bom..].iter().take_while(|b| b.is_ascii_whitespace()).count();
+        if skip < buf.len() {
+            let opens = matches!(buf[skip], b'{' | b'[');
+            r.consume(skip);
+            return Ok(opens.then_some(consumed + skip as u64));
+        }
+        let n = buf.len();
+        r.consume(n);
+        consumed += n as u64;
+    }
+}
+
+/// One Kubernetes object as a JSON value and where it came from
+/// ("file.yaml#2"): for tests and tools that want the objects themselves.
+#[derive(Clone, Debug)]
+pub struct Document {
+    pub location: String,
+    pub value: Value,
+}
+
+/// Collects [`Document`]s. A file that does not parse keeps the documents
+/// before the error, and the error is reported with the rest.
+struct Documents<'a, F: FnMut(Document)> {
+    f: F,
+    errors: &'a mut Vec<ManifestError>,
+    held: Vec<Document>,
+}
+
+impl<F: FnMut(Document)> Sink for Documents<'_, F> {
+    fn object(&mut self, location: &str, object: Object<'_>) {
+        match object.into_value() {
+            Ok(value) => self.held.push(Document { location: location.to_string(), value }),
+            Err(reason) => self.errors.push(ManifestError { location: location.to_string(), reason }),
+        }
+    }
+    fn problem(&mut self, error: ManifestError) {
+        self.errors.push(error);
+    }
+    fn restart(&mut self) {
+        self.held.clear();
+    }
+}
+
+impl<F: FnMut(Document)> Documents<'_, F> {
+    fn flush(&mut self) {
+        for d in self.held.drain(..) {
+            (self.f)(d);
+        }
+    }
+}
+
+/// Reads every object under `paths` as a JSON value.
 pub fn load(paths: &[PathBuf]) -> (Vec<Document>, Vec<ManifestError>) {
     let mut docs = Vec::new();
     let errors = for_each(paths, |d| docs.push(d));
     (docs, errors)
 }
 
-/// Hands every object from `paths` to `f` as soon as it is parsed, one
-/// document at a time, so the caller need not hold them all (the agent
-/// converts each into its model and drops it).
-pub fn for_each(paths: &[PathBuf], mut f: impl FnMut(Document)) -> Vec<ManifestError> {
+/// Hands every object under `paths` to `f` as a JSON value, file by file.
+pub fn for_each(paths: &[PathBuf], f: impl FnMut(Document)) -> Vec<ManifestError> {
     let (files, mut errors) = files(paths);
+    let mut sink = Documents { f, errors: &mut errors, held: Vec::new() };
     for file in files {
-        match fs::read_to_string(&file) {
-            Ok(text) => parse_each(&file.display().to_string(), &text, &mut f, &mut errors),
-            Err(e) => errors.push(ManifestError { location: file.display().to_string(), reason: format!("cannot read: {e}") }),
+        if let Err(e) = read_file(&file, &mut sink) {
+            sink.errors.push(e);
         }
+        sink.flush();
     }
     errors
 }
 
-/// A cheap fingerprint of the manifest set (names, sizes and contents) so
-/// the agent re-programs only when something changed.
-pub fn fingerprint(paths: &[PathBuf]) -> u64 {
-    let (files, errors) = files(paths);
-    let mut h = DefaultHasher::new();
-    for f in files {
-        f.hash(&mut h);
-        match fs::read(&f) {
-            Ok(bytes) => bytes.hash(&mut h),
-            Err(e) => e.kind().hash(&mut h),
-        }
-    }
-    errors.len().hash(&mut h);
-    h.finish()
-}
-
-/// Parses one file's text. YAML is a superset of JSON, so one parser serves
-/// both; every `---` document is an object or a `List` of objects.
+/// Parses one file's text into JSON values (tests, fuzzing).
 pub fn parse_into(source: &str, text: &str, docs: &mut Vec<Document>, errors: &mut Vec<ManifestError>) {
-    parse_each(source, text, &mut |d| docs.push(d), errors);
-}
-
-/// [`parse_into`], handing each object to `f`.
-fn parse_each(source: &str, text: &str, f: &mut impl FnMut(Document), errors: &mut Vec<ManifestError>) {
-    let threads = std::thread::available_parallelism().map_or(1, std::num::NonZero::get).min(MAX_THREADS);
-    let skip = if text.len() >= PARALLEL_MIN_BYTES && threads > 1 {
-        match parse_parallel(source, text, threads, BLOCK_BYTES, f, errors) {
-            Parallel::Done => return,
-            Parallel::Stopped { delivered } => delivered,
-        }
-    } else {
-        0
-    };
-    parse_sequential(source, text, skip, f, errors);
-}
-
-/// Files smaller than this are parsed on the calling thread.
-const PARALLEL_MIN_BYTES: usize = 256 * 1024;
-/// Text handed to a parser thread at a time.
-const BLOCK_BYTES: usize = 64 * 1024;
-const MAX_THREADS: usize = 4;
-/// Blocks parsed ahead of the one being converted, which bounds the
-/// memory held in parsed documents.
-const LOOKAHEAD: usize = 8;
-
-/// Where documents start: at every line that is a `---` marker. libyaml
-/// ends whatever it is scanning at such a line (a document indicator at
-/// column 0 ends block and plain scalars and is an error inside quoted
-/// scalars and flow collections; yaml_parser_fetch_next_token), so in a
-/// valid stream each piece is one or more whole documents. `None` when the
-/// text has directives (`%YAML`, `%TAG`), which belong to the document
-/// after them. Cutting is only an optimisation: the pieces hold the same
-/// documents in the same order, and any parse error sends the caller back
-/// to parsing the whole text.
-fn document_starts(text: &str) -> Option<Vec<usize>> {
-    let bytes = text.as_bytes();
-    let mut starts = vec![0];
-    let mut at = 0;
-    while at < bytes.len() {
-        let line = &bytes[at..];
-        if line.first() == Some(&b'%') {
-            return None;
-        }
-        if line.starts_with(b"---") && matches!(line.get(3), None | Some(b' ' | b'\t' | b'\r' | b'\n')) && at > 0 {
-            starts.push(at);
-        }
-        at = match line.iter().position(|&c| c == b'\n') {
-            Some(nl) => at + nl + 1,
-            None => bytes.len(),
-        };
+    let mut sink = Documents { f: |d| docs.push(d), errors, held: Vec::new() };
+    if let Err(e) = parse_text(source, text, &mut sink) {
+        sink.errors.push(e);
     }
-    Some(starts)
-}
-
-enum Parallel {
-    Done,
-    /// A piece failed to parse; `delivered` documents were handed over.
-    Stopped {
-        delivered: usize,
-    },
-}
-
-/// What a parser thread made of one block of pieces: its documents in
-/// order, or `None` when one of them did not parse.
-type Block = Option<Vec<Value>>;
-
-/// Parses the documents of a large file on several threads and hands them
-/// to `f` in file order on the calling thread, as [`parse_sequential`]
-/// would. The text is cut into pieces at `---` lines (see
-/// [`document_starts`]) and the pieces into blocks of about `block_bytes`.
-fn parse_parallel(
-    source: &str,
-    text: &str,
-    threads: usize,
-    block_bytes: usize,
-    f: &mut impl FnMut(Document),
-    errors: &mut Vec<ManifestError>,
-) -> Parallel {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-    use std::sync::{Mutex, mpsc};
-
-    let Some(starts) = document_starts(text) else { return Parallel::Stopped { delivered: 0 } };
-    // Blocks: ranges of text made of whole pieces. The first takes the
-    // text before the first marker with it: on its own, a prefix of only
-    // comments would parse as an empty document the whole stream does not
-    // have. Every later block starts with a marker.
-    let mut blocks: Vec<(usize, usize)> = Vec::new();
-    let mut from = 0;
-    for &s in starts.iter().skip(2) {
-        if s - from >= block_bytes {
-            blocks.push((from, s));
-            from = s;
-        }
-    }
-    blocks.push((from, text.len()));
-
-    let next = AtomicUsize::new(0);
-    let abort = AtomicBool::new(false);
-    // Tokens bound how far the parser threads run ahead of the conversion.
-    let (token_tx, token_rx) = mpsc::sync_channel::<()>(LOOKAHEAD);
-    for _ in 0..LOOKAHEAD {
-        let _ = token_tx.send(());
-    }
-    let token_rx = Mutex::new(token_rx);
-    let (senders, receivers): (Vec<mpsc::SyncSender<Block>>, Vec<mpsc::Receiver<Block>>) =
-        blocks.iter().map(|_| mpsc::sync_channel(1)).unzip();
-    std::thread::scope(|scope| {
-        for _ in 0..threads {
-            scope.spawn(|| {
-                loop {
-                    let token = token_rx.lock().map(|rx| rx.recv());
-                    if !matches!(token, Ok(Ok(()))) || abort.load(Ordering::Relaxed) {
-                        return;
-                    }
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&(a, b)) = blocks.get(i) else { return };
-                    let _ = senders[i].send(parse_block(&text[a..b]));
-                }
-            });
-        }
-        let mut delivered = 0;
-        let mut complete = true;
-        for rx in &receivers {
-            let block = rx.recv().ok().flatten();
-            let _ = token_tx.try_send(());
-            let Some(docs) = block else {
-                complete = false;
-                break;
-            };
-            for value in docs {
-                delivered += 1;
-                push_object(&format!("{source}#{delivered}"), value, f, errors);
-            }
-        }
-        abort.store(true, Ordering::Relaxed);
-        // Wakes the threads waiting for a token.
-        drop(token_tx);
-        if complete { Parallel::Done } else { Parallel::Stopped { delivered } }
-    })
-}
-
-/// Parses whole pieces; `None` as soon as one document fails.
-fn parse_block(text: &str) -> Block {
-    let mut docs = Vec::new();
-    for de in serde_yaml::Deserializer::from_str(text) {
-        docs.push(Value::deserialize(de).ok()?);
-    }
-    Some(docs)
-}
-
-/// Parses `text` document by document, handing over every document from
-/// the `skip`-th on (the ones before were handed over already).
-fn parse_sequential(source: &str, text: &str, skip: usize, f: &mut impl FnMut(Document), errors: &mut Vec<ManifestError>) {
-    for (i, de) in serde_yaml::Deserializer::from_str(text).enumerate() {
-        let src = format!("{source}#{}", i + 1);
-        if i < skip {
-            // Parsed again only to reach the document after them.
-            if let Err(e) = serde::de::IgnoredAny::deserialize(de) {
-                errors.push(ManifestError { location: src, reason: format!("not valid YAML/JSON: {e}") });
-                break;
-            }
-            continue;
-        }
-        let value = match Value::deserialize(de) {
-            Ok(v) => v,
-            Err(e) => {
-                errors.push(ManifestError { location: src, reason: format!("not valid YAML/JSON: {e}") });
-                // After a syntax error the YAML stream cannot be resumed.
-                break;
-            }
-        };
-        push_object(&src, value, f, errors);
-    }
-}
-
-fn push_object(src: &str, value: Value, f: &mut impl FnMut(Document), errors: &mut Vec<ManifestError>) {
-    match value {
-        Value::Null => {} // empty document between separators
-        Value::Object(mut map) => {
-            let kind = map.get("kind").and_then(Value::as_str).unwrap_or_default().to_string();
-            if kind.ends_with("List") && map.contains_key("items") {
-                match map.remove("items") {
-                    Some(Value::Array(items)) => {
-                        for (j, item) in items.into_iter().enumerate() {
-                            push_object(&format!("{src}[{j}]"), item, f, errors);
-                        }
-                    }
-                    Some(Value::Null) => {}
-                    _ => errors.push(ManifestError { location: src.into(), reason: format!("{kind}.items is not a list") }),
-                }
-            } else {
-                f(Document { location: src.into(), value: Value::Object(map) });
-            }
-        }
-        other => errors
-            .push(ManifestError { location: src.into(), reason: format!("expected a Kubernetes object, found {}", json_type(&other)) }),
-    }
-}
-
-fn json_type(v: &Value) -> &'static str {
-    match v {
-        Value::Null => "null",
-        Value::Bool(_) => "a boolean",
-        Value::Number(_) => "a number",
-        Value::String(_) => "a string",
-        Value::Array(_) => "a list",
-        Value::Object(_) => "an object",
-    }
+    sink.flush();
 }
 
 #[cfg(test)]
@@ -326,6 +304,10 @@ mod tests {
         let mut e = Vec::new();
         parse_into("t.yaml", text, &mut d, &mut e);
         (d, e)
+    }
+
+    fn show(d: &[Document]) -> Vec<String> {
+        d.iter().map(|d| format!("{} {}", d.location, d.value)).collect()
     }
 
     #[test]
@@ -345,43 +327,66 @@ mod tests {
         assert_eq!(d[1].location, "t.yaml#1[1][0]");
     }
 
-    /// The parallel parser with tiny blocks (a block per piece), falling
-    /// back as `parse_each` does.
-    fn parse_cut(text: &str) -> (Vec<Document>, Vec<ManifestError>) {
-        let mut d = Vec::new();
-        let mut e = Vec::new();
-        if let Parallel::Stopped { delivered } = parse_parallel("t.yaml", text, 3, 1, &mut |doc| d.push(doc), &mut e) {
-            parse_sequential("t.yaml", text, delivered, &mut |doc| d.push(doc), &mut e);
+    #[test]
+    fn json_and_yaml_give_the_same_objects() {
+        let cases = [
+            // kubectl's order: `items` before `kind`, and an item's
+            // `kind` after its other fields.
+            (
+                r#"{"apiVersion":"v1","items":[{"addressType":"IPv4","endpoints":[],"kind":"EndpointSlice"},{"kind":"Service","spec":{"ports":[{"port":80}]}}],"kind":"List","metadata":{}}"#,
+                "apiVersion: v1\nitems:\n- {addressType: IPv4, endpoints: [], kind: EndpointSlice}\n- kind: Service\n  spec: {ports: [{port: 80}]}\nkind: List\nmetadata: {}\n",
+            ),
+            (r#"{"kind":"Service","metadata":{"name":"a"}}"#, "kind: Service\nmetadata: {name: a}\n"),
+            (r#"{"kind":"ServiceList","items":null}"#, "kind: ServiceList\nitems: null\n"),
+            (
+                r#"{"kind":"List","items":[{"kind":"NodeList","items":[{"kind":"Node"}]},{"kind":"Node"}]}"#,
+                "kind: List\nitems: [{kind: NodeList, items: [{kind: Node}]}, {kind: Node}]\n",
+            ),
+            ("{\"kind\":\"Service\"}\n{\"kind\":\"Node\"}\n", "kind: Service\n---\nkind: Node\n"),
+        ];
+        for (json, yaml) in cases {
+            let (dj, ej) = parse(json);
+            let (dy, ey) = parse(yaml);
+            assert!(ej.is_empty() && ey.is_empty(), "{json}: {ej:?} {ey:?}");
+            let values = |d: &[Document]| d.iter().map(|d| d.value.clone()).collect::<Vec<_>>();
+            assert_eq!(values(&dj), values(&dy), "{json}");
+            let items = |d: &[Document]| d.iter().map(|d| d.location.split_once('#').map(|x| x.1.to_string())).collect::<Vec<_>>();
+            if !json.contains('\n') {
+                assert_eq!(items(&dj), items(&dy), "{json}");
+            }
         }
-        (d, e)
     }
 
     #[test]
-    fn cutting_at_document_markers_changes_nothing() {
-        let mut big = String::new();
-        for i in 0..300 {
-            big.push_str(&format!("---\nkind: Service\nmetadata: {{name: s{i}}}\nspec: {{ports: [{{port: 80}}]}}\n"));
-        }
-        let texts = [
-            "---\nkind: Service\nmetadata: {name: a}\n---\n---\nkind: Node\nmetadata: {name: n}\n",
-            "kind: A\n---\nkind: B\n...\n--- {kind: C}\n---\r\nkind: D\r\n",
-            "# leading comment\n\n---\nkind: A\ndata: |\n  ---\n  not a marker\n---\n- 1\n---\nkind: B\n",
-            "kind: Service\n---\n- 1\n- 2\n---\nkind: [unclosed\n---\nkind: After\n",
-            "kind: A\n---\nkey: \"open quote\n---\nkind: B\n",
-            "%YAML 1.2\n---\nkind: A\n---\nkind: B\n",
-            "----\nkind: A\n---x\n",
-            "",
-            &big,
-            &format!("{big}---\nkind: [broken\n{big}"),
-        ];
-        for text in texts {
-            let (d1, e1) = parse(text);
-            let (d2, e2) = parse_cut(text);
-            let show = |d: &[Document]| d.iter().map(|d| format!("{} {}", d.location, d.value)).collect::<Vec<_>>();
-            assert_eq!(show(&d1), show(&d2), "{text:?}");
-            assert_eq!(e1, e2, "{text:?}");
-        }
-        assert_eq!(parse(&big).0.len(), 300);
+    fn flow_style_yaml_that_starts_like_json_is_yaml() {
+        let (d, e) = parse("{kind: Service, metadata: {name: a}}\n---\n{kind: Node}\n");
+        assert!(e.is_empty(), "{e:?}");
+        assert_eq!(show(&d), ["t.yaml#1 {\"kind\":\"Service\",\"metadata\":{\"name\":\"a\"}}", "t.yaml#2 {\"kind\":\"Node\"}"]);
+        let (d, e) = parse("{\"kind\": \"Service\"}\n---\n{\"kind\": \"Node\"}\n");
+        assert!(e.is_empty(), "{e:?}");
+        assert_eq!(d.len(), 2, "JSON documents between YAML markers");
+    }
+
+    #[test]
+    fn truncated_json_is_an_error_of_the_file() {
+        let (d, e) = parse(r#"{"apiVersion":"v1","items":[{"kind":"Service","metadata":{"name":"a"}},{"kind":"Serv"#);
+        assert_eq!(e.len(), 1, "{e:?}");
+        assert!(e[0].reason.starts_with("not valid JSON: EOF while parsing"), "{e:?}");
+        assert_eq!(e[0].location, "t.yaml#1");
+        assert_eq!(d.len(), 1, "the documents before the error are handed over; the agent's sink drops them");
+    }
+
+    #[test]
+    fn document_problems_leave_the_rest() {
+        let (d, e) = parse(r#"{"kind":"List","items":{"kind":"Service"}} [1, 2] "text" {"kind":"Node"}"#);
+        assert_eq!(show(&d), ["t.yaml#4 {\"kind\":\"Node\"}"]);
+        let reasons: Vec<&str> = e.iter().map(|e| e.reason.as_str()).collect();
+        assert_eq!(
+            reasons,
+            ["List.items is not a list", "expected a Kubernetes object, found a list", "expected a Kubernetes object, found a string"]
+        );
+        let (_, e) = parse(r#"{"kind":"List","items":[1, {"kind":"Node"}]}"#);
+        assert_eq!(e, [ManifestError { location: "t.yaml#1[0]".into(), reason: "expected a Kubernetes object, found a number".into() }]);
     }
 
     #[test]
@@ -391,5 +396,53 @@ mod tests {
         assert_eq!(e.len(), 2, "{e:?}");
         assert!(e[0].reason.contains("found a list"));
         assert!(e[1].reason.contains("not valid YAML"));
+        assert_eq!(e[1].location, "t.yaml#3");
+    }
+
+    #[test]
+    fn file_errors_name_the_line_and_column() {
+        #[derive(Default)]
+        struct Count(usize);
+        impl Sink for Count {
+            fn object(&mut self, _: &str, _: Object<'_>) {
+                self.0 += 1;
+            }
+            fn problem(&mut self, _: ManifestError) {}
+            fn restart(&mut self) {
+                self.0 = 0;
+            }
+        }
+        let dir = std::env::temp_dir().join(format!("tp-manifest-lines-{}", std::process::id()));
+        fs::create_dir_all(&dir).expect("mkdir");
+        let json = dir.join("a.json");
+        fs::write(
+            &json,
+            "\u{feff}\n\n{\"kind\": \"List\", \"items\": [\n  {\"kind\": \"Service\"},\n  {\"kind\": \"Node\", \"x\": nul}\n]}\n",
+        )
+        .expect("write");
+        let e = read_file(&json, &mut Count::default()).expect_err("broken");
+        assert_eq!(e.to_string(), format!("{}#1: not valid JSON: expected ident at line 5 column 28", json.display()));
+        let yaml = dir.join("b.yaml");
+        fs::write(&yaml, "\n\nkind: Service\n---\nkind: [broken\n").expect("write");
+        let e = read_file(&yaml, &mut Count::default()).expect_err("broken");
+        assert!(e.location.ends_with("b.yaml#2") && e.reason.contains("line 6 column 1"), "{e}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn files_skip_hidden_entries_inside_directories() {
+        let dir = std::env::temp_dir().join(format!("tp-manifest-files-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        for f in ["a.yaml", "b.json", "c.txt", ".a.yaml.swp", ".hidden.yaml", "..data/x.yaml", "sub/d.yml"] {
+            let p = dir.join(f);
+            fs::create_dir_all(p.parent().expect("parent")).expect("mkdir");
+            fs::write(&p, "").expect("write");
+        }
+        let (files, errors) = files(&[dir.clone(), dir.join("c.txt"), dir.join("missing.yaml")]);
+        let names: Vec<String> = files.iter().map(|f| f.strip_prefix(&dir).expect("under dir").display().to_string()).collect();
+        assert_eq!(names, ["a.yaml", "b.json", "c.txt", "sub/d.yml"]);
+        assert_eq!(errors.len(), 1);
+        assert!(errors[0].location.ends_with("missing.yaml") && errors[0].reason.starts_with("cannot read"), "{errors:?}");
+        let _ = fs::remove_dir_all(&dir);
     }
 }

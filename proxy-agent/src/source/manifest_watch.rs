@@ -1,26 +1,33 @@
 //! Manifest files as a source of the model, fed to the same sync loop as
 //! the API server's watchers.
 //!
-//! Every time the files change, all of them are read again and handed over
-//! like a relist: one delta per object, and a removal for every object the
-//! previous read had and this one has not. The model compares each delta
-//! with what it holds, so an unchanged object costs its conversion and
-//! nothing more.
+//! The files are watched with inotify (the `notify` crate), with a slow
+//! poll as a safety net for what inotify does not see (network file
+//! systems, a lost event queue, a watch that could not be added). Either
+//! only starts a refresh of the [`ManifestSet`]: a stat of every file, and
+//! a read of those that changed, so nothing is read while no file changes.
+//!
+//! A file written in place is read once its writer closes it (inotify's
+//! IN_CLOSE_WRITE), or once it has not been written for [`QUIET`]; a read
+//! that finds it unparsable keeps its previous objects (see
+//! `manifest_set`). Whatever changed is queued as deltas, and the sync
+//! loop is told which kinds changed, as the watchers tell it.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::path::PathBuf;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant, SystemTime};
 
-use serde_json::Value;
+use notify::event::{AccessKind, AccessMode, EventKind, ModifyKind};
+use notify::{RecursiveMode, Watcher};
 use tokio::sync::mpsc::UnboundedSender;
 
 use crate::model::ObjectRef;
-use crate::model::store::{Delta, Kind, ObjectError, ObjectProblem};
+use crate::model::store::{Delta, Kind};
 use crate::observe::metrics::{Metrics, reason};
-use crate::source::delta::delta_from_value;
 use crate::source::feed::{Signal, Stores};
-use crate::source::manifest::{self, Document, ManifestError};
+use crate::source::manifest::ManifestError;
+use crate::source::manifest_set::ManifestSet;
 
 /// Everything the manifest files hold, converted.
 #[derive(Debug, Default)]
@@ -31,66 +38,243 @@ pub struct ManifestRead {
     pub errors: Vec<ManifestError>,
 }
 
-/// The kind a manifest document declares, if it is one the agent reads.
-/// Other kinds (Deployments and the like, often in the same directory) are
-/// skipped silently.
-fn kind_of(doc: &Document) -> Result<Option<Kind>, ManifestError> {
-    match doc.value.get("kind").and_then(Value::as_str).unwrap_or_default() {
-        "Service" => Ok(Some(Kind::Service)),
-        "EndpointSlice" => Ok(Some(Kind::EndpointSlice)),
-        "Node" => Ok(Some(Kind::Node)),
-        "" => Err(ManifestError { location: doc.location.clone(), reason: "object has no kind".into() }),
-        _ => Ok(None),
+/// Reads and converts every object under `paths` once (`explain`).
+pub fn read(paths: &[PathBuf]) -> ManifestRead {
+    let update = ManifestSet::new(paths.to_vec()).refresh(&|_| false);
+    let deltas = update.deltas.into_iter().map(|d| ((d.kind, d.id.clone()), d)).collect();
+    ManifestRead { deltas, errors: update.errors }
+}
+
+/// Events are gathered for this long before a refresh, so that a burst
+/// (a file written aside then renamed, a directory copied) costs one.
+const DEBOUNCE: Duration = Duration::from_millis(30);
+
+/// A file modified in place and not closed since is read once it has not
+/// been written for this long: its writer may keep it open.
+pub const QUIET: Duration = Duration::from_secs(2);
+
+/// Starts the task that reads `paths` now and whenever they change
+/// (inotify, and a check every `poll`), and queues what it read; returns
+/// the queue.
+pub fn start(paths: Vec<PathBuf>, poll: Duration, metrics: Arc<Metrics>, tx: UnboundedSender<Signal>) -> Stores {
+    let stores = Stores::default();
+    // Absolute, so that the paths inotify reports compare with the files
+    // listed (notify joins the names it reports to the watched path).
+    let paths = paths.into_iter().map(|p| std::path::absolute(&p).unwrap_or(p)).collect();
+    tokio::spawn(watch(paths, poll, metrics, stores.clone(), tx));
+    stores
+}
+
+/// What file events have said since the last refresh.
+#[derive(Default)]
+struct Pending {
+    /// When the first event of the next refresh came.
+    since: Option<(Instant, SystemTime)>,
+    /// Files modified in place and not closed yet, with their last write.
+    writing: HashMap<PathBuf, Instant>,
+}
+
+impl Pending {
+    /// Takes in one event on a path under `roots`; whether it may have
+    /// changed a file.
+    fn note(&mut self, event: &notify::Event, roots: &[PathBuf]) -> bool {
+        let ours = event.paths.iter().any(|p| roots.iter().any(|r| p.starts_with(r)));
+        if !ours && !event.need_rescan() {
+            return false;
+        }
+        match event.kind {
+            // The agent's own reads (and anyone else's).
+            EventKind::Access(AccessKind::Open(_) | AccessKind::Read | AccessKind::Close(AccessMode::Read)) => return false,
+            EventKind::Modify(ModifyKind::Data(_) | ModifyKind::Any) => {
+                for p in &event.paths {
+                    self.writing.insert(p.clone(), Instant::now());
+                }
+            }
+            // Closed after writing, or replaced, created, removed: whatever
+            // is there now is complete.
+            EventKind::Access(AccessKind::Close(_))
+            | EventKind::Create(_)
+            | EventKind::Remove(_)
+            | EventKind::Modify(ModifyKind::Name(_)) => {
+                for p in &event.paths {
+                    self.writing.remove(p);
+                }
+            }
+            _ => {}
+        }
+        self.since.get_or_insert_with(|| (Instant::now(), SystemTime::now()));
+        true
+    }
+
+    /// Whether `path` is still being written, and until when it is held.
+    fn held_until(&self, path: &Path, now: Instant) -> Option<Instant> {
+        self.writing.get(path).map(|t| *t + QUIET).filter(|until| *until > now)
     }
 }
 
-/// Converts one document into `read`. An object defined twice keeps the
-/// last definition and reports the duplicate on it.
-fn add(read: &mut ManifestRead, doc: &Document) {
-    let kind = match kind_of(doc) {
-        Ok(Some(k)) => k,
-        Ok(None) => return,
-        Err(e) => return read.errors.push(e),
-    };
-    let mut d = delta_from_value(kind, &doc.value);
-    // A nameless object is reported under its location ("file.yaml#2"), so
-    // that two of them do not replace each other.
-    if d.id.name.is_empty() {
-        d.id.name.clone_from(&doc.location);
+/// The inotify watches on the manifest paths.
+struct Watches {
+    watcher: Option<notify::RecommendedWatcher>,
+    /// Watched paths, by the directory's identity (device, inode) when
+    /// watched: a directory replaced under the same name is watched anew.
+    watched: HashMap<PathBuf, (u64, u64)>,
+    /// Paths whose watch failed, reported once.
+    failed: HashMap<PathBuf, String>,
+}
+
+impl Watches {
+    fn new(events: UnboundedSender<notify::Event>) -> Watches {
+        let handler = move |res: notify::Result<notify::Event>| {
+            // A failed read of the event queue: rescan to be safe.
+            let event = res.unwrap_or_else(|_| notify::Event::new(EventKind::Other).set_flag(notify::event::Flag::Rescan));
+            let _ = events.send(event);
+        };
+        let watcher = match notify::recommended_watcher(handler) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!("cannot watch the manifests with inotify ({e}); checking them every poll interval only");
+                None
+            }
+        };
+        Watches { watcher, watched: HashMap::new(), failed: HashMap::new() }
     }
-    for p in &mut d.problems {
-        if p.error.object.is_empty() {
-            p.error.object.clone_from(&doc.location);
+
+    /// Watches each path (a directory recursively) and its parent
+    /// directory, which sees the path itself replaced, renamed over or
+    /// created. Called after every refresh: a directory that was replaced
+    /// is watched again.
+    fn ensure(&mut self, paths: &[PathBuf]) {
+        use std::os::unix::fs::MetadataExt;
+        let Some(watcher) = self.watcher.as_mut() else { return };
+        let mut wanted: Vec<(PathBuf, RecursiveMode)> = Vec::new();
+        for p in paths {
+            if let Some(parent) = p.parent() {
+                wanted.push((parent.to_path_buf(), RecursiveMode::NonRecursive));
+            }
+            if p.is_dir() {
+                wanted.push((p.clone(), RecursiveMode::Recursive));
+            }
+        }
+        for (path, mode) in wanted {
+            let Ok(meta) = std::fs::metadata(&path) else { continue };
+            let id = (meta.dev(), meta.ino());
+            match self.watched.get(&path) {
+                Some(old) if *old == id => continue,
+                Some(_) => {
+                    let _ = watcher.unwatch(&path);
+                }
+                None => {}
+            }
+            match watcher.watch(&path, mode) {
+                Ok(()) => {
+                    self.watched.insert(path.clone(), id);
+                    self.failed.remove(&path);
+                }
+                Err(e) => {
+                    let msg = e.to_string();
+                    if self.failed.get(&path) != Some(&msg) {
+                        tracing::warn!(path = %path.display(), "cannot watch for changes ({msg}); the poll still sees them");
+                        self.failed.insert(path, msg);
+                    }
+                }
+            }
         }
     }
-    let key = (kind, d.id.clone());
-    if read.deltas.get(&key).is_some_and(|old| old.object.is_some()) && d.object.is_some() {
-        let service = (kind == Kind::Service).then(|| d.id.clone());
-        let reason = "defined more than once; the last definition wins".to_string();
-        d.problems.push(ObjectProblem {
-            kind,
-            error: ObjectError { kind: kind.as_str().into(), object: d.id.to_string(), reason },
-            service,
-        });
-    }
-    read.deltas.insert(key, d);
 }
 
-/// Reads and converts every object under `paths`, one document at a time.
-pub fn read(paths: &[PathBuf]) -> ManifestRead {
-    let mut read = ManifestRead::default();
-    let errors = manifest::for_each(paths, |doc| add(&mut read, &doc));
-    read.errors.splice(0..0, errors);
-    read
+async fn watch(paths: Vec<PathBuf>, poll: Duration, metrics: Arc<Metrics>, stores: Stores, tx: UnboundedSender<Signal>) {
+    let (event_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+    let mut watches = Watches::new(event_tx);
+    // Watched before the first read: a change during it is seen.
+    watches.ensure(&paths);
+    let mut set = Some(ManifestSet::new(paths.clone()));
+    let mut pending = Pending::default();
+    let mut listed = false;
+    let mut next_poll = Instant::now() + poll;
+    // The first refresh is due at once.
+    let mut due = Some(Instant::now());
+    loop {
+        let wake = due.map_or(next_poll, |d| d.min(next_poll));
+        tokio::select! {
+            event = events.recv() => {
+                let Some(event) = event else { return };
+                if pending.note(&event, &paths) {
+                    due = Some(due.unwrap_or_else(|| Instant::now() + DEBOUNCE));
+                }
+                continue;
+            }
+            () = tokio::time::sleep_until(wake.into()) => {}
+        }
+        let now = Instant::now();
+        if now >= next_poll {
+            next_poll = now + poll;
+        } else if due.is_none_or(|d| now < d) {
+            continue;
+        }
+        due = None;
+        let trigger = pending.since.take().map_or_else(SystemTime::now, |(_, t)| t);
+        // Files written in place and not closed wait until they are quiet.
+        let held: HashMap<PathBuf, Instant> =
+            pending.writing.keys().filter_map(|p| pending.held_until(p, now).map(|t| (p.clone(), t))).collect();
+        pending.writing.retain(|p, _| held.contains_key(p));
+        if let Some(t) = held.values().min() {
+            due = Some(*t);
+        }
+        let Some(mut manifests) = set.take() else { return };
+        // Listing, reading and parsing is blocking file I/O and CPU work:
+        // off the runtime's workers, so the health server keeps answering.
+        let started = Instant::now();
+        let Ok((manifests, update)) = tokio::task::spawn_blocking(move || {
+            let update = manifests.refresh(&|p| held.contains_key(p));
+            (manifests, update)
+        })
+        .await
+        else {
+            tracing::error!("reading the manifests panicked; the model keeps its objects and the agent stops watching");
+            return;
+        };
+        watches.ensure(&paths);
+        metrics.errors_by(reason::MANIFEST, update.errors.len());
+        for e in &update.errors {
+            tracing::warn!(location = %e.location, "manifest: {}", e.reason);
+        }
+        if update.read > 0 {
+            tracing::debug!(files = update.read, deltas = update.deltas.len(), took_ms = started.elapsed().as_millis(), "manifests read");
+        }
+        let mut kinds: Vec<Kind> = update.deltas.iter().map(|d| d.kind).collect();
+        kinds.sort_unstable();
+        kinds.dedup();
+        stores.push_all(update.deltas);
+        let counts = manifests.counts();
+        for kind in Kind::ALL {
+            stores.set_len(kind, counts.get(&kind).copied().unwrap_or(0));
+        }
+        set = Some(manifests);
+        // The first read is the list every kind waits for; after it, a
+        // change is a change of the kinds it touched.
+        let signals: Vec<Signal> = if listed {
+            kinds.into_iter().map(|kind| Signal::Changed { kind, trigger }).collect()
+        } else {
+            listed = true;
+            Kind::ALL.into_iter().map(|kind| Signal::Listed { kind }).collect()
+        };
+        for signal in signals {
+            if tx.send(signal).is_err() {
+                return; // the sync loop is gone: shutting down
+            }
+        }
+    }
 }
 
 /// The objects of the last read, by kind.
-pub(crate) type Known = BTreeMap<Kind, BTreeSet<ObjectRef>>;
+#[cfg(test)]
+pub(crate) type Known = std::collections::BTreeMap<Kind, std::collections::BTreeSet<ObjectRef>>;
 
 /// The deltas that take the model from the objects of the last read
 /// (`known`, updated) to `read`'s: every object read, and a removal for
-/// each object that is gone. Like a relist, whose unchanged objects the
-/// model recognises as such.
+/// each object that is gone. For the tests of the layers above, which
+/// hand over one text at a time.
+#[cfg(test)]
 pub(crate) fn relist(known: &mut Known, read: BTreeMap<(Kind, ObjectRef), Delta>) -> Vec<Delta> {
     let mut now = Known::new();
     for (kind, id) in read.keys() {
@@ -105,61 +289,16 @@ pub(crate) fn relist(known: &mut Known, read: BTreeMap<(Kind, ObjectRef), Delta>
     deltas
 }
 
-/// Starts the task that reads `paths` whenever they change (checked every
-/// `interval`) and queues what it read; returns the queue.
-pub fn start(paths: Vec<PathBuf>, interval: Duration, metrics: Arc<Metrics>, tx: UnboundedSender<Signal>) -> Stores {
-    let stores = Stores::default();
-    tokio::spawn(watch(paths, interval, metrics, stores.clone(), tx));
-    stores
-}
-
-async fn watch(paths: Vec<PathBuf>, interval: Duration, metrics: Arc<Metrics>, stores: Stores, tx: UnboundedSender<Signal>) {
-    let paths = Arc::new(paths);
-    let mut last = None;
-    let mut known = Known::new();
-    loop {
-        let p = paths.clone();
-        // Reading and parsing is blocking file I/O and CPU work: off the
-        // runtime's workers, so the health server keeps answering.
-        let fp = tokio::task::spawn_blocking(move || manifest::fingerprint(&p)).await.ok();
-        if fp.is_some() && fp != last {
-            last = fp;
-            let p = paths.clone();
-            let Ok(read) = tokio::task::spawn_blocking(move || read(&p)).await else {
-                tracing::error!("reading the manifests panicked; keeping the previous objects");
-                continue;
-            };
-            metrics.errors_by(reason::MANIFEST, read.errors.len());
-            for e in &read.errors {
-                tracing::warn!(location = %e.location, "manifest skipped: {}", e.reason);
-            }
-            let deltas = relist(&mut known, read.deltas);
-            stores.push_all(deltas);
-            for kind in Kind::ALL {
-                stores.set_len(kind, known.get(&kind).map_or(0, BTreeSet::len));
-            }
-            for kind in Kind::ALL {
-                if tx.send(Signal::Listed { kind }).is_err() {
-                    return; // the sync loop is gone: shutting down
-                }
-            }
-        }
-        tokio::time::sleep(interval).await;
-    }
-}
-
 /// What one manifest file's `text` reads as: a delta per object, and the
 /// problems of its documents. For the tests of the layers above the source.
 #[cfg(test)]
 pub(crate) fn read_text(text: &str) -> ManifestRead {
-    let mut parsed = Vec::new();
-    let mut errors = Vec::new();
-    manifest::parse_into("t.yaml", text, &mut parsed, &mut errors);
-    let mut read = ManifestRead { errors, ..ManifestRead::default() };
-    for d in &parsed {
-        add(&mut read, d);
-    }
-    read
+    let mut objects = crate::source::manifest_set::FileObjects::default();
+    let result = crate::source::manifest::parse_text("t.yaml", text, &mut objects);
+    objects.finish();
+    let mut errors = objects.problems;
+    errors.extend(result.err());
+    ManifestRead { deltas: objects.deltas.into_iter().map(|d| ((d.kind, d.id.clone()), d)).collect(), errors }
 }
 
 /// The cluster `text` describes, as `run` builds it, with the problems of
@@ -194,5 +333,27 @@ mod tests {
         assert_eq!(read.errors.len(), 1, "{:?}", read.errors);
         assert!(read.errors[0].reason.contains("no kind"));
         assert_eq!(read.deltas.len(), 2, "the Deployment is skipped");
+    }
+
+    fn event(kind: EventKind, path: &str) -> notify::Event {
+        notify::Event::new(kind).add_path(PathBuf::from(path))
+    }
+
+    #[test]
+    fn in_place_writes_are_held_until_closed_or_quiet() {
+        let roots = [PathBuf::from("/m")];
+        let mut p = Pending::default();
+        let now = Instant::now();
+        assert!(!p.note(&event(EventKind::Access(AccessKind::Open(AccessMode::Any)), "/m/a.yaml"), &roots), "reads are no change");
+        assert!(!p.note(&event(EventKind::Modify(ModifyKind::Data(notify::event::DataChange::Any)), "/elsewhere/a.yaml"), &roots));
+        assert!(p.note(&event(EventKind::Modify(ModifyKind::Data(notify::event::DataChange::Any)), "/m/a.yaml"), &roots));
+        assert!(p.held_until(Path::new("/m/a.yaml"), now).is_some(), "written, not closed");
+        assert!(p.held_until(Path::new("/m/a.yaml"), now + QUIET + Duration::from_millis(50)).is_none(), "quiet for long enough");
+        assert!(p.note(&event(EventKind::Access(AccessKind::Close(AccessMode::Write)), "/m/a.yaml"), &roots));
+        assert!(p.held_until(Path::new("/m/a.yaml"), now).is_none(), "closed");
+        p.note(&event(EventKind::Modify(ModifyKind::Data(notify::event::DataChange::Any)), "/m/b.yaml"), &roots);
+        p.note(&event(EventKind::Modify(ModifyKind::Name(notify::event::RenameMode::To)), "/m/b.yaml"), &roots);
+        assert!(p.held_until(Path::new("/m/b.yaml"), now).is_none(), "replaced by a rename");
+        assert!(p.since.is_some());
     }
 }

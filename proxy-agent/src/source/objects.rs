@@ -290,6 +290,9 @@ pub(crate) fn slice_from_wire(slice: WireSlice) -> Conversion<EndpointSlice> {
         .labels
         .as_ref()
         .and_then(|l| l.get(SERVICE_NAME_LABEL))
+        // No Service has an empty name (the API server requires one), so an
+        // empty label names none either.
+        .filter(|n| !n.is_empty())
         .cloned()
         .ok_or_else(|| fail(K, &ns, &name, format!("has no {SERVICE_NAME_LABEL} label, so it belongs to no Service")))?;
     let family = match slice.address_type.as_str() {
@@ -542,6 +545,22 @@ endpoints:
             "EndpointSlice default/partial: endpoints[1] address fd00::1 does not match addressType IPv4; endpoint skipped",
         ];
         assert_eq!(e, want);
+    }
+
+    /// Found by the `objects` fuzz target: a slice labelled with an empty
+    /// Service name was taken as the slice of a Service named "".
+    #[test]
+    fn an_empty_service_name_label_names_no_service() {
+        let (c, e) = cluster(
+            "apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: s, labels: {kubernetes.io/service-name: \"\"}}\naddressType: IPv4\nendpoints: []\n",
+        );
+        assert!(c.slices.is_empty());
+        assert_eq!(e, ["EndpointSlice default/s: has no kubernetes.io/service-name label, so it belongs to no Service"]);
+        let d = crate::source::delta::delta_from_value(
+            crate::model::store::Kind::EndpointSlice,
+            &serde_json::json!({"metadata": {"name": "s", "labels": {"kubernetes.io/service-name": ""}}, "addressType": "IPv4"}),
+        );
+        assert_eq!(d.problems[0].service, None, "reported on no Service");
     }
 
     #[test]

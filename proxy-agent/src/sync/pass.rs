@@ -11,6 +11,7 @@ use crate::datapath::map_writer::{ApplyError, MapWriter, WriteError};
 use crate::datapath::maps;
 use crate::decide::cache::DecisionCache;
 use crate::decide::decision::{self, PortDecision};
+use crate::decide::departures::{self, Departure, Draining, EndpointState};
 use crate::decide::plan::{self, FrontendPolicy, Plan, Policies};
 use crate::external::nodeport::ExternalDatapath;
 use crate::model::store::Changes;
@@ -142,6 +143,14 @@ pub struct SyncOutcome {
     /// (`PortDecision::no_local_endpoints`), over every Service.
     pub no_local_internal: usize,
     pub no_local_external: usize,
+    /// Backends that left a socket-datapath frontend's set in a way that
+    /// ends the connections made to them (`decide::departures`): the
+    /// sockets translated to them are to be terminated. Only frontends
+    /// that were written are listed.
+    pub departures: Vec<Departure>,
+    /// The same for the TC datapath's frontends: their conntrack flows are
+    /// to be flushed.
+    pub tc_departures: Vec<Departure>,
 }
 
 /// The passes of the sync loop. Decisions come from the `DecisionCache`
@@ -175,6 +184,12 @@ pub struct CachedSync {
     /// decision to count them.
     no_local_of: BTreeMap<ObjectRef, (usize, usize)>,
     no_local: (usize, usize),
+    /// Backends that left a frontend while draining (terminating, still
+    /// serving), kept until their connections are to end too
+    /// (`departures::recheck_draining`): of the socket datapath, and of the
+    /// TC one.
+    draining: BTreeSet<(Frontend, Backend)>,
+    draining_tc: BTreeSet<(Frontend, Backend)>,
 }
 
 impl CachedSync {
@@ -190,6 +205,8 @@ impl CachedSync {
             retry: BTreeSet::new(),
             no_local_of: BTreeMap::new(),
             no_local: (0, 0),
+            draining: BTreeSet::new(),
+            draining_tc: BTreeSet::new(),
         }
     }
 
@@ -318,8 +335,23 @@ impl CachedSync {
             let desired_policies: Policies = touched.iter().filter_map(|fe| Some((*fe, want_policy(fe)?.clone()))).collect();
             plan::diff_with_policies(&current, &current_policies, &desired, &desired_policies)
         };
+        // What each rewritten frontend loses, read before the write.
+        let mut left: Vec<(Frontend, Vec<Backend>)> = plan
+            .upserts
+            .iter()
+            .map(|(fe, new)| (*fe, departures::left(writer.backends_of(fe).unwrap_or_default(), Some(new))))
+            .filter(|(_, l)| !l.is_empty())
+            .collect();
         let mut failures = writer.apply(&plan);
         self.retry = failures.iter().map(|f| f.frontend).collect();
+        left.retain(|(fe, _)| !self.retry.contains(fe));
+        let node_addrs: Vec<IpAddr> = external.as_deref().map(|e| e.node_addrs.clone()).unwrap_or_default();
+        let (mut departures, draining) = self.classify_departures(cluster, &node_addrs, left);
+        let mut drained = std::mem::take(&mut self.draining);
+        departures.extend(self.recheck_draining(cluster, &node_addrs, &mut drained, |fe| writer.backends_of(fe).map(<[Backend]>::to_vec)));
+        drained.extend(draining);
+        self.draining = drained;
+        let mut tc_departures = Vec::new();
 
         let recheck: Vec<ObjectRef> = if full {
             self.cache.service_ids().chain(self.programmed.iter()).cloned().collect()
@@ -339,6 +371,12 @@ impl CachedSync {
         let mut external_problems = Vec::new();
         if let (Some(e), Some(ext)) = (external, ext.as_ref()) {
             let (np, problems) = e.apply(ext);
+            let (mut tc, draining) = self.classify_departures(cluster, &node_addrs, np.left);
+            let mut drained = std::mem::take(&mut self.draining_tc);
+            tc.extend(self.recheck_draining(cluster, &node_addrs, &mut drained, |fe| ext.tc.get(fe).map(|s| s.iter().copied().collect())));
+            drained.extend(draining);
+            self.draining_tc = drained;
+            tc_departures = tc;
             failures.extend(np.failures);
             upserts += np.upserts;
             deletes += np.deletes;
@@ -362,7 +400,81 @@ impl CachedSync {
             services_programmed: self.programmed.len(),
             no_local_internal: self.no_local.0,
             no_local_external: self.no_local.1,
+            departures,
+            tc_departures,
         }
+    }
+
+    /// The Service a programmed frontend belongs to: the owner of a
+    /// ClusterIP, else the Service whose external frontends (NodePorts on
+    /// `node_addrs`, external and LoadBalancer IPs) include it.
+    fn owner_of(&self, fe: &Frontend, node_addrs: &[IpAddr]) -> Option<ObjectRef> {
+        if let Some(owner) = self.cache.owner(fe) {
+            return Some(owner.clone());
+        }
+        let claims = |d: &PortDecision| {
+            d.port.protocol == fe.protocol
+                && (d.frontends.contains(fe)
+                    || d.external_frontends(node_addrs).contains(fe)
+                    || (d.port.port == fe.port && d.load_balancer_ips.contains(&fe.ip)))
+        };
+        self.external_services.iter().find(|id| self.cache.decisions_of(id).iter().any(claims)).cloned()
+    }
+
+    /// [`departures::classify`] for backends that left the frontends
+    /// written in this pass, against the endpoints of each frontend's
+    /// Service as the model has them now; and the ones that left while
+    /// draining, to be checked again in later passes.
+    fn classify_departures(
+        &self,
+        cluster: &Cluster,
+        node_addrs: &[IpAddr],
+        left: Vec<(Frontend, Vec<Backend>)>,
+    ) -> (Vec<Departure>, Vec<(Frontend, Backend)>) {
+        let mut out = Vec::new();
+        let mut draining = Vec::new();
+        for (fe, backends) in left {
+            let service = self.owner_of(&fe, node_addrs);
+            out.extend(departures::classify(fe, &backends, |fe, b| {
+                let state = match &service {
+                    Some(s) => departures::endpoint_state(self.cache.slices_of(cluster, s), b, fe.protocol),
+                    None => EndpointState::Unknown,
+                };
+                if state == EndpointState::TerminatingServing {
+                    draining.push((*fe, *b));
+                }
+                (service.clone(), state)
+            }));
+        }
+        (out, draining)
+    }
+
+    /// The draining backends in `draining` whose connections end now
+    /// (`departures::recheck_draining`), which leave the set with those
+    /// forgotten; `current` gives a frontend's set as written.
+    fn recheck_draining(
+        &self,
+        cluster: &Cluster,
+        node_addrs: &[IpAddr],
+        draining: &mut BTreeSet<(Frontend, Backend)>,
+        current: impl Fn(&Frontend) -> Option<Vec<Backend>>,
+    ) -> Vec<Departure> {
+        let mut out = Vec::new();
+        draining.retain(|(fe, b)| {
+            let service = self.owner_of(fe, node_addrs);
+            let state = service
+                .as_ref()
+                .map_or(EndpointState::Unknown, |s| departures::endpoint_state(self.cache.slices_of(cluster, s), b, fe.protocol));
+            match departures::recheck_draining(b, state, current(fe).as_deref()) {
+                Draining::Wait => true,
+                Draining::Forget => false,
+                Draining::End(reason) => {
+                    out.push(Departure { frontend: *fe, backend: *b, service, reason });
+                    false
+                }
+            }
+        });
+        out
     }
 }
 
@@ -411,6 +523,89 @@ mod policy_tests {
             assert_eq!(outcome.upserts, writes, "{name}");
             assert_eq!(maps.policy_of(&fe).and_then(|p| p.affinity_timeout_s), timeout, "{name}");
             assert_eq!(maps.backends_of(&fe).map(<[Backend]>::len), Some(2), "{name}: the backends stay");
+        }
+    }
+}
+
+#[cfg(test)]
+mod departure_tests {
+    use super::*;
+    use crate::decide::departures::Reason;
+    use crate::model::Protocol;
+
+    /// A UDP Service on node `a` with the given endpoints, each
+    /// `(address, conditions, node)`; `annotations` for topology.
+    fn cluster(endpoints: &[(&str, &str, &str)], annotations: &str) -> Cluster {
+        let eps: Vec<String> =
+            endpoints.iter().map(|(ip, cond, node)| format!("{{addresses: [{ip}], nodeName: {node}, conditions: {{{cond}}}}}")).collect();
+        let yaml = format!(
+            "kind: Node\nmetadata: {{name: a, labels: {{topology.kubernetes.io/zone: z1}}}}\n---\nkind: Node\nmetadata: {{name: b, labels: {{topology.kubernetes.io/zone: z2}}}}\n---\napiVersion: v1\nkind: Service\nmetadata: {{name: dns, annotations: {{{annotations}}}}}\nspec: {{clusterIP: 10.96.0.10, ports: [{{port: 53, protocol: UDP}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: dns-1, labels: {{kubernetes.io/service-name: dns}}}}\naddressType: IPv4\nports: [{{port: 53, protocol: UDP}}]\nendpoints: [{}]\n",
+            eps.join(", ")
+        );
+        let (c, e) = crate::source::manifest_watch::cluster_from_text(&yaml);
+        assert!(e.is_empty(), "{e:?}");
+        c
+    }
+
+    const READY: &str = "ready: true";
+    const DRAINING: &str = "ready: false, serving: true, terminating: true";
+    const NOT_READY: &str = "ready: false";
+    const GONE_FROM_SERVING: &str = "ready: false, serving: false, terminating: true";
+
+    /// Each step's sets and the departures the pass reports, in order:
+    /// one pass over the in-memory maps per step.
+    #[test]
+    fn a_pass_reports_the_backends_whose_connections_end() {
+        let zone_first = "topoproxy.io/topology-keys: \"topology.kubernetes.io/zone, *\"";
+        // (step, endpoints, annotations, departures as (backend, reason))
+        type Step<'a> = (&'a str, Vec<(&'a str, &'a str, &'a str)>, &'a str, Vec<(&'a str, Reason)>);
+        let steps: Vec<Step> = vec![
+            ("first sync", vec![("10.244.0.1", READY, "a"), ("10.244.0.2", READY, "b"), ("10.244.0.3", READY, "b")], "", vec![]),
+            ("one deleted", vec![("10.244.0.1", READY, "a"), ("10.244.0.3", READY, "b")], "", vec![("10.244.0.2", Reason::Deleted)]),
+            ("one draining keeps its sockets", vec![("10.244.0.1", READY, "a"), ("10.244.0.3", DRAINING, "b")], "", vec![]),
+            ("still draining", vec![("10.244.0.1", READY, "a"), ("10.244.0.3", DRAINING, "b")], "", vec![]),
+            (
+                "the drained one stops serving: now its sockets go",
+                vec![("10.244.0.1", READY, "a"), ("10.244.0.3", GONE_FROM_SERVING, "b")],
+                "",
+                vec![("10.244.0.3", Reason::NotServing)],
+            ),
+            ("then it goes away: already done", vec![("10.244.0.1", READY, "a")], "", vec![]),
+            ("a new one", vec![("10.244.0.1", READY, "a"), ("10.244.0.6", READY, "b")], "", vec![]),
+            ("it drains", vec![("10.244.0.1", READY, "a"), ("10.244.0.6", DRAINING, "b")], "", vec![]),
+            ("and is deleted while draining", vec![("10.244.0.1", READY, "a")], "", vec![("10.244.0.6", Reason::Deleted)]),
+            ("a new one", vec![("10.244.0.1", READY, "a"), ("10.244.0.4", READY, "b")], "", vec![]),
+            (
+                "one fails readiness",
+                vec![("10.244.0.1", READY, "a"), ("10.244.0.4", NOT_READY, "b")],
+                "",
+                vec![("10.244.0.4", Reason::NotServing)],
+            ),
+            ("back", vec![("10.244.0.1", READY, "a"), ("10.244.0.4", READY, "b")], "", vec![]),
+            (
+                "topology: this zone first, the other zone's endpoint leaves",
+                vec![("10.244.0.1", READY, "a"), ("10.244.0.4", READY, "b")],
+                zone_first,
+                vec![("10.244.0.4", Reason::Topology)],
+            ),
+            ("topology off again", vec![("10.244.0.1", READY, "a"), ("10.244.0.4", READY, "b")], "", vec![]),
+            ("the last serving endpoint goes: nothing to reconnect to", vec![("10.244.0.4", NOT_READY, "b")], "", vec![]),
+            ("served again", vec![("10.244.0.5", READY, "b")], "", vec![]),
+        ];
+        let fe = Frontend { ip: "10.96.0.10".parse().unwrap(), port: 53, protocol: Protocol::Udp };
+        let mut pass = CachedSync::new("a");
+        let mut maps = MemoryMaps::default();
+        let all = Changes { all: true, ..Changes::default() };
+        for (name, endpoints, annotations, want) in steps {
+            let outcome = pass.pass(&mut maps, None, &cluster(&endpoints, annotations), &all, false);
+            let got: Vec<(String, Reason)> = outcome.departures.iter().map(|d| (d.backend.ip.to_string(), d.reason)).collect();
+            let want: Vec<(String, Reason)> = want.into_iter().map(|(ip, r)| (ip.to_string(), r)).collect();
+            assert_eq!(got, want, "{name}");
+            for d in &outcome.departures {
+                assert_eq!((d.frontend, d.backend.port), (fe, 53), "{name}");
+                assert_eq!(d.service, Some(ObjectRef::new("default", "dns")), "{name}");
+            }
+            assert!(outcome.tc_departures.is_empty(), "{name}: no TC datapath here");
         }
     }
 }

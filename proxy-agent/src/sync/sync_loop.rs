@@ -32,6 +32,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::mpsc::error::TryRecvError;
 
 use crate::datapath::map_writer::WriteError;
+use crate::datapath::sock_destroy::{Batch, Terminator};
 use crate::external::nodeport::ExternalDatapath;
 use crate::model::store::{Changes, Kind, Model, ObjectProblem};
 use crate::observe::health_server::Health;
@@ -63,6 +64,9 @@ pub struct SyncLoop<W: SocketMaps> {
     /// node's addresses changed since it last resolved them.
     external: Option<ExternalDatapath>,
     addresses_changed: Arc<AtomicBool>,
+    /// Terminates the sockets (and flushes the TC flows) of backends that
+    /// left their frontends, after the maps no longer hold them.
+    terminator: Option<Terminator>,
     /// The cluster as converted from watch events, and the decisions kept
     /// between syncs.
     model: Model,
@@ -102,6 +106,7 @@ impl<W: SocketMaps> SyncLoop<W> {
             events,
             external: None,
             addresses_changed: Arc::new(AtomicBool::new(false)),
+            terminator: None,
             model: Model::default(),
             cached,
             listed: BTreeSet::new(),
@@ -120,6 +125,13 @@ impl<W: SocketMaps> SyncLoop<W> {
         external.report_agent_health(self.health.clone());
         self.external = Some(external);
         self.addresses_changed = addresses_changed;
+        self
+    }
+
+    /// Hands the backends that leave their frontends in each pass to
+    /// `terminator`, once per pass.
+    pub fn with_termination(mut self, terminator: Terminator) -> Self {
+        self.terminator = Some(terminator);
         self
     }
 
@@ -294,8 +306,11 @@ impl<W: SocketMaps> SyncLoop<W> {
                 external.refresh();
             }
         }
-        let outcome = self.cached.pass(&mut self.writer, self.external.as_mut(), &self.model.cluster, &changes, full);
+        let mut outcome = self.cached.pass(&mut self.writer, self.external.as_mut(), &self.model.cluster, &changes, full);
         let took = started.elapsed();
+        if let Some(t) = &self.terminator {
+            t.submit(Batch { sockets: std::mem::take(&mut outcome.departures), conntrack: std::mem::take(&mut outcome.tc_departures) });
+        }
 
         // Bad objects and configuration problems: log and count each when it
         // first appears; the Event reporter posts each once.

@@ -82,6 +82,9 @@ pub(crate) struct Node {
     pub manifests: TempDir,
     agent: Option<Guarded>,
     pub log: PathBuf,
+    /// Environment of the agents this node starts (e.g. the kernel probe's
+    /// `TOPOPROXY_KERNEL_HIDE`).
+    pub agent_env: Vec<(String, String)>,
 }
 
 impl Node {
@@ -96,6 +99,7 @@ impl Node {
             manifests,
             agent: None,
             log,
+            agent_env: Vec::new(),
         }
     }
 
@@ -109,6 +113,11 @@ impl Node {
 
     pub(crate) fn start_agent(&mut self) {
         self.start_agent_with(&[]);
+    }
+
+    /// The agent's exit status once it has exited by itself.
+    pub(crate) fn agent_exit_status(&mut self) -> Option<std::process::ExitStatus> {
+        self.agent.as_mut().and_then(|a| a.0.try_wait().ok().flatten())
     }
 
     pub(crate) fn start_agent_with(&mut self, extra: &[&str]) {
@@ -129,6 +138,7 @@ impl Node {
             // `none` it would attach TC programs to the host's interfaces.
             .args(["--devices", "none"])
             .args(extra)
+            .envs(self.agent_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("dup log"))
             .stderr(log);
@@ -274,6 +284,7 @@ impl Node {
             // Host network namespace: never TC on the host's interfaces.
             .args(["--devices", "none"])
             .args(extra)
+            .envs(self.agent_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("dup log"))
             .stderr(log);
@@ -340,4 +351,13 @@ pub(crate) fn assert_no_failures(what: &str, (ok, failures): (u64, Vec<String>))
         ok + failures.len() as u64,
         failures.first()
     );
+}
+
+/// The errno a refused connect() or sendmsg() gets from the socket
+/// programs on this kernel: ECONNREFUSED where `bpf_set_retval` exists
+/// (Linux 5.18), the kernel's default EPERM where the compat programs run
+/// (see the README's kernel table).
+pub(crate) fn refused_errno() -> i64 {
+    use proxy_agent::datapath::kernel_features::{KernelFeatures, SET_RETVAL};
+    if KernelFeatures::get().has(SET_RETVAL) { i64::from(libc::ECONNREFUSED) } else { i64::from(libc::EPERM) }
 }

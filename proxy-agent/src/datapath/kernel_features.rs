@@ -1,0 +1,289 @@
+//! What the running kernel offers the datapath, probed once at start-up.
+//!
+//! The agent asks the kernel, not its version: distribution kernels carry
+//! backports both ways, so the same version number can mean different
+//! helpers. Each helper is probed the way libbpf does it (aya's
+//! `is_helper_supported`: load a two-instruction program that calls it and
+//! read the verifier's answer), tcx by the presence of its code in the
+//! kernel's BTF. From the answers the loaders pick a program variant (see
+//! `proxy-ebpf/src/kernel.rs`): the full one, or the compat one for
+//! kernels without `bpf_set_retval` or the coarse clock. Nothing branches
+//! on the kernel at run time.
+//!
+//! The floor is Linux 5.10 with the helpers the programs cannot do
+//! without; below it the agent stops before it pins or attaches anything,
+//! with one sentence naming what is missing.
+//!
+//! `TOPOPROXY_KERNEL_HIDE=name,...` makes the probe report the named
+//! features absent, so that the fallbacks (the compat programs, clsact)
+//! can be tried, and tested, on a kernel that has everything.
+
+use std::io;
+use std::mem::size_of;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::sync::OnceLock;
+
+use aya::programs::ProgramType;
+use aya::sys::{BpfHelper, is_helper_supported};
+use aya::util::KernelVersion;
+
+/// The oldest kernel the datapath is built and tested for.
+pub const FLOOR: (u32, u32) = (5, 10);
+
+/// One probed capability.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Feature {
+    /// Short name, as `/metrics` (`topoproxy_kernel_feature{name}`) and
+    /// `dump` show it.
+    pub name: &'static str,
+    pub present: bool,
+    /// What the agent does without it: the fallback, or "required".
+    pub without: &'static str,
+}
+
+/// What the kernel offers, in probe order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KernelFeatures {
+    /// `uname -r`.
+    pub release: String,
+    /// Below [`FLOOR`] by the kernel's own version.
+    pub below_floor: bool,
+    pub features: Vec<Feature>,
+}
+
+/// Which build of the programs the loaders attach.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Variant {
+    /// Every helper the programs can use.
+    Full,
+    /// `bpf_ktime_get_ns` for the clock, and (socket programs) the
+    /// kernel's default `EPERM` for a refused connect().
+    Compat,
+}
+
+impl Variant {
+    /// The object's name of program `base` in this variant.
+    pub fn program(self, base: &'static str) -> String {
+        match self {
+            Variant::Full => base.to_string(),
+            Variant::Compat => format!("{base}_compat"),
+        }
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Variant::Full => "full",
+            Variant::Compat => "compat",
+        }
+    }
+}
+
+pub const SET_RETVAL: &str = "set_retval";
+pub const COARSE_CLOCK: &str = "coarse_clock";
+pub const NETNS_COOKIE: &str = "netns_cookie";
+pub const SK_STORAGE: &str = "sk_storage";
+pub const SO_NETNS_COOKIE: &str = "so_netns_cookie";
+pub const TCX: &str = "tcx";
+
+/// Features named here (comma-separated) are reported absent.
+pub const HIDE_ENV: &str = "TOPOPROXY_KERNEL_HIDE";
+
+impl KernelFeatures {
+    /// The running kernel's answers, probed on the first call.
+    pub fn get() -> &'static KernelFeatures {
+        static PROBED: OnceLock<KernelFeatures> = OnceLock::new();
+        PROBED.get_or_init(KernelFeatures::probe)
+    }
+
+    fn probe() -> KernelFeatures {
+        let release = release();
+        let below_floor = KernelVersion::current().is_ok_and(|v| v < KernelVersion::new(FLOOR.0 as u8, FLOOR.1 as u8, 0));
+        let helper = |ty: ProgramType, h: BpfHelper| {
+            // A probe that cannot run at all (no BPF) reads as "absent": the
+            // real load then fails with the kernel's own words.
+            is_helper_supported(ty, h).unwrap_or(false)
+        };
+        let sock = ProgramType::CgroupSockAddr;
+        let features = vec![
+            Feature {
+                name: SET_RETVAL,
+                present: helper(sock, BpfHelper::BPF_FUNC_set_retval),
+                without: "a connect() to a Service without endpoints fails with EPERM instead of ECONNREFUSED",
+            },
+            Feature {
+                name: COARSE_CLOCK,
+                present: helper(sock, BpfHelper::BPF_FUNC_ktime_get_coarse_ns)
+                    && helper(ProgramType::SchedClassifier, BpfHelper::BPF_FUNC_ktime_get_coarse_ns),
+                without: "the programs read the clock with bpf_ktime_get_ns",
+            },
+            Feature {
+                name: NETNS_COOKIE,
+                present: helper(sock, BpfHelper::BPF_FUNC_get_netns_cookie),
+                without: "required (session affinity and the node's own sockets are keyed by it)",
+            },
+            Feature {
+                name: SK_STORAGE,
+                present: helper(sock, BpfHelper::BPF_FUNC_sk_storage_get),
+                without: "required (UDP reverse translation keeps its state on the socket)",
+            },
+            Feature {
+                name: SO_NETNS_COOKIE,
+                present: so_netns_cookie(),
+                without: "the node's own processes are not told apart from pods: loadBalancerSourceRanges that include a node address do not admit them",
+            },
+            Feature { name: TCX, present: tcx(), without: "TC programs attach through clsact and cls_bpf (netlink)" },
+        ];
+        let mut k = KernelFeatures { release, below_floor, features };
+        if let Ok(hide) = std::env::var(HIDE_ENV) {
+            k.hide(&hide);
+        }
+        k
+    }
+
+    /// Reports the features named in `list` (comma-separated) absent.
+    fn hide(&mut self, list: &str) {
+        for name in list.split(',').map(str::trim) {
+            for f in self.features.iter_mut().filter(|f| f.name == name) {
+                f.present = false;
+            }
+        }
+    }
+
+    pub fn has(&self, name: &str) -> bool {
+        self.features.iter().any(|f| f.name == name && f.present)
+    }
+
+    /// The socket programs' variant.
+    pub fn socket_variant(&self) -> Variant {
+        if self.has(SET_RETVAL) && self.has(COARSE_CLOCK) { Variant::Full } else { Variant::Compat }
+    }
+
+    /// The TC programs' variant.
+    pub fn tc_variant(&self) -> Variant {
+        if self.has(COARSE_CLOCK) { Variant::Full } else { Variant::Compat }
+    }
+
+    /// Why this kernel cannot run the datapath, in one sentence; `None`
+    /// when it can.
+    pub fn unsupported(&self) -> Option<String> {
+        if self.below_floor {
+            return Some(format!("Linux {} is older than {}.{}, the oldest kernel the datapath supports", self.release, FLOOR.0, FLOOR.1));
+        }
+        self.features.iter().find(|f| !f.present && f.without.starts_with("required")).map(|f| {
+            format!("Linux {} lacks {} for cgroup socket programs, which the datapath requires", self.release, helper_name(f.name))
+        })
+    }
+
+    /// One line for the start-up log: what was found and what falls back.
+    pub fn summary(&self) -> String {
+        let found: Vec<&str> = self.features.iter().filter(|f| f.present).map(|f| f.name).collect();
+        let missing: Vec<String> = self.features.iter().filter(|f| !f.present).map(|f| format!("{} ({})", f.name, f.without)).collect();
+        format!(
+            "Linux {}: programs {} (socket) / {} (TC); found: {}; fallbacks: {}",
+            self.release,
+            self.socket_variant().label(),
+            self.tc_variant().label(),
+            if found.is_empty() { "none".to_string() } else { found.join(", ") },
+            if missing.is_empty() { "none".to_string() } else { missing.join("; ") }
+        )
+    }
+}
+
+fn helper_name(feature: &str) -> &'static str {
+    match feature {
+        NETNS_COOKIE => "the bpf_get_netns_cookie helper",
+        SK_STORAGE => "the bpf_sk_storage_get helper",
+        _ => "a required feature",
+    }
+}
+
+fn release() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/osrelease").map_or_else(|_| "(unknown)".to_string(), |s| s.trim().to_string())
+}
+
+/// `SO_NETNS_COOKIE` (Linux 5.14), which tells the agent the cookie of its
+/// own network namespace.
+fn so_netns_cookie() -> bool {
+    netns_cookie().is_ok()
+}
+
+/// The cookie of the calling thread's network namespace, as
+/// `bpf_get_netns_cookie` reports it for a socket there (`SO_NETNS_COOKIE`,
+/// Linux >= 5.14, net/core/sock.c).
+pub fn netns_cookie() -> io::Result<u64> {
+    // SAFETY: socket(2) returns a new descriptor that we own, or -1.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` is open and owned by nobody else.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut cookie: u64 = 0;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: SO_NETNS_COOKIE writes a u64 into the buffer we pass with its size.
+    let rc = unsafe { libc::getsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_NETNS_COOKIE, (&raw mut cookie).cast(), &raw mut len) };
+    if rc == 0 { Ok(cookie) } else { Err(io::Error::last_os_error()) }
+}
+
+/// tcx (Linux 6.6, `kernel/bpf/tcx.c`): the kernel's BTF names `struct
+/// tcx_entry` exactly when the code is built in. BTF keeps every type name
+/// NUL-terminated in its string section, so finding the name is enough.
+fn tcx() -> bool {
+    std::fs::read("/sys/kernel/btf/vmlinux").is_ok_and(|btf| btf.windows(11).any(|w| w == b"\0tcx_entry\0"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn with(present: &[&'static str]) -> KernelFeatures {
+        let all = [SET_RETVAL, COARSE_CLOCK, NETNS_COOKIE, SK_STORAGE, SO_NETNS_COOKIE, TCX];
+        let features = all
+            .iter()
+            .map(|name| Feature {
+                name,
+                present: present.contains(name),
+                without: if [NETNS_COOKIE, SK_STORAGE].contains(name) { "required (x)" } else { "fallback" },
+            })
+            .collect();
+        KernelFeatures { release: "test".into(), below_floor: false, features }
+    }
+
+    /// (kernel, features present, socket variant, TC variant, refused)
+    #[test]
+    fn variants_follow_the_helpers() {
+        let all = [SET_RETVAL, COARSE_CLOCK, NETNS_COOKIE, SK_STORAGE, SO_NETNS_COOKIE, TCX];
+        let cases: [(&str, &[&'static str], Variant, Variant, bool); 5] = [
+            ("6.6+", &all, Variant::Full, Variant::Full, false),
+            ("5.18", &[SET_RETVAL, COARSE_CLOCK, NETNS_COOKIE, SK_STORAGE, SO_NETNS_COOKIE], Variant::Full, Variant::Full, false),
+            ("5.15", &[COARSE_CLOCK, NETNS_COOKIE, SK_STORAGE, SO_NETNS_COOKIE], Variant::Compat, Variant::Full, false),
+            ("5.10", &[NETNS_COOKIE, SK_STORAGE], Variant::Compat, Variant::Compat, false),
+            ("no sk storage", &[NETNS_COOKIE], Variant::Compat, Variant::Compat, true),
+        ];
+        for (kernel, present, socket, tc, refused) in cases {
+            let k = with(present);
+            assert_eq!((k.socket_variant(), k.tc_variant()), (socket, tc), "{kernel}");
+            assert_eq!(k.unsupported().is_some(), refused, "{kernel}: {:?}", k.unsupported());
+        }
+        let k = with(&[NETNS_COOKIE]);
+        assert_eq!(
+            k.unsupported().as_deref(),
+            Some("Linux test lacks the bpf_sk_storage_get helper for cgroup socket programs, which the datapath requires")
+        );
+        let old = KernelFeatures { below_floor: true, ..with(&all) };
+        assert!(old.unsupported().is_some_and(|s| s.contains("older than 5.10")));
+        let mut hidden = with(&all);
+        hidden.hide("set_retval, tcx,unknown");
+        assert_eq!((hidden.socket_variant(), hidden.has(TCX), hidden.has(COARSE_CLOCK)), (Variant::Compat, false, true));
+        assert_eq!(Variant::Compat.program("connect4"), "connect4_compat");
+        assert_eq!(Variant::Full.program("np_ingress"), "np_ingress");
+    }
+
+    /// The machine the tests run on has every feature (Linux 6.18).
+    #[test]
+    fn this_kernel_gets_the_full_programs() {
+        let k = KernelFeatures::get();
+        assert_eq!(k.unsupported(), None, "{}", k.summary());
+        assert!(k.summary().contains("programs "), "{}", k.summary());
+    }
+}
