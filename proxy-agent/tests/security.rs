@@ -127,6 +127,24 @@ fn a_pin_directory_owned_by_another_user_is_refused() {
         "no clear error in the log:\n{log}"
     );
     assert!(!pins.join("SERVICES").exists(), "nothing was pinned there");
+    // Nor a symlink another user put where the pin directory goes.
+    let link = pins.with_file_name(format!("{}-link", pins.file_name().and_then(|n| n.to_str()).unwrap_or("tp")));
+    std::os::unix::fs::symlink(&pins, &link).expect("symlink");
+    std::os::unix::fs::lchown(&link, Some(NOBODY), Some(NOBODY)).expect("chown the symlink");
+    let out = Command::new(support::agent_bin())
+        .args(["run", "--node", "n1", "--devices", "none", "--manifests"])
+        .arg(&node.manifests.0)
+        .arg("--cgroup")
+        .arg(node.cgroup.path())
+        .arg("--bpffs")
+        .arg(&link)
+        .stdin(Stdio::null())
+        .output()
+        .expect("run the agent");
+    let _ = fs::remove_file(&link);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the agent ran on a foreign symlink:\n{stderr}");
+    assert!(stderr.contains(&format!("refusing pin directory {}: it is owned by uid {NOBODY}", link.display())), "{stderr}");
     // Given back to root, the same directory is taken.
     std::os::unix::fs::chown(&pins, Some(0), Some(0)).expect("chown back");
     node.start_agent_with(&["--metrics-address", "127.0.0.1:0"]);

@@ -158,6 +158,18 @@ fn build(release: bool) -> Result<()> {
     Ok(())
 }
 
+/// The fuzz target binary `cargo fuzz build` made, for the host triple
+/// (`rustc -vV`), as cargo-fuzz builds it.
+fn binary(target: &str, release: bool) -> Result<PathBuf> {
+    let info = util::output(util::cmd("rustc").args(["+nightly", "-vV"])).context("`rustc +nightly -vV` failed")?;
+    let host = info.lines().find_map(|l| l.strip_prefix("host: ")).context("`rustc -vV` names no host")?;
+    let path = work_dir().join(host).join(if release { "release" } else { "debug" }).join(target);
+    if !path.is_file() {
+        bail!("{} is missing after the build", path.display());
+    }
+    Ok(path)
+}
+
 /// One target's run.
 struct Outcome {
     target: String,
@@ -180,11 +192,13 @@ fn run_target(target: &str, seconds: u64, release: bool) -> Result<Outcome> {
     }
     let before: Vec<PathBuf> = files_in(&artifacts);
     let seeds = fuzz_dir().join("corpus").join(target);
-    let mut c = cargo_fuzz("run", release);
-    c.arg(target)
-        .arg(&corpus)
+    // The binary `build` made, run directly: `cargo fuzz run` would
+    // rebuild first whenever a source file changed since, and every target
+    // of one run must fuzz the same code.
+    let binary = binary(target, release)?;
+    let mut c = util::cmd(&binary);
+    c.arg(&corpus)
         .arg(&seeds)
-        .arg("--")
         .arg(format!("-max_total_time={seconds}"))
         .arg(format!("-artifact_prefix={}/", artifacts.display()))
         // Manifests and list bodies are larger than libFuzzer's default
@@ -211,14 +225,16 @@ fn run_target(target: &str, seconds: u64, release: bool) -> Result<Outcome> {
         let report: Vec<&str> = text.lines().filter(|l| !l.starts_with('#') && !l.starts_with("INFO:")).collect();
         println!("{}", report.join("\n"));
         println!(
-            "fuzz target {target} crashed on {}; replay: cd fuzz && cargo +nightly fuzz run{} --sanitizer none {target} {}",
+            "fuzz target {target} crashed on {}; replay: {} {} (or cd fuzz && cargo +nightly fuzz run{} --sanitizer none {target} {})",
+            input.display(),
+            binary.display(),
             input.display(),
             if release { "" } else { " --dev" },
             input.display()
         );
     } else if !out.status.success() {
         println!("{text}");
-        bail!("cargo fuzz run {target} failed ({}) without leaving a crash input", out.status);
+        bail!("fuzz target {target} failed ({}) without leaving a crash input", out.status);
     }
     Ok(Outcome { target: target.to_string(), runs, corpus: files_in(&corpus).len(), seconds: fuzz_seconds, crash })
 }

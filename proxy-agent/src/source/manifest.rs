@@ -98,8 +98,9 @@ pub fn files(paths: &[PathBuf]) -> (Vec<PathBuf>, Vec<ManifestError>) {
 pub(crate) struct Listing {
     pub files: Vec<(PathBuf, fs::Metadata)>,
     pub errors: Vec<ManifestError>,
-    /// Paths that exist but could not be looked into (permissions, I/O
-    /// errors): the files under them are unknown, not gone.
+    /// Paths that could not be looked into (permissions, I/O errors) and
+    /// paths given to [`list`] that are missing: the files under them are
+    /// unknown, not gone.
     pub unlisted: Vec<PathBuf>,
 }
 
@@ -119,7 +120,9 @@ fn walk(p: &Path, explicit: bool, listing: &mut Listing) {
         return;
     }
     let mut fail = |reason: String, e: &std::io::Error| {
-        if e.kind() != std::io::ErrorKind::NotFound {
+        // A path given to the agent that is missing is unavailable, like
+        // an API server that cannot be reached, rather than emptied.
+        if e.kind() != std::io::ErrorKind::NotFound || explicit {
             listing.unlisted.push(p.to_path_buf());
         }
         listing.errors.push(ManifestError { location: p.display().to_string(), reason });

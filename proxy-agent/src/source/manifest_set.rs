@@ -7,7 +7,10 @@
 //! - A file that parses replaces what it held: its objects become deltas,
 //!   and an object it no longer holds is removed. A file that does not
 //!   parse (half written, or garbage) keeps the objects of its last good
-//!   read, and says so; a file that is gone takes its objects with it.
+//!   read, and says so; a file deleted from a directory takes its objects
+//!   with it. A path the agent was given that is missing, or a directory
+//!   replaced by a file that does not parse, keeps the objects it had, as
+//!   an API server that cannot be reached keeps the datapath as it was.
 //! - An object defined in several files is taken from the last file in
 //!   path order, and the duplicate is reported on it. Only an index of
 //!   which files define which objects is kept here (the model holds the
@@ -334,10 +337,26 @@ impl ManifestSet {
             update.read += 1;
             batch.push((id, read(path)));
         }
+        // A given path that is now a file which does not parse (a
+        // directory replaced by garbage) keeps what was under it.
+        let broken_roots: Vec<&PathBuf> = self
+            .paths
+            .iter()
+            .filter(|root| present.contains(root.as_path()))
+            .filter(|root| match self.files.get(root.as_path()) {
+                Some(f) => match batch.iter().find(|(id, _)| *id == f.id) {
+                    Some((_, outcome)) => !matches!(outcome, Outcome::Parsed(_)),
+                    None => !f.parsed,
+                },
+                None => true,
+            })
+            .collect();
         for (path, state) in &self.files {
-            // Files under a directory that could not be listed are unknown,
-            // not gone.
-            if !present.contains(&**path) && !listing.unlisted.iter().any(|u| path.starts_with(u)) {
+            // Files under a directory that could not be listed, or under a
+            // given path that is missing or broken, are unknown, not gone.
+            let unknown = listing.unlisted.iter().any(|u| path.starts_with(u))
+                || broken_roots.iter().any(|root| path.starts_with(root) && **path != ***root);
+            if !present.contains(&**path) && !unknown {
                 batch.push((state.id, Outcome::Gone));
             }
         }
@@ -681,6 +700,43 @@ mod tests {
         dir.write("a.yaml", &svc("only-a", "10.96.0.7"));
         let u = set.refresh(&|_| false);
         assert_eq!(show(&u), [s("only-a", "10.96.0.7", 0), s("x", "10.96.0.2", 0)]);
+    }
+
+    #[test]
+    fn a_given_path_gone_or_replaced_by_garbage_keeps_its_objects() {
+        let dir = Dir::new("roots");
+        let root = dir.0.join("manifests");
+        std::fs::create_dir_all(&root).expect("mkdir");
+        std::fs::write(root.join("a.yaml"), svc("a1", "10.96.0.1")).expect("write");
+        std::fs::write(root.join("b.yaml"), svc("b1", "10.96.0.2")).expect("write");
+        let mut set = ManifestSet::new(vec![root.clone()]);
+        assert_eq!(set.refresh(&|_| false).deltas.len(), 2);
+
+        // The directory replaced by a garbage file: nothing is removed.
+        std::fs::rename(&root, dir.0.join("saved")).expect("mv");
+        std::fs::write(&root, "kind: [garbage\n").expect("garbage");
+        let u = set.refresh(&|_| false);
+        assert!(u.deltas.is_empty(), "{u:?}");
+        assert_eq!(u.errors.len(), 1, "{:?}", u.errors);
+
+        // Gone altogether: still nothing removed, and said once.
+        std::fs::remove_file(&root).expect("rm");
+        let u = set.refresh(&|_| false);
+        assert!(u.deltas.is_empty(), "{u:?}");
+        assert!(u.errors[0].reason.contains("cannot read"), "{:?}", u.errors);
+        assert!(set.refresh(&|_| false).errors.is_empty());
+
+        // Back, with b.yaml deleted meanwhile: that one goes.
+        std::fs::rename(dir.0.join("saved"), &root).expect("mv back");
+        std::fs::remove_file(root.join("b.yaml")).expect("rm b");
+        let u = set.refresh(&|_| false);
+        assert_eq!(show(&u), [s("b1", "-", 0)]);
+
+        // Replaced by a file that parses: that file is the manifests now.
+        std::fs::remove_dir_all(&root).expect("rm dir");
+        std::fs::write(&root, svc("c1", "10.96.0.3")).expect("file");
+        let u = set.refresh(&|_| false);
+        assert_eq!(show(&u), [s("a1", "-", 0), s("c1", "10.96.0.3", 0)]);
     }
 
     #[test]

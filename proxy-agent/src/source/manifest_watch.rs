@@ -69,7 +69,7 @@ pub fn start(paths: Vec<PathBuf>, poll: Duration, metrics: Arc<Metrics>, tx: Unb
 #[derive(Default)]
 struct Pending {
     /// When the first event of the next refresh came.
-    since: Option<(Instant, SystemTime)>,
+    since: Option<SystemTime>,
     /// Files modified in place and not closed yet, with their last write.
     writing: HashMap<PathBuf, Instant>,
 }
@@ -102,7 +102,7 @@ impl Pending {
             }
             _ => {}
         }
-        self.since.get_or_insert_with(|| (Instant::now(), SystemTime::now()));
+        self.since.get_or_insert_with(SystemTime::now);
         true
     }
 
@@ -187,19 +187,27 @@ async fn watch(paths: Vec<PathBuf>, poll: Duration, metrics: Arc<Metrics>, store
     let mut watches = Watches::new(event_tx);
     // Watched before the first read: a change during it is seen.
     watches.ensure(&paths);
-    let mut set = Some(ManifestSet::new(paths.clone()));
+    // Shared with the blocking thread that refreshes it; a panic there
+    // (a bug) leaves it usable for the next refresh.
+    let set = Arc::new(std::sync::Mutex::new(ManifestSet::new(paths.clone())));
     let mut pending = Pending::default();
     let mut listed = false;
     let mut next_poll = Instant::now() + poll;
     // The first refresh is due at once.
     let mut due = Some(Instant::now());
+    // Closed when inotify could not be set up: the poll alone remains.
+    let mut watching = true;
     loop {
         let wake = due.map_or(next_poll, |d| d.min(next_poll));
         tokio::select! {
-            event = events.recv() => {
-                let Some(event) = event else { return };
+            event = events.recv(), if watching => {
+                let Some(event) = event else {
+                    watching = false;
+                    continue;
+                };
                 if pending.note(&event, &paths) {
-                    due = Some(due.unwrap_or_else(|| Instant::now() + DEBOUNCE));
+                    let soon = Instant::now() + DEBOUNCE;
+                    due = Some(due.map_or(soon, |d| d.min(soon)));
                 }
                 continue;
             }
@@ -212,7 +220,7 @@ async fn watch(paths: Vec<PathBuf>, poll: Duration, metrics: Arc<Metrics>, store
             continue;
         }
         due = None;
-        let trigger = pending.since.take().map_or_else(SystemTime::now, |(_, t)| t);
+        let trigger = pending.since.take().unwrap_or_else(SystemTime::now);
         // Files written in place and not closed wait until they are quiet.
         let held: HashMap<PathBuf, Instant> =
             pending.writing.keys().filter_map(|p| pending.held_until(p, now).map(|t| (p.clone(), t))).collect();
@@ -220,18 +228,20 @@ async fn watch(paths: Vec<PathBuf>, poll: Duration, metrics: Arc<Metrics>, store
         if let Some(t) = held.values().min() {
             due = Some(*t);
         }
-        let Some(mut manifests) = set.take() else { return };
         // Listing, reading and parsing is blocking file I/O and CPU work:
         // off the runtime's workers, so the health server keeps answering.
         let started = Instant::now();
-        let Ok((manifests, update)) = tokio::task::spawn_blocking(move || {
+        let shared = set.clone();
+        let refreshed = tokio::task::spawn_blocking(move || {
+            let mut manifests = shared.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
             let update = manifests.refresh(&|p| held.contains_key(p));
-            (manifests, update)
+            (update, manifests.counts())
         })
-        .await
-        else {
-            tracing::error!("reading the manifests panicked; the model keeps its objects and the agent stops watching");
-            return;
+        .await;
+        let Ok((update, counts)) = refreshed else {
+            tracing::error!("reading the manifests panicked; the model keeps its objects, and the next change is read again");
+            metrics.error(reason::MANIFEST);
+            continue;
         };
         watches.ensure(&paths);
         metrics.errors_by(reason::MANIFEST, update.errors.len());
@@ -245,11 +255,9 @@ async fn watch(paths: Vec<PathBuf>, poll: Duration, metrics: Arc<Metrics>, store
         kinds.sort_unstable();
         kinds.dedup();
         stores.push_all(update.deltas);
-        let counts = manifests.counts();
         for kind in Kind::ALL {
             stores.set_len(kind, counts.get(&kind).copied().unwrap_or(0));
         }
-        set = Some(manifests);
         // The first read is the list every kind waits for; after it, a
         // change is a change of the kinds it touched.
         let signals: Vec<Signal> = if listed {
@@ -289,16 +297,25 @@ pub(crate) fn relist(known: &mut Known, read: BTreeMap<(Kind, ObjectRef), Delta>
     deltas
 }
 
-/// What one manifest file's `text` reads as: a delta per object, and the
-/// problems of its documents. For the tests of the layers above the source.
-#[cfg(test)]
-pub(crate) fn read_text(text: &str) -> ManifestRead {
+/// What the agent makes of one manifest file's `text` (`source` names it):
+/// its objects converted as `run` converts them (JSON items straight into
+/// the wire shapes), and its problems. When the text does not parse, its
+/// error is among them, and `run` would keep the file's previous objects
+/// rather than take these.
+pub fn read_file_text(source: &str, text: &str) -> ManifestRead {
     let mut objects = crate::source::manifest_set::FileObjects::default();
-    let result = crate::source::manifest::parse_text("t.yaml", text, &mut objects);
+    let result = crate::source::manifest::parse_text(source, text, &mut objects);
     objects.finish();
     let mut errors = objects.problems;
     errors.extend(result.err());
     ManifestRead { deltas: objects.deltas.into_iter().map(|d| ((d.kind, d.id.clone()), d)).collect(), errors }
+}
+
+/// [`read_file_text`] of a file named `t.yaml`, for the tests of the layers
+/// above the source.
+#[cfg(test)]
+pub(crate) fn read_text(text: &str) -> ManifestRead {
+    read_file_text("t.yaml", text)
 }
 
 /// The cluster `text` describes, as `run` builds it, with the problems of
@@ -333,6 +350,49 @@ mod tests {
         assert_eq!(read.errors.len(), 1, "{:?}", read.errors);
         assert!(read.errors[0].reason.contains("no kind"));
         assert_eq!(read.deltas.len(), 2, "the Deployment is skipped");
+    }
+
+    /// The next signal, within a generous limit (a stuck watcher fails the
+    /// test instead of hanging it).
+    async fn next(rx: &mut tokio::sync::mpsc::UnboundedReceiver<Signal>) -> Signal {
+        tokio::time::timeout(Duration::from_secs(20), rx.recv()).await.expect("a signal in time").expect("the watcher runs")
+    }
+
+    #[tokio::test]
+    async fn the_first_read_lists_and_later_changes_come_through_inotify() {
+        let dir = std::env::temp_dir().join(format!("tp-manifest-watch-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let svc =
+            |name: &str, ip: &str| format!("kind: Service\nmetadata: {{name: {name}}}\nspec: {{clusterIP: {ip}, ports: [{{port: 80}}]}}\n");
+        std::fs::write(dir.join("a.yaml"), svc("a", "10.96.0.1")).expect("write");
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        // No poll within the test: what arrives comes through inotify.
+        let stores = start(vec![dir.clone()], Duration::from_secs(3600), Arc::new(Metrics::new()), tx);
+        for kind in Kind::ALL {
+            assert!(matches!(next(&mut rx).await, Signal::Listed { kind: k } if k == kind));
+        }
+        assert_eq!(stores.drain().len(), 1);
+        assert_eq!(stores.len(Kind::Service), 1);
+
+        // A file renamed into place.
+        std::fs::write(dir.join(".b.yaml.tmp"), svc("b", "10.96.0.2")).expect("write");
+        std::fs::rename(dir.join(".b.yaml.tmp"), dir.join("b.yaml")).expect("rename");
+        assert!(matches!(next(&mut rx).await, Signal::Changed { kind: Kind::Service, .. }));
+        let deltas = stores.drain();
+        assert_eq!(deltas.iter().map(|d| d.id.name.as_str()).collect::<Vec<_>>(), ["b"], "only the new file is read");
+
+        // Written in place and closed; then deleted.
+        std::fs::write(dir.join("a.yaml"), svc("a", "10.96.0.3")).expect("write");
+        assert!(matches!(next(&mut rx).await, Signal::Changed { kind: Kind::Service, .. }));
+        let deltas = stores.drain();
+        assert!(matches!(&deltas[..], [d] if d.id.name == "a" && d.object.is_some()), "{deltas:?}");
+        std::fs::remove_file(dir.join("a.yaml")).expect("rm");
+        assert!(matches!(next(&mut rx).await, Signal::Changed { kind: Kind::Service, .. }));
+        let deltas = stores.drain();
+        assert!(matches!(&deltas[..], [d] if d.id.name == "a" && !d.present), "{deltas:?}");
+        assert_eq!(stores.len(Kind::Service), 1);
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     fn event(kind: EventKind, path: &str) -> notify::Event {

@@ -4,6 +4,11 @@
 //! EndpointSlices of 1.17-1.24 API servers) and fill the same queue
 //! (`feed`) that the sync loop drains. `api_versions` negotiates which
 //! versions the watchers and the Event poster use.
+//!
+//! Manifests: `manifest` lists the files and streams each one's objects
+//! (`manifest_json` item by item, `manifest_yaml` document by document),
+//! `manifest_set` keeps which file holds which object and reads only the
+//! files that changed, and `manifest_watch` runs it on inotify events.
 
 pub mod api_versions;
 pub(crate) mod delta;
