@@ -368,7 +368,7 @@ mod tests {
         std::fs::write(dir.join("a.yaml"), svc("a", "10.96.0.1")).expect("write");
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         // No poll within the test: what arrives comes through inotify.
-        let stores = start(vec![dir.clone()], Duration::from_secs(3600), Arc::new(Metrics::new()), tx);
+        let stores = start(vec![dir.clone()], Duration::from_hours(1), Arc::new(Metrics::new()), tx);
         for kind in Kind::ALL {
             assert!(matches!(next(&mut rx).await, Signal::Listed { kind: k } if k == kind));
         }
