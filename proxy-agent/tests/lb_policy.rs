@@ -199,7 +199,8 @@ fn tc_admits_only_the_source_ranges_to_the_load_balancer_ip_and_keeps_each_clien
     assert!(out.status.success(), "{table}");
     for want in [
         format!("{lb}/TCP  id "),
-        format!("affinity ClientIP 10800s  source ranges 10.0.1.0/24,{LB_IP}/32"),
+        "affinity ClientIP 10800s scope ".to_string(),
+        format!("  source ranges 10.0.1.0/24,{LB_IP}/32"),
         "  affinity: 2 clients".to_string(),
         "10.0.1.1  =>  #".to_string(),
     ] {
