@@ -88,6 +88,17 @@ pub const TCX: &str = "tcx";
 /// Features named here (comma-separated) are reported absent.
 pub const HIDE_ENV: &str = "TOPOPROXY_KERNEL_HIDE";
 
+/// Whether [`HIDE_ENV`] names feature `name`: for probes made elsewhere
+/// (the socket iterators' kfunc, `sock_destroy`) that honour it too.
+pub fn hidden(name: &str) -> bool {
+    std::env::var(HIDE_ENV).is_ok_and(|list| listed(&list, name))
+}
+
+/// Whether the comma-separated `list` names `name`.
+fn listed(list: &str, name: &str) -> bool {
+    list.split(',').any(|f| f.trim() == name)
+}
+
 impl KernelFeatures {
     /// The running kernel's answers, probed on the first call.
     pub fn get() -> &'static KernelFeatures {
@@ -142,10 +153,8 @@ impl KernelFeatures {
 
     /// Reports the features named in `list` (comma-separated) absent.
     fn hide(&mut self, list: &str) {
-        for name in list.split(',').map(str::trim) {
-            for f in self.features.iter_mut().filter(|f| f.name == name) {
-                f.present = false;
-            }
+        for f in self.features.iter_mut().filter(|f| listed(list, f.name)) {
+            f.present = false;
         }
     }
 

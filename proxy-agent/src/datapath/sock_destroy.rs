@@ -48,6 +48,7 @@ use proxy_common as pc;
 use proxy_common::{SockRevNatKey, SockRevNatValue, SockTerminateKey};
 
 use crate::datapath::conntrack_gc::{self, FlowEnds};
+use crate::datapath::kernel_features;
 use crate::datapath::keys::{backend_value, ip_of};
 use crate::datapath::netns;
 use crate::datapath::sock_diag::{self, DiagSock, DiagSocket};
@@ -98,8 +99,7 @@ pub struct Detected {
 /// passes over the iterators, so the netlink path can be tried on a kernel
 /// that has both.
 pub fn detect(pin_dir: &Path) -> Detected {
-    let hidden = std::env::var("TOPOPROXY_KERNEL_HIDE").is_ok_and(|v| v.split(',').any(|f| f.trim() == "sock_destroy_kfunc"));
-    let iterators = if hidden { None } else { Some(SockIterators::load(pin_dir)) };
+    let iterators = if kernel_features::hidden("sock_destroy_kfunc") { None } else { Some(SockIterators::load(pin_dir)) };
     let why_not_iterators = match iterators {
         None => "no BPF socket iterators: sock_destroy_kfunc hidden by TOPOPROXY_KERNEL_HIDE".to_string(),
         Some(Ok(it)) => {

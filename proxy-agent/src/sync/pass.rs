@@ -346,11 +346,10 @@ impl CachedSync {
         self.retry = failures.iter().map(|f| f.frontend).collect();
         left.retain(|(fe, _)| !self.retry.contains(fe));
         let node_addrs: Vec<IpAddr> = external.as_deref().map(|e| e.node_addrs.clone()).unwrap_or_default();
-        let (mut departures, draining) = self.classify_departures(cluster, &node_addrs, left);
-        let mut drained = std::mem::take(&mut self.draining);
-        departures.extend(self.recheck_draining(cluster, &node_addrs, &mut drained, |fe| writer.backends_of(fe).map(<[Backend]>::to_vec)));
-        drained.extend(draining);
-        self.draining = drained;
+        let mut draining = std::mem::take(&mut self.draining);
+        let departures =
+            self.departures_of(cluster, &node_addrs, left, &mut draining, |fe| writer.backends_of(fe).map(<[Backend]>::to_vec));
+        self.draining = draining;
         let mut tc_departures = Vec::new();
 
         let recheck: Vec<ObjectRef> = if full {
@@ -371,12 +370,10 @@ impl CachedSync {
         let mut external_problems = Vec::new();
         if let (Some(e), Some(ext)) = (external, ext.as_ref()) {
             let (np, problems) = e.apply(ext);
-            let (mut tc, draining) = self.classify_departures(cluster, &node_addrs, np.left);
-            let mut drained = std::mem::take(&mut self.draining_tc);
-            tc.extend(self.recheck_draining(cluster, &node_addrs, &mut drained, |fe| ext.tc.get(fe).map(|s| s.iter().copied().collect())));
-            drained.extend(draining);
-            self.draining_tc = drained;
-            tc_departures = tc;
+            let mut draining = std::mem::take(&mut self.draining_tc);
+            tc_departures =
+                self.departures_of(cluster, &node_addrs, np.left, &mut draining, |fe| ext.tc.get(fe).map(|s| s.iter().copied().collect()));
+            self.draining_tc = draining;
             failures.extend(np.failures);
             upserts += np.upserts;
             deletes += np.deletes;
@@ -419,6 +416,26 @@ impl CachedSync {
                     || (d.port.port == fe.port && d.load_balancer_ips.contains(&fe.ip)))
         };
         self.external_services.iter().find(|id| self.cache.decisions_of(id).iter().any(claims)).cloned()
+    }
+
+    /// One datapath's departures in this pass: the backends in `left` that
+    /// left the frontends written (see [`Self::classify_departures`]), and
+    /// the draining ones of `draining` whose connections end now (see
+    /// [`Self::recheck_draining`]); `draining` then holds the ones still
+    /// draining, those that started in this pass included. `current` gives
+    /// a frontend's set as written.
+    fn departures_of(
+        &self,
+        cluster: &Cluster,
+        node_addrs: &[IpAddr],
+        left: Vec<(Frontend, Vec<Backend>)>,
+        draining: &mut BTreeSet<(Frontend, Backend)>,
+        current: impl Fn(&Frontend) -> Option<Vec<Backend>>,
+    ) -> Vec<Departure> {
+        let (mut out, started) = self.classify_departures(cluster, node_addrs, left);
+        out.extend(self.recheck_draining(cluster, node_addrs, draining, current));
+        draining.extend(started);
+        out
     }
 
     /// [`departures::classify`] for backends that left the frontends
