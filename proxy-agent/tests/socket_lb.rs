@@ -85,7 +85,7 @@ fn the_kernel_probe_picks_the_programs_this_kernel_needs() {
     let kernel = &report["kernel"];
     let want = std::env::var("TOPOPROXY_EXPECT_SOCKET_PROGRAMS").unwrap_or_else(|_| "full".to_string());
     assert_eq!(kernel["socketPrograms"], want.as_str(), "{kernel}");
-    for name in ["set_retval", "coarse_clock", "netns_cookie", "sk_storage", "so_netns_cookie", "tcx"] {
+    for name in ["set_retval", "coarse_clock", "netns_cookie", "sk_storage", "so_netns_cookie", "tcx", "bpf_link", "batch_ops"] {
         assert!(kernel["features"][name].is_boolean(), "{name} is reported: {kernel}");
     }
     // The variant follows the helpers, as the README's table says.
@@ -122,23 +122,59 @@ fn the_compat_programs_translate_and_refuse_with_eperm() {
     assert!(log.contains("programs compat (socket) / compat (TC)"), "the start-up line names the variants: {log}");
 }
 
-/// Without a required helper the agent stops with one sentence naming it,
-/// before it pins or attaches anything.
+/// Without a required feature the agent stops with one sentence naming
+/// it, before it pins or attaches anything.
 #[test]
-fn a_kernel_without_a_required_helper_is_refused_before_anything_is_installed() {
+fn a_kernel_without_a_required_feature_is_refused_before_anything_is_installed() {
+    let cases = [
+        (
+            "sk_storage",
+            "lacks the bpf_sk_storage_get helper for cgroup socket programs, which the datapath requires; nothing was installed",
+        ),
+        (
+            "bpf_link",
+            "lacks bpf_link attachment (BPF_LINK_CREATE, Linux 5.7) for cgroup socket programs, which the datapath requires; nothing was installed",
+        ),
+    ];
+    for (hide, sentence) in cases {
+        let mut node = Node::new("node-a");
+        node.agent_env.push(("TOPOPROXY_KERNEL_HIDE".into(), hide.into()));
+        node.write_manifest("web.yaml", &web(&[("10.244.0.1", true, "node-a")]));
+        node.start_agent();
+        let status = eventually("the agent to exit", || node.agent_exit_status().ok_or("still running"));
+        assert!(!status.success(), "{hide}");
+        let log = std::fs::read_to_string(&node.log).unwrap_or_default();
+        assert!(log.contains(sentence), "{hide}: {log}");
+        let pinned: Vec<_> = std::fs::read_dir(node.pins.path()).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
+        assert!(pinned.is_empty(), "{hide}: nothing pinned: {pinned:?}");
+    }
+}
+
+/// Without batch map operations the agent writes, deletes and reads its
+/// maps one entry per call, with the same result: Services answer, follow
+/// endpoint changes, and a restarted agent adopts what is pinned.
+#[test]
+fn without_batch_operations_the_maps_are_written_one_entry_at_a_time() {
+    let mut net = PodNetwork::new();
+    net.backend("pod-a", "10.244.0.1", &[8080]);
+    net.backend("pod-b", "10.244.0.2", &[8080]);
     let mut node = Node::new("node-a");
-    node.agent_env.push(("TOPOPROXY_KERNEL_HIDE".into(), "sk_storage".into()));
+    node.agent_env.push(("TOPOPROXY_KERNEL_HIDE".into(), "batch_ops".into()));
     node.write_manifest("web.yaml", &web(&[("10.244.0.1", true, "node-a")]));
     node.start_agent();
-    let status = eventually("the agent to exit", || node.agent_exit_status().ok_or("still running"));
-    assert!(!status.success());
+    wait_for_backends(&node, &net, "10.96.0.10:80", &[], &["pod-a"]);
     let log = std::fs::read_to_string(&node.log).unwrap_or_default();
     assert!(
-        log.contains("lacks the bpf_sk_storage_get helper for cgroup socket programs, which the datapath requires; nothing was installed"),
-        "{log}"
+        log.contains("batch_ops (maps are written, deleted and read one entry per bpf(2) call)"),
+        "the start-up line names the fallback: {log}"
     );
-    let pinned: Vec<_> = std::fs::read_dir(node.pins.path()).map(|d| d.flatten().map(|e| e.file_name()).collect()).unwrap_or_default();
-    assert!(pinned.is_empty(), "nothing pinned: {pinned:?}");
+    // A change replaces the backend set: deletes and updates, one by one.
+    node.write_manifest("web.yaml", &web(&[("10.244.0.2", true, "node-a")]));
+    wait_for_backends(&node, &net, "10.96.0.10:80", &[], &["pod-b"]);
+    // A restart reads the pinned maps back key by key.
+    node.stop_agent();
+    node.start_agent();
+    wait_for_backends(&node, &net, "10.96.0.10:80", &[], &["pod-b"]);
 }
 
 #[test]

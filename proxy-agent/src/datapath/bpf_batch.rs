@@ -19,16 +19,23 @@
 //! checks the sizes against the map's definition in the object it was
 //! loaded from, which for a map reused from a pin need not be the kernel's,
 //! and per-CPU maps would take one value per possible CPU.
+//!
+//! A kernel without the batch commands (before 5.6, or built without them)
+//! gets the same semantics one element per call: the kernel probe
+//! ([`kernel_batches`], reported as `batch_ops`) decides once, so no write
+//! tries a batch first and falls back on every call.
 
 use std::borrow::{Borrow, BorrowMut};
 use std::hash::Hash;
 use std::io;
 use std::marker::PhantomData;
 use std::mem::size_of;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 
 use aya::Pod;
 use aya::maps::{HashMap, IterableMap, MapData, MapError, MapType};
+
+use crate::datapath::kernel_features::{self, KernelFeatures};
 
 /// The `batch` member of `union bpf_attr` (include/uapi/linux/bpf.h).
 #[repr(C)]
@@ -45,6 +52,9 @@ struct BatchAttr {
     flags: u64,
 }
 
+const BPF_MAP_CREATE: libc::c_long = 0;
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
@@ -133,6 +143,9 @@ fn in_order<K: Pod, V: Pod>(
     values: Option<&[V]>,
     skip_missing: bool,
 ) -> Result<(), BatchError> {
+    if !KernelFeatures::get().has(kernel_features::BATCH_OPS) {
+        return one_by_one(cmd, &map, keys, values, skip_missing);
+    }
     let len = keys.len();
     let mut done = 0;
     while done < len {
@@ -160,6 +173,81 @@ fn in_order<K: Pod, V: Pod>(
     Ok(())
 }
 
+/// [`in_order`] without the batch commands: the element commands, with the
+/// same prefix semantics (stop at the first failure, report how many took
+/// effect).
+fn one_by_one<K: Pod, V: Pod>(
+    cmd: libc::c_long,
+    map: &Checked<'_, K, V>,
+    keys: &[K],
+    values: Option<&[V]>,
+    skip_missing: bool,
+) -> Result<(), BatchError> {
+    let elem_cmd = if cmd == BPF_MAP_UPDATE_BATCH { BPF_MAP_UPDATE_ELEM } else { BPF_MAP_DELETE_ELEM };
+    for (i, key) in keys.iter().enumerate() {
+        let value = values.map_or(0, |v| std::ptr::from_ref(&v[i]) as u64);
+        let mut attr = ElemAttr { map_fd: map.fd.as_raw_fd() as u32, pad: 0, key: std::ptr::from_ref(key) as u64, value, flags: 0 };
+        // SAFETY: `map` was checked to be a hash map of `K` keys and `V`
+        // values; `key` and `value` point at one of each (no value for a
+        // delete), alive across the call, which only reads them.
+        let rc = unsafe { libc::syscall(libc::SYS_bpf, elem_cmd, std::ptr::from_mut(&mut attr), size_of::<ElemAttr>()) };
+        if rc != 0 {
+            let source = io::Error::last_os_error();
+            if skip_missing && source.kind() == io::ErrorKind::NotFound {
+                continue;
+            }
+            return Err(BatchError { applied: i, source });
+        }
+    }
+    Ok(())
+}
+
+/// The element member of `union bpf_attr` (`BPF_MAP_*_ELEM`).
+#[repr(C)]
+struct ElemAttr {
+    map_fd: u32,
+    pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+/// Whether the kernel takes `BPF_MAP_UPDATE_BATCH` on a hash map (Linux
+/// 5.6, kernel/bpf/syscall.c: bpf_map_do_batch): one element written into a
+/// fresh two-entry map. Older kernels answer EINVAL for the unknown
+/// command, and a map type without batch code EOPNOTSUPP.
+pub fn kernel_batches() -> bool {
+    /// The `BPF_MAP_CREATE` member of `union bpf_attr`, up to `map_flags`.
+    #[repr(C)]
+    struct CreateAttr {
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+    }
+    let create = CreateAttr { map_type: 1 /* BPF_MAP_TYPE_HASH */, key_size: 4, value_size: 4, max_entries: 2, map_flags: 0 };
+    // SAFETY: a BPF_MAP_CREATE attr without pointers; on success the call
+    // returns a new descriptor that only we hold.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, std::ptr::from_ref(&create), size_of::<CreateAttr>()) };
+    if fd < 0 {
+        return false;
+    }
+    // SAFETY: `fd` is the new map's descriptor, owned by nobody else.
+    let map = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let (key, value) = (7u32, 9u32);
+    let mut attr = BatchAttr {
+        keys: std::ptr::from_ref(&key) as u64,
+        values: std::ptr::from_ref(&value) as u64,
+        count: 1,
+        map_fd: map.as_raw_fd() as u32,
+        ..Default::default()
+    };
+    // SAFETY: the map has 4-byte keys and values, and `keys`/`values` point
+    // at one of each, alive across the call.
+    unsafe { call(BPF_MAP_UPDATE_BATCH, &mut attr) }.is_ok() && attr.count == 1
+}
+
 /// Entries asked for per lookup call at first; doubled when one hash
 /// bucket holds more (ENOSPC).
 const LOOKUP_PER_CALL: usize = 8192;
@@ -171,6 +259,9 @@ const LOOKUP_PER_CALL: usize = 8192;
 /// not be seen. An error means the kernel cannot batch this map (hash maps
 /// can since Linux 5.6): [`read_all`] then walks it key by key.
 pub fn lookup_all<T: Borrow<MapData>, K: Pod, V: Pod>(map: &HashMap<T, K, V>) -> io::Result<Vec<(K, V)>> {
+    if !KernelFeatures::get().has(kernel_features::BATCH_OPS) {
+        return Err(io::Error::from(io::ErrorKind::Unsupported));
+    }
     let map = checked(map)?;
     let mut per_call = LOOKUP_PER_CALL;
     // SAFETY: aya::Pod types are plain data for which every bit pattern,

@@ -5,7 +5,8 @@
 //! helpers. Each helper is probed the way libbpf does it (aya's
 //! `is_helper_supported`: load a two-instruction program that calls it and
 //! read the verifier's answer), tcx by the presence of its code in the
-//! kernel's BTF. From the answers the loaders pick a program variant (see
+//! kernel's BTF, cgroup bpf_links and batch map operations by asking for
+//! one (`cgroup_link`, `bpf_batch::kernel_batches`). From the answers the loaders pick a program variant (see
 //! `proxy-ebpf/src/kernel.rs`): the full one, or the compat one for
 //! kernels without `bpf_set_retval` or the coarse clock. Nothing branches
 //! on the kernel at run time.
@@ -84,6 +85,8 @@ pub const NETNS_COOKIE: &str = "netns_cookie";
 pub const SK_STORAGE: &str = "sk_storage";
 pub const SO_NETNS_COOKIE: &str = "so_netns_cookie";
 pub const TCX: &str = "tcx";
+pub const BPF_LINK: &str = "bpf_link";
+pub const BATCH_OPS: &str = "batch_ops";
 
 /// Features named here (comma-separated) are reported absent.
 pub const HIDE_ENV: &str = "TOPOPROXY_KERNEL_HIDE";
@@ -143,6 +146,16 @@ impl KernelFeatures {
                 without: "the node's own processes are not told apart from pods: loadBalancerSourceRanges that include a node address do not admit them",
             },
             Feature { name: TCX, present: tcx(), without: "TC programs attach through clsact and cls_bpf (netlink)" },
+            Feature {
+                name: BPF_LINK,
+                present: cgroup_link(),
+                without: "required (the socket programs stay attached across restarts through pinned bpf_links)",
+            },
+            Feature {
+                name: BATCH_OPS,
+                present: crate::datapath::bpf_batch::kernel_batches(),
+                without: "maps are written, deleted and read one entry per bpf(2) call",
+            },
         ];
         let mut k = KernelFeatures { release, below_floor, features };
         if let Ok(hide) = std::env::var(HIDE_ENV) {
@@ -202,6 +215,7 @@ fn helper_name(feature: &str) -> &'static str {
     match feature {
         NETNS_COOKIE => "the bpf_get_netns_cookie helper",
         SK_STORAGE => "the bpf_sk_storage_get helper",
+        BPF_LINK => "bpf_link attachment (BPF_LINK_CREATE, Linux 5.7)",
         _ => "a required feature",
     }
 }
@@ -241,18 +255,101 @@ fn tcx() -> bool {
     std::fs::read("/sys/kernel/btf/vmlinux").is_ok_and(|btf| btf.windows(11).any(|w| w == b"\0tcx_entry\0"))
 }
 
+/// `bpf(2)` commands and constants of the probes (include/uapi/linux/bpf.h).
+const BPF_PROG_LOAD: libc::c_long = 5;
+const BPF_LINK_CREATE: libc::c_long = 28;
+const BPF_PROG_TYPE_CGROUP_SOCK_ADDR: u32 = 18;
+const BPF_CGROUP_INET4_CONNECT: u32 = 10;
+
+/// The `BPF_PROG_LOAD` member of `union bpf_attr`, up to
+/// `expected_attach_type`; the kernel zero-extends a shorter attr.
+#[repr(C)]
+#[derive(Default)]
+struct ProgLoadAttr {
+    prog_type: u32,
+    insn_cnt: u32,
+    insns: u64,
+    license: u64,
+    log_level: u32,
+    log_size: u32,
+    log_buf: u64,
+    kern_version: u32,
+    prog_flags: u32,
+    prog_name: [u8; 16],
+    prog_ifindex: u32,
+    expected_attach_type: u32,
+}
+
+/// The `link_create` member of `union bpf_attr`, without the per-type
+/// tail a cgroup link does not use.
+#[repr(C)]
+struct LinkCreateAttr {
+    prog_fd: u32,
+    target_fd: u32,
+    attach_type: u32,
+    flags: u32,
+}
+
+/// One bpf(2) call that returns a new descriptor.
+///
+/// # Safety
+///
+/// `attr` must be the attr layout of `cmd`, and every pointer in it valid
+/// for the kernel to read for the duration of the call.
+unsafe fn bpf_fd<A>(cmd: libc::c_long, attr: &A) -> io::Result<OwnedFd> {
+    // SAFETY: as the caller promised; the kernel reads `size_of::<A>()`
+    // bytes of `attr`.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_ref(attr), size_of::<A>()) };
+    if rc < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: on success these commands return a new descriptor that only
+    // we hold.
+    Ok(unsafe { OwnedFd::from_raw_fd(rc as i32) })
+}
+
+/// bpf_link for cgroup programs (`BPF_LINK_CREATE`, Linux 5.7), probed
+/// the way libbpf probes perf links: asked to link a loaded cgroup/connect4
+/// program to a descriptor that does not exist, a kernel that knows links
+/// for this attach type looks the cgroup up and fails with EBADF
+/// (kernel/bpf/syscall.c: link_create -> cgroup_bpf_link_attach ->
+/// cgroup_get_from_fd); one that does not fails with EINVAL. Nothing is
+/// attached either way.
+fn cgroup_link() -> bool {
+    // r0 = 1 (allow); exit.
+    let insns: [u64; 2] = [0x0000_0001_0000_00b7, 0x0000_0000_0000_0095];
+    let license = c"GPL";
+    let load = ProgLoadAttr {
+        prog_type: BPF_PROG_TYPE_CGROUP_SOCK_ADDR,
+        insn_cnt: insns.len() as u32,
+        insns: insns.as_ptr() as u64,
+        license: license.as_ptr() as u64,
+        expected_attach_type: BPF_CGROUP_INET4_CONNECT,
+        ..Default::default()
+    };
+    // SAFETY: `load` is a BPF_PROG_LOAD attr whose instruction and license
+    // pointers name live buffers of the sizes it states.
+    let Ok(prog) = (unsafe { bpf_fd(BPF_PROG_LOAD, &load) }) else { return false };
+    let link = LinkCreateAttr { prog_fd: prog.as_raw_fd() as u32, target_fd: u32::MAX, attach_type: BPF_CGROUP_INET4_CONNECT, flags: 0 };
+    // SAFETY: `link` is a BPF_LINK_CREATE attr without pointers.
+    match unsafe { bpf_fd(BPF_LINK_CREATE, &link) } {
+        Ok(_attached_to_nothing) => true,
+        Err(e) => e.raw_os_error() == Some(libc::EBADF),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn with(present: &[&'static str]) -> KernelFeatures {
-        let all = [SET_RETVAL, COARSE_CLOCK, NETNS_COOKIE, SK_STORAGE, SO_NETNS_COOKIE, TCX];
+        let all = [SET_RETVAL, COARSE_CLOCK, NETNS_COOKIE, SK_STORAGE, SO_NETNS_COOKIE, TCX, BPF_LINK, BATCH_OPS];
         let features = all
             .iter()
             .map(|name| Feature {
                 name,
                 present: present.contains(name),
-                without: if [NETNS_COOKIE, SK_STORAGE].contains(name) { "required (x)" } else { "fallback" },
+                without: if [NETNS_COOKIE, SK_STORAGE, BPF_LINK].contains(name) { "required (x)" } else { "fallback" },
             })
             .collect();
         KernelFeatures { release: "test".into(), below_floor: false, features }
@@ -261,20 +358,34 @@ mod tests {
     /// (kernel, features present, socket variant, TC variant, refused)
     #[test]
     fn variants_follow_the_helpers() {
-        let all = [SET_RETVAL, COARSE_CLOCK, NETNS_COOKIE, SK_STORAGE, SO_NETNS_COOKIE, TCX];
-        let cases: [(&str, &[&'static str], Variant, Variant, bool); 5] = [
+        let all = [SET_RETVAL, COARSE_CLOCK, NETNS_COOKIE, SK_STORAGE, SO_NETNS_COOKIE, TCX, BPF_LINK, BATCH_OPS];
+        let cases: [(&str, &[&'static str], Variant, Variant, bool); 7] = [
             ("6.6+", &all, Variant::Full, Variant::Full, false),
-            ("5.18", &[SET_RETVAL, COARSE_CLOCK, NETNS_COOKIE, SK_STORAGE, SO_NETNS_COOKIE], Variant::Full, Variant::Full, false),
-            ("5.15", &[COARSE_CLOCK, NETNS_COOKIE, SK_STORAGE, SO_NETNS_COOKIE], Variant::Compat, Variant::Full, false),
-            ("5.10", &[NETNS_COOKIE, SK_STORAGE], Variant::Compat, Variant::Compat, false),
-            ("no sk storage", &[NETNS_COOKIE], Variant::Compat, Variant::Compat, true),
+            (
+                "5.18",
+                &[SET_RETVAL, COARSE_CLOCK, NETNS_COOKIE, SK_STORAGE, SO_NETNS_COOKIE, BPF_LINK, BATCH_OPS],
+                Variant::Full,
+                Variant::Full,
+                false,
+            ),
+            (
+                "5.15",
+                &[COARSE_CLOCK, NETNS_COOKIE, SK_STORAGE, SO_NETNS_COOKIE, BPF_LINK, BATCH_OPS],
+                Variant::Compat,
+                Variant::Full,
+                false,
+            ),
+            ("5.10", &[NETNS_COOKIE, SK_STORAGE, BPF_LINK, BATCH_OPS], Variant::Compat, Variant::Compat, false),
+            ("no batches", &[NETNS_COOKIE, SK_STORAGE, BPF_LINK], Variant::Compat, Variant::Compat, false),
+            ("no sk storage", &[NETNS_COOKIE, BPF_LINK], Variant::Compat, Variant::Compat, true),
+            ("no links", &[NETNS_COOKIE, SK_STORAGE], Variant::Compat, Variant::Compat, true),
         ];
         for (kernel, present, socket, tc, refused) in cases {
             let k = with(present);
             assert_eq!((k.socket_variant(), k.tc_variant()), (socket, tc), "{kernel}");
             assert_eq!(k.unsupported().is_some(), refused, "{kernel}: {:?}", k.unsupported());
         }
-        let k = with(&[NETNS_COOKIE]);
+        let k = with(&[NETNS_COOKIE, BPF_LINK]);
         assert_eq!(
             k.unsupported().as_deref(),
             Some("Linux test lacks the bpf_sk_storage_get helper for cgroup socket programs, which the datapath requires")
@@ -294,5 +405,6 @@ mod tests {
         let k = KernelFeatures::get();
         assert_eq!(k.unsupported(), None, "{}", k.summary());
         assert!(k.summary().contains("programs "), "{}", k.summary());
+        assert!(k.has(BPF_LINK) && k.has(BATCH_OPS), "{}", k.summary());
     }
 }
