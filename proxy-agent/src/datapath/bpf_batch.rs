@@ -22,7 +22,7 @@
 //!
 //! A kernel without the batch commands (before 5.6, or built without them)
 //! gets the same semantics one element per call: the kernel probe
-//! ([`kernel_batches`], reported as `batch_ops`) decides once, so no write
+//! (`batch_ops` in `kernel_features`) decides once, so no write
 //! tries a batch first and falls back on every call.
 
 use std::borrow::{Borrow, BorrowMut};
@@ -30,7 +30,7 @@ use std::hash::Hash;
 use std::io;
 use std::marker::PhantomData;
 use std::mem::size_of;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
 use aya::Pod;
 use aya::maps::{HashMap, IterableMap, MapData, MapError, MapType};
@@ -52,7 +52,6 @@ struct BatchAttr {
     flags: u64,
 }
 
-const BPF_MAP_CREATE: libc::c_long = 0;
 const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
 const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
@@ -210,42 +209,6 @@ struct ElemAttr {
     key: u64,
     value: u64,
     flags: u64,
-}
-
-/// Whether the kernel takes `BPF_MAP_UPDATE_BATCH` on a hash map (Linux
-/// 5.6, kernel/bpf/syscall.c: bpf_map_do_batch): one element written into a
-/// fresh two-entry map. Older kernels answer EINVAL for the unknown
-/// command, and a map type without batch code EOPNOTSUPP.
-pub fn kernel_batches() -> bool {
-    /// The `BPF_MAP_CREATE` member of `union bpf_attr`, up to `map_flags`.
-    #[repr(C)]
-    struct CreateAttr {
-        map_type: u32,
-        key_size: u32,
-        value_size: u32,
-        max_entries: u32,
-        map_flags: u32,
-    }
-    let create = CreateAttr { map_type: 1 /* BPF_MAP_TYPE_HASH */, key_size: 4, value_size: 4, max_entries: 2, map_flags: 0 };
-    // SAFETY: a BPF_MAP_CREATE attr without pointers; on success the call
-    // returns a new descriptor that only we hold.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_CREATE, std::ptr::from_ref(&create), size_of::<CreateAttr>()) };
-    if fd < 0 {
-        return false;
-    }
-    // SAFETY: `fd` is the new map's descriptor, owned by nobody else.
-    let map = unsafe { OwnedFd::from_raw_fd(fd as i32) };
-    let (key, value) = (7u32, 9u32);
-    let mut attr = BatchAttr {
-        keys: std::ptr::from_ref(&key) as u64,
-        values: std::ptr::from_ref(&value) as u64,
-        count: 1,
-        map_fd: map.as_raw_fd() as u32,
-        ..Default::default()
-    };
-    // SAFETY: the map has 4-byte keys and values, and `keys`/`values` point
-    // at one of each, alive across the call.
-    unsafe { call(BPF_MAP_UPDATE_BATCH, &mut attr) }.is_ok() && attr.count == 1
 }
 
 /// Entries asked for per lookup call at first; doubled when one hash

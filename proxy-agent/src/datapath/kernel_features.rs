@@ -6,7 +6,7 @@
 //! `is_helper_supported`: load a two-instruction program that calls it and
 //! read the verifier's answer), tcx by the presence of its code in the
 //! kernel's BTF, cgroup bpf_links and batch map operations by asking for
-//! one (`cgroup_link`, `bpf_batch::kernel_batches`). From the answers the loaders pick a program variant (see
+//! one (`cgroup_link`, `kernel_batches`). From the answers the loaders pick a program variant (see
 //! `proxy-ebpf/src/kernel.rs`): the full one, or the compat one for
 //! kernels without `bpf_set_retval` or the coarse clock. Nothing branches
 //! on the kernel at run time.
@@ -151,11 +151,7 @@ impl KernelFeatures {
                 present: cgroup_link(),
                 without: "required (the socket programs stay attached across restarts through pinned bpf_links)",
             },
-            Feature {
-                name: BATCH_OPS,
-                present: crate::datapath::bpf_batch::kernel_batches(),
-                without: "maps are written, deleted and read one entry per bpf(2) call",
-            },
+            Feature { name: BATCH_OPS, present: kernel_batches(), without: "maps are written, deleted and read one entry per bpf(2) call" },
         ];
         let mut k = KernelFeatures { release, below_floor, features };
         if let Ok(hide) = std::env::var(HIDE_ENV) {
@@ -336,6 +332,55 @@ fn cgroup_link() -> bool {
         Ok(_attached_to_nothing) => true,
         Err(e) => e.raw_os_error() == Some(libc::EBADF),
     }
+}
+
+/// Whether the kernel takes `BPF_MAP_UPDATE_BATCH` on a hash map (Linux
+/// 5.6, kernel/bpf/syscall.c: bpf_map_do_batch): one element written into a
+/// fresh two-entry map. Older kernels answer EINVAL for the unknown
+/// command, and a map type without batch code EOPNOTSUPP.
+fn kernel_batches() -> bool {
+    const BPF_MAP_CREATE: libc::c_long = 0;
+    const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
+    /// The `BPF_MAP_CREATE` member of `union bpf_attr`, up to `map_flags`.
+    #[repr(C)]
+    struct CreateAttr {
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+    }
+    /// The `batch` member of `union bpf_attr`.
+    #[repr(C)]
+    struct BatchAttr {
+        in_batch: u64,
+        out_batch: u64,
+        keys: u64,
+        values: u64,
+        count: u32,
+        map_fd: u32,
+        elem_flags: u64,
+        flags: u64,
+    }
+    let create = CreateAttr { map_type: 1 /* BPF_MAP_TYPE_HASH */, key_size: 4, value_size: 4, max_entries: 2, map_flags: 0 };
+    // SAFETY: a BPF_MAP_CREATE attr without pointers.
+    let Ok(map) = (unsafe { bpf_fd(BPF_MAP_CREATE, &create) }) else { return false };
+    let (key, value) = (7u32, 9u32);
+    let mut attr = BatchAttr {
+        in_batch: 0,
+        out_batch: 0,
+        keys: std::ptr::from_ref(&key) as u64,
+        values: std::ptr::from_ref(&value) as u64,
+        count: 1,
+        map_fd: map.as_raw_fd() as u32,
+        elem_flags: 0,
+        flags: 0,
+    };
+    // SAFETY: the map has 4-byte keys and values, and `keys`/`values` point
+    // at one of each, alive across the call; the kernel writes back only
+    // `count` inside `attr`.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_UPDATE_BATCH, std::ptr::from_mut(&mut attr), size_of::<BatchAttr>()) };
+    rc == 0 && attr.count == 1
 }
 
 #[cfg(test)]
