@@ -278,6 +278,23 @@ fn dump_decodes_the_tc_maps_and_flags_their_inconsistencies() {
     assert!(text.contains("10.0.1.2:30080/TCP  id ") && text.contains("policy Local"), "{text}");
     assert!(text.contains("forward    TCP 10.0.1.1:40000 -> 10.0.1.2:30080  =>  10.0.1.1:40000 -> 10.244.1.1:8080"), "{text}");
     assert!(text.contains("local endpoints: 10.244.1.1") && text.contains("SNAT: 10.0.3.1"), "{text}");
+    // The port bitmap: both NodePorts at ingress; 8080, 5353 and port 0
+    // (the node's refusals) at egress.
+    assert_eq!(n["portBits"], serde_json::json!({"ingressPorts": 2, "egressPorts": 3}), "{n:#}");
+    assert!(text.contains("port bitmap (NP_PORTS): 2 ingress, 3 egress ports"), "{text}");
+    // A cleared bit behind the agent's back: the frontend and the flow on
+    // that port are reported.
+    let data = MapData::from_pin(pins.path().join(pc::NP_PORTS_MAP)).expect("open NP_PORTS");
+    let mut bits: aya::maps::Array<MapData, u64> = aya::maps::Array::try_from(Map::Array(data)).expect("array");
+    let (word, mask) = pc::np_port_bit(30080, false);
+    let w = bits.get(&word, 0).expect("word");
+    bits.set(word, w & !mask, 0).expect("clear the bit");
+    let (code, doc) = dump_json(pins.path());
+    assert_eq!(code, Some(2), "{doc:#}");
+    let findings = doc["findings"].as_array().cloned().unwrap_or_default();
+    let unbitten: Vec<&Value> = findings.iter().filter(|f| f["kind"] == "missing-port-bit").collect();
+    assert_eq!(unbitten.len(), 2, "the frontend and the flow's forward entry: {findings:#?}");
+    bits.set(word, w, 0).expect("restore the bit");
 
     // Corrupt: remove the local backend behind the agent's back. Its slots
     // now name nothing, and the tracked flow's backend is gone.

@@ -453,14 +453,14 @@ fn icmp_port_unreachable_from_a_backend_reaches_the_client() {
 
 #[test]
 fn an_established_flow_survives_an_agent_restart_and_a_backend_set_change() {
-    established_flow_survives_restart("tcx");
+    established_flow_survives_restart("tcx", &[]);
 }
 
 /// The same with clsact + cls_bpf filters attached over netlink (what
 /// kernels before 6.6 get).
 #[test]
 fn with_clsact_filters_an_established_flow_survives_an_agent_restart() {
-    established_flow_survives_restart("netlink");
+    established_flow_survives_restart("netlink", &[]);
 }
 
 /// Auto mode, the default: tcx on Linux >= 6.6, clsact + cls_bpf before.
@@ -468,10 +468,18 @@ fn with_clsact_filters_an_established_flow_survives_an_agent_restart() {
 /// TOPOPROXY_EXPECT_TC_MODE set to the mechanism that kernel must get.
 #[test]
 fn in_auto_mode_an_established_flow_survives_an_agent_restart() {
-    established_flow_survives_restart("auto");
+    established_flow_survives_restart("auto", &[]);
 }
 
-fn established_flow_survives_restart(mode: &'static str) {
+/// A restart that changes capacities migrates the pinned maps (new maps,
+/// entries copied, programs swapped; see map_migration.rs): the
+/// established flow's conntrack entries move to the new NP_CT with it.
+#[test]
+fn an_established_flow_survives_a_restart_that_resizes_the_maps() {
+    established_flow_survives_restart("auto", &["--max-np-conntrack", "50000", "--max-services", "3000", "--max-slots", "30000"]);
+}
+
+fn established_flow_survives_restart(mode: &'static str, restart_flags: &[&'static str]) {
     let mut w = World::new();
     for n in &mut w.nodes {
         n.extra = vec!["--tc-mode", mode];
@@ -521,6 +529,7 @@ fn established_flow_survives_restart(mode: &'static str) {
     // place, conntrack is pinned.
     w.nodes[0].stop_agent();
     assert_eq!(say("while stopped"), "echo while stopped");
+    w.nodes[0].extra.extend_from_slice(restart_flags);
     w.nodes[0].start_agent();
     eventually("the restarted agent to resync", || {
         let log = std::fs::read_to_string(&w.nodes[0].log).unwrap_or_default();
@@ -529,6 +538,10 @@ fn established_flow_survives_restart(mode: &'static str) {
         if runs.nth(1).is_some_and(|second| second.contains("synced")) { Ok(()) } else { Err(()) }
     });
     assert_eq!(say("after restart"), "echo after restart");
+    if !restart_flags.is_empty() {
+        let log = std::fs::read_to_string(&w.nodes[0].log).unwrap_or_default();
+        assert!(log.contains("map NP_CT resized from") && log.contains("to 50000 entries"), "{log}");
+    }
     // A backend set change that keeps this flow's backend.
     w.publish(&with_peer(&["node-a", "node-b"]));
     w.wait_for(&format!("{NODE_A}:30080"), &[], &["pod-a", "pod-b"]);
@@ -567,6 +580,118 @@ fn established_flow_survives_restart(mode: &'static str) {
     assert_eq!(used.len(), 1, "mixed attach mechanisms: {used:?}");
     if let Some(want) = want {
         assert_eq!(used.into_iter().next(), Some(want.as_str()), "TC attach mechanism in {mode} mode");
+    }
+}
+
+/// A line-echo connection from the client to `to`, kept open: each call
+/// sends one line and returns the answer.
+fn echo_client(w: &World, to: SocketAddr) -> impl Fn(&str) -> String + use<> {
+    let (cmd_tx, cmd_rx) = mpsc::channel::<String>();
+    let (res_tx, res_rx) = mpsc::channel::<Result<String, String>>();
+    spawn_in_netns(&w.client, move || {
+        let s = match TcpStream::connect_timeout(&to, Duration::from_secs(2)) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = res_tx.send(Err(e.to_string()));
+                return;
+            }
+        };
+        s.set_read_timeout(Some(Duration::from_secs(5))).ok();
+        let mut r = BufReader::new(s.try_clone().expect("clone"));
+        let mut s = s;
+        for msg in cmd_rx {
+            let out = s.write_all(format!("{msg}\n").as_bytes()).map_err(|e| e.to_string()).and_then(|()| {
+                let mut line = String::new();
+                r.read_line(&mut line).map_err(|e| e.to_string())?;
+                Ok(line.trim().to_string())
+            });
+            let _ = res_tx.send(out);
+        }
+    })
+    .expect("client thread");
+    move |m: &str| -> String {
+        cmd_tx.send(m.to_string()).expect("client thread alive");
+        res_rx.recv_timeout(wait_limit()).expect("client answered").unwrap_or_else(|e| panic!("{m}: {e}"))
+    }
+}
+
+/// Whether `port` has its bit in the `NP_PORTS` pinned under `pins`.
+fn port_bit(pins: &std::path::Path, port: u16, egress: bool) -> bool {
+    let data = aya::maps::MapData::from_pin(pins.join(proxy_common::NP_PORTS_MAP)).expect("open NP_PORTS");
+    let map: aya::maps::Array<_, u64> = aya::maps::Array::try_from(aya::maps::Map::Array(data)).expect("NP_PORTS is an array");
+    let (word, mask) = proxy_common::np_port_bit(port, egress);
+    map.get(&word, 0).expect("NP_PORTS word") & mask != 0
+}
+
+/// An upgrade over the pins of an agent version without the port bitmap
+/// (no `NP_PORTS`): the new agent creates it and fills it from the pinned
+/// maps before its programs replace the old ones, so an established flow
+/// goes on, also one whose NodePort was removed meanwhile (then only its
+/// conntrack entries name that port). The conntrack GC keeps that port's
+/// bit while the flow lives and clears the bits nothing uses.
+#[test]
+fn an_upgrade_over_pins_without_the_port_bitmap_keeps_an_established_flow() {
+    let mut w = World::new();
+    w.nodes[0].extra = vec!["--conntrack-gc-interval-secs", "1", "--metrics-address", "127.0.0.1:0"];
+    // Remote backend only (through node-a: DNAT + SNAT + conntrack).
+    let manifest = |peer_node_port: u16, dns_node_port: u16| {
+        let extra = format!("  - {{name: peer, port: 81, protocol: TCP, targetPort: 8081, nodePort: {peer_node_port}}}\n");
+        service("web", "Cluster", None, &["node-b"], &extra)
+            .replace(
+                "- {name: dns, port: 5353, protocol: UDP}\n",
+                "- {name: dns, port: 5353, protocol: UDP}\n- {name: peer, port: 8081, protocol: TCP}\n",
+            )
+            .replace("nodePort: 30053", &format!("nodePort: {dns_node_port}"))
+    };
+    w.publish(&manifest(30081, 30053));
+    let _peers = echo_server(&w.nodes[1].pod, format!("{POD_B}:8081").parse().expect("addr")).expect("echo server");
+    w.start();
+    w.wait_for(&format!("{NODE_A}:30080"), &[], &["pod-b"]);
+    let say = echo_client(&w, format!("{NODE_A}:30081").parse().expect("addr"));
+    assert_eq!(say("one"), "echo one");
+    let pins = w.nodes[0].pins.path().to_path_buf();
+    assert!(port_bit(&pins, 30081, false) && port_bit(&pins, 8081, true));
+
+    // Back to pins as an older version left them, and the flow's NodePort
+    // moves (its backend stays in use by the new one), as does the UDP one.
+    w.nodes[0].stop_agent();
+    std::fs::remove_file(pins.join(proxy_common::NP_PORTS_MAP)).expect("unpin NP_PORTS");
+    assert_eq!(say("while stopped"), "echo while stopped");
+    w.nodes[0].write_manifest(&manifest(30082, 30054));
+    w.nodes[0].start_agent();
+    eventually("the new agent to resync", || {
+        let log = std::fs::read_to_string(&w.nodes[0].log).unwrap_or_default();
+        let mut runs = log.split("external traffic datapath ready");
+        let _ = runs.next();
+        if runs.nth(1).is_some_and(|second| second.contains("synced")) { Ok(()) } else { Err(()) }
+    });
+    assert_eq!(say("after the upgrade"), "echo after the upgrade");
+    // The GC has swept with the new agent's claim: the old UDP NodePort
+    // (no flow) lost its bit, the flow's old NodePort kept it.
+    eventually("the GC to clear the unused NodePort's bit", || {
+        let old_udp = port_bit(&pins, 30053, false);
+        if !old_udp && port_bit(&pins, 30054, false) { Ok(()) } else { Err(old_udp) }
+    });
+    assert!(port_bit(&pins, 30081, false), "kept: the flow's conntrack entries use it");
+    assert!(port_bit(&pins, 30082, false) && port_bit(&pins, 8081, true));
+    // /metrics (served in node-a's namespace) shows what the GC left.
+    let log = std::fs::read_to_string(&w.nodes[0].log).unwrap_or_default();
+    let key = "metrics_address=";
+    let addr: SocketAddr = log
+        .rmatch_indices(key)
+        .next()
+        .and_then(|(i, _)| log[i + key.len()..].split_whitespace().next()?.parse().ok())
+        .expect("the agent logs its metrics address");
+    let want = proxy_agent::datapath::port_bits::counts(&pins).expect("NP_PORTS counts");
+    eventually("topoproxy_nodeport_ports to show the bitmap", || {
+        let text = in_netns(&w.nodes[0].ns, move || proxy_test_support::http::http_get(addr, "/metrics")).map_err(|e| e.to_string())??.1;
+        let got = ["ingress", "egress"].map(|d| {
+            proxy_test_support::http::metric(&text, &format!("topoproxy_nodeport_ports{{direction=\"{d}\"}}")).map(|v| v as usize)
+        });
+        if got == [Some(want.0), Some(want.1)] { Ok(()) } else { Err(format!("{got:?} vs {want:?}")) }
+    });
+    for i in 0..3 {
+        assert_eq!(say(&format!("still {i}")), format!("echo still {i}"));
     }
 }
 

@@ -384,6 +384,9 @@ pub mod counter {
     /// An affinity entry could not be stored; the connection still went to
     /// the backend chosen.
     pub const AFFINITY_UPDATE_FAILED: u32 = 10;
+    /// A UDP frontend generation announced a Maglev table that is not
+    /// linked in `SOCK_MAGLEV`: the socket took the modulo slot pick.
+    pub const MAGLEV_MISS: u32 = 11;
     /// The size of the array. Datapaths pinned by an agent version with 8
     /// counters keep their array (the counters above 7 then count nothing
     /// until `proxy-agent reset`).
@@ -402,7 +405,7 @@ pub mod counter {
         "affinity_hit",
         "affinity_stale",
         "affinity_update_failed",
-        "reserved11",
+        "maglev_miss",
         "reserved12",
         "reserved13",
         "reserved14",
@@ -634,6 +637,7 @@ mod tests {
         assert_eq!(counter::NAMES[counter::AFFINITY_UPDATE_FAILED as usize], "affinity_update_failed");
         assert_eq!(np_counter::NAMES[np_counter::DROPPED_SOURCE_RANGE as usize], "dropped_source_range");
         assert_eq!(np_counter::NAMES[np_counter::AFFINITY_UPDATE_FAILED as usize], "affinity_update_failed");
+        assert_eq!(np_counter::NAMES[np_counter::PASS_NOT_OURS as usize], "pass_not_ours");
     }
 }
 
@@ -914,6 +918,25 @@ pub mod np_counter {
     /// connection translated before the programs were attached (by
     /// kube-proxy, in netfilter's conntrack) goes on as it was.
     pub const PASS_UNTRACKED_TCP: u32 = 16;
+    /// A TCP or UDP packet whose port has no bit in `NP_PORTS` (no frontend,
+    /// backend or tracked flow uses it): passed untouched before any hash
+    /// lookup.
+    pub const PASS_NOT_OURS: u32 = 17;
+    /// A frontend generation announced a Maglev table that is not linked
+    /// in `NP_MAGLEV`: the new flow took the modulo slot pick instead.
+    pub const MAGLEV_MISS: u32 = 18;
+    // Counters of the XDP program (xdp.rs), from the top of the array.
+    /// A packet of a flow to a remote backend was translated and forwarded
+    /// by XDP (`XDP_TX`/`XDP_REDIRECT`), before any skb existed.
+    pub const XDP_FORWARDED: u32 = 21;
+    /// XDP translated nothing because the route to the backend was not
+    /// usable from XDP (`bpf_fib_lookup` did not return success, e.g. the
+    /// neighbour is unresolved): passed unchanged to the TC program.
+    pub const XDP_PASS_NO_ROUTE: u32 = 22;
+    /// A packet of a NodePort/LoadBalancer flow that XDP leaves to the TC
+    /// program (local backend, TCP FIN/RST, IP options, a stale backend):
+    /// passed unchanged.
+    pub const XDP_PASS_TO_TC: u32 = 23;
     /// Room for counters to come: the pinned map keeps its size across
     /// upgrades (`reservedN` entries are not exported).
     pub const COUNT: u32 = 24;
@@ -936,13 +959,13 @@ pub mod np_counter {
         "affinity_stale",
         "affinity_update_failed",
         "pass_untracked_tcp",
-        "reserved17",
-        "reserved18",
+        "pass_not_ours",
+        "maglev_miss",
         "reserved19",
         "reserved20",
-        "reserved21",
-        "reserved22",
-        "reserved23",
+        "xdp_forwarded",
+        "xdp_pass_no_route",
+        "xdp_pass_to_tc",
     ];
 }
 
@@ -1057,4 +1080,147 @@ mod terminate_pod {
     unsafe impl aya::Pod for SockTerminateKey {}
     // SAFETY: repr(C), two u64, no padding.
     unsafe impl aya::Pod for SockTerminateValue {}
+}
+
+// ---------------------------------------------------------------------------
+// Maglev consistent hashing (Eisenbud et al., NSDI 2016) for the TC
+// datapath: a frontend's new flows pick their backend from a lookup table of
+// a prime size M instead of `hash % backend_count`, so a backend that comes
+// or goes moves only about its own share of flows, and every node with the
+// same backend set picks the same backend for a flow.
+// ---------------------------------------------------------------------------
+
+/// Hash of maps, [`MaglevKey`] -> an array of M `u32` backend ids (the
+/// frontend's table). Tables exist only for frontends that have one, so a
+/// frontend without (zero backends, socket datapath) costs nothing.
+pub const NP_MAGLEV_MAP: &str = "NP_MAGLEV";
+/// The socket datapath's tables, laid out as `NP_MAGLEV`: the per-socket
+/// pick of unconnected UDP (sendmsg) takes its backend from the UDP
+/// frontend's table, so a backend that leaves moves only its own sockets.
+pub const SOCK_MAGLEV_MAP: &str = "SOCK_MAGLEV";
+/// The default table size: a prime (every skip of a backend's permutation
+/// is then coprime with M), 64 KiB of ids per table.
+pub const MAGLEV_SIZE_DEFAULT: u32 = 16_381;
+/// The large table size, for Services with hundreds of backends (the
+/// shares stay within about 1 % of each other while M is above 100 times
+/// the backend count).
+pub const MAGLEV_SIZE_LARGE: u32 = 65_521;
+/// Keys the outer map holds: one per frontend with backends (frontends
+/// with the same backends link one array), plus the old generations of the
+/// frontends being rewritten. The agent sizes it like `SERVICES`; neither
+/// the outer map (not preallocated) nor the arrays cost anything before
+/// they are used. A table that finds no room is not written: its frontend
+/// takes the modulo pick.
+pub const DEFAULT_MAX_MAGLEV: u32 = DEFAULT_MAX_SERVICES;
+
+/// `ServiceValue.flags`: the frontend's generation has a Maglev table in
+/// `NP_MAGLEV` under (service id, generation); new flows pick from it.
+/// Without it (a datapath written by an agent without tables) they take the
+/// modulo slot pick.
+pub const SVC_FLAG_MAGLEV: u32 = 8;
+/// `ServiceValue.flags`, with [`SVC_FLAG_MAGLEV`]: the table has
+/// [`MAGLEV_SIZE_LARGE`] entries; without it, [`MAGLEV_SIZE_DEFAULT`].
+pub const SVC_FLAG_MAGLEV_LARGE: u32 = 16;
+
+/// `NP_MAGLEV` key: the table of one generation of one frontend, written
+/// before the frontend's service entry switches to that generation and
+/// removed after it switched away (as the slots are).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct MaglevKey {
+    pub service_id: u32,
+    pub generation: u32,
+}
+
+impl ServiceValue {
+    /// M of this frontend's Maglev table, or 0 when it has none.
+    #[inline(always)]
+    pub fn maglev_size(&self) -> u32 {
+        if self.flags & SVC_FLAG_MAGLEV == 0 {
+            0
+        } else if self.flags & SVC_FLAG_MAGLEV_LARGE != 0 {
+            MAGLEV_SIZE_LARGE
+        } else {
+            MAGLEV_SIZE_DEFAULT
+        }
+    }
+}
+
+/// The hash that picks a new flow's table entry. It leaves out the
+/// destination address, which for a NodePort is the receiving node's own:
+/// what is left (client address and port, frontend port, protocol) is the
+/// same on every node a flow's packets may reach, so two nodes with the
+/// same table pick the same backend. With session affinity only the
+/// client's address counts (kube-proxy's ClientIP), so all of a client's
+/// flows agree too.
+#[inline(always)]
+pub fn maglev_hash(saddr: &[u32; 4], sport_be: u16, dport_be: u16, proto: u8, client_only: bool) -> u32 {
+    let a = saddr[0] ^ saddr[1].rotate_left(7) ^ saddr[2].rotate_left(13) ^ saddr[3].rotate_left(19);
+    if client_only {
+        return fmix32(a);
+    }
+    fmix32(fmix32(a) ^ ((u32::from(sport_be) << 16) | u32::from(dport_be)) ^ (u32::from(proto) << 8))
+}
+
+const _: () = {
+    assert!(core::mem::size_of::<MaglevKey>() == 8);
+    assert!(SVC_FLAG_MAGLEV_LARGE < (1 << SVC_AFFINITY_SCOPE_SHIFT));
+};
+
+#[cfg(feature = "user")]
+mod maglev_pod {
+    //! As for `pod`: repr(C), integer fields only, no implicit padding.
+
+    use super::MaglevKey;
+
+    // SAFETY: repr(C), two u32 = 8 bytes, no padding.
+    unsafe impl aya::Pod for MaglevKey {}
+}
+
+// ---------------------------------------------------------------------------
+// TC port bitmap: which ports the TC programs may have to translate, so that
+// a packet that is not ours passes after an array lookup instead of the
+// conntrack and frontend hash lookups.
+// ---------------------------------------------------------------------------
+
+/// Array of `u64` words, one bit per port: bit `port % 64` of word
+/// `port / 64`, the port in host byte order, for ingress (destination
+/// ports: frontends, and the frontends of tracked flows) in words
+/// `0..NP_PORT_WORDS`, and for egress (source or destination ports:
+/// backends of frontends and of tracked flows) in words
+/// `NP_PORTS_EGRESS_BASE..`. A set bit only means "look further".
+pub const NP_PORTS_MAP: &str = "NP_PORTS";
+/// Words per direction: 65536 ports / 64 bits.
+pub const NP_PORT_WORDS: u32 = 1024;
+/// Index of the first egress word.
+pub const NP_PORTS_EGRESS_BASE: u32 = NP_PORT_WORDS;
+/// Entries of `NP_PORTS`: both directions, 16 KiB.
+pub const NP_PORTS_ENTRIES: u32 = 2 * NP_PORT_WORDS;
+
+/// The `NP_PORTS` word index and bit mask of a port in host byte order,
+/// `egress` selecting the direction.
+#[inline(always)]
+pub fn np_port_bit(port: u16, egress: bool) -> (u32, u64) {
+    let base = if egress { NP_PORTS_EGRESS_BASE } else { 0 };
+    (base + u32::from(port >> 6), 1u64 << (port & 63))
+}
+
+// ---------------------------------------------------------------------------
+// Socket port bitmap: which destination ports have a frontend in `SERVICES`,
+// so that a connect() or sendmsg() that is not ours returns after an array
+// lookup instead of a hash lookup that misses.
+// ---------------------------------------------------------------------------
+
+/// Array of `u64` words, one bit per destination port of a `SERVICES` key
+/// (any frontend the socket programs translate): bit `port % 64` of word
+/// `port / 64`, the port in host byte order. The layout of `NP_PORTS`'
+/// ingress half. A set bit only means "look further".
+pub const SOCK_PORTS_MAP: &str = "SOCK_PORTS";
+/// Entries of `SOCK_PORTS`: 65536 ports / 64 bits, 8 KiB.
+pub const SOCK_PORTS_ENTRIES: u32 = NP_PORT_WORDS;
+
+/// The `SOCK_PORTS` word index and bit mask of a port in host byte order.
+#[inline(always)]
+pub fn sock_port_bit(port_host: u16) -> (u32, u64) {
+    np_port_bit(port_host, false)
 }

@@ -10,6 +10,11 @@
 //! * `bench_empty_connect4`: a cgroup/connect4 program that lets every call
 //!   through. The kernel's run-time statistics (`bpf_stats_enabled`) of our
 //!   `connect4` are compared with its figure under the same connect() load.
+//! * `bench_step{1..7}_connect4`: our connect4's work cut off after each of
+//!   its steps (see `probe`), for a cost breakdown by difference: the
+//!   benchmark attaches one at a time in a child of the bench cgroup, so it
+//!   runs right before our `connect4` on the same connect() calls and sees
+//!   the address the application asked for.
 //! * `bench_minimal_tc`: the least a TC program that looks at the same
 //!   traffic must do: the parse of Ethernet + IPv4/IPv6 + TCP/UDP ports that
 //!   `np_ingress` does, with exactly its bounds checks (it calls the same
@@ -19,17 +24,158 @@
 //!   disable), which the benchmark subtracts from the other two.
 
 use aya_ebpf::{
-    bindings::{TC_ACT_OK, TC_ACT_UNSPEC},
-    macros::{cgroup_sock_addr, classifier},
+    EbpfContext,
+    bindings::{BPF_F_NO_COMMON_LRU, TC_ACT_OK, TC_ACT_UNSPEC},
+    btf_maps::{LruHashMap, SkStorage},
+    helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie},
+    macros::{btf_map, cgroup_sock_addr, classifier},
     programs::{SockAddrContext, TcContext},
 };
+use proxy_common::{FAMILY_V4, PROTO_TCP, PROTO_UDP, ServiceKey, SockRevNatKey, SockRevNatValue, counter};
 
+use crate::maps::{SERVICES, SOCK_REVNAT, count};
 use crate::packet::{Parsed, parse};
+use crate::sockaddr::read_peer;
 
 #[cgroup_sock_addr(connect4)]
 pub fn bench_empty_connect4(_ctx: SockAddrContext) -> i32 {
     1 // allow the connect() unchanged
 }
+
+#[cgroup_sock_addr(connect4)]
+pub fn bench_step1_connect4(ctx: SockAddrContext) -> i32 {
+    probe::<1>(&ctx)
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn bench_step2_connect4(ctx: SockAddrContext) -> i32 {
+    probe::<2>(&ctx)
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn bench_step3_connect4(ctx: SockAddrContext) -> i32 {
+    probe::<3>(&ctx)
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn bench_step4_connect4(ctx: SockAddrContext) -> i32 {
+    probe::<4>(&ctx)
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn bench_step5_connect4(ctx: SockAddrContext) -> i32 {
+    probe::<5>(&ctx)
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn bench_step6_connect4(ctx: SockAddrContext) -> i32 {
+    probe::<6>(&ctx)
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn bench_step7_connect4(ctx: SockAddrContext) -> i32 {
+    probe::<7>(&ctx)
+}
+
+/// The steps of `connect4` on a plain Service (no affinity, no source
+/// ranges) up to and including step `STEPS`, never rewriting the address:
+/// 1 the context reads (protocol, address, port); 2 the `SERVICES` lookup;
+/// 3 the random pick and the `SLOTS` lookup; 4 the `BACKENDS` lookup; 5 the
+/// socket cookie; 6 the `SOCK_REVNAT` insert; 7 the `TRANSLATED` counter.
+/// `connect4` itself adds the address stores to step 7. Every probe lets
+/// the call through unchanged; the compiler keeps each step all the same
+/// (context loads are volatile, map operations and helpers are calls).
+#[inline(always)]
+fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
+    let sa = ctx.sock_addr;
+    // SAFETY: as in `try_forward`: the kernel's `bpf_sock_addr` context,
+    // `protocol` read as one 4-byte load the verifier rewrites.
+    let proto = unsafe { (*sa).protocol } as u8;
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return 1;
+    }
+    let dst = read_peer::<FAMILY_V4>(sa);
+    if STEPS < 2 {
+        return 1;
+    }
+    let key = ServiceKey { ip_be: dst.ip_be, port_be: dst.port_be, proto, family: dst.family };
+    // SAFETY: as in `try_forward`: valid value memory for the run, copied
+    // out at once.
+    let Some(svc) = (unsafe { SERVICES.get(&key) }).copied() else {
+        return 1;
+    };
+    if STEPS < 3 || svc.backend_count == 0 {
+        return 1;
+    }
+    // SAFETY: the helper takes no arguments and touches no memory of ours.
+    let hash = unsafe { bpf_get_prandom_u32() };
+    let Some(id) = crate::slot_backend_id(&svc, hash) else {
+        return 1;
+    };
+    if STEPS < 4 {
+        return 1;
+    }
+    let Some(backend) = crate::backend_addr(id) else {
+        return 1;
+    };
+    if STEPS < 5 {
+        return 1;
+    }
+    // SAFETY: the helper gets this program's own context, as it requires.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    if STEPS < 6 {
+        return 1;
+    }
+    // The top bit keeps the probe's entry apart from the one `connect4`
+    // then inserts for the same socket (cookies count up from 1).
+    let rev_key =
+        SockRevNatKey { cookie: cookie | 1 << 63, ip_be: backend.ip_be, port_be: backend.port_be, family: backend.family, _pad: [0; 5] };
+    let rev_val = SockRevNatValue { ip_be: dst.ip_be, port_be: dst.port_be, family: dst.family, _pad: 0 };
+    if STEPS == ALT_PERCPU_LRU {
+        let _ = BENCH_LRU_PERCPU.insert(&rev_key, &rev_val, 0);
+        return 1;
+    }
+    if STEPS == ALT_SK_STORAGE {
+        let mut v = rev_val;
+        // SAFETY: as in `remember`: aya passes the context's socket, and the
+        // helper copies `v`, a value of the map's type on our stack, into a
+        // new element.
+        let _ = unsafe { BENCH_SK_STORAGE.get_or_insert_ptr_mut(ctx, Some(&mut v)) };
+        return 1;
+    }
+    let _ = SOCK_REVNAT.insert(&rev_key, &rev_val, 0);
+    if STEPS >= 7 {
+        count(counter::TRANSLATED);
+    }
+    1
+}
+
+/// Alternatives to step 6 (the `SOCK_REVNAT` insert), measured the same
+/// way: the same steps up to the socket cookie, then the same entry
+/// recorded in an LRU map with per-CPU LRU lists (`BPF_F_NO_COMMON_LRU`) or
+/// in socket storage. Bench-only maps: the agent's loads of the object
+/// create every map in it, so the LRU map is declared with one element
+/// (the kernel rounds a per-CPU LRU up to one per possible CPU,
+/// `htab_map_alloc`) and the benchmark sizes it like `SOCK_REVNAT` when it
+/// loads the object itself; socket storage costs nothing until used.
+#[btf_map(name = "BENCH_LRU_PERCPU")]
+static BENCH_LRU_PERCPU: LruHashMap<SockRevNatKey, SockRevNatValue, 1, { BPF_F_NO_COMMON_LRU as usize }> = LruHashMap::new();
+
+#[btf_map(name = "BENCH_SK_STORAGE")]
+static BENCH_SK_STORAGE: SkStorage<SockRevNatValue> = SkStorage::new();
+
+#[cgroup_sock_addr(connect4)]
+pub fn bench_alt_percpu_lru_connect4(ctx: SockAddrContext) -> i32 {
+    probe::<{ ALT_PERCPU_LRU }>(&ctx)
+}
+
+#[cgroup_sock_addr(connect4)]
+pub fn bench_alt_sk_storage_connect4(ctx: SockAddrContext) -> i32 {
+    probe::<{ ALT_SK_STORAGE }>(&ctx)
+}
+
+const ALT_PERCPU_LRU: u8 = 100;
+const ALT_SK_STORAGE: u8 = 101;
 
 #[classifier]
 pub fn bench_minimal_tc(ctx: TcContext) -> i32 {
@@ -60,4 +206,12 @@ fn try_minimal_tc(ctx: &TcContext) -> i32 {
 #[classifier]
 pub fn bench_empty_tc(_ctx: TcContext) -> i32 {
     TC_ACT_OK
+}
+
+/// The least an XDP program can do: pass every frame. The reference for
+/// `xdp_nodeport`'s per-packet cost under BPF_PROG_TEST_RUN: its figure is
+/// the harness' own overhead plus an XDP program's entry and exit.
+#[aya_ebpf::macros::xdp]
+pub fn bench_minimal_xdp(_ctx: aya_ebpf::programs::XdpContext) -> u32 {
+    aya_ebpf::bindings::xdp_action::XDP_PASS
 }

@@ -25,12 +25,16 @@
 mod baseline;
 mod icmp;
 mod kernel;
+mod maglev_maps;
 mod maps;
 mod nodeport;
 mod nodeport_maps;
 mod packet;
 mod sock_iter;
 mod sockaddr;
+mod xdp;
+
+use core::ptr::{addr_of, read_volatile};
 
 use aya_ebpf::{
     EbpfContext,
@@ -40,12 +44,15 @@ use aya_ebpf::{
     programs::SockAddrContext,
 };
 use proxy_common::{
-    AFFINITY_REFRESH_NS, AffinityMatchKey, AffinityValue, BackendKey, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, SOURCE_RANGE_FIXED_BITS,
-    SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, SVC_FLAG_SOURCE_RANGES_NODE, ServiceKey, ServiceValue, SockAffinityKey, SockPeerValue,
-    SockRevNatKey, SockRevNatValue, SourceRangeKey, affinity_expired, counter, socket_hash,
+    AFFINITY_REFRESH_NS, AffinityMatchKey, AffinityValue, BackendKey, FAMILY_V4, FAMILY_V6, MaglevKey, PROTO_TCP, PROTO_UDP,
+    SOURCE_RANGE_FIXED_BITS, SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, SVC_FLAG_SOURCE_RANGES_NODE, ServiceKey, ServiceValue,
+    SockAffinityKey, SockPeerValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, affinity_expired, counter, sock_port_bit, socket_hash,
 };
 
-use maps::{AFFINITY, AFFINITY_MATCH, BACKENDS, NODE_NETNS, SERVICES, SLOTS, SOCK_CONFIG, SOCK_PEER, SOCK_REVNAT, SOURCE_RANGES, count};
+use maglev_maps::SOCK_MAGLEV;
+use maps::{
+    AFFINITY, AFFINITY_MATCH, BACKENDS, NODE_NETNS, SERVICES, SLOTS, SOCK_CONFIG, SOCK_PEER, SOCK_PORTS, SOCK_REVNAT, SOURCE_RANGES, count,
+};
 use sockaddr::{Addr, bound_source, read_peer, write_peer};
 
 /// sock_addr programs return 1 to let the call proceed.
@@ -152,10 +159,23 @@ fn verdict(result: Result<i32, u32>) -> i32 {
 #[inline(always)]
 fn try_forward<const FAMILY: u8, const KERNEL: u8>(ctx: &SockAddrContext, pick: Pick) -> Result<i32, u32> {
     let sa = ctx.sock_addr;
+    // The port first: a call to a port no frontend uses is then decided
+    // with one context load and one array lookup (the protocol lives on
+    // the socket, a further dependent load).
     // SAFETY: `sa` is the `bpf_sock_addr` context the kernel passed to this
-    // program: non-null and valid for the whole run. `protocol` is readable
-    // by every sock_addr attach type as one 4-byte load, which the verifier
-    // rewrites into a read of the socket (`sock_addr_is_valid_access`,
+    // program: non-null and valid for the whole run. `user_port` is readable
+    // by every sock_addr attach type as one aligned 4-byte load, which the
+    // verifier rewrites into a read of the kernel's sockaddr
+    // (`sock_addr_is_valid_access`); volatile so that it stays one 4-byte
+    // load. It holds the network-order port in its first two bytes.
+    // `addr_of!` never creates a reference to the context.
+    let port_be = unsafe { read_volatile(addr_of!((*sa).user_port)) } as u16;
+    if !port_may_be_frontend(port_be) {
+        return Ok(ALLOW); // no frontend on this port: none of our business
+    }
+    // SAFETY: `sa` as above. `protocol` is readable by every sock_addr
+    // attach type as one 4-byte load, which the verifier rewrites into a
+    // read of the socket (`sock_addr_is_valid_access`,
     // `sock_addr_convert_ctx_access`).
     let proto = unsafe { (*sa).protocol } as u8;
     if proto != PROTO_TCP && proto != PROTO_UDP {
@@ -215,7 +235,8 @@ fn try_forward<const FAMILY: u8, const KERNEL: u8>(ctx: &SockAddrContext, pick: 
     let backend = match sticky {
         Some(b) => b,
         None => {
-            let (id, b) = match lookup_backend(&svc, hash) {
+            let per_socket = matches!(pick, Pick::PerSocket);
+            let (id, b) = match lookup_backend(&svc, hash, per_socket) {
                 Some(b) => b,
                 None => {
                     // SAFETY: as for the first lookup: valid for the run,
@@ -226,7 +247,7 @@ fn try_forward<const FAMILY: u8, const KERNEL: u8>(ctx: &SockAddrContext, pick: 
                     if fresh.backend_count == 0 {
                         return Ok(refuse::<KERNEL>(counter::REFUSED_NO_BACKEND));
                     }
-                    lookup_backend(&fresh, hash).ok_or(counter::SLOT_MISS)?
+                    lookup_backend(&fresh, hash, per_socket).ok_or(counter::SLOT_MISS)?
                 }
             };
             if let Some(k) = &affinity {
@@ -245,6 +266,19 @@ fn try_forward<const FAMILY: u8, const KERNEL: u8>(ctx: &SockAddrContext, pick: 
     Ok(ALLOW)
 }
 
+/// Whether a frontend in `SERVICES` may use this destination port: its bit
+/// in `SOCK_PORTS` (one array lookup, no hashing) is set. The agent sets a
+/// port's bit before it writes the port's first frontend and clears it
+/// only after the last one is deleted, so a clear bit is a sure miss. A
+/// lookup that fails (impossible: every u16 port indexes one of the
+/// `SOCK_PORTS_ENTRIES` words) counts as set, so the `SERVICES` lookup
+/// decides.
+#[inline(always)]
+fn port_may_be_frontend(port_be: u16) -> bool {
+    let (word, mask) = sock_port_bit(u16::from_be(port_be));
+    SOCK_PORTS.get(word).is_none_or(|w| *w & mask != 0)
+}
+
 /// Fails the call with `ECONNREFUSED` (Kubernetes promises "connection
 /// refused" for a Service without endpoints), counting `reason`. The
 /// `COMPAT` variant has no `bpf_set_retval` (Linux 5.18), so there the
@@ -261,15 +295,50 @@ fn refuse<const KERNEL: u8>(reason: u32) -> i32 {
     REJECT
 }
 
-/// The backend of the slot `hash` selects: its id and address.
+/// The backend `hash` selects: its id and address. A per-socket pick
+/// (unconnected UDP) takes it from the frontend's Maglev table when its
+/// generation has one, so that a backend leaving moves only the sockets
+/// that used it; otherwise (random picks, no table, a table not linked
+/// in) from the slot `hash` selects.
 #[inline(always)]
-fn lookup_backend(svc: &ServiceValue, hash: u32) -> Option<(u32, Addr)> {
-    // SAFETY: map values stay valid memory for the program run (RCU,
-    // preallocated elements), and each is read right away, before the next
-    // map operation; a concurrently recycled element yields integers that
-    // are valid if stale.
-    let id = unsafe { SLOTS.get(&svc.slot_for(hash)) }?.backend_id;
+fn lookup_backend(svc: &ServiceValue, hash: u32, per_socket: bool) -> Option<(u32, Addr)> {
+    let id = match if per_socket { maglev_backend_id(svc, hash) } else { None } {
+        Some(id) => id,
+        None => slot_backend_id(svc, hash)?,
+    };
     Some((id, backend_addr(id)?))
+}
+
+/// The backend id entry `hash % M` of the frontend generation's Maglev
+/// table names, or `None` without a table.
+#[inline(always)]
+fn maglev_backend_id(svc: &ServiceValue, hash: u32) -> Option<u32> {
+    let m = svc.maglev_size();
+    if m == 0 {
+        return None;
+    }
+    let key = MaglevKey { service_id: svc.service_id, generation: svc.generation };
+    // SAFETY: the outer lookup returns the inner array the agent linked in
+    // under this generation, which the kernel keeps alive for the run
+    // (an unlinked inner map is freed only after an RCU grace period);
+    // array elements are plain u32 memory, never freed while their map
+    // exists, and the id is copied out at once. The agent fills a table
+    // before linking it in; an index past an array's size is a miss.
+    let id = unsafe { SOCK_MAGLEV.get_value(&key, &(hash % m)) }.copied();
+    if id.is_none() {
+        count(counter::MAGLEV_MISS);
+    }
+    id
+}
+
+/// The backend id in the slot `hash` selects.
+#[inline(always)]
+fn slot_backend_id(svc: &ServiceValue, hash: u32) -> Option<u32> {
+    // SAFETY: map values stay valid memory for the program run (RCU,
+    // preallocated elements), and the id is read right away, before the
+    // next map operation; a concurrently recycled element yields a valid if
+    // stale integer.
+    Some(unsafe { SLOTS.get(&svc.slot_for(hash)) }?.backend_id)
 }
 
 #[inline(always)]

@@ -34,15 +34,16 @@ use aya_ebpf::{
 use proxy_common::{
     AFFINITY_REFRESH_NS, AddrKey, AffinityMatchKey, AffinityValue, BackendKey, BackendValue, CT_DIR_FORWARD, CT_DIR_REPLY,
     CT_DIR_REPLY_SNAT, CT_DIR_SNAT, CT_FLAG_CLOSING, CT_FLAG_REPLIED, CT_FLAG_SNAT, CT_REFRESH_S, CT_TIMEOUT_OTHER_S,
-    CT_TIMEOUT_TCP_CLOSING_S, CT_TIMEOUT_TCP_S, CT_TIMEOUT_TCP_SYN_S, CtKey, CtValue, FAMILY_V4, NP_FLAG_POLICY_LOCAL, NpAffinityKey,
-    PROTO_TCP, SOURCE_RANGE_FIXED_BITS, SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRangeKey,
-    affinity_expired, ct_dir_from_client, ct_flags_after, flow_hash, np_counter,
+    CT_TIMEOUT_TCP_CLOSING_S, CT_TIMEOUT_TCP_S, CT_TIMEOUT_TCP_SYN_S, CtKey, CtValue, FAMILY_V4, MaglevKey, NP_FLAG_POLICY_LOCAL,
+    NpAffinityKey, PROTO_TCP, SOURCE_RANGE_FIXED_BITS, SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRangeKey,
+    affinity_expired, ct_dir_from_client, ct_flags_after, flow_hash, maglev_hash, np_counter, np_port_bit,
 };
 
 use crate::kernel;
+use crate::maglev_maps::NP_MAGLEV;
 use crate::nodeport_maps::{
-    NP_AFFINITY, NP_AFFINITY_MATCH, NP_BACKENDS, NP_CONFIG, NP_CT, NP_FLAGS, NP_LOCAL, NP_SCRATCH, NP_SERVICES, NP_SLOTS, NP_SOURCE_RANGES,
-    NpScratch, np_count,
+    NP_AFFINITY, NP_AFFINITY_MATCH, NP_BACKENDS, NP_CONFIG, NP_CT, NP_FLAGS, NP_LOCAL, NP_PORTS, NP_SCRATCH, NP_SERVICES, NP_SLOTS,
+    NP_SOURCE_RANGES, NpScratch, np_count,
 };
 use crate::packet::{Parsed, Pkt, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, parse, rewrite};
 
@@ -95,11 +96,18 @@ fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> Result<i32,
         Parsed::NotIp => return Ok(PASS),
     };
 
+    // Most packets a device carries are not ours: two array lookups tell,
+    // before any hash lookup (see `port_in_use`).
+    let snat_reply = ingress && may_be_snat_reply(&p);
+    if !snat_reply && !port_in_use(&p, ingress) {
+        return Err(np_counter::PASS_NOT_OURS);
+    }
+
     // A reply of a tracked flow. One key on the stack, reused for each
     // lookup, and values used in place: the verifier allows 512 bytes of
     // stack for the whole call chain.
     let mut key = ct_key(&p, if ingress { CT_DIR_REPLY_SNAT } else { CT_DIR_REPLY });
-    let reply = if ingress && !may_be_snat_reply(&p) { None } else { NP_CT.get_ptr_mut(&key) };
+    let reply = if ingress && !snat_reply { None } else { NP_CT.get_ptr_mut(&key) };
     if let Some(v) = reply {
         // SAFETY: `v` is the non-null value pointer of an NP_CT element. The
         // program runs under rcu_read_lock, and the LRU map's elements are
@@ -200,6 +208,37 @@ fn may_be_snat_reply(p: &Pkt) -> bool {
         return false;
     }
     if p.family == FAMILY_V4 { p.daddr[0] == cfg.snat_v4_be } else { p.daddr == cfg.snat_v6_be }
+}
+
+/// Whether a port of the packet has its bit in `NP_PORTS`, i.e. whether a
+/// lookup below can match. Every entry the programs look up here names the
+/// port in the key:
+///
+/// * ingress, the destination port: forward entries (`CT_DIR_FORWARD`) and
+///   frontends (`NP_SERVICES`) are keyed by the frontend's port. Replies to
+///   SNAT ports (`CT_DIR_REPLY_SNAT`) are told by `may_be_snat_reply`.
+/// * egress, the source port: reply entries (`CT_DIR_REPLY`) are keyed by
+///   the backend's port (0 for the node's own refusal, see `no_backend`);
+///   or the destination port: the forward leg of a SNAT'ed flow
+///   (`CT_DIR_SNAT`) goes to the backend's port.
+///
+/// The agent sets a port's bit before it writes a frontend or backend that
+/// uses it, and fills the map from the pinned maps before it attaches new
+/// programs, so a clear bit means no such entry exists. Fails open: a
+/// lookup that fails (impossible below `NP_PORTS_ENTRIES`) counts as set.
+#[inline(always)]
+fn port_in_use(p: &Pkt, ingress: bool) -> bool {
+    if ingress { port_bit(p.dport_be, false) } else { port_bit(p.sport_be, true) || port_bit(p.dport_be, true) }
+}
+
+#[inline(always)]
+fn port_bit(port_be: u16, egress: bool) -> bool {
+    let (word, mask) = np_port_bit(u16::from_be(port_be), egress);
+    // The agent updates a word as a whole (`bpf_map_update_elem` copies
+    // it); a word read mid-update holds old or new bits, and the agent
+    // only ever adds bits that are about to be needed or removes bits
+    // that no entry needs, so either is right.
+    NP_PORTS.get(word).is_none_or(|w| *w & mask != 0)
 }
 
 /// CLOCK_MONOTONIC seconds, the clock of the agent's conntrack GC
@@ -326,7 +365,7 @@ fn reservation_expired(s: &mut NpScratch, now: u32, proto: u8, family: u8) -> bo
 
 /// `new_flow`'s answer for "translate with the scratch area's `fwd`"; no TC
 /// verdict has this value.
-const TRANSLATE: i32 = 0x7fff_0000;
+pub(crate) const TRANSLATE: i32 = 0x7fff_0000;
 
 /// A new flow (or one whose backend went away): look the frontend up, pick
 /// a backend, reserve the reply tuple, remember the flow, translate.
@@ -344,7 +383,7 @@ const TRANSLATE: i32 = 0x7fff_0000;
 /// kernel/bpf/verifier.c, `prepare_func_exit`). Whether it does depends on
 /// the generated code around it, so an unrelated edit can bring it on.
 #[inline(never)]
-fn new_flow<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> i64 {
+pub(crate) fn new_flow<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> i64 {
     match new_flow_inner::<KERNEL>(p, fwd_key) {
         Ok(verdict) => i64::from(verdict),
         Err(reason) => NEW_FLOW_ERR | i64::from(reason),
@@ -353,7 +392,7 @@ fn new_flow<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> i64 {
 
 /// `new_flow`'s error answers carry this bit above every verdict (verdicts
 /// are i32, `TRANSLATE` included).
-const NEW_FLOW_ERR: i64 = 1 << 40;
+pub(crate) const NEW_FLOW_ERR: i64 = 1 << 40;
 
 #[inline(always)]
 fn new_flow_inner<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
@@ -399,7 +438,7 @@ fn new_flow_inner<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32
     let (backend_id, b) = match sticky {
         Some(b) => b,
         None => {
-            let picked = match pick(svc, hash) {
+            let picked = match pick(svc, p, hash) {
                 Some(b) => b,
                 None => {
                     // Rewritten by the agent under us: look once more (see
@@ -411,7 +450,7 @@ fn new_flow_inner<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32
                     if fresh.backend_count == 0 {
                         return no_backend::<KERNEL>(p, &skey);
                     }
-                    pick(fresh, hash).ok_or(np_counter::SLOT_MISS)?
+                    pick(fresh, p, hash).ok_or(np_counter::SLOT_MISS)?
                 }
             };
             if affine {
@@ -657,7 +696,7 @@ fn affinity_remember(p: &Pkt, scope_id: u32, backend_id: u32, now_ns: u64) {
 }
 
 #[inline(always)]
-fn backend_alive(v: &CtValue) -> bool {
+pub(crate) fn backend_alive(v: &CtValue) -> bool {
     // SAFETY: the value is valid memory for the run (RCU, preallocated hash
     // elements) and read at once; a concurrent replacement by the agent
     // leaves stale integers, never an invalid `BackendValue`.
@@ -667,13 +706,19 @@ fn backend_alive(v: &CtValue) -> bool {
     }
 }
 
-/// The backend of the slot `hash` selects: its id and its entry, looked up
-/// once here (a hash lookup each; the caller needs both).
+/// The backend of a new flow: its id and its entry, looked up once here
+/// (the caller needs both). The frontend's Maglev table picks it when the
+/// generation has one; otherwise (a datapath written by an agent without
+/// tables, or a table not linked in) the slot `hash` selects, so a missing
+/// table never breaks the flow.
 #[inline(always)]
-fn pick(svc: &ServiceValue, hash: u32) -> Option<(u32, &'static BackendValue)> {
-    // SAFETY: valid memory for the run (RCU, preallocated hash elements),
-    // read at once.
-    let id = unsafe { NP_SLOTS.get(&svc.slot_for(hash)) }?.backend_id;
+fn pick(svc: &ServiceValue, p: &Pkt, hash: u32) -> Option<(u32, &'static BackendValue)> {
+    let id = match maglev_entry(svc, p) {
+        Some(id) => id,
+        // SAFETY: valid memory for the run (RCU, preallocated hash
+        // elements), read at once.
+        None => unsafe { NP_SLOTS.get(&svc.slot_for(hash)) }?.backend_id,
+    };
     // The backend must exist too (a slot may briefly point at a backend
     // that an interrupted agent never wrote).
     // SAFETY: a map value stays valid memory for this program run (RCU,
@@ -683,6 +728,30 @@ fn pick(svc: &ServiceValue, hash: u32) -> Option<(u32, &'static BackendValue)> {
     // integers, never an invalid `BackendValue`.
     let b = unsafe { NP_BACKENDS.get(&BackendKey { backend_id: id }) }?;
     Some((id, b))
+}
+
+/// The backend id the frontend generation's Maglev table names for this
+/// flow (see `proxy_common::maglev_hash`), or `None` without a table.
+#[inline(always)]
+fn maglev_entry(svc: &ServiceValue, p: &Pkt) -> Option<u32> {
+    let m = svc.maglev_size();
+    if m == 0 {
+        return None;
+    }
+    let hash = maglev_hash(&p.saddr, p.sport_be, p.dport_be, p.proto, svc.flags & SVC_FLAG_AFFINITY != 0);
+    let key = MaglevKey { service_id: svc.service_id, generation: svc.generation };
+    // SAFETY: the outer lookup returns the inner array the agent linked in
+    // under this generation; the kernel keeps it alive for the run (inner
+    // maps are freed after an RCU grace period once unlinked), and an array
+    // element is plain u32 memory that is never freed while its map exists.
+    // The programs never write the tables, and the agent fills a table
+    // before linking it in, so the value is a complete id. An index past an
+    // array's size (not possible with the agent's tables) is a miss.
+    let id = unsafe { NP_MAGLEV.get_value(&key, &(hash % m)) }.copied();
+    if id.is_none() {
+        np_count(np_counter::MAGLEV_MISS);
+    }
+    id
 }
 
 /// A frontend without a usable backend.

@@ -120,12 +120,12 @@ const KERNELS: [Kernel; 4] = [
 ];
 
 /// Every binary of [`TESTS`]: the kernels most clusters run.
-const ALL_BINARIES: &[&str] = &["nodeport", "socket_lb", "session_affinity", "lb_policy", "policy_maps", "stale_backends"];
+const ALL_BINARIES: &[&str] = &["nodeport", "socket_lb", "session_affinity", "lb_policy", "policy_maps", "stale_backends", "maglev"];
 /// The ends of the range (the 5.10 floor, the newest kernel): the socket
 /// load balancer and NodePort sets, upgrades and restarts included, which
 /// hold every program variant and attach mode; four guests on two cores
 /// must still fit CI's time.
-const EDGE_BINARIES: &[&str] = &["nodeport", "socket_lb"];
+const EDGE_BINARIES: &[&str] = &["nodeport", "socket_lb", "maglev"];
 
 /// Host packages: the emulator, a static busybox for the initramfs,
 /// iproute2 (copied in with its libraries) and xz for 6.12's `.ko.xz`.
@@ -153,8 +153,10 @@ const HOST_PROGRAMS: [&str; 2] = ["/usr/sbin/ip", "/usr/sbin/tc"];
 /// clock in sock_addr programs), loadBalancerSourceRanges (an LPM trie
 /// read by both datapaths), and sockets and flows to a departed backend
 /// ended (BPF socket iterators where the kernel has `bpf_sock_destroy`,
-/// 6.12; netlink `SOCK_DESTROY` on 6.1, and on 6.12 when told to).
-const TESTS: [(&str, &[&str]); 6] = [
+/// 6.12; netlink `SOCK_DESTROY` on 6.1, and on 6.12 when told to), maps
+/// written one entry per call where batches are hidden, and Maglev tables
+/// (hash-of-maps with mmap-able inner arrays) read by both datapaths.
+const TESTS: [(&str, &[&str]); 7] = [
     (
         "nodeport",
         &[
@@ -173,6 +175,7 @@ const TESTS: [(&str, &[&str]); 6] = [
             "one_udp_socket_talking_to_two_services_and_a_pod_sees_each_true_source",
             "an_ipv4_service_dialled_as_an_ipv4_mapped_address_from_an_ipv6_socket",
             "a_udp_reply_read_after_an_upgrade_from_an_agent_without_socket_storage_shows_the_service",
+            "without_batch_operations_the_maps_are_written_one_entry_at_a_time",
         ],
     ),
     (
@@ -206,6 +209,10 @@ const TESTS: [(&str, &[&str]); 6] = [
             "the_netlink_fallback_terminates_udp_and_tcp_sockets_too",
             "nodeport_udp_flows_move_to_the_surviving_backend",
         ],
+    ),
+    (
+        "maglev",
+        &["the_picks_follow_the_table_as_the_agent_computed_it", "removing_one_of_ten_udp_backends_moves_only_the_sockets_that_used_it"],
     ),
 ];
 

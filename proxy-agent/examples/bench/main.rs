@@ -9,11 +9,13 @@
 
 mod control_plane;
 mod forwarding;
+mod kernel_memory;
 mod manifest_input;
 mod programs;
 mod report;
 mod rules;
 mod workload;
+mod xdp;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -53,7 +55,10 @@ struct Args {
     /// from manifests, `--repeats` times, printed and not written to a
     /// report; all three for quick before/after comparisons;
     /// `manifest-input`: only the manifest-mode cold starts and idle cost
-    /// of manifest_input.rs).
+    /// of manifest_input.rs; `kernel-memory`: only the pinned maps' kernel
+    /// memory at default flags (kernel_memory.rs); `connect4`: only the connect4 run time by
+    /// path against an empty program and its step breakdown; `xdp`: only
+    /// the XDP NodePort program, xdp.rs).
     only: Option<String>,
     cp: control_plane::Options,
     mi: manifest_input::Options,
@@ -62,6 +67,8 @@ struct Args {
     np_calls: usize,
     np_frontends: usize,
     fwd: forwarding::Options,
+    /// `SOCK_REVNAT` capacity for `--only connect4` (default: the agent's).
+    revnat_capacity: Option<u32>,
 }
 
 fn parse_args() -> Result<Args> {
@@ -77,6 +84,7 @@ fn parse_args() -> Result<Args> {
         np_calls: 20_000,
         np_frontends: 1_000,
         fwd: forwarding::Options::default(),
+        revnat_capacity: None,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -91,6 +99,7 @@ fn parse_args() -> Result<Args> {
             "--np-calls" => a.np_calls = val()?.parse()?,
             "--np-frontends" => a.np_frontends = val()?.parse()?,
             "--fwd-services" => a.fwd.services = val()?.parse()?,
+            "--revnat-capacity" => a.revnat_capacity = Some(val()?.parse()?),
             "--fwd-udp-ms" => a.fwd.udp = Duration::from_millis(val()?.parse()?),
             cp if cp.starts_with("--cp-") => {
                 let v = val()?;
@@ -105,7 +114,7 @@ fn parse_args() -> Result<Args> {
                 }
             }
             other => bail!(
-                "unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 6 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|nodeport|cold-start|manifest-input --np-calls 20000 --np-frontends 1000 --fwd-services 1000 --fwd-udp-ms 1000 {} {}",
+                "unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 6 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|nodeport|cold-start|manifest-input|kernel-memory|connect4|xdp --np-calls 20000 --np-frontends 1000 --revnat-capacity 262144 --fwd-services 1000 --fwd-udp-ms 1000 {} {}",
                 control_plane::FLAGS_HELP,
                 manifest_input::FLAGS_HELP
             ),
@@ -324,6 +333,18 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
         let doc = json!({ section.key: section.json });
         return Ok(report::write_part(&args.out, "manifest input", &section.markdown, doc, &section.targets, &[])?);
     }
+    if args.only.as_deref() == Some("kernel-memory") {
+        let section = kernel_memory::run(&args.mi.sizes, scratch, args.cp.agent.as_deref())?;
+        let doc = json!({ section.key: section.json });
+        return Ok(report::write_part(&args.out, "kernel memory", &section.markdown, doc, &section.targets, &[])?);
+    }
+    if args.only.as_deref() == Some("connect4") {
+        return connect4_only(args);
+    }
+    if args.only.as_deref() == Some("xdp") {
+        let s = xdp::run(args.repeats)?;
+        return Ok(report::write_part(&args.out, "NodePort at XDP", &s.markdown, json!({ s.key: s.json }), &s.targets, &s.svgs)?);
+    }
     if args.only.as_deref() == Some("cold-start") {
         let (cold, rss, restart) = agent_start_repeats(args.repeats, scratch, args.cp.agent.as_deref(), true)?;
         println!(
@@ -466,6 +487,9 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
             bail!("programming the affine Service failed: {e}");
         }
         connect_runtime.measure(size, &ns_bpf.path(), SocketAddr::new(affine.ip, 80), true, args.repeats, args.rounds)?;
+        step(&format!("{size}: connect4 run time by path and its step breakdown"));
+        let hit = SocketAddr::new(IpAddr::V4(rules::service_ip(BPF_BASE, last)), 80);
+        connect_runtime.breakdown(size, &ns_bpf.path(), hit, &listeners, args.repeats, args.rounds)?;
     }
     // Listener threads block in accept(); they end with the process.
     stop.store(true, Ordering::Relaxed);
@@ -474,7 +498,7 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
     step("map memory");
     let map_mem: u64 = ["SERVICES", "SLOTS", "BACKENDS"].iter().map(|m| map_memlock(&pins.path().join(m))).sum();
     drop(member);
-    let mut sections = vec![connect_runtime.section(), connect_runtime.affinity_section()];
+    let mut sections = vec![connect_runtime.section(), connect_runtime.affinity_section(), connect_runtime.breakdown_section()];
     let program_added = connect_runtime.added_ns();
     drop(connect_runtime);
     // `--only socket-lb`: the socket load balancer's sections and nothing else.
@@ -482,6 +506,7 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
     let cold = if socket_only { None } else { Some(agent_start_repeats(args.repeats, scratch, args.cp.agent.as_deref(), false)?) };
     if !socket_only {
         sections.push(manifest_input::run(&args.mi, args.repeats, scratch, args.cp.agent.as_deref())?.section());
+        sections.push(kernel_memory::run(&args.mi.sizes, scratch, args.cp.agent.as_deref())?);
         sections.push(programs::nodeport_test_run(args.repeats, args.np_calls, args.np_frontends)?);
         sections.push(forwarding::run(&args.fwd, args.repeats, args.rounds, scratch)?);
     }
@@ -491,6 +516,65 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
         control_plane::run(&args.cp, args.repeats, scratch)?
     };
     write_report(args, &results, &sync_in_process, &load_times, &program_added, map_mem, max, cold, &cp, sections)
+}
+
+/// `--only connect4`: the connect4 run time by path (hit, miss, SOCK_REVNAT
+/// full) against an empty program, and the step breakdown
+/// (`ConnectRuntime::breakdown`), at each of `--sizes`; no iptables or
+/// nftables, no latency tables.
+fn connect4_only(args: &Args) -> Result<()> {
+    let max = *args.sizes.iter().max().unwrap_or(&1000);
+    step("creating the namespace, cgroup and datapath");
+    let ns_bpf = pod_namespace("tpb")?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let listeners: Vec<SocketAddr> =
+        (0..rules::ENDPOINTS).map(|j| SocketAddr::new(IpAddr::V4(rules::endpoint_ip(j)), rules::ENDPOINT_PORT)).collect();
+    let servers = workload::start_echo(&ns_bpf.path(), &listeners, stop.clone())?;
+    let cg = Cgroup::new("tpb")?;
+    let pins = PinDir::new("tpb")?;
+    let frontends_needed = (2 * max) as u32;
+    let caps = Capacities {
+        services: frontends_needed + 16,
+        slots: 2 * frontends_needed * rules::ENDPOINTS as u32 + 64,
+        backends: 64,
+        sock_revnat: args.revnat_capacity.unwrap_or(Capacities::default().sock_revnat),
+        ..Capacities::default()
+    };
+    socket_loader::install(cg.path(), pins.path(), caps)?;
+    let mut writer = MapWriter::open(pins.path())?;
+    let member = InCgroup::join(&cg)?;
+    let mut connect_runtime = programs::ConnectRuntime::prepare(pins.path(), &cg)?;
+    let mut sizes = args.sizes.clone();
+    sizes.sort_unstable();
+    let mut not_measured = String::new();
+    for &size in &sizes {
+        step(&format!("{size} Services x 10 endpoints: programming maps"));
+        // TCP frontends only: the workload connects over TCP, and the UDP
+        // twins would only double the programming time.
+        let mut desired = frontends(size);
+        desired.retain(|fe, _| fe.protocol == Protocol::Tcp);
+        let errors = writer.apply(&plan::diff(&writer.state(), &desired));
+        // A population that cannot be programmed ends the run; what was
+        // measured up to then is still reported.
+        if let Some(e) = errors.first() {
+            step(&format!("programming {size} Services failed: {e}"));
+            let _ = writeln!(not_measured, "\nNot measured: {size} Services and more (programming the maps failed: {e}).\n");
+            break;
+        }
+        let hit = SocketAddr::new(IpAddr::V4(rules::service_ip(BPF_BASE, size - 1)), 80);
+        if let Err(e) = connect_runtime.breakdown(size, &ns_bpf.path(), hit, &listeners, args.repeats, args.rounds) {
+            step(&format!("{size} Services: {e:#}"));
+            let _ = writeln!(not_measured, "\nNot measured completely: {size} Services ({e:#}).\n");
+            break;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    drop(servers);
+    let mut section = connect_runtime.breakdown_section();
+    section.markdown.push_str(&not_measured);
+    drop(connect_runtime);
+    drop(member);
+    Ok(report::write_part(&args.out, "connect4", &section.markdown, json!({section.key: section.json}), &section.targets, &section.svgs)?)
 }
 
 /// Merges two iptables-restore texts of the nat table into one (chains

@@ -19,7 +19,8 @@
 //! kubectl's (alphabetical) order, so `items` comes before `kind`, and each
 //! EndpointSlice has `endpoints` before `kind`; one item per line. Every
 //! endpoint has its own address, as pods do, so 100k x 10 needs 1M
-//! backends: that size is run with capacities that fit (`--max-*`).
+//! backends: the agent runs at default flags, its maps sized from the first
+//! list (no `--max-*`).
 //!
 //! `--mi-compare LABEL=PATH` measures another agent binary (an older build,
 //! for before/after) interleaved with this one: every repeat runs each
@@ -166,7 +167,7 @@ fn slice_json(i: usize) -> String {
 
 /// Writes the population of `size` Services in `format` into `dir`;
 /// returns the files' total size.
-fn write_population(dir: &Path, size: usize, format: Format) -> Result<u64> {
+pub(crate) fn write_population(dir: &Path, size: usize, format: Format) -> Result<u64> {
     fs::create_dir_all(dir)?;
     let mut total = 0;
     let mut file = |name: &str, body: &mut dyn FnMut(&mut dyn Write) -> std::io::Result<()>| -> Result<()> {
@@ -234,23 +235,6 @@ struct Run {
     idle_read_bytes: u64,
 }
 
-/// Flags that make room for `size` Services with distinct endpoints (the
-/// defaults hold 65,536 frontends and 262,144 backends).
-fn capacity_flags(size: usize) -> Vec<String> {
-    if size * ENDPOINTS <= 200_000 && size <= 60_000 {
-        return Vec::new();
-    }
-    let backends = (size * ENDPOINTS + 1024).next_power_of_two();
-    vec![
-        "--max-services".into(),
-        (size + 1024).next_power_of_two().to_string(),
-        "--max-backends".into(),
-        backends.to_string(),
-        "--max-slots".into(),
-        (backends * 2).to_string(),
-    ]
-}
-
 fn one_run(agent: &Path, dir: &Path, size: usize, idle: Duration, log: &Path) -> Result<Run> {
     let cg = Cgroup::new("tpm")?;
     let pins = PinDir::new("tpm")?;
@@ -265,7 +249,6 @@ fn one_run(agent: &Path, dir: &Path, size: usize, idle: Duration, log: &Path) ->
             .arg(pins.path())
             // Host network namespace: no TC program on the host's interfaces.
             .args(["--devices", "none"])
-            .args(capacity_flags(size))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(fs::File::create(log)?),

@@ -29,6 +29,7 @@ use crate::report::{Section, Spread, Target, spread, svg_bars};
 use crate::workload::{self, Proto};
 
 const EMPTY_CONNECT4: &str = "bench_empty_connect4";
+const BENCH_LRU_PERCPU: &str = "BENCH_LRU_PERCPU";
 const MINIMAL_TC: &str = "bench_minimal_tc";
 const EMPTY_TC: &str = "bench_empty_tc";
 
@@ -60,6 +61,47 @@ fn prog_stats(id: u32) -> Result<(u64, u64)> {
         .with_context(|| format!("program id {id} is gone"))
 }
 
+/// The step probes of `proxy-ebpf/src/baseline.rs` (`probe`): each one is
+/// our connect4's work on a plain Service cut off after one more step, and
+/// what that step adds.
+const STEPS: [(&str, &str); 9] = [
+    ("bench_step1_connect4", "context reads (protocol, address, port)"),
+    ("bench_step2_connect4", "+ SERVICES lookup"),
+    ("bench_step3_connect4", "+ random pick and SLOTS lookup"),
+    ("bench_step4_connect4", "+ BACKENDS lookup"),
+    ("bench_step5_connect4", "+ socket cookie"),
+    ("bench_step6_connect4", "+ SOCK_REVNAT insert"),
+    ("bench_step7_connect4", "+ TRANSLATED counter"),
+    ("bench_alt_percpu_lru_connect4", "alternative to the insert: LRU with per-CPU lists (BPF_F_NO_COMMON_LRU)"),
+    ("bench_alt_sk_storage_connect4", "alternative to the insert: socket storage (bpf_sk_storage_get, F_CREATE)"),
+];
+
+/// The probe each step of `STEPS` is measured against: the one before it,
+/// but for the alternatives, which replace the insert (index 5) and so
+/// compare with the probe through the socket cookie (index 4).
+fn base_step(i: usize) -> Option<usize> {
+    match i {
+        0 => None,
+        7 | 8 => Some(4),
+        _ => Some(i - 1),
+    }
+}
+
+/// The connect4 paths of the `--only connect4` breakdown.
+const HIT: &str = "hit: connect to a Service";
+const MISS: &str = "miss: connect to a non-Service address";
+const FULL: &str = "hit, SOCK_REVNAT full (every insert evicts)";
+
+/// Per-repeat figures of one case: ns per run of the measured program and
+/// of the empty one on the same calls, and runs of the measured program per
+/// connect() the workload made.
+#[derive(Default)]
+struct Case {
+    ours: Vec<f64>,
+    empty: Vec<f64>,
+    runs_per_connect: Vec<f64>,
+}
+
 /// connect4 run time: ours (as `socket_loader::install` attached it to the bench
 /// cgroup) against `bench_empty_connect4`, attached to the same cgroup
 /// next to it for the measurement only. Both then run on every connect()
@@ -68,12 +110,19 @@ fn prog_stats(id: u32) -> Result<(u64, u64)> {
 pub(crate) struct ConnectRuntime {
     ebpf: aya::Ebpf,
     cgroup: File,
+    cgroup_path: std::path::PathBuf,
+    pin_dir: std::path::PathBuf,
     ours_id: u32,
     empty_id: u32,
     /// Services -> per-repeat ns/run of (ours, empty).
     samples: BTreeMap<usize, (Vec<f64>, Vec<f64>)>,
     /// The same to a Service with `sessionAffinity: ClientIP`.
     affine: BTreeMap<usize, (Vec<f64>, Vec<f64>)>,
+    /// `--only connect4`: (Services, path) -> figures of our connect4.
+    cases: BTreeMap<(usize, &'static str), Case>,
+    /// (Services, step index into `STEPS`, SOCK_REVNAT full) -> figures of
+    /// the step probe.
+    steps: BTreeMap<(usize, usize, bool), Case>,
 }
 
 impl ConnectRuntime {
@@ -82,16 +131,40 @@ impl ConnectRuntime {
             .context("opening the pinned connect4 link")?;
         let link: FdLink = link.into();
         let ours_id = link.info().context("connect4 link info")?.program_id();
-        // The object with the bench's pinned maps; the TC programs get
-        // loaded (not attached) on the way, the empty program is what we
-        // want from it.
-        let mut ebpf = proxy_agent::datapath::tc_loader::load_unattached(pin_dir)?;
+        // The object with the bench's pinned maps, loaded the way the agent
+        // loads it (`object::load`); the reference programs are what we
+        // want from it. The bench-only per-CPU LRU map gets the capacity of
+        // the pinned SOCK_REVNAT, so that the two inserts compare like for
+        // like; in the object it is tiny, as the agent creates it too.
+        let revnat = aya::maps::MapData::from_pin(pin_dir.join(proxy_common::SOCK_REVNAT_MAP)).context("opening SOCK_REVNAT")?;
+        let mut loader = aya::EbpfLoader::new();
+        for m in proxy_agent::datapath::maps::MAPS {
+            loader.map_pin_path(m.name, pin_dir.join(m.name));
+        }
+        loader.map_max_entries(BENCH_LRU_PERCPU, revnat.info().context("SOCK_REVNAT info")?.max_entries());
+        let mut ebpf = loader.load(proxy_agent::datapath::object::EBPF_OBJECT).context("loading the eBPF object")?;
         let prog: &mut CgroupSockAddr =
             ebpf.program_mut(EMPTY_CONNECT4).context("bench_empty_connect4 missing from the object")?.try_into()?;
         prog.load()?;
         let empty_id = prog.info()?.id();
+        for (name, _) in STEPS {
+            let prog: &mut CgroupSockAddr =
+                ebpf.program_mut(name).with_context(|| format!("{name} missing from the object"))?.try_into()?;
+            prog.load().with_context(|| format!("loading {name}"))?;
+        }
         let cgroup = File::open(cg.path())?;
-        Ok(ConnectRuntime { ebpf, cgroup, ours_id, empty_id, samples: BTreeMap::new(), affine: BTreeMap::new() })
+        Ok(ConnectRuntime {
+            ebpf,
+            cgroup,
+            cgroup_path: cg.path().to_path_buf(),
+            pin_dir: pin_dir.to_path_buf(),
+            ours_id,
+            empty_id,
+            samples: BTreeMap::new(),
+            affine: BTreeMap::new(),
+            cases: BTreeMap::new(),
+            steps: BTreeMap::new(),
+        })
     }
 
     /// Runs the connect workload against `to` (a Service of the current
@@ -184,6 +257,251 @@ impl ConnectRuntime {
     }
 }
 
+impl ConnectRuntime {
+    /// `--only connect4`: our connect4 on the hit path (`hit` is a Service
+    /// of the current population), on the miss path (`miss`: addresses that
+    /// are no frontend, the Service's backends dialled directly), with
+    /// `SOCK_REVNAT` full, and each step probe on the hit path, with and
+    /// without `SOCK_REVNAT` full. The empty program runs next to ours
+    /// throughout; all cases are interleaved within each repeat, in an order
+    /// that rotates from one repeat to the next.
+    pub(crate) fn breakdown(
+        &mut self,
+        size: usize,
+        ns_path: &Path,
+        hit: SocketAddr,
+        miss: &[SocketAddr],
+        repeats: usize,
+        rounds: usize,
+    ) -> Result<()> {
+        let _stats = StatsOn::new()?;
+        // Probes go to a child of the bench cgroup: the kernel runs a
+        // descendant's programs before its ancestors' (`compute_effective_progs`
+        // walks from the socket's cgroup up), so a probe sees the address the
+        // application asked for, before our connect4 rewrites it.
+        let child = self.cgroup_path.join("probe");
+        std::fs::create_dir_all(&child).with_context(|| format!("creating {}", child.display()))?;
+        let prog: &mut CgroupSockAddr = self.ebpf.program_mut(EMPTY_CONNECT4).context("empty program")?.try_into()?;
+        let link = prog.attach(&self.cgroup, CgroupAttachMode::default())?;
+        let result = (|| -> Result<()> {
+            let child_fd = File::open(&child)?;
+            // None: our connect4 alone; Some(i): probe i in front of it.
+            let mut plan: Vec<(Option<usize>, bool)> = vec![(None, false), (None, true)];
+            plan.extend((0..STEPS.len()).map(|i| (Some(i), false)));
+            for rep in 0..repeats {
+                crate::step(&format!("{size}: connect4 breakdown, repeat {}/{repeats}", rep + 1));
+                plan.rotate_left(1);
+                for &(probe, to_miss) in &plan {
+                    let to: Vec<SocketAddr> = if to_miss { miss.to_vec() } else { vec![hit] };
+                    let figures = self.run_once(ns_path, &to, rounds, probe.map(|i| (STEPS[i].0, &child_fd, child.as_path())))?;
+                    let case = match probe {
+                        None => self.cases.entry((size, if to_miss { MISS } else { HIT })).or_default(),
+                        Some(i) => self.steps.entry((size, i, false)).or_default(),
+                    };
+                    figures.push_into(case);
+                }
+                // The evicting cases: SOCK_REVNAT filled to capacity first,
+                // emptied after, so that the cases above see it as usual.
+                let filled = fill_revnat(&self.pin_dir)?;
+                let full = (|| -> Result<()> {
+                    for probe in [None, Some(4), Some(5)] {
+                        let figures = self.run_once(ns_path, &[hit], rounds, probe.map(|i| (STEPS[i].0, &child_fd, child.as_path())))?;
+                        let case = match probe {
+                            None => self.cases.entry((size, FULL)).or_default(),
+                            Some(i) => self.steps.entry((size, i, true)).or_default(),
+                        };
+                        figures.push_into(case);
+                    }
+                    Ok(())
+                })();
+                clear_revnat(&self.pin_dir, filled)?;
+                full?;
+            }
+            Ok(())
+        })();
+        let prog: &mut CgroupSockAddr = self.ebpf.program_mut(EMPTY_CONNECT4).context("empty program")?.try_into()?;
+        prog.detach(link)?;
+        let removed = std::fs::remove_dir(&child).with_context(|| format!("removing {}", child.display()));
+        result.and(removed)
+    }
+
+    /// One run of the connect workload; with `probe` (program name, child
+    /// cgroup), that probe is attached to the child cgroup and the process
+    /// sits there for the run.
+    fn run_once(&mut self, ns_path: &Path, to: &[SocketAddr], rounds: usize, probe: Option<(&str, &File, &Path)>) -> Result<Figures> {
+        let measured_id = match probe {
+            None => self.ours_id,
+            Some((name, _, _)) => {
+                let prog: &CgroupSockAddr = self.ebpf.program(name).context("probe")?.try_into()?;
+                prog.info()?.id()
+            }
+        };
+        let link = match probe {
+            None => None,
+            Some((name, fd, path)) => {
+                let prog: &mut CgroupSockAddr = self.ebpf.program_mut(name).context("probe")?.try_into()?;
+                let link = prog.attach(fd, CgroupAttachMode::default())?;
+                std::fs::write(path.join("cgroup.procs"), std::process::id().to_string()).context("joining the probe cgroup")?;
+                Some((name, link))
+            }
+        };
+        let result = (|| -> Result<Figures> {
+            let (m0, e0) = (prog_stats(measured_id)?, prog_stats(self.empty_id)?);
+            let (lat, failed) = workload::measure(ns_path, to, Proto::Tcp, rounds)?;
+            let (m1, e1) = (prog_stats(measured_id)?, prog_stats(self.empty_id)?);
+            if failed > 0 {
+                bail!("{failed} connects failed during the connect4 breakdown");
+            }
+            let per = |a: (u64, u64), b: (u64, u64)| (b.0 - a.0) as f64 / (b.1 - a.1).max(1) as f64;
+            // The workload's warm-up rounds count as connects too.
+            let connects = (lat.len() + workload::WARMUP) as f64;
+            Ok(Figures { ours: per(m0, m1), empty: per(e0, e1), runs_per_connect: (m1.1 - m0.1) as f64 / connects })
+        })();
+        if let Some((name, link)) = link {
+            std::fs::write(self.cgroup_path.join("cgroup.procs"), std::process::id().to_string()).context("leaving the probe cgroup")?;
+            let prog: &mut CgroupSockAddr = self.ebpf.program_mut(name).context("probe")?.try_into()?;
+            prog.detach(link)?;
+        }
+        result
+    }
+
+    /// The `--only connect4` section: our connect4 against the empty
+    /// program per path and population, the step breakdown, and targets.
+    pub(crate) fn breakdown_section(&self) -> Section {
+        let mut md = String::from(
+            "## connect4 run time by path, and where it goes
+
+Kernel run-time statistics (`run_time_ns / run_cnt`, `BPF_ENABLE_STATS` on for this measurement only) of our `connect4` and of the empty cgroup/connect4 program `bench_empty_connect4` attached next to it, on the same TCP connect() calls. Hit: connects to the last Service of the population (10 endpoints). Miss: connects straight to the 10 endpoint addresses on their port 8080, which no Service of the population uses (every Service is on port 80), so our program returns after the port's clear bit in `SOCK_PORTS`, one array lookup, before any hash lookup. SOCK_REVNAT full: the LRU map filled to capacity from user space before the run (emptied after it), so every insert evicts. Cases interleaved within each repeat, their order rotating between repeats; median (min–max) over repeats. `runs/connect` is our program's run count per connect() of the workload: 1.00 means the kernel runs it once per connect and no other of our programs runs on that path.
+
+| Services | path | our connect4 | empty connect4 | ratio | runs/connect |
+|---|---|---|---|---|---|
+",
+        );
+        let mut rows = Vec::new();
+        let mut worst: BTreeMap<&str, (f64, usize)> = BTreeMap::new();
+        for ((size, path), c) in &self.cases {
+            let (o, e, r) = (spread(&c.ours), spread(&c.empty), spread(&c.runs_per_connect));
+            let ratio = o.median / e.median;
+            let _ = writeln!(md, "| {size} | {path} | {} | {} | {ratio:.2}x | {:.2} |", ns(&o), ns(&e), r.median);
+            rows.push(json!({"services": size, "path": path, "ours_ns": o.json(), "empty_ns": e.json(), "ratio": ratio, "runs_per_connect": r.median}));
+            let w = worst.entry(path).or_insert((f64::MIN, *size));
+            if ratio > w.0 {
+                *w = (ratio, *size);
+            }
+        }
+        md.push_str(
+            "
+### Step breakdown (hit path)
+
+Each probe (`bench_step<N>_connect4` in `proxy-ebpf/src/baseline.rs`) does our connect4's work on a plain Service up to one more step and lets the call through unchanged. It is attached alone to a child of the bench cgroup, so it runs right before our connect4 on the same calls (a descendant's programs run first) and sees the Service address; the probes take turns with the cases above. \"step adds\" is, per repeat, a probe's figure less the one before it (the first: less the empty program on the same calls; the alternatives: less the probe through the socket cookie), median (min–max) over repeats; our connect4 adds only the two address stores to the last probe.
+
+| Services | SOCK_REVNAT | step | probe ns/run | empty ns/run | step adds |
+|---|---|---|---|---|---|
+",
+        );
+        let mut step_rows = Vec::new();
+        for ((size, i, full), c) in &self.steps {
+            let (o, e) = (spread(&c.ours), spread(&c.empty));
+            let adds = self.step_adds(*size, *i, *full).map_or("–".to_string(), |d| ns(&d));
+            let state = if *full { "full" } else { "not full" };
+            let _ = writeln!(md, "| {size} | {state} | {} | {} | {} | {adds} |", STEPS[*i].1, ns(&o), ns(&e));
+            step_rows.push(json!({"services": size, "sock_revnat_full": full, "step": STEPS[*i].1, "probe": STEPS[*i].0, "probe_ns": o.json(), "empty_ns": e.json()}));
+        }
+        md.push_str("\nWhere the time goes, from the \"step adds\" medians above (hit path, SOCK_REVNAT not full; a step within the noise can come out negative):\n\n");
+        let sizes: std::collections::BTreeSet<usize> = self.steps.keys().map(|k| k.0).collect();
+        for size in sizes {
+            let adds = |i: usize| self.step_adds(size, i, false).map_or(f64::NAN, |d| d.median);
+            let (ctx, lookups, cookie, insert, counter) = (adds(0), adds(1) + adds(2) + adds(3), adds(4), adds(5), adds(6));
+            let total = ctx + lookups + cookie + insert + counter;
+            let share = |x: f64| 100.0 * x / total;
+            let _ = writeln!(
+                md,
+                "- {size} Services: of {total:.0} ns the steps add in all, the context reads take {ctx:.0} ns ({:.0} %), the three dependent lookups (SERVICES, SLOTS, BACKENDS, with the random pick) {lookups:.0} ns ({:.0} %), the socket cookie {cookie:.0} ns ({:.0} %), the SOCK_REVNAT insert {insert:.0} ns ({:.0} %), the counter {counter:.0} ns ({:.0} %).",
+                share(ctx),
+                share(lookups),
+                share(cookie),
+                share(insert),
+                share(counter)
+            );
+        }
+        md.push_str(
+            "\nThe LRU insert is the cost: it allocates an element from the LRU's free lists (`prealloc_lru_pop`), which, once the per-CPU free list is empty, takes the global LRU lock, rotates the active and inactive lists and, when no element is free, evicts a batch (`bpf_lru_list_pop_free_to_local`, `__bpf_lru_list_shrink`, kernel/bpf/bpf_lru_list.c), deleting each victim from its hash bucket; every element and bucket it touches is a cold cache line of a map of several MB. The lookups and the rest are small next to it, and the miss path pays only the context reads and one array lookup (the port's bit in `SOCK_PORTS`). The two alternative rows record the same entry elsewhere: per-CPU LRU lists avoid the global list and lock, but split the capacity per possible CPU, so one busy CPU ages out its sockets' entries sooner; socket storage allocates per socket and needs no eviction, but user space can read it for TCP sockets only through sock_diag, and the agent's socket termination finds sockets through SOCK_REVNAT today.\n\n",
+        );
+        let mut targets = Vec::new();
+        for (path, goal) in [(HIT, 3.0), (MISS, 1.5), (FULL, 3.0)] {
+            if let Some((ratio, size)) = worst.get(path) {
+                targets.push(Target {
+                    name: format!("connect4 run time vs an empty connect4 program, {path} (worst population: {size} Services)"),
+                    goal: format!("<= {goal}x"),
+                    measured: format!("{ratio:.2}x"),
+                    met: Some(*ratio <= goal),
+                });
+            }
+        }
+        Section { key: "connect4_breakdown", markdown: md, json: json!({"cases": rows, "steps": step_rows}), svgs: Vec::new(), targets }
+    }
+}
+
+impl ConnectRuntime {
+    /// What step `i` adds: per repeat, the probe's figure less its base
+    /// probe's (`base_step`; the first: less the empty program's on the same
+    /// calls) from the same repeat, so that drift between repeats cancels;
+    /// median (min–max) of those differences.
+    fn step_adds(&self, size: usize, i: usize, full: bool) -> Option<Spread> {
+        let this = self.steps.get(&(size, i, full))?;
+        let base = match base_step(i) {
+            None => &this.empty,
+            Some(b) => &self.steps.get(&(size, b, full))?.ours,
+        };
+        let diffs: Vec<f64> = this.ours.iter().zip(base).map(|(a, b)| a - b).collect();
+        Some(spread(&diffs))
+    }
+}
+
+/// Figures of one workload run (see `Case`).
+struct Figures {
+    ours: f64,
+    empty: f64,
+    runs_per_connect: f64,
+}
+
+impl Figures {
+    fn push_into(self, case: &mut Case) {
+        case.ours.push(self.ours);
+        case.empty.push(self.empty);
+        case.runs_per_connect.push(self.runs_per_connect);
+    }
+}
+
+/// Fills the pinned `SOCK_REVNAT` to its capacity with entries no socket
+/// can own (cookies from 2^62 down; the kernel's count up from 1), so that
+/// every later insert has to evict. Returns how many it inserted.
+fn fill_revnat(pin_dir: &Path) -> Result<u32> {
+    let data = aya::maps::MapData::from_pin(pin_dir.join(proxy_common::SOCK_REVNAT_MAP)).context("opening SOCK_REVNAT")?;
+    let capacity = data.info().context("SOCK_REVNAT info")?.max_entries();
+    let mut map: aya::maps::HashMap<_, proxy_common::SockRevNatKey, proxy_common::SockRevNatValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data))?;
+    for i in 0..capacity {
+        let key =
+            proxy_common::SockRevNatKey { cookie: (1 << 62) - u64::from(i), ip_be: [1, 0, 0, 0], port_be: 1, family: 2, _pad: [0; 5] };
+        map.insert(key, proxy_common::SockRevNatValue { ip_be: [1, 0, 0, 0], port_be: 1, family: 2, _pad: 0 }, 0)?;
+    }
+    Ok(capacity)
+}
+
+/// Empties the pinned `SOCK_REVNAT` again: the filler entries and whatever
+/// the run inserted (`filled` is the map's capacity, a bound on both).
+fn clear_revnat(pin_dir: &Path, filled: u32) -> Result<()> {
+    let data = aya::maps::MapData::from_pin(pin_dir.join(proxy_common::SOCK_REVNAT_MAP)).context("opening SOCK_REVNAT")?;
+    let mut map: aya::maps::HashMap<_, proxy_common::SockRevNatKey, proxy_common::SockRevNatValue> =
+        aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data))?;
+    let keys: Vec<_> = map.keys().filter_map(Result::ok).take(filled as usize + 1).collect();
+    for k in keys {
+        let _ = map.remove(&k);
+    }
+    Ok(())
+}
+
 fn ns(s: &Spread) -> String {
     format!("{:.0} ns ({:.0}–{:.0})", s.median, s.min, s.max)
 }
@@ -259,7 +577,13 @@ struct Loaded {
 fn load(frontends: usize) -> Result<Loaded> {
     let pins = PinDir::new("tpbt")?;
     let (mut ebpf, load_ingress) = match std::env::var_os(OBJECT_ENV) {
-        Some(path) => (load_object(Path::new(&path), pins.path())?, true),
+        Some(path) => {
+            // The agent's maps first, every one pinned: a build that
+            // predates one (e.g. NP_PORTS) would leave it missing for the
+            // writer. The other build then adopts them.
+            drop(proxy_agent::datapath::object::load(proxy_agent::datapath::object::EBPF_OBJECT, pins.path(), None)?);
+            (load_object(Path::new(&path), pins.path())?, true)
+        }
         None => (proxy_agent::datapath::tc_loader::load_unattached(pins.path())?, false),
     };
     let fd = |ebpf: &mut aya::Ebpf, name: &str, load: bool| -> Result<i32> {
@@ -274,6 +598,9 @@ fn load(frontends: usize) -> Result<Loaded> {
     let minimal = fd(&mut ebpf, MINIMAL_TC, true)?;
     let empty = fd(&mut ebpf, EMPTY_TC, true)?;
     let mut w = NodePortWriter::open(pins.path())?;
+    // Maglev tables for every frontend (the agent's `--maglev-table-size
+    // 16381`), so that the Maglev row has a table to pick from.
+    w.set_maglev_size(Some(proxy_agent::decide::maglev::TableSize::Default));
     // A wide SNAT range: each repeat opens thousands of flows to remote
     // backends, and a reservation must not fail for lack of ports.
     w.set_config(Some(Ipv4Addr::new(10, 0, 3, 1)), None, (1024, 65535))?;
@@ -299,7 +626,7 @@ fn load_object(path: &Path, pin_dir: &Path) -> Result<aya::Ebpf> {
     proxy_agent::datapath::object::load(&bytes, pin_dir, None).with_context(|| format!("loading {}", path.display()))
 }
 
-const CASES: [&str; 7] = [
+const CASES: [&str; 8] = [
     "harness (empty program)",
     "minimal parse-and-pass",
     "new flow, local backend",
@@ -307,7 +634,50 @@ const CASES: [&str; 7] = [
     "tracked flow",
     "not a frontend",
     "egress, not a tracked flow",
+    "new flow, local backend, modulo pick",
 ];
+
+/// The case whose frontend has its Maglev flag cleared.
+const MODULO_CASE: usize = 7;
+
+/// Switches a frontend to the modulo slot pick by rewriting its
+/// `NP_SERVICES` entry without `SVC_FLAG_MAGLEV` (the table stays linked
+/// in; without the flag the program does not look at it). The benchmark
+/// does so once, for a second local frontend with the same backends as the
+/// Maglev case's, so that no map write comes between the runs it compares:
+/// the difference between the two rows is the pick.
+struct PickSwitch {
+    services: aya::maps::HashMap<aya::maps::MapData, proxy_common::ServiceKey, proxy_common::ServiceValue>,
+    key: proxy_common::ServiceKey,
+    maglev: proxy_common::ServiceValue,
+}
+
+impl PickSwitch {
+    fn open(pin_dir: &Path, port: u16) -> Result<PickSwitch> {
+        let data = aya::maps::MapData::from_pin(pin_dir.join(proxy_common::NP_SERVICES_MAP))?;
+        let services: aya::maps::HashMap<_, proxy_common::ServiceKey, proxy_common::ServiceValue> =
+            aya::maps::HashMap::try_from(aya::maps::Map::HashMap(data))?;
+        let key = proxy_common::ServiceKey {
+            ip_be: [u32::from(NODE_IP).to_be(), 0, 0, 0],
+            port_be: port.to_be(),
+            proto: proxy_common::PROTO_TCP,
+            family: proxy_common::FAMILY_V4,
+        };
+        let maglev = services.get(&key, 0)?;
+        if maglev.maglev_size() == 0 {
+            bail!("the frontend on port {port} has no Maglev table");
+        }
+        Ok(PickSwitch { services, key, maglev })
+    }
+
+    fn set(&mut self, maglev: bool) -> Result<()> {
+        let mut v = self.maglev;
+        if !maglev {
+            v.flags &= !(proxy_common::SVC_FLAG_MAGLEV | proxy_common::SVC_FLAG_MAGLEV_LARGE);
+        }
+        Ok(self.services.insert(self.key, v, 0)?)
+    }
+}
 
 /// ns per packet of each case, one kernel run per `BPF_PROG_TEST_RUN`
 /// call, interleaved call by call.
@@ -320,8 +690,8 @@ const CASES: [&str; 7] = [
 /// and bh toggling around the run; the empty program measures exactly that,
 /// and the figures "net" below have it subtracted.
 pub(crate) fn nodeport_test_run(repeats: usize, calls: usize, frontends: usize) -> Result<Section> {
-    if !(2..=2000).contains(&frontends) {
-        bail!("--np-frontends must be 2..=2000");
+    if !(3..=2000).contains(&frontends) {
+        bail!("--np-frontends must be 3..=2000");
     }
     let mut samples: Vec<Vec<f64>> = vec![Vec::new(); CASES.len()];
     let mut minimal_looped = Vec::new();
@@ -334,6 +704,9 @@ pub(crate) fn nodeport_test_run(repeats: usize, calls: usize, frontends: usize) 
     for rep in 0..repeats {
         crate::step(&format!("NodePort BPF_PROG_TEST_RUN: repeat {}/{repeats}", rep + 1));
         let l = load(frontends)?;
+        // The frontend below the local one: local too (see `population`).
+        let modulo_port = local_port - 1;
+        PickSwitch::open(l.pins.path(), modulo_port)?.set(false)?;
         // The tracked flow's first packet opens it.
         let syn = tcp_frame(Ipv4Addr::new(10, 9, 9, 9), NODE_IP, 40_000, local_port, 0x02, b"");
         test_run(l.ingress, &syn, &mut out, 1)?;
@@ -343,7 +716,8 @@ pub(crate) fn nodeport_test_run(repeats: usize, calls: usize, frontends: usize) 
             let client = Ipv4Addr::from(u32::from(Ipv4Addr::new(10, 1, 0, 0)) + i as u32);
             let syn_local = tcp_frame(client, NODE_IP, 40_000, local_port, 0x02, b"");
             let syn_remote = tcp_frame(client, NODE_IP, 40_001, remote_port, 0x02, b"");
-            let runs: [(i32, &[u8]); 7] = [
+            let syn_modulo = tcp_frame(client, NODE_IP, 40_000, modulo_port, 0x02, b"");
+            let runs: [(i32, &[u8]); 8] = [
                 (l.empty, &syn_local),
                 (l.minimal, &syn_local),
                 (l.ingress, &syn_local),
@@ -351,9 +725,19 @@ pub(crate) fn nodeport_test_run(repeats: usize, calls: usize, frontends: usize) 
                 (l.ingress, &tracked),
                 (l.ingress, &other),
                 (l.egress, &outgoing),
+                (l.ingress, &syn_modulo),
             ];
-            for (k, (fd, frame)) in runs.iter().enumerate() {
-                let (_, d) = test_run(*fd, frame, &mut out, 1)?;
+            // The Maglev and modulo cases trade places every other call: a
+            // case's place in the sequence alone moves its figure by tens of
+            // ns (what ran just before is in the caches), which would
+            // otherwise show up as the difference between the two picks.
+            let mut order: [usize; 8] = [0, 1, 2, 3, 4, 5, 6, MODULO_CASE];
+            if i % 2 == 1 {
+                order.swap(2, 7);
+            }
+            for k in order {
+                let (fd, frame) = runs[k];
+                let (_, d) = test_run(fd, frame, &mut out, 1)?;
                 sums[k] += u64::from(d);
             }
         }
@@ -362,8 +746,17 @@ pub(crate) fn nodeport_test_run(repeats: usize, calls: usize, frontends: usize) 
         }
         let counters = proxy_agent::datapath::dump::np_counters(l.pins.path())?;
         let new_flows = counters.get("new_flow").copied().unwrap_or(0);
-        if new_flows < 2 * calls as u64 {
-            bail!("only {new_flows} of {} SYNs took the new-flow path: {counters:?}", 2 * calls);
+        if new_flows < 3 * calls as u64 {
+            bail!("only {new_flows} of {} SYNs took the new-flow path: {counters:?}", 3 * calls);
+        }
+        if counters.get("maglev_miss").copied().unwrap_or(0) > 0 {
+            bail!("a Maglev table was missing: {counters:?}");
+        }
+        // The two not-ours cases must take the port bitmap's early way out
+        // (an object given by OBJECT_ENV may predate it).
+        let not_ours = counters.get("pass_not_ours").copied().unwrap_or(0);
+        if std::env::var_os(OBJECT_ENV).is_none() && not_ours < 2 * calls as u64 {
+            bail!("only {not_ours} of {} packets that are not ours took the port bitmap's way out: {counters:?}", 2 * calls);
         }
         // The reference program also in the kernel's own loop (it does not
         // change the packet, so repeats are valid for it).
@@ -391,8 +784,14 @@ pub(crate) fn nodeport_test_run(repeats: usize, calls: usize, frontends: usize) 
     let looped = spread(&minimal_looped);
     let _ = writeln!(
         md,
-        "\nFor comparison, `bench_minimal_tc` in the kernel's own loop (1,000,000 repeats of one SYN): {:.1} ns ({:.1}–{:.1}) per run.\n\nWhere the time goes, by difference between the rows: \"not a frontend\" is the parse plus the conntrack and frontend lookups that miss; \"tracked flow\" adds a conntrack hit and the rewrite (address and port stores with incremental checksum updates through helpers); a new flow adds the frontend, slot and backend lookups and the conntrack inserts into the LRU map `NP_CT`: two for a local backend (both directions), four for a remote one (SNAT port reservation and SNAT entry as well). \"egress, not a tracked flow\" is what every other packet leaving a device pays: the parse and two conntrack lookups that miss (a backend's reply, the forward leg of a SNAT flow). Plot: `nodeport_test_run.svg`.\n",
+        "\nFor comparison, `bench_minimal_tc` in the kernel's own loop (1,000,000 repeats of one SYN): {:.1} ns ({:.1}–{:.1}) per run.\n\nWhere the time goes, by difference between the rows: \"not a frontend\" (a SYN to port 22 of the node) is the parse, the port bitmap `NP_PORTS` (an array lookup the verifier inlines: no hashing) and the SNAT range check, which tell that no conntrack entry or frontend can match, and a reason counter; \"tracked flow\" adds a conntrack hit and the rewrite (address and port stores with incremental checksum updates through helpers); a new flow adds the frontend, slot and backend lookups and the conntrack inserts into the LRU map `NP_CT`: two for a local backend (both directions), four for a remote one (SNAT port reservation and SNAT entry as well). \"egress, not a tracked flow\" (the node's SSH reply) is what every other packet leaving a device pays: the parse and the bitmap words of its source and destination ports (a backend's reply or the forward leg of a SNAT flow would have one set) and the counter. Plot: `nodeport_test_run.svg`.\n",
         looped.median, looped.min, looped.max
+    );
+    let _ = writeln!(
+        md,
+        "\nMaglev against the modulo pick: \"new flow, local backend\" picks from the frontend's Maglev table ({} entries: one lookup in the `NP_MAGLEV` hash of maps, then one in the table, an array); \"modulo pick\" is a second local frontend with the same backends and its Maglev flag cleared, so that the program picks slot `hash % backends` (one `NP_SLOTS` hash lookup) as it did before tables. The pick costs {:+.1} ns per new flow with Maglev; tracked packets never pick.\n",
+        proxy_common::MAGLEV_SIZE_DEFAULT,
+        s[2].median - s[MODULO_CASE].median
     );
     let worst = (2..=4).map(|k| (k, vs_minimal(k))).fold((2, f64::MIN), |a, b| if b.1 > a.1 { b } else { a });
     let targets = vec![Target {
@@ -411,7 +810,45 @@ pub(crate) fn nodeport_test_run(repeats: usize, calls: usize, frontends: usize) 
         ),
         met: Some(worst.1 <= 2.0),
     }];
-    let xs: Vec<String> = ["harness", "minimal", "new local", "new remote", "tracked", "not ours", "egress"].map(String::from).to_vec();
+    let targets: Vec<Target> = targets
+        .into_iter()
+        .chain(std::iter::once(Target {
+            name: "Maglev pick vs modulo pick, per new flow (NodePort, local backend)".into(),
+            goal: "report".into(),
+            measured: format!(
+                "{:+.1} ns ({:.1} against {:.1} ns per packet)",
+                s[2].median - s[MODULO_CASE].median,
+                s[2].median,
+                s[MODULO_CASE].median
+            ),
+            met: None,
+        }))
+        .collect();
+    // Packets that are not ours: most of what a device carries.
+    let targets: Vec<Target> = targets
+        .into_iter()
+        .chain(
+            [
+                (5, "NodePort ingress, packet that is not ours (no frontend, no tracked flow)"),
+                (6, "NodePort egress, packet that is not ours"),
+            ]
+            .map(|(k, name)| Target {
+                name: format!("{name} vs a minimal parse-and-pass program"),
+                goal: "<= 1.5x".into(),
+                measured: format!(
+                    "{:.2}x ({:.1} against {:.1} ns per packet; net of the harness {:.0} against {:.1} ns)",
+                    vs_minimal(k),
+                    s[k].median,
+                    s[1].median,
+                    net(k),
+                    net(1)
+                ),
+                met: Some(vs_minimal(k) <= 1.5),
+            }),
+        )
+        .collect();
+    let xs: Vec<String> =
+        ["harness", "minimal", "new local", "new remote", "tracked", "not ours", "egress", "new local, modulo"].map(String::from).to_vec();
     let series = vec![
         ("kernel ns/packet".to_string(), s.iter().map(|x| x.median).collect()),
         ("net of harness".to_string(), (0..CASES.len()).map(net).collect()),

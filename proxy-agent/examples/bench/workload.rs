@@ -115,6 +115,9 @@ pub(crate) enum Proto {
     Udp,
 }
 
+/// Rounds `measure` runs before the measured ones, not timed.
+pub(crate) const WARMUP: usize = 50;
+
 /// Runs `rounds` rounds from a thread inside `ns_path` and returns each
 /// round's latency in nanoseconds (failures are counted separately). Round
 /// `i` dials `to[i % to.len()]`: a baseline that dials backends directly
@@ -129,7 +132,7 @@ pub(crate) fn measure(ns_path: &Path, to: &[SocketAddr], proto: Proto, rounds: u
     std::thread::spawn(move || -> io::Result<(Vec<u64>, usize)> {
         enter_netns(&ns)?;
         // Warm up caches, the route and the conntrack tables.
-        for i in 0..50 {
+        for i in 0..WARMUP {
             let to = to[i % to.len()];
             let _ = if proto == Proto::Tcp { tcp_round(to) } else { udp_round(to) };
         }

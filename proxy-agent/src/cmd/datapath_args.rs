@@ -5,10 +5,10 @@ use std::path::PathBuf;
 use anyhow::Context;
 use clap::Args;
 use proxy_agent::DEFAULT_BPFFS;
-use proxy_agent::datapath::maps::{Capacities, Capacity};
+use proxy_agent::datapath::maps::Capacity;
 use proxy_agent::datapath::mounts;
+use proxy_agent::datapath::sizing::{self, Needs, Sizing};
 use proxy_agent::external::node_addresses::Devices;
-use proxy_common as pc;
 
 #[derive(Args, Clone, Debug)]
 pub(crate) struct DatapathArgs {
@@ -21,28 +21,36 @@ pub(crate) struct DatapathArgs {
     /// mounted on its parent when missing.
     #[arg(long, default_value = DEFAULT_BPFFS)]
     pub bpffs: PathBuf,
-    /// Capacity of the SERVICES map (frontends). Applies when the map is created.
-    #[arg(long, default_value_t = pc::DEFAULT_MAX_SERVICES)]
-    pub max_services: u32,
+    /// Capacity of the SERVICES map (frontends). Applies when the map is
+    /// created; without it the agent sizes the map (see
+    /// --map-memory-budget).
+    #[arg(long)]
+    pub max_services: Option<u32>,
     /// Capacity of the SLOTS map (sum of backends over all frontends).
-    #[arg(long, default_value_t = pc::DEFAULT_MAX_SLOTS)]
-    pub max_slots: u32,
+    #[arg(long)]
+    pub max_slots: Option<u32>,
     /// Capacity of the BACKENDS map (distinct backend addresses).
-    #[arg(long, default_value_t = pc::DEFAULT_MAX_BACKENDS)]
-    pub max_backends: u32,
+    #[arg(long)]
+    pub max_backends: Option<u32>,
     /// Capacity of the SOCK_REVNAT LRU map (sockets remembered for getpeername/recvmsg).
-    #[arg(long, default_value_t = pc::DEFAULT_MAX_SOCK_REVNAT)]
-    pub max_sock_revnat: u32,
+    #[arg(long)]
+    pub max_sock_revnat: Option<u32>,
     /// Capacity of the NP_CT LRU map (connection tracking of external
     /// traffic at TC; four entries per flow to a remote backend, two to a
     /// local one).
-    #[arg(long, default_value_t = pc::DEFAULT_MAX_NP_CT)]
-    pub max_np_conntrack: u32,
+    #[arg(long)]
+    pub max_np_conntrack: Option<u32>,
     /// Capacity of each datapath's session affinity LRU map (AFFINITY,
     /// NP_AFFINITY): clients remembered per `sessionAffinity: ClientIP`
     /// frontend, the least recently used forgotten first.
-    #[arg(long, default_value_t = pc::DEFAULT_MAX_AFFINITY)]
-    pub max_affinity: u32,
+    #[arg(long)]
+    pub max_affinity: Option<u32>,
+    /// Kernel memory, in MiB, the pinned maps may use when full. Capacities
+    /// not set by a --max-* flag are sized from the Services and endpoints
+    /// of the first full list (plus half again), then grown within this
+    /// budget; what the first list needs is always given, even beyond it.
+    #[arg(long, default_value_t = sizing::DEFAULT_BUDGET_MIB)]
+    pub map_memory_budget: u64,
     /// Node interfaces that get the TC programs for traffic from outside
     /// (NodePort, LoadBalancer IPs, externalIPs): `auto` (the interfaces
     /// that hold the node's addresses, followed as addresses come and go),
@@ -67,6 +75,26 @@ pub(crate) struct DatapathArgs {
     /// before), `tcx` or `netlink` (clsact + cls_bpf).
     #[arg(long, default_value = "auto", value_parser = ["auto", "tcx", "netlink"])]
     pub tc_mode: String,
+    /// XDP in front of the TC programs on the same devices, for NodePort
+    /// and LoadBalancer flows to remote backends: `off`, `auto` (native XDP
+    /// where the driver supports it, TC alone elsewhere) or `native` (an
+    /// error where unsupported). Off by default: XDP forwards into a veth
+    /// only when the veth's peer has an XDP program or GRO on (see
+    /// docs/external-traffic.md).
+    #[arg(long, default_value = "off", value_parser = ["off", "auto", "native"])]
+    pub xdp: String,
+    /// Maglev consistent hashing for NodePort/LoadBalancer flows and
+    /// unconnected UDP: `off` (the default: the random slot pick, unless a
+    /// Service's `topoproxy.io/maglev-table-size` annotation asks for a
+    /// table), or the entries of every such frontend's table, a prime:
+    /// 16381 (64 KiB per frontend, fine up to ~160 backends) or 65521
+    /// (256 KiB, for Services with hundreds of backends). Off by default
+    /// because linking a table into the kernel's map-in-map waits for an
+    /// RCU grace period (kernel/bpf/syscall.c: maybe_wait_bpf_programs),
+    /// some 17 ms per table written on a test VM, which a cold sync of
+    /// many external frontends would pay in sequence.
+    #[arg(long, default_value = "off", value_parser = parse_maglev_size)]
+    pub maglev_table_size: ::std::option::Option<proxy_agent::decide::maglev::TableSize>,
     #[command(flatten)]
     pub conntrack: super::conntrack_args::ConntrackArgs,
 }
@@ -93,7 +121,14 @@ impl DatapathArgs {
             "netlink" => proxy_agent::datapath::tc_loader::TcMode::Netlink,
             _ => proxy_agent::datapath::tc_loader::TcMode::Auto,
         };
-        Ok(proxy_agent::external::nodeport::ExternalConfig { devices, node_ips: self.node_ip.clone(), snat_ports: (lo, hi), tc_mode })
+        Ok(proxy_agent::external::nodeport::ExternalConfig {
+            devices,
+            node_ips: self.node_ip.clone(),
+            snat_ports: (lo, hi),
+            tc_mode,
+            xdp: proxy_agent::datapath::xdp_loader::XdpMode::parse(&self.xdp).unwrap_or_default(),
+            maglev_size: self.maglev_table_size,
+        })
     }
 
     pub(crate) fn cgroup(&self) -> anyhow::Result<PathBuf> {
@@ -103,20 +138,33 @@ impl DatapathArgs {
         }
     }
 
-    pub(crate) fn capacities(&self) -> anyhow::Result<Capacities> {
-        let caps = Capacities {
-            services: self.max_services,
-            slots: self.max_slots,
-            backends: self.max_backends,
-            sock_revnat: self.max_sock_revnat,
-            np_conntrack: self.max_np_conntrack,
-            affinity: self.max_affinity,
-        };
-        for c in Capacity::ALL {
-            anyhow::ensure!(caps.get(c) > 0, "{} must be at least 1", c.flag());
+    /// The capacities given by --max-* flags, in [`Capacity::ALL`] order.
+    pub(crate) fn explicit_capacities(&self) -> anyhow::Result<[Option<u32>; 6]> {
+        let explicit =
+            [self.max_services, self.max_slots, self.max_backends, self.max_sock_revnat, self.max_np_conntrack, self.max_affinity];
+        for (c, v) in Capacity::ALL.iter().zip(explicit) {
+            anyhow::ensure!(v != Some(0), "{} must be at least 1", c.flag());
         }
-        Ok(caps)
+        Ok(explicit)
     }
+
+    /// Whether every capacity is set by a flag (nothing to size).
+    pub(crate) fn all_capacities_explicit(&self) -> bool {
+        self.explicit_capacities().is_ok_and(|e| e.iter().all(Option::is_some))
+    }
+
+    /// The capacities for maps created now: the flags, the rest sized from
+    /// `needs` within --map-memory-budget.
+    pub(crate) fn capacities(&self, needs: Option<Needs>) -> anyhow::Result<Sizing> {
+        let explicit = self.explicit_capacities()?;
+        anyhow::ensure!(self.map_memory_budget > 0, "--map-memory-budget must be at least 1 (MiB)");
+        Ok(sizing::size(needs, &explicit, self.map_memory_budget.saturating_mul(1 << 20)))
+    }
+}
+
+/// `--maglev-table-size`: `off` or one of the offered primes.
+fn parse_maglev_size(s: &str) -> Result<Option<proxy_agent::decide::maglev::TableSize>, String> {
+    if s == "off" { Ok(None) } else { s.parse().map(Some).map_err(|e: proxy_agent::decide::maglev::TableSizeError| e.to_string()) }
 }
 
 #[cfg(test)]
@@ -132,6 +180,17 @@ mod tests {
 
     fn parse(args: &[&str]) -> Result<DatapathArgs, String> {
         Cli::try_parse_from(std::iter::once("proxy-agent").chain(args.iter().copied())).map(|c| c.datapath).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn maglev_tables_are_off_unless_a_size_is_named() {
+        use proxy_agent::decide::maglev::TableSize;
+        assert_eq!(parse(&[]).unwrap().maglev_table_size, None);
+        assert_eq!(parse(&["--maglev-table-size", "off"]).unwrap().maglev_table_size, None);
+        assert_eq!(parse(&["--maglev-table-size", "16381"]).unwrap().maglev_table_size, Some(TableSize::Default));
+        assert_eq!(parse(&["--maglev-table-size", "65521"]).unwrap().maglev_table_size, Some(TableSize::Large));
+        let Err(e) = parse(&["--maglev-table-size", "1000"]) else { panic!("1000 accepted") };
+        assert!(e.contains("invalid Maglev table size \"1000\": must be 16381 or 65521"), "{e}");
     }
 
     #[test]

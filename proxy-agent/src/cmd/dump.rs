@@ -97,6 +97,9 @@ fn table(out: &mut impl Write, r: &Report) -> std::io::Result<()> {
     writeln!(out)?;
     let counters: Vec<String> = r.counters.iter().map(|(k, v)| format!("{k}={v}")).collect();
     writeln!(out, "counters: {}", counters.join(" "))?;
+    if let Some(n) = r.socket_port_bits {
+        writeln!(out, "port bitmap (SOCK_PORTS): {n} ports")?;
+    }
     if let Some(np) = &r.nodeport {
         writeln!(out)?;
         nodeport_table(out, np)?;
@@ -214,7 +217,15 @@ fn nodeport_table(out: &mut impl Write, np: &NodePortReport) -> std::io::Result<
     writeln!(out, "  backends: {}", np.backends.len())?;
     backend_lines(out, "    ", &np.backends)?;
     writeln!(out, "  local endpoints: {}", if np.local_endpoints.is_empty() { "none".to_string() } else { np.local_endpoints.join(" ") })?;
+    if let Some(p) = &np.port_bits {
+        writeln!(out, "  port bitmap (NP_PORTS): {} ingress, {} egress ports", p.ingress_ports, p.egress_ports)?;
+    }
     affinity_lines(out, "  ", &np.affinity)?;
+    writeln!(
+        out,
+        "  xdp: {}",
+        if np.xdp_devices.is_empty() { "off (TC alone)".to_string() } else { format!("native on {}", np.xdp_devices.join(" ")) }
+    )?;
     writeln!(out, "  conntrack: {} entries", np.conntrack.len())?;
     for c in np.conntrack.iter().take(CONNTRACK_LISTED) {
         let age = c.age_seconds.map_or_else(String::new, |a| format!("  {a}s ago"));

@@ -16,12 +16,15 @@ use clap::Args;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use proxy_agent::datapath::dump::{np_counter_sums, socket_counter_sums};
 use proxy_agent::datapath::kernel_features::KernelFeatures;
+use proxy_agent::datapath::map_migration;
 use proxy_agent::datapath::map_writer::MapWriter;
 use proxy_agent::datapath::pin_guard::{self, PinGuard};
+use proxy_agent::datapath::sizing::{self, Needs};
 use proxy_agent::datapath::sock_destroy::{self, Terminator};
 use proxy_agent::datapath::{conntrack_gc, socket_loader};
 use proxy_agent::external::node_addresses;
 use proxy_agent::external::nodeport::ExternalDatapath;
+use proxy_agent::model::store::Kind;
 use proxy_agent::observe::health_server::{self, DEFAULT_STALE_AFTER, Health};
 use proxy_agent::observe::metrics::Metrics;
 use proxy_agent::source::feed::{Signal, Stores};
@@ -29,7 +32,7 @@ use proxy_agent::source::{api_versions, kube_watch, manifest_watch};
 use proxy_agent::sync::events::{self, EventReporter};
 use proxy_agent::sync::sync_loop::{SyncConfig, SyncLoop};
 use tokio::signal::unix::{SignalKind, signal};
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
 use super::datapath_args::DatapathArgs;
 
@@ -178,6 +181,63 @@ async fn watch_node_addresses(tx: UnboundedSender<Signal>, changed: Arc<AtomicBo
     }
 }
 
+/// How long start-up waits for the source's first full list before it
+/// sizes the maps from what has arrived so far. A pinned datapath keeps
+/// serving meanwhile; a fresh node has none yet either way.
+const INITIAL_LIST_WAIT: Duration = Duration::from_secs(30);
+
+/// Waits (at most `wait`) until the source has listed every kind, and
+/// counts what the queued initial state will program. The signals read
+/// meanwhile are handed on, in order, through the returned receiver, so
+/// the sync loop sees them as if nothing had looked.
+async fn initial_needs(
+    mut rx: UnboundedReceiver<Signal>,
+    stores: &Stores,
+    health: &Health,
+    wait: Duration,
+) -> (UnboundedReceiver<Signal>, Option<Needs>) {
+    let deadline = tokio::time::Instant::now() + wait;
+    let mut seen = Vec::new();
+    let mut listed = [false; Kind::ALL.len()];
+    while !listed.iter().all(|l| *l) {
+        // /readyz says what the start-up waits for, as the sync loop does
+        // after it.
+        if listed.iter().any(|l| *l) {
+            let missing: Vec<&str> = Kind::ALL.iter().filter(|k| !listed[**k as usize]).map(|k| k.as_str()).collect();
+            health.waiting_for(format!("{} to be listed", missing.join(", ")));
+        } else {
+            health.waiting_for("Services, EndpointSlices and Nodes to be listed");
+        }
+        match tokio::time::timeout_at(deadline, rx.recv()).await {
+            Ok(Some(signal)) => {
+                if let Signal::Listed { kind } = &signal {
+                    listed[*kind as usize] = true;
+                }
+                seen.push(signal);
+            }
+            Ok(None) | Err(_) => break,
+        }
+    }
+    health.waiting_for("the datapath to be installed");
+    let complete = listed.iter().all(|l| *l);
+    if !complete {
+        tracing::warn!(waited = ?wait, "the source has not listed everything yet; sizing the maps from what arrived");
+    }
+    let needs = stores.with_queued(Needs::of);
+    let (tx, forwarded) = tokio::sync::mpsc::unbounded_channel();
+    for signal in seen {
+        let _ = tx.send(signal);
+    }
+    tokio::spawn(async move {
+        while let Some(signal) = rx.recv().await {
+            if tx.send(signal).is_err() {
+                return;
+            }
+        }
+    });
+    (forwarded, Some(needs))
+}
+
 async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(!args.node.is_empty(), "--node (or NODE_NAME) must name this node");
     let standalone = !args.manifests.is_empty();
@@ -196,10 +256,9 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
         tokio::spawn(health_server::serve(listener, health.clone(), metrics.clone()));
     }
 
-    // The source starts before the datapath is loaded: listing is most of
-    // a cold start at scale, and the BPF load and attach below (a few
-    // hundred milliseconds with large preallocated maps) need none of it.
-    // What it reads waits in the queue until the sync loop runs.
+    // The source starts before the datapath is loaded: the maps are sized
+    // from its first full list (unless every --max-* flag is given), and
+    // what it reads waits in the queue until the sync loop runs.
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let (stores, events): (Stores, Option<EventReporter>) = if standalone {
         let interval = Duration::from_millis(args.poll_interval_ms.max(10));
@@ -216,7 +275,31 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
 
     let cgroup = args.datapath.cgroup()?;
     let pin_dir = args.datapath.bpffs.clone();
-    let caps = args.datapath.capacities()?;
+    // Maps created now are sized from the first full list (see
+    // `sizing`): wait for it, bounded, unless every capacity is given.
+    let (rx, needs) =
+        if args.datapath.all_capacities_explicit() { (rx, None) } else { initial_needs(rx, &stores, &health, INITIAL_LIST_WAIT).await };
+    let sizing = args.datapath.capacities(needs)?;
+    let explicit = args.datapath.explicit_capacities()?;
+    let caps = sizing::keep_pinned(&sizing.caps, needs, &explicit, &map_migration::pinned_capacities(&args.datapath.bpffs));
+    tracing::info!(
+        ?needs,
+        services = caps.services,
+        slots = caps.slots,
+        backends = caps.backends,
+        sock_revnat = caps.sock_revnat,
+        np_conntrack = caps.np_conntrack,
+        affinity = caps.affinity,
+        worst_case_mib = sizing.worst_case_bytes >> 20,
+        "map capacities"
+    );
+    if sizing.over_budget {
+        tracing::warn!(
+            budget_mib = args.datapath.map_memory_budget,
+            worst_case_mib = sizing.worst_case_bytes >> 20,
+            "the capacities the cluster needs (or the --max-* flags) exceed --map-memory-budget; they are used anyway"
+        );
+    }
     // What the kernel offers decides which program variants load; said once
     // here and kept in /metrics (the loaders refuse a kernel below the
     // floor before they pin anything).
@@ -228,7 +311,8 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     for w in warnings {
         tracing::warn!("{w}");
     }
-    let writer = MapWriter::open(&pin_dir).context("opening the pinned maps")?;
+    let mut writer = MapWriter::open(&pin_dir).context("opening the pinned maps")?;
+    writer.set_maglev_size(args.datapath.maglev_table_size);
     tracing::info!(
         node = %args.node,
         cgroup = %cgroup.display(),
@@ -245,6 +329,7 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
         tracing::warn!("{w}");
     }
     tracing::info!(devices = ?external.devices, node_addresses = ?external.node_addrs, "external traffic datapath ready");
+    metrics.set_xdp_devices(&external.devices, &proxy_agent::datapath::xdp_loader::attached_devices(&pin_dir));
 
     // Sockets translated to a backend that leaves are terminated (and TC
     // flows to it flushed) by a worker thread; which mechanism this kernel

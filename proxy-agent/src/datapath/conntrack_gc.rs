@@ -40,6 +40,7 @@ use proxy_common as pc;
 use proxy_common::{BackendKey, BackendValue, CtKey, CtValue};
 
 use crate::datapath::bpf_batch::{is_not_found, read_all};
+use crate::datapath::port_bits::{PortBits, PortSet};
 use crate::observe::metrics::{GcFigures, Metrics};
 
 /// How long a flow may stay idle, by state (seconds).
@@ -326,6 +327,16 @@ pub struct SweepStats {
     pub deleted_stale: usize,
     /// Flows left alone because a packet refreshed them during the sweep.
     pub revived_flows: usize,
+    /// Ports whose `NP_PORTS` bit the sweep cleared (no frontend, backend
+    /// or flow left uses them); `None` when it left the bitmap alone (no
+    /// claim from the NodePort writer yet, or a claim that changed during
+    /// the sweep, see `port_bits`).
+    pub ports_cleared: Option<usize>,
+    /// Why the bitmap step failed; the conntrack work above is done.
+    pub ports_error: Option<String>,
+    /// Ports set in `NP_PORTS` (ingress, egress) after the sweep, when
+    /// known.
+    pub ports_set: Option<(usize, usize)>,
 }
 
 fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str) -> Result<(HashMap<MapData, K, V>, u32), GcError> {
@@ -343,6 +354,11 @@ fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str) -> Result<(Ha
 pub fn sweep(pin_dir: &Path, t: &Timeouts) -> Result<SweepStats, GcError> {
     let (mut ct, capacity) = open_hash::<CtKey, CtValue>(pin_dir, pc::NP_CT_MAP)?;
     let (backends, _) = open_hash::<BackendKey, BackendValue>(pin_dir, pc::NP_BACKENDS_MAP)?;
+    // The port bitmap's claim generation, before NP_CT is read: flows the
+    // programs create after the read use claimed ports as long as the claim
+    // stays the same (see `port_bits`).
+    let mut bits = PortBits::open(pin_dir);
+    let generation = bits.as_ref().ok().map(PortBits::generation);
     // Bounded however busy the map is (see `read_all`).
     let entries = read_all(&ct).map_err(|source| GcError::Read { map: pc::NP_CT_MAP, source })?;
     // Read the clock after the read: entries refreshed during it then look
@@ -358,6 +374,7 @@ pub fn sweep(pin_dir: &Path, t: &Timeouts) -> Result<SweepStats, GcError> {
     };
     let doomed = plan(&entries, now, t, alive);
     let mut stats = SweepStats { entries: table.len(), capacity, ..Default::default() };
+    let mut gone: std::collections::HashSet<CtKey> = std::collections::HashSet::new();
     for d in doomed {
         // A packet may have refreshed the flow since it was read: look
         // again right before deleting (what is left is a window of a few
@@ -378,6 +395,7 @@ pub fn sweep(pin_dir: &Path, t: &Timeouts) -> Result<SweepStats, GcError> {
                 Err(e) if is_not_found(&e) => {}
                 Err(source) => return Err(GcError::Delete { map: pc::NP_CT_MAP, source }),
             }
+            gone.insert(*k);
         }
         match d.reason {
             Reason::Expired => {
@@ -389,6 +407,22 @@ pub fn sweep(pin_dir: &Path, t: &Timeouts) -> Result<SweepStats, GcError> {
                 stats.deleted_stale += deleted;
             }
         }
+    }
+    // Ports only the deleted flows used lose their bit.
+    let mut left = PortSet::default();
+    for (k, _) in entries.iter().filter(|(k, _)| !gone.contains(k)) {
+        left.insert_conntrack(k);
+    }
+    match (&mut bits, generation) {
+        (Ok(b), Some(g)) => {
+            match b.clear_unused(g, &left) {
+                Ok(cleared) => stats.ports_cleared = cleared,
+                Err(e) => stats.ports_error = Some(e.to_string()),
+            }
+            stats.ports_set = b.known_counts();
+        }
+        (Err(e), _) => stats.ports_error = Some(format!("port bitmap: cannot open pinned map {}: {e}", pc::NP_PORTS_MAP)),
+        (Ok(_), None) => {}
     }
     Ok(stats)
 }
@@ -416,12 +450,29 @@ pub fn spawn(pin_dir: PathBuf, cfg: GcConfig, metrics: Arc<Metrics>) -> Option<t
         // so that start-up (install, first sync) goes first.
         tick.tick().await;
         let mut failing = false;
+        let mut ports_failing = false;
         loop {
             tick.tick().await;
             let (dir, timeouts) = (pin_dir.clone(), cfg.timeouts);
             match tokio::task::spawn_blocking(move || sweep(&dir, &timeouts)).await {
                 Ok(Ok(stats)) => {
                     failing = false;
+                    if let Some(e) = &stats.ports_error {
+                        // Unused bits only cost unrelated packets a lookup:
+                        // worth a warning (once per streak), not a failed
+                        // sweep.
+                        metrics.error(crate::observe::metrics::reason::CONNTRACK_GC);
+                        if !ports_failing {
+                            tracing::warn!("conntrack GC: {e}; unused NP_PORTS bits stay set");
+                        }
+                    }
+                    ports_failing = stats.ports_error.is_some();
+                    if let Some((ingress, egress)) = stats.ports_set {
+                        metrics.record_port_bits(ingress, egress);
+                    }
+                    if let Some(n) = stats.ports_cleared.filter(|n| *n > 0) {
+                        tracing::debug!(ports = n, "conntrack GC cleared the NP_PORTS bits of ports no longer in use");
+                    }
                     let deleted = [
                         (Reason::Expired.label(), stats.expired_flows, stats.deleted_expired),
                         (Reason::StaleBackend.label(), stats.stale_flows, stats.deleted_stale),

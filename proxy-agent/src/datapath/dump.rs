@@ -27,7 +27,7 @@ use std::path::{Path, PathBuf};
 
 use aya::Pod;
 use aya::maps::lpm_trie::LpmTrie;
-use aya::maps::{Array, HashMap, Map, MapData, MapError, PerCpuArray};
+use aya::maps::{Array, HashMap, HashOfMaps, Map, MapData, MapError, PerCpuArray};
 use proxy_common as pc;
 use proxy_common::{
     AddrKey, AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, CtKey, CtValue, NpAffinityKey, NpConfig,
@@ -39,6 +39,7 @@ use crate::datapath::bpf_batch::read_all;
 use crate::datapath::conntrack_gc::monotonic_now_s;
 use crate::datapath::keys::{backend_of, frontend_of, ip_of};
 use crate::datapath::maps::{self, Datapath, MapSpec, SOCKET_SERVICE_MAPS, ServiceMaps, TC_SERVICE_MAPS};
+use crate::datapath::port_bits::{Bitmap, PortSet};
 
 // The cause is part of each message and deliberately not a `source`:
 // `main` prints error chains, which would repeat it.
@@ -66,6 +67,11 @@ pub struct Snapshot {
     /// The TC datapath's `NP_*` maps; `None` when they are not pinned (a
     /// datapath installed by an agent without external-traffic support).
     pub nodeport: Option<NpSnapshot>,
+    /// Bytes of backend ids in the distinct arrays `SOCK_MAGLEV` links.
+    pub maglev_table_bytes: u64,
+    /// `SOCK_PORTS`; `None` when it is not pinned (pins of an agent version
+    /// without it).
+    pub socket_ports: Option<PortSet>,
 }
 
 /// One datapath's policy maps, as raw entries; empty when they are not
@@ -101,6 +107,11 @@ pub struct NpSnapshot {
     pub now_s: Option<u32>,
     /// `NP_AFFINITY_MATCH`, `NP_SOURCE_RANGES` and `NP_AFFINITY`.
     pub policy: PolicySnapshot,
+    /// Bytes of backend ids in the distinct arrays `NP_MAGLEV` links.
+    pub maglev_table_bytes: u64,
+    /// `NP_PORTS`; `None` when it is not pinned (pins of an agent version
+    /// without it).
+    pub ports: Option<PortSet>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -177,6 +188,34 @@ fn sorted_entries<K: Pod + Ord + Hash, V: Pod>(
     Ok(out)
 }
 
+/// Records the usage of a Maglev hash of maps (`NP_MAGLEV`,
+/// `SOCK_MAGLEV`): how many keys link a table in. Returns the bytes of
+/// backend ids of the distinct arrays they link (frontends with the same
+/// backends share one). Nothing when it is not pinned (a datapath
+/// installed by an agent without tables).
+fn maglev_usage(pin_dir: &Path, spec: &'static MapSpec, maps: &mut Vec<MapUsage>) -> Result<u64, DumpError> {
+    if !pin_dir.join(spec.name).exists() {
+        return Ok(0);
+    }
+    let (map, max) = open(pin_dir, spec)?;
+    let outer: HashOfMaps<MapData, pc::MaglevKey, MapData> =
+        HashOfMaps::try_from(map).map_err(|error| DumpError::Kind { path: pin_dir.join(spec.name), error })?;
+    // Bounded: a table linked in while the keys are listed must not keep
+    // the dump going.
+    let keys: Vec<pc::MaglevKey> = outer.keys().take(max as usize).flatten().collect();
+    let mut arrays: BTreeMap<u32, u64> = BTreeMap::new();
+    for k in &keys {
+        // Unlinked meanwhile: skipped.
+        if let Ok(inner) = outer.get(k, 0)
+            && let Ok(info) = inner.info()
+        {
+            arrays.insert(info.id(), u64::from(info.max_entries()) * 4);
+        }
+    }
+    maps.push(MapUsage { name: spec.name, entries: keys.len() as u64, max_entries: max });
+    Ok(arrays.values().sum())
+}
+
 /// A per-CPU array of counters summed over CPUs, indexed by counter id.
 /// Records the map's usage.
 fn counter_sums(pin_dir: &Path, spec: &'static MapSpec, maps: &mut Vec<MapUsage>) -> Result<Vec<u64>, DumpError> {
@@ -201,6 +240,8 @@ pub fn read(pin_dir: &Path) -> Result<Snapshot, DumpError> {
     // Only the size of the reverse-translation table is interesting here.
     hash_entries::<SockRevNatKey, SockRevNatValue>(pin_dir, &maps::SOCK_REVNAT, usage)?;
     snap.counters = counter_sums(pin_dir, &maps::COUNTERS, usage)?;
+    snap.maglev_table_bytes = maglev_usage(pin_dir, &maps::SOCK_MAGLEV, usage)?;
+    snap.socket_ports = read_ports(pin_dir, &maps::SOCK_PORTS, Bitmap::Socket)?;
     snap.policy =
         read_policy::<SockAffinityKey>(pin_dir, &SOCKET_SERVICE_MAPS, usage, |k| (k.scope_id, format!("netns {}", k.netns_cookie)))?;
     if pin_dir.join(maps::NP_SERVICES.name).exists() {
@@ -288,10 +329,25 @@ fn read_nodeport(pin_dir: &Path, usage: &mut Vec<MapUsage>) -> Result<NpSnapshot
     np.config = Some(config.get(&0, 0).map_err(|error| DumpError::Read { map: pc::NP_CONFIG_MAP, error })?);
     usage.push(MapUsage { name: pc::NP_CONFIG_MAP, entries: u64::from(max), max_entries: max });
     np.counters = counter_sums(pin_dir, &maps::NP_COUNTERS, usage)?;
+    np.ports = read_ports(pin_dir, &maps::NP_PORTS, Bitmap::Tc)?;
+    np.maglev_table_bytes = maglev_usage(pin_dir, &maps::NP_MAGLEV, usage)?;
     np.policy = read_policy::<NpAffinityKey>(pin_dir, &TC_SERVICE_MAPS, usage, |k| {
         (k.scope_id, ip_of(k.client_be, k.family).map_or_else(|| format!("family {} {:08x?}", k.family, k.client_be), |ip| ip.to_string()))
     })?;
     Ok(np)
+}
+
+/// A port bitmap (`NP_PORTS` or `SOCK_PORTS`) as a set, or `None` when it
+/// is not pinned.
+fn read_ports(pin_dir: &Path, spec: &'static MapSpec, bitmap: Bitmap) -> Result<Option<PortSet>, DumpError> {
+    let path = pin_dir.join(spec.name);
+    if !path.exists() {
+        return Ok(None);
+    }
+    let (map, _) = open(pin_dir, spec)?;
+    let words = Array::<MapData, u64>::try_from(map).map_err(|error| DumpError::Kind { path: path.clone(), error })?;
+    let words: Vec<u64> = words.iter().collect::<Result<_, _>>().map_err(|error| DumpError::Read { map: spec.name, error })?;
+    Ok(PortSet::from_words_of(bitmap, words))
 }
 
 /// Counter values by name (`proxy_common::counter::NAMES`).
@@ -353,6 +409,9 @@ pub enum FindingKind {
     /// Affinity match entries or source ranges of a generation no frontend
     /// is at (or of a frontend without affinity / source ranges).
     OrphanPolicyEntries,
+    /// A frontend, backend or conntrack entry whose port has no bit in
+    /// `NP_PORTS`: the TC programs pass its packets untranslated.
+    MissingPortBit,
 }
 
 impl FindingKind {
@@ -448,6 +507,14 @@ pub struct ServiceView {
     /// bound address (a node address lies inside a range).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub source_ranges_node: bool,
+    /// Entries of the current generation's Maglev table (`NP_MAGLEV`,
+    /// `SOCK_MAGLEV`), when it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub maglev_table_size: Option<u32>,
+    /// The bytes of backend ids that table holds (shared with the
+    /// frontends of the same backends, see `Report::maglev_table_bytes`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub maglev_table_bytes: Option<u64>,
 }
 
 /// A client's affinity entry.
@@ -645,6 +712,8 @@ pub fn check_maps(
             affinity_scope: None,
             source_ranges: None,
             source_ranges_node: false,
+            maglev_table_size: Some(value.maglev_size()).filter(|m| *m > 0),
+            maglev_table_bytes: Some(u64::from(value.maglev_size()) * 4).filter(|b| *b > 0),
         });
     }
 
@@ -891,6 +960,20 @@ pub struct NodePortReport {
     pub counters: BTreeMap<String, u64>,
     /// NP_AFFINITY: each client's backend per affine frontend.
     pub affinity: Vec<AffinityView>,
+    /// NP_PORTS: ports whose packets the programs look at; `None` when
+    /// the map is not pinned.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port_bits: Option<PortBitsView>,
+    /// Devices with the XDP program in front of TC (native mode, a pinned
+    /// link each); every other device of the datapath runs TC alone.
+    pub xdp_devices: Vec<String>,
+}
+
+#[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct PortBitsView {
+    pub ingress_ports: usize,
+    pub egress_ports: usize,
 }
 
 fn endpoint(ip_be: [u32; 4], port_be: u16, family: u8) -> String {
@@ -985,6 +1068,19 @@ pub fn check_nodeport(np: &NpSnapshot) -> (NodePortReport, Vec<Finding>) {
                 );
             }
         }
+        if known && let Some(ports) = &np.ports {
+            let mut needs = PortSet::default();
+            needs.insert_conntrack(k);
+            if !ports.covers(&needs) {
+                findings.push(tc(
+                    FindingKind::MissingPortBit,
+                    format!(
+                        "{}: flow {direction} {protocol} {tuple} uses a port without its bit; its packets pass untranslated",
+                        pc::NP_PORTS_MAP
+                    ),
+                ));
+            }
+        }
         conntrack.push(CtView {
             direction,
             protocol,
@@ -1023,7 +1119,38 @@ pub fn check_nodeport(np: &NpSnapshot) -> (NodePortReport, Vec<Finding>) {
         })
         .collect();
     local_endpoints.sort();
+    if let Some(ports) = &np.ports {
+        for (k, _) in &np.services {
+            if !ports.contains(u16::from_be(k.port_be), false) {
+                let name = frontend_of(k).map_or_else(|| raw_key(k), |f| f.to_string());
+                findings.push(tc(
+                    FindingKind::MissingPortBit,
+                    format!("{}: frontend {name} has no bit for its port; its packets pass untranslated", pc::NP_PORTS_MAP),
+                ));
+            }
+        }
+        for (k, v) in &np.backends {
+            if !ports.contains(u16::from_be(v.port_be), true) {
+                findings.push(
+                    tc(
+                        FindingKind::MissingPortBit,
+                        format!(
+                            "{}: backend #{} ({}) has no egress bit for its port; its replies pass untranslated",
+                            pc::NP_PORTS_MAP,
+                            k.backend_id,
+                            endpoint(v.ip_be, v.port_be, v.family)
+                        ),
+                    )
+                    .backend(k.backend_id),
+                );
+            }
+        }
+    }
     sort_findings(&mut findings);
+    let port_bits = np.ports.as_ref().map(|p| {
+        let (ingress_ports, egress_ports) = p.counts();
+        PortBitsView { ingress_ports, egress_ports }
+    });
     let report = NodePortReport {
         config,
         services: views,
@@ -1032,6 +1159,8 @@ pub fn check_nodeport(np: &NpSnapshot) -> (NodePortReport, Vec<Finding>) {
         conntrack,
         counters: named_np_counters(&np.counters),
         affinity,
+        port_bits,
+        xdp_devices: Vec::new(),
     };
     (report, findings)
 }
@@ -1056,6 +1185,13 @@ pub struct Report {
     /// when its maps are not pinned.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub nodeport: Option<NodePortReport>,
+    /// Bytes of backend ids in the Maglev tables of both datapaths, each
+    /// array counted once (frontends with the same backends share one).
+    pub maglev_table_bytes: u64,
+    /// SOCK_PORTS: destination ports whose calls the socket programs look
+    /// up in SERVICES; absent when the map is not pinned.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub socket_port_bits: Option<usize>,
 }
 
 pub fn report(pin_dir: &Path, snap: &Snapshot) -> Report {
@@ -1064,12 +1200,17 @@ pub fn report(pin_dir: &Path, snap: &Snapshot) -> Report {
     let mut services = a.services;
     let (affinity, policy_findings) = check_policies(&SOCKET_SERVICE_MAPS, &snap.services, &snap.backends, &snap.policy, &mut services);
     findings.extend(policy_findings);
+    if let Some(ports) = &snap.socket_ports {
+        findings.extend(missing_socket_port_bits(&snap.services, ports));
+    }
     let nodeport = snap.nodeport.as_ref().map(|np| {
-        let (r, f) = check_nodeport(np);
+        let (mut r, f) = check_nodeport(np);
         findings.extend(f);
+        r.xdp_devices = crate::datapath::xdp_loader::attached_devices(pin_dir);
         r
     });
     sort_findings(&mut findings);
+    let maglev_table_bytes = snap.maglev_table_bytes + snap.nodeport.as_ref().map_or(0, |np| np.maglev_table_bytes);
     Report {
         pin_dir: pin_dir.display().to_string(),
         consistent: findings.is_empty(),
@@ -1080,7 +1221,25 @@ pub fn report(pin_dir: &Path, snap: &Snapshot) -> Report {
         affinity,
         findings,
         nodeport,
+        maglev_table_bytes,
+        socket_port_bits: snap.socket_ports.as_ref().map(|p| p.counts().0),
     }
+}
+
+/// Frontends in `SERVICES` whose destination port has no bit in
+/// `SOCK_PORTS`: the socket programs pass their calls untranslated.
+fn missing_socket_port_bits(services: &[(ServiceKey, ServiceValue)], ports: &PortSet) -> Vec<Finding> {
+    services
+        .iter()
+        .filter(|(k, _)| !ports.contains_socket(u16::from_be(k.port_be)))
+        .map(|(k, _)| {
+            let name = frontend_of(k).map_or_else(|| raw_key(k), |f| f.to_string());
+            Finding::new(
+                FindingKind::MissingPortBit,
+                format!("{}: frontend {name} has no bit for its port; calls to it pass untranslated", pc::SOCK_PORTS_MAP),
+            )
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -1291,6 +1450,14 @@ mod tests {
             counters: vec![3, 7],
             now_s: Some(100),
             policy: PolicySnapshot::default(),
+            maglev_table_bytes: 0,
+            ports: Some({
+                let mut p = PortSet::base();
+                p.insert_frontend(80);
+                p.insert_frontend(53);
+                p.insert_backend(8080);
+                p
+            }),
         }
     }
 
@@ -1312,18 +1479,32 @@ mod tests {
         );
         assert_eq!((fwd.flags.clone(), fwd.age_seconds), (vec!["closing"], Some(10)));
         assert_eq!(r.conntrack[1].direction, "reply");
+        assert_eq!(r.port_bits, Some(PortBitsView { ingress_ports: 2, egress_ports: 2 }));
     }
 
     #[test]
     fn tc_inconsistencies_are_found() {
         // (name, corruption, expected kind)
         type Corrupt = fn(&mut NpSnapshot);
-        let cases: [(&str, Corrupt, FindingKind); 6] = [
+        let cases: [(&str, Corrupt, FindingKind); 8] = [
             ("slot naming a missing backend", |np| np.backends.retain(|(k, _)| k.backend_id != 10), FindingKind::MissingBackend),
             ("flags without a frontend", |np| np.services.retain(|(k, _)| *k != fe("10.96.0.10", 80)), FindingKind::OrphanFlags),
             ("flow to a removed backend", |np| np.conntrack[0].1.backend_id = 12, FindingKind::StaleFlow),
             ("flow to a backend id now at another address", |np| np.conntrack[0].1.dport_be = 9u16.to_be(), FindingKind::StaleFlow),
             ("unknown direction", |np| np.conntrack[1].0.dir = 9, FindingKind::UnknownConntrackEntry),
+            ("a frontend's port without its bit", |np| np.ports = Some(PortSet::base()), FindingKind::MissingPortBit),
+            (
+                "a flow's port without its bit",
+                |np| {
+                    let mut p = PortSet::base();
+                    p.insert_frontend(80);
+                    p.insert_frontend(53);
+                    p.insert_backend(8080);
+                    np.ports = Some(p);
+                    np.conntrack[0].0.dport_be = 81u16.to_be();
+                },
+                FindingKind::MissingPortBit,
+            ),
             (
                 "empty SNAT port range",
                 |np| {

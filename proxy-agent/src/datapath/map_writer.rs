@@ -38,6 +38,13 @@
 //! Service and backend ids are read back from the maps when the writer is
 //! opened, so they stay stable across agent restarts, and so is each
 //! frontend's policy (its flags, match entries and ranges).
+//!
+//! The socket programs pass a call whose destination port has no bit in
+//! `SOCK_PORTS` before they look at `SERVICES` (see `port_bits`), so the
+//! socket datapath's writer sets the ports of a plan's frontends before it
+//! writes anything, and clears a port only after the last frontend on it
+//! was deleted. A bit left set costs a slower miss; a missing one would
+//! hide a Service.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -53,7 +60,10 @@ use proxy_common::{
 
 use crate::datapath::bpf_batch::{self, BatchError};
 use crate::datapath::keys::{backend_of, backend_value, cidr_of, frontend_of, service_key, source_range_key};
-use crate::datapath::maps::{Datapath, MapSpec, SOCKET_SERVICE_MAPS, ServiceMaps};
+use crate::datapath::maglev_tables::{self, MaglevTables};
+use crate::datapath::maps::{Datapath, MapSpec, NP_MAGLEV, SOCK_MAGLEV, SOCKET_SERVICE_MAPS, ServiceMaps};
+use crate::datapath::port_bits::{Bitmap, PortBits, PortBitsError, PortSet};
+use crate::decide::maglev::{self, TableSize};
 use crate::decide::plan::{FrontendPolicy, Plan, Policies, SourceRanges, State};
 use crate::model::{Backend, Frontend};
 
@@ -127,6 +137,18 @@ pub struct MapWriter {
     /// `apply`: their clients' entries are swept at its end unless another
     /// frontend still uses the scope.
     affinity_gone: BTreeSet<u32>,
+    /// The TC datapath's Maglev tables (`None` for the socket datapath, and
+    /// for a TC datapath pinned without them).
+    maglev: Option<MaglevTables>,
+    /// Frontends whose current generation announces a Maglev table that
+    /// is not linked in (found so at start-up).
+    maglev_stale: BTreeSet<Frontend>,
+    /// Table sizes set per frontend (the Service annotation); the others
+    /// get the writer's default.
+    maglev_sizes: BTreeMap<Frontend, TableSize>,
+    /// `SOCK_PORTS`, for the socket datapath (`None` for the TC one, whose
+    /// `NP_PORTS` the NodePort writer claims).
+    ports: Option<PortBits>,
 }
 
 fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, spec: &'static MapSpec) -> Result<(HashMap<MapData, K, V>, u32), WriteError> {
@@ -163,6 +185,18 @@ impl MapWriter {
             Datapath::Socket => AffinityTable::Socket(open_hash(pin_dir, maps.affinity)?.0),
             Datapath::Tc => AffinityTable::Tc(open_hash(pin_dir, maps.affinity)?.0),
         };
+        let maglev_spec = match maps.datapath() {
+            Datapath::Socket => &SOCK_MAGLEV,
+            Datapath::Tc => &NP_MAGLEV,
+        };
+        let maglev = MaglevTables::open(pin_dir, maglev_spec).map_err(|source| WriteError::Open { map: maglev_spec.name, source })?;
+        let ports = match maps.datapath() {
+            Datapath::Socket => Some(
+                PortBits::open_bitmap(pin_dir, Bitmap::Socket)
+                    .map_err(|source| WriteError::Open { map: Bitmap::Socket.map_name(), source })?,
+            ),
+            Datapath::Tc => None,
+        };
         let mut w = MapWriter {
             maps,
             services,
@@ -186,8 +220,18 @@ impl MapWriter {
             next_service_id: 1,
             next_backend_id: 1,
             affinity_gone: BTreeSet::new(),
+            maglev,
+            maglev_stale: BTreeSet::new(),
+            maglev_sizes: BTreeMap::new(),
+            ports,
         };
         w.read_back()?;
+        // The loader filled the bitmap from these entries before it
+        // attached the programs; setting them again covers pins it did not
+        // fill, and costs no write when they are set.
+        if let Some(bits) = &mut w.ports {
+            bits.add(&socket_ports(w.programmed.keys())).map_err(|e| ports_failed(&e))?;
+        }
         Ok(w)
     }
 
@@ -223,6 +267,7 @@ impl MapWriter {
         let mut live_matches: BTreeSet<(u32, u32)> = BTreeSet::new();
         let mut live_ranges: BTreeSet<(u32, u32)> = BTreeSet::new();
         let mut live_slots = FastHashSet::default();
+        let mut live_tables: Vec<(pc::MaglevKey, TableSize, Frontend)> = Vec::new();
         let mut max_sid = 0;
         for (key, value) in entries {
             max_sid = max_sid.max(value.service_id);
@@ -233,6 +278,9 @@ impl MapWriter {
             }
             if value.flags & pc::SVC_FLAG_SOURCE_RANGES != 0 {
                 live_ranges.insert((sid, generation));
+            }
+            if let Some(size) = maglev_tables::size_of_value(&value) {
+                live_tables.push((pc::MaglevKey { service_id: sid, generation }, size, fe));
             }
             // A timeout of 0 (never written) stands for entries this agent
             // cannot trust (some missing): the next plan rewrites the
@@ -288,14 +336,72 @@ impl MapWriter {
         let orphans: Vec<BackendKey> =
             backend_table.keys().filter(|id| !self.backend_id_set.contains(*id)).map(|id| BackendKey { backend_id: *id }).collect();
         let _ = delete_keys(&mut self.backends, &orphans);
+        if let Some(t) = &mut self.maglev {
+            let live: Vec<(pc::MaglevKey, TableSize)> = live_tables.iter().map(|(k, size, _)| (*k, *size)).collect();
+            let map = t.map_name();
+            let missing = t.read_back(&live).map_err(|source| WriteError::Read { map, source })?;
+            self.maglev_stale.extend(live_tables.iter().filter(|(k, _, _)| missing.contains(k)).map(|(_, _, fe)| *fe));
+        }
         self.next_service_id = max_sid.wrapping_add(1).max(1);
         self.next_backend_id = backend_table.keys().max().copied().unwrap_or(0).wrapping_add(1).max(1);
         Ok(())
     }
 
-    /// What the maps hold, in the planner's terms.
+    /// What the maps hold, in the planner's terms. A frontend whose Maglev
+    /// table is missing or of another size than this writer would write
+    /// shows without backends, so that the next plan rewrites it.
     pub fn state(&self) -> State {
-        self.programmed.iter().map(|(fe, p)| (*fe, p.backends.iter().copied().collect())).collect()
+        self.programmed
+            .iter()
+            .map(|(fe, p)| {
+                let set = if self.maglev_is_stale(fe, p) { BTreeSet::new() } else { p.backends.iter().copied().collect() };
+                (*fe, set)
+            })
+            .collect()
+    }
+
+    fn maglev_is_stale(&self, fe: &Frontend, p: &Programmed) -> bool {
+        p.value.backend_count > 0 && (self.maglev_stale.contains(fe) || maglev_tables::size_of_value(&p.value) != self.maglev_size_for(fe))
+    }
+
+    /// The size of the table `fe` gets when written with backends; `None`
+    /// without tables: a datapath pinned without them, and at the socket
+    /// layer every TCP frontend (connect() picks at random: a connection
+    /// is balanced once, and its socket keeps its backend).
+    fn maglev_size_for(&self, fe: &Frontend) -> Option<TableSize> {
+        if self.maps.datapath() == Datapath::Socket && fe.protocol != crate::model::Protocol::Udp {
+            return None;
+        }
+        self.maglev.as_ref().and_then(|t| self.maglev_sizes.get(fe).copied().or(t.size))
+    }
+
+    /// Sets the default size of the Maglev tables written from now on
+    /// (`None`: tables only where the Service annotation asks for one).
+    /// Frontends programmed with another size are rewritten by the next
+    /// plan computed against [`MapWriter::state`] (every TC sync; the
+    /// socket datapath's full passes).
+    pub fn set_maglev_size(&mut self, size: Option<TableSize>) {
+        if let Some(t) = &mut self.maglev {
+            t.size = size;
+        }
+    }
+
+    /// Sets the frontends whose table size differs from the default (the
+    /// Service annotation); like [`MapWriter::set_maglev_size`], a change
+    /// rewrites the frontends concerned with the next plan.
+    pub fn set_maglev_sizes(&mut self, sizes: &BTreeMap<Frontend, TableSize>) {
+        if self.maglev_sizes != *sizes {
+            self.maglev_sizes.clone_from(sizes);
+        }
+    }
+
+    /// The Maglev table size written, the tables linked in and the bytes
+    /// of backend ids they hold; `None` without tables.
+    pub fn maglev_usage(&self) -> Option<(Option<TableSize>, u32, u64)> {
+        self.maglev.as_ref().map(|t| {
+            let (tables, bytes) = t.usage();
+            (t.size, tables, bytes)
+        })
     }
 
     /// The policies of the programmed frontends that have one.
@@ -312,8 +418,18 @@ impl MapWriter {
     /// the ones that failed are returned and the rest is applied.
     pub fn apply(&mut self, plan: &Plan) -> Vec<ApplyError> {
         let mut errors = Vec::new();
+        // Ports first: a frontend whose port has no bit is invisible to
+        // the socket programs. Without the bits no upsert is written.
+        let ports_set = match &mut self.ports {
+            Some(bits) => bits.add(&socket_ports(plan.upserts.iter().map(|(fe, _)| fe))),
+            None => Ok(0),
+        };
         // Deletes first: they free room for the upserts.
-        self.delete_all(&plan.deletes);
+        let undeleted = self.delete_all(&plan.deletes);
+        if let Err(e) = ports_set {
+            errors.extend(plan.upserts.iter().map(|(fe, _)| ApplyError { frontend: *fe, error: ports_failed(&e) }));
+            return errors;
+        }
         let mut chunk = Chunk::default();
         for (fe, backends) in &plan.upserts {
             // A frontend listed twice is written twice, in order.
@@ -338,6 +454,16 @@ impl MapWriter {
             }
         }
         self.flush(&mut chunk, &mut errors);
+        // After the deletes: a port goes with the last frontend on it. A
+        // service entry that could not be deleted keeps every bit this
+        // round (it may be the last on its port).
+        if let Some(bits) = &mut self.ports
+            && !plan.deletes.is_empty()
+            && undeleted == 0
+            && let Err(e) = bits.keep_only(&socket_ports(self.programmed.keys()))
+        {
+            tracing::warn!(map = Bitmap::Socket.map_name(), error = %e, "clearing unused port bits failed; they stay set (slower misses only)");
+        }
         let mut gone = std::mem::take(&mut self.affinity_gone);
         // A scope is shared by the frontends of one Service port: it goes
         // only with the last of them.
@@ -461,8 +587,11 @@ impl MapWriter {
         let ranges_from = chunk.range_keys.len();
         chunk.range_keys.extend(ranges.iter().map(|c| source_range_key(service_id, generation, c)));
         chunk.service_keys.push(service_key(fe));
-        chunk.service_values.push(ServiceValue { service_id, backend_count: n, generation, flags: policy_flags(policy) });
+        let maglev = self.maglev_size_for(fe).filter(|_| n > 0);
+        let flags = policy_flags(policy) | maglev.map_or(0, maglev_tables::flags_of);
+        chunk.service_values.push(ServiceValue { service_id, backend_count: n, generation, flags });
         chunk.staged.push(Staged {
+            maglev,
             frontend: *fe,
             backends: backends.to_vec(),
             old: old.cloned(),
@@ -479,11 +608,11 @@ impl MapWriter {
     /// did not switch are written again one per chunk; a frontend alone in
     /// its chunk that fails is reported in `errors`.
     fn flush(&mut self, chunk: &mut Chunk, errors: &mut Vec<ApplyError>) {
-        let c = std::mem::take(chunk);
+        let mut c = std::mem::take(chunk);
         if c.staged.is_empty() {
             return;
         }
-        let (switched, failure) = self.write_chunk(&c);
+        let (switched, failure) = self.write_chunk(&mut c);
         let alone = c.staged.len() == 1;
         if let Some((map, e)) = &failure
             && !alone
@@ -518,6 +647,7 @@ impl MapWriter {
                         self.affinity_gone.insert(old.value.affinity_scope());
                     }
                 }
+                self.maglev_stale.remove(&st.frontend);
                 self.programmed.insert(st.frontend, Programmed { value, backends: st.backends, policy: st.policy });
                 continue;
             }
@@ -531,6 +661,9 @@ impl MapWriter {
             }));
             dead.matches.extend_from_slice(&c.match_keys[st.matches.clone()]);
             dead.ranges.extend_from_slice(&c.range_keys[st.ranges.clone()]);
+            if st.maglev.is_some() {
+                dead.tables.push(pc::MaglevKey { service_id: value.service_id, generation: value.generation });
+            }
             if st.old.is_none() {
                 self.service_id_set.remove(&value.service_id);
             }
@@ -563,7 +696,7 @@ impl MapWriter {
     /// many frontends had their service entry written, which is a prefix
     /// (the kernel applies a batch in order and stops at the first
     /// failure), and the call that stopped the rest.
-    fn write_chunk(&mut self, c: &Chunk) -> (usize, Option<(&'static str, BatchError)>) {
+    fn write_chunk(&mut self, c: &mut Chunk) -> (usize, Option<(&'static str, BatchError)>) {
         let backend_keys: Vec<BackendKey> = c.created.iter().map(|(_, id)| BackendKey { backend_id: *id }).collect();
         let backend_values: Vec<BackendValue> = c.created.iter().map(|(b, _)| backend_value(b)).collect();
         if let Err(e) = bpf_batch::update(&mut self.backends, &backend_keys, &backend_values) {
@@ -582,15 +715,51 @@ impl MapWriter {
                 return (0, Some((self.maps.source_ranges.name, BatchError { applied, source: std::io::Error::other(e) })));
             }
         }
+        self.link_tables(c);
         match bpf_batch::update(&mut self.services, &c.service_keys, &c.service_values) {
             Ok(()) => (c.staged.len(), None),
             Err(e) => (e.applied.min(c.staged.len()), Some((self.maps.services.name, e))),
         }
     }
 
+    /// Computes and links in the Maglev table of each staged frontend that
+    /// gets one, under its new generation. A table is computed, written and
+    /// dropped one frontend at a time: a chunk of 16,384 frontends' tables
+    /// held at once would take a GiB.
+    ///
+    /// A table that cannot be linked (the outer map is full, memory is
+    /// short) does not keep the frontend from being written: its new
+    /// generation goes without one, so new flows take the modulo pick, and
+    /// [`MapWriter::state`] reports it for rewriting by the next full plan.
+    fn link_tables(&mut self, c: &mut Chunk) {
+        let Some(t) = &mut self.maglev else { return };
+        for (st, value) in c.staged.iter_mut().zip(&mut c.service_values) {
+            let Some(size) = st.maglev else { continue };
+            let mut set = st.backends.clone();
+            set.sort_unstable();
+            set.dedup();
+            // Every backend of a staged frontend has an id (stage reserved
+            // the missing ones), so `compute` never comes back empty.
+            let id_of = |b: &Backend| self.backend_ids.get(b).map(|(id, _)| *id).or_else(|| c.created_ids.get(b).copied());
+            let compute = || maglev_tables::table_ids(&maglev::table(&set, size), id_of);
+            let key = pc::MaglevKey { service_id: value.service_id, generation: value.generation };
+            if let Err(e) = t.link(key, size, &set, compute) {
+                tracing::warn!(
+                    frontend = %st.frontend,
+                    map = t.map_name(),
+                    error = %e,
+                    "Maglev table not linked; new flows to this frontend take the modulo pick until it is rewritten"
+                );
+                st.maglev = None;
+                value.flags &= !(pc::SVC_FLAG_MAGLEV | pc::SVC_FLAG_MAGLEV_LARGE);
+            }
+        }
+    }
+
     /// Removes frontends: their service entries, then their slots, then
-    /// backends nobody uses any more.
-    fn delete_all(&mut self, frontends: &[Frontend]) {
+    /// backends nobody uses any more. Returns how many service entries
+    /// could not be deleted.
+    fn delete_all(&mut self, frontends: &[Frontend]) -> usize {
         let mut keys = Vec::new();
         let mut olds = Vec::new();
         for fe in frontends {
@@ -603,14 +772,16 @@ impl MapWriter {
                 olds.push((fe, old));
             }
         }
-        for (i, e) in delete_keys(&mut self.services, &keys) {
-            tracing::warn!(frontend = %olds[i].0, error = %e, "removing service entry failed");
+        let failed = delete_keys(&mut self.services, &keys);
+        for (i, e) in &failed {
+            tracing::warn!(frontend = %olds[*i].0, error = %e, "removing service entry failed");
         }
         let mut dead = Dead::default();
         for (_, old) in &olds {
             self.drop_generation(old, &mut dead);
         }
         self.delete_dead(&dead);
+        failed.len()
     }
 
     /// Drops the references of an old generation that is no longer in use
@@ -629,6 +800,9 @@ impl MapWriter {
                 backend_id: *backend_id,
             }));
             self.matches_used = self.matches_used.saturating_sub((dead.matches.len() - from) as u32);
+        }
+        if maglev_tables::size_of_value(&old.value).is_some() {
+            dead.tables.push(pc::MaglevKey { service_id, generation });
         }
         if let Some(r) = &old.policy.source_ranges {
             dead.ranges.extend(r.cidrs.iter().map(|c| source_range_key(service_id, generation, c)));
@@ -650,9 +824,14 @@ impl MapWriter {
         }
     }
 
-    /// Slots and match entries first: neither ever names a backend that is
-    /// gone.
+    /// Slots, match entries and tables first: none ever names a backend
+    /// that is gone.
     fn delete_dead(&mut self, dead: &Dead) {
+        if let Some(t) = &mut self.maglev {
+            for k in &dead.tables {
+                t.unlink(*k);
+            }
+        }
         for (_, e) in delete_keys(&mut self.slots, &dead.slots) {
             tracing::debug!(map = self.maps.slots.name, error = %e, "removing a stale slot failed");
         }
@@ -767,6 +946,8 @@ struct Chunk {
 
 struct Staged {
     frontend: Frontend,
+    /// The size of the Maglev table its new generation gets, if any.
+    maglev: Option<TableSize>,
     backends: Vec<Backend>,
     old: Option<Programmed>,
     policy: FrontendPolicy,
@@ -781,6 +962,7 @@ struct Dead {
     slots: Vec<SlotKey>,
     matches: Vec<AffinityMatchKey>,
     ranges: Vec<RangeKey>,
+    tables: Vec<pc::MaglevKey>,
     backends: Vec<BackendKey>,
 }
 
@@ -807,6 +989,23 @@ fn delete_keys<K: aya::Pod, V: aya::Pod>(map: &mut HashMap<MapData, K, V>, keys:
             _ => None,
         })
         .collect()
+}
+
+/// The destination ports of `frontends`, laid out as `SOCK_PORTS` is (the
+/// port of each frontend's `SERVICES` key).
+fn socket_ports<'a>(frontends: impl Iterator<Item = &'a Frontend>) -> PortSet {
+    let mut s = PortSet::empty(Bitmap::Socket);
+    for fe in frontends {
+        s.insert_socket(u16::from_be(service_key(fe).port_be));
+    }
+    s
+}
+
+/// A frontend's share of a failed bitmap write (one `WriteError` each:
+/// they own their source).
+fn ports_failed(e: &PortBitsError) -> WriteError {
+    let io_error = std::io::Error::other(e.to_string());
+    WriteError::Syscall { map: Bitmap::Socket.map_name(), source: aya::sys::SyscallError { call: "bpf_map_update_elem", io_error }.into() }
 }
 
 fn full(map: &'static MapSpec, used: u32, max: u32, needed: u32) -> WriteError {

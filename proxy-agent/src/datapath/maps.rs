@@ -12,9 +12,9 @@ use aya::maps::MapType;
 use aya::maps::lpm_trie::Key;
 use proxy_common as pc;
 use proxy_common::{
-    AddrKey, AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, CtKey, CtValue, NodeNetns, NpAffinityKey,
-    NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SockAffinityKey, SockConfig, SockPeerValue, SockRevNatKey,
-    SockRevNatValue, SourceRangeKey,
+    AddrKey, AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, CtKey, CtValue, MaglevKey, NodeNetns,
+    NpAffinityKey, NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SockAffinityKey, SockConfig, SockPeerValue,
+    SockRevNatKey, SockRevNatValue, SourceRangeKey,
 };
 
 /// Which programs use a map.
@@ -66,8 +66,9 @@ impl Capacity {
     }
 }
 
-/// Map capacities (`max_entries`). They apply when a map is created; a map
-/// adopted from a pin keeps the size it was created with.
+/// Map capacities (`max_entries`). They apply when a map is created; a
+/// pinned map of another capacity is migrated at start-up (see
+/// `map_migration`). `sizing` picks the ones no flag sets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Capacities {
     pub services: u32,
@@ -157,7 +158,8 @@ pub static SOURCE_RANGES: MapSpec =
     MapSpec::new::<Key<SourceRangeKey>, u32>(pc::SOURCE_RANGES_MAP, Socket, MapType::LpmTrie, Some(Capacity::Services));
 
 // The TC datapath's copies of the service maps follow the socket ones'
-// capacities: hash maps are preallocated, so unused capacity costs memory.
+// capacities. NP_SLOTS and NP_BACKENDS are preallocated, so unused
+// capacity costs memory (see `sizing`); the frontend maps are not.
 pub static NP_SERVICES: MapSpec =
     MapSpec::new::<ServiceKey, ServiceValue>(pc::NP_SERVICES_MAP, Tc, MapType::Hash, Some(Capacity::Services));
 pub static NP_SLOTS: MapSpec = MapSpec::new::<SlotKey, SlotValue>(pc::NP_SLOTS_MAP, Tc, MapType::Hash, Some(Capacity::Slots));
@@ -174,10 +176,23 @@ pub static NP_AFFINITY_MATCH: MapSpec =
     MapSpec::new::<AffinityMatchKey, AffinityMatchValue>(pc::NP_AFFINITY_MATCH_MAP, Tc, MapType::Hash, Some(Capacity::Slots));
 pub static NP_SOURCE_RANGES: MapSpec =
     MapSpec::new::<Key<SourceRangeKey>, u32>(pc::NP_SOURCE_RANGES_MAP, Tc, MapType::LpmTrie, Some(Capacity::Services));
+/// Maglev tables: (service id, generation) to an inner array of backend
+/// ids (the value is the inner map's fd on update, its id on lookup). Only
+/// the outer map is pinned; the inner arrays live as long as it links them,
+/// so a restarted agent finds every frontend's table through it.
+pub static NP_MAGLEV: MapSpec = MapSpec::new::<MaglevKey, u32>(pc::NP_MAGLEV_MAP, Tc, MapType::HashOfMaps, Some(Capacity::Services));
+/// The socket datapath's Maglev tables (UDP frontends), as `NP_MAGLEV`.
+pub static SOCK_MAGLEV: MapSpec =
+    MapSpec::new::<MaglevKey, u32>(pc::SOCK_MAGLEV_MAP, Socket, MapType::HashOfMaps, Some(Capacity::Services));
+
+/// The TC programs' port bitmap (see `port_bits`): 16 KiB, fixed size.
+pub static NP_PORTS: MapSpec = MapSpec::new::<u32, u64>(pc::NP_PORTS_MAP, Tc, MapType::Array, None);
+/// The socket programs' port bitmap (see `port_bits`): 8 KiB, fixed size.
+pub static SOCK_PORTS: MapSpec = MapSpec::new::<u32, u64>(pc::SOCK_PORTS_MAP, Socket, MapType::Array, None);
 
 /// Every pinned map. Maps of the object that are not listed (per-CPU
 /// scratch space) are private to each load.
-pub static MAPS: [&MapSpec; 22] = [
+pub static MAPS: [&MapSpec; 26] = [
     &SERVICES,
     &SLOTS,
     &BACKENDS,
@@ -200,6 +215,10 @@ pub static MAPS: [&MapSpec; 22] = [
     &NP_AFFINITY,
     &NP_AFFINITY_MATCH,
     &NP_SOURCE_RANGES,
+    &NP_MAGLEV,
+    &SOCK_MAGLEV,
+    &NP_PORTS,
+    &SOCK_PORTS,
 ];
 
 /// The maps that hold one datapath's services: frontend to service entry,
@@ -275,6 +294,10 @@ mod tests {
             pc::NP_AFFINITY_MAP,
             pc::NP_AFFINITY_MATCH_MAP,
             pc::NP_SOURCE_RANGES_MAP,
+            pc::NP_MAGLEV_MAP,
+            pc::SOCK_MAGLEV_MAP,
+            pc::NP_PORTS_MAP,
+            pc::SOCK_PORTS_MAP,
         ] {
             assert!(names.contains(&name), "{name} is not in MAPS");
         }

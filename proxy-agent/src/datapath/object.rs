@@ -6,6 +6,7 @@ use std::path::Path;
 
 use aya::{Ebpf, EbpfError, EbpfLoader};
 
+use crate::datapath::map_migration;
 use crate::datapath::maps::{self, Capacities};
 
 /// The eBPF object, built by build.rs from the `proxy-ebpf` crate.
@@ -20,9 +21,17 @@ pub const LINKS_DIR: &str = "links";
 /// either datapath shares one copy of each map. With `caps`, a map created
 /// now gets its capacity; a pinned map keeps the size it was created with.
 pub fn load(object: &[u8], pin_dir: &Path, caps: Option<&Capacities>) -> Result<Ebpf, EbpfError> {
+    load_staged(object, pin_dir, caps, &[])
+}
+
+/// [`load`], with the maps named in `staged` at their staged pins
+/// (`map_migration::staged_pin`): created there, with `caps`, when none is
+/// pinned there yet. For a capacity change (see `map_migration`).
+pub fn load_staged(object: &[u8], pin_dir: &Path, caps: Option<&Capacities>, staged: &[&str]) -> Result<Ebpf, EbpfError> {
     let mut loader = EbpfLoader::new();
     for m in maps::MAPS {
-        loader.map_pin_path(m.name, pin_dir.join(m.name));
+        let pin = if staged.contains(&m.name) { map_migration::staged_pin(pin_dir, m.name) } else { pin_dir.join(m.name) };
+        loader.map_pin_path(m.name, pin);
         if let (Some(caps), Some(c)) = (caps, m.capacity) {
             loader.map_max_entries(m.name, caps.get(c));
         }

@@ -27,7 +27,7 @@ use proxy_common as pc;
 use crate::datapath::kernel_features::{self, KernelFeatures};
 use crate::datapath::maps::{self, Capacities};
 use crate::datapath::object::{self, EBPF_OBJECT, LINKS_DIR};
-use crate::datapath::{bpf_batch, mounts, tc_loader};
+use crate::datapath::{bpf_batch, map_migration, mounts, port_bits, tc_loader};
 use crate::util::error_chain::error_chain;
 
 /// Socket programs, by function name in the object.
@@ -69,6 +69,10 @@ pub enum LoadError {
     Cgroup { path: PathBuf, source: io::Error },
     #[error("cannot remove {path}: {source}")]
     Remove { path: PathBuf, source: io::Error },
+    #[error(transparent)]
+    Migration(#[from] map_migration::MigrationError),
+    #[error(transparent)]
+    PortBits(#[from] port_bits::PortBitsError),
 }
 
 /// Installs (or adopts and upgrades) the datapath. Returns warnings that do
@@ -83,14 +87,36 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
     }
     let variant = kernel.socket_variant();
     mounts::ensure_pin_dir(pin_dir)?;
-    let mut warnings = check_pinned_maps(pin_dir, &caps)?;
+    let mut warnings = check_pinned_maps(pin_dir)?;
     // A datapath pinned by an agent version without SOCK_PEER has reverse
     // entries only in SOCK_REVNAT (see `SockConfig`).
     let legacy_revnat = pin_dir.join(pc::SOCK_REVNAT_MAP).exists() && !pin_dir.join(pc::SOCK_PEER_MAP).exists();
 
+    // Maps whose capacity changes are created anew beside their pins and
+    // filled from the old ones before any new program runs (see
+    // `map_migration`).
+    let (migrations, kept) = map_migration::plan(pin_dir, &caps);
+    warnings.extend(kept);
+    for m in &migrations {
+        // Left over by an agent killed mid-migration: never adopted.
+        remove(&map_migration::staged_pin(pin_dir, m.spec.name))?;
+    }
+    let staged: Vec<&str> = migrations.iter().map(|m| m.spec.name).collect();
     // Every map of both datapaths, so that the TC loader (tc_loader.rs)
     // finds them pinned and both share a single copy.
-    let mut ebpf = object::load(EBPF_OBJECT, pin_dir, Some(&caps))?;
+    let mut ebpf = object::load_staged(EBPF_OBJECT, pin_dir, Some(&caps), &staged)?;
+    let mut copied = Vec::new();
+    for m in &migrations {
+        copied.push(map_migration::copy(pin_dir, m, false)?);
+    }
+    // Before any program is attached or swapped in: the programs pass a
+    // call whose port has no bit in SOCK_PORTS, so the bitmap must cover
+    // every frontend the pinned SERVICES holds, also when it was just
+    // created over the pins of an agent version without it. (A migrated
+    // SERVICES is a copy of the pinned one, which the old programs still
+    // use: same keys.)
+    let ports = port_bits::fill_socket_from_services(pin_dir)?;
+    tracing::debug!(ports, "SOCK_PORTS covers the pinned frontends");
 
     let cg = fs::File::open(cgroup).map_err(|source| LoadError::Cgroup { path: cgroup.into(), source })?;
     let links = pin_dir.join(LINKS_DIR);
@@ -124,6 +150,16 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
         // with simple_rename.
         fs::rename(&staging, &final_path).map_err(|e| pin_err(e.to_string()))?;
         drop(pinned); // the pin keeps the link attached
+    }
+    // The old socket programs are detached: what they wrote into the LRU
+    // maps since the first copy is added, then the new maps take the
+    // pins. The TC programs move to them when tc_loader installs next.
+    for (m, n) in migrations.iter().zip(&mut copied) {
+        if m.spec.map_type == aya::maps::MapType::LruHash {
+            *n += map_migration::copy(pin_dir, m, true)?;
+        }
+        map_migration::commit(pin_dir, m)?;
+        warnings.push(format!("map {} resized from {} to {} entries ({n} entries carried over)", m.spec.name, m.from, m.to));
     }
     // Which sockets are the node's own processes: those of the agent's
     // network namespace (it runs with the host's network). Written at every
@@ -196,9 +232,8 @@ pub fn socket_cookie(socket: BorrowedFd<'_>) -> io::Result<u64> {
 }
 
 /// Checks every map pinned under `pin_dir` against the [`maps::MAPS`]
-/// table; a map whose capacity differs from the one asked for is kept, with
-/// a warning.
-fn check_pinned_maps(pin_dir: &Path, caps: &Capacities) -> Result<Vec<String>, LoadError> {
+/// table (capacities that differ are migrated, see `map_migration`).
+fn check_pinned_maps(pin_dir: &Path) -> Result<Vec<String>, LoadError> {
     let mut warnings = Vec::new();
     for m in maps::MAPS {
         let path = pin_dir.join(m.name);
@@ -237,17 +272,6 @@ fn check_pinned_maps(pin_dir: &Path, caps: &Capacities) -> Result<Vec<String>, L
                 info.max_entries()
             ));
         }
-        if let Some(c) = m.capacity
-            && caps.get(c) != info.max_entries()
-        {
-            warnings.push(format!(
-                "map {} was created with {} entries and is kept at that size to keep traffic flowing; {} {} takes effect after `proxy-agent reset`",
-                m.name,
-                info.max_entries(),
-                c.flag(),
-                caps.get(c)
-            ));
-        }
     }
     Ok(warnings)
 }
@@ -274,6 +298,7 @@ pub fn reset(pin_dir: &Path) -> Result<(), LoadError> {
     tc_loader::reset(pin_dir).map_err(|(path, source)| LoadError::Remove { path, source })?;
     for m in maps::MAPS {
         remove(&pin_dir.join(m.name))?;
+        remove(&map_migration::staged_pin(pin_dir, m.name))?;
     }
     remove_dir(pin_dir)
 }

@@ -29,6 +29,7 @@ use aya::programs::{LinkOrder, SchedClassifier, TcAttachType};
 use crate::datapath::kernel_features::{self, KernelFeatures};
 use crate::datapath::mounts;
 use crate::datapath::object::{self, EBPF_OBJECT, LINKS_DIR};
+use crate::datapath::port_bits;
 use crate::util::error_chain::error_chain;
 
 pub const INGRESS_PROGRAM: &str = "np_ingress";
@@ -70,6 +71,8 @@ pub enum TcError {
     Attach { device: String, what: &'static str, reason: String },
     #[error("{path}: {source}")]
     Io { path: PathBuf, source: io::Error },
+    #[error(transparent)]
+    PortBits(#[from] port_bits::PortBitsError),
 }
 
 /// Attaches (or upgrades in place) the ingress and egress programs on every
@@ -79,6 +82,12 @@ pub enum TcError {
 pub fn install(pin_dir: &Path, devices: &[String], mode: TcMode) -> Result<Vec<String>, TcError> {
     let mut warnings = Vec::new();
     let mut ebpf = load_programs(pin_dir)?;
+    // Before any program is attached or swapped in: the programs pass every
+    // packet whose port has no bit in NP_PORTS, so the bitmap must cover
+    // every frontend, backend and tracked flow first, also when it was just
+    // created over the pins of an agent version without it.
+    let (ingress_ports, egress_ports) = port_bits::fill_from_maps(pin_dir)?;
+    tracing::debug!(ingress_ports, egress_ports, "NP_PORTS covers the pinned frontends, backends and flows");
     let links = pin_dir.join(LINKS_DIR);
     fs::create_dir_all(&links).map_err(|source| TcError::Io { path: links.clone(), source })?;
     // tcx (NET_XGRESS) arrived in Linux 6.6; probed, not read off the

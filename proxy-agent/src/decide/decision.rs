@@ -48,6 +48,9 @@ pub struct PortDecision {
     /// Problems found in the Service's configuration, to be reported with
     /// its name.
     pub problems: Vec<String>,
+    /// The Maglev table size of the external frontends, when the Service's
+    /// annotation sets a valid one (`None`: the agent's default).
+    pub maglev_size: Option<crate::decide::maglev::TableSize>,
 }
 
 impl PortDecision {
@@ -200,6 +203,15 @@ pub fn decide(cluster: &Cluster, node: &str) -> Vec<PortDecision> {
 /// incremental `decision_cache` both go through here, so a Service is
 /// decided the same way whichever path asks.
 pub fn decide_service(svc: &Service, slices: &[&EndpointSlice], ctx: NodeContext<'_>, out: &mut Vec<PortDecision>) {
+    // An invalid size is reported and the default used: the Service keeps
+    // working with a table of the agent's size.
+    let (maglev_size, maglev_problem) = match crate::decide::maglev::annotated_size(&svc.annotations) {
+        Ok(size) => (size, None),
+        Err(e) => (
+            None,
+            Some(format!("annotation {}: {e}; the agent's --maglev-table-size applies", crate::decide::maglev::TABLE_SIZE_ANNOTATION)),
+        ),
+    };
     for port in &svc.ports {
         // Endpoints of this port: slice ports are matched to Service
         // ports by name and protocol (discovery.k8s.io/v1 EndpointPort).
@@ -243,7 +255,8 @@ pub fn decide_service(svc: &Service, slices: &[&EndpointSlice], ctx: NodeContext
             affinity_timeout_s: svc.session_affinity,
             load_balancer_ips: svc.load_balancer_ips.clone(),
             source_ranges: svc.load_balancer_source_ranges.clone(),
-            problems: ranking.problems,
+            problems: ranking.problems.into_iter().chain(maglev_problem.clone()).collect(),
+            maglev_size,
         });
     }
 }
@@ -319,6 +332,9 @@ pub struct ExternalState {
     /// (session affinity, source ranges).
     pub socket_policies: Policies,
     pub tc_policies: Policies,
+    /// The Maglev table sizes of `tc` frontends whose Service's annotation
+    /// sets one (the others get the agent's default).
+    pub maglev_sizes: BTreeMap<Frontend, crate::decide::maglev::TableSize>,
     /// TC frontends with externalTrafficPolicy: Local (dropped, not
     /// rejected, without a local endpoint).
     pub policy_local: BTreeSet<Frontend>,
@@ -405,6 +421,9 @@ pub fn external_state_of<'a>(
             }
             if d.external_local {
                 out.policy_local.insert(*fe);
+            }
+            if let Some(size) = d.maglev_size {
+                out.maglev_sizes.insert(*fe, size);
             }
         }
         if d.external_local
@@ -800,5 +819,40 @@ endpoints: [{{addresses: [10.244.0.1], nodeName: a}}]
         let ext = external_state(&d, &["10.0.0.1".parse().unwrap()]);
         assert!(desired_policies(&d).is_empty());
         assert!(ext.socket_policies.is_empty() && ext.tc_policies.is_empty());
+    }
+
+    #[test]
+    fn the_maglev_annotation_sizes_the_external_frontends_and_a_bad_value_is_reported() {
+        use crate::decide::maglev::TableSize;
+        // (annotation value, size of the external frontends, problem)
+        let cases: [(Option<&str>, Option<TableSize>, Option<&str>); 5] = [
+            (None, None, None),
+            (Some("65521"), Some(TableSize::Large), None),
+            (Some("16381"), Some(TableSize::Default), None),
+            (
+                Some("65536"),
+                None,
+                Some(
+                    "annotation topoproxy.io/maglev-table-size: invalid Maglev table size \"65536\": must be 16381 or 65521; the agent's --maglev-table-size applies",
+                ),
+            ),
+            (Some("large"), None, Some("invalid Maglev table size \"large\"")),
+        ];
+        for (value, size, problem) in cases {
+            let ann = value.map_or(String::new(), |v| format!("annotations: {{topoproxy.io/maglev-table-size: \"{v}\"}}, "));
+            let yaml = format!(
+                "apiVersion: v1\nkind: Service\nmetadata: {{name: a, {ann}}}\nspec: {{type: LoadBalancer, clusterIP: 10.96.0.1, ports: [{{port: 80, nodePort: 30001}}]}}\nstatus: {{loadBalancer: {{ingress: [{{ip: 198.51.100.1}}]}}}}\n"
+            );
+            let d = decide(&cluster(&yaml), "n");
+            assert_eq!(d[0].maglev_size, size, "{value:?}");
+            match problem {
+                Some(p) => assert!(d[0].problems.iter().any(|x| x.contains(p)), "{value:?}: {:?}", d[0].problems),
+                None => assert!(d[0].problems.is_empty(), "{value:?}: {:?}", d[0].problems),
+            }
+            let ext = external_state(&d, &["10.0.0.1".parse().unwrap()]);
+            let want: BTreeMap<Frontend, TableSize> = size.map(|s| ext.tc.keys().map(|fe| (*fe, s)).collect()).unwrap_or_default();
+            assert_eq!(ext.maglev_sizes, want, "{value:?}: NodePort and LoadBalancer frontends alike");
+            assert_eq!(ext.tc.len(), 2, "{value:?}: the frontends are served whatever the annotation says");
+        }
     }
 }

@@ -5,5 +5,6 @@
 pub(crate) mod cache;
 pub mod decision;
 pub mod departures;
+pub mod maglev;
 pub mod plan;
 pub(crate) mod topology;

@@ -8,6 +8,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::path::{Path, PathBuf};
 
 use aya::maps::{Array, HashMap, Map, MapData};
+use aya::sys::SyscallError;
 use proxy_common as pc;
 use proxy_common::{AddrKey, NpConfig, NpFlagsValue, ServiceKey};
 
@@ -15,6 +16,7 @@ use crate::datapath::bpf_batch::read_all;
 use crate::datapath::keys::{addr_key, frontend_of, service_key};
 use crate::datapath::map_writer::{ApplyError, MapWriter, WriteError};
 use crate::datapath::maps::TC_SERVICE_MAPS;
+use crate::datapath::port_bits::{PortBits, PortBitsError, PortSet};
 use crate::decide::decision::ExternalState;
 use crate::decide::{departures, plan};
 use crate::external::node_addresses::{self, Devices, Resolved};
@@ -30,6 +32,7 @@ pub struct NodePortWriter {
     flags: HashMap<MapData, ServiceKey, NpFlagsValue>,
     local: HashMap<MapData, AddrKey, u32>,
     config: Array<MapData, NpConfig>,
+    ports: PortBits,
 }
 
 /// What one pass over the TC maps did.
@@ -51,11 +54,23 @@ impl NodePortWriter {
         let flags = HashMap::try_from(Map::HashMap(open_map(pin_dir, pc::NP_FLAGS_MAP)?)).map_err(err(pc::NP_FLAGS_MAP))?;
         let local = HashMap::try_from(Map::HashMap(open_map(pin_dir, pc::NP_LOCAL_MAP)?)).map_err(err(pc::NP_LOCAL_MAP))?;
         let config = Array::try_from(Map::Array(open_map(pin_dir, pc::NP_CONFIG_MAP)?)).map_err(err(pc::NP_CONFIG_MAP))?;
-        Ok(NodePortWriter { writer, flags, local, config })
+        let ports = PortBits::open(pin_dir).map_err(err(pc::NP_PORTS_MAP))?;
+        Ok(NodePortWriter { writer, flags, local, config, ports })
     }
 
     pub fn frontends(&self) -> usize {
         self.writer.frontends()
+    }
+
+    /// The size of the Maglev tables written from now on (see
+    /// [`MapWriter::set_maglev_size`]).
+    pub fn set_maglev_size(&mut self, size: Option<crate::decide::maglev::TableSize>) {
+        self.writer.set_maglev_size(size);
+    }
+
+    /// The Maglev table size, the tables linked in and their bytes.
+    pub fn maglev_usage(&self) -> Option<(Option<crate::decide::maglev::TableSize>, u32, u64)> {
+        self.writer.maglev_usage()
     }
 
     pub fn set_config(&mut self, snat_v4: Option<Ipv4Addr>, snat_v6: Option<Ipv6Addr>, ports: (u16, u16)) -> Result<(), WriteError> {
@@ -84,7 +99,21 @@ impl NodePortWriter {
                 tracing::warn!(frontend = ?frontend_of(k), error = %e, "writing policy flags failed");
             }
         }
-        let plan = plan::diff_with_policies(&self.writer.state(), &self.writer.policies(), &ext.tc, &ext.tc_policies);
+        self.writer.set_maglev_sizes(&ext.maglev_sizes);
+        let state = self.writer.state();
+        let plan = plan::diff_with_policies(&state, &self.writer.policies(), &ext.tc, &ext.tc_policies);
+        // The programs pass packets whose port has no bit in NP_PORTS, so
+        // the ports of what is about to be written get theirs first; those
+        // of what the maps hold stay claimed until it is gone.
+        let mut claim = ports_of(state.iter().map(|(fe, set)| (fe, set.iter())));
+        claim.union_with(&ports_of(plan.upserts.iter().map(|(fe, set)| (fe, set.iter()))));
+        if let Err(e) = self.ports.claim(claim) {
+            // Nothing is written: a frontend without its port's bit would
+            // see its packets pass untranslated. The next pass retries.
+            tracing::warn!(error = %e, "setting the ports of the TC frontends failed; the TC maps stay as they are");
+            let failures = plan.upserts.iter().map(|(fe, _)| ApplyError { frontend: *fe, error: ports_failed(&e) }).collect();
+            return NodePortOutcome { upserts: 0, deletes: 0, failures, left: Vec::new() };
+        }
         let mut left: Vec<(Frontend, Vec<Backend>)> = plan
             .upserts
             .iter()
@@ -99,8 +128,32 @@ impl NodePortWriter {
         for k in have_local.difference(&want_local) {
             let _ = self.local.remove(k);
         }
+        // What the maps hold now (the GC also reads the maps themselves,
+        // so entries left by a failed write stay covered).
+        if let Err(e) = self.ports.claim(ports_of(ext.tc.iter().map(|(fe, set)| (fe, set.iter())))) {
+            tracing::warn!(error = %e, "updating the claimed TC ports failed; unused port bits stay set until the next pass");
+        }
         NodePortOutcome { upserts: plan.upserts.len(), deletes: plan.deletes.len(), failures, left }
     }
+}
+
+/// A frontend's share of a failed claim (one `WriteError` each: they own
+/// their source).
+fn ports_failed(e: &PortBitsError) -> WriteError {
+    let io_error = std::io::Error::other(e.to_string());
+    WriteError::Syscall { map: pc::NP_PORTS_MAP, source: SyscallError { call: "bpf_map_update_elem", io_error }.into() }
+}
+
+/// The ports frontends (at ingress) and their backends (at egress) use.
+fn ports_of<'a, B: Iterator<Item = &'a Backend>>(frontends: impl Iterator<Item = (&'a Frontend, B)>) -> PortSet {
+    let mut s = PortSet::default();
+    for (fe, backends) in frontends {
+        s.insert_frontend(fe.port);
+        for b in backends {
+            s.insert_backend(b.port);
+        }
+    }
+    s
 }
 
 /// The keys in one of the small maps `sync` keeps in step with the desired
@@ -127,6 +180,11 @@ pub struct ExternalConfig {
     pub node_ips: Vec<IpAddr>,
     pub snat_ports: (u16, u16),
     pub tc_mode: crate::datapath::tc_loader::TcMode,
+    /// `--xdp`: the XDP program in front of the TC programs.
+    pub xdp: crate::datapath::xdp_loader::XdpMode,
+    /// `--maglev-table-size`: the size of the frontends' Maglev tables
+    /// unless their Service's annotation says otherwise.
+    pub maglev_size: Option<crate::decide::maglev::TableSize>,
 }
 
 /// Everything the agent runs for external traffic: the node addresses
@@ -158,6 +216,12 @@ fn with_ifindex(devices: &[String]) -> Vec<(String, u32)> {
 }
 
 impl ExternalDatapath {
+    /// The TC writer's Maglev table size, tables and bytes (see
+    /// [`NodePortWriter::maglev_usage`]); `None` without TC programs.
+    pub fn maglev_usage(&self) -> Option<(Option<crate::decide::maglev::TableSize>, u32, u64)> {
+        self.tc.as_ref().and_then(NodePortWriter::maglev_usage)
+    }
+
     /// Attaches the TC programs (unless `--devices none`) and opens the
     /// maps. `socket_loader::install` must have run on `pin_dir` first.
     pub fn install(pin_dir: &Path, cfg: &ExternalConfig) -> anyhow::Result<(ExternalDatapath, Vec<String>)> {
@@ -177,15 +241,19 @@ impl ExternalDatapath {
             }
             warnings
                 .extend(crate::datapath::tc_loader::install(pin_dir, &resolved.devices, cfg.tc_mode).context("attaching the TC programs")?);
+            warnings
+                .extend(crate::datapath::xdp_loader::install(pin_dir, &resolved.devices, cfg.xdp).context("attaching the XDP program")?);
             attached = with_ifindex(&resolved.devices);
             let mut w = NodePortWriter::open(pin_dir).context("opening the TC maps")?;
             w.set_config(resolved.snat_v4, resolved.snat_v6, cfg.snat_ports).context("writing the TC configuration")?;
+            w.set_maglev_size(cfg.maglev_size);
             Some(w)
         } else {
             // `none`: take down what an earlier agent with devices attached
             // through this pin directory, so that `none` really means no
             // TC program (only our own pinned links and recorded filters
             // are touched).
+            warnings.extend(crate::datapath::xdp_loader::detach_all(pin_dir));
             warnings.extend(crate::datapath::tc_loader::detach_all(pin_dir));
             None
         };
@@ -231,6 +299,12 @@ impl ExternalDatapath {
                             tracing::info!("{n}");
                         }
                         tracing::info!(devices = ?new.devices, "TC programs attached to the devices now holding node addresses");
+                        match crate::datapath::xdp_loader::install(&self.pin_dir, &new.devices, self.cfg.xdp) {
+                            Ok(notes) => notes.iter().for_each(|n| tracing::info!("{n}")),
+                            Err(e) => {
+                                tracing::warn!(devices = ?new.devices, error = %crate::util::error_chain::error_chain(&e), "attaching the XDP program failed; the devices stay on TC alone");
+                            }
+                        }
                         self.attached = want;
                         self.failed_attach = None;
                         changed = true;

@@ -206,10 +206,14 @@ pub struct Metrics {
     errors: Family<Labels, Counter>,
     map_entries: Family<Labels, Gauge>,
     map_capacity: Family<Labels, Gauge>,
+    nodeport_ports: Family<Labels, Gauge>,
+    maglev_tables: Family<Labels, Gauge>,
+    maglev_table_bytes: Family<Labels, Gauge>,
     watch_events: Family<Labels, Counter>,
     events_posted: Counter,
     api_versions: Family<Labels, Gauge>,
     kernel_features: Family<Labels, Gauge>,
+    xdp_devices: Family<Labels, Gauge>,
     conntrack_gc_runs: Counter,
     conntrack_gc_flows: Family<Labels, Counter>,
     conntrack_gc_entries: Family<Labels, Counter>,
@@ -271,6 +275,20 @@ impl Metrics {
         registry.register("map_entries", "Entries in use per BPF map", map_entries.clone());
         let map_capacity = Family::<Labels, Gauge>::default();
         registry.register("map_capacity", "Capacity (max_entries) per BPF map", map_capacity.clone());
+        let nodeport_ports = Family::<Labels, Gauge>::default();
+        registry.register(
+            "nodeport_ports",
+            "Ports with their bit set in the TC programs' port bitmap (NP_PORTS), by direction; other packets pass without a lookup",
+            nodeport_ports.clone(),
+        );
+        let maglev_tables = Family::<Labels, Gauge>::default();
+        registry.register("maglev_tables", "Maglev lookup tables linked in, by datapath", maglev_tables.clone());
+        let maglev_table_bytes = Family::<Labels, Gauge>::default();
+        registry.register(
+            "maglev_table_bytes",
+            "Bytes of backend ids in the Maglev lookup tables, by datapath",
+            maglev_table_bytes.clone(),
+        );
         let watch_events = Family::<Labels, Counter>::default();
         registry.register("watch_events", "Watch events received from the API server, by kind", watch_events.clone());
         let events_posted = Counter::default();
@@ -286,6 +304,12 @@ impl Metrics {
             "kernel_feature",
             "What the running kernel offers the datapath, probed at start-up (1 = present, 0 = the agent falls back; see the README's kernel table)",
             kernel_features.clone(),
+        );
+        let xdp_devices = Family::<Labels, Gauge>::default();
+        registry.register(
+            "xdp_device",
+            "Each device of the external-traffic datapath: 1 = the XDP program runs in front of TC (native mode), 0 = TC alone",
+            xdp_devices.clone(),
         );
         let conntrack_gc_runs = Counter::default();
         registry.register("conntrack_gc_runs", "Sweeps of the TC conntrack map NP_CT completed", conntrack_gc_runs.clone());
@@ -364,10 +388,14 @@ impl Metrics {
             errors,
             map_entries,
             map_capacity,
+            nodeport_ports,
+            maglev_tables,
+            maglev_table_bytes,
             watch_events,
             events_posted,
             api_versions,
             kernel_features,
+            xdp_devices,
             conntrack_gc_runs,
             conntrack_gc_flows,
             conntrack_gc_entries,
@@ -410,6 +438,13 @@ impl Metrics {
         let map = vec![("map", proxy_common::NP_CT_MAP.to_string())];
         self.map_entries.get_or_create(&map).set(s.entries as i64);
         self.map_capacity.get_or_create(&map).set(i64::from(s.capacity));
+    }
+
+    /// Records the ports set in `NP_PORTS` as the conntrack GC left it.
+    pub fn record_port_bits(&self, ingress: usize, egress: usize) {
+        for (direction, n) in [("ingress", ingress), ("egress", egress)] {
+            self.nodeport_ports.get_or_create(&vec![("direction", direction.to_string())]).set(n as i64);
+        }
     }
 
     /// Records which termination mechanism is in use (`iterators`,
@@ -483,6 +518,15 @@ impl Metrics {
         }
     }
 
+    /// The XDP mode of each datapath device: `xdp` lists those with the
+    /// XDP program attached.
+    pub fn set_xdp_devices(&self, devices: &[String], xdp: &[String]) {
+        self.xdp_devices.clear();
+        for d in devices.iter().chain(xdp.iter().filter(|d| !devices.contains(d))) {
+            self.xdp_devices.get_or_create(&vec![("device", d.clone())]).set(i64::from(xdp.contains(d)));
+        }
+    }
+
     pub fn set_objects(&self, kind: &str, n: usize) {
         self.objects.get_or_create(&vec![("kind", kind.to_string())]).set(n as i64);
     }
@@ -519,6 +563,14 @@ impl Metrics {
     /// Counts one answer of `/livez`.
     pub fn proxy_livez(&self, code: u16) {
         self.kube_proxy.livez.get_or_create(&vec![("code", code.to_string())]).inc();
+    }
+
+    /// The Maglev tables of one datapath (`socket`, `tc`): how many are
+    /// linked in and the bytes of backend ids they hold.
+    pub fn set_maglev_tables(&self, datapath: &str, tables: u32, bytes: u64) {
+        let labels = vec![("datapath", datapath.to_string())];
+        self.maglev_tables.get_or_create(&labels).set(i64::from(tables));
+        self.maglev_table_bytes.get_or_create(&labels).set(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
     /// Records one completed sync: its duration, what the maps now hold and
@@ -649,6 +701,15 @@ mod tests {
         let text = m.encode();
         assert!(text.contains("topoproxy_kernel_feature{name=\"set_retval\"} 1"), "{text}");
         assert!(text.contains("topoproxy_kernel_feature{name=\"tcx\"} 0"), "{text}");
+    }
+
+    #[test]
+    fn xdp_mode_is_a_gauge_per_device() {
+        let m = Metrics::new();
+        m.set_xdp_devices(&["eth0".into(), "eth1".into()], &["eth0".into()]);
+        let text = m.encode();
+        assert!(text.contains("topoproxy_xdp_device{device=\"eth0\"} 1"), "{text}");
+        assert!(text.contains("topoproxy_xdp_device{device=\"eth1\"} 0"), "{text}");
     }
 
     #[test]

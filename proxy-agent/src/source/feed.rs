@@ -42,6 +42,13 @@ impl Stores {
         std::mem::take(&mut *self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
     }
 
+    /// Runs `f` over the deltas queued so far without taking them: the
+    /// agent sizes its maps from the initial state before the first sync
+    /// takes it.
+    pub fn with_queued<R>(&self, f: impl FnOnce(&[Delta]) -> R) -> R {
+        f(&self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner))
+    }
+
     pub(crate) fn push(&self, deltas: impl IntoIterator<Item = Delta>) {
         self.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).extend(deltas);
     }

@@ -36,6 +36,11 @@ pub trait SocketMaps {
     fn endpoints(&self) -> usize;
     /// (map, entries in use, capacity) per map, for metrics.
     fn occupancy(&self) -> Vec<(&'static str, u32, u32)>;
+    /// The Maglev table size, tables linked in and their bytes, for
+    /// metrics; `None` where there are no tables (maps held in memory).
+    fn maglev_usage(&self) -> Option<(Option<crate::decide::maglev::TableSize>, u32, u64)> {
+        None
+    }
 }
 
 impl SocketMaps for MapWriter {
@@ -62,6 +67,9 @@ impl SocketMaps for MapWriter {
     }
     fn occupancy(&self) -> Vec<(&'static str, u32, u32)> {
         MapWriter::occupancy(self).to_vec()
+    }
+    fn maglev_usage(&self) -> Option<(Option<crate::decide::maglev::TableSize>, u32, u64)> {
+        MapWriter::maglev_usage(self)
     }
 }
 

@@ -389,6 +389,15 @@ impl<W: SocketMaps> SyncLoop<W> {
             no_local_internal: outcome.no_local_internal,
             no_local_external: outcome.no_local_external,
         });
+        let maglev = [
+            (crate::datapath::maps::Datapath::Socket, self.writer.maglev_usage()),
+            (crate::datapath::maps::Datapath::Tc, self.external.as_ref().and_then(ExternalDatapath::maglev_usage)),
+        ];
+        for (datapath, usage) in maglev {
+            if let Some((_, tables, bytes)) = usage {
+                self.metrics.set_maglev_tables(datapath.label(), tables, bytes);
+            }
+        }
         for kind in Kind::ALL {
             self.metrics.set_objects(kind.as_str(), self.stores.len(kind));
         }

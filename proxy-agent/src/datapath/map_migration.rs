@@ -1,0 +1,221 @@
+//! Changing a pinned map's capacity without a gap: the kernel cannot resize
+//! a map (`max_entries` is fixed at BPF_MAP_CREATE), and programs hold
+//! their maps by fd from load time on. So a map whose capacity changes is
+//! created anew beside its pin (at [`staged_pin`]), the old entries are
+//! copied in, new programs are loaded against it and swapped in for the old
+//! ones (socket_loader replaces the pinned cgroup links, tc_loader the tcx
+//! links or cls_bpf filters), and only then is the new map's pin renamed
+//! over the old one (rename(2) on bpffs is atomic, kernel/bpf/inode.c). The
+//! old map lives on while old programs still run, and goes away with them.
+//!
+//! The agent is the only writer of the service maps and does not write
+//! while it starts, so their copy is exact. The LRU maps are also written
+//! by the old programs until the swap: they are copied once before it and
+//! once after, where the second copy adds only what is missing.
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+use aya::maps::{MapData, MapInfo, MapType};
+
+use crate::datapath::maps::{self, Capacities, MapSpec};
+
+/// A map to be recreated with another capacity.
+#[derive(Debug)]
+pub struct Migration {
+    pub spec: &'static MapSpec,
+    pub from: u32,
+    pub to: u32,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum MigrationError {
+    #[error("map {map}: cannot open {path}: {source}")]
+    Open { map: &'static str, path: PathBuf, source: aya::maps::MapError },
+    #[error("map {map}: copying its entries into the new map failed: {source}")]
+    Copy { map: &'static str, source: io::Error },
+    #[error("map {map}: cannot move the new map's pin over the old one at {path}: {source}")]
+    Rename { map: &'static str, path: PathBuf, source: io::Error },
+}
+
+/// Where the new copy of map `name` is pinned until it replaces the old
+/// one (bpffs refuses names with a dot, kernel/bpf/inode.c:bpf_lookup).
+pub fn staged_pin(pin_dir: &Path, name: &str) -> PathBuf {
+    pin_dir.join(format!("{name}-next"))
+}
+
+/// The capacity of every pinned map a capacity flag sizes, in
+/// [`maps::Capacity::ALL`] order (the first pinned map of each wins; the
+/// maps a capacity sizes are created together).
+pub fn pinned_capacities(pin_dir: &Path) -> [Option<u32>; 6] {
+    let mut out = [None; 6];
+    for m in maps::MAPS {
+        let Some(c) = m.capacity else { continue };
+        let i = maps::Capacity::ALL.iter().position(|&x| x == c).unwrap_or(0);
+        if out[i].is_none()
+            && let Ok(info) = MapInfo::from_pin(pin_dir.join(m.name))
+        {
+            out[i] = Some(info.max_entries());
+        }
+    }
+    out
+}
+
+/// The pinned maps whose capacity differs from `caps`. A hash map holding
+/// more entries than its new capacity is kept as it is (the copy could not
+/// hold them), with a warning; an LRU map is shrunk anyway, as it would
+/// evict when full.
+pub fn plan(pin_dir: &Path, caps: &Capacities) -> (Vec<Migration>, Vec<String>) {
+    let mut out = Vec::new();
+    let mut warnings = Vec::new();
+    for m in maps::MAPS {
+        let Some(c) = m.capacity else { continue };
+        let path = pin_dir.join(m.name);
+        let Ok(info) = MapInfo::from_pin(&path) else { continue };
+        let (from, to) = (info.max_entries(), caps.get(c));
+        if from == to {
+            continue;
+        }
+        if m.map_type != MapType::LruHash {
+            let used = MapData::from_pin(&path).ok().map_or(0, |d| count(d.fd().as_fd(), m.key_size));
+            if used > u64::from(to) {
+                warnings.push(format!("map {} holds {used} entries, more than the {to} asked for; it is kept at {from} entries", m.name));
+                continue;
+            }
+        }
+        out.push(Migration { spec: m, from, to });
+    }
+    (out, warnings)
+}
+
+/// Copies every entry of the pinned map into its staged copy; with
+/// `only_missing`, keeps the entries the copy already has. Returns how many
+/// entries were written.
+pub fn copy(pin_dir: &Path, m: &Migration, only_missing: bool) -> Result<u64, MigrationError> {
+    let name = m.spec.name;
+    let open = |path: PathBuf| MapData::from_pin(&path).map_err(|source| MigrationError::Open { map: name, path, source });
+    let old = open(pin_dir.join(name))?;
+    let new = open(staged_pin(pin_dir, name))?;
+    copy_entries(old.fd().as_fd(), new.fd().as_fd(), m.spec, u64::from(m.from), only_missing)
+        .map_err(|source| MigrationError::Copy { map: name, source })
+}
+
+/// Renames the staged copy over the old pin.
+pub fn commit(pin_dir: &Path, m: &Migration) -> Result<(), MigrationError> {
+    let path = pin_dir.join(m.spec.name);
+    std::fs::rename(staged_pin(pin_dir, m.spec.name), &path).map_err(|source| MigrationError::Rename { map: m.spec.name, path, source })
+}
+
+const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
+const BPF_NOEXIST: u64 = 1;
+
+/// The element member of `union bpf_attr` (`BPF_MAP_*_ELEM`,
+/// `BPF_MAP_GET_NEXT_KEY`, where `value` is the next key).
+#[repr(C)]
+struct ElemAttr {
+    map_fd: u32,
+    pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+fn elem(cmd: libc::c_long, fd: BorrowedFd<'_>, key: *const u8, value: *mut u8, flags: u64) -> io::Result<()> {
+    let mut attr = ElemAttr { map_fd: fd.as_raw_fd() as u32, pad: 0, key: key as u64, value: value as u64, flags };
+    // SAFETY: the callers pass buffers of the map's key and value size
+    // (from the maps table, checked against the pinned map at start-up),
+    // alive across the call; the kernel reads the key and writes at most
+    // one value or key into `value`.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(&mut attr), size_of::<ElemAttr>()) };
+    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+}
+
+/// The keys of a map, walked with BPF_MAP_GET_NEXT_KEY, handed to `f`. At
+/// most `limit` steps: a key deleted under the walk (an LRU eviction)
+/// restarts it at the first key (kernel/bpf/hashtab.c:
+/// htab_map_get_next_key), so a walk of a busy map is bounded, not exact.
+fn walk(fd: BorrowedFd<'_>, key_size: usize, limit: u64, mut f: impl FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
+    let mut key = vec![0u8; key_size];
+    let mut next = vec![0u8; key_size];
+    let mut first = true;
+    for _ in 0..limit {
+        let prev = if first { std::ptr::null() } else { key.as_ptr() };
+        match elem(BPF_MAP_GET_NEXT_KEY, fd, prev, next.as_mut_ptr(), 0) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        first = false;
+        std::mem::swap(&mut key, &mut next);
+        f(&key)?;
+    }
+    Ok(())
+}
+
+const BPF_MAP_GET_FD_BY_ID: libc::c_long = 14;
+
+/// An fd of the map with kernel id `id` (`BPF_MAP_GET_FD_BY_ID`).
+fn map_fd_by_id(id: u32) -> io::Result<OwnedFd> {
+    #[repr(C)]
+    struct GetFdAttr {
+        map_id: u32,
+        next_id: u32,
+        open_flags: u32,
+    }
+    let attr = GetFdAttr { map_id: id, next_id: 0, open_flags: 0 };
+    // SAFETY: the attribute is the `BPF_*_GET_FD_BY_ID` member of `union
+    // bpf_attr`, read by the kernel during the call.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, BPF_MAP_GET_FD_BY_ID, std::ptr::from_ref(&attr), size_of::<GetFdAttr>()) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let fd = i32::try_from(fd).map_err(io::Error::other)?;
+    // SAFETY: the kernel returned a new descriptor that nobody else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+fn count(fd: BorrowedFd<'_>, key_size: usize) -> u64 {
+    let mut n = 0;
+    let _ = walk(fd, key_size, u64::from(u32::MAX), |_| {
+        n += 1;
+        Ok(())
+    });
+    n
+}
+
+fn copy_entries(old: BorrowedFd<'_>, new: BorrowedFd<'_>, spec: &MapSpec, capacity: u64, only_missing: bool) -> io::Result<u64> {
+    let mut value = vec![0u8; spec.value_size];
+    let mut copied = 0;
+    let flags = if only_missing { BPF_NOEXIST } else { 0 };
+    let outer = matches!(spec.map_type, MapType::HashOfMaps | MapType::ArrayOfMaps);
+    walk(old, spec.key_size, capacity.saturating_mul(2).max(1024), |key| {
+        match elem(BPF_MAP_LOOKUP_ELEM, old, key.as_ptr(), value.as_mut_ptr(), 0) {
+            Ok(()) => {}
+            // Gone since the walk saw it (evicted or expired).
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        // A map of maps reads back the inner map's id but is written with
+        // an fd of it (kernel/bpf/map_in_map.c: bpf_map_fd_get_ptr and
+        // bpf_map_fd_sys_lookup_elem).
+        let inner = if outer { Some(map_fd_by_id(u32::from_ne_bytes([value[0], value[1], value[2], value[3]]))?) } else { None };
+        let mut fd_value;
+        let value_ptr = match &inner {
+            Some(fd) => {
+                fd_value = fd.as_raw_fd().to_ne_bytes();
+                fd_value.as_mut_ptr()
+            }
+            None => value.as_mut_ptr(),
+        };
+        match elem(BPF_MAP_UPDATE_ELEM, new, key.as_ptr(), value_ptr, flags) {
+            Ok(()) => copied += 1,
+            Err(e) if only_missing && e.raw_os_error() == Some(libc::EEXIST) => {}
+            Err(e) => return Err(e),
+        }
+        Ok(())
+    })?;
+    Ok(copied)
+}

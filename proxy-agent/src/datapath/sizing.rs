@@ -1,0 +1,339 @@
+//! Map capacities that fit the cluster: sized from what the first model
+//! will program, with headroom, within a kernel-memory budget. Pure (no
+//! kernel access), so the rules are table-tested.
+//!
+//! Costs are per entry of capacity, measured with `bpftool map show`
+//! (memlock) on Linux 6.18: a preallocated or LRU hash map charges
+//! max_entries elements at creation (kernel/bpf/hashtab.c:
+//! htab_map_mem_usage); a `BPF_F_NO_PREALLOC` one charges a 16-byte bucket
+//! per entry of capacity (n_buckets is max_entries rounded up to a power of
+//! two) plus one element per entry written. The budget is charged at the
+//! worst case, every map full, so the pinned maps never exceed it whatever
+//! the traffic; what they use at first is much less (only the LRU maps are
+//! charged in full at creation).
+
+use std::collections::BTreeMap;
+
+use crate::datapath::maps::{Capacities, Capacity};
+use crate::model::ObjectRef;
+use crate::model::store::{Delta, Object};
+
+/// What the first model will program, counted from its objects.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Needs {
+    /// Frontends (SERVICES entries).
+    pub frontends: u64,
+    /// Slots: each frontend's backends.
+    pub slots: u64,
+    /// Distinct backend addresses.
+    pub backends: u64,
+}
+
+/// NodePort frontends are one per node address, which is not known before
+/// the external datapath resolves the devices: counted as this many.
+const NODE_ADDRESSES_GUESS: u64 = 4;
+
+impl Needs {
+    /// Counts the deltas of an initial list (oldest first; the last delta of
+    /// an object wins). An overestimate where the decision is not known yet
+    /// (every endpoint counts, ready or not; every NodePort as
+    /// [`NODE_ADDRESSES_GUESS`] frontends), which only adds headroom.
+    pub fn of(deltas: &[Delta]) -> Needs {
+        let mut latest: BTreeMap<(u8, &ObjectRef), Option<&Object>> = BTreeMap::new();
+        for d in deltas {
+            latest.insert((d.kind as u8, &d.id), d.object.as_ref().filter(|_| d.present));
+        }
+        // Endpoints per Service (namespace, service name), and backends as
+        // endpoint x slice port.
+        let mut endpoints: BTreeMap<(&str, &str), u64> = BTreeMap::new();
+        let mut needs = Needs::default();
+        for object in latest.values().flatten() {
+            if let Object::Slice(s) = object {
+                let n = s.endpoints.len() as u64;
+                *endpoints.entry((s.id.namespace.as_str(), s.service_name.as_str())).or_default() += n;
+                needs.backends += n * (s.ports.len() as u64).max(1);
+            }
+        }
+        for object in latest.values().flatten() {
+            if let Object::Service(s) = object {
+                let ips = (s.cluster_ips.len() + s.external_ips.len() + s.load_balancer_ips.len()) as u64;
+                let eps = endpoints.get(&(s.id.namespace.as_str(), s.id.name.as_str())).copied().unwrap_or(0);
+                for p in &s.ports {
+                    let frontends = ips + if p.node_port.is_some() { NODE_ADDRESSES_GUESS } else { 0 };
+                    needs.frontends += frontends;
+                    needs.slots += frontends * eps;
+                }
+            }
+        }
+        needs
+    }
+}
+
+/// Kernel memory per entry of capacity when full, in bytes, summed over
+/// the maps a capacity sizes (both datapaths). Measured memlock per
+/// max_entries; see the module comment.
+pub const fn bytes_per_entry(c: Capacity) -> u64 {
+    match c {
+        // SERVICES, NP_SERVICES (104 each), NP_FLAGS (96); the source-range
+        // tries hold entries only for LoadBalancer frontends with ranges.
+        Capacity::Services => 104 + 104 + 96,
+        // SLOTS, NP_SLOTS (88 each); AFFINITY_MATCH and NP_AFFINITY_MATCH
+        // (buckets only: entries only for affine frontends).
+        Capacity::Slots => 88 + 88 + 16 + 16,
+        // BACKENDS, NP_BACKENDS.
+        Capacity::Backends => 96 + 96,
+        Capacity::SockRevNat => 120,
+        Capacity::NpConntrack => 152,
+        // AFFINITY (96), NP_AFFINITY (104).
+        Capacity::Affinity => 96 + 104,
+    }
+}
+
+/// The smallest capacity the agent sizes a map to, and the largest it
+/// grows one to from the budget alone (today's fixed defaults, which
+/// explicit flags and the first model's needs may exceed).
+const fn bounds(c: Capacity) -> (u32, u32) {
+    match c {
+        Capacity::Services => (1024, 65_536),
+        Capacity::Slots => (16_384, 1_048_576),
+        Capacity::Backends => (8192, 262_144),
+        Capacity::SockRevNat => (16_384, 262_144),
+        Capacity::NpConntrack => (16_384, 262_144),
+        Capacity::Affinity => (4096, 65_536),
+    }
+}
+
+/// Default `--map-memory-budget`, MiB.
+pub const DEFAULT_BUDGET_MIB: u64 = 64;
+
+/// The order in which spare budget doubles capacities: connection
+/// tracking first (a full LRU evicts live flows), then the socket reverse
+/// translations, then room for more Services before a restart.
+const GROWTH_ORDER: [Capacity; 6] =
+    [Capacity::NpConntrack, Capacity::SockRevNat, Capacity::Services, Capacity::Slots, Capacity::Backends, Capacity::Affinity];
+
+/// What [`size`] chose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Sizing {
+    pub caps: Capacities,
+    /// Kernel memory of the sized maps when full, bytes.
+    pub worst_case_bytes: u64,
+    /// The explicit capacities and the first model's needs alone exceed
+    /// the budget (they win; the agent warns).
+    pub over_budget: bool,
+}
+
+/// The worst-case kernel memory of `caps`, bytes.
+pub fn worst_case_bytes(caps: &Capacities) -> u64 {
+    Capacity::ALL.iter().map(|&c| u64::from(caps.get(c)) * bytes_per_entry(c)).sum()
+}
+
+/// Sizes every capacity not given explicitly: the service maps to the
+/// first model's needs plus half again (a frontend's old and new slot
+/// generations coexist while it is rewritten, and the cluster grows
+/// between restarts), at least their floor; then the spare budget doubles
+/// capacities in [`GROWTH_ORDER`] up to their ceilings.
+pub fn size(needs: Option<Needs>, explicit: &[Option<u32>; 6], budget_bytes: u64) -> Sizing {
+    let needs = needs.unwrap_or_default();
+    let mut caps = Capacities::default();
+    let mut free = [false; 6];
+    for (i, &c) in Capacity::ALL.iter().enumerate() {
+        let (floor, _) = bounds(c);
+        let needed = match c {
+            Capacity::Services => needs.frontends,
+            Capacity::Slots => needs.slots,
+            Capacity::Backends => needs.backends,
+            _ => 0,
+        };
+        let value = explicit[i].unwrap_or_else(|| {
+            free[i] = true;
+            let with_headroom = needed.saturating_add(needed / 2);
+            u32::try_from(with_headroom).unwrap_or(u32::MAX).max(floor)
+        });
+        set(&mut caps, c, value);
+    }
+    let over_budget = worst_case_bytes(&caps) > budget_bytes;
+    loop {
+        let mut grew = false;
+        for c in GROWTH_ORDER {
+            let i = Capacity::ALL.iter().position(|&x| x == c).unwrap_or(0);
+            let (_, ceiling) = bounds(c);
+            let now = caps.get(c);
+            if !free[i] || now >= ceiling {
+                continue;
+            }
+            let next = now.saturating_mul(2).min(ceiling);
+            let extra = u64::from(next - now) * bytes_per_entry(c);
+            if worst_case_bytes(&caps) + extra <= budget_bytes {
+                set(&mut caps, c, next);
+                grew = true;
+            }
+        }
+        if !grew {
+            break;
+        }
+    }
+    Sizing { caps, worst_case_bytes: worst_case_bytes(&caps), over_budget }
+}
+
+/// The capacities to use given the pinned maps' (`pinned`, in
+/// [`Capacity::ALL`] order): an explicit flag always wins (a difference is
+/// migrated); a sized capacity keeps the pinned one when that holds what
+/// the first model needs and is at most twice the sized one, so that a
+/// restart into a slightly different cluster does not copy every map.
+pub fn keep_pinned(sized: &Capacities, needs: Option<Needs>, explicit: &[Option<u32>; 6], pinned: &[Option<u32>; 6]) -> Capacities {
+    let needs = needs.unwrap_or_default();
+    let mut caps = *sized;
+    for (i, &c) in Capacity::ALL.iter().enumerate() {
+        let needed = match c {
+            Capacity::Services => needs.frontends,
+            Capacity::Slots => needs.slots,
+            Capacity::Backends => needs.backends,
+            _ => 0,
+        };
+        if let (None, Some(p)) = (explicit[i], pinned[i])
+            && u64::from(p) >= needed.saturating_add(needed / 4)
+            && u64::from(p) <= 2 * u64::from(sized.get(c))
+        {
+            set(&mut caps, c, p);
+        }
+    }
+    caps
+}
+
+fn set(caps: &mut Capacities, c: Capacity, value: u32) {
+    match c {
+        Capacity::Services => caps.services = value,
+        Capacity::Slots => caps.slots = value,
+        Capacity::Backends => caps.backends = value,
+        Capacity::SockRevNat => caps.sock_revnat = value,
+        Capacity::NpConntrack => caps.np_conntrack = value,
+        Capacity::Affinity => caps.affinity = value,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MIB: u64 = 1 << 20;
+    const NONE: [Option<u32>; 6] = [None; 6];
+
+    fn needs(frontends: u64, slots: u64, backends: u64) -> Needs {
+        Needs { frontends, slots, backends }
+    }
+
+    #[test]
+    fn needs_count_frontends_slots_and_backends_of_the_initial_list() {
+        let dir = std::env::temp_dir().join(format!("tp-sizing-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let slice = |name: &str, owner: &str, ips: &[&str]| {
+            let eps: String = ips.iter().map(|ip| format!("- addresses: [{ip}]\n")).collect();
+            format!(
+                "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}, labels: {{kubernetes.io/service-name: {owner}}}}}\naddressType: IPv4\nports: [{{name: a, port: 8080}}, {{name: b, port: 8081}}]\nendpoints:\n{eps}"
+            )
+        };
+        let yaml = [
+            "---\napiVersion: v1\nkind: Service\nmetadata: {name: web}\nspec: {clusterIP: 10.96.0.1, ports: [{name: a, port: 80}, {name: b, port: 81}]}\n".to_string(),
+            "---\napiVersion: v1\nkind: Service\nmetadata: {name: np}\nspec: {type: NodePort, clusterIP: 10.96.0.2, externalIPs: [192.0.2.1], ports: [{name: a, port: 80, nodePort: 30080}]}\n".to_string(),
+            slice("web-1", "web", &["10.0.0.1", "10.0.0.2", "10.0.0.3"]),
+            slice("np-1", "np", &["10.0.1.1", "10.0.1.2"]),
+        ]
+        .concat();
+        std::fs::write(dir.join("m.yaml"), yaml).unwrap();
+        let read = crate::source::manifest_watch::read(std::slice::from_ref(&dir));
+        let _ = std::fs::remove_dir_all(&dir);
+        let deltas: Vec<Delta> = read.deltas.into_values().collect();
+        // web: 2 ports x 1 IP, 3 endpoints each. np: 1 port x (cluster IP,
+        // external IP, 4 guessed node addresses), 2 endpoints each.
+        // Backends: endpoints x slice ports.
+        assert_eq!(Needs::of(&deltas), Needs { frontends: 2 + 6, slots: 2 * 3 + 6 * 2, backends: 3 * 2 + 2 * 2 });
+        assert_eq!(Needs::of(&[]), Needs::default());
+    }
+
+    #[test]
+    fn pinned_capacities_are_kept_unless_too_small_too_large_or_overridden() {
+        let sized = Capacities { services: 1000, slots: 10_000, backends: 5000, sock_revnat: 100, np_conntrack: 100, affinity: 100 };
+        let needs = needs(600, 6000, 3000);
+        // (explicit, pinned, expected), per capacity in Capacity::ALL order.
+        let explicit = [None, None, None, Some(7), None, None];
+        let pinned = [Some(1500), Some(7000), Some(20_000), Some(100), Some(150), None];
+        let caps = keep_pinned(&sized, Some(needs), &explicit, &pinned);
+        // Services: big enough, within 2x: kept. Slots: 7000 < 6000 * 1.25:
+        // grown. Backends: more than twice the sized: shrunk. The explicit
+        // one is the caller's, untouched here. LRU within 2x: kept.
+        assert_eq!(caps, Capacities { services: 1500, slots: 10_000, backends: 5000, sock_revnat: 100, np_conntrack: 150, affinity: 100 });
+    }
+
+    #[test]
+    fn sizes_follow_needs_budget_and_flags() {
+        struct Case {
+            what: &'static str,
+            needs: Option<Needs>,
+            explicit: [Option<u32>; 6],
+            budget_mib: u64,
+            check: fn(&Sizing),
+        }
+        let cases = [
+            Case {
+                what: "a small cluster at the default budget stays within it and under today's defaults",
+                needs: Some(needs(3, 6, 6)),
+                explicit: NONE,
+                budget_mib: DEFAULT_BUDGET_MIB,
+                check: |s| {
+                    assert!(!s.over_budget);
+                    assert!(s.worst_case_bytes <= DEFAULT_BUDGET_MIB * MIB);
+                    assert!(s.caps.np_conntrack >= 65_536 && s.caps.sock_revnat >= 65_536, "{s:?}");
+                    for c in Capacity::ALL {
+                        assert!(s.caps.get(c) <= bounds(c).1, "{c:?}");
+                    }
+                },
+            },
+            Case {
+                what: "no model (the source did not answer in time): floors, grown by the budget",
+                needs: None,
+                explicit: NONE,
+                budget_mib: 1,
+                check: |s| {
+                    for c in Capacity::ALL {
+                        assert_eq!(s.caps.get(c), bounds(c).0, "{c:?}");
+                    }
+                    assert!(s.over_budget, "the floors alone cost more than 1 MiB");
+                },
+            },
+            Case {
+                what: "100k Services x 10 endpoints fit, whatever the budget",
+                needs: Some(needs(100_000, 1_000_000, 1_000_000)),
+                explicit: NONE,
+                budget_mib: DEFAULT_BUDGET_MIB,
+                check: |s| {
+                    assert!(s.caps.services >= 150_000 && s.caps.slots >= 1_500_000 && s.caps.backends >= 1_500_000, "{s:?}");
+                    assert!(s.over_budget);
+                    assert_eq!(s.caps.np_conntrack, bounds(Capacity::NpConntrack).0);
+                },
+            },
+            Case {
+                what: "explicit flags win and are never grown",
+                needs: Some(needs(100_000, 1_000_000, 1_000_000)),
+                explicit: [Some(10), Some(20), Some(30), Some(40), Some(50), Some(60)],
+                budget_mib: 4096,
+                check: |s| {
+                    let got: Vec<u32> = Capacity::ALL.iter().map(|&c| s.caps.get(c)).collect();
+                    assert_eq!(got, [10, 20, 30, 40, 50, 60]);
+                },
+            },
+            Case {
+                what: "a large budget grows every capacity to today's defaults and no further",
+                needs: Some(needs(3, 6, 6)),
+                explicit: NONE,
+                budget_mib: 4096,
+                check: |s| assert_eq!(s.caps, Capacities::default()),
+            },
+        ];
+        for case in cases {
+            let s = size(case.needs, &case.explicit, case.budget_mib * MIB);
+            eprintln!("{}: {s:?}", case.what);
+            (case.check)(&s);
+        }
+    }
+}
