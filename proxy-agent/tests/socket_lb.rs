@@ -355,7 +355,7 @@ fn a_udp_reply_read_after_an_upgrade_from_an_agent_without_socket_storage_shows_
     let service = backend_value(&Backend { ip: "10.96.0.20".parse().expect("ip"), port: 53 });
     let revnat = MapData::from_pin(node.pins.path().join(SOCK_REVNAT_MAP)).expect("open SOCK_REVNAT");
     let mut revnat: HashMap<_, SockRevNatKey, SockRevNatValue> = HashMap::try_from(Map::LruHashMap(revnat)).expect("SOCK_REVNAT");
-    let key = SockRevNatKey { cookie, ip_be: backend.ip_be, port_be: backend.port_be, family: backend.family, _pad: [0; 5] };
+    let key = SockRevNatKey::new(cookie, backend.ip_be, backend.port_be, backend.family);
     let value = SockRevNatValue { ip_be: service.ip_be, port_be: service.port_be, family: service.family, _pad: 0 };
     revnat.insert(key, value, 0).expect("write SOCK_REVNAT");
     drop(revnat);

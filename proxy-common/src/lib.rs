@@ -186,7 +186,17 @@ pub struct SockRevNatKey {
     pub ip_be: [u32; 4],
     pub port_be: u16,
     pub family: u8,
-    pub _pad: [u8; 5],
+    /// Two fields, see [`NpAffinityKey::_pad0`]: `connect4` builds this key
+    /// on every translated connect.
+    pub _pad0: u8,
+    pub _pad1: u32,
+}
+
+impl SockRevNatKey {
+    #[inline(always)]
+    pub fn new(cookie: u64, ip_be: [u32; 4], port_be: u16, family: u8) -> Self {
+        Self { cookie, ip_be, port_be, family, _pad0: 0, _pad1: 0 }
+    }
 }
 
 #[repr(C)]
@@ -273,7 +283,21 @@ pub struct NpAffinityKey {
     /// [`ServiceValue::affinity_scope`]: the Service port, not the frontend.
     pub scope_id: u32,
     pub family: u8,
-    pub _pad: [u8; 3],
+    /// Two fields rather than `[u8; 3]`: a zeroed byte array becomes a
+    /// `memset` call in the eBPF object (bpf-linker expands only `memcpy`
+    /// inline), and each such call is a BPF subprogram frame that the
+    /// verifier charges at least 32 bytes for against the 512-byte stack of
+    /// the deepest call chain (kernel/bpf/verifier.c,
+    /// `check_max_stack_depth`). Build keys with `new`.
+    pub _pad0: u8,
+    pub _pad1: u16,
+}
+
+impl NpAffinityKey {
+    #[inline(always)]
+    pub fn new(client_be: [u32; 4], scope_id: u32, family: u8) -> Self {
+        Self { client_be, scope_id, family, _pad0: 0, _pad1: 0 }
+    }
 }
 
 /// A client's backend for one Service port, and when a connection (or a UDP
@@ -344,8 +368,17 @@ pub struct SourceRangeKey {
     pub service_id: u32,
     pub generation: u32,
     pub family: u8,
-    pub _pad: [u8; 3],
+    /// Two fields, see [`NpAffinityKey::_pad0`].
+    pub _pad0: u8,
+    pub _pad1: u16,
     pub addr_be: [u32; 4],
+}
+
+impl SourceRangeKey {
+    #[inline(always)]
+    pub fn new(service_id: u32, generation: u32, family: u8, addr_be: [u32; 4]) -> Self {
+        Self { service_id, generation, family, _pad0: 0, _pad1: 0, addr_be }
+    }
 }
 
 /// Bits of a [`SourceRangeKey`] before the address: service id,
@@ -692,7 +725,16 @@ pub struct NpFlagsValue {
 pub struct AddrKey {
     pub ip_be: [u32; 4],
     pub family: u8,
-    pub _pad: [u8; 3],
+    /// Two fields, see [`NpAffinityKey::_pad0`].
+    pub _pad0: u8,
+    pub _pad1: u16,
+}
+
+impl AddrKey {
+    #[inline(always)]
+    pub fn new(ip_be: [u32; 4], family: u8) -> Self {
+        Self { ip_be, family, _pad0: 0, _pad1: 0 }
+    }
 }
 
 // `CtKey.dir`: which hook and which leg of a flow an entry is for. A flow

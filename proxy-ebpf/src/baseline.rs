@@ -128,8 +128,7 @@ fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
     }
     // The top bit keeps the probe's entry apart from the one `connect4`
     // then inserts for the same socket (cookies count up from 1).
-    let rev_key =
-        SockRevNatKey { cookie: cookie | 1 << 63, ip_be: backend.ip_be, port_be: backend.port_be, family: backend.family, _pad: [0; 5] };
+    let rev_key = SockRevNatKey::new(cookie | 1 << 63, backend.ip_be, backend.port_be, backend.family);
     let rev_val = SockRevNatValue { ip_be: dst.ip_be, port_be: dst.port_be, family: dst.family, _pad: 0 };
     if STEPS == ALT_PERCPU_LRU {
         let _ = BENCH_LRU_PERCPU.insert(&rev_key, &rev_val, 0);

@@ -42,6 +42,7 @@ use proxy_common::{
 };
 
 use crate::nodeport_maps::{NP_CT, np_count};
+use crate::packet::addr_copy;
 use aya_ebpf::{macros::map, maps::PerCpuArray};
 
 /// Per-CPU scratch for `handle`: the quote, the lookup key and the
@@ -146,10 +147,10 @@ fn try_handle(ctx: &TcContext, p: &IcmpPkt, ingress: bool) -> Result<i32, u32> {
         // SAFETY: see above.
         if let Some(v) = unsafe { NP_CT.get(&*key) } {
             // Quote client -> backend: swapped, it is the reply key.
-            x.qd = v.saddr_be;
+            x.qd = addr_copy(&v.saddr_be);
             x.qdp = v.sport_be;
             if x.os == q.daddr {
-                x.os = v.saddr_be;
+                x.os = addr_copy(&v.saddr_be);
             }
         } else {
             // Quote backend -> client, towards a remote backend (this node
@@ -160,7 +161,7 @@ fn try_handle(ctx: &TcContext, p: &IcmpPkt, ingress: bool) -> Result<i32, u32> {
             let Some(v) = (unsafe { NP_CT.get(&*key) }) else {
                 return Ok(PASS);
             };
-            x.qd = v.saddr_be;
+            x.qd = addr_copy(&v.saddr_be);
             x.qdp = v.sport_be;
         }
     } else {
@@ -169,16 +170,16 @@ fn try_handle(ctx: &TcContext, p: &IcmpPkt, ingress: bool) -> Result<i32, u32> {
         if let Some(v) = unsafe { NP_CT.get(&*key) } {
             // Quote SNAT -> backend. v's destination is the client; the
             // frontend comes from the backend -> client reply entry.
-            x.qs = v.daddr_be;
+            x.qs = addr_copy(&v.daddr_be);
             x.qsp = v.dport_be;
             key.dir = CT_DIR_REPLY;
-            key.daddr_be = v.daddr_be;
+            key.daddr_be = addr_copy(&v.daddr_be);
             key.dport_be = v.dport_be;
             // SAFETY: see above.
             let Some(r) = (unsafe { NP_CT.get(&*key) }) else {
                 return Ok(PASS);
             };
-            x.qd = r.saddr_be;
+            x.qd = addr_copy(&r.saddr_be);
             x.qdp = r.sport_be;
             x.od = x.qs;
         } else {
@@ -188,21 +189,21 @@ fn try_handle(ctx: &TcContext, p: &IcmpPkt, ingress: bool) -> Result<i32, u32> {
             let Some(v) = (unsafe { NP_CT.get(&*key) }) else {
                 return Ok(PASS);
             };
-            x.qs = v.daddr_be;
+            x.qs = addr_copy(&v.daddr_be);
             x.qsp = v.dport_be;
-            x.od = v.daddr_be;
+            x.od = addr_copy(&v.daddr_be);
             if v.flags & CT_FLAG_SNAT != 0 {
                 // The backend saw the SNAT address as its peer.
                 key.dir = CT_DIR_SNAT;
-                key.saddr_be = q.daddr;
+                key.saddr_be = addr_copy(&q.daddr);
                 key.sport_be = q.dport_be;
-                key.daddr_be = v.daddr_be;
+                key.daddr_be = addr_copy(&v.daddr_be);
                 key.dport_be = v.dport_be;
                 // SAFETY: see above.
                 let Some(s) = (unsafe { NP_CT.get(&*key) }) else {
                     return Ok(PASS);
                 };
-                x.qd = s.saddr_be;
+                x.qd = addr_copy(&s.saddr_be);
                 x.qdp = s.sport_be;
             }
         }

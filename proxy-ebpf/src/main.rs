@@ -378,10 +378,7 @@ fn source_allowed<const FAMILY: u8>(ctx: &SockAddrContext, svc: &ServiceValue, m
         let own = unsafe { bpf_get_netns_cookie(ctx.as_ptr()) };
         return node != 0 && own == node;
     }
-    let key = Key::new(
-        SOURCE_RANGE_FIXED_BITS + 128,
-        SourceRangeKey { service_id: svc.service_id, generation: svc.generation, family: src.family, _pad: [0; 3], addr_be: src.ip_be },
-    );
+    let key = Key::new(SOURCE_RANGE_FIXED_BITS + 128, SourceRangeKey::new(svc.service_id, svc.generation, src.family, src.ip_be));
     SOURCE_RANGES.get(&key).is_some()
 }
 
@@ -515,7 +512,7 @@ fn remember(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, front
     // Cookies start at 1 (`__sock_gen_cookie`), so 0 means "not fetched yet".
     // SAFETY: the helper gets this program's own context, as it requires.
     let cookie = if cookie == 0 { unsafe { bpf_get_socket_cookie(ctx.as_ptr()) } } else { cookie };
-    let rev_key = SockRevNatKey { cookie, ip_be: backend.ip_be, port_be: backend.port_be, family, _pad: [0; 5] };
+    let rev_key = SockRevNatKey::new(cookie, backend.ip_be, backend.port_be, family);
     let rev_val = SockRevNatValue { ip_be: frontend.ip_be, port_be: frontend.port_be, family, _pad: 0 };
     if SOCK_REVNAT.insert(&rev_key, &rev_val, 0).is_err() {
         // The LRU map evicts rather than fills, so this is unexpected; the
@@ -575,7 +572,7 @@ fn try_reverse<const FAMILY: u8, const GETPEERNAME: bool>(ctx: &SockAddrContext)
     }
     // SAFETY: the helper gets this program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let key = SockRevNatKey { cookie, ip_be: peer.ip_be, port_be: peer.port_be, family, _pad: [0; 5] };
+    let key = SockRevNatKey::new(cookie, peer.ip_be, peer.port_be, family);
     // SAFETY: valid value memory for the run (RCU, preallocated LRU
     // elements), copied out at once; an element evicted and reused meanwhile
     // gives a stale but valid `SockRevNatValue`.

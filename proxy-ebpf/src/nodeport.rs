@@ -45,7 +45,7 @@ use crate::nodeport_maps::{
     NP_AFFINITY, NP_AFFINITY_MATCH, NP_BACKENDS, NP_CONFIG, NP_CT, NP_FLAGS, NP_LOCAL, NP_PORTS, NP_SCRATCH, NP_SERVICES, NP_SLOTS,
     NP_SOURCE_RANGES, NpScratch, np_count,
 };
-use crate::packet::{Parsed, Pkt, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, parse, rewrite};
+use crate::packet::{Parsed, Pkt, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, addr_copy, parse, rewrite};
 
 /// Let the packet continue (see the module comment).
 const PASS: i32 = TC_ACT_UNSPEC;
@@ -368,13 +368,17 @@ fn reservation_expired(s: &mut NpScratch, now: u32, proto: u8, family: u8) -> bo
 pub(crate) const TRANSLATE: i32 = 0x7fff_0000;
 
 /// A new flow (or one whose backend went away): look the frontend up, pick
-/// a backend, reserve the reply tuple, remember the flow, translate.
+/// a backend (`new_flow_pick`), reserve the reply tuple, remember the flow
+/// (`new_flow_commit`), translate.
 ///
-/// Not inlined, and its keys and values live in the per-CPU `NP_SCRATCH`
-/// area rather than on the stack: the verifier allows 512 bytes of stack for
-/// the deepest call chain (`check_max_stack_depth`), and the conntrack
-/// key/value pairs alone would take a third of it. `fwd_key` is the
-/// caller's forward key.
+/// Two calls, not inlined, and their keys and values live in the per-CPU
+/// `NP_SCRATCH` area rather than on the stack: the verifier allows 512
+/// bytes of stack for the deepest call chain, each frame rounded up to 32
+/// (`check_max_stack_depth`), and the conntrack key/value pairs alone would
+/// take a third of it. As one function, its spills put the chain from the
+/// entry program through it at the limit; as two siblings each is a third
+/// smaller. The extra call is paid once per new flow, not per packet.
+/// `fwd_key` is the caller's forward key.
 ///
 /// Returns a plain integer, the verdict or `NEW_FLOW_ERR | reason`, not a
 /// `Result`: an aggregate comes back through a hidden pointer into the
@@ -382,20 +386,44 @@ pub(crate) const TRANSLATE: i32 = 0x7fff_0000;
 /// verifier rejects ("cannot return stack pointer to the caller",
 /// kernel/bpf/verifier.c, `prepare_func_exit`). Whether it does depends on
 /// the generated code around it, so an unrelated edit can bring it on.
-#[inline(never)]
+#[inline(always)]
 pub(crate) fn new_flow<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> i64 {
-    match new_flow_inner::<KERNEL>(p, fwd_key) {
-        Ok(verdict) => i64::from(verdict),
-        Err(reason) => NEW_FLOW_ERR | i64::from(reason),
+    let r = new_flow_pick::<KERNEL>(p);
+    if r != i64::from(PICKED) {
+        return r;
     }
+    new_flow_commit::<KERNEL>(p, fwd_key)
 }
 
 /// `new_flow`'s error answers carry this bit above every verdict (verdicts
 /// are i32, `TRANSLATE` included).
 pub(crate) const NEW_FLOW_ERR: i64 = 1 << 40;
 
+/// `new_flow_pick`'s answer for "backend chosen, `NP_SCRATCH` holds the
+/// flow's `fwd`, `rev` and `hash`"; no TC verdict has this value.
+const PICKED: i32 = 0x7fff_0001;
+
+#[inline(never)]
+fn new_flow_pick<const KERNEL: u8>(p: &Pkt) -> i64 {
+    match pick_backend::<KERNEL>(p) {
+        Ok(verdict) => i64::from(verdict),
+        Err(reason) => NEW_FLOW_ERR | i64::from(reason),
+    }
+}
+
+#[inline(never)]
+fn new_flow_commit<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> i64 {
+    match commit_flow::<KERNEL>(p, fwd_key) {
+        Ok(verdict) => i64::from(verdict),
+        Err(reason) => NEW_FLOW_ERR | i64::from(reason),
+    }
+}
+
+/// The frontend's verdict, or its backend for this flow: on `PICKED`,
+/// `NP_SCRATCH` holds the flow's `fwd` and `rev` translations and the flow
+/// hash for `commit_flow`.
 #[inline(always)]
-fn new_flow_inner<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
+fn pick_backend<const KERNEL: u8>(p: &Pkt) -> Result<i32, u32> {
     let skey = ServiceKey { ip_be: p.daddr, port_be: p.dport_be, proto: p.proto, family: p.family };
     // SAFETY: map values stay valid memory for the run (rcu_read_lock, and
     // preallocated hash elements are never freed while the map exists).
@@ -470,16 +498,40 @@ fn new_flow_inner<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32
     // none, `no_backend` has not run (it returns before this point), the
     // source-range and affinity helpers' references ended with them, and no
     // other TC program runs on this CPU until this one returns (bottom
-    // halves are disabled). `reservation_expired` reborrows it from here.
+    // halves are disabled).
     let s = unsafe { &mut *s };
     // Ingress: DNAT only; the client's address is kept here in every case.
     s.fwd = CtValue { saddr_be: p.saddr, daddr_be: b.ip_be, sport_be: p.sport_be, dport_be: b.port_be, flags: 0, backend_id, seen_s: now };
     // Egress, backend -> client: the reply's source becomes the frontend.
     s.rev = CtValue { saddr_be: p.daddr, daddr_be: p.saddr, sport_be: p.dport_be, dport_be: p.sport_be, flags: 0, backend_id, seen_s: now };
+    s.hash = hash;
+    Ok(PICKED)
+}
+
+/// Reserves the reply tuple (a SNAT port for a remote backend) and writes
+/// the flow's `NP_CT` entries, from what `pick_backend` left in
+/// `NP_SCRATCH`: the backend's address, port and id and the time are in
+/// `fwd`.
+#[inline(always)]
+fn commit_flow<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
+    let Some(s) = NP_SCRATCH.get_ptr_mut(0) else {
+        return Err(np_counter::CT_UPDATE_FAILED);
+    };
+    // SAFETY: this CPU's slot of NP_SCRATCH element 0, never freed while
+    // the map exists. No other reference to it is live: `pick_backend`'s
+    // ended when it returned, and no other TC or XDP program runs on this
+    // CPU until this one returns (bottom halves are disabled).
+    // `reservation_expired` reborrows it from here.
+    let s = unsafe { &mut *s };
+    let b_ip_be = addr_copy(&s.fwd.daddr_be);
+    let b_port_be = s.fwd.dport_be;
+    let backend_id = s.fwd.backend_id;
+    let now = s.fwd.seen_s;
+    let hash = s.hash;
     s.key = CtKey {
-        saddr_be: b.ip_be,
+        saddr_be: b_ip_be,
         daddr_be: p.saddr,
-        sport_be: b.port_be,
+        sport_be: b_port_be,
         dport_be: p.sport_be,
         proto: p.proto,
         family: p.family,
@@ -488,7 +540,7 @@ fn new_flow_inner<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32
     };
     // SAFETY: only whether the entry exists is used; the reference is never
     // read.
-    let local = unsafe { NP_LOCAL.get(&AddrKey { ip_be: b.ip_be, family: p.family, _pad: [0; 3] }) }.is_some();
+    let local = unsafe { NP_LOCAL.get(&AddrKey::new(b_ip_be, p.family)) }.is_some();
     if !local {
         // Remote backend. First reserve a SNAT port: the reply will arrive
         // as backend -> (node address, port) and must get the client back
@@ -500,15 +552,15 @@ fn new_flow_inner<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32
         if p.family == FAMILY_V4 {
             s.key.daddr_be = [cfg.snat_v4_be, 0, 0, 0];
         } else {
-            s.key.daddr_be = cfg.snat_v6_be;
+            s.key.daddr_be = addr_copy(&cfg.snat_v6_be);
         }
         if s.key.daddr_be == [0u32; 4] || cfg.snat_port_max < cfg.snat_port_min {
             return Err(np_counter::SNAT_FAILED);
         }
         s.val = CtValue {
-            saddr_be: b.ip_be,
+            saddr_be: b_ip_be,
             daddr_be: p.saddr,
-            sport_be: b.port_be,
+            sport_be: b_port_be,
             dport_be: p.sport_be,
             flags: CT_FLAG_SNAT,
             backend_id,
@@ -543,18 +595,18 @@ fn new_flow_inner<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32
         // Egress, client -> backend: the source becomes (node, port).
         s.val = CtValue {
             saddr_be: s.key.daddr_be,
-            daddr_be: b.ip_be,
+            daddr_be: b_ip_be,
             sport_be: chosen,
-            dport_be: b.port_be,
+            dport_be: b_port_be,
             flags: CT_FLAG_SNAT,
             backend_id,
             seen_s: now,
         };
         s.key = CtKey {
             saddr_be: p.saddr,
-            daddr_be: b.ip_be,
+            daddr_be: b_ip_be,
             sport_be: p.sport_be,
-            dport_be: b.port_be,
+            dport_be: b_port_be,
             proto: p.proto,
             family: p.family,
             dir: CT_DIR_SNAT,
@@ -566,9 +618,9 @@ fn new_flow_inner<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32
         s.fwd.flags = CT_FLAG_SNAT;
         // Back to the backend -> client reply key for the common insert.
         s.key = CtKey {
-            saddr_be: b.ip_be,
+            saddr_be: b_ip_be,
             daddr_be: p.saddr,
-            sport_be: b.port_be,
+            sport_be: b_port_be,
             dport_be: p.sport_be,
             proto: p.proto,
             family: p.family,
@@ -639,8 +691,7 @@ fn source_allowed(p: &Pkt, svc: &ServiceValue) -> bool {
     // on this CPU until this one returns (bottom halves are disabled).
     let s = unsafe { &mut *s };
     s.range.prefix_len = SOURCE_RANGE_FIXED_BITS + 128;
-    s.range.data =
-        SourceRangeKey { service_id: svc.service_id, generation: svc.generation, family: p.family, _pad: [0; 3], addr_be: p.saddr };
+    s.range.data = SourceRangeKey::new(svc.service_id, svc.generation, p.family, p.saddr);
     NP_SOURCE_RANGES.get(&s.range).is_some()
 }
 
@@ -654,7 +705,7 @@ fn affinity_lookup(p: &Pkt, svc: &ServiceValue, now_ns: u64) -> Option<(u32, &'s
     // SAFETY: this CPU's slot of NP_SCRATCH element 0 (see
     // `source_allowed`); the reference ends with this function.
     let s = unsafe { &mut *s };
-    s.affinity = NpAffinityKey { client_be: p.saddr, scope_id: svc.affinity_scope(), family: p.family, _pad: [0; 3] };
+    s.affinity = NpAffinityKey::new(p.saddr, svc.affinity_scope(), p.family);
     let entry = NP_AFFINITY.get_ptr_mut(&s.affinity)?;
     // SAFETY: the value pointer of an NP_AFFINITY element, valid for the
     // run (RCU, preallocated LRU elements never freed while the map
@@ -688,7 +739,7 @@ fn affinity_remember(p: &Pkt, scope_id: u32, backend_id: u32, now_ns: u64) {
     // SAFETY: this CPU's slot of NP_SCRATCH element 0 (see
     // `source_allowed`); the reference ends with this function.
     let s = unsafe { &mut *s };
-    s.affinity = NpAffinityKey { client_be: p.saddr, scope_id, family: p.family, _pad: [0; 3] };
+    s.affinity = NpAffinityKey::new(p.saddr, scope_id, p.family);
     s.affinity_val = AffinityValue { last_used_ns: now_ns, backend_id, _pad: 0 };
     if NP_AFFINITY.insert(&s.affinity, &s.affinity_val, 0).is_err() {
         np_count(np_counter::AFFINITY_UPDATE_FAILED);

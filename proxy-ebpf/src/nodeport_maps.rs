@@ -104,6 +104,8 @@ pub struct NpScratch {
     /// as written back.
     pub affinity: NpAffinityKey,
     pub affinity_val: AffinityValue,
+    /// The new flow's hash, from the backend pick to the SNAT port choice.
+    pub hash: u32,
 }
 
 #[map(name = "NP_SCRATCH")]

@@ -32,6 +32,27 @@ use aya_ebpf::{
 };
 use proxy_common::{CtValue, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, np_counter};
 
+/// An address copied word by word. A plain `[u32; 4]` assignment between
+/// two places LLVM cannot prove apart (two map values, say) becomes a call
+/// to `memmove`, which bpf-linker leaves as a BPF subprogram: a frame of its
+/// own, which the verifier charges 32 bytes for against the 512-byte stack
+/// of the deepest call chain (kernel/bpf/verifier.c,
+/// `check_max_stack_depth`: every frame is rounded up to 32 bytes, an empty
+/// one too). Volatile loads keep LLVM from merging the four back into one
+/// copy.
+#[inline(always)]
+pub fn addr_copy(src: &[u32; 4]) -> [u32; 4] {
+    // SAFETY: four in-bounds, aligned reads of a live reference.
+    unsafe {
+        [
+            core::ptr::read_volatile(&src[0]),
+            core::ptr::read_volatile(&src[1]),
+            core::ptr::read_volatile(&src[2]),
+            core::ptr::read_volatile(&src[3]),
+        ]
+    }
+}
+
 pub const ETH_HLEN: usize = 14;
 const ETH_P_IP: u16 = 0x0800;
 const ETH_P_IPV6: u16 = 0x86dd;

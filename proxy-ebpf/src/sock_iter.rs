@@ -122,7 +122,7 @@ fn try_terminate(ctx: *mut IterSockCtx, proto: u8) -> Option<()> {
     // the verifier typed (ARG_PTR_TO_BTF_ID_SOCK_COMMON) and reads nothing
     // of ours.
     let cookie = unsafe { bpf_get_socket_cookie(sk) };
-    let rev = SockRevNatKey { cookie, ip_be, port_be, family: fam, _pad: [0; 5] };
+    let rev = SockRevNatKey::new(cookie, ip_be, port_be, fam);
     // SAFETY: a map value, valid for the run (RCU), copied out at once.
     let frontend = unsafe { SOCK_REVNAT.get(&rev) }.copied()?;
     let key = SockTerminateKey {

@@ -482,8 +482,7 @@ fn fill_revnat(pin_dir: &Path) -> Result<u32> {
     let mut map: aya::maps::HashMap<_, proxy_common::SockRevNatKey, proxy_common::SockRevNatValue> =
         aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data))?;
     for i in 0..capacity {
-        let key =
-            proxy_common::SockRevNatKey { cookie: (1 << 62) - u64::from(i), ip_be: [1, 0, 0, 0], port_be: 1, family: 2, _pad: [0; 5] };
+        let key = proxy_common::SockRevNatKey::new((1 << 62) - u64::from(i), [1, 0, 0, 0], 1, 2);
         map.insert(key, proxy_common::SockRevNatValue { ip_be: [1, 0, 0, 0], port_be: 1, family: 2, _pad: 0 }, 0)?;
     }
     Ok(capacity)

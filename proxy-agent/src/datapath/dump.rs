@@ -1436,7 +1436,7 @@ mod tests {
             slots,
             backends,
             flags: vec![(local, NpFlagsValue { flags: pc::NP_FLAG_POLICY_LOCAL })],
-            local: vec![(AddrKey { ip_be: be(10, "10.244.1.2").1.ip_be, family: pc::FAMILY_V4, _pad: [0; 3] }, 1)],
+            local: vec![(AddrKey::new(be(10, "10.244.1.2").1.ip_be, pc::FAMILY_V4), 1)],
             conntrack: vec![
                 ct(pc::CT_DIR_FORWARD, ("10.0.0.1", 40000), ("10.96.0.10", 80), (("10.0.0.1", 40000), ("10.244.1.2", 8080)), 10),
                 ct(pc::CT_DIR_REPLY, ("10.244.1.2", 8080), ("10.0.0.1", 40000), (("10.96.0.10", 80), ("10.0.0.1", 40000)), 10),

@@ -51,17 +51,14 @@ pub fn backend_of(v: &BackendValue) -> Option<Backend> {
 /// An address as `NP_LOCAL` keys it.
 pub fn addr_key(ip: &IpAddr) -> AddrKey {
     let (ip_be, family) = ip_words(ip);
-    AddrKey { ip_be, family, _pad: [0; 3] }
+    AddrKey::new(ip_be, family)
 }
 
 /// A source range of frontend `service_id` at `generation`, as the LPM trie
 /// keys it: the fixed part matched in full, then the range's prefix.
 pub fn source_range_key(service_id: u32, generation: u32, c: &Cidr) -> Key<SourceRangeKey> {
     let (addr_be, family) = ip_words(&c.addr);
-    Key::new(
-        pc::SOURCE_RANGE_FIXED_BITS + u32::from(c.prefix_len),
-        SourceRangeKey { service_id, generation, family, _pad: [0; 3], addr_be },
-    )
+    Key::new(pc::SOURCE_RANGE_FIXED_BITS + u32::from(c.prefix_len), SourceRangeKey::new(service_id, generation, family, addr_be))
 }
 
 /// Decodes a source range key; `None` for one this agent would never write.

@@ -189,7 +189,7 @@ pub fn translated_frontend(
     revnat: impl FnOnce(&SockRevNatKey) -> Option<SockRevNatValue>,
 ) -> Option<Frontend> {
     let b = backend_value(peer);
-    let v = revnat(&SockRevNatKey { cookie, ip_be: b.ip_be, port_be: b.port_be, family: b.family, _pad: [0; 5] })?;
+    let v = revnat(&SockRevNatKey::new(cookie, b.ip_be, b.port_be, b.family))?;
     Some(Frontend { ip: ip_of(v.ip_be, v.family)?, port: u16::from_be(v.port_be), protocol })
 }
 
