@@ -142,6 +142,15 @@ fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
         let _ = unsafe { BENCH_SK_STORAGE.get_or_insert_ptr_mut(ctx, Some(&mut v)) };
         return 1;
     }
+    if STEPS == ALT_RECYCLED {
+        // The entry is removed again at once, so the next insert on this
+        // CPU reuses the element just freed (the LRU's local free list is
+        // LIFO, kernel/bpf/bpf_lru_list.c): what an insert costs when
+        // entries are deleted as their sockets close instead of aging out.
+        let _ = SOCK_REVNAT.insert(&rev_key, &rev_val, 0);
+        let _ = SOCK_REVNAT.remove(&rev_key);
+        return 1;
+    }
     let _ = SOCK_REVNAT.insert(&rev_key, &rev_val, 0);
     if STEPS >= 7 {
         count(counter::TRANSLATED);
@@ -173,8 +182,14 @@ pub fn bench_alt_sk_storage_connect4(ctx: SockAddrContext) -> i32 {
     probe::<{ ALT_SK_STORAGE }>(&ctx)
 }
 
+#[cgroup_sock_addr(connect4)]
+pub fn bench_alt_recycled_connect4(ctx: SockAddrContext) -> i32 {
+    probe::<{ ALT_RECYCLED }>(&ctx)
+}
+
 const ALT_PERCPU_LRU: u8 = 100;
 const ALT_SK_STORAGE: u8 = 101;
+const ALT_RECYCLED: u8 = 102;
 
 #[classifier]
 pub fn bench_minimal_tc(ctx: TcContext) -> i32 {

@@ -110,6 +110,37 @@ fn write_at<T: Copy>(data: usize, off: usize, v: T) {
     unsafe { core::ptr::write_unaligned((data + off) as *mut T, v) }
 }
 
+/// Writes a MAC address into the frame as one 4-byte and one 2-byte
+/// store. A `[u8; 6]` written whole becomes a call to `memmove`, which
+/// bpf-linker leaves as a BPF subprogram: a call per forwarded frame, and a
+/// frame that counts against the verifier's 512-byte call-chain stack
+/// (kernel/bpf/verifier.c, `check_max_stack_depth`).
+#[inline(always)]
+fn write_mac(data: usize, off: usize, mac: &[u8; 6]) {
+    write_at(data, off, u32::from_ne_bytes([mac[0], mac[1], mac[2], mac[3]]));
+    write_at(data, off + 4, u16::from_ne_bytes([mac[4], mac[5]]));
+}
+
+/// Zeroes the FIB lookup parameters at `fib` with one 4-byte store per
+/// word: `mem::zeroed` becomes a call to `memset` (see `write_mac`), and
+/// volatile stores cannot be merged back into one.
+#[inline(always)]
+fn zero_fib_params(fib: &mut core::mem::MaybeUninit<FibParams>) -> &mut FibParams {
+    const WORDS: usize = core::mem::size_of::<FibParams>() / 4;
+    const _: () = assert!(core::mem::size_of::<FibParams>() == WORDS * 4 && core::mem::align_of::<FibParams>() >= 4);
+    let words = fib.as_mut_ptr().cast::<u32>();
+    let mut i = 0;
+    while i < WORDS {
+        // SAFETY: `i < WORDS` keeps each aligned 4-byte store inside
+        // `fib`, which is at least 4-byte aligned (asserted above).
+        unsafe { core::ptr::write_volatile(words.add(i), 0) };
+        i += 1;
+    }
+    // SAFETY: every byte was written, and all-zero bytes are a valid
+    // `bpf_fib_lookup` (integers and unions of integers).
+    unsafe { fib.assume_init_mut() }
+}
+
 #[inline(always)]
 fn try_xdp<const KERNEL: u8>(ctx: &XdpContext) -> Result<u32, u32> {
     let (data, end) = (ctx.data(), ctx.data_end());
@@ -245,9 +276,8 @@ fn forward(ctx: &XdpContext, p: &Pkt, to: &CtValue) -> i64 {
         // The stack sends the ICMP time exceeded.
         return i64::from(XDP_PASS);
     }
-    // SAFETY: all-zero bytes are a valid `bpf_fib_lookup` (integers and
-    // unions of integers).
-    let mut fib: FibParams = unsafe { core::mem::zeroed() };
+    let mut params = core::mem::MaybeUninit::<FibParams>::uninit();
+    let fib = zero_fib_params(&mut params);
     fib.family = AF_INET;
     fib.l4_protocol = p.proto;
     fib.sport = to.sport_be;
@@ -260,7 +290,7 @@ fn forward(ctx: &XdpContext, p: &Pkt, to: &CtValue) -> i64 {
     fib.ifindex = ctx.ingress_ifindex() as u32;
     // SAFETY: `fib` is a local of the size passed; the helper reads and
     // writes only it, and the context is this program's own.
-    let rc = unsafe { bpf_fib_lookup(ctx.ctx.cast(), &raw mut fib, core::mem::size_of::<FibParams>() as i32, 0) };
+    let rc = unsafe { bpf_fib_lookup(ctx.ctx.cast(), core::ptr::from_mut(fib), core::mem::size_of::<FibParams>() as i32, 0) };
     if rc != FIB_SUCCESS {
         return i64::from(XDP_PASS);
     }
@@ -270,8 +300,8 @@ fn forward(ctx: &XdpContext, p: &Pkt, to: &CtValue) -> i64 {
     if data + L4 + L4_MIN > end {
         return -1;
     }
-    write_at(data, 0, fib.dmac);
-    write_at(data, 6, fib.smac);
+    write_mac(data, 0, &fib.dmac);
+    write_mac(data, 6, &fib.smac);
     // IPv4 header: TTL (the 16-bit word TTL|protocol), then the addresses.
     let mut check = read_at::<u16>(data, L3 + 10);
     let ttl_word_old = read_at::<u16>(data, L3 + 8);

@@ -10,6 +10,7 @@
 mod control_plane;
 mod forwarding;
 mod kernel_memory;
+mod maglev_sync;
 mod manifest_input;
 mod programs;
 mod report;
@@ -58,7 +59,8 @@ struct Args {
     /// of manifest_input.rs; `kernel-memory`: only the pinned maps' kernel
     /// memory at default flags (kernel_memory.rs); `connect4`: only the connect4 run time by
     /// path against an empty program and its step breakdown; `xdp`: only
-    /// the XDP NodePort program, xdp.rs).
+    /// the XDP NodePort program, xdp.rs; `maglev-sync`: only what Maglev
+    /// tables add to a TC sync, maglev_sync.rs).
     only: Option<String>,
     cp: control_plane::Options,
     mi: manifest_input::Options,
@@ -114,7 +116,7 @@ fn parse_args() -> Result<Args> {
                 }
             }
             other => bail!(
-                "unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 6 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|nodeport|cold-start|manifest-input|kernel-memory|connect4|xdp --np-calls 20000 --np-frontends 1000 --revnat-capacity 262144 --fwd-services 1000 --fwd-udp-ms 1000 {} {}",
+                "unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 6 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|nodeport|cold-start|manifest-input|kernel-memory|connect4|xdp|maglev-sync --np-calls 20000 --np-frontends 1000 --revnat-capacity 262144 --fwd-services 1000 --fwd-udp-ms 1000 {} {}",
                 control_plane::FLAGS_HELP,
                 manifest_input::FLAGS_HELP
             ),
@@ -341,6 +343,17 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
     if args.only.as_deref() == Some("connect4") {
         return connect4_only(args);
     }
+    if args.only.as_deref() == Some("maglev-sync") {
+        let s = maglev_sync::run(args.repeats)?;
+        return Ok(report::write_part(
+            &args.out,
+            "Maglev tables in a TC sync",
+            &s.markdown,
+            json!({ s.key: s.json }),
+            &s.targets,
+            &s.svgs,
+        )?);
+    }
     if args.only.as_deref() == Some("xdp") {
         let s = xdp::run(args.repeats)?;
         return Ok(report::write_part(&args.out, "NodePort at XDP", &s.markdown, json!({ s.key: s.json }), &s.targets, &s.svgs)?);
@@ -509,6 +522,7 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
         sections.push(kernel_memory::run(&args.mi.sizes, scratch, args.cp.agent.as_deref())?);
         sections.push(programs::nodeport_test_run(args.repeats, args.np_calls, args.np_frontends)?);
         sections.push(forwarding::run(&args.fwd, args.repeats, args.rounds, scratch)?);
+        sections.push(maglev_sync::run(args.repeats)?);
     }
     let cp = if matches!(args.only.as_deref(), Some("datapath" | "socket-lb")) {
         control_plane::Results::default()

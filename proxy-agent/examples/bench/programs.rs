@@ -64,7 +64,7 @@ fn prog_stats(id: u32) -> Result<(u64, u64)> {
 /// The step probes of `proxy-ebpf/src/baseline.rs` (`probe`): each one is
 /// our connect4's work on a plain Service cut off after one more step, and
 /// what that step adds.
-const STEPS: [(&str, &str); 9] = [
+const STEPS: [(&str, &str); 10] = [
     ("bench_step1_connect4", "context reads (protocol, address, port)"),
     ("bench_step2_connect4", "+ SERVICES lookup"),
     ("bench_step3_connect4", "+ random pick and SLOTS lookup"),
@@ -74,6 +74,7 @@ const STEPS: [(&str, &str); 9] = [
     ("bench_step7_connect4", "+ TRANSLATED counter"),
     ("bench_alt_percpu_lru_connect4", "alternative to the insert: LRU with per-CPU lists (BPF_F_NO_COMMON_LRU)"),
     ("bench_alt_sk_storage_connect4", "alternative to the insert: socket storage (bpf_sk_storage_get, F_CREATE)"),
+    ("bench_alt_recycled_connect4", "alternative to the insert: SOCK_REVNAT insert + delete (entries freed at close, reused warm)"),
 ];
 
 /// The probe each step of `STEPS` is measured against: the one before it,
@@ -82,7 +83,7 @@ const STEPS: [(&str, &str); 9] = [
 fn base_step(i: usize) -> Option<usize> {
     match i {
         0 => None,
-        7 | 8 => Some(4),
+        7..=9 => Some(4),
         _ => Some(i - 1),
     }
 }

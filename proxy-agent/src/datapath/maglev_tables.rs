@@ -14,6 +14,7 @@
 //! finds every table through it.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
 
 use aya::maps::{Array, HashOfMaps, IterableMap, Map, MapData, MapError};
@@ -34,6 +35,9 @@ const BPF_F_MMAPABLE: u32 = 1 << 10;
 pub(crate) struct MaglevTables {
     spec: &'static MapSpec,
     outer: HashOfMaps<MapData, MaglevKey, Array<MapData, u32>>,
+    /// The outer map's descriptor again, for the raw link calls made from
+    /// several threads (`link_all`, `unlink_all`).
+    outer_fd: OwnedFd,
     /// The size new tables get, `None` for none: only frontends whose
     /// Service asks for a size get one.
     pub(crate) size: Option<TableSize>,
@@ -96,8 +100,17 @@ impl MaglevTables {
             return Ok(None);
         }
         let data = MapData::from_pin(path)?;
+        let outer_fd = data.fd().as_fd().try_clone_to_owned().map_err(MapError::IoError)?;
         let outer = HashOfMaps::try_from(Map::HashOfMaps(data))?;
-        Ok(Some(MaglevTables { spec, outer, size: None, linked: HashMap::new(), tables: HashMap::new(), by_content: HashMap::new() }))
+        Ok(Some(MaglevTables {
+            spec,
+            outer,
+            outer_fd,
+            size: None,
+            linked: HashMap::new(),
+            tables: HashMap::new(),
+            by_content: HashMap::new(),
+        }))
     }
 
     /// Keeps the tables of `live` (the current generations that announce
@@ -134,24 +147,67 @@ impl MaglevTables {
         Ok(missing)
     }
 
-    /// Links the table of `backends` (sorted, distinct) at `size` in under
-    /// `key`: the array of another key with the same content when this
-    /// writer filled one, else a new array of `compute()`'s ids, created
-    /// and filled first. Nothing is linked in on error.
-    pub(crate) fn link(
-        &mut self,
-        key: MaglevKey,
-        size: TableSize,
-        backends: &[Backend],
-        compute: impl FnOnce() -> Option<Vec<u32>>,
-    ) -> Result<(), MapError> {
-        let content: Content = (size, backends.to_vec());
+    /// Links in the table of each request under its key, and returns, in
+    /// request order, whether it was. A request's table is the array of
+    /// another key with the same content when this writer filled one, else
+    /// a new array of its `compute()`'s ids, created and filled first; a
+    /// request whose array cannot be made is not linked.
+    ///
+    /// Every update of a map-in-map entry from user space waits for an RCU
+    /// grace period before the syscall returns (kernel/bpf/syscall.c,
+    /// `maybe_wait_bpf_programs`, so that no program run still holds the
+    /// inner map the call replaced), about 20 ms here. A grace period ends
+    /// every wait that began before it, so the links are made from several
+    /// threads at once (see `concurrently`): a chunk of frontends pays
+    /// about one grace period per thread's share instead of one per table.
+    pub(crate) fn link_all(&mut self, requests: Vec<LinkRequest<'_>>) -> Vec<Result<(), MapError>> {
+        // Arrays made or opened for this call, by kernel id: each stays
+        // open (and so alive) until every link that names it is made.
+        let mut open: HashMap<u32, Array<MapData, u32>> = HashMap::new();
+        let mut prepared: Vec<Result<(MaglevKey, u32), MapError>> = Vec::with_capacity(requests.len());
+        for r in requests {
+            prepared.push(self.prepare(r, &mut open));
+        }
+        let links: Vec<(usize, MaglevKey, BorrowedFd<'_>)> = prepared
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| p.as_ref().ok().and_then(|(key, id)| open.get(id).map(|a| (i, *key, IterableMap::map(a).fd().as_fd()))))
+            .collect();
+        let outer_fd = self.outer_fd.as_fd();
+        let done = concurrently(&links, |(_, key, inner)| elem_call(BPF_MAP_UPDATE_ELEM, outer_fd, key, Some(inner.as_raw_fd() as u32)));
+        let mut results: Vec<Result<(), MapError>> = prepared.iter().map(|p| p.as_ref().map(|_| ()).map_err(clone_error)).collect();
+        for ((i, _, _), r) in links.iter().zip(done) {
+            if let Err(e) = r {
+                results[*i] = Err(MapError::IoError(e));
+            }
+        }
+        for (p, r) in prepared.iter().zip(&results) {
+            if let (Ok((key, id)), Ok(())) = (p, r) {
+                self.add_ref(*key, *id);
+            }
+        }
+        // Arrays this call filled that no link names after all.
+        let unused: Vec<u32> = self.tables.iter().filter(|(_, t)| t.refs == 0).map(|(id, _)| *id).collect();
+        for id in unused {
+            self.forget(id);
+        }
+        results
+    }
+
+    /// The array a request links: a shared one of the same content, else a
+    /// new one, created and filled. The array is private to this agent
+    /// until linked in; the link (a syscall that publishes the pointer under
+    /// RCU) orders the stores before any program can reach it.
+    fn prepare(&mut self, r: LinkRequest<'_>, open: &mut HashMap<u32, Array<MapData, u32>>) -> Result<(MaglevKey, u32), MapError> {
+        let content: Content = (r.size, r.backends);
         if let Some(&id) = self.by_content.get(&content) {
+            if open.contains_key(&id) {
+                return Ok((r.key, id));
+            }
             match MapData::from_id(id).and_then(|data| Array::try_from(Map::from_map_data(data)?)) {
                 Ok(inner) => {
-                    self.outer.insert(key, &inner, 0)?;
-                    self.add_ref(key, id);
-                    return Ok(());
+                    open.insert(id, inner);
+                    return Ok((r.key, id));
                 }
                 // Gone behind this writer's back: fill a new one.
                 Err(e) => {
@@ -160,21 +216,15 @@ impl MaglevTables {
                 }
             }
         }
-        let ids = compute().ok_or(MapError::KeyNotFound)?;
+        let ids = (r.compute)().ok_or(MapError::KeyNotFound)?;
         let m = u32::try_from(ids.len()).map_err(|_| MapError::OutOfBounds { index: u32::MAX, max_entries: u32::MAX })?;
         let inner = Array::<MapData, u32>::create(m, BPF_F_INNER_MAP | BPF_F_MMAPABLE)?;
-        // The array is private to this agent until linked in below; the
-        // link (a syscall that publishes the pointer under RCU) orders the
-        // stores before any program can reach the array.
         fill(IterableMap::map(&inner), &ids).map_err(MapError::IoError)?;
         let id = IterableMap::map(&inner).info()?.id();
-        self.outer.insert(key, &inner, 0)?;
-        self.tables.insert(id, Shared { size, refs: 0, content: Some(content.clone()) });
+        self.tables.insert(id, Shared { size: r.size, refs: 0, content: Some(content.clone()) });
         self.by_content.insert(content, id);
-        self.add_ref(key, id);
-        // `inner` is dropped here: its fd closes, and the outer map's
-        // reference keeps the array.
-        Ok(())
+        open.insert(id, inner);
+        Ok((r.key, id))
     }
 
     fn add_ref(&mut self, key: MaglevKey, id: u32) {
@@ -189,22 +239,39 @@ impl MaglevTables {
     fn drop_ref(&mut self, id: u32) {
         let Some(t) = self.tables.get_mut(&id) else { return };
         t.refs = t.refs.saturating_sub(1);
-        if t.refs == 0
-            && let Some(t) = self.tables.remove(&id)
+        if t.refs == 0 {
+            self.forget(id);
+        }
+    }
+
+    /// Stops tracking an array no key links any more (the kernel frees it
+    /// with its last link).
+    fn forget(&mut self, id: u32) {
+        if let Some(t) = self.tables.remove(&id)
             && let Some(content) = t.content
         {
             self.by_content.remove(&content);
         }
     }
 
-    /// Unlinks a table, if linked. The kernel frees the array with its
-    /// last link.
-    pub(crate) fn unlink(&mut self, key: MaglevKey) {
-        self.remove(key);
-        // Forgotten also when the unlink failed: the next agent's
-        // `read_back` removes what is left.
-        if let Some(id) = self.linked.remove(&key) {
-            self.drop_ref(id);
+    /// Unlinks tables, where linked, from several threads at once (each
+    /// unlink waits for a grace period, see [`MaglevTables::link_all`]).
+    /// The kernel frees an array with its last link.
+    pub(crate) fn unlink_all(&mut self, keys: &[MaglevKey]) {
+        let outer_fd = self.outer_fd.as_fd();
+        let done = concurrently(keys, |key| elem_call(BPF_MAP_DELETE_ELEM, outer_fd, key, None));
+        for (key, r) in keys.iter().zip(done) {
+            match r {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    tracing::debug!(map = self.spec.name, error = %e, "removing a Maglev table failed");
+                }
+                _ => {}
+            }
+            // Forgotten also when the unlink failed: the next agent's
+            // `read_back` removes what is left.
+            if let Some(id) = self.linked.remove(key) {
+                self.drop_ref(id);
+            }
         }
     }
 
@@ -231,12 +298,76 @@ impl MaglevTables {
     }
 }
 
+/// One table to link in: under `key`, the table of `backends` (sorted,
+/// distinct) at `size`, computed by `compute` when no array of that
+/// content exists.
+pub(crate) struct LinkRequest<'a> {
+    pub(crate) key: MaglevKey,
+    pub(crate) size: TableSize,
+    pub(crate) backends: Vec<Backend>,
+    pub(crate) compute: Box<dyn FnOnce() -> Option<Vec<u32>> + 'a>,
+}
+
+/// At most this many threads wait for grace periods at once.
+const MAX_THREADS: usize = 32;
+
+/// Runs `op` on every item, spread over up to [`MAX_THREADS`] scoped
+/// threads, and returns the results in item order. A thread that panicked
+/// (it cannot: `op` is a syscall) reports its items as failed.
+fn concurrently<T: Sync>(items: &[T], op: impl Fn(&T) -> std::io::Result<()> + Sync) -> Vec<std::io::Result<()>> {
+    if items.len() <= 1 {
+        return items.iter().map(&op).collect();
+    }
+    let per_thread = items.len().div_ceil(MAX_THREADS);
+    std::thread::scope(|s| {
+        let op = &op;
+        let handles: Vec<_> =
+            items.chunks(per_thread).map(|chunk| (chunk.len(), s.spawn(move || chunk.iter().map(op).collect::<Vec<_>>()))).collect();
+        handles
+            .into_iter()
+            .flat_map(|(n, h)| h.join().unwrap_or_else(|_| (0..n).map(|_| Err(std::io::Error::other("link thread panicked"))).collect()))
+            .collect()
+    })
+}
+
+const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
+
+/// The element member of `union bpf_attr` (`BPF_MAP_*_ELEM`).
+#[repr(C)]
+struct ElemAttr {
+    map_fd: u32,
+    pad: u32,
+    key: u64,
+    value: u64,
+    flags: u64,
+}
+
+/// One `BPF_MAP_UPDATE_ELEM` (linking the array `inner_fd` in under `key`)
+/// or `BPF_MAP_DELETE_ELEM` on the outer map. A raw syscall rather than
+/// aya's `HashOfMaps`, which needs `&mut` and so one caller at a time.
+fn elem_call(cmd: libc::c_long, outer: BorrowedFd<'_>, key: &MaglevKey, inner_fd: Option<u32>) -> std::io::Result<()> {
+    let value = inner_fd.as_ref().map_or(0, |fd| std::ptr::from_ref(fd) as u64);
+    let mut attr = ElemAttr { map_fd: outer.as_raw_fd() as u32, pad: 0, key: std::ptr::from_ref(key) as u64, value, flags: 0 };
+    // SAFETY: `outer` is an open hash-of-maps descriptor whose key is a
+    // `MaglevKey` and whose value is an inner map's fd (u32); `key` and
+    // `value` point at one of each, alive across the call, which only
+    // reads them.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(&mut attr), std::mem::size_of::<ElemAttr>()) };
+    if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+}
+
+/// A copy of a preparation error for the caller's list (`MapError` is not
+/// `Clone`); the message is what matters there.
+fn clone_error(e: &MapError) -> MapError {
+    MapError::IoError(std::io::Error::other(e.to_string()))
+}
+
 /// Writes `ids` into a fresh mmap-able array of exactly `ids.len()` `u32`
 /// entries through one shared mapping: three syscalls for a table of
 /// 16,381 or 65,521 entries instead of one per entry (aya 0.14 has no
 /// batch update for arrays).
 fn fill(map: &MapData, ids: &[u32]) -> std::io::Result<()> {
-    use std::os::fd::{AsFd, AsRawFd};
     // An array lays its values out every `round_up(value_size, 8)` bytes
     // (kernel/bpf/arraymap.c `array_map_alloc`), so a u32 table has an
     // 8-byte stride: the id, then 4 bytes of padding.

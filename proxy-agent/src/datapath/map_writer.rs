@@ -733,17 +733,28 @@ impl MapWriter {
     /// [`MapWriter::state`] reports it for rewriting by the next full plan.
     fn link_tables(&mut self, c: &mut Chunk) {
         let Some(t) = &mut self.maglev else { return };
-        for (st, value) in c.staged.iter_mut().zip(&mut c.service_values) {
+        let backend_ids = &self.backend_ids;
+        let created_ids = &c.created_ids;
+        let mut requests = Vec::new();
+        let mut which = Vec::new();
+        for (i, (st, value)) in c.staged.iter().zip(&c.service_values).enumerate() {
             let Some(size) = st.maglev else { continue };
             let mut set = st.backends.clone();
             set.sort_unstable();
             set.dedup();
             // Every backend of a staged frontend has an id (stage reserved
             // the missing ones), so `compute` never comes back empty.
-            let id_of = |b: &Backend| self.backend_ids.get(b).map(|(id, _)| *id).or_else(|| c.created_ids.get(b).copied());
-            let compute = || maglev_tables::table_ids(&maglev::table(&set, size), id_of);
+            let id_of = move |b: &Backend| backend_ids.get(b).map(|(id, _)| *id).or_else(|| created_ids.get(b).copied());
+            let computed_from = set.clone();
+            let compute = Box::new(move || maglev_tables::table_ids(&maglev::table(&computed_from, size), id_of));
             let key = pc::MaglevKey { service_id: value.service_id, generation: value.generation };
-            if let Err(e) = t.link(key, size, &set, compute) {
+            requests.push(maglev_tables::LinkRequest { key, size, backends: set, compute });
+            which.push(i);
+        }
+        let results = t.link_all(requests);
+        for (i, r) in which.into_iter().zip(results) {
+            if let Err(e) = r {
+                let st = &mut c.staged[i];
                 tracing::warn!(
                     frontend = %st.frontend,
                     map = t.map_name(),
@@ -751,7 +762,7 @@ impl MapWriter {
                     "Maglev table not linked; new flows to this frontend take the modulo pick until it is rewritten"
                 );
                 st.maglev = None;
-                value.flags &= !(pc::SVC_FLAG_MAGLEV | pc::SVC_FLAG_MAGLEV_LARGE);
+                c.service_values[i].flags &= !(pc::SVC_FLAG_MAGLEV | pc::SVC_FLAG_MAGLEV_LARGE);
             }
         }
     }
@@ -828,9 +839,7 @@ impl MapWriter {
     /// that is gone.
     fn delete_dead(&mut self, dead: &Dead) {
         if let Some(t) = &mut self.maglev {
-            for k in &dead.tables {
-                t.unlink(*k);
-            }
+            t.unlink_all(&dead.tables);
         }
         for (_, e) in delete_keys(&mut self.slots, &dead.slots) {
             tracing::debug!(map = self.maps.slots.name, error = %e, "removing a stale slot failed");
