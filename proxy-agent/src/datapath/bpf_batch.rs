@@ -52,8 +52,10 @@ struct BatchAttr {
     flags: u64,
 }
 
-const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
-const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
+pub(crate) const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
+pub(crate) const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
+pub(crate) const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
+pub(crate) const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
 const BPF_MAP_UPDATE_BATCH: libc::c_long = 26;
 const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
@@ -184,14 +186,11 @@ fn one_by_one<K: Pod, V: Pod>(
 ) -> Result<(), BatchError> {
     let elem_cmd = if cmd == BPF_MAP_UPDATE_BATCH { BPF_MAP_UPDATE_ELEM } else { BPF_MAP_DELETE_ELEM };
     for (i, key) in keys.iter().enumerate() {
-        let value = values.map_or(0, |v| std::ptr::from_ref(&v[i]) as u64);
-        let mut attr = ElemAttr { map_fd: map.fd.as_raw_fd() as u32, pad: 0, key: std::ptr::from_ref(key) as u64, value, flags: 0 };
+        let value = values.map_or(std::ptr::null_mut(), |v| std::ptr::from_ref(&v[i]).cast_mut().cast::<u8>());
         // SAFETY: `map` was checked to be a hash map of `K` keys and `V`
         // values; `key` and `value` point at one of each (no value for a
         // delete), alive across the call, which only reads them.
-        let rc = unsafe { libc::syscall(libc::SYS_bpf, elem_cmd, std::ptr::from_mut(&mut attr), size_of::<ElemAttr>()) };
-        if rc != 0 {
-            let source = io::Error::last_os_error();
+        if let Err(source) = unsafe { elem(elem_cmd, map.fd.as_fd(), std::ptr::from_ref(key).cast::<u8>(), value, 0) } {
             if skip_missing && source.kind() == io::ErrorKind::NotFound {
                 continue;
             }
@@ -201,7 +200,8 @@ fn one_by_one<K: Pod, V: Pod>(
     Ok(())
 }
 
-/// The element member of `union bpf_attr` (`BPF_MAP_*_ELEM`).
+/// The element member of `union bpf_attr` (`BPF_MAP_*_ELEM`,
+/// `BPF_MAP_GET_NEXT_KEY`, where `value` is the next key).
 #[repr(C)]
 struct ElemAttr {
     map_fd: u32,
@@ -209,6 +209,25 @@ struct ElemAttr {
     key: u64,
     value: u64,
     flags: u64,
+}
+
+/// One element command (`BPF_MAP_LOOKUP_ELEM`, `_UPDATE_ELEM`,
+/// `_DELETE_ELEM`, `BPF_MAP_GET_NEXT_KEY`) on the map `fd`, as a raw
+/// syscall: it needs no `&mut` map, so several threads may call it on one
+/// map at once (`maglev_tables`), and it works on maps aya has no type for
+/// (`map_migration`).
+///
+/// # Safety
+/// `key` points at a key of the map's key size and `value` (null for a
+/// delete) at a buffer of its value size (its key size for
+/// `BPF_MAP_GET_NEXT_KEY`), both alive across the call; the kernel reads
+/// the key and writes at most one value or key into `value`.
+pub(crate) unsafe fn elem(cmd: libc::c_long, fd: BorrowedFd<'_>, key: *const u8, value: *mut u8, flags: u64) -> io::Result<()> {
+    let mut attr = ElemAttr { map_fd: fd.as_raw_fd() as u32, pad: 0, key: key as u64, value: value as u64, flags };
+    // SAFETY: the caller vouches for the buffers (see above); `attr` is a
+    // complete element member of `union bpf_attr`.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(&mut attr), size_of::<ElemAttr>()) };
+    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
 /// Entries asked for per lookup call at first; doubled when one hash

@@ -21,6 +21,7 @@ use aya::maps::{Array, HashOfMaps, IterableMap, Map, MapData, MapError};
 use proxy_common as pc;
 use proxy_common::{MaglevKey, ServiceValue};
 
+use crate::datapath::bpf_batch::{self, BPF_MAP_DELETE_ELEM, BPF_MAP_UPDATE_ELEM};
 use crate::datapath::maps::MapSpec;
 use crate::decide::maglev::{Table, TableSize};
 use crate::model::Backend;
@@ -278,7 +279,7 @@ impl MaglevTables {
     fn remove(&mut self, key: MaglevKey) -> bool {
         match self.outer.remove(&key) {
             Ok(()) => true,
-            Err(e) if crate::datapath::bpf_batch::is_not_found(&e) => false,
+            Err(e) if bpf_batch::is_not_found(&e) => false,
             Err(e) => {
                 tracing::debug!(map = self.spec.name, error = %e, "removing a Maglev table failed");
                 false
@@ -330,31 +331,17 @@ fn concurrently<T: Sync>(items: &[T], op: impl Fn(&T) -> std::io::Result<()> + S
     })
 }
 
-const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
-const BPF_MAP_DELETE_ELEM: libc::c_long = 3;
-
-/// The element member of `union bpf_attr` (`BPF_MAP_*_ELEM`).
-#[repr(C)]
-struct ElemAttr {
-    map_fd: u32,
-    pad: u32,
-    key: u64,
-    value: u64,
-    flags: u64,
-}
-
 /// One `BPF_MAP_UPDATE_ELEM` (linking the array `inner_fd` in under `key`)
-/// or `BPF_MAP_DELETE_ELEM` on the outer map. A raw syscall rather than
-/// aya's `HashOfMaps`, which needs `&mut` and so one caller at a time.
+/// or `BPF_MAP_DELETE_ELEM` on the outer map, through the raw
+/// [`bpf_batch::elem`]: aya's `HashOfMaps` needs `&mut` and so one caller
+/// at a time.
 fn elem_call(cmd: libc::c_long, outer: BorrowedFd<'_>, key: &MaglevKey, inner_fd: Option<u32>) -> std::io::Result<()> {
-    let value = inner_fd.as_ref().map_or(0, |fd| std::ptr::from_ref(fd) as u64);
-    let mut attr = ElemAttr { map_fd: outer.as_raw_fd() as u32, pad: 0, key: std::ptr::from_ref(key) as u64, value, flags: 0 };
+    let value = inner_fd.as_ref().map_or(std::ptr::null_mut(), |fd| std::ptr::from_ref(fd).cast_mut().cast::<u8>());
     // SAFETY: `outer` is an open hash-of-maps descriptor whose key is a
     // `MaglevKey` and whose value is an inner map's fd (u32); `key` and
     // `value` point at one of each, alive across the call, which only
     // reads them.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(&mut attr), std::mem::size_of::<ElemAttr>()) };
-    if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error()) }
+    unsafe { bpf_batch::elem(cmd, outer, std::ptr::from_ref(key).cast::<u8>(), value, 0) }
 }
 
 /// A copy of a preparation error for the caller's list (`MapError` is not

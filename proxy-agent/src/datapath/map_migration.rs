@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 
 use aya::maps::{MapData, MapInfo, MapType};
 
+use crate::datapath::bpf_batch::{self, BPF_MAP_GET_NEXT_KEY, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM};
 use crate::datapath::maps::{self, Capacities, MapSpec};
 
 /// A map to be recreated with another capacity.
@@ -107,30 +108,14 @@ pub fn commit(pin_dir: &Path, m: &Migration) -> Result<(), MigrationError> {
     std::fs::rename(staged_pin(pin_dir, m.spec.name), &path).map_err(|source| MigrationError::Rename { map: m.spec.name, path, source })
 }
 
-const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
-const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
-const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
 const BPF_NOEXIST: u64 = 1;
 
-/// The element member of `union bpf_attr` (`BPF_MAP_*_ELEM`,
-/// `BPF_MAP_GET_NEXT_KEY`, where `value` is the next key).
-#[repr(C)]
-struct ElemAttr {
-    map_fd: u32,
-    pad: u32,
-    key: u64,
-    value: u64,
-    flags: u64,
-}
-
+/// [`bpf_batch::elem`] on buffers of the map's key and value size.
 fn elem(cmd: libc::c_long, fd: BorrowedFd<'_>, key: *const u8, value: *mut u8, flags: u64) -> io::Result<()> {
-    let mut attr = ElemAttr { map_fd: fd.as_raw_fd() as u32, pad: 0, key: key as u64, value: value as u64, flags };
     // SAFETY: the callers pass buffers of the map's key and value size
     // (from the maps table, checked against the pinned map at start-up),
-    // alive across the call; the kernel reads the key and writes at most
-    // one value or key into `value`.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_mut(&mut attr), size_of::<ElemAttr>()) };
-    if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
+    // alive across the call.
+    unsafe { bpf_batch::elem(cmd, fd, key, value, flags) }
 }
 
 /// The keys of a map, walked with BPF_MAP_GET_NEXT_KEY, handed to `f`. At
