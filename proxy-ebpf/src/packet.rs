@@ -446,10 +446,20 @@ fn ipv4_check(ctx: &TcContext) -> Result<u16, i64> {
 /// kernel's `csum_replace4`. The one's complement sum does not depend on
 /// byte order (RFC 1071 2(B)), so the checksum and the values are used as
 /// loaded from the packet (network byte order), like the kernel does.
+/// Also the XDP path's, which rewrites the frame itself.
 #[inline(always)]
-fn csum_replace4(check: u16, from: u32, to: u32) -> u16 {
+pub(crate) fn csum_replace4(check: u16, from: u32, to: u32) -> u16 {
     let mut sum = u32::from(!check) + (!from & 0xffff) + (!from >> 16) + (to & 0xffff) + (to >> 16);
     // Five 16-bit terms: two folds bring any carry back in.
+    sum = (sum & 0xffff) + (sum >> 16);
+    sum = (sum & 0xffff) + (sum >> 16);
+    !(sum as u16)
+}
+
+/// `csum_replace4` for a 16-bit field.
+#[inline(always)]
+pub(crate) fn csum_replace2(check: u16, from: u16, to: u16) -> u16 {
+    let mut sum = u32::from(!check) + u32::from(!from) + u32::from(to);
     sum = (sum & 0xffff) + (sum >> 16);
     sum = (sum & 0xffff) + (sum >> 16);
     !(sum as u16)

@@ -50,7 +50,7 @@ use proxy_common::{
 use crate::kernel;
 use crate::nodeport::{NEW_FLOW_ERR, TRANSLATE, backend_alive, new_flow};
 use crate::nodeport_maps::{NP_CT, NP_PORTS, np_count};
-use crate::packet::{ETH_HLEN, Pkt, TCP_FIN, TCP_RST};
+use crate::packet::{ETH_HLEN, Pkt, TCP_FIN, TCP_RST, csum_replace2, csum_replace4};
 
 const ETH_P_IP: u16 = 0x0800;
 /// `AF_INET` for `bpf_fib_lookup`.
@@ -338,25 +338,4 @@ fn forward(ctx: &XdpContext, p: &Pkt, to: &CtValue) -> i64 {
     // device for this CPU and returns XDP_REDIRECT (or XDP_ABORTED for
     // bad flags, none here).
     unsafe { bpf_redirect(fib.ifindex, 0) }
-}
-
-/// RFC 1624 eqn. 3, HC' = ~(~HC + ~m + m'), for a 32-bit field; values as
-/// stored in the packet (the one's complement sum does not depend on byte
-/// order, RFC 1071 2(B)). The same arithmetic as packet.rs's
-/// `csum_replace4`, which serves the TC rewrite and is private to it.
-#[inline(always)]
-fn csum_replace4(check: u16, from: u32, to: u32) -> u16 {
-    let mut sum = u32::from(!check) + (!from & 0xffff) + (!from >> 16) + (to & 0xffff) + (to >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    !(sum as u16)
-}
-
-/// `csum_replace4` for a 16-bit field.
-#[inline(always)]
-fn csum_replace2(check: u16, from: u16, to: u16) -> u16 {
-    let mut sum = u32::from(!check) + u32::from(!from) + u32::from(to);
-    sum = (sum & 0xffff) + (sum >> 16);
-    sum = (sum & 0xffff) + (sum >> 16);
-    !(sum as u16)
 }
