@@ -68,6 +68,8 @@ NON_DEFAULT = {
     "devices": ["eth0", "bond0"],
     "nodeIPs": ["192.0.2.21", "2001:db8::21"],
     "snatPortRange": "40000-45000",
+    "xdp": "native",
+    "maglev": {"tableSize": 65521},
     "metrics": {
         "port": 9962,
         "bindAddress": "127.0.0.1",
@@ -281,6 +283,8 @@ def test_agent_arguments_environment_and_probes(default_objects):
         "--log-level": "info",
         "--metrics-address": "0.0.0.0:10256",
         "--devices": "auto",
+        "--xdp": "off",
+        "--maglev-table-size": "off",
     }
     assert c["env"] == [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
     assert c["ports"] == [{"name": "metrics", "containerPort": 10256, "protocol": "TCP"}]
@@ -398,6 +402,8 @@ def test_values_reach_the_agent(custom_objects):
         "--devices": "eth0,bond0",
         "--node-ip": "192.0.2.21,2001:db8::21",
         "--snat-port-range": "40000-45000",
+        "--xdp": "native",
+        "--maglev-table-size": "65521",
         "--poll-interval-ms": "500",
     }
     assert c["image"] == "registry.example/topoproxy/agent:1.2.3"
@@ -440,6 +446,83 @@ def test_devices_default_to_auto_and_take_a_list_or_none(default_objects, custom
     assert args_of(one(custom_objects, "DaemonSet"))["--devices"] == "eth0,bond0"
     assert args_of(one(render({"devices": "none"}), "DaemonSet"))["--devices"] == "none"
     assert args_of(one(render({"devices": ["eth1"]}), "DaemonSet"))["--devices"] == "eth1"
+
+
+def test_xdp_and_maglev_tables_are_off_by_default(default_objects):
+    # Passed explicitly, as `devices` is, so that the DaemonSet shows them.
+    args = args_of(one(default_objects, "DaemonSet"))
+    assert (args["--xdp"], args["--maglev-table-size"]) == ("off", "off")
+
+
+# `false` is what YAML makes of a bare `off` in a values file (YAML 1.1
+# booleans, which Helm's parser follows); the chart takes it as off.
+@pytest.mark.parametrize(
+    "xdp, flag",
+    [("off", "off"), ("auto", "auto"), ("native", "native"), (False, "off")],
+)
+def test_xdp_value_becomes_the_flag(xdp, flag):
+    assert args_of(one(render({"xdp": xdp}), "DaemonSet"))["--xdp"] == flag
+
+
+@pytest.mark.parametrize(
+    "size, flag",
+    [
+        ("off", "off"),
+        (16381, "16381"),
+        (65521, "65521"),
+        # --set-string and quoted YAML give strings.
+        ("16381", "16381"),
+        ("65521", "65521"),
+        (False, "off"),
+    ],
+)
+def test_maglev_table_size_value_becomes_the_flag(size, flag):
+    args = args_of(one(render({"maglev": {"tableSize": size}}), "DaemonSet"))
+    assert args["--maglev-table-size"] == flag
+
+
+@pytest.mark.parametrize(
+    "values, flags",
+    [
+        # A values file (-f), through Helm's own YAML parser: bare off is false.
+        (helm.values_from_yaml("xdp: off\nmaglev:\n  tableSize: off\n"), ("off", "off")),
+        (helm.values_from_yaml("xdp: auto\nmaglev:\n  tableSize: 16381\n"), ("auto", "16381")),
+        # --set and --set-string, through Helm's strvals parser.
+        (helm.parse_set_string("xdp=native,maglev.tableSize=65521"), ("native", "65521")),
+        (helm.parse_set_string("xdp=off,maglev.tableSize=off"), ("off", "off")),
+        (helm.parse_set_string_values("maglev.tableSize=16381"), ("off", "16381")),
+    ],
+    ids=["file-bare-off", "file-auto-16381", "set-native-65521", "set-off", "set-string-16381"],
+)
+def test_xdp_and_maglev_as_users_write_them(values, flags):
+    args = args_of(one(render(values), "DaemonSet"))
+    assert (args["--xdp"], args["--maglev-table-size"]) == flags
+
+
+@pytest.mark.parametrize(
+    "values, path, allowed",
+    [
+        ({"xdp": "fast"}, "/xdp", "'off', 'auto', 'native'"),
+        ({"xdp": "Native"}, "/xdp", "'off', 'auto', 'native'"),
+        ({"xdp": True}, "/xdp", "'off', 'auto', 'native'"),
+        ({"xdp": ""}, "/xdp", "'off', 'auto', 'native'"),
+        ({"maglev": {"tableSize": 1234}}, "/maglev/tableSize", "16381, 65521"),
+        ({"maglev": {"tableSize": "1234"}}, "/maglev/tableSize", "16381, 65521"),
+        ({"maglev": {"tableSize": 16383}}, "/maglev/tableSize", "16381, 65521"),
+        ({"maglev": {"tableSize": True}}, "/maglev/tableSize", "16381, 65521"),
+    ],
+)
+def test_bad_xdp_or_maglev_values_are_refused_naming_the_value(values, path, allowed):
+    with pytest.raises(helm.HelmValuesError) as e:
+        render(values)
+    message = str(e.value)
+    assert f"at '{path}'" in message and allowed in message, message
+
+
+def test_misspelt_maglev_key_is_refused():
+    with pytest.raises(helm.HelmValuesError) as e:
+        render({"maglev": {"tablesize": 16381}})
+    assert "tablesize" in str(e.value)
 
 
 def test_privileged_mode_replaces_capabilities():

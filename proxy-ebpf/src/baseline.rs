@@ -22,11 +22,14 @@
 //! * `bench_empty_tc`: returns at once. Under BPF_PROG_TEST_RUN with one run
 //!   per call, its figure is the harness' own overhead (timer reads, bh
 //!   disable), which the benchmark subtracts from the other two.
+//! * `bench_minimal_xdp`, `bench_tx_xdp`, `bench_drop_xdp`: an XDP program
+//!   that passes every frame (the reference for `xdp_nodeport`'s own cost),
+//!   and the traffic generator and the sink of the XDP forwarding bench.
 
 use aya_ebpf::{
     EbpfContext,
     bindings::{BPF_F_NO_COMMON_LRU, TC_ACT_OK, TC_ACT_UNSPEC},
-    btf_maps::{LruHashMap, SkStorage},
+    btf_maps::{Array, LruHashMap, SkStorage},
     helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie},
     macros::{btf_map, cgroup_sock_addr, classifier},
     programs::{SockAddrContext, TcContext},
@@ -228,4 +231,50 @@ pub fn bench_empty_tc(_ctx: TcContext) -> i32 {
 #[aya_ebpf::macros::xdp]
 pub fn bench_minimal_xdp(_ctx: aya_ebpf::programs::XdpContext) -> u32 {
     aya_ebpf::bindings::xdp_action::XDP_PASS
+}
+
+/// The receiving end of the XDP forwarding bench, on the backend's veth:
+/// drops every frame, so that what the benchmark compares is the node's
+/// forwarding and not the backend's stack (the veth counts a frame as
+/// received before its XDP program runs, drivers/net/veth.c
+/// `veth_xdp_rcv`).
+#[aya_ebpf::macros::xdp]
+pub fn bench_drop_xdp(_ctx: aya_ebpf::programs::XdpContext) -> u32 {
+    aya_ebpf::bindings::xdp_action::XDP_DROP
+}
+
+/// The frame `bench_tx_xdp` sends, written by the benchmark: 64 bytes.
+#[btf_map(name = "BENCH_TX_FRAME")]
+static BENCH_TX_FRAME: Array<[u64; 8], 1> = Array::new();
+
+/// The traffic generator of the XDP forwarding bench: run under
+/// BPF_PROG_TEST_RUN in live-frames mode with the client's veth as the
+/// ingress device, XDP_TX sends each frame out of that veth into its peer,
+/// the node's device, as an `xdp_frame` (no skb), the way a NIC hands
+/// frames to native XDP. The frame is written from `BENCH_TX_FRAME` on
+/// every run: live-frames mode fills a page with the caller's frame only
+/// when its page pool first creates the page (net/bpf/test_run.c,
+/// `xdp_test_run_init_page`), and the node rewrites the frame in place
+/// (DNAT) before the page comes back, so an unwritten recycled page would
+/// carry the translated frame instead.
+#[aya_ebpf::macros::xdp]
+pub fn bench_tx_xdp(ctx: aya_ebpf::programs::XdpContext) -> u32 {
+    try_tx(&ctx).unwrap_or(aya_ebpf::bindings::xdp_action::XDP_ABORTED)
+}
+
+fn try_tx(ctx: &aya_ebpf::programs::XdpContext) -> Option<u32> {
+    let frame = BENCH_TX_FRAME.get(0)?;
+    let start = ctx.data();
+    if start + 64 > ctx.data_end() {
+        return None;
+    }
+    let p = start as *mut u64;
+    for (i, w) in frame.iter().enumerate() {
+        // SAFETY: the 64 bytes at `start` are inside the frame (checked
+        // above); XDP data starts XDP_PACKET_HEADROOM (256) bytes into its
+        // page, so the words are aligned. Volatile word stores keep the
+        // copy from becoming a memcpy call.
+        unsafe { p.add(i).write_volatile(*w) };
+    }
+    Some(aya_ebpf::bindings::xdp_action::XDP_TX)
 }

@@ -87,12 +87,10 @@ pub(crate) struct DatapathArgs {
     /// unconnected UDP: `off` (the default: the random slot pick, unless a
     /// Service's `topoproxy.io/maglev-table-size` annotation asks for a
     /// table), or the entries of every such frontend's table, a prime:
-    /// 16381 (64 KiB per frontend, fine up to ~160 backends) or 65521
-    /// (256 KiB, for Services with hundreds of backends). Off by default
-    /// because linking a table into the kernel's map-in-map waits for an
-    /// RCU grace period (kernel/bpf/syscall.c: maybe_wait_bpf_programs),
-    /// some 17 ms per table written on a test VM, which a cold sync of
-    /// many external frontends would pay in sequence.
+    /// 16381 (fine up to ~160 backends) or 65521 (for Services with
+    /// hundreds of backends). Off by default because of memory: the
+    /// kernel's array keeps 8 bytes per 4-byte entry, 128 KiB (512 KiB)
+    /// per frontend, outside `--map-memory-budget`.
     #[arg(long, default_value = "off", value_parser = parse_maglev_size)]
     pub maglev_table_size: ::std::option::Option<proxy_agent::decide::maglev::TableSize>,
     #[command(flatten)]
