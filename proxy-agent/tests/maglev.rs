@@ -124,14 +124,14 @@ fn the_large_size_links_large_tables_and_a_size_change_rewrites_them() {
     assert!(o.failures.is_empty(), "{:?}", o.failures);
     let sizes = |l: &Loaded| tables_of(l).into_iter().map(|(k, (m, _))| (u16::from_be(k.port_be), m)).collect::<Vec<_>>();
     assert_eq!(sizes(&l), vec![(30080, pc::MAGLEV_SIZE_DEFAULT), (30081, pc::MAGLEV_SIZE_DEFAULT)]);
-    assert_eq!(w.maglev_usage(), Some((Some(TableSize::Default), 2, 2 * 4 * u64::from(pc::MAGLEV_SIZE_DEFAULT))));
+    assert_eq!(w.maglev_usage(), Some((Some(TableSize::Default), 2, 2 * 8 * u64::from(pc::MAGLEV_SIZE_DEFAULT))));
     // The Service annotation sets one frontend's size; only it is rewritten.
     ext.maglev_sizes = [(fe("10.0.1.2:30081"), TableSize::Large)].into();
     let o = w.sync(&ext);
     assert!(o.failures.is_empty(), "{:?}", o.failures);
     assert_eq!(o.upserts, 1, "only the annotated frontend is rewritten");
     assert_eq!(sizes(&l), vec![(30080, pc::MAGLEV_SIZE_DEFAULT), (30081, pc::MAGLEV_SIZE_LARGE)]);
-    assert_eq!(w.maglev_usage(), Some((Some(TableSize::Default), 2, 4 * u64::from(pc::MAGLEV_SIZE_DEFAULT + pc::MAGLEV_SIZE_LARGE))));
+    assert_eq!(w.maglev_usage(), Some((Some(TableSize::Default), 2, 8 * u64::from(pc::MAGLEV_SIZE_DEFAULT + pc::MAGLEV_SIZE_LARGE))));
     // Same input again: nothing to write.
     assert_eq!(w.sync(&ext).upserts, 0);
     // `dump` shows each frontend's table and the total.
@@ -139,23 +139,25 @@ fn the_large_size_links_large_tables_and_a_size_change_rewrites_them() {
     let report = proxy_agent::datapath::dump::report(l.pins.path(), &snap);
     assert!(report.consistent, "{:?}", report.findings);
     let np = report.nodeport.as_ref().expect("TC datapath");
+    // Kernel bytes: a u32 array keeps its values 8 bytes apart
+    // (kernel/bpf/arraymap.c, array_map_alloc).
     let shown: Vec<(String, Option<u32>, Option<u64>)> =
         np.services.iter().map(|s| (s.frontend.clone(), s.maglev_table_size, s.maglev_table_bytes)).collect();
     assert_eq!(
         shown,
         vec![
-            ("10.0.1.2:30080/TCP".to_string(), Some(pc::MAGLEV_SIZE_DEFAULT), Some(4 * u64::from(pc::MAGLEV_SIZE_DEFAULT))),
-            ("10.0.1.2:30081/TCP".to_string(), Some(pc::MAGLEV_SIZE_LARGE), Some(4 * u64::from(pc::MAGLEV_SIZE_LARGE))),
+            ("10.0.1.2:30080/TCP".to_string(), Some(pc::MAGLEV_SIZE_DEFAULT), Some(8 * u64::from(pc::MAGLEV_SIZE_DEFAULT))),
+            ("10.0.1.2:30081/TCP".to_string(), Some(pc::MAGLEV_SIZE_LARGE), Some(8 * u64::from(pc::MAGLEV_SIZE_LARGE))),
         ]
     );
-    assert_eq!(report.maglev_table_bytes, 4 * u64::from(pc::MAGLEV_SIZE_DEFAULT + pc::MAGLEV_SIZE_LARGE));
+    assert_eq!(report.maglev_table_bytes, 8 * u64::from(pc::MAGLEV_SIZE_DEFAULT + pc::MAGLEV_SIZE_LARGE));
     let usage = report.maps.iter().find(|m| m.name == pc::NP_MAGLEV_MAP).expect("NP_MAGLEV usage");
     assert_eq!(usage.entries, 2, "two tables linked in");
     // A restarted agent adopts the tables as they are.
     drop(w);
     let mut w = proxy_agent::external::nodeport::NodePortWriter::open(l.pins.path()).expect("writer");
     w.set_maglev_size(Some(TableSize::Default));
-    assert_eq!(w.maglev_usage(), Some((Some(TableSize::Default), 2, 4 * u64::from(pc::MAGLEV_SIZE_DEFAULT + pc::MAGLEV_SIZE_LARGE))));
+    assert_eq!(w.maglev_usage(), Some((Some(TableSize::Default), 2, 8 * u64::from(pc::MAGLEV_SIZE_DEFAULT + pc::MAGLEV_SIZE_LARGE))));
     assert_eq!(w.sync(&ext).upserts, 0, "a restart rewrites nothing");
     // With tables off (the default), only the annotated frontend keeps one;
     // the other goes back to the slot pick under a new generation.
@@ -164,7 +166,7 @@ fn the_large_size_links_large_tables_and_a_size_change_rewrites_them() {
     let o = w.sync(&ext);
     assert!(o.failures.is_empty(), "{:?}", o.failures);
     assert_eq!(o.upserts, 1, "only the frontend without an annotation is rewritten");
-    assert_eq!(w.maglev_usage(), Some((None, 1, 4 * u64::from(pc::MAGLEV_SIZE_LARGE))));
+    assert_eq!(w.maglev_usage(), Some((None, 1, 8 * u64::from(pc::MAGLEV_SIZE_LARGE))));
     let snap = proxy_agent::datapath::dump::read(l.pins.path()).expect("dump");
     let report = proxy_agent::datapath::dump::report(l.pins.path(), &snap);
     let np = report.nodeport.as_ref().expect("TC datapath");
@@ -371,7 +373,7 @@ fn removing_one_of_ten_udp_backends_moves_only_the_sockets_that_used_it() {
     let addr = node.metrics_address();
     let want = [
         ("topoproxy_maglev_tables{datapath=\"socket\"} 1".to_string()),
-        format!("topoproxy_maglev_table_bytes{{datapath=\"socket\"}} {}", 4 * pc::MAGLEV_SIZE_DEFAULT),
+        format!("topoproxy_maglev_table_bytes{{datapath=\"socket\"}} {}", 8 * pc::MAGLEV_SIZE_DEFAULT),
     ];
     proxy_test_support::wait::eventually("the Maglev metrics", || {
         let (_, body) = proxy_test_support::http::http_get(addr, "/metrics")?;
@@ -416,7 +418,7 @@ fn frontends_with_the_same_backends_share_one_table() {
     let fes = [fe(FRONTEND), fe("10.0.2.2:30080"), fe("198.51.100.7:80")];
     let set = backends(6);
     let l = load(&fes.iter().map(|f| (*f, set.clone())).collect::<Vec<_>>(), None);
-    let one = 4 * u64::from(pc::MAGLEV_SIZE_DEFAULT);
+    let one = 8 * u64::from(pc::MAGLEV_SIZE_DEFAULT);
     let report = |l: &Loaded| {
         let snap = proxy_agent::datapath::dump::read(l.pins.path()).expect("dump");
         proxy_agent::datapath::dump::report(l.pins.path(), &snap)

@@ -67,7 +67,7 @@ pub struct Snapshot {
     /// The TC datapath's `NP_*` maps; `None` when they are not pinned (a
     /// datapath installed by an agent without external-traffic support).
     pub nodeport: Option<NpSnapshot>,
-    /// Bytes of backend ids in the distinct arrays `SOCK_MAGLEV` links.
+    /// Kernel bytes of the distinct arrays `SOCK_MAGLEV` links (8 per entry).
     pub maglev_table_bytes: u64,
     /// `SOCK_PORTS`; `None` when it is not pinned (pins of an agent version
     /// without it).
@@ -107,7 +107,7 @@ pub struct NpSnapshot {
     pub now_s: Option<u32>,
     /// `NP_AFFINITY_MATCH`, `NP_SOURCE_RANGES` and `NP_AFFINITY`.
     pub policy: PolicySnapshot,
-    /// Bytes of backend ids in the distinct arrays `NP_MAGLEV` links.
+    /// Kernel bytes of the distinct arrays `NP_MAGLEV` links (8 per entry).
     pub maglev_table_bytes: u64,
     /// `NP_PORTS`; `None` when it is not pinned (pins of an agent version
     /// without it).
@@ -209,7 +209,7 @@ fn maglev_usage(pin_dir: &Path, spec: &'static MapSpec, maps: &mut Vec<MapUsage>
         if let Ok(inner) = outer.get(k, 0)
             && let Ok(info) = inner.info()
         {
-            arrays.insert(info.id(), u64::from(info.max_entries()) * 4);
+            arrays.insert(info.id(), u64::from(info.max_entries()) * crate::decide::maglev::KERNEL_BYTES_PER_ENTRY);
         }
     }
     maps.push(MapUsage { name: spec.name, entries: keys.len() as u64, max_entries: max });
@@ -511,7 +511,7 @@ pub struct ServiceView {
     /// `SOCK_MAGLEV`), when it has one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub maglev_table_size: Option<u32>,
-    /// The bytes of backend ids that table holds (shared with the
+    /// The kernel bytes of that table (8 per entry; shared with the
     /// frontends of the same backends, see `Report::maglev_table_bytes`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub maglev_table_bytes: Option<u64>,
@@ -713,7 +713,7 @@ pub fn check_maps(
             source_ranges: None,
             source_ranges_node: false,
             maglev_table_size: Some(value.maglev_size()).filter(|m| *m > 0),
-            maglev_table_bytes: Some(u64::from(value.maglev_size()) * 4).filter(|b| *b > 0),
+            maglev_table_bytes: Some(u64::from(value.maglev_size()) * crate::decide::maglev::KERNEL_BYTES_PER_ENTRY).filter(|b| *b > 0),
         });
     }
 

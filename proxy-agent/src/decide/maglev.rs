@@ -25,6 +25,9 @@ use crate::model::Backend;
 /// The Service annotation that selects a frontend's table size.
 pub const TABLE_SIZE_ANNOTATION: &str = "topoproxy.io/maglev-table-size";
 
+/// Bytes of kernel memory per table entry (see [`TableSize::bytes`]).
+pub const KERNEL_BYTES_PER_ENTRY: u64 = 8;
+
 /// A Maglev table size: a prime, so that every skip in `1..M` is coprime
 /// with M and each backend's permutation visits every entry (paper, 3.4).
 /// Only two sizes are offered: M should be well above 100 × the number of
@@ -32,10 +35,10 @@ pub const TABLE_SIZE_ANNOTATION: &str = "topoproxy.io/maglev-table-size";
 /// fixed pair keeps the datapath's table maps of uniform entry size.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub enum TableSize {
-    /// 16,381 entries: 64 KiB of `u32` per table; fine up to ~160 backends.
+    /// 16,381 entries: 128 KiB of kernel memory per table; fine up to ~160 backends.
     #[default]
     Default,
-    /// 65,521 entries: 256 KiB per table, for Services with hundreds of
+    /// 65,521 entries: 512 KiB per table, for Services with hundreds of
     /// backends.
     Large,
 }
@@ -51,9 +54,11 @@ impl TableSize {
         }
     }
 
-    /// Bytes of backend ids one table holds.
+    /// Kernel memory of one table's values: a BPF array lays its values
+    /// out every `round_up(value_size, 8)` bytes (kernel/bpf/arraymap.c,
+    /// `array_map_alloc`), so each 4-byte backend id takes 8.
     pub const fn bytes(self) -> u64 {
-        self.entries() as u64 * 4
+        self.entries() as u64 * KERNEL_BYTES_PER_ENTRY
     }
 }
 

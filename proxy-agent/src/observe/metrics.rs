@@ -286,7 +286,7 @@ impl Metrics {
         let maglev_table_bytes = Family::<Labels, Gauge>::default();
         registry.register(
             "maglev_table_bytes",
-            "Bytes of backend ids in the Maglev lookup tables, by datapath",
+            "Kernel bytes of the Maglev lookup tables (8 per entry), by datapath",
             maglev_table_bytes.clone(),
         );
         let watch_events = Family::<Labels, Counter>::default();
