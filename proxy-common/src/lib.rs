@@ -208,15 +208,17 @@ pub struct SockRevNatValue {
     pub _pad: u8,
 }
 
-/// Socket-local storage (`SOCK_PEER`, `BPF_MAP_TYPE_SK_STORAGE`) of a UDP
-/// socket: the first translation it went through. The kernel keeps it on
-/// the socket itself (`sk->sk_bpf_storage`) and frees it with the socket, so
-/// recvmsg() on a socket the datapath never translated (most UDP traffic in
-/// a pod) answers "not ours" without a table lookup, and nothing needs to
-/// age out. A socket that later reaches a different frontend or backend
-/// (unconnected UDP talking to several Services) writes those further
-/// translations to `SOCK_REVNAT` and sets `spilled`, so the reverse path
-/// knows to look there too. TCP sockets use `SOCK_REVNAT` only.
+/// Socket-local storage (`SOCK_PEER`, `BPF_MAP_TYPE_SK_STORAGE`) of a
+/// translated socket, TCP or UDP: the first translation it went through.
+/// The kernel keeps it on the socket itself (`sk->sk_bpf_storage`) and
+/// frees it with the socket, so nothing needs to age out, and recvmsg() on
+/// a UDP socket the datapath never translated (most UDP traffic in a pod)
+/// answers "not ours" without a table lookup. A socket that later reaches
+/// a different frontend or backend (unconnected UDP talking to several
+/// Services, a retried TCP connect()) writes those further translations to
+/// `SOCK_REVNAT` and sets `spilled`, so the reverse path and the socket
+/// termination know to look there too. The agent reads a TCP socket's
+/// value through sock_diag (`INET_DIAG_REQ_SK_BPF_STORAGES`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SockPeerValue {

@@ -34,7 +34,7 @@ use aya_ebpf::{
     macros::{btf_map, cgroup_sock_addr, classifier},
     programs::{SockAddrContext, TcContext},
 };
-use proxy_common::{FAMILY_V4, PROTO_TCP, PROTO_UDP, ServiceKey, SockRevNatKey, SockRevNatValue, counter};
+use proxy_common::{FAMILY_V4, PROTO_TCP, PROTO_UDP, ServiceKey, SockPeerValue, SockRevNatKey, SockRevNatValue, counter};
 
 use crate::maps::{SERVICES, SOCK_REVNAT, count};
 use crate::packet::{Parsed, parse};
@@ -84,7 +84,8 @@ pub fn bench_step7_connect4(ctx: SockAddrContext) -> i32 {
 /// ranges) up to and including step `STEPS`, never rewriting the address:
 /// 1 the context reads (protocol, address, port); 2 the `SERVICES` lookup;
 /// 3 the random pick and the `SLOTS` lookup; 4 the `BACKENDS` lookup; 5 the
-/// socket cookie; 6 the `SOCK_REVNAT` insert; 7 the `TRANSLATED` counter.
+/// socket cookie; 6 the per-socket record (a socket storage element with
+/// `SOCK_PEER`'s layout, created); 7 the `TRANSLATED` counter.
 /// `connect4` itself adds the address stores to step 7. Every probe lets
 /// the call through unchanged; the compiler keeps each step all the same
 /// (context loads are volatile, map operations and helpers are calls).
@@ -129,7 +130,7 @@ fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
     if STEPS < 6 {
         return 1;
     }
-    // The top bit keeps the probe's entry apart from the one `connect4`
+    // The top bit keeps the alternatives' entries apart from any `connect4`
     // then inserts for the same socket (cookies count up from 1).
     let rev_key = SockRevNatKey::new(cookie | 1 << 63, backend.ip_be, backend.port_be, backend.family);
     let rev_val = SockRevNatValue { ip_be: dst.ip_be, port_be: dst.port_be, family: dst.family, _pad: 0 };
@@ -137,12 +138,8 @@ fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
         let _ = BENCH_LRU_PERCPU.insert(&rev_key, &rev_val, 0);
         return 1;
     }
-    if STEPS == ALT_SK_STORAGE {
-        let mut v = rev_val;
-        // SAFETY: as in `remember`: aya passes the context's socket, and the
-        // helper copies `v`, a value of the map's type on our stack, into a
-        // new element.
-        let _ = unsafe { BENCH_SK_STORAGE.get_or_insert_ptr_mut(ctx, Some(&mut v)) };
+    if STEPS == ALT_REVNAT_LRU {
+        let _ = SOCK_REVNAT.insert(&rev_key, &rev_val, 0);
         return 1;
     }
     if STEPS == ALT_RECYCLED {
@@ -154,26 +151,41 @@ fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
         let _ = SOCK_REVNAT.remove(&rev_key);
         return 1;
     }
-    let _ = SOCK_REVNAT.insert(&rev_key, &rev_val, 0);
+    let mut peer = SockPeerValue {
+        backend_ip_be: backend.ip_be,
+        frontend_ip_be: dst.ip_be,
+        backend_port_be: backend.port_be,
+        frontend_port_be: dst.port_be,
+        family: backend.family,
+        spilled: 0,
+        _pad: [0; 2],
+    };
+    // SAFETY: as in `remember`: aya passes the context's socket, and the
+    // helper copies `peer`, a value of the map's type on our stack, into a
+    // new element. A map of its own, so that `connect4` then creates its
+    // element in SOCK_PEER as it would without the probe.
+    let _ = unsafe { BENCH_SK_STORAGE.get_or_insert_ptr_mut(ctx, Some(&mut peer)) };
     if STEPS >= 7 {
         count(counter::TRANSLATED);
     }
     1
 }
 
-/// Alternatives to step 6 (the `SOCK_REVNAT` insert), measured the same
-/// way: the same steps up to the socket cookie, then the same entry
-/// recorded in an LRU map with per-CPU LRU lists (`BPF_F_NO_COMMON_LRU`) or
-/// in socket storage. Bench-only maps: the agent's loads of the object
-/// create every map in it, so the LRU map is declared with one element
-/// (the kernel rounds a per-CPU LRU up to one per possible CPU,
-/// `htab_map_alloc`) and the benchmark sizes it like `SOCK_REVNAT` when it
-/// loads the object itself; socket storage costs nothing until used.
+/// Alternatives to step 6 (the record in socket storage), measured the
+/// same way: the same steps up to the socket cookie, then the translation
+/// recorded as a `SOCK_REVNAT` entry (the LRU map UDP connect() and
+/// spilled translations use), in an LRU map with per-CPU LRU lists
+/// (`BPF_F_NO_COMMON_LRU`), or in `SOCK_REVNAT` and deleted at once.
+/// Bench-only maps: the agent's loads of the object create every map in
+/// it, so the LRU map is declared with one element (the kernel rounds a
+/// per-CPU LRU up to one per possible CPU, `htab_map_alloc`) and the
+/// benchmark sizes it like `SOCK_REVNAT` when it loads the object itself;
+/// socket storage costs nothing until used.
 #[btf_map(name = "BENCH_LRU_PERCPU")]
 static BENCH_LRU_PERCPU: LruHashMap<SockRevNatKey, SockRevNatValue, 1, { BPF_F_NO_COMMON_LRU as usize }> = LruHashMap::new();
 
 #[btf_map(name = "BENCH_SK_STORAGE")]
-static BENCH_SK_STORAGE: SkStorage<SockRevNatValue> = SkStorage::new();
+static BENCH_SK_STORAGE: SkStorage<SockPeerValue> = SkStorage::new();
 
 #[cgroup_sock_addr(connect4)]
 pub fn bench_alt_percpu_lru_connect4(ctx: SockAddrContext) -> i32 {
@@ -181,8 +193,8 @@ pub fn bench_alt_percpu_lru_connect4(ctx: SockAddrContext) -> i32 {
 }
 
 #[cgroup_sock_addr(connect4)]
-pub fn bench_alt_sk_storage_connect4(ctx: SockAddrContext) -> i32 {
-    probe::<{ ALT_SK_STORAGE }>(&ctx)
+pub fn bench_alt_revnat_lru_connect4(ctx: SockAddrContext) -> i32 {
+    probe::<{ ALT_REVNAT_LRU }>(&ctx)
 }
 
 #[cgroup_sock_addr(connect4)]
@@ -191,7 +203,7 @@ pub fn bench_alt_recycled_connect4(ctx: SockAddrContext) -> i32 {
 }
 
 const ALT_PERCPU_LRU: u8 = 100;
-const ALT_SK_STORAGE: u8 = 101;
+const ALT_REVNAT_LRU: u8 = 101;
 const ALT_RECYCLED: u8 = 102;
 
 #[classifier]

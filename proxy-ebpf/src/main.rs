@@ -435,31 +435,33 @@ fn affinity_key(ctx: &SockAddrContext, scope_id: u32) -> SockAffinityKey {
 /// Records that this socket reaches `frontend` at `backend`, for the
 /// reverse path.
 ///
-/// TCP: in `SOCK_REVNAT`, keyed by socket cookie. Only getpeername() reads
-/// it back (the recvmsg hooks run for UDP only, `udp_recvmsg` /
-/// `udpv6_recvmsg`), and an LRU insert is cheaper than allocating socket
-/// storage, which matters because this runs on every connect().
-///
-/// UDP: in the socket's own storage (`SOCK_PEER`), because recvmsg() runs
-/// for every datagram any UDP socket in the cgroup receives, and for a
-/// socket we never translated the storage answers "not ours" without a
-/// table lookup. The element is created with its final contents in one step
+/// In the socket's own storage (`SOCK_PEER`), TCP and UDP alike. The
+/// element is created with its final contents in one step
 /// (`bpf_sk_storage_get` with `BPF_SK_STORAGE_GET_F_CREATE` and an initial
 /// value inserts with BPF_NOEXIST, `net/core/bpf_sk_storage.c`), so a
-/// concurrent reader never sees it half-written. Later, different
-/// translations of the same socket (unconnected UDP talking to several
-/// Services) go to `SOCK_REVNAT` and mark the storage `spilled`.
+/// concurrent reader never sees it half-written, and the kernel frees it
+/// with the socket, so nothing has to age out. For UDP this also makes
+/// recvmsg(), which runs for every datagram any UDP socket in the cgroup
+/// receives, answer "not ours" for a socket we never translated without a
+/// table lookup. For TCP it is the cheaper record: an element allocated
+/// with the socket costs less on connect() than an insert into the
+/// `SOCK_REVNAT` LRU, whose free-list refill and eviction take a global
+/// lock (measured by `cargo xtask bench --only connect4`).
+///
+/// Later, different translations of the same socket (unconnected UDP
+/// talking to several Services, a TCP socket whose connect() is retried
+/// and picks another backend) go to `SOCK_REVNAT` and mark the storage
+/// `spilled`; so does a translation whose storage could not be created.
 ///
 /// A UDP connect() (`connect`) is recorded in `SOCK_REVNAT` as well: the
 /// agent finds the sockets to terminate when their backend leaves by
 /// their cookie and peer, and socket storage cannot be read from user
 /// space for UDP sockets (sock_diag reports it for TCP only:
-/// `inet_sk_diag_fill` stops before it without a connection sock). One
-/// LRU insert per connect(), like TCP; sendmsg() pays nothing more.
+/// `inet_sk_diag_fill` stops before it without a connection sock).
 #[inline(always)]
 fn remember(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, frontend: &Addr, connect: bool) {
     let family = backend.family;
-    if proto == PROTO_UDP {
+    {
         let mut first = SockPeerValue {
             backend_ip_be: backend.ip_be,
             frontend_ip_be: frontend.ip_be,
@@ -501,7 +503,7 @@ fn remember(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, front
                 && p.frontend_ip_be == frontend.ip_be
                 && p.frontend_port_be == frontend.port_be
             {
-                if !connect {
+                if proto == PROTO_TCP || !connect {
                     return;
                 }
             } else {

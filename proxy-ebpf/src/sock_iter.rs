@@ -7,8 +7,9 @@
 //! batch, then reads one iterator per network namespace: the kernel runs
 //! the program once per TCP (or UDP) socket of the namespace the iterator
 //! was created in. A socket is aborted when the connect hook's own record
-//! in `SOCK_REVNAT` (its cookie and its current peer) names a frontend
-//! whose pair with that peer is listed: a socket that dialled the pod's
+//! (in the socket's storage, `SOCK_PEER`, for TCP; in `SOCK_REVNAT`, by
+//! its cookie and current peer, otherwise) names a frontend whose pair
+//! with its current peer is listed: a socket that dialled the pod's
 //! address directly has no such record and is left alone, as is every
 //! socket whose peer is not a departed backend. The same proof the
 //! agent's netlink path uses.
@@ -23,13 +24,20 @@
 
 use core::ffi::c_void;
 
-use aya_ebpf::{btf_maps::HashMap, helpers::bpf_get_socket_cookie, macros::btf_map};
+use aya_ebpf::{
+    btf_maps::HashMap,
+    helpers::{
+        bpf_get_socket_cookie,
+        generated::{bpf_sk_storage_get, bpf_skc_to_tcp_sock},
+    },
+    macros::btf_map,
+};
 use proxy_common::{
     FAMILY_V4, FAMILY_V6, MAX_SOCK_TERMINATE, PROTO_TCP, PROTO_UDP, SKC_DADDR_OFF, SKC_DPORT_OFF, SKC_FAMILY_OFF, SKC_STATE_OFF,
-    SKC_V6_DADDR_OFF, SOCK_DESTROY_KFUNC_INSN, SockRevNatKey, SockTerminateKey, SockTerminateValue,
+    SKC_V6_DADDR_OFF, SOCK_DESTROY_KFUNC_INSN, SockPeerValue, SockRevNatKey, SockTerminateKey, SockTerminateValue,
 };
 
-use crate::maps::SOCK_REVNAT;
+use crate::maps::{SOCK_PEER, SOCK_REVNAT};
 
 #[btf_map(name = "SOCK_TERMINATE")]
 pub static SOCK_TERMINATE: HashMap<SockTerminateKey, SockTerminateValue, { MAX_SOCK_TERMINATE as usize }> = HashMap::new();
@@ -122,13 +130,20 @@ fn try_terminate(ctx: *mut IterSockCtx, proto: u8) -> Option<()> {
     // the verifier typed (ARG_PTR_TO_BTF_ID_SOCK_COMMON) and reads nothing
     // of ours.
     let cookie = unsafe { bpf_get_socket_cookie(sk) };
-    let rev = SockRevNatKey::new(cookie, ip_be, port_be, fam);
-    // SAFETY: a map value, valid for the run (RCU), copied out at once.
-    let frontend = unsafe { SOCK_REVNAT.get(&rev) }.copied()?;
+    let (frontend_ip_be, frontend_port_be) = match stored_frontend(sk, proto, &ip_be, port_be, fam) {
+        Stored::Frontend(ip, port) => (ip, port),
+        Stored::NotThisPeer => return None,
+        Stored::Unknown => {
+            let rev = SockRevNatKey::new(cookie, ip_be, port_be, fam);
+            // SAFETY: a map value, valid for the run (RCU), copied out at once.
+            let v = unsafe { SOCK_REVNAT.get(&rev) }.copied()?;
+            (v.ip_be, v.port_be)
+        }
+    };
     let key = SockTerminateKey {
-        frontend_ip_be: frontend.ip_be,
+        frontend_ip_be,
         backend_ip_be: ip_be,
-        frontend_port_be: frontend.port_be,
+        frontend_port_be,
         backend_port_be: port_be,
         family: fam,
         proto,
@@ -150,6 +165,56 @@ fn try_terminate(ctx: *mut IterSockCtx, proto: u8) -> Option<()> {
         }
     }
     Some(())
+}
+
+/// What a socket's own storage (`SOCK_PEER`) says about its current peer.
+enum Stored {
+    /// Translated to this peer from this frontend (address, port).
+    Frontend([u32; 4], u16),
+    /// Translated, but never to this peer, and nothing in `SOCK_REVNAT`.
+    NotThisPeer,
+    /// No storage to go by (UDP, whose connect() the hook also records in
+    /// `SOCK_REVNAT`; a socket translated before storage held TCP; a
+    /// request or time-wait socket), or it says to look in `SOCK_REVNAT`.
+    Unknown,
+}
+
+/// The connect hook records a TCP socket's translation in the socket's
+/// storage rather than in `SOCK_REVNAT` (main.rs, `remember`). Socket
+/// storage is readable from iterator programs
+/// (`bpf_sk_storage_tracing_allowed`: BPF_TRACE_ITER) given a full socket:
+/// `bpf_skc_to_tcp_sock` turns the iterator's `sock_common` into one, or
+/// null for request and time-wait sockets, which have no storage.
+#[inline(always)]
+fn stored_frontend(sk: *mut c_void, proto: u8, ip_be: &[u32; 4], port_be: u16, family: u8) -> Stored {
+    if proto != PROTO_TCP {
+        return Stored::Unknown;
+    }
+    // SAFETY: the helper takes the socket pointer the verifier typed and
+    // returns it as a `tcp_sock` or null; it reads nothing of ours.
+    let tp = unsafe { bpf_skc_to_tcp_sock(sk) };
+    if tp.is_null() {
+        return Stored::Unknown;
+    }
+    let map = core::ptr::from_ref(&SOCK_PEER).cast_mut().cast::<c_void>();
+    // SAFETY: a lookup without creating (no value, no flags) of this
+    // socket's element in SOCK_PEER, whose definition `map` points at;
+    // null or the element, valid for the run (freed after an RCU grace
+    // period, and the program runs under RCU).
+    let p = unsafe { bpf_sk_storage_get(map, tp.cast(), core::ptr::null_mut(), 0) }.cast::<SockPeerValue>();
+    if p.is_null() {
+        return Stored::Unknown;
+    }
+    // SAFETY: non-null, this socket's element (above); copied out at once.
+    // Its only concurrent write is the one-byte `spilled` store.
+    let v = unsafe { core::ptr::read_volatile(p) };
+    if v.family == family && v.backend_ip_be == *ip_be && v.backend_port_be == port_be {
+        Stored::Frontend(v.frontend_ip_be, v.frontend_port_be)
+    } else if v.spilled == 0 {
+        Stored::NotThisPeer
+    } else {
+        Stored::Unknown
+    }
 }
 
 /// `int bpf_sock_destroy(struct sock_common *sk)`: aborts `sk` with

@@ -70,15 +70,15 @@ const STEPS: [(&str, &str); 10] = [
     ("bench_step3_connect4", "+ random pick and SLOTS lookup"),
     ("bench_step4_connect4", "+ BACKENDS lookup"),
     ("bench_step5_connect4", "+ socket cookie"),
-    ("bench_step6_connect4", "+ SOCK_REVNAT insert"),
+    ("bench_step6_connect4", "+ per-socket record (socket storage, created)"),
     ("bench_step7_connect4", "+ TRANSLATED counter"),
-    ("bench_alt_percpu_lru_connect4", "alternative to the insert: LRU with per-CPU lists (BPF_F_NO_COMMON_LRU)"),
-    ("bench_alt_sk_storage_connect4", "alternative to the insert: socket storage (bpf_sk_storage_get, F_CREATE)"),
-    ("bench_alt_recycled_connect4", "alternative to the insert: SOCK_REVNAT insert + delete (entries freed at close, reused warm)"),
+    ("bench_alt_revnat_lru_connect4", "alternative to the record: SOCK_REVNAT LRU insert"),
+    ("bench_alt_percpu_lru_connect4", "alternative to the record: LRU with per-CPU lists (BPF_F_NO_COMMON_LRU)"),
+    ("bench_alt_recycled_connect4", "alternative to the record: SOCK_REVNAT insert + delete (entries freed at close, reused warm)"),
 ];
 
 /// The probe each step of `STEPS` is measured against: the one before it,
-/// but for the alternatives, which replace the insert (index 5) and so
+/// but for the alternatives, which replace the record (index 5) and so
 /// compare with the probe through the socket cookie (index 4).
 fn base_step(i: usize) -> Option<usize> {
     match i {
@@ -91,7 +91,7 @@ fn base_step(i: usize) -> Option<usize> {
 /// The connect4 paths of the `--only connect4` breakdown.
 const HIT: &str = "hit: connect to a Service";
 const MISS: &str = "miss: connect to a non-Service address";
-const FULL: &str = "hit, SOCK_REVNAT full (every insert evicts)";
+const FULL: &str = "hit, SOCK_REVNAT full";
 
 /// Per-repeat figures of one case: ns per run of the measured program and
 /// of the empty one on the same calls, and runs of the measured program per
@@ -372,7 +372,7 @@ impl ConnectRuntime {
         let mut md = String::from(
             "## connect4 run time by path, and where it goes
 
-Kernel run-time statistics (`run_time_ns / run_cnt`, `BPF_ENABLE_STATS` on for this measurement only) of our `connect4` and of the empty cgroup/connect4 program `bench_empty_connect4` attached next to it, on the same TCP connect() calls. Hit: connects to the last Service of the population (10 endpoints). Miss: connects straight to the 10 endpoint addresses on their port 8080, which no Service of the population uses (every Service is on port 80), so our program returns after the port's clear bit in `SOCK_PORTS`, one array lookup, before any hash lookup. SOCK_REVNAT full: the LRU map filled to capacity from user space before the run (emptied after it), so every insert evicts. Cases interleaved within each repeat, their order rotating between repeats; median (min–max) over repeats. `runs/connect` is our program's run count per connect() of the workload: 1.00 means the kernel runs it once per connect and no other of our programs runs on that path.
+Kernel run-time statistics (`run_time_ns / run_cnt`, `BPF_ENABLE_STATS` on for this measurement only) of our `connect4` and of the empty cgroup/connect4 program `bench_empty_connect4` attached next to it, on the same TCP connect() calls. Hit: connects to the last Service of the population (10 endpoints). Miss: connects straight to the 10 endpoint addresses on their port 8080, which no Service of the population uses (every Service is on port 80), so our program returns after the port's clear bit in `SOCK_PORTS`, one array lookup, before any hash lookup. SOCK_REVNAT full: the LRU map filled to capacity from user space before the run (emptied after it), so that every insert into it would evict: TCP connects record their translation in socket storage and insert nothing there, so this case shows that a full map no longer costs them anything, while the `SOCK_REVNAT` alternative row shows what evicting costs. Cases interleaved within each repeat, their order rotating between repeats; median (min–max) over repeats. `runs/connect` is our program's run count per connect() of the workload: 1.00 means the kernel runs it once per connect and no other of our programs runs on that path.
 
 | Services | path | our connect4 | empty connect4 | ratio | runs/connect |
 |---|---|---|---|---|---|
@@ -417,7 +417,7 @@ Each probe (`bench_step<N>_connect4` in `proxy-ebpf/src/baseline.rs`) does our c
             let share = |x: f64| 100.0 * x / total;
             let _ = writeln!(
                 md,
-                "- {size} Services: of {total:.0} ns the steps add in all, the context reads take {ctx:.0} ns ({:.0} %), the three dependent lookups (SERVICES, SLOTS, BACKENDS, with the random pick) {lookups:.0} ns ({:.0} %), the socket cookie {cookie:.0} ns ({:.0} %), the SOCK_REVNAT insert {insert:.0} ns ({:.0} %), the counter {counter:.0} ns ({:.0} %).",
+                "- {size} Services: of {total:.0} ns the steps add in all, the context reads take {ctx:.0} ns ({:.0} %), the three dependent lookups (SERVICES, SLOTS, BACKENDS, with the random pick) {lookups:.0} ns ({:.0} %), the socket cookie {cookie:.0} ns ({:.0} %), the per-socket record {insert:.0} ns ({:.0} %), the counter {counter:.0} ns ({:.0} %).",
                 share(ctx),
                 share(lookups),
                 share(cookie),
@@ -426,7 +426,7 @@ Each probe (`bench_step<N>_connect4` in `proxy-ebpf/src/baseline.rs`) does our c
             );
         }
         md.push_str(
-            "\nThe LRU insert is the cost: it allocates an element from the LRU's free lists (`prealloc_lru_pop`), which, once the per-CPU free list is empty, takes the global LRU lock, rotates the active and inactive lists and, when no element is free, evicts a batch (`bpf_lru_list_pop_free_to_local`, `__bpf_lru_list_shrink`, kernel/bpf/bpf_lru_list.c), deleting each victim from its hash bucket; every element and bucket it touches is a cold cache line of a map of several MB. The lookups and the rest are small next to it, and the miss path pays only the context reads and one array lookup (the port's bit in `SOCK_PORTS`). The two alternative rows record the same entry elsewhere: per-CPU LRU lists avoid the global list and lock, but split the capacity per possible CPU, so one busy CPU ages out its sockets' entries sooner; socket storage allocates per socket and needs no eviction, but user space can read it for TCP sockets only through sock_diag, and the agent's socket termination finds sockets through SOCK_REVNAT today.\n\n",
+            "\nThe per-socket record is the cost. TCP and UDP sockets record their first translation in socket storage (`SOCK_PEER`): `bpf_sk_storage_get` with `BPF_SK_STORAGE_GET_F_CREATE` allocates the element and links it to the socket (`bpf_sk_storage_alloc`, net/core/bpf_sk_storage.c), which the kernel frees with the socket, so nothing ages out and a full `SOCK_REVNAT` no longer touches a TCP connect. The alternative rows record the same translation in an LRU map instead: an insert into `SOCK_REVNAT` (which UDP connect() still pays, as sock_diag cannot report a UDP socket's storage) allocates from the LRU's free lists (`prealloc_lru_pop`), which, once the per-CPU free list is empty, takes the global LRU lock, rotates the active and inactive lists and, when no element is free, evicts a batch (`bpf_lru_list_pop_free_to_local`, `__bpf_lru_list_shrink`, kernel/bpf/bpf_lru_list.c), each element and bucket a cold cache line of a map of several MB; per-CPU LRU lists avoid the global lock but split the capacity per possible CPU. The lookups and the rest are small next to the record, and the miss path pays only the context reads and one array lookup (the port's bit in `SOCK_PORTS`).\n\n",
         );
         let mut targets = Vec::new();
         for (path, goal) in [(HIT, 3.0), (MISS, 1.5), (FULL, 3.0)] {

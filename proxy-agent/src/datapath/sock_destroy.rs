@@ -10,14 +10,16 @@
 //! translates to a backend that is there. Unconnected UDP needs nothing:
 //! sendmsg() translates every datagram against the current maps.
 //!
-//! Only sockets we translated are touched. The proof is the entry the
-//! connect hook writes in `SOCK_REVNAT` for every TCP and UDP connect()
-//! it translates, keyed by the socket's cookie and the backend it was
-//! sent to, naming the frontend: a socket whose cookie and current peer
-//! have an entry was translated to that peer from that frontend. A socket
-//! that dialled the pod's address directly has none, and is left alone.
-//! (UDP sockets also keep their translation in `SOCK_PEER`, socket
-//! storage, but sock_diag reports socket storage for TCP only.)
+//! Only sockets we translated are touched. The proof is the record the
+//! connect hook writes for every connect() it translates, naming the
+//! frontend and the backend: a TCP socket's own storage (`SOCK_PEER`),
+//! which sock_diag reports with the socket when asked; for UDP (whose
+//! storage sock_diag does not report), and for what does not fit a TCP
+//! socket's storage (a retried connect() to another backend), an entry in
+//! `SOCK_REVNAT` keyed by the socket's cookie and that backend. A socket
+//! whose record names its current peer was translated to it from that
+//! frontend. A socket that dialled the pod's address directly has none,
+//! and is left alone.
 //!
 //! Sockets live in every network namespace (pods, and the node's own for
 //! host-network processes). One walk visits each namespace once per batch
@@ -38,6 +40,7 @@
 use std::collections::{BTreeMap, HashMap as StdHashMap};
 use std::io;
 use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::mpsc::{Receiver, Sender};
@@ -45,7 +48,7 @@ use std::time::Instant;
 
 use aya::maps::{HashMap, Map, MapData};
 use proxy_common as pc;
-use proxy_common::{SockRevNatKey, SockRevNatValue, SockTerminateKey};
+use proxy_common::{SockPeerValue, SockRevNatKey, SockRevNatValue, SockTerminateKey};
 
 use crate::datapath::conntrack_gc::{self, FlowEnds};
 use crate::datapath::kernel_features;
@@ -179,18 +182,45 @@ impl Terminator {
 }
 
 /// The frontend a socket with cookie `cookie`, now talking to `peer`, was
-/// translated from by the socket load balancer, if it was: the
-/// `SOCK_REVNAT` entry of that cookie and peer (the entry of an earlier
-/// peer of a reconnected UDP socket does not match its current one).
+/// translated from by the socket load balancer, if it was. The connect
+/// hook's record says so: the socket's own storage (`SOCK_PEER`, its value
+/// as sock_diag reported it, `stored`) when it names this peer, else the
+/// `SOCK_REVNAT` entry of that cookie and peer, which the storage's
+/// `spilled` mark (or no storage at all) sends the search to. The entry
+/// of an earlier peer of a reconnected socket does not match its current
+/// one.
 pub fn translated_frontend(
     protocol: Protocol,
     peer: &Backend,
     cookie: u64,
+    stored: Option<&[u8]>,
     revnat: impl FnOnce(&SockRevNatKey) -> Option<SockRevNatValue>,
 ) -> Option<Frontend> {
     let b = backend_value(peer);
+    let frontend =
+        |ip_be: [u32; 4], port_be: u16, family: u8| Some(Frontend { ip: ip_of(ip_be, family)?, port: u16::from_be(port_be), protocol });
+    if let Some(v) = stored.and_then(peer_value) {
+        if v.family == b.family && v.backend_ip_be == b.ip_be && v.backend_port_be == b.port_be {
+            return frontend(v.frontend_ip_be, v.frontend_port_be, v.family);
+        }
+        if v.spilled == 0 {
+            return None;
+        }
+    }
     let v = revnat(&SockRevNatKey::new(cookie, b.ip_be, b.port_be, b.family))?;
-    Some(Frontend { ip: ip_of(v.ip_be, v.family)?, port: u16::from_be(v.port_be), protocol })
+    frontend(v.ip_be, v.port_be, v.family)
+}
+
+/// A `SOCK_PEER` value from the bytes sock_diag reported; `None` when the
+/// size is not the value's.
+fn peer_value(bytes: &[u8]) -> Option<SockPeerValue> {
+    if bytes.len() != std::mem::size_of::<SockPeerValue>() {
+        return None;
+    }
+    // SAFETY: exactly `size_of::<SockPeerValue>()` readable bytes; the
+    // value is plain integers (repr(C), explicit padding), so every bit
+    // pattern is one; the read makes no alignment assumption.
+    Some(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<SockPeerValue>()) })
 }
 
 /// A dumped socket's peer as a backend: an IPv4 peer of an IPv6 socket
@@ -246,15 +276,19 @@ impl Targets {
     }
 }
 
-/// The pinned map that proves a socket ours.
+/// The pinned maps that prove a socket ours.
 struct ProofMaps {
     revnat: HashMap<MapData, SockRevNatKey, SockRevNatValue>,
+    /// `SOCK_PEER`, whose values TCP dumps carry; `None` in pins of an
+    /// agent version without it, whose sockets are all in `SOCK_REVNAT`.
+    peer: Option<MapData>,
 }
 
 impl ProofMaps {
     fn open(pin_dir: &Path) -> Result<ProofMaps, aya::maps::MapError> {
         let data = MapData::from_pin(pin_dir.join(pc::SOCK_REVNAT_MAP))?;
-        Ok(ProofMaps { revnat: HashMap::try_from(Map::LruHashMap(data))? })
+        let peer = MapData::from_pin(pin_dir.join(pc::SOCK_PEER_MAP)).ok();
+        Ok(ProofMaps { revnat: HashMap::try_from(Map::LruHashMap(data))?, peer })
     }
 }
 
@@ -493,7 +527,10 @@ fn sweep_namespace(inode: u64, targets: &Targets, maps: &ProofMaps) -> NsOutcome
             // sockets are re-translated per datagram and need nothing.
             Protocol::Udp => sock_diag::state_bit(sock_diag::TCP_ESTABLISHED),
         };
-        let socks = match diag.dump(family, proto_number(protocol), states) {
+        // TCP sockets keep their translation in SOCK_PEER; sock_diag
+        // reports socket storage for TCP only (see `DiagSock::storage`).
+        let storage = if protocol == Protocol::Tcp { maps.peer.as_ref().map(|m| m.fd().as_fd()) } else { None };
+        let socks = match diag.dump_with_storage(family, proto_number(protocol), states, storage) {
             Ok(s) => s,
             Err(e) => {
                 out.errors.push(format!("listing {} sockets (family {family}): {e}", label(protocol)));
@@ -503,7 +540,7 @@ fn sweep_namespace(inode: u64, targets: &Targets, maps: &ProofMaps) -> NsOutcome
         for s in socks {
             let peer = peer_of(s.dst);
             let Some(candidates) = targets.by_peer.get(&(protocol, peer)) else { continue };
-            let fe = translated_frontend(protocol, &peer, s.cookie, |k| maps.revnat.get(k, 0).ok());
+            let fe = translated_frontend(protocol, &peer, s.cookie, s.storage.as_deref(), |k| maps.revnat.get(k, 0).ok());
             let Some(d) = fe.and_then(|fe| candidates.iter().find(|d| d.frontend == fe)) else {
                 tracing::debug!(
                     netns = inode,
@@ -587,7 +624,52 @@ mod tests {
             ("the same address, another port", Protocol::Udp, 7, be("10.244.0.1:54"), None),
         ];
         for (name, protocol, cookie, peer, want) in cases {
-            assert_eq!(translated_frontend(protocol, &peer, cookie, revnat), want, "{name}");
+            assert_eq!(translated_frontend(protocol, &peer, cookie, None, revnat), want, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_tcp_socket_is_proven_ours_by_its_own_storage_first() {
+        let web = Frontend { ip: "10.96.0.20".parse().unwrap(), port: 80, protocol: Protocol::Tcp };
+        let pod = be("10.244.0.1:8080");
+        let stored = |backend: &Backend, spilled: u8| {
+            let (b, f) = (backend_value(backend), backend_value(&be("10.96.0.20:80")));
+            let v = SockPeerValue {
+                backend_ip_be: b.ip_be,
+                frontend_ip_be: f.ip_be,
+                backend_port_be: b.port_be,
+                frontend_port_be: f.port_be,
+                family: b.family,
+                spilled,
+                _pad: [0; 2],
+            };
+            // SAFETY: a plain-integer repr(C) value viewed as its bytes.
+            unsafe { std::slice::from_raw_parts((&raw const v).cast::<u8>(), std::mem::size_of::<SockPeerValue>()) }.to_vec()
+        };
+        // SOCK_REVNAT: cookie 7 also went to the pod from the frontend
+        // (a spilled translation).
+        let revnat = |k: &SockRevNatKey| {
+            let (b, f) = (backend_value(&pod), backend_value(&be("10.96.0.20:80")));
+            (k.cookie == 7 && k.ip_be == b.ip_be && k.port_be == b.port_be).then_some(SockRevNatValue {
+                ip_be: f.ip_be,
+                port_be: f.port_be,
+                family: f.family,
+                _pad: 0,
+            })
+        };
+        let other = be("10.244.0.2:8080");
+        // (name, cookie, storage, expected)
+        type Case<'a> = (&'a str, u64, Option<Vec<u8>>, Option<Frontend>);
+        let cases: [Case<'_>; 6] = [
+            ("storage names the current peer", 8, Some(stored(&pod, 0)), Some(web)),
+            ("storage names another peer, not spilled", 7, Some(stored(&other, 0)), None),
+            ("storage names another peer, spilled: SOCK_REVNAT decides", 7, Some(stored(&other, 1)), Some(web)),
+            ("spilled, and nothing in SOCK_REVNAT", 8, Some(stored(&other, 1)), None),
+            ("no storage (an older agent's socket): SOCK_REVNAT decides", 7, None, Some(web)),
+            ("a value of the wrong size is no proof either way", 7, Some(vec![0; 3]), Some(web)),
+        ];
+        for (name, cookie, storage, want) in cases {
+            assert_eq!(translated_frontend(Protocol::Tcp, &pod, cookie, storage.as_deref(), revnat), want, "{name}");
         }
     }
 

@@ -12,7 +12,7 @@
 use std::io;
 use std::mem::size_of;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::time::Duration;
 
 const NETLINK_SOCK_DIAG: libc::c_int = 4;
@@ -33,6 +33,21 @@ const SOCKID_LEN: usize = 48;
 const REQ_LEN: usize = 8 + SOCKID_LEN;
 /// `struct inet_diag_msg`.
 const MSG_LEN: usize = 4 + SOCKID_LEN + 20;
+/// Netlink attribute header (`struct nlattr`), and the flag bits of its
+/// type.
+const NLA_HDRLEN: usize = 4;
+const NLA_F_NESTED: u16 = 0x8000;
+const NLA_TYPE_MASK: u16 = 0x3fff;
+/// Request attribute: socket storage maps whose values the dump should
+/// carry (include/uapi/linux/inet_diag.h, Linux >= 5.4), holding
+/// `SK_DIAG_BPF_STORAGE_REQ_MAP_FD` attributes (sock_diag.h).
+const INET_DIAG_REQ_SK_BPF_STORAGES: u16 = 2;
+const SK_DIAG_BPF_STORAGE_REQ_MAP_FD: u16 = 1;
+/// Answer attributes: `INET_DIAG_SK_BPF_STORAGES` holds one
+/// `SK_DIAG_BPF_STORAGE` per map, each a map id and the value.
+const INET_DIAG_SK_BPF_STORAGES: u16 = 20;
+const SK_DIAG_BPF_STORAGE: u16 = 1;
+const SK_DIAG_BPF_STORAGE_MAP_VALUE: u16 = 3;
 
 /// TCP states (include/net/tcp_states.h) as bits of `idiag_states`.
 pub const TCP_ESTABLISHED: u32 = 1;
@@ -56,6 +71,12 @@ pub struct DiagSock {
     /// The socket cookie (`sock_gen_cookie`, the value
     /// `bpf_get_socket_cookie` returns).
     pub cookie: u64,
+    /// The socket's value in the socket storage map the dump asked for
+    /// ([`DiagSocket::dump_with_storage`]); `None` when it has none. The
+    /// kernel reports socket storage for full sockets only
+    /// (`inet_sk_diag_fill`; not for UDP, whose dump has no connection
+    /// sock).
+    pub storage: Option<Vec<u8>>,
     /// `struct inet_diag_sockid` as the kernel sent it: a destroy request
     /// hands it back unchanged (bound device and cookie included).
     id: [u8; SOCKID_LEN],
@@ -161,7 +182,29 @@ impl DiagSocket {
     /// Every `protocol` socket of `family` in one of `states` (a mask of
     /// [`state_bit`]s).
     pub fn dump(&mut self, family: u8, protocol: u8, states: u32) -> io::Result<Vec<DiagSock>> {
-        let body = request(family, protocol, states, &[0; SOCKID_LEN]);
+        self.dump_with_storage(family, protocol, states, None)
+    }
+
+    /// [`DiagSocket::dump`], each socket with its value in the socket
+    /// storage map `storage_map` (a `BPF_MAP_TYPE_SK_STORAGE` descriptor),
+    /// where it has one.
+    pub fn dump_with_storage(
+        &mut self,
+        family: u8,
+        protocol: u8,
+        states: u32,
+        storage_map: Option<BorrowedFd<'_>>,
+    ) -> io::Result<Vec<DiagSock>> {
+        let mut body = request(family, protocol, states, &[0; SOCKID_LEN]);
+        if let Some(fd) = storage_map {
+            let fd = u32::try_from(fd.as_raw_fd()).map_err(io::Error::other)?;
+            let inner_len = NLA_HDRLEN + 4;
+            body.extend_from_slice(&((NLA_HDRLEN + inner_len) as u16).to_ne_bytes());
+            body.extend_from_slice(&(INET_DIAG_REQ_SK_BPF_STORAGES | NLA_F_NESTED).to_ne_bytes());
+            body.extend_from_slice(&(inner_len as u16).to_ne_bytes());
+            body.extend_from_slice(&SK_DIAG_BPF_STORAGE_REQ_MAP_FD.to_ne_bytes());
+            body.extend_from_slice(&fd.to_ne_bytes());
+        }
         let seq = self.send(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, &body)?;
         let mut out = Vec::new();
         self.receive(seq, |msg_type, payload| match msg_type {
@@ -283,7 +326,32 @@ fn parse_msg(protocol: u8, p: &[u8]) -> Option<DiagSock> {
     let src = addr_of(family, &id[4..20], sport)?;
     let dst = addr_of(family, &id[20..36], dport)?;
     let cookie = u64::from(u32_at(&id, 40)) | (u64::from(u32_at(&id, 44)) << 32);
-    Some(DiagSock { family, protocol, state, src, dst, cookie, id })
+    let storage = attrs(&p[align4(MSG_LEN).min(p.len())..])
+        .filter(|(t, _)| *t == INET_DIAG_SK_BPF_STORAGES)
+        .flat_map(|(_, v)| attrs(v))
+        .filter(|(t, _)| *t == SK_DIAG_BPF_STORAGE)
+        .flat_map(|(_, v)| attrs(v))
+        .find(|(t, _)| *t == SK_DIAG_BPF_STORAGE_MAP_VALUE)
+        .map(|(_, v)| v.to_vec());
+    Some(DiagSock { family, protocol, state, src, dst, cookie, storage, id })
+}
+
+/// The netlink attributes in `b` as (type without flag bits, payload);
+/// stops at the first malformed one.
+fn attrs(mut b: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    std::iter::from_fn(move || {
+        if b.len() < NLA_HDRLEN {
+            return None;
+        }
+        let len = usize::from(u16::from_ne_bytes([b[0], b[1]]));
+        if len < NLA_HDRLEN || len > b.len() {
+            return None;
+        }
+        let t = u16::from_ne_bytes([b[2], b[3]]) & NLA_TYPE_MASK;
+        let payload = &b[NLA_HDRLEN..len];
+        b = &b[align4(len).min(b.len())..];
+        Some((t, payload))
+    })
 }
 
 /// Probes whether this kernel aborts sockets through `SOCK_DESTROY`, for
@@ -332,6 +400,50 @@ mod tests {
         assert_eq!(u32_at(&s.id, 36), 3, "the bound device goes back unchanged");
         assert!(parse_msg(6, &msg[..MSG_LEN - 1]).is_none());
     }
+
+    fn nla(t: u16, payload: &[u8]) -> Vec<u8> {
+        let mut b = ((NLA_HDRLEN + payload.len()) as u16).to_ne_bytes().to_vec();
+        b.extend_from_slice(&t.to_ne_bytes());
+        b.extend_from_slice(payload);
+        b.resize(align4(b.len()), 0);
+        b
+    }
+
+    #[test]
+    fn a_socket_storage_value_is_found_in_its_nested_attributes() {
+        let src: SocketAddr = "10.244.0.9:40000".parse().unwrap();
+        let dst: SocketAddr = "10.244.0.1:80".parse().unwrap();
+        let mut head = vec![libc::AF_INET as u8, 1, 0, 0];
+        head.extend_from_slice(&sockid(src, dst, 0, 9));
+        head.extend_from_slice(&[0; 20]);
+        let value = [7u8; 10];
+        let storage =
+            [nla(SK_DIAG_BPF_STORAGE_MAP_ID_FOR_TESTS, &42u32.to_ne_bytes()), nla(SK_DIAG_BPF_STORAGE_MAP_VALUE, &value)].concat();
+        type Case<'a> = (&'a str, Vec<u8>, Option<Vec<u8>>);
+        let cases: [Case<'_>; 4] = [
+            ("no attributes", Vec::new(), None),
+            ("another attribute only", nla(15, &1u32.to_ne_bytes()), None),
+            (
+                "after another attribute, flagged nested",
+                [
+                    nla(15, &1u32.to_ne_bytes()),
+                    nla(INET_DIAG_SK_BPF_STORAGES | NLA_F_NESTED, &nla(SK_DIAG_BPF_STORAGE | NLA_F_NESTED, &storage)),
+                ]
+                .concat(),
+                Some(value.to_vec()),
+            ),
+            ("a truncated attribute", nla(INET_DIAG_SK_BPF_STORAGES, &nla(SK_DIAG_BPF_STORAGE, &storage))[..12].to_vec(), None),
+        ];
+        for (name, tail, want) in cases {
+            let msg = [head.clone(), tail].concat();
+            let s = parse_msg(libc::IPPROTO_TCP as u8, &msg).expect(name);
+            assert_eq!(s.storage, want, "{name}");
+            assert_eq!((s.src, s.dst, s.cookie), (src, dst, 9), "{name}");
+        }
+    }
+
+    /// `SK_DIAG_BPF_STORAGE_MAP_ID` (sock_diag.h): not read, only skipped.
+    const SK_DIAG_BPF_STORAGE_MAP_ID_FOR_TESTS: u16 = 2;
 
     #[test]
     fn ipv6_and_mapped_addresses_decode_as_the_socket_sees_them() {
