@@ -675,16 +675,9 @@ fn an_upgrade_over_pins_without_the_port_bitmap_keeps_an_established_flow() {
     assert!(port_bit(&pins, 30081, false), "kept: the flow's conntrack entries use it");
     assert!(port_bit(&pins, 30082, false) && port_bit(&pins, 8081, true));
     // /metrics (served in node-a's namespace) shows what the GC left.
-    let log = std::fs::read_to_string(&w.nodes[0].log).unwrap_or_default();
-    let key = "metrics_address=";
-    let addr: SocketAddr = log
-        .rmatch_indices(key)
-        .next()
-        .and_then(|(i, _)| log[i + key.len()..].split_whitespace().next()?.parse().ok())
-        .expect("the agent logs its metrics address");
     let want = proxy_agent::datapath::port_bits::counts(&pins).expect("NP_PORTS counts");
     eventually("topoproxy_nodeport_ports to show the bitmap", || {
-        let text = in_netns(&w.nodes[0].ns, move || proxy_test_support::http::http_get(addr, "/metrics")).map_err(|e| e.to_string())??.1;
+        let text = metrics_of(&w.nodes[0])?;
         let got = ["ingress", "egress"].map(|d| {
             proxy_test_support::http::metric(&text, &format!("topoproxy_nodeport_ports{{direction=\"{d}\"}}")).map(|v| v as usize)
         });
@@ -716,9 +709,23 @@ fn explain_shows_the_external_frontends_of_the_one_decision_path() {
     assert!(http["clusterEndpoints"].is_array() && http["localEndpoints"].is_array(), "{http}");
 }
 
+/// `/metrics` of a node's agent (started with `--metrics-address`), read in
+/// the node's namespace at the address the agent logged.
+fn metrics_of(node: &SimNode) -> Result<String, String> {
+    let log = std::fs::read_to_string(&node.log).unwrap_or_default();
+    let key = "metrics_address=";
+    let addr: SocketAddr = log
+        .rmatch_indices(key)
+        .next()
+        .and_then(|(i, _)| log[i + key.len()..].split_whitespace().next()?.parse().ok())
+        .ok_or("no metrics address in the log yet")?;
+    Ok(in_netns(&node.ns, move || proxy_test_support::http::http_get(addr, "/metrics")).map_err(|e| e.to_string())??.1)
+}
+
 #[test]
 fn node_address_changes_are_followed_without_a_restart() {
     let mut w = World::new();
+    w.nodes[1].extra = vec!["--metrics-address", "127.0.0.1:0"];
     w.publish(&service("web", "Cluster", None, &["node-a", "node-b"], ""));
     w.start();
     w.wait_for(&format!("{NODE_A}:30080"), &[], &["pod-a", "pod-b"]);
@@ -756,8 +763,19 @@ fn node_address_changes_are_followed_without_a_restart() {
             .is_ok_and(|rd| rd.flatten().any(|e| e.file_name().to_string_lossy().starts_with("b-x-")))
     };
     assert!(attached() || legacy_marked(), "no TC attachment recorded for b-x");
+    // /metrics lists the new device (TC alone: no `--xdp`), and drops it
+    // with the link.
+    let device_metric = |want: Option<f64>| {
+        let node = &w.nodes[1];
+        eventually(&format!("topoproxy_xdp_device{{device=\"b-x\"}} to be {want:?}"), || {
+            let got = metrics_of(node).map(|text| proxy_test_support::http::metric(&text, "topoproxy_xdp_device{device=\"b-x\"}"))?;
+            if got == want { Ok(()) } else { Err(format!("{got:?}")) }
+        });
+    };
+    device_metric(Some(0.0));
     w.nodes[1].ns.ip(&["link", "del", "b-x"]).expect("delete link");
     eventually("the TC attachment of the deleted b-x to go", || if attached() || legacy_marked() { Err(()) } else { Ok(()) });
+    device_metric(None);
     w.wait_for(&format!("{NODE_B}:30080"), &[], &["pod-a", "pod-b"]);
 
     // The same agent processes did all of it.

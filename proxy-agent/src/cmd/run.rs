@@ -329,7 +329,7 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
         tracing::warn!("{w}");
     }
     tracing::info!(devices = ?external.devices, node_addresses = ?external.node_addrs, "external traffic datapath ready");
-    metrics.set_xdp_devices(&external.devices, &proxy_agent::datapath::xdp_loader::attached_devices(&pin_dir));
+    metrics.set_xdp_devices(&external.devices, &external.xdp_devices());
 
     // Sockets translated to a backend that leaves are terminated (and TC
     // flows to it flushed) by a worker thread; which mechanism this kernel

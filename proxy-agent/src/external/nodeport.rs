@@ -339,6 +339,11 @@ impl ExternalDatapath {
         changed
     }
 
+    /// The devices the XDP program is attached to (its pinned links).
+    pub fn xdp_devices(&self) -> Vec<String> {
+        crate::datapath::xdp_loader::attached_devices(&self.pin_dir)
+    }
+
     /// Makes the health check node ports report the agent's own health
     /// (`serviceProxyHealthy`), read on every request.
     pub fn report_agent_health(&self, health: std::sync::Arc<crate::observe::health_server::Health>) {

@@ -302,8 +302,10 @@ impl<W: SocketMaps> SyncLoop<W> {
         if let Some(external) = &mut self.external {
             // Full passes (the first, then every sync period) re-resolve
             // as well, like they re-compare every map entry.
-            if self.addresses_changed.swap(false, Ordering::AcqRel) || full {
-                external.refresh();
+            // A change of devices (`--devices auto`) attaches or detaches
+            // the programs, so `topoproxy_xdp_device` follows.
+            if (self.addresses_changed.swap(false, Ordering::AcqRel) || full) && external.refresh() {
+                self.metrics.set_xdp_devices(&external.devices, &external.xdp_devices());
             }
         }
         let mut outcome = self.cached.pass(&mut self.writer, self.external.as_mut(), &self.model.cluster, &changes, full);
