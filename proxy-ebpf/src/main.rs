@@ -461,54 +461,52 @@ fn affinity_key(ctx: &SockAddrContext, scope_id: u32) -> SockAffinityKey {
 #[inline(always)]
 fn remember(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, frontend: &Addr, connect: bool) {
     let family = backend.family;
-    {
-        let mut first = SockPeerValue {
-            backend_ip_be: backend.ip_be,
-            frontend_ip_be: frontend.ip_be,
-            backend_port_be: backend.port_be,
-            frontend_port_be: frontend.port_be,
-            family,
-            spilled: 0,
-            _pad: [0; 2],
-        };
-        // SAFETY: aya reads the socket from `ctx.sock_addr->sk`, which the
-        // kernel sets for every sock_addr program to the full socket the
-        // call is made on (the verifier types it PTR_TO_SOCKET, non-null).
-        // The helper copies `first`, a value of the map's value type on our
-        // stack, into a new element and returns this socket's element or
-        // null.
-        let mut peer = unsafe { SOCK_PEER.get_or_insert_ptr_mut(ctx, Some(&mut first)) };
-        if peer.is_null() {
-            // Either another thread created the element between the
-            // helper's lookup and its insert (the insert then fails with
-            // EEXIST), or memory is short.
-            // SAFETY: as above, without creating anything.
-            peer = unsafe { SOCK_PEER.get_ptr_mut(ctx) };
-        }
-        if peer.is_null() {
-            count(counter::PEER_STORAGE_FAILED);
-        } else {
-            // SAFETY: `peer` is non-null and points at this socket's storage
-            // element, which the kernel frees (with the socket, or on an
-            // explicit delete) only after an RCU grace period, while this
-            // program runs under rcu_read_lock. Other hooks of the same
-            // socket may read the element concurrently; the only write is
-            // the one-byte store to `spilled` below (a reader sees 0 or 1),
-            // and every other field is written only when the element is
-            // created.
-            let p = unsafe { &mut *peer };
-            if p.family == family
-                && p.backend_ip_be == backend.ip_be
-                && p.backend_port_be == backend.port_be
-                && p.frontend_ip_be == frontend.ip_be
-                && p.frontend_port_be == frontend.port_be
-            {
-                if proto == PROTO_TCP || !connect {
-                    return;
-                }
-            } else {
-                p.spilled = 1;
+    let mut first = SockPeerValue {
+        backend_ip_be: backend.ip_be,
+        frontend_ip_be: frontend.ip_be,
+        backend_port_be: backend.port_be,
+        frontend_port_be: frontend.port_be,
+        family,
+        spilled: 0,
+        _pad: [0; 2],
+    };
+    // SAFETY: aya reads the socket from `ctx.sock_addr->sk`, which the
+    // kernel sets for every sock_addr program to the full socket the
+    // call is made on (the verifier types it PTR_TO_SOCKET, non-null).
+    // The helper copies `first`, a value of the map's value type on our
+    // stack, into a new element and returns this socket's element or
+    // null.
+    let mut peer = unsafe { SOCK_PEER.get_or_insert_ptr_mut(ctx, Some(&mut first)) };
+    if peer.is_null() {
+        // Either another thread created the element between the
+        // helper's lookup and its insert (the insert then fails with
+        // EEXIST), or memory is short.
+        // SAFETY: as above, without creating anything.
+        peer = unsafe { SOCK_PEER.get_ptr_mut(ctx) };
+    }
+    if peer.is_null() {
+        count(counter::PEER_STORAGE_FAILED);
+    } else {
+        // SAFETY: `peer` is non-null and points at this socket's storage
+        // element, which the kernel frees (with the socket, or on an
+        // explicit delete) only after an RCU grace period, while this
+        // program runs under rcu_read_lock. Other hooks of the same
+        // socket may read the element concurrently; the only write is
+        // the one-byte store to `spilled` below (a reader sees 0 or 1),
+        // and every other field is written only when the element is
+        // created.
+        let p = unsafe { &mut *peer };
+        if p.family == family
+            && p.backend_ip_be == backend.ip_be
+            && p.backend_port_be == backend.port_be
+            && p.frontend_ip_be == frontend.ip_be
+            && p.frontend_port_be == frontend.port_be
+        {
+            if proto == PROTO_TCP || !connect {
+                return;
             }
+        } else {
+            p.spilled = 1;
         }
     }
     // Cookies start at 1 (`__sock_gen_cookie`), so 0 means "not fetched yet".

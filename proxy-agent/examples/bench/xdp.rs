@@ -180,15 +180,18 @@ fn udp_frame(dst_mac: [u8; 6], src_mac: [u8; 6], src: Ipv4Addr, dst: Ipv4Addr, d
     f
 }
 
+/// The interface index of `dev` in the calling thread's namespace.
+fn device_index(dev: &str) -> std::io::Result<u32> {
+    match proxy_agent::external::node_addresses::ifindex(dev) {
+        0 => Err(std::io::Error::other(format!("no device {dev}"))),
+        i => Ok(i),
+    }
+}
+
 /// Sends `frame` out of `dev` (in the calling thread's namespace) with an
 /// AF_PACKET socket for `dur`; returns how many sends succeeded.
 fn raw_flood(dev: &str, frame: &[u8], dur: Duration) -> std::io::Result<u64> {
-    let name = std::ffi::CString::new(dev).map_err(std::io::Error::other)?;
-    // SAFETY: a NUL-terminated name.
-    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    if ifindex == 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    let ifindex = device_index(dev)?;
     // SAFETY: plain socket creation; the fd is closed below.
     let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0) };
     if fd < 0 {
@@ -330,12 +333,7 @@ fn test_run(repeats: usize) -> Result<(Vec<f64>, Vec<f64>, i32)> {
 /// generator ran on.
 fn xdp_gen_flood(gen_fd: i32, frame: &[u8], dur: Duration) -> std::io::Result<u64> {
     const CHUNK: u32 = 1 << 16;
-    let name = std::ffi::CString::new("cl0").map_err(std::io::Error::other)?;
-    // SAFETY: a NUL-terminated name.
-    let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
-    if ifindex == 0 {
-        return Err(std::io::Error::last_os_error());
-    }
+    let ifindex = device_index("cl0")?;
     let t = Instant::now();
     let mut sent = 0u64;
     while t.elapsed() < dur {

@@ -198,12 +198,7 @@ impl DiagSocket {
         let mut body = request(family, protocol, states, &[0; SOCKID_LEN]);
         if let Some(fd) = storage_map {
             let fd = u32::try_from(fd.as_raw_fd()).map_err(io::Error::other)?;
-            let inner_len = NLA_HDRLEN + 4;
-            body.extend_from_slice(&((NLA_HDRLEN + inner_len) as u16).to_ne_bytes());
-            body.extend_from_slice(&(INET_DIAG_REQ_SK_BPF_STORAGES | NLA_F_NESTED).to_ne_bytes());
-            body.extend_from_slice(&(inner_len as u16).to_ne_bytes());
-            body.extend_from_slice(&SK_DIAG_BPF_STORAGE_REQ_MAP_FD.to_ne_bytes());
-            body.extend_from_slice(&fd.to_ne_bytes());
+            body.extend(nla(INET_DIAG_REQ_SK_BPF_STORAGES | NLA_F_NESTED, &nla(SK_DIAG_BPF_STORAGE_REQ_MAP_FD, &fd.to_ne_bytes())));
         }
         let seq = self.send(SOCK_DIAG_BY_FAMILY, NLM_F_REQUEST | NLM_F_DUMP, &body)?;
         let mut out = Vec::new();
@@ -336,6 +331,16 @@ fn parse_msg(protocol: u8, p: &[u8]) -> Option<DiagSock> {
     Some(DiagSock { family, protocol, state, src, dst, cookie, storage, id })
 }
 
+/// One netlink attribute of type `t` (flag bits included), padded to 4
+/// bytes as the next one must start.
+fn nla(t: u16, payload: &[u8]) -> Vec<u8> {
+    let mut b = ((NLA_HDRLEN + payload.len()) as u16).to_ne_bytes().to_vec();
+    b.extend_from_slice(&t.to_ne_bytes());
+    b.extend_from_slice(payload);
+    b.resize(align4(b.len()), 0);
+    b
+}
+
 /// The netlink attributes in `b` as (type without flag bits, payload);
 /// stops at the first malformed one.
 fn attrs(mut b: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
@@ -388,34 +393,30 @@ fn aborted(err: Option<&io::Error>) -> io::Result<()> {
 mod tests {
     use super::*;
 
+    /// A `struct inet_diag_msg` in state 1 (ESTABLISHED), no attributes.
+    fn diag_msg(family: i32, src: SocketAddr, dst: SocketAddr, ifindex: u32, cookie: u64) -> Vec<u8> {
+        let mut msg = vec![family as u8, 1, 0, 0];
+        msg.extend_from_slice(&sockid(src, dst, ifindex, cookie));
+        msg.extend_from_slice(&[0; 20]);
+        msg
+    }
+
     #[test]
     fn a_dump_answer_decodes_addresses_and_cookie() {
         let src: SocketAddr = "10.244.0.9:40000".parse().unwrap();
         let dst: SocketAddr = "10.244.0.1:53".parse().unwrap();
-        let mut msg = vec![libc::AF_INET as u8, 1, 0, 0];
-        msg.extend_from_slice(&sockid(src, dst, 3, 0x1_0000_0002));
-        msg.extend_from_slice(&[0; 20]);
+        let msg = diag_msg(libc::AF_INET, src, dst, 3, 0x1_0000_0002);
         let s = parse_msg(libc::IPPROTO_UDP as u8, &msg).expect("parsed");
         assert_eq!((s.src, s.dst, s.cookie, s.state), (src, dst, 0x1_0000_0002, 1));
         assert_eq!(u32_at(&s.id, 36), 3, "the bound device goes back unchanged");
         assert!(parse_msg(6, &msg[..MSG_LEN - 1]).is_none());
     }
 
-    fn nla(t: u16, payload: &[u8]) -> Vec<u8> {
-        let mut b = ((NLA_HDRLEN + payload.len()) as u16).to_ne_bytes().to_vec();
-        b.extend_from_slice(&t.to_ne_bytes());
-        b.extend_from_slice(payload);
-        b.resize(align4(b.len()), 0);
-        b
-    }
-
     #[test]
     fn a_socket_storage_value_is_found_in_its_nested_attributes() {
         let src: SocketAddr = "10.244.0.9:40000".parse().unwrap();
         let dst: SocketAddr = "10.244.0.1:80".parse().unwrap();
-        let mut head = vec![libc::AF_INET as u8, 1, 0, 0];
-        head.extend_from_slice(&sockid(src, dst, 0, 9));
-        head.extend_from_slice(&[0; 20]);
+        let head = diag_msg(libc::AF_INET, src, dst, 0, 9);
         let value = [7u8; 10];
         let storage =
             [nla(SK_DIAG_BPF_STORAGE_MAP_ID_FOR_TESTS, &42u32.to_ne_bytes()), nla(SK_DIAG_BPF_STORAGE_MAP_VALUE, &value)].concat();
@@ -449,9 +450,7 @@ mod tests {
     fn ipv6_and_mapped_addresses_decode_as_the_socket_sees_them() {
         let src: SocketAddr = "[fd00::9]:40000".parse().unwrap();
         let dst: SocketAddr = "[::ffff:10.244.0.1]:53".parse().unwrap();
-        let mut msg = vec![libc::AF_INET6 as u8, 1, 0, 0];
-        msg.extend_from_slice(&sockid(src, dst, 0, 5));
-        msg.extend_from_slice(&[0; 20]);
+        let msg = diag_msg(libc::AF_INET6, src, dst, 0, 5);
         let s = parse_msg(libc::IPPROTO_TCP as u8, &msg).expect("parsed");
         assert_eq!((s.src, s.dst, s.cookie), (src, dst, 5));
     }
