@@ -41,7 +41,11 @@ pub(crate) fn ensure() -> Result<()> {
     if !python.exists() {
         create_venv(&venv)?;
     }
-    util::run(util::cmd(&python).args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r"]).arg(&req_path))?;
+    util::run_fetching(|| {
+        let mut c = util::cmd(&python);
+        c.args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check", "-r"]).arg(&req_path);
+        c
+    })?;
     fs::write(&stamp, &wanted).with_context(|| format!("writing {}", stamp.display()))?;
     Ok(())
 }
@@ -62,7 +66,15 @@ fn create_venv(venv: &Path) -> Result<()> {
         c.env("DEBIAN_FRONTEND", "noninteractive");
         c
     };
-    util::run(apt().arg("update"))?;
-    util::run(apt().args(["install", "-y", "python3-venv"]))?;
+    util::run_fetching(|| {
+        let mut c = apt();
+        c.arg("update");
+        c
+    })?;
+    util::run_fetching(|| {
+        let mut c = apt();
+        c.args(["install", "-y", "python3-venv"]);
+        c
+    })?;
     util::run(util::cmd("/usr/bin/python3").args(["-m", "venv"]).arg(venv))
 }

@@ -227,13 +227,17 @@ fn packages_tarball(dir: &Path) -> Result<PathBuf> {
     }
     // mmdebstrap picks the output format from the file name: keep `.tar`.
     let partial = dir.join(format!("packages-{SUITE}.partial.tar"));
-    let mut c = util::cmd("mmdebstrap");
-    c.args(["--quiet", "--variant=extract"])
-        .arg(format!("--include={}", RUNTIME_PACKAGES.join(",")))
-        .arg(SUITE)
-        .arg(&partial)
-        .args(MIRRORS);
-    util::run(&mut c).context("extracting the runtime's Debian packages")?;
+    util::run_fetching(|| {
+        let _ = fs::remove_file(&partial);
+        let mut c = util::cmd("mmdebstrap");
+        c.args(["--quiet", "--variant=extract"])
+            .arg(format!("--include={}", RUNTIME_PACKAGES.join(",")))
+            .arg(SUITE)
+            .arg(&partial)
+            .args(MIRRORS);
+        c
+    })
+    .context("extracting the runtime's Debian packages")?;
     fs::rename(&partial, &tarball)?;
     fs::write(&stamp, wanted)?;
     Ok(tarball)

@@ -55,7 +55,11 @@ fn nightly() -> Result<()> {
         return Ok(());
     }
     println!("installing: nightly toolchain (rustup toolchain install nightly --profile minimal)");
-    util::run(util::cmd("rustup").args(["toolchain", "install", "nightly", "--profile", "minimal", "--no-self-update"]))
+    util::run_fetching(|| {
+        let mut c = util::cmd("rustup");
+        c.args(["toolchain", "install", "nightly", "--profile", "minimal", "--no-self-update"]);
+        c
+    })
 }
 
 fn nightly_sysroot() -> Option<PathBuf> {
@@ -69,7 +73,11 @@ fn rust_src() -> Result<()> {
         return Ok(());
     }
     println!("installing: rust-src for nightly (rustup component add rust-src --toolchain nightly)");
-    util::run(util::cmd("rustup").args(["component", "add", "rust-src", "--toolchain", "nightly"]))?;
+    util::run_fetching(|| {
+        let mut c = util::cmd("rustup");
+        c.args(["component", "add", "rust-src", "--toolchain", "nightly"]);
+        c
+    })?;
     match nightly_sysroot() {
         Some(s) if has_src(&s) => Ok(()),
         _ => bail!("rust-src was installed but library/core is still missing from the nightly sysroot"),
@@ -104,13 +112,16 @@ fn rust_components(toolchain: Option<&str>, components: &[&str]) -> Result<()> {
         println!("ok: {} for {which} present", components.join(" and "));
         return Ok(());
     }
-    let mut add = rustup(&["component", "add"]);
-    add.args(&missing);
-    println!("installing: {} for {which} ({})", missing.join(" and "), util::describe(&add));
-    util::run(&mut add)?;
+    let add = || {
+        let mut c = rustup(&["component", "add"]);
+        c.args(&missing);
+        c
+    };
+    println!("installing: {} for {which} ({})", missing.join(" and "), util::describe(&add()));
+    util::run_fetching(add)?;
     let still: Vec<&str> = missing.iter().copied().filter(|c| !present(c)).collect();
     if !still.is_empty() {
-        bail!("`{}` finished but {} is still missing for {which}", util::describe(&add), still.join(" and "));
+        bail!("`{}` finished but {} is still missing for {which}", util::describe(&add()), still.join(" and "));
     }
     Ok(())
 }
@@ -145,13 +156,20 @@ pub(crate) fn ensure_debian_packages(packages: &[&str], no_recommends: bool) -> 
         c.env("DEBIAN_FRONTEND", "noninteractive");
         c
     };
-    util::run(apt().arg("update"))?;
-    let mut install = apt();
-    install.args(["install", "-y"]);
-    if no_recommends {
-        install.arg("--no-install-recommends");
-    }
-    util::run(install.args(&missing))?;
+    util::run_fetching(|| {
+        let mut c = apt();
+        c.arg("update");
+        c
+    })?;
+    util::run_fetching(|| {
+        let mut install = apt();
+        install.args(["install", "-y"]);
+        if no_recommends {
+            install.arg("--no-install-recommends");
+        }
+        install.args(&missing);
+        install
+    })?;
     let still: Vec<&str> = missing.iter().copied().filter(|p| !installed(p)).collect();
     if !still.is_empty() {
         bail!("apt-get install finished but these packages are still missing: {}", still.join(" "));

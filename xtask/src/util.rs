@@ -3,6 +3,7 @@
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 
@@ -67,6 +68,33 @@ pub(crate) fn run(c: &mut Command) -> Result<()> {
     Ok(())
 }
 
+/// Runs a command that fetches from the network (apt-get, mmdebstrap, pip,
+/// rustup) and runs it again after a pause when it fails. A Debian mirror
+/// caught in the middle of a sync, or a dropped connection, fails the whole
+/// run even with apt's own per-file retries, and is gone minutes later
+/// (seen in CI as mmdebstrap's `apt-get update --error-on=any` exiting 25
+/// once, on a run whose other fetches all worked). `make` builds the
+/// command afresh for each attempt.
+pub(crate) fn run_fetching(make: impl FnMut() -> Command) -> Result<()> {
+    const PAUSES: [Duration; 3] = [Duration::from_secs(15), Duration::from_mins(1), Duration::from_mins(3)];
+    run_retrying(&PAUSES, make)
+}
+
+/// Runs `make()`'s command until it succeeds, sleeping `pauses[i]` after
+/// the `i`-th failure; the last failure, once the pauses are used up.
+fn run_retrying(pauses: &[Duration], mut make: impl FnMut() -> Command) -> Result<()> {
+    let mut attempt = 0;
+    loop {
+        let Err(e) = run(&mut make()) else { return Ok(()) };
+        let Some(&pause) = pauses.get(attempt) else {
+            return Err(e).with_context(|| format!("gave up after {} attempts", attempt + 1));
+        };
+        println!("note: {e:#}; trying again in {} s", pause.as_secs());
+        std::thread::sleep(pause);
+        attempt += 1;
+    }
+}
+
 /// Runs a command and returns its stdout when it succeeds; `None` when it
 /// cannot be started or fails.
 pub(crate) fn output(c: &mut Command) -> Option<String> {
@@ -86,4 +114,39 @@ pub(crate) fn describe(c: &Command) -> String {
 /// Whether we run as root (`id -u`).
 pub(crate) fn is_root() -> bool {
     output(cmd("id").arg("-u")).is_some_and(|o| o.trim() == "0")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A command that fails until it has run `fail_times` times, counting
+    /// its runs in a file of its own.
+    fn flaky(counter: &Path, fail_times: u32) -> Command {
+        let mut c = cmd("sh");
+        c.arg("-c")
+            .arg(format!("n=$(cat \"$0\" 2>/dev/null || echo 0); n=$((n+1)); echo $n > \"$0\"; [ $n -gt {fail_times} ]"))
+            .arg(counter);
+        c
+    }
+
+    #[test]
+    fn a_fetch_that_fails_is_tried_again_until_it_works_or_the_pauses_run_out() {
+        let dir = std::env::temp_dir().join(format!("xtask-retry-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let pauses = [Duration::ZERO; 3];
+        // (failures before success, succeeds, runs seen)
+        for (case, (failures, ok, runs)) in [(0, true, 1), (2, true, 3), (3, true, 4), (4, false, 4), (9, false, 4)].into_iter().enumerate()
+        {
+            let counter = dir.join(format!("case-{case}"));
+            let result = run_retrying(&pauses, || flaky(&counter, failures));
+            assert_eq!(result.is_ok(), ok, "case {case}: {result:?}");
+            if let Err(e) = result {
+                assert!(format!("{e:#}").contains("gave up after 4 attempts"), "case {case}: {e:#}");
+            }
+            let seen: u32 = std::fs::read_to_string(&counter).unwrap().trim().parse().unwrap();
+            assert_eq!(seen, runs, "case {case}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }

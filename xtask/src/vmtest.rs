@@ -439,9 +439,11 @@ fn fetch_kernel(k: &Kernel, cache: &Path) -> Result<PathBuf> {
             }
         }
     }
-    util::run(
-        util::cmd("apt-get").current_dir(&dl).args(&apt.options).args(["-o", "APT::Sandbox::User=root", "download"]).args(&packages),
-    )?;
+    util::run_fetching(|| {
+        let mut c = util::cmd("apt-get");
+        c.current_dir(&dl).args(&apt.options).args(["-o", "APT::Sandbox::User=root", "download"]).args(&packages);
+        c
+    })?;
     let debs: Vec<PathBuf> = fs::read_dir(&dl)?.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "deb")).collect();
     if debs.is_empty() {
         bail!("apt-get download left no .deb in {}", dl.display());
@@ -501,10 +503,20 @@ impl AptConfig {
         let fetched =
             fs::read_dir(&lists).is_ok_and(|mut d| d.any(|e| e.is_ok_and(|e| e.file_name().to_string_lossy().contains("Packages"))));
         if !fetched {
-            util::run(util::cmd("apt-get").args(&options).args(["-o", "APT::Sandbox::User=root", "update"]))?;
+            apt_update(&options)?;
         }
         Ok(AptConfig { options })
     }
+}
+
+/// `apt-get update` of the private lists, as root without the sandbox
+/// warning (as the download).
+fn apt_update(options: &[String]) -> Result<()> {
+    util::run_fetching(|| {
+        let mut c = util::cmd("apt-get");
+        c.args(options).args(["-o", "APT::Sandbox::User=root", "update"]);
+        c
+    })
 }
 
 /// `k.package` when the archive has it, else the newest match of its
@@ -529,7 +541,7 @@ fn resolve_package(k: &Kernel, apt: &AptConfig) -> Result<String> {
             return Ok(n);
         }
         if attempt == 0 {
-            util::run(util::cmd("apt-get").args(&apt.options).args(["-o", "APT::Sandbox::User=root", "update"]))?;
+            apt_update(&apt.options)?;
         }
     }
     bail!("neither {} nor a package matching {} is known to apt", k.package, k.fallback_pattern)
