@@ -11,6 +11,8 @@ use std::os::fd::{AsFd, AsRawFd};
 
 use aya::maps::{HashMap, Map, MapData};
 use proxy_agent::datapath::maglev_tables;
+use proxy_agent::datapath::maps::Capacities;
+use proxy_agent::datapath::object;
 use proxy_agent::datapath::tc_loader;
 use proxy_agent::decide::decision::ExternalState;
 use proxy_agent::decide::maglev::{self, TableSize};
@@ -40,8 +42,27 @@ struct Loaded {
 }
 
 fn load(tc: &[(Frontend, Vec<Backend>)], size: Option<TableSize>) -> Loaded {
+    load_with(tc, size, None)
+}
+
+/// The TC frontends of `tc`, with every backend on this node (as `load`
+/// writes them).
+fn external(tc: &[(Frontend, Vec<Backend>)]) -> ExternalState {
+    ExternalState {
+        tc: tc.iter().map(|(f, b)| (*f, b.iter().copied().collect())).collect(),
+        local_endpoints: tc.iter().flat_map(|(_, b)| b.iter().map(|b| b.ip)).collect(),
+        ..Default::default()
+    }
+}
+
+/// [`load`], with the maps made first at `caps` when given: the TC load
+/// then adopts them at their pins, whatever their size (`object::load`).
+fn load_with(tc: &[(Frontend, Vec<Backend>)], size: Option<TableSize>, caps: Option<Capacities>) -> Loaded {
     require_root();
     let pins = PinDir::new("tmaglev").expect("pins");
+    if let Some(caps) = caps {
+        drop(object::load(object::EBPF_OBJECT, pins.path(), Some(&caps)).expect("maps at their capacities"));
+    }
     let mut ebpf = tc_loader::load_unattached(pins.path()).expect("load");
     let prog: &mut aya::programs::SchedClassifier =
         ebpf.program_mut(&tc_loader::loaded_name(tc_loader::INGRESS_PROGRAM)).expect("np_ingress").try_into().expect("classifier");
@@ -51,12 +72,7 @@ fn load(tc: &[(Frontend, Vec<Backend>)], size: Option<TableSize>) -> Loaded {
     // tests write them at the default size unless they name another.
     w.set_maglev_size(Some(size.unwrap_or_default()));
     w.set_config(Some("10.0.3.1".parse().unwrap()), None, (61000, 65535)).expect("config");
-    let ext = ExternalState {
-        tc: tc.iter().map(|(f, b)| (*f, b.iter().copied().collect())).collect(),
-        local_endpoints: tc.iter().flat_map(|(_, b)| b.iter().map(|b| b.ip)).collect(),
-        ..Default::default()
-    };
-    let o = w.sync(&ext);
+    let o = w.sync(&external(tc));
     assert!(o.failures.is_empty(), "{:?}", o.failures);
     Loaded { _ebpf: ebpf, ingress, pins }
 }
@@ -409,6 +425,65 @@ fn a_missing_table_falls_back_to_the_slot_pick_and_is_counted() {
     assert!(o.failures.is_empty(), "{:?}", o.failures);
     assert_eq!(o.upserts, 1, "the frontend without its table is rewritten");
     assert_eq!(tables_of(&l).len(), 1);
+}
+
+#[test]
+fn a_table_the_full_outer_map_cannot_take_leaves_the_slot_pick_until_the_next_pass() {
+    // Three frontends with three backend sets, and room for three tables:
+    // the outer map is full. A new generation links its table before the
+    // old one's is unlinked (the switch is one service entry write), so a
+    // changed frontend finds no room for its next table.
+    let caps = Capacities { services: 3, ..Capacities::default() };
+    let mut tc = vec![(fe(FRONTEND), backends(3)), (fe("10.0.1.2:30081"), backends(4)), (fe("10.0.1.2:30082"), backends(5))];
+    let l = load_with(&tc, None, Some(caps));
+    assert_eq!(tables_of(&l).len(), 3);
+    let one = 8 * u64::from(pc::MAGLEV_SIZE_DEFAULT);
+    let mut w = proxy_agent::external::nodeport::NodePortWriter::open(l.pins.path()).expect("writer");
+    w.set_maglev_size(Some(TableSize::Default));
+    assert_eq!(w.maglev_usage(), Some((Some(TableSize::Default), 3, 3 * one)));
+
+    let two = backends(2);
+    tc[0].1 = two.clone();
+    let o = w.sync(&external(&tc));
+    // The frontend is written all the same, without a table: its new
+    // backends serve, by the slot pick.
+    assert!(o.failures.is_empty(), "a missing table is not a failure of the frontend: {:?}", o.failures);
+    assert_eq!(o.upserts, 1);
+    assert_eq!(w.maglev_usage(), Some((Some(TableSize::Default), 2, 2 * one)), "the old generation's table is unlinked");
+    let snap = proxy_agent::datapath::dump::read(l.pins.path()).expect("dump");
+    let report = proxy_agent::datapath::dump::report(l.pins.path(), &snap);
+    assert!(report.consistent, "{:?}", report.findings);
+    let np = report.nodeport.as_ref().expect("TC datapath");
+    let shown: Vec<(String, Option<u32>)> = np.services.iter().map(|s| (s.frontend.clone(), s.maglev_table_size)).collect();
+    assert_eq!(
+        shown,
+        vec![
+            ("10.0.1.2:30080/TCP".to_string(), None),
+            ("10.0.1.2:30081/TCP".to_string(), Some(pc::MAGLEV_SIZE_DEFAULT)),
+            ("10.0.1.2:30082/TCP".to_string(), Some(pc::MAGLEV_SIZE_DEFAULT)),
+        ]
+    );
+    for i in 0..20u8 {
+        let got = picked(&l, &syn([172, 16, 2, i + 1], 41_000));
+        assert!(two.iter().any(|b| b.ip == std::net::IpAddr::from(got)), "a backend of the new set: {got:?}");
+    }
+    let c = proxy_agent::datapath::dump::np_counters(l.pins.path()).unwrap();
+    assert_eq!((c["maglev_miss"], c["slot_miss"]), (0, 0), "no entry announces a table it lacks: {c:?}");
+
+    // The next pass finds the room the unlink made, and rewrites the
+    // frontend with its table; the pass after that has nothing to do.
+    let o = w.sync(&external(&tc));
+    assert!(o.failures.is_empty(), "{:?}", o.failures);
+    assert_eq!(o.upserts, 1, "the frontend without its table is rewritten");
+    let t = tables_of(&l);
+    let key = ServiceKey { ip_be: [u32::from_be_bytes([10, 0, 1, 2]).to_be(), 0, 0, 0], port_be: 30080u16.to_be(), proto: 6, family: 2 };
+    let want: Vec<Backend> = {
+        let t = maglev::table(&two, TableSize::Default);
+        (0..t.entries.len()).map(|i| t.backend_at(i).unwrap()).collect()
+    };
+    assert_eq!(t[&key], (pc::MAGLEV_SIZE_DEFAULT, want), "the table of the new set");
+    assert_eq!(w.maglev_usage(), Some((Some(TableSize::Default), 3, 3 * one)));
+    assert_eq!(w.sync(&external(&tc)).upserts, 0);
 }
 
 #[test]
