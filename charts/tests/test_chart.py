@@ -57,7 +57,7 @@ NON_DEFAULT = {
     "kubernetes": {"apiServerHost": "192.0.2.10", "apiServerPort": 6443},
     "cgroup": {"hostRoot": "/sys/fs/cgroup/unified"},
     "bpf": {"root": "/run/bpf", "pinDir": "tp-test", "mountIfMissing": False},
-    "maps": {"maxServices": 1024, "maxSlots": 8192, "maxBackends": 4096, "maxSockRevnat": 2048, "maxNpConntrack": 16384},
+    "maps": {"maxServices": 1024, "maxSlots": 8192, "maxBackends": 4096, "maxSockRevnat": 2048, "maxNpConntrack": 16384, "maxAffinity": 4096},
     "conntrack": {
         "gcIntervalSeconds": 5,
         "tcpTimeoutSeconds": 3600,
@@ -68,6 +68,7 @@ NON_DEFAULT = {
     "devices": ["eth0", "bond0"],
     "nodeIPs": ["192.0.2.21", "2001:db8::21"],
     "snatPortRange": "40000-45000",
+    "tcMode": "netlink",
     "xdp": "native",
     "maglev": {"tableSize": 65521},
     "metrics": {
@@ -283,6 +284,7 @@ def test_agent_arguments_environment_and_probes(default_objects):
         "--log-level": "info",
         "--metrics-address": "0.0.0.0:10256",
         "--devices": "auto",
+        "--tc-mode": "auto",
         "--xdp": "off",
         "--maglev-table-size": "off",
     }
@@ -392,6 +394,7 @@ def test_values_reach_the_agent(custom_objects):
         "--max-backends": "4096",
         "--max-sock-revnat": "2048",
         "--max-np-conntrack": "16384",
+        "--max-affinity": "4096",
         "--conntrack-gc-interval-secs": "5",
         "--conntrack-tcp-timeout-secs": "3600",
         "--conntrack-tcp-closing-timeout-secs": "20",
@@ -402,6 +405,7 @@ def test_values_reach_the_agent(custom_objects):
         "--devices": "eth0,bond0",
         "--node-ip": "192.0.2.21,2001:db8::21",
         "--snat-port-range": "40000-45000",
+        "--tc-mode": "netlink",
         "--xdp": "native",
         "--maglev-table-size": "65521",
         "--poll-interval-ms": "500",
@@ -451,7 +455,16 @@ def test_devices_default_to_auto_and_take_a_list_or_none(default_objects, custom
 def test_xdp_and_maglev_tables_are_off_by_default(default_objects):
     # Passed explicitly, as `devices` is, so that the DaemonSet shows them.
     args = args_of(one(default_objects, "DaemonSet"))
-    assert (args["--xdp"], args["--maglev-table-size"]) == ("off", "off")
+    assert (args["--tc-mode"], args["--xdp"], args["--maglev-table-size"]) == ("auto", "off", "off")
+    # Capacities the chart does not set are the agent's to size.
+    assert "--max-affinity" not in args
+
+
+# A null deletes the key from the merged values (Helm's coalescing), so
+# the template's own default applies.
+@pytest.mark.parametrize("mode, flag", [("auto", "auto"), ("tcx", "tcx"), ("netlink", "netlink"), (None, "auto")])
+def test_tc_mode_value_becomes_the_flag(mode, flag):
+    assert args_of(one(render({"tcMode": mode}), "DaemonSet"))["--tc-mode"] == flag
 
 
 # `false` is what YAML makes of a bare `off` in a values file (YAML 1.1
@@ -506,13 +519,14 @@ def test_xdp_and_maglev_as_users_write_them(values, flags):
         ({"xdp": "Native"}, "/xdp", "'off', 'auto', 'native'"),
         ({"xdp": True}, "/xdp", "'off', 'auto', 'native'"),
         ({"xdp": ""}, "/xdp", "'off', 'auto', 'native'"),
+        ({"tcMode": "clsact"}, "/tcMode", "'auto', 'tcx', 'netlink'"),
         ({"maglev": {"tableSize": 1234}}, "/maglev/tableSize", "16381, 65521"),
         ({"maglev": {"tableSize": "1234"}}, "/maglev/tableSize", "16381, 65521"),
         ({"maglev": {"tableSize": 16383}}, "/maglev/tableSize", "16381, 65521"),
         ({"maglev": {"tableSize": True}}, "/maglev/tableSize", "16381, 65521"),
     ],
 )
-def test_bad_xdp_or_maglev_values_are_refused_naming_the_value(values, path, allowed):
+def test_bad_tc_mode_xdp_or_maglev_values_are_refused_naming_the_value(values, path, allowed):
     with pytest.raises(helm.HelmValuesError) as e:
         render(values)
     message = str(e.value)
