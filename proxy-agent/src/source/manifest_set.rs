@@ -321,6 +321,19 @@ impl ManifestSet {
             if self.files.get(path.as_path()).is_some_and(|f| f.stamp == stamp) || hold(path) {
                 continue;
             }
+            // A file emptied in place (same inode) that held objects is a
+            // rewrite caught between its truncation and its first write:
+            // `kubectl get -o json > file` truncates before kubectl has
+            // fetched anything, and an in-place writer's close can be read
+            // after the next writer's O_TRUNC. Removing its objects would
+            // cut their traffic for that moment, so it is taken as not
+            // parsing. An empty file renamed over it (a whole write),
+            // deleting it, or a comment alone in it removes them.
+            let emptied = stamp.len == 0
+                && self
+                    .files
+                    .get(path.as_path())
+                    .is_some_and(|f| (f.stamp.dev, f.stamp.ino) == (stamp.dev, stamp.ino) && f.parsed && f.objects > 0);
             let id = if let Some(state) = self.files.get_mut(path.as_path()) {
                 state.stamp = stamp;
                 state.id
@@ -335,7 +348,7 @@ impl ManifestSet {
                 id
             };
             update.read += 1;
-            batch.push((id, read(path)));
+            batch.push((id, if emptied { Outcome::Failed(emptied_error(path)) } else { read(path) }));
         }
         // A given path that is now a file which does not parse (a
         // directory replaced by garbage) keeps what was under it.
@@ -521,6 +534,13 @@ impl ManifestSet {
     }
 }
 
+fn emptied_error(path: &Path) -> ManifestError {
+    ManifestError {
+        location: path.display().to_string(),
+        reason: "emptied in place, taken as a rewrite in progress (to remove its objects, delete the file, rename an empty one over it, or leave only a comment in it)".into(),
+    }
+}
+
 fn read(path: &Path) -> Outcome {
     match read_file(path) {
         Ok(objects) => Outcome::Parsed(objects),
@@ -579,6 +599,11 @@ mod tests {
             let tmp = self.0.join(format!(".{name}.tmp"));
             std::fs::write(&tmp, text).expect("write");
             std::fs::rename(&tmp, self.0.join(name)).expect("rename");
+        }
+
+        /// Truncates and writes the file itself, as `>` and most editors do.
+        fn write_in_place(&self, name: &str, text: &str) {
+            std::fs::write(self.0.join(name), text).expect("write in place");
         }
     }
 
@@ -737,6 +762,43 @@ mod tests {
         std::fs::write(&root, svc("c1", "10.96.0.3")).expect("file");
         let u = set.refresh(&|_| false);
         assert_eq!(show(&u), [s("a1", "-", 0), s("c1", "10.96.0.3", 0)]);
+    }
+
+    #[test]
+    fn an_emptied_file_keeps_its_objects_until_written_or_deleted() {
+        let dir = Dir::new("emptied");
+        dir.write("a.yaml", &svc("a1", "10.96.0.1"));
+        let mut set = ManifestSet::new(vec![dir.0.clone()]);
+        assert_eq!(show(&set.refresh(&|_| false)), [s("a1", "10.96.0.1", 0)]);
+        // Truncated, as `> a.yaml` leaves it before the writer writes.
+        dir.write_in_place("a.yaml", "");
+        let u = set.refresh(&|_| false);
+        assert!(u.deltas.is_empty(), "{u:?}");
+        assert_eq!(u.errors.len(), 1, "{:?}", u.errors);
+        assert!(u.errors[0].location.ends_with("a.yaml"), "{:?}", u.errors);
+        assert!(u.errors[0].reason.contains("empty") && u.errors[0].reason.contains("keeping the 1 objects"), "{:?}", u.errors);
+        // The writer's content arrives: taken.
+        dir.write_in_place("a.yaml", &svc("a1", "10.96.0.9"));
+        assert_eq!(show(&set.refresh(&|_| false)), [s("a1", "10.96.0.9", 0)]);
+        // A new empty file (or one that held nothing) is just empty.
+        dir.write("b.yaml", "");
+        let u = set.refresh(&|_| false);
+        assert!(u.deltas.is_empty() && u.errors.is_empty(), "{u:?}");
+        // A comment alone is a file with no objects: they go.
+        dir.write_in_place("a.yaml", "# moved\n");
+        assert_eq!(show(&set.refresh(&|_| false)), [s("a1", "-", 0)]);
+        // So do they when an empty file is renamed over it: a whole write.
+        dir.write_in_place("a.yaml", &svc("a1", "10.96.0.9"));
+        assert_eq!(show(&set.refresh(&|_| false)), [s("a1", "10.96.0.9", 0)]);
+        dir.write("a.yaml", "");
+        assert_eq!(show(&set.refresh(&|_| false)), [s("a1", "-", 0)]);
+        // Deleting the emptied file removes its objects.
+        dir.write_in_place("a.yaml", &svc("a1", "10.96.0.9"));
+        assert_eq!(show(&set.refresh(&|_| false)), [s("a1", "10.96.0.9", 0)]);
+        dir.write_in_place("a.yaml", "");
+        assert_eq!(set.refresh(&|_| false).errors.len(), 1);
+        std::fs::remove_file(dir.0.join("a.yaml")).expect("rm");
+        assert_eq!(show(&set.refresh(&|_| false)), [s("a1", "-", 0)]);
     }
 
     #[test]
