@@ -533,6 +533,22 @@ def test_bad_tc_mode_xdp_or_maglev_values_are_refused_naming_the_value(values, p
     assert f"at '{path}'" in message and allowed in message, message
 
 
+# A null in the user's values deletes the chart's default (Helm's
+# coalescing); a group the templates read must then be named as missing,
+# not fail deep in a template on a nil pointer.
+@pytest.mark.parametrize(
+    "group",
+    [
+        "image", "kubernetes", "cgroup", "bpf", "maps", "conntrack", "maglev", "metrics",
+        "livenessProbe", "readinessProbe", "kubeProxyCleanup", "serviceAccount", "rbac",
+    ],
+)
+def test_a_group_set_to_null_is_refused_by_name(group):
+    with pytest.raises(helm.HelmValuesError) as e:
+        render({group: None})
+    assert f"missing property '{group}'" in str(e.value), str(e.value)
+
+
 def test_misspelt_maglev_key_is_refused():
     with pytest.raises(helm.HelmValuesError) as e:
         render({"maglev": {"tablesize": 16381}})
