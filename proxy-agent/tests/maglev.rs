@@ -34,6 +34,18 @@ fn backends(n: u8) -> Vec<Backend> {
     (1..=n).map(|i| Backend { ip: [10, 244, 1, i].into(), port: 8080 }).collect()
 }
 
+/// The service key of [`FRONTEND`].
+fn frontend_key() -> ServiceKey {
+    ServiceKey { ip_be: [u32::from_be_bytes([10, 0, 1, 2]).to_be(), 0, 0, 0], port_be: 30080u16.to_be(), proto: 6, family: 2 }
+}
+
+/// The default-size table of `set` as the pure computation makes it,
+/// entry by entry.
+fn pure_table(set: &[Backend]) -> Vec<Backend> {
+    let t = maglev::table(set, TableSize::Default);
+    (0..t.entries.len()).map(|i| t.backend_at(i).unwrap()).collect()
+}
+
 /// A loaded, unattached TC datapath whose maps hold `tc`.
 struct Loaded {
     _ebpf: aya::Ebpf,
@@ -115,12 +127,7 @@ fn two_agents_with_the_same_input_link_identical_tables_the_pure_ones() {
     let (ta, tb) = (tables_of(&a), tables_of(&b));
     assert_eq!(ta.len(), 2);
     assert_eq!(ta, tb, "identical tables from the same input");
-    let want: Vec<Backend> = {
-        let t = maglev::table(&set, TableSize::Default);
-        (0..t.entries.len()).map(|i| t.backend_at(i).unwrap()).collect()
-    };
-    let key = ServiceKey { ip_be: [u32::from_be_bytes([10, 0, 1, 2]).to_be(), 0, 0, 0], port_be: 30080u16.to_be(), proto: 6, family: 2 };
-    assert_eq!(ta[&key], (pc::MAGLEV_SIZE_DEFAULT, want), "the datapath holds the pure computation's table");
+    assert_eq!(ta[&frontend_key()], (pc::MAGLEV_SIZE_DEFAULT, pure_table(&set)), "the datapath holds the pure computation's table");
 }
 
 #[test]
@@ -476,12 +483,7 @@ fn a_table_the_full_outer_map_cannot_take_leaves_the_slot_pick_until_the_next_pa
     assert!(o.failures.is_empty(), "{:?}", o.failures);
     assert_eq!(o.upserts, 1, "the frontend without its table is rewritten");
     let t = tables_of(&l);
-    let key = ServiceKey { ip_be: [u32::from_be_bytes([10, 0, 1, 2]).to_be(), 0, 0, 0], port_be: 30080u16.to_be(), proto: 6, family: 2 };
-    let want: Vec<Backend> = {
-        let t = maglev::table(&two, TableSize::Default);
-        (0..t.entries.len()).map(|i| t.backend_at(i).unwrap()).collect()
-    };
-    assert_eq!(t[&key], (pc::MAGLEV_SIZE_DEFAULT, want), "the table of the new set");
+    assert_eq!(t[&frontend_key()], (pc::MAGLEV_SIZE_DEFAULT, pure_table(&two)), "the table of the new set");
     assert_eq!(w.maglev_usage(), Some((Some(TableSize::Default), 3, 3 * one)));
     assert_eq!(w.sync(&external(&tc)).upserts, 0);
 }

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result, bail};
 
-use crate::util;
+use crate::{setup, util};
 
 /// Where the venv lives; the chart test (proxy-agent/tests/chart.rs) looks
 /// for it next to its own binary's target directory.
@@ -60,21 +60,6 @@ fn create_venv(venv: &Path) -> Result<()> {
     if !util::is_root() || util::output(util::cmd("dpkg-query").arg("--version")).is_none() {
         bail!("`python3 -m venv` failed; install Python 3 with venv support (Debian: python3-venv)");
     }
-    println!("installing: python3-venv (apt-get update; apt-get install -y python3-venv)");
-    let apt = || {
-        let mut c = util::cmd("apt-get");
-        c.env("DEBIAN_FRONTEND", "noninteractive");
-        c
-    };
-    util::run_fetching(|| {
-        let mut c = apt();
-        c.arg("update");
-        c
-    })?;
-    util::run_fetching(|| {
-        let mut c = apt();
-        c.args(["install", "-y", "python3-venv"]);
-        c
-    })?;
+    setup::ensure_debian_packages(&["python3-venv"], false)?;
     util::run(util::cmd("/usr/bin/python3").args(["-m", "venv"]).arg(venv))
 }

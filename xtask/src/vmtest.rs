@@ -35,7 +35,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -424,8 +424,6 @@ fn fetch_kernel(k: &Kernel, cache: &Path) -> Result<PathBuf> {
     let dl = cache.join("download");
     let _ = fs::remove_dir_all(&dl);
     fs::create_dir_all(&dl).with_context(|| format!("create {}", dl.display()))?;
-    // _apt cannot write into root's target/: download as root without the
-    // sandbox warning.
     // Newer Debian kernels split the image package into the kernel
     // (`linux-binary-*`), its modules (`linux-modules-*`) and their lists
     // (`linux-base-*`, with modules.builtin), on which `linux-image-*` only
@@ -440,8 +438,8 @@ fn fetch_kernel(k: &Kernel, cache: &Path) -> Result<PathBuf> {
         }
     }
     util::run_fetching(|| {
-        let mut c = util::cmd("apt-get");
-        c.current_dir(&dl).args(&apt.options).args(["-o", "APT::Sandbox::User=root", "download"]).args(&packages);
+        let mut c = apt_get(&apt.options, "download");
+        c.current_dir(&dl).args(&packages);
         c
     })?;
     let debs: Vec<PathBuf> = fs::read_dir(&dl)?.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "deb")).collect();
@@ -509,14 +507,16 @@ impl AptConfig {
     }
 }
 
-/// `apt-get update` of the private lists, as root without the sandbox
-/// warning (as the download).
+/// `apt-get <verb>` on the private lists (`options`), as root without the
+/// sandbox warning: _apt cannot write into root's target/.
+fn apt_get(options: &[String], verb: &str) -> Command {
+    let mut c = util::cmd("apt-get");
+    c.args(options).args(["-o", "APT::Sandbox::User=root", verb]);
+    c
+}
+
 fn apt_update(options: &[String]) -> Result<()> {
-    util::run_fetching(|| {
-        let mut c = util::cmd("apt-get");
-        c.args(options).args(["-o", "APT::Sandbox::User=root", "update"]);
-        c
-    })
+    util::run_fetching(|| apt_get(options, "update"))
 }
 
 /// `k.package` when the archive has it, else the newest match of its

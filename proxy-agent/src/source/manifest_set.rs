@@ -318,7 +318,8 @@ impl ManifestSet {
         for (path, meta) in &listing.files {
             present.insert(path.as_path());
             let stamp = Stamp::of(meta);
-            if self.files.get(path.as_path()).is_some_and(|f| f.stamp == stamp) || hold(path) {
+            let known = self.files.get(path.as_path());
+            if known.is_some_and(|f| f.stamp == stamp) || hold(path) {
                 continue;
             }
             // A file emptied in place (same inode) that held objects is a
@@ -329,11 +330,8 @@ impl ManifestSet {
             // cut their traffic for that moment, so it is taken as not
             // parsing. An empty file renamed over it (a whole write),
             // deleting it, or a comment alone in it removes them.
-            let emptied = stamp.len == 0
-                && self
-                    .files
-                    .get(path.as_path())
-                    .is_some_and(|f| (f.stamp.dev, f.stamp.ino) == (stamp.dev, stamp.ino) && f.parsed && f.objects > 0);
+            let emptied =
+                stamp.len == 0 && known.is_some_and(|f| (f.stamp.dev, f.stamp.ino) == (stamp.dev, stamp.ino) && f.parsed && f.objects > 0);
             let id = if let Some(state) = self.files.get_mut(path.as_path()) {
                 state.stamp = stamp;
                 state.id
