@@ -208,7 +208,13 @@ fn udp_is_translated_both_ways_and_sticks_to_one_backend_per_socket() {
         assert_eq!(r["sameBackend"], true, "{r}");
         assert_eq!(r["connectedPeer"], "10.96.0.10:80", "getpeername on a connected UDP socket: {r}");
     }
-    assert_eq!(replies(&results), set(&["dns-a", "dns-b", "dns-c"]), "UDP and TCP on port 80 are different Services");
+    // Only the UDP Service's backends answer (TCP's pods listen on the
+    // same port). Each of them is reached too, but by probes repeated until
+    // one sees all three: 20 random picks miss one of three backends about
+    // once in a thousand runs (3 x (2/3)^20), seen once on 5.10.
+    let got = replies(&results);
+    assert!(got.is_subset(&set(&["dns-a", "dns-b", "dns-c"])), "UDP and TCP on port 80 are different Services: {got:?}");
+    wait_for_backends(&node, &net, "10.96.0.10:80", &["--udp", "--connected", "--per-socket", "3"], &["dns-a", "dns-b", "dns-c"]);
 }
 
 #[test]
