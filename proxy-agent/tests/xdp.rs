@@ -1,17 +1,18 @@
 //! NodePort at XDP (`--xdp`): flows to a remote backend are translated and
 //! forwarded by the XDP program on the node's client-facing veth, sharing
 //! conntrack with the TC programs, which handle the replies and everything
-//! XDP passes on.
+//! XDP passes on. Both families: IPv4, and IPv6 without extension headers.
 //!
 //! Three isolated namespaces, no link to the host's:
 //!
 //! ```text
-//!   client c-n 10.0.1.1 ---- n-c 10.0.1.2  node  n-b 10.0.3.1 ---- eth0 10.0.3.2 backend
+//!   client c-n 10.0.1.1  ---- n-c 10.0.1.2   node  n-b 10.0.3.1  ---- eth0 10.0.3.2  backend
+//!              fd00:1::1           fd00:1::2           fd00:3::1           fd00:3::2
 //! ```
 //!
-//! The backend stands for a pod on another node: its endpoint names
+//! The backend stands for a pod on another node: its endpoints name
 //! another node, so the agent (node `node-a`, `--devices n-c,n-b`) DNATs
-//! and SNATs to it. The client has no route to 10.0.3.0/24.
+//! and SNATs to it. The client has no route to 10.0.3.0/24 or fd00:3::/64.
 //!
 //! Two veth settings make XDP forwarding work, both set here with the
 //! ethtool ioctl (no ethtool binary needed):
@@ -22,21 +23,40 @@
 //! * Transmit checksum offload off on the client's `c-n`: otherwise the
 //!   client's TCP segments cross the veth with partial checksums, which a
 //!   forwarded XDP frame cannot carry (a NIC always delivers complete ones).
+//!   `ETHTOOL_STXCSUM` switches every transmit checksum feature of the
+//!   device, IPv6's included (net/ethtool/ioctl.c, `NETIF_F_CSUM_MASK`).
+//!
+//! The raw-frame tests at the end run the programs with BPF_PROG_TEST_RUN
+//! in namespaces of their own: what XDP passes and how TC continues, and
+//! the bytes of frames XDP forwards (checksums above all).
 
 mod support;
 
 use std::io::{BufRead, BufReader, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{IpAddr, SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
 
+use proxy_test_support::checksum::csum;
 use proxy_test_support::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in, echo_server, in_netns, spawn_backend};
 use proxy_test_support::wait::eventually;
 use support::*;
 
-const NODE: &str = "10.0.1.2";
-const BACKEND: &str = "10.0.3.2";
+/// The node's client-facing and the backend's address, of one family.
+#[derive(Clone, Copy, Debug)]
+struct Family {
+    node: &'static str,
+    backend: &'static str,
+}
+
+const V4: Family = Family { node: "10.0.1.2", backend: "10.0.3.2" };
+const V6: Family = Family { node: "fd00:1::2", backend: "fd00:3::2" };
+
+/// `ip:port` as a socket address string (`[ip]:port` for IPv6).
+fn at(ip: &str, port: u16) -> String {
+    SocketAddr::new(ip.parse().expect("test address"), port).to_string()
+}
 
 struct World {
     client: Netns,
@@ -60,17 +80,32 @@ impl World {
         node.veth("n-b", &backend, "eth0").expect("veth node-backend");
         for (ns, cidr, dev) in [
             (&client, "10.0.1.1/24", "c-n"),
+            (&client, "fd00:1::1/64", "c-n"),
             (&node, "10.0.1.2/24", "n-c"),
+            (&node, "fd00:1::2/64", "n-c"),
             (&node, "10.0.3.1/24", "n-b"),
+            (&node, "fd00:3::1/64", "n-b"),
             (&backend, "10.0.3.2/24", "eth0"),
+            (&backend, "fd00:3::2/64", "eth0"),
         ] {
-            ns.ip(&["addr", "add", cidr, "dev", dev]).unwrap_or_else(|e| panic!("{cidr} on {dev}: {e}"));
+            // No duplicate address detection: the addresses are usable at
+            // once instead of tentative for a second or more.
+            let mut args = vec!["addr", "add", cidr, "dev", dev];
+            if cidr.contains(':') {
+                args.push("nodad");
+            }
+            ns.ip(&args).unwrap_or_else(|e| panic!("{cidr} on {dev}: {e}"));
         }
         backend.ip(&["route", "add", "default", "via", "10.0.3.1"]).expect("backend route");
+        backend.ip(&["-6", "route", "add", "default", "via", "fd00:3::1"]).expect("backend route6");
         node.sysctl("net.ipv4.ip_forward", "1").expect("ip_forward");
+        // Also what lets `bpf_fib_lookup` answer for IPv6 at all: it
+        // refuses to forward from a device without it
+        // (`BPF_FIB_LKUP_RET_FWD_DISABLED`, net/core/filter.c).
+        node.sysctl("net.ipv6.conf.all.forwarding", "1").expect("ipv6 forwarding");
         in_netns(&backend, || ethtool_set("eth0", ETHTOOL_SGRO, 1)).expect("netns").expect("GRO on the backend's eth0");
         in_netns(&client, || ethtool_set("c-n", ETHTOOL_STXCSUM, 0)).expect("netns").expect("tx checksum off on c-n");
-        let listen = [format!("{BACKEND}:8080"), format!("{BACKEND}:5353")];
+        let listen: Vec<String> = [V4, V6].iter().flat_map(|f| [at(f.backend, 8080), at(f.backend, 5353)]).collect();
         let backend_proc = spawn_backend(&agent_bin(), &backend, "pod-b", &listen).expect("backend");
         let manifests = TempDir::new("txdp-manifests");
         let log = manifests.0.join("agent.log.txt");
@@ -85,9 +120,13 @@ impl World {
             agent: None,
             _backend_proc: backend_proc,
         };
-        let yaml = format!(
-            "---\napiVersion: v1\nkind: Service\nmetadata: {{name: web, namespace: default}}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.10\n  externalTrafficPolicy: Cluster\n  ports:\n  - {{name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30080}}\n  - {{name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 30053}}\n  - {{name: echo, port: 90, protocol: TCP, targetPort: 9090, nodePort: 30090}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-ipv4\n  namespace: default\n  labels: {{kubernetes.io/service-name: web}}\naddressType: IPv4\nports:\n- {{name: http, port: 8080, protocol: TCP}}\n- {{name: dns, port: 5353, protocol: UDP}}\n- {{name: echo, port: 9090, protocol: TCP}}\nendpoints:\n- addresses: [\"{BACKEND}\"]\n  conditions: {{ready: true}}\n  nodeName: node-b\n"
-        );
+        let mut yaml = "---\napiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.10\n  clusterIPs: [10.96.0.10, \"fd00:96::10\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  externalTrafficPolicy: Cluster\n  ports:\n  - {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30080}\n  - {name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 30053}\n  - {name: echo, port: 90, protocol: TCP, targetPort: 9090, nodePort: 30090}\n".to_string();
+        for (fam, ip) in [("IPv4", V4.backend), ("IPv6", V6.backend)] {
+            yaml.push_str(&format!(
+                "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-{}\n  namespace: default\n  labels: {{kubernetes.io/service-name: web}}\naddressType: {fam}\nports:\n- {{name: http, port: 8080, protocol: TCP}}\n- {{name: dns, port: 5353, protocol: UDP}}\n- {{name: echo, port: 9090, protocol: TCP}}\nendpoints:\n- addresses: [\"{ip}\"]\n  conditions: {{ready: true}}\n  nodeName: node-b\n",
+                fam.to_lowercase()
+            ));
+        }
         std::fs::write(w.manifests.0.join("cluster.yaml"), yaml).expect("write manifest");
         w
     }
@@ -105,7 +144,7 @@ impl World {
             .arg(self.cgroup.path())
             .arg("--bpffs")
             .arg(self.pins.path())
-            .args(["--poll-interval-ms", "50", "--devices", "n-c,n-b", "--node-ip", NODE])
+            .args(["--poll-interval-ms", "50", "--devices", "n-c,n-b", "--node-ip", &format!("{},{}", V4.node, V6.node)])
             .args(if xdp.is_empty() { Vec::new() } else { vec!["--xdp", xdp] })
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("dup log"))
@@ -234,6 +273,19 @@ fn echo(s: &mut TcpStream, r: &mut BufReader<TcpStream>, msg: &str) {
 
 #[test]
 fn remote_backend_answers_through_xdp_conntrack_is_shared_and_restart_and_removal_keep_the_flow() {
+    remote_backend_through_xdp(V4);
+}
+
+#[test]
+fn remote_backend_answers_over_ipv6_through_xdp_conntrack_is_shared_and_restart_and_removal_keep_the_flow() {
+    remote_backend_through_xdp(V6);
+}
+
+/// One family's flows to the remote backend: forwarded by XDP (TCP and
+/// UDP), the replies translated by TC from the same conntrack entries, and
+/// a long-lived connection carried on across an agent restart (the pinned
+/// XDP link adopted) and the removal of XDP (TC takes the flow over).
+fn remote_backend_through_xdp(fam: Family) {
     let mut w = World::new();
     w.start_agent("native");
     eventually("the XDP link to be pinned on n-c and n-b", || {
@@ -245,12 +297,13 @@ fn remote_backend_answers_through_xdp_conntrack_is_shared_and_restart_and_remova
     assert!(text.contains("xdp: native on n-b n-c"), "{text}");
     assert_eq!(json["nodeport"]["xdpDevices"], serde_json::json!(["n-b", "n-c"]));
     // TCP and UDP: the first packet of the first flow finds the backend's
-    // neighbour unresolved (XDP passes it to TC, which resolves it); then
-    // XDP forwards.
-    w.wait_answers(&format!("{NODE}:30080"), &[]);
-    w.wait_answers(&format!("{NODE}:30053"), &["--udp"]);
+    // neighbour unresolved (XDP passes it to TC, which resolves it through
+    // the stack: ARP, or neighbour discovery for IPv6); then XDP forwards.
+    let (http, dns) = (at(fam.node, 30080), at(fam.node, 30053));
+    w.wait_answers(&http, &[]);
+    w.wait_answers(&dns, &["--udp"]);
     let before = w.counter("xdp_forwarded");
-    w.wait_answers(&format!("{NODE}:30080"), &[]);
+    w.wait_answers(&http, &[]);
     let after = w.counter("xdp_forwarded");
     assert!(after > before, "XDP forwarded nothing: {before} -> {after}");
     // Replies come back through TC (ingress reverses the SNAT, egress the
@@ -259,8 +312,8 @@ fn remote_backend_answers_through_xdp_conntrack_is_shared_and_restart_and_remova
     assert_eq!(w.counter("rewrite_failed"), 0);
 
     // A long-lived connection, then XDP removed under it.
-    let _accepted = echo_server(&w.backend, format!("{BACKEND}:9090").parse().expect("addr")).expect("echo server");
-    let mut s = connect(&w.client, format!("{NODE}:30090").parse().expect("addr"));
+    let _accepted = echo_server(&w.backend, at(fam.backend, 9090).parse().expect("addr")).expect("echo server");
+    let mut s = connect(&w.client, at(fam.node, 30090).parse().expect("addr"));
     let mut r = BufReader::new(s.try_clone().expect("clone"));
     for i in 0..5 {
         echo(&mut s, &mut r, &format!("xdp {i}"));
@@ -278,7 +331,7 @@ fn remote_backend_answers_through_xdp_conntrack_is_shared_and_restart_and_remova
     echo(&mut s, &mut r, "between agents");
     w.start_agent("native");
     eventually("the restarted agent to serve", || {
-        let r = w.probe(&["--to", &format!("{NODE}:30080"), "--count", "2", "--timeout-ms", "1000"]);
+        let r = w.probe(&["--to", &http, "--count", "2", "--timeout-ms", "1000"]);
         if r.iter().all(|x| x["ok"] == true) && !r.is_empty() { Ok(()) } else { Err(r) }
     });
     assert_eq!(ino(), ino_before, "the restart must adopt the pinned XDP link, not replace it");
@@ -310,7 +363,7 @@ fn auto_attaches_native_xdp_on_veth_and_the_default_is_off() {
         let d = w.xdp_devices();
         if d == ["n-b", "n-c"] && w.kernel_has_xdp("n-c") { Ok(()) } else { Err(d) }
     });
-    w.wait_answers(&format!("{NODE}:30080"), &[]);
+    w.wait_answers(&at(V4.node, 30080), &[]);
     w.stop_agent();
     // Without the flag: off, and what an earlier run attached is detached.
     w.start_agent("");
@@ -318,134 +371,519 @@ fn auto_attaches_native_xdp_on_veth_and_the_default_is_off() {
         if w.xdp_devices().is_empty() && !w.kernel_has_xdp("n-c") { Ok(()) } else { Err(w.xdp_devices()) }
     });
     let forwarded = w.counter("xdp_forwarded");
-    w.wait_answers(&format!("{NODE}:30080"), &[]);
+    w.wait_answers(&at(V4.node, 30080), &[]);
     assert_eq!(w.counter("xdp_forwarded"), forwarded, "no XDP by default");
     w.stop_agent();
 }
 
-/// Ethernet + IPv4 (header checksum filled in, `frag` as the flags and
-/// offset word) + `l4`.
-fn ipv4(proto: u8, dst: [u8; 4], frag: u16, l4: &[u8]) -> Vec<u8> {
-    let mut f = vec![0x02, 0, 0, 0, 0, 1, 0x02, 0, 0, 0, 0, 2, 0x08, 0x00];
-    let mut ip = vec![0x45, 0];
-    ip.extend_from_slice(&((20 + l4.len()) as u16).to_be_bytes());
-    ip.extend_from_slice(&[0, 1]);
-    ip.extend_from_slice(&frag.to_be_bytes());
-    ip.extend_from_slice(&[64, proto, 0, 0, 10, 0, 1, 1]);
-    ip.extend_from_slice(&dst);
-    let mut sum: u32 = ip.chunks(2).map(|c| u32::from(u16::from_be_bytes([c[0], c[1]]))).sum();
-    while sum > 0xffff {
-        sum = (sum & 0xffff) + (sum >> 16);
-    }
-    ip[10..12].copy_from_slice(&(!(sum as u16)).to_be_bytes());
-    f.extend_from_slice(&ip);
-    f.extend_from_slice(l4);
-    f
+// ---------------------------------------------------------------------------
+// Raw frames through BPF_PROG_TEST_RUN
+// ---------------------------------------------------------------------------
+
+const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 2];
+const NODE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 1];
+const IPPROTO_TCP: u8 = 6;
+const IPPROTO_UDP: u8 = 17;
+const IPPROTO_ICMP: u8 = 1;
+const IPPROTO_ICMPV6: u8 = 58;
+/// IPv6 extension headers (RFC 8200 4).
+const IPPROTO_HOPOPTS: u8 = 0;
+const IPPROTO_FRAGMENT: u8 = 44;
+
+/// A frame to build: Ethernet, IPv4 (no options, header checksum filled
+/// in) or IPv6 (the fixed header, then `ext`), then `l4` with its checksum
+/// at `csum_at` computed over the pseudo header (RFC 793/768, RFC 8200
+/// 8.1), unless `None`.
+#[derive(Clone)]
+struct Frame {
+    src: IpAddr,
+    dst: IpAddr,
+    proto: u8,
+    /// TTL or hop limit.
+    ttl: u8,
+    /// IPv4's flags and fragment offset word.
+    frag: u16,
+    /// IPv6 extension headers in order: (type, bytes), the next-header
+    /// byte of each filled in by `build`.
+    ext: Vec<(u8, Vec<u8>)>,
+    l4: Vec<u8>,
+    csum_at: Option<usize>,
 }
 
-/// A TCP SYN from 10.0.1.1:40000 to `dst:dport`.
-fn syn(dst: [u8; 4], dport: u16, frag: u16) -> Vec<u8> {
-    let mut t = Vec::new();
-    t.extend_from_slice(&40000u16.to_be_bytes());
-    t.extend_from_slice(&dport.to_be_bytes());
-    t.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, 0x02, 0xff, 0xff, 0, 0, 0, 0]);
-    ipv4(6, dst, frag, &t)
+impl Frame {
+    fn new(src: &str, dst: &str, proto: u8, l4: Vec<u8>, csum_at: Option<usize>) -> Frame {
+        Frame { src: src.parse().expect("src"), dst: dst.parse().expect("dst"), proto, ttl: 64, frag: 0, ext: Vec::new(), l4, csum_at }
+    }
+
+    /// A TCP segment (`flags`) with a payload.
+    fn tcp(src: &str, dst: &str, sport: u16, dport: u16, flags: u8) -> Frame {
+        let mut t = Vec::new();
+        t.extend_from_slice(&sport.to_be_bytes());
+        t.extend_from_slice(&dport.to_be_bytes());
+        t.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 0, 0x50, flags, 0xff, 0xff, 0, 0, 0, 0]);
+        t.extend_from_slice(b"payload!");
+        Frame::new(src, dst, IPPROTO_TCP, t, Some(16))
+    }
+
+    fn syn(src: &str, dst: &str, sport: u16, dport: u16) -> Frame {
+        Frame::tcp(src, dst, sport, dport, 0x02)
+    }
+
+    /// A UDP datagram carrying `payload`.
+    fn udp(src: &str, dst: &str, sport: u16, dport: u16, payload: &[u8]) -> Frame {
+        let mut u = Vec::new();
+        u.extend_from_slice(&sport.to_be_bytes());
+        u.extend_from_slice(&dport.to_be_bytes());
+        u.extend_from_slice(&((8 + payload.len()) as u16).to_be_bytes());
+        u.extend_from_slice(&[0, 0]);
+        u.extend_from_slice(payload);
+        Frame::new(src, dst, IPPROTO_UDP, u, Some(6))
+    }
+
+    /// An ICMP (IPv4) or ICMPv6 echo request.
+    fn echo_request(src: &str, dst: &str) -> Frame {
+        let v6 = dst.contains(':');
+        let (ty, proto) = if v6 { (128, IPPROTO_ICMPV6) } else { (8, IPPROTO_ICMP) };
+        let mut f = Frame::new(src, dst, proto, vec![ty, 0, 0, 0, 0, 1, 0, 1], Some(2));
+        if !v6 {
+            // ICMP's checksum has no pseudo header: filled in here.
+            let c = csum(&f.l4, 0);
+            f.l4[2..4].copy_from_slice(&c.to_be_bytes());
+            f.csum_at = None;
+        }
+        f
+    }
+
+    fn build(&self) -> Vec<u8> {
+        let mut l4 = self.l4.clone();
+        if let Some(at) = self.csum_at {
+            l4[at..at + 2].copy_from_slice(&[0, 0]);
+            let mut c = csum(&l4, pseudo(self.src, self.dst, self.proto, l4.len()));
+            if c == 0 && self.proto == IPPROTO_UDP {
+                // RFC 768, RFC 8200 8.1: a computed zero is sent as ones.
+                c = 0xffff;
+            }
+            l4[at..at + 2].copy_from_slice(&c.to_be_bytes());
+        }
+        let mut f = Vec::new();
+        f.extend_from_slice(&NODE_MAC);
+        f.extend_from_slice(&CLIENT_MAC);
+        match (self.src, self.dst) {
+            (IpAddr::V4(s), IpAddr::V4(d)) => {
+                f.extend_from_slice(&[0x08, 0x00]);
+                let mut ip = vec![0x45, 0];
+                ip.extend_from_slice(&((20 + l4.len()) as u16).to_be_bytes());
+                ip.extend_from_slice(&[0, 1]);
+                ip.extend_from_slice(&self.frag.to_be_bytes());
+                ip.extend_from_slice(&[self.ttl, self.proto, 0, 0]);
+                ip.extend_from_slice(&s.octets());
+                ip.extend_from_slice(&d.octets());
+                let c = csum(&ip, 0);
+                ip[10..12].copy_from_slice(&c.to_be_bytes());
+                f.extend_from_slice(&ip);
+            }
+            (IpAddr::V6(s), IpAddr::V6(d)) => {
+                let mut chain = Vec::new();
+                for (i, (_, h)) in self.ext.iter().enumerate() {
+                    let mut h = h.clone();
+                    h[0] = self.ext.get(i + 1).map_or(self.proto, |(ty, _)| *ty);
+                    chain.extend_from_slice(&h);
+                }
+                // Traffic class 0x28 and a flow label, which XDP hands to
+                // the route lookup and must leave as they are.
+                f.extend_from_slice(&[0x86, 0xdd, 0x62, 0x81, 0x23, 0x45]);
+                f.extend_from_slice(&((chain.len() + l4.len()) as u16).to_be_bytes());
+                f.extend_from_slice(&[self.ext.first().map_or(self.proto, |(ty, _)| *ty), self.ttl]);
+                f.extend_from_slice(&s.octets());
+                f.extend_from_slice(&d.octets());
+                f.extend_from_slice(&chain);
+            }
+            _ => panic!("mixed families"),
+        }
+        f.extend_from_slice(&l4);
+        f
+    }
+}
+
+/// The one's-complement sum of the TCP/UDP pseudo header. IPv4's (source,
+/// destination, zero and protocol, length) and IPv6's (source,
+/// destination, 32-bit length, three zero bytes and next header) sum to the
+/// same 16-bit words but for the address widths.
+fn pseudo(src: IpAddr, dst: IpAddr, proto: u8, len: usize) -> u32 {
+    let octets = |a: IpAddr| match a {
+        IpAddr::V4(a) => a.octets().to_vec(),
+        IpAddr::V6(a) => a.octets().to_vec(),
+    };
+    let mut p = octets(src);
+    p.extend(octets(dst));
+    p.extend_from_slice(&[0, proto]);
+    p.extend_from_slice(&(len as u16).to_be_bytes());
+    p.chunks(2).map(|c| u32::from(u16::from_be_bytes([c[0], c[1]]))).sum()
+}
+
+/// What a test needs to know of a frame: its addresses, TTL or hop limit,
+/// upper-layer protocol and where that header starts (IPv6 extension
+/// headers skipped).
+#[derive(Debug)]
+struct Headers {
+    src: IpAddr,
+    dst: IpAddr,
+    ttl: u8,
+    proto: u8,
+    l4: usize,
+}
+
+fn headers(f: &[u8]) -> Headers {
+    if f[12..14] == [0x08, 0x00] {
+        let ip4 = |o: usize| IpAddr::from(<[u8; 4]>::try_from(&f[o..o + 4]).expect("4 bytes"));
+        return Headers { src: ip4(26), dst: ip4(30), ttl: f[22], proto: f[23], l4: 14 + usize::from(f[14] & 0xf) * 4 };
+    }
+    assert_eq!(f[12..14], [0x86, 0xdd], "neither IPv4 nor IPv6");
+    let ip6 = |o: usize| IpAddr::from(<[u8; 16]>::try_from(&f[o..o + 16]).expect("16 bytes"));
+    let (mut next, mut off) = (f[20], 54);
+    while matches!(next, 0 | 43 | 44 | 60) {
+        let len = if next == IPPROTO_FRAGMENT { 8 } else { (usize::from(f[off + 1]) + 1) * 8 };
+        next = f[off];
+        off += len;
+    }
+    Headers { src: ip6(22), dst: ip6(38), ttl: f[21], proto: next, l4: off }
+}
+
+fn ports(f: &[u8]) -> (u16, u16) {
+    let l4 = headers(f).l4;
+    (u16::from_be_bytes([f[l4], f[l4 + 1]]), u16::from_be_bytes([f[l4 + 2], f[l4 + 3]]))
+}
+
+/// The TCP/UDP header and payload without the ports and the checksum,
+/// which translation changes.
+fn l4_rest(f: &[u8]) -> Vec<u8> {
+    let h = headers(f);
+    let mut l4 = f[h.l4..].to_vec();
+    let at = if h.proto == IPPROTO_TCP { 16 } else { 6 };
+    l4[..4].fill(0);
+    l4[at..at + 2].fill(0);
+    l4
+}
+
+/// Whether the IPv4 header checksum (IPv6 has none) and the TCP/UDP
+/// checksum verify; a UDP checksum of zero ("none") does not.
+fn checksums_ok(f: &[u8]) -> bool {
+    let h = headers(f);
+    let ip_ok = f[12..14] != [0x08, 0x00] || csum(&f[14..h.l4], 0) == 0;
+    let at = h.l4 + if h.proto == IPPROTO_TCP { 16 } else { 6 };
+    ip_ok && f[at..at + 2] != [0, 0] && csum(&f[h.l4..], pseudo(h.src, h.dst, h.proto, f.len() - h.l4)) == 0
 }
 
 const XDP_PASS: i32 = 2;
+const XDP_REDIRECT: i32 = 4;
 const TC_PASS: i32 = -1; // TC_ACT_UNSPEC
+
+/// The XDP and TC programs loaded (not attached) over fresh pins, with
+/// NodePorts on the node's address of each family: 30080/TCP and
+/// 30053/UDP to a remote backend (DNAT + SNAT), 30081/TCP to a local one.
+struct Loaded {
+    _tc: aya::Ebpf,
+    _xdp: aya::Ebpf,
+    xdp: i32,
+    ingress: i32,
+    egress: i32,
+    pins: PinDir,
+}
+
+/// The SNAT addresses `Loaded` configures.
+const SNAT4: &str = "10.0.3.1";
+const SNAT6: &str = "fd00:3::1";
+
+impl Loaded {
+    /// `remote` is the remote backend's address of each family, v4 first.
+    fn new(prefix: &str, remote: [&str; 2]) -> Loaded {
+        use std::os::fd::{AsFd, AsRawFd};
+
+        use proxy_agent::datapath::{tc_loader, xdp_loader};
+        use proxy_agent::decide::decision::ExternalState;
+        use proxy_agent::model::{Backend, Frontend, Protocol};
+
+        require_root();
+        let pins = PinDir::new(prefix).expect("pins");
+        let mut tc = tc_loader::load_unattached(pins.path()).expect("load the TC programs");
+        let mut xdp = xdp_loader::load_unattached(pins.path()).expect("load the XDP program");
+        let xdp_fd = {
+            let p: &mut aya::programs::Xdp = xdp.program_mut(&xdp_loader::loaded_name()).expect("xdp").try_into().expect("xdp program");
+            p.fd().expect("fd").as_fd().as_raw_fd()
+        };
+        let mut tc_fd = |name: &str| {
+            let p: &mut aya::programs::SchedClassifier = tc.program_mut(name).expect(name).try_into().expect("classifier");
+            p.fd().expect("fd").as_fd().as_raw_fd()
+        };
+        let (ingress, egress) =
+            (tc_fd(&tc_loader::loaded_name(tc_loader::INGRESS_PROGRAM)), tc_fd(&tc_loader::loaded_name(tc_loader::EGRESS_PROGRAM)));
+        let mut writer = proxy_agent::external::nodeport::NodePortWriter::open(pins.path()).expect("open the TC maps");
+        writer.set_config(Some(SNAT4.parse().expect("v4")), Some(SNAT6.parse().expect("v6")), (61000, 65535)).expect("config");
+        let ip = |s: &str| -> IpAddr { s.parse().expect("address") };
+        let mut tc_frontends = std::collections::BTreeMap::new();
+        let mut local_endpoints = std::collections::BTreeSet::new();
+        for (fam, remote, local) in [(V4, remote[0], "10.244.1.10"), (V6, remote[1], "fd00:244:1::10")] {
+            let remote = Backend { ip: ip(remote), port: 8080 };
+            let remote_udp = Backend { ip: remote.ip, port: 5353 };
+            let local = Backend { ip: ip(local), port: 8080 };
+            let node = ip(fam.node);
+            tc_frontends.insert(Frontend { ip: node, port: 30080, protocol: Protocol::Tcp }, [remote].into_iter().collect());
+            tc_frontends.insert(Frontend { ip: node, port: 30053, protocol: Protocol::Udp }, [remote_udp].into_iter().collect());
+            tc_frontends.insert(Frontend { ip: node, port: 30081, protocol: Protocol::Tcp }, [local].into_iter().collect());
+            local_endpoints.insert(local.ip);
+        }
+        let ext = ExternalState { tc: tc_frontends, local_endpoints, ..Default::default() };
+        let o = writer.sync(&ext);
+        assert!(o.failures.is_empty(), "{:?}", o.failures);
+        Loaded { _tc: tc, _xdp: xdp, xdp: xdp_fd, ingress, egress, pins }
+    }
+
+    fn counters(&self) -> std::collections::BTreeMap<&'static str, u64> {
+        proxy_agent::datapath::dump::np_counters(self.pins.path()).expect("counters")
+    }
+}
+
+/// Runs the program once on `frame`: (return value, frame after the run).
+fn run(fd: i32, frame: &[u8]) -> (i32, Vec<u8>) {
+    let mut out = vec![0u8; frame.len() + 128];
+    let r = proxy_test_support::prog_test_run::run(fd, frame, &mut out, 1).expect("BPF_PROG_TEST_RUN");
+    out.truncate(r.out_len);
+    (r.retval, out)
+}
+
+/// What TC ingress must do with a frame XDP passed.
+#[derive(Clone, Copy, Debug)]
+enum AtTc {
+    /// Pass it untouched (not ours, or a fragment TC counts).
+    Untouched,
+    /// Translate it: DNAT to the remote backend (the new flow is TC's).
+    Dnat,
+}
 
 #[test]
 fn xdp_passes_what_it_does_not_forward_unchanged_and_tc_continues_from_its_conntrack() {
-    use std::net::{IpAddr, Ipv4Addr};
-    use std::os::fd::{AsFd, AsRawFd};
+    let node = V4.node;
+    passes_to_tc(
+        V4,
+        "10.244.2.10",
+        vec![
+            ("ICMP echo request", Frame::echo_request("10.0.1.1", node), AtTc::Untouched),
+            ("first fragment", Frame { frag: 0x2000, ..Frame::syn("10.0.1.1", node, 40001, 30080) }, AtTc::Untouched),
+        ],
+    );
+}
 
-    use proxy_agent::datapath::{tc_loader, xdp_loader};
-    use proxy_agent::decide::decision::ExternalState;
-    use proxy_agent::model::{Backend, Frontend, Protocol};
+#[test]
+fn xdp_passes_ipv6_with_extension_headers_and_icmpv6_unchanged_and_tc_handles_them_as_without_xdp() {
+    let node = V6.node;
+    let hop_by_hop = (IPPROTO_HOPOPTS, vec![0, 0, 1, 4, 0, 0, 0, 0]);
+    // Offset 0 with the M flag: the first fragment of a datagram.
+    let fragment = (IPPROTO_FRAGMENT, vec![0, 0, 0, 1, 0, 0, 0, 7]);
+    passes_to_tc(
+        V6,
+        "fd00:244:2::10",
+        vec![
+            ("ICMPv6 echo request", Frame::echo_request("fd00:1::1", node), AtTc::Untouched),
+            ("hop-by-hop options", Frame { ext: vec![hop_by_hop], ..Frame::syn("fd00:1::1", node, 40001, 30080) }, AtTc::Dnat),
+            ("first fragment", Frame { ext: vec![fragment], ..Frame::syn("fd00:1::1", node, 40002, 30080) }, AtTc::Untouched),
+        ],
+    );
+}
 
-    require_root();
-    let pins = PinDir::new("txdpr").expect("pins");
-    let mut tc = tc_loader::load_unattached(pins.path()).expect("load the TC programs");
-    let mut xdp = xdp_loader::load_unattached(pins.path()).expect("load the XDP program");
-    let xdp_fd = {
-        let p: &mut aya::programs::Xdp = xdp.program_mut(&xdp_loader::loaded_name()).expect("xdp").try_into().expect("xdp program");
-        p.fd().expect("fd").as_fd().as_raw_fd()
-    };
-    let mut tc_fd = |name: &str| {
-        let p: &mut aya::programs::SchedClassifier = tc.program_mut(name).expect(name).try_into().expect("classifier");
-        p.fd().expect("fd").as_fd().as_raw_fd()
-    };
-    let (ingress, egress) =
-        (tc_fd(&tc_loader::loaded_name(tc_loader::INGRESS_PROGRAM)), tc_fd(&tc_loader::loaded_name(tc_loader::EGRESS_PROGRAM)));
-    let mut writer = proxy_agent::external::nodeport::NodePortWriter::open(pins.path()).expect("open the TC maps");
-    writer.set_config(Some(Ipv4Addr::new(10, 0, 3, 1)), None, (61000, 65535)).expect("config");
-    let v4 = |a: [u8; 4]| IpAddr::V4(Ipv4Addr::from(a));
-    let node = [10, 0, 1, 2];
-    let remote = Backend { ip: v4([10, 244, 2, 10]), port: 8080 };
-    let local = Backend { ip: v4([10, 244, 1, 10]), port: 8080 };
-    let ext = ExternalState {
-        tc: [
-            (Frontend { ip: v4(node), port: 30080, protocol: Protocol::Tcp }, [remote].into_iter().collect()),
-            (Frontend { ip: v4(node), port: 30081, protocol: Protocol::Tcp }, [local].into_iter().collect()),
-        ]
-        .into_iter()
-        .collect(),
-        local_endpoints: [local.ip].into_iter().collect(),
-        ..Default::default()
-    };
-    let o = writer.sync(&ext);
-    assert!(o.failures.is_empty(), "{:?}", o.failures);
-    let counters = || proxy_agent::datapath::dump::np_counters(pins.path()).expect("counters");
-    let run = |fd: i32, frame: Vec<u8>| -> (i32, Vec<u8>) {
-        let mut out = vec![0u8; frame.len() + 128];
-        let r = proxy_test_support::prog_test_run::run(fd, &frame, &mut out, 1).expect("BPF_PROG_TEST_RUN");
-        out.truncate(r.out_len);
-        (r.retval, out)
-    };
+/// Frames of `fam` that XDP must pass unchanged without setting anything
+/// up (`cases`: name, frame, what TC ingress then does with it), a SYN to
+/// a local backend (XDP sets the flow up and passes it) and one to the
+/// remote backend `remote` without a route (likewise): TC carries on from
+/// the entries XDP wrote.
+fn passes_to_tc(fam: Family, remote: &str, cases: Vec<(&'static str, Frame, AtTc)>) {
+    let client = if fam.node.contains(':') { "fd00:1::1" } else { "10.0.1.1" };
+    let l = Loaded::new("txdpr", if fam.node.contains(':') { ["10.244.2.10", remote] } else { [remote, "fd00:244:2::10"] });
+    let (xdp, ingress, egress) = (l.xdp, l.ingress, l.egress);
+    let frames: Vec<Vec<u8>> = cases.iter().map(|(_, f, _)| f.build()).collect();
+    let local_frame = Frame::syn(client, fam.node, 40100, 30081).build();
+    let remote_frame = Frame::syn(client, fam.node, 40101, 30080).build();
     // In a namespace of our own: an XDP test run looks routes up in the
     // caller's namespace (`bpf_fib_lookup` on the loopback device's), and
     // this one has none, so no packet can be forwarded anywhere.
     let scratch = Netns::new("txdpr").expect("netns");
-    let ((icmp, frag, local_syn, tc_local, remote_syn, tc_remote), sent) = in_netns(&scratch, move || {
-        let icmp_frame = ipv4(1, node, 0, &[8, 0, 0, 0, 0, 1, 0, 1]);
-        let frag_frame = syn(node, 30080, 0x2000);
-        let local_frame = syn(node, 30081, 0);
-        let remote_frame = syn(node, 30080, 0);
-        let r = (
-            run(xdp_fd, icmp_frame.clone()),
-            run(xdp_fd, frag_frame.clone()),
-            run(xdp_fd, local_frame.clone()),
-            run(ingress, local_frame.clone()),
-            run(xdp_fd, remote_frame.clone()),
-            {
-                let (rc, out) = run(ingress, remote_frame.clone());
-                assert_eq!(rc, TC_PASS);
-                run(egress, out)
-            },
-        );
-        (r, (icmp_frame, frag_frame, local_frame, remote_frame))
-    })
-    .expect("netns");
-    let (icmp_frame, frag_frame, local_frame, remote_frame) = sent;
-    // ICMP and fragments: passed untouched, nothing tracked.
-    assert_eq!(icmp, (XDP_PASS, icmp_frame));
-    assert_eq!(frag, (XDP_PASS, frag_frame));
+    let (xdp_runs, counters_after_xdp, tc_runs, local, remote_runs) = {
+        let frames = frames.clone();
+        let (local_frame, remote_frame) = (local_frame.clone(), remote_frame.clone());
+        let pins = l.pins.path().to_path_buf();
+        in_netns(&scratch, move || {
+            let xdp_runs: Vec<_> = frames.iter().map(|f| run(xdp, f)).collect();
+            let counters = proxy_agent::datapath::dump::np_counters(&pins).expect("counters");
+            let tc_runs: Vec<_> = frames.iter().map(|f| run(ingress, f)).collect();
+            let local = (run(xdp, &local_frame), run(ingress, &local_frame));
+            let remote = {
+                let x = run(xdp, &remote_frame);
+                let (rc, out) = run(ingress, &remote_frame);
+                (x, rc, run(egress, &out))
+            };
+            (xdp_runs, counters, tc_runs, local, remote)
+        })
+        .expect("netns")
+    };
+    for (((name, _, at_tc), frame), (xdp_run, tc_run)) in cases.iter().zip(&frames).zip(xdp_runs.iter().zip(&tc_runs)) {
+        assert_eq!(xdp_run, &(XDP_PASS, frame.clone()), "{name}: XDP passes it untouched");
+        assert_eq!(tc_run.0, TC_PASS, "{name}");
+        match at_tc {
+            AtTc::Untouched => assert_eq!(&tc_run.1, frame, "{name}: TC passes it untouched too"),
+            AtTc::Dnat => {
+                let h = headers(&tc_run.1);
+                assert_eq!(h.dst, remote.parse::<IpAddr>().expect("remote"), "{name}: TC DNATs it");
+                assert_eq!(ports(&tc_run.1).1, 8080, "{name}");
+                assert!(checksums_ok(&tc_run.1), "{name}: checksums after TC's DNAT");
+            }
+        }
+    }
+    // XDP neither set up nor counted any of them.
+    let c = &counters_after_xdp;
+    assert_eq!(
+        (c["new_flow"], c["xdp_pass_to_tc"], c["xdp_pass_no_route"], c["xdp_forwarded"], c["pass_fragment"]),
+        (0, 0, 0, 0, 0),
+        "XDP leaves their counting to TC: {c:?}"
+    );
     // A local backend: XDP sets the flow up (TC's own `new_flow`) and
     // passes the frame unchanged; TC ingress finds the entry and DNATs.
-    assert_eq!(local_syn, (XDP_PASS, local_frame));
+    let ((xdp_local, tc_local), local_ip) = (local, if fam.node.contains(':') { "fd00:244:1::10" } else { "10.244.1.10" });
+    assert_eq!(xdp_local, (XDP_PASS, local_frame));
     assert_eq!(tc_local.0, TC_PASS);
-    assert_eq!(tc_local.1[30..34], [10, 244, 1, 10], "TC DNATs to the local backend");
+    assert_eq!(headers(&tc_local.1).dst, local_ip.parse::<IpAddr>().expect("local"), "TC DNATs to the local backend");
     // A remote backend without a usable route: unchanged, and TC carries
     // the flow XDP set up (DNAT and the SNAT port XDP reserved).
-    assert_eq!(remote_syn, (XDP_PASS, remote_frame));
-    assert_eq!(tc_remote.0, TC_PASS);
-    assert_eq!(tc_remote.1[26..30], [10, 0, 3, 1], "SNAT to the node");
-    assert_eq!(tc_remote.1[30..34], [10, 244, 2, 10], "DNAT to the remote backend");
-    let c = counters();
-    assert_eq!(c["new_flow"], 2, "each flow set up once, by XDP: {c:?}");
+    let (xdp_remote, tc_remote_rc, tc_remote) = remote_runs;
+    assert_eq!(xdp_remote, (XDP_PASS, remote_frame));
+    assert_eq!((tc_remote_rc, tc_remote.0), (TC_PASS, TC_PASS));
+    let h = headers(&tc_remote.1);
+    let snat = if fam.node.contains(':') { SNAT6 } else { SNAT4 };
+    assert_eq!(h.src, snat.parse::<IpAddr>().expect("snat"), "SNAT to the node");
+    assert_eq!(h.dst, remote.parse::<IpAddr>().expect("remote"), "DNAT to the remote backend");
+    assert!(checksums_ok(&tc_remote.1), "checksums after TC's DNAT and SNAT");
+    let translated = cases.iter().filter(|(_, _, t)| matches!(t, AtTc::Dnat)).count() as u64;
+    let fragments = cases.iter().filter(|(name, _, _)| name.contains("fragment")).count() as u64;
+    let c = l.counters();
+    assert_eq!(c["new_flow"], 2 + translated, "each flow set up once, two by XDP: {c:?}");
     assert_eq!(c["xdp_pass_to_tc"], 1, "{c:?}");
     assert_eq!(c["xdp_pass_no_route"], 1, "{c:?}");
     assert_eq!(c["xdp_forwarded"], 0, "{c:?}");
-    assert_eq!(c["pass_fragment"], 0, "XDP leaves the counting of fragments to TC: {c:?}");
+    assert_eq!(c["pass_fragment"], fragments, "counted once, by TC: {c:?}");
+}
+
+/// The MAC address of the node's device towards the backends, and the
+/// backend's (a permanent neighbour entry), in `forwarded_frames...`.
+const OUT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x0a];
+const BACKEND_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0x0b];
+
+#[test]
+fn forwarded_frames_are_fully_translated_with_valid_checksums_in_both_families() {
+    // The backends are on-link behind x0, their neighbours resolved: the
+    // route lookup of an XDP test run succeeds and the program rewrites the
+    // frame and asks to redirect it to x0 (which a test run only reports,
+    // net/bpf/test_run.c: the frame comes back rewritten).
+    //
+    // Every 32-bit word of the IPv6 source changes with the SNAT (client
+    // fd00:1:a:b:c1:c2:c3:c4 -> fd00:3::1), and the destination's first
+    // and last two (fd00:1::2 -> the backend): the pseudo header's sum
+    // must follow each of them.
+    let backends = ["10.0.3.2", "fd00:3::ab:cd:ef:12"];
+    let l = Loaded::new("txdpf", backends);
+    let scratch = Netns::new("txdpf").expect("netns");
+    let peer = Netns::new("txdpf").expect("peer netns");
+    scratch.veth("x0", &peer, "x1").expect("veth");
+    scratch.ip(&["link", "set", "x0", "address", "02:00:00:00:00:0a"]).expect("x0 MAC");
+    scratch.ip(&["addr", "add", "10.0.3.1/24", "dev", "x0"]).expect("v4 address");
+    scratch.ip(&["addr", "add", "fd00:3::1/64", "dev", "x0", "nodad"]).expect("v6 address");
+    for backend in backends {
+        scratch
+            .ip(&["neigh", "replace", backend, "lladdr", "02:00:00:00:00:0b", "dev", "x0", "nud", "permanent"])
+            .unwrap_or_else(|e| panic!("neighbour {backend}: {e}"));
+    }
+    // The test run's frames arrive on loopback: forwarding on for every
+    // device of the namespace, which the route lookup checks on the
+    // receiving one.
+    scratch.sysctl("net.ipv4.ip_forward", "1").expect("ip_forward");
+    scratch.sysctl("net.ipv6.conf.all.forwarding", "1").expect("ipv6 forwarding");
+
+    for (fam, client, backend) in [(V4, "10.0.1.1", backends[0]), (V6, "fd00:1:a:b:c1:c2:c3:c4", backends[1])] {
+        let v6 = fam.node.contains(':');
+        let snat: IpAddr = (if v6 { SNAT6 } else { SNAT4 }).parse().expect("snat");
+        let backend: IpAddr = backend.parse().expect("backend");
+        let syn = Frame::syn(client, fam.node, 41000, 30080);
+        // Payloads of 12 bytes or more: XDP leaves datagrams with less
+        // than 20 bytes of UDP to TC.
+        let udp = Frame::udp(client, fam.node, 41001, 30053, b"ping ping ping!!");
+        let no_csum = {
+            let mut f = Frame::udp(client, fam.node, 41002, 30053, b"ping ping ping!!");
+            f.csum_at = None;
+            f
+        };
+        let xdp = l.xdp;
+        let sent = [syn.build(), udp.build(), no_csum.build()];
+        let outs = {
+            let sent = sent.clone();
+            in_netns(&scratch, move || sent.iter().map(|f| run(xdp, f)).collect::<Vec<_>>()).expect("netns")
+        };
+        for (name, (frame, (rc, out))) in ["TCP SYN", "UDP", "UDP without checksum"].iter().zip(sent.iter().zip(&outs)) {
+            let name = format!("{name} over {}", if v6 { "IPv6" } else { "IPv4" });
+            assert_eq!(*rc, XDP_REDIRECT, "{name}: forwarded to x0");
+            assert_eq!(out.len(), frame.len(), "{name}");
+            assert_eq!(out[0..6], BACKEND_MAC, "{name}: destination MAC, the backend's neighbour entry");
+            assert_eq!(out[6..12], OUT_MAC, "{name}: source MAC, x0's");
+            let (h, sent_h) = (headers(out), headers(frame));
+            assert_eq!((h.src, h.dst), (snat, backend), "{name}: SNAT and DNAT at once");
+            assert_eq!(h.ttl, sent_h.ttl - 1, "{name}: TTL or hop limit decremented");
+            let (sport, dport) = ports(out);
+            assert!((61000..=65535).contains(&sport), "{name}: SNAT port {sport}");
+            assert_eq!(dport, if h.proto == IPPROTO_TCP { 8080 } else { 5353 }, "{name}");
+            if v6 {
+                assert_eq!(out[14..18], frame[14..18], "{name}: version, traffic class and flow label kept");
+            }
+            assert_eq!(l4_rest(out), l4_rest(frame), "{name}: nothing else of TCP/UDP changed");
+            if name.starts_with("UDP without") {
+                // Kept as it is, as TC keeps it (BPF_F_MARK_MANGLED_0).
+                assert_eq!(out[h.l4 + 6..h.l4 + 8], [0, 0], "{name}: a zero UDP checksum stays zero");
+                assert!(v6 || csum(&out[14..h.l4], 0) == 0, "{name}: IPv4 header checksum");
+            } else {
+                assert!(checksums_ok(out), "{name}: checksums after XDP's translation");
+            }
+        }
+
+        // The UDP flow again, its payload chosen so that the translated
+        // datagram's checksum computes to zero: it must leave as 0xffff
+        // (a zero would read as "no checksum", which IPv6 does not allow).
+        let snat_port = ports(&outs[1].1).0;
+        let mut zero = udp.clone();
+        let words = |l4: &[u8]| -> u32 { l4.chunks(2).map(|c| u32::from(u16::from_be_bytes([c[0], *c.get(1).unwrap_or(&0)]))).sum() };
+        let mut translated = zero.l4.clone();
+        translated[0..2].copy_from_slice(&snat_port.to_be_bytes());
+        translated[2..4].copy_from_slice(&5353u16.to_be_bytes());
+        translated[6..8].copy_from_slice(&[0, 0]);
+        translated[12..14].copy_from_slice(&[0, 0]);
+        let mut sum = pseudo(snat, backend, IPPROTO_UDP, translated.len()) + words(&translated);
+        while sum > 0xffff {
+            sum = (sum & 0xffff) + (sum >> 16);
+        }
+        // Two payload bytes that bring the sum to 0xffff.
+        zero.l4[12..14].copy_from_slice(&(0xffff - sum as u16).to_be_bytes());
+        let frame = zero.build();
+        let (rc, out) = in_netns(&scratch, move || run(xdp, &frame)).expect("netns");
+        assert_eq!(rc, XDP_REDIRECT);
+        let h = headers(&out);
+        assert_eq!(ports(&out).0, snat_port, "the same flow, the same SNAT port");
+        assert_eq!(out[h.l4 + 6..h.l4 + 8], [0xff, 0xff], "a computed zero UDP checksum is sent as 0xffff (v6: {v6})");
+        assert!(checksums_ok(&out));
+
+        // A hop limit or TTL of 1 in a tracked flow: the stack must answer
+        // with time exceeded, so XDP passes the frame unchanged.
+        let last_hop = Frame { ttl: 1, ..Frame::tcp(client, fam.node, 41000, 30080, 0x10) }.build();
+        let sent = last_hop.clone();
+        let r = in_netns(&scratch, move || run(xdp, &sent)).expect("netns");
+        assert_eq!(r, (XDP_PASS, last_hop), "TTL/hop limit 1 (v6: {v6})");
+    }
+    let c = l.counters();
+    assert_eq!(c["xdp_forwarded"], 8, "three frames and the zero-sum datagram per family: {c:?}");
+    assert_eq!(c["xdp_pass_no_route"], 2, "the two last-hop frames: {c:?}");
+    assert_eq!(c["new_flow"], 6, "{c:?}");
+    assert_eq!(c["xdp_pass_to_tc"], 0, "{c:?}");
 }

@@ -975,7 +975,9 @@ pub mod np_counter {
     pub const XDP_FORWARDED: u32 = 21;
     /// XDP translated nothing because the route to the backend was not
     /// usable from XDP (`bpf_fib_lookup` did not return success, e.g. the
-    /// neighbour is unresolved): passed unchanged to the TC program.
+    /// neighbour is unresolved), or the TTL/hop limit was 1 or less (the
+    /// stack sends the time exceeded error): passed unchanged to the TC
+    /// program.
     pub const XDP_PASS_NO_ROUTE: u32 = 22;
     /// A packet of a NodePort/LoadBalancer flow that XDP leaves to the TC
     /// program (local backend, TCP FIN/RST, IP options, a stale backend):

@@ -7,7 +7,10 @@
 //! reserved port at egress, see nodeport.rs), then sent straight out:
 //! `XDP_TX` when the route to the backend leaves through the device it
 //! came in on, `XDP_REDIRECT` to the route's device otherwise. Such a
-//! packet never meets the stack, nor the TC programs.
+//! packet never meets the stack, nor the TC programs. IPv4 and IPv6 take
+//! the same path; only the header layout, the route lookup's family and the
+//! checksums differ (IPv6 has no header checksum, and its addresses enter
+//! the TCP/UDP pseudo header whole).
 //!
 //! Conntrack is the TC path's: new flows are set up by nodeport.rs's own
 //! `new_flow` (same backend pick, same `NP_CT` entries, same SNAT port
@@ -17,11 +20,16 @@
 //! flow, `np_ingress` finds the same entries and carries the flow on.
 //!
 //! Everything else returns `XDP_PASS` with the packet unchanged, for the
-//! TC program (`np_ingress`) to handle as if XDP were not there: non-IPv4,
-//! IPv4 with options, fragments, ICMP, IPv6 (extension headers included),
-//! local backends (delivered by the stack), TCP FIN/RST (the closing state
-//! of both directions' entries is kept by the TC path, `mark_closing`),
-//! stale backends, new-flow errors, and any packet whose route
+//! TC program (`np_ingress`) to handle as if XDP were not there: neither
+//! IPv4 nor IPv6, IPv4 with options, IPv4 fragments, ICMP and ICMPv6, IPv6
+//! whose next header is not directly TCP or UDP (every extension header:
+//! hop-by-hop, routing, fragment, destination options; TC's `parse` in
+//! packet.rs walks them, while here one fixed L4 offset per family keeps
+//! every bounds check a constant, and such packets are rare), local
+//! backends (delivered by the stack), TCP FIN/RST (the closing state of
+//! both directions' entries is kept by the TC path, `mark_closing`), stale
+//! backends, new-flow errors, a TTL or hop limit of 1 or less (the stack
+//! sends the time exceeded error), and any packet whose route
 //! `bpf_fib_lookup` cannot resolve to a neighbour (the stack then resolves
 //! it, and later packets take XDP).
 //!
@@ -44,25 +52,33 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 use proxy_common::{
-    CT_DIR_FORWARD, CT_DIR_SNAT, CT_FLAG_SNAT, CT_REFRESH_S, CtKey, CtValue, FAMILY_V4, PROTO_TCP, PROTO_UDP, np_counter, np_port_bit,
+    CT_DIR_FORWARD, CT_DIR_SNAT, CT_FLAG_SNAT, CT_REFRESH_S, CtKey, CtValue, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, np_counter,
+    np_port_bit,
 };
 
 use crate::kernel;
 use crate::nodeport::{NEW_FLOW_ERR, TRANSLATE, backend_alive, new_flow};
 use crate::nodeport_maps::{NP_CT, NP_PORTS, np_count};
-use crate::packet::{ETH_HLEN, Pkt, TCP_FIN, TCP_RST, csum_replace2, csum_replace4};
+use crate::packet::{ETH_HLEN, Pkt, TCP_FIN, TCP_RST, addr_copy, csum_replace2, csum_replace4};
 
 const ETH_P_IP: u16 = 0x0800;
-/// `AF_INET` for `bpf_fib_lookup`.
+const ETH_P_IPV6: u16 = 0x86dd;
+/// `AF_INET` and `AF_INET6` for `bpf_fib_lookup`.
 const AF_INET: u8 = 2;
+const AF_INET6: u8 = 10;
 /// `BPF_FIB_LKUP_RET_SUCCESS` (include/uapi/linux/bpf.h).
 const FIB_SUCCESS: i64 = 0;
-/// Offsets into the frame: IPv4 without options, then TCP or UDP.
+/// Offsets into the frame: the IP header, then TCP or UDP after IPv4
+/// without options (`L4_V4`) or after IPv6's fixed header (`L4_V6`).
 const L3: usize = ETH_HLEN;
-const L4: usize = ETH_HLEN + 20;
+const L4_V4: usize = L3 + 20;
+const L4_V6: usize = L3 + 40;
 /// TCP's fixed header; UDP's is 8 bytes, and a datagram shorter than 20
 /// bytes of L4 is left to TC (rare, and it keeps one bounds check).
 const L4_MIN: usize = 20;
+/// `forward`'s answer for "the frame is no longer covered by the bounds
+/// checked before" (cannot happen: nothing moves XDP frame data here).
+const OUT_OF_BOUNDS: i64 = -1;
 
 #[xdp]
 pub fn xdp_nodeport(ctx: XdpContext) -> u32 {
@@ -92,12 +108,12 @@ fn xdp_verdict(r: Result<u32, u32>) -> u32 {
 /// `data + off + size_of::<T>() <= data_end`; `T` is an integer type.
 #[inline(always)]
 fn read_at<T: Copy>(data: usize, off: usize) -> T {
-    // SAFETY: every caller reads below `L4 + L4_MIN` after checking
-    // `data + L4 + L4_MIN <= data_end` (the verifier tracks the same bound
-    // on the packet pointer and refuses the program otherwise); XDP frame
-    // data stays in place until the program returns, as no helper that
-    // moves it (`bpf_xdp_adjust_*`) is called. Unaligned: the IP header
-    // follows the 14-byte Ethernet header.
+    // SAFETY: every caller reads below `L4_V4 + L4_MIN` (IPv4) or
+    // `L4_V6 + L4_MIN` (IPv6) after checking that bound against `data_end`
+    // (the verifier tracks the same bound on the packet pointer and refuses
+    // the program otherwise); XDP frame data stays in place until the
+    // program returns, as no helper that moves it (`bpf_xdp_adjust_*`) is
+    // called. Unaligned: the IP header follows the 14-byte Ethernet header.
     unsafe { core::ptr::read_unaligned((data + off) as *const T) }
 }
 
@@ -143,33 +159,8 @@ fn zero_fib_params(fib: &mut core::mem::MaybeUninit<FibParams>) -> &mut FibParam
 
 #[inline(always)]
 fn try_xdp<const KERNEL: u8>(ctx: &XdpContext) -> Result<u32, u32> {
-    let (data, end) = (ctx.data(), ctx.data_end());
-    if data + L4 + L4_MIN > end || u16::from_be(read_at::<u16>(data, 12)) != ETH_P_IP {
+    let Some(p) = parse(ctx) else {
         return Ok(XDP_PASS);
-    }
-    if read_at::<u8>(data, L3) != 0x45 {
-        // IPv4 options (or not IPv4 at all): the TC path parses them.
-        return Ok(XDP_PASS);
-    }
-    // 0x3fff: the MF flag and the 13-bit fragment offset.
-    if u16::from_be(read_at::<u16>(data, L3 + 6)) & 0x3fff != 0 {
-        return Ok(XDP_PASS);
-    }
-    let proto = read_at::<u8>(data, L3 + 9);
-    if proto != PROTO_TCP && proto != PROTO_UDP {
-        // ICMP (errors about tracked flows, icmp.rs) and everything else.
-        return Ok(XDP_PASS);
-    }
-    let p = Pkt {
-        family: FAMILY_V4,
-        proto,
-        l3: L3,
-        l4: L4,
-        saddr: [read_at::<u32>(data, L3 + 12), 0, 0, 0],
-        daddr: [read_at::<u32>(data, L3 + 16), 0, 0, 0],
-        sport_be: read_at::<u16>(data, L4),
-        dport_be: read_at::<u16>(data, L4 + 2),
-        tcp_flags: if proto == PROTO_TCP { read_at::<u8>(data, L4 + 13) } else { 0 },
     };
     // The TC path's first test (nodeport.rs, `port_in_use`): no frontend
     // or tracked flow uses this destination port, so nothing below can
@@ -182,7 +173,10 @@ fn try_xdp<const KERNEL: u8>(ctx: &XdpContext) -> Result<u32, u32> {
         // The TC path marks both directions' entries closing.
         return Err(np_counter::XDP_PASS_TO_TC);
     }
-    let key = CtKey {
+    // One key on the stack, for the forward entry and then the SNAT entry:
+    // this frame and `new_flow`'s share the verifier's 512 bytes of stack
+    // for the call chain, and IPv6 addresses leave little to spare.
+    let mut key = CtKey {
         saddr_be: p.saddr,
         daddr_be: p.daddr,
         sport_be: p.sport_be,
@@ -220,24 +214,25 @@ fn try_xdp<const KERNEL: u8>(ctx: &XdpContext) -> Result<u32, u32> {
         // TC path picks another).
         return Err(np_counter::XDP_PASS_TO_TC);
     }
-    let skey = CtKey {
-        saddr_be: p.saddr,
-        daddr_be: fwd.daddr_be,
-        sport_be: p.sport_be,
-        dport_be: fwd.dport_be,
-        proto: p.proto,
-        family: p.family,
-        dir: CT_DIR_SNAT,
-        _pad: 0,
-    };
-    let Some(snat) = NP_CT.get_ptr_mut(&skey) else {
+    // The SNAT leg: client -> backend.
+    key.daddr_be = addr_copy(&fwd.daddr_be);
+    key.dport_be = fwd.dport_be;
+    key.dir = CT_DIR_SNAT;
+    let Some(snat) = NP_CT.get_ptr_mut(&key) else {
         return Err(np_counter::XDP_PASS_TO_TC);
     };
     // SAFETY: an NP_CT value pointer, valid for the run; races as above.
     let snat = unsafe { &mut *snat };
-    let out = *snat;
-    let rc = forward(ctx, &p, &out);
+    // The entry is read in place, as the TC path's `rewrite` reads its
+    // entries: a copy would take 48 more bytes of this frame (see `key`).
+    // Only a reuse of the element for another entry can change it under
+    // us (an update, a deletion or an eviction returns the old element to
+    // the LRU map's free list at once, kernel/bpf/hashtab.c), a window
+    // TC's rewrite has too.
+    let rc = forward(ctx, &p, snat);
     if rc == i64::from(XDP_PASS) {
+        // No usable route or neighbour, or a TTL/hop limit the stack must
+        // answer.
         return Err(np_counter::XDP_PASS_NO_ROUTE);
     }
     if rc < 0 {
@@ -257,37 +252,160 @@ fn try_xdp<const KERNEL: u8>(ctx: &XdpContext) -> Result<u32, u32> {
     Ok(rc as u32)
 }
 
+/// The TCP or UDP packet in the frame, read directly through the packet
+/// pointers, when it has one of the two layouts this program forwards:
+/// IPv4 without options and not a fragment, or IPv6 whose fixed header is
+/// followed directly by TCP or UDP. `None` for everything else, which
+/// passes unchanged and is not counted here (TC parses it and counts it).
+#[inline(always)]
+fn parse(ctx: &XdpContext) -> Option<Pkt> {
+    let (data, end) = (ctx.data(), ctx.data_end());
+    // The shorter layout's bound; it covers the Ethernet type too.
+    if data + L4_V4 + L4_MIN > end {
+        return None;
+    }
+    let eth_proto = u16::from_be(read_at::<u16>(data, 12));
+    if eth_proto == ETH_P_IP {
+        return parse_v4(data);
+    }
+    if eth_proto == ETH_P_IPV6 && data + L4_V6 + L4_MIN <= end {
+        return parse_v6(data);
+    }
+    None
+}
+
+/// `parse` for IPv4; the caller checked `data + L4_V4 + L4_MIN <= end`.
+#[inline(always)]
+fn parse_v4(data: usize) -> Option<Pkt> {
+    if read_at::<u8>(data, L3) != 0x45 {
+        // IPv4 options (or not IPv4 at all): the TC path parses them.
+        return None;
+    }
+    // 0x3fff: the MF flag and the 13-bit fragment offset.
+    if u16::from_be(read_at::<u16>(data, L3 + 6)) & 0x3fff != 0 {
+        return None;
+    }
+    let proto = read_at::<u8>(data, L3 + 9);
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        // ICMP (errors about tracked flows, icmp.rs) and everything else.
+        return None;
+    }
+    let saddr = [read_at::<u32>(data, L3 + 12), 0, 0, 0];
+    let daddr = [read_at::<u32>(data, L3 + 16), 0, 0, 0];
+    Some(l4_pkt::<L4_V4>(data, FAMILY_V4, proto, saddr, daddr))
+}
+
+/// `parse` for IPv6; the caller checked `data + L4_V6 + L4_MIN <= end`.
+#[inline(always)]
+fn parse_v6(data: usize) -> Option<Pkt> {
+    if read_at::<u8>(data, L3) >> 4 != 6 {
+        return None;
+    }
+    // The next header of the fixed header (RFC 8200 3). Anything but TCP
+    // or UDP goes to TC: ICMPv6 (errors about tracked flows are translated
+    // there, icmp.rs; neighbour discovery is the stack's), and every
+    // extension header, fragments included (a fragment header is one:
+    // RFC 8200 4.5), with all they imply (hop-by-hop options the stack
+    // must process, routing headers with segments left).
+    let proto = read_at::<u8>(data, L3 + 6);
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return None;
+    }
+    let saddr = read_addr6(data, L3 + 8);
+    let daddr = read_addr6(data, L3 + 24);
+    Some(l4_pkt::<L4_V6>(data, FAMILY_V6, proto, saddr, daddr))
+}
+
+/// An IPv6 address at `data + off`, as four words in network byte order
+/// (the layout of `CtKey`'s and `CtValue`'s addresses). Four 4-byte loads:
+/// a `[u32; 4]` read whole may become a `memcpy` call (see `write_mac`).
+#[inline(always)]
+fn read_addr6(data: usize, off: usize) -> [u32; 4] {
+    [read_at::<u32>(data, off), read_at::<u32>(data, off + 4), read_at::<u32>(data, off + 8), read_at::<u32>(data, off + 12)]
+}
+
+/// Writes an IPv6 address (network byte order words) at `data + off`.
+#[inline(always)]
+fn write_addr6(data: usize, off: usize, a: &[u32; 4]) {
+    write_at(data, off, a[0]);
+    write_at(data, off + 4, a[1]);
+    write_at(data, off + 8, a[2]);
+    write_at(data, off + 12, a[3]);
+}
+
+/// The `Pkt` of a TCP or UDP header at offset `L4`, whose first `L4_MIN`
+/// bytes the caller checked to be in the frame.
+#[inline(always)]
+fn l4_pkt<const L4: usize>(data: usize, family: u8, proto: u8, saddr: [u32; 4], daddr: [u32; 4]) -> Pkt {
+    Pkt {
+        family,
+        proto,
+        l3: L3,
+        l4: L4,
+        saddr,
+        daddr,
+        sport_be: read_at::<u16>(data, L4),
+        dport_be: read_at::<u16>(data, L4 + 2),
+        tcp_flags: if proto == PROTO_TCP { read_at::<u8>(data, L4 + 13) } else { 0 },
+    }
+}
+
 /// Looks the route to `to`'s destination up, and only when the kernel can
-/// forward there without the stack (`BPF_FIB_LKUP_RET_SUCCESS`: a route, a
-/// resolved neighbour, a device up, within its MTU) rewrites the frame to
-/// `to` (addresses, ports, MACs, TTL, checksums) and returns `XDP_TX` or
-/// the verdict of `bpf_redirect`. Otherwise the frame is untouched and the
-/// answer is `XDP_PASS` (or negative for a frame the bounds no longer
-/// cover). Its own subprogram, with a plain integer result, to keep the
-/// 64-byte lookup parameters out of the caller's frame.
+/// forward there without the stack (`BPF_FIB_LKUP_RET_SUCCESS`: forwarding
+/// enabled on the receiving device, a route, a resolved neighbour, a device
+/// up, within its MTU) rewrites the frame to `to` (addresses, ports, MACs,
+/// TTL or hop limit, checksums) and returns `XDP_TX` or the verdict of
+/// `bpf_redirect`. Otherwise the frame is untouched and the answer is
+/// `XDP_PASS` (or `OUT_OF_BOUNDS`). Its own subprogram, with a plain
+/// integer result, to keep the 64-byte lookup parameters out of the
+/// caller's frame; one for both families, so that the parameters have one
+/// stack slot.
 #[inline(never)]
 fn forward(ctx: &XdpContext, p: &Pkt, to: &CtValue) -> i64 {
-    let (data, end) = (ctx.data(), ctx.data_end());
-    if data + L4 + L4_MIN > end {
-        return -1;
-    }
-    let ttl = read_at::<u8>(data, L3 + 8);
-    if ttl <= 1 {
-        // The stack sends the ICMP time exceeded.
-        return i64::from(XDP_PASS);
-    }
     let mut params = core::mem::MaybeUninit::<FibParams>::uninit();
     let fib = zero_fib_params(&mut params);
-    fib.family = AF_INET;
     fib.l4_protocol = p.proto;
     fib.sport = to.sport_be;
     fib.dport = to.dport_be;
-    // Host order: compared with the device MTU (`bpf_ipv4_fib_lookup`).
-    fib.__bindgen_anon_1.tot_len = u16::from_be(read_at::<u16>(data, L3 + 2));
-    fib.__bindgen_anon_2.tos = read_at::<u8>(data, L3 + 1);
-    fib.__bindgen_anon_3.ipv4_src = to.saddr_be[0];
-    fib.__bindgen_anon_4.ipv4_dst = to.daddr_be[0];
     fib.ifindex = ctx.ingress_ifindex() as u32;
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if p.family == FAMILY_V4 {
+        if data + L4_V4 + L4_MIN > end {
+            return OUT_OF_BOUNDS;
+        }
+        if read_at::<u8>(data, L3 + 8) <= 1 {
+            // TTL: the stack sends the ICMP time exceeded (`ip_forward`).
+            return i64::from(XDP_PASS);
+        }
+        fib.family = AF_INET;
+        // Host order: compared with the route's MTU (`bpf_ipv4_fib_lookup`).
+        fib.__bindgen_anon_1.tot_len = u16::from_be(read_at::<u16>(data, L3 + 2));
+        fib.__bindgen_anon_2.tos = read_at::<u8>(data, L3 + 1);
+        fib.__bindgen_anon_3.ipv4_src = to.saddr_be[0];
+        fib.__bindgen_anon_4.ipv4_dst = to.daddr_be[0];
+    } else {
+        if data + L4_V6 + L4_MIN > end {
+            return OUT_OF_BOUNDS;
+        }
+        if read_at::<u8>(data, L3 + 7) <= 1 {
+            // Hop limit: the stack sends the ICMPv6 time exceeded
+            // (`ip6_forward`).
+            return i64::from(XDP_PASS);
+        }
+        fib.family = AF_INET6;
+        // The payload length leaves out the fixed header, the route's MTU
+        // counts it (`bpf_ipv6_fib_lookup` compares `tot_len` with
+        // `ip6_mtu_from_fib6`, host order). No jumbograms: those carry a
+        // hop-by-hop header, and TC has them.
+        fib.__bindgen_anon_1.tot_len = u16::from_be(read_at::<u16>(data, L3 + 4)).saturating_add(40);
+        // Traffic class and flow label, as the stack's own lookup of a
+        // forwarded packet takes them (`ip6_route_input`: `ip6_flowinfo`,
+        // the first word without the version); multipath routes hash the
+        // flow label (`rt6_multipath_hash`).
+        fib.__bindgen_anon_2.flowinfo = read_at::<u32>(data, L3) & 0x0fff_ffffu32.to_be();
+        fib.__bindgen_anon_3.ipv6_src = addr_copy(&to.saddr_be);
+        fib.__bindgen_anon_4.ipv6_dst = addr_copy(&to.daddr_be);
+    }
     // SAFETY: `fib` is a local of the size passed; the helper reads and
     // writes only it, and the context is this program's own.
     let rc = unsafe { bpf_fib_lookup(ctx.ctx.cast(), core::ptr::from_mut(fib), core::mem::size_of::<FibParams>() as i32, 0) };
@@ -297,40 +415,19 @@ fn forward(ctx: &XdpContext, p: &Pkt, to: &CtValue) -> i64 {
     // The helper does not move frame data; bounds checked again all the
     // same, as the verifier wants a fresh check for new pointers.
     let (data, end) = (ctx.data(), ctx.data_end());
-    if data + L4 + L4_MIN > end {
-        return -1;
+    if p.family == FAMILY_V4 {
+        if data + L4_V4 + L4_MIN > end {
+            return OUT_OF_BOUNDS;
+        }
+        rewrite_v4(data, p, to);
+    } else {
+        if data + L4_V6 + L4_MIN > end {
+            return OUT_OF_BOUNDS;
+        }
+        rewrite_v6(data, p, to);
     }
     write_mac(data, 0, &fib.dmac);
     write_mac(data, 6, &fib.smac);
-    // IPv4 header: TTL (the 16-bit word TTL|protocol), then the addresses.
-    let mut check = read_at::<u16>(data, L3 + 10);
-    let ttl_word_old = read_at::<u16>(data, L3 + 8);
-    write_at(data, L3 + 8, ttl - 1);
-    let ttl_word_new = read_at::<u16>(data, L3 + 8);
-    check = csum_replace2(check, ttl_word_old, ttl_word_new);
-    check = csum_replace4(check, p.saddr[0], to.saddr_be[0]);
-    check = csum_replace4(check, p.daddr[0], to.daddr_be[0]);
-    write_at(data, L3 + 10, check);
-    write_at(data, L3 + 12, to.saddr_be[0]);
-    write_at(data, L3 + 16, to.daddr_be[0]);
-    // L4: ports, and the checksum over the pseudo header and the ports.
-    // tcphdr.check is at byte 16, udphdr.check at byte 6.
-    let csum_at = if p.proto == PROTO_TCP { L4 + 16 } else { L4 + 6 };
-    let old = read_at::<u16>(data, csum_at);
-    // A UDP datagram without a checksum (zero, RFC 768) keeps none.
-    if p.proto == PROTO_TCP || old != 0 {
-        let mut c = csum_replace4(old, p.saddr[0], to.saddr_be[0]);
-        c = csum_replace4(c, p.daddr[0], to.daddr_be[0]);
-        c = csum_replace2(c, p.sport_be, to.sport_be);
-        c = csum_replace2(c, p.dport_be, to.dport_be);
-        if p.proto == PROTO_UDP && c == 0 {
-            // A computed zero is sent as all ones (RFC 768).
-            c = 0xffff;
-        }
-        write_at(data, csum_at, c);
-    }
-    write_at(data, L4, to.sport_be);
-    write_at(data, L4 + 2, to.dport_be);
     if fib.ifindex == ctx.ingress_ifindex() as u32 {
         return i64::from(XDP_TX);
     }
@@ -338,4 +435,74 @@ fn forward(ctx: &XdpContext, p: &Pkt, to: &CtValue) -> i64 {
     // device for this CPU and returns XDP_REDIRECT (or XDP_ABORTED for
     // bad flags, none here).
     unsafe { bpf_redirect(fib.ifindex, 0) }
+}
+
+/// The IPv4 header (TTL, addresses, header checksum) and TCP/UDP of an
+/// IPv4 frame without options; the caller checked
+/// `data + L4_V4 + L4_MIN <= end` and that the TTL is above 1.
+#[inline(always)]
+fn rewrite_v4(data: usize, p: &Pkt, to: &CtValue) {
+    // TTL (in the 16-bit word TTL|protocol the header checksum sums),
+    // then the addresses.
+    let mut check = read_at::<u16>(data, L3 + 10);
+    let ttl_word_old = read_at::<u16>(data, L3 + 8);
+    write_at(data, L3 + 8, read_at::<u8>(data, L3 + 8).wrapping_sub(1));
+    let ttl_word_new = read_at::<u16>(data, L3 + 8);
+    check = csum_replace2(check, ttl_word_old, ttl_word_new);
+    check = csum_replace4(check, p.saddr[0], to.saddr_be[0]);
+    check = csum_replace4(check, p.daddr[0], to.daddr_be[0]);
+    write_at(data, L3 + 10, check);
+    write_at(data, L3 + 12, to.saddr_be[0]);
+    write_at(data, L3 + 16, to.daddr_be[0]);
+    rewrite_l4::<L4_V4, 1>(data, p, to);
+}
+
+/// The IPv6 fixed header (hop limit, addresses) and TCP/UDP of an IPv6
+/// frame without extension headers; the caller checked
+/// `data + L4_V6 + L4_MIN <= end` and that the hop limit is above 1. IPv6
+/// has no header checksum (RFC 8200 3): only the L4 checksum changes.
+#[inline(always)]
+fn rewrite_v6(data: usize, p: &Pkt, to: &CtValue) {
+    write_at(data, L3 + 7, read_at::<u8>(data, L3 + 7).wrapping_sub(1));
+    write_addr6(data, L3 + 8, &to.saddr_be);
+    write_addr6(data, L3 + 24, &to.daddr_be);
+    rewrite_l4::<L4_V6, 4>(data, p, to);
+}
+
+/// TCP/UDP at `L4`: the ports, and the checksum over the pseudo header
+/// (whose addresses are the first `WORDS` words of `saddr`/`daddr`: 1 for
+/// IPv4, all 4 for IPv6; RFC 793, 768, RFC 8200 8.1) and the ports. The
+/// caller checked `data + L4 + L4_MIN <= end`.
+///
+/// A UDP checksum of zero stays zero, a computed zero is sent as 0xffff:
+/// what the TC path gives (`BPF_F_MARK_MANGLED_0`, net/core/filter.c
+/// `bpf_l4_csum_replace`), so a flow's packets look the same whichever
+/// program forwarded them. Over IPv4, zero means "no checksum" (RFC 768).
+/// Over IPv6 a zero is invalid except where RFC 6935/6936 allow it for
+/// tunnels (`udp6_csum_init` lets it through, and only a socket with
+/// `UDP_NO_CHECK6_RX` takes it); an incremental update of it would only
+/// produce a wrong non-zero sum, while kept as it is the datagram is
+/// exactly as acceptable to the backend as it was to us. A computed zero,
+/// though, must never go out as zero (it would read as "none").
+#[inline(always)]
+fn rewrite_l4<const L4: usize, const WORDS: usize>(data: usize, p: &Pkt, to: &CtValue) {
+    // tcphdr.check is at byte 16, udphdr.check at byte 6.
+    let csum_at = if p.proto == PROTO_TCP { L4 + 16 } else { L4 + 6 };
+    let old = read_at::<u16>(data, csum_at);
+    if p.proto == PROTO_TCP || old != 0 {
+        let mut c = old;
+        let sources = p.saddr.iter().zip(&to.saddr_be).take(WORDS);
+        let destinations = p.daddr.iter().zip(&to.daddr_be).take(WORDS);
+        for (old_word, new_word) in sources.chain(destinations) {
+            c = csum_replace4(c, *old_word, *new_word);
+        }
+        c = csum_replace2(c, p.sport_be, to.sport_be);
+        c = csum_replace2(c, p.dport_be, to.dport_be);
+        if p.proto == PROTO_UDP && c == 0 {
+            c = 0xffff;
+        }
+        write_at(data, csum_at, c);
+    }
+    write_at(data, L4, to.sport_be);
+    write_at(data, L4 + 2, to.dport_be);
 }
