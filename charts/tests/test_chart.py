@@ -286,7 +286,7 @@ def test_agent_arguments_environment_and_probes(default_objects):
         "--devices": "auto",
         "--tc-mode": "auto",
         "--xdp": "off",
-        "--maglev-table-size": "off",
+        "--maglev-table-size": "16381",
     }
     assert c["env"] == [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
     assert c["ports"] == [{"name": "metrics", "containerPort": 10256, "protocol": "TCP"}]
@@ -452,10 +452,10 @@ def test_devices_default_to_auto_and_take_a_list_or_none(default_objects, custom
     assert args_of(one(render({"devices": ["eth1"]}), "DaemonSet"))["--devices"] == "eth1"
 
 
-def test_xdp_and_maglev_tables_are_off_by_default(default_objects):
+def test_xdp_is_off_and_maglev_tables_on_by_default(default_objects):
     # Passed explicitly, as `devices` is, so that the DaemonSet shows them.
     args = args_of(one(default_objects, "DaemonSet"))
-    assert (args["--tc-mode"], args["--xdp"], args["--maglev-table-size"]) == ("auto", "off", "off")
+    assert (args["--tc-mode"], args["--xdp"], args["--maglev-table-size"]) == ("auto", "off", "16381")
     # Capacities the chart does not set are the agent's to size.
     assert "--max-affinity" not in args
 
@@ -487,6 +487,8 @@ def test_xdp_value_becomes_the_flag(xdp, flag):
         ("16381", "16381"),
         ("65521", "65521"),
         (False, "off"),
+        # A null deletes the key (Helm's coalescing): the default size.
+        (None, "16381"),
     ],
 )
 def test_maglev_table_size_value_becomes_the_flag(size, flag):
@@ -503,9 +505,9 @@ def test_maglev_table_size_value_becomes_the_flag(size, flag):
         # --set and --set-string, through Helm's strvals parser.
         (helm.parse_set_string("xdp=native,maglev.tableSize=65521"), ("native", "65521")),
         (helm.parse_set_string("xdp=off,maglev.tableSize=off"), ("off", "off")),
-        (helm.parse_set_string_values("maglev.tableSize=16381"), ("off", "16381")),
+        (helm.parse_set_string_values("maglev.tableSize=65521"), ("off", "65521")),
     ],
-    ids=["file-bare-off", "file-auto-16381", "set-native-65521", "set-off", "set-string-16381"],
+    ids=["file-bare-off", "file-auto-16381", "set-native-65521", "set-off", "set-string-65521"],
 )
 def test_xdp_and_maglev_as_users_write_them(values, flags):
     args = args_of(one(render(values), "DaemonSet"))

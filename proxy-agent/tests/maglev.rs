@@ -80,8 +80,9 @@ fn load_with(tc: &[(Frontend, Vec<Backend>)], size: Option<TableSize>, caps: Opt
         ebpf.program_mut(&tc_loader::loaded_name(tc_loader::INGRESS_PROGRAM)).expect("np_ingress").try_into().expect("classifier");
     let ingress = prog.fd().expect("fd").as_fd().as_raw_fd();
     let mut w = proxy_agent::external::nodeport::NodePortWriter::open(pins.path()).expect("writer");
-    // Tables are opt-in (`--maglev-table-size off` by default); these
-    // tests write them at the default size unless they name another.
+    // A writer writes no tables until told a size (the agent passes
+    // `--maglev-table-size`, 16381 by default); these tests write them at
+    // the default size unless they name another.
     w.set_maglev_size(Some(size.unwrap_or_default()));
     w.set_config(Some("10.0.3.1".parse().unwrap()), None, (61000, 65535)).expect("config");
     let o = w.sync(&external(tc));
@@ -182,7 +183,7 @@ fn the_large_size_links_large_tables_and_a_size_change_rewrites_them() {
     w.set_maglev_size(Some(TableSize::Default));
     assert_eq!(w.maglev_usage(), Some((Some(TableSize::Default), 2, 8 * u64::from(pc::MAGLEV_SIZE_DEFAULT + pc::MAGLEV_SIZE_LARGE))));
     assert_eq!(w.sync(&ext).upserts, 0, "a restart rewrites nothing");
-    // With tables off (the default), only the annotated frontend keeps one;
+    // With tables off (a writer told no size), only the annotated frontend keeps one;
     // the other goes back to the slot pick under a new generation.
     drop(w);
     let mut w = proxy_agent::external::nodeport::NodePortWriter::open(l.pins.path()).expect("writer");
@@ -195,6 +196,16 @@ fn the_large_size_links_large_tables_and_a_size_change_rewrites_them() {
     let np = report.nodeport.as_ref().expect("TC datapath");
     let shown: Vec<(String, Option<u32>)> = np.services.iter().map(|s| (s.frontend.clone(), s.maglev_table_size)).collect();
     assert_eq!(shown, vec![("10.0.1.2:30080/TCP".to_string(), None), ("10.0.1.2:30081/TCP".to_string(), Some(pc::MAGLEV_SIZE_LARGE))]);
+}
+
+/// Each TC frontend with the table size its entry announces, as `dump`
+/// shows them, once `dump` has found the maps consistent.
+fn shown_tables(l: &Loaded) -> Vec<(String, Option<u32>)> {
+    let snap = proxy_agent::datapath::dump::read(l.pins.path()).expect("dump");
+    let report = proxy_agent::datapath::dump::report(l.pins.path(), &snap);
+    assert!(report.consistent, "{:?}", report.findings);
+    let np = report.nodeport.as_ref().expect("TC datapath");
+    np.services.iter().map(|s| (s.frontend.clone(), s.maglev_table_size)).collect()
 }
 
 /// An Ethernet + IPv4 + TCP SYN frame from `src:sport` to the frontend.
@@ -397,10 +408,18 @@ fn removing_one_of_ten_udp_backends_moves_only_the_sockets_that_used_it() {
     let want = [
         ("topoproxy_maglev_tables{datapath=\"socket\"} 1".to_string()),
         format!("topoproxy_maglev_table_bytes{{datapath=\"socket\"}} {}", 8 * pc::MAGLEV_SIZE_DEFAULT),
+        ("topoproxy_maglev_tables_refused{datapath=\"socket\"} 0".to_string()),
     ];
+    // The tables' share of the budget: at least the floor sizing sets aside.
+    let budget_ok = |body: &str| {
+        body.lines()
+            .find_map(|l| l.strip_prefix("topoproxy_maglev_budget_bytes "))
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .is_some_and(|v| v >= proxy_agent::datapath::sizing::MAGLEV_FLOOR_BYTES)
+    };
     proxy_test_support::wait::eventually("the Maglev metrics", || {
         let (_, body) = proxy_test_support::http::http_get(addr, "/metrics")?;
-        if want.iter().all(|w| body.lines().any(|l| l == w)) { Ok(()) } else { Err(body) }
+        if want.iter().all(|w| body.lines().any(|l| l == w)) && budget_ok(&body) { Ok(()) } else { Err(body) }
     });
     drop(stdin);
     let _ = client.0.wait();
@@ -457,13 +476,8 @@ fn a_table_the_full_outer_map_cannot_take_leaves_the_slot_pick_until_the_next_pa
     assert!(o.failures.is_empty(), "a missing table is not a failure of the frontend: {:?}", o.failures);
     assert_eq!(o.upserts, 1);
     assert_eq!(w.maglev_usage(), Some((Some(TableSize::Default), 2, 2 * one)), "the old generation's table is unlinked");
-    let snap = proxy_agent::datapath::dump::read(l.pins.path()).expect("dump");
-    let report = proxy_agent::datapath::dump::report(l.pins.path(), &snap);
-    assert!(report.consistent, "{:?}", report.findings);
-    let np = report.nodeport.as_ref().expect("TC datapath");
-    let shown: Vec<(String, Option<u32>)> = np.services.iter().map(|s| (s.frontend.clone(), s.maglev_table_size)).collect();
     assert_eq!(
-        shown,
+        shown_tables(&l),
         vec![
             ("10.0.1.2:30080/TCP".to_string(), None),
             ("10.0.1.2:30081/TCP".to_string(), Some(pc::MAGLEV_SIZE_DEFAULT)),
@@ -528,4 +542,80 @@ fn frontends_with_the_same_backends_share_one_table() {
     assert_eq!(w.maglev_usage(), Some((Some(TableSize::Default), 0, 0)));
     let r = report(&l);
     assert_eq!((keys(&r), r.maglev_table_bytes), (Some(0), 0));
+}
+
+#[test]
+fn tables_stay_within_their_share_of_the_budget_and_a_refused_frontend_waits_for_room() {
+    use proxy_agent::datapath::maglev_budget::MaglevBudget;
+    let one = 8 * u64::from(pc::MAGLEV_SIZE_DEFAULT);
+    let l = load(&[], None);
+    // Room for two tables, one of which the socket datapath's writer (which
+    // shares the budget) holds.
+    let budget = std::sync::Arc::new(MaglevBudget::new(2 * one));
+    budget.take(one).expect("the other datapath's table");
+    let mut w = proxy_agent::external::nodeport::NodePortWriter::open(l.pins.path()).expect("writer");
+    w.set_maglev_size(Some(TableSize::Default));
+    w.set_maglev_budget(budget.clone());
+    let other = fe("10.0.1.2:30081");
+    let mut tc = vec![(other, backends(4))];
+    assert!(w.sync(&external(&tc)).failures.is_empty());
+    assert_eq!((w.maglev_usage(), w.maglev_refused(), budget.used()), (Some((Some(TableSize::Default), 1, one)), 0, 2 * one));
+
+    // Two more frontends with their own backends find the share used up:
+    // they are written without a table and serve by the slot pick.
+    let three = backends(3);
+    tc.push((fe(FRONTEND), three.clone()));
+    tc.push((fe("10.0.1.2:30082"), backends(5)));
+    let o = w.sync(&external(&tc));
+    assert!(o.failures.is_empty(), "a table the budget refuses is not a failure of the frontend: {:?}", o.failures);
+    assert_eq!(o.upserts, 2);
+    assert_eq!((w.maglev_usage(), w.maglev_refused(), budget.used()), (Some((Some(TableSize::Default), 1, one)), 2, 2 * one));
+    assert_eq!(
+        shown_tables(&l),
+        vec![
+            ("10.0.1.2:30080/TCP".to_string(), None),
+            ("10.0.1.2:30081/TCP".to_string(), Some(pc::MAGLEV_SIZE_DEFAULT)),
+            ("10.0.1.2:30082/TCP".to_string(), None),
+        ]
+    );
+    for i in 0..20u8 {
+        let got = picked(&l, &syn([172, 16, 3, i + 1], 42_000));
+        assert!(three.iter().any(|b| b.ip == std::net::IpAddr::from(got)), "a backend of its set: {got:?}");
+    }
+    // While there is no room, passes leave it alone (no new generation per
+    // pass, no warning per pass).
+    assert_eq!(w.sync(&external(&tc)).upserts, 0);
+    assert_eq!(w.maglev_refused(), 2);
+
+    // The other frontend goes and its table with it: the next pass finds
+    // room for one table and gives it to the first waiting frontend (the
+    // pure table of its set); the other keeps waiting, not rewritten.
+    tc.remove(0);
+    assert!(w.sync(&external(&tc)).failures.is_empty());
+    assert_eq!(budget.used(), one, "the removed frontend's table is given back");
+    let o = w.sync(&external(&tc));
+    assert!(o.failures.is_empty(), "{:?}", o.failures);
+    assert_eq!(o.upserts, 1, "only as many waiting frontends as the room holds are rewritten");
+    assert_eq!((w.maglev_refused(), budget.used()), (1, 2 * one));
+    let snap = proxy_agent::datapath::dump::read(l.pins.path()).expect("dump");
+    let np = proxy_agent::datapath::dump::report(l.pins.path(), &snap).nodeport.expect("TC datapath");
+    let with_table: Vec<Option<u32>> = np.services.iter().map(|s| s.maglev_table_size).collect();
+    assert_eq!(with_table, vec![Some(pc::MAGLEV_SIZE_DEFAULT), None]);
+    assert_eq!(w.sync(&external(&tc)).upserts, 0);
+    // The other goes too: no table given back (it had none), nothing waits.
+    tc.pop();
+    assert!(w.sync(&external(&tc)).failures.is_empty());
+    assert_eq!((w.maglev_refused(), budget.used()), (0, 2 * one));
+    let t = tables_of(&l);
+    assert_eq!(t[&frontend_key()], (pc::MAGLEV_SIZE_DEFAULT, pure_table(&three)));
+    assert_eq!(w.sync(&external(&tc)).upserts, 0);
+
+    // A restarted agent charges the tables it adopts to its budget.
+    drop(w);
+    let restarted = std::sync::Arc::new(MaglevBudget::new(2 * one));
+    let mut w = proxy_agent::external::nodeport::NodePortWriter::open(l.pins.path()).expect("writer");
+    w.set_maglev_size(Some(TableSize::Default));
+    w.set_maglev_budget(restarted.clone());
+    assert_eq!(restarted.used(), one);
+    assert_eq!(w.sync(&external(&tc)).upserts, 0, "a restart rewrites nothing");
 }

@@ -49,6 +49,9 @@ pub(crate) struct DatapathArgs {
     /// not set by a --max-* flag are sized from the Services and endpoints
     /// of the first full list (plus half again), then grown within this
     /// budget; what the first list needs is always given, even beyond it.
+    /// Maglev tables get a share set aside first: the tables the first
+    /// list asks for plus half again, at least 2 MiB, and whatever the
+    /// maps leave.
     #[arg(long, default_value_t = sizing::DEFAULT_BUDGET_MIB)]
     pub map_memory_budget: u64,
     /// Node interfaces that get the TC programs for traffic from outside
@@ -84,14 +87,16 @@ pub(crate) struct DatapathArgs {
     #[arg(long, default_value = "off", value_parser = ["off", "auto", "native"])]
     pub xdp: String,
     /// Maglev consistent hashing for NodePort/LoadBalancer flows and
-    /// unconnected UDP: `off` (the default: the random slot pick, unless a
-    /// Service's `topoproxy.io/maglev-table-size` annotation asks for a
-    /// table), or the entries of every such frontend's table, a prime:
-    /// 16381 (fine up to ~160 backends) or 65521 (for Services with
-    /// hundreds of backends). Off by default because of memory: the
-    /// kernel's array keeps 8 bytes per 4-byte entry, 128 KiB (512 KiB)
-    /// per frontend, outside `--map-memory-budget`.
-    #[arg(long, default_value = "off", value_parser = parse_maglev_size)]
+    /// unconnected UDP: the entries of every such frontend's table, a
+    /// prime, 16381 (the default; fine up to ~160 backends) or 65521 (for
+    /// Services with hundreds of backends), or `off` (the random slot pick,
+    /// unless a Service's `topoproxy.io/maglev-table-size` annotation asks
+    /// for a table). Each distinct backend set's table takes 128
+    /// KiB (512 KiB) of kernel memory (an array keeps 8 bytes per 4-byte
+    /// entry), charged to a share of `--map-memory-budget`: a table beyond
+    /// it is not made, and its frontend keeps the slot pick until room is
+    /// freed (logged once, `topoproxy_maglev_tables_refused`).
+    #[arg(long, default_value = "16381", value_parser = parse_maglev_size)]
     pub maglev_table_size: ::std::option::Option<proxy_agent::decide::maglev::TableSize>,
     #[command(flatten)]
     pub conntrack: super::conntrack_args::ConntrackArgs,
@@ -126,6 +131,7 @@ impl DatapathArgs {
             tc_mode,
             xdp: proxy_agent::datapath::xdp_loader::XdpMode::parse(&self.xdp).unwrap_or_default(),
             maglev_size: self.maglev_table_size,
+            maglev_budget: None,
         })
     }
 
@@ -181,9 +187,9 @@ mod tests {
     }
 
     #[test]
-    fn maglev_tables_are_off_unless_a_size_is_named() {
+    fn maglev_tables_default_to_16381_and_off_turns_them_off() {
         use proxy_agent::decide::maglev::TableSize;
-        assert_eq!(parse(&[]).unwrap().maglev_table_size, None);
+        assert_eq!(parse(&[]).unwrap().maglev_table_size, Some(TableSize::Default));
         assert_eq!(parse(&["--maglev-table-size", "off"]).unwrap().maglev_table_size, None);
         assert_eq!(parse(&["--maglev-table-size", "16381"]).unwrap().maglev_table_size, Some(TableSize::Default));
         assert_eq!(parse(&["--maglev-table-size", "65521"]).unwrap().maglev_table_size, Some(TableSize::Large));

@@ -187,7 +187,8 @@ async fn watch_node_addresses(tx: UnboundedSender<Signal>, changed: Arc<AtomicBo
 const INITIAL_LIST_WAIT: Duration = Duration::from_secs(30);
 
 /// Waits (at most `wait`) until the source has listed every kind, and
-/// counts what the queued initial state will program. The signals read
+/// counts what the queued initial state will program (Maglev tables of
+/// `maglev_default` size where no annotation says otherwise). The signals read
 /// meanwhile are handed on, in order, through the returned receiver, so
 /// the sync loop sees them as if nothing had looked.
 async fn initial_needs(
@@ -195,6 +196,7 @@ async fn initial_needs(
     stores: &Stores,
     health: &Health,
     wait: Duration,
+    maglev_default: Option<proxy_agent::decide::maglev::TableSize>,
 ) -> (UnboundedReceiver<Signal>, Option<Needs>) {
     let deadline = tokio::time::Instant::now() + wait;
     let mut seen = Vec::new();
@@ -223,7 +225,7 @@ async fn initial_needs(
     if !complete {
         tracing::warn!(waited = ?wait, "the source has not listed everything yet; sizing the maps from what arrived");
     }
-    let needs = stores.with_queued(Needs::of);
+    let needs = stores.with_queued(|deltas| Needs::of(deltas, maglev_default));
     let (tx, forwarded) = tokio::sync::mpsc::unbounded_channel();
     for signal in seen {
         let _ = tx.send(signal);
@@ -241,7 +243,7 @@ async fn initial_needs(
 async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     anyhow::ensure!(!args.node.is_empty(), "--node (or NODE_NAME) must name this node");
     let standalone = !args.manifests.is_empty();
-    let external_cfg = args.datapath.external()?;
+    let mut external_cfg = args.datapath.external()?;
     let metrics = Arc::new(Metrics::new());
     let health = Arc::new(Health::new(DEFAULT_STALE_AFTER));
     health.waiting_for("the datapath to be installed");
@@ -277,8 +279,11 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     let pin_dir = args.datapath.bpffs.clone();
     // Maps created now are sized from the first full list (see
     // `sizing`): wait for it, bounded, unless every capacity is given.
-    let (rx, needs) =
-        if args.datapath.all_capacities_explicit() { (rx, None) } else { initial_needs(rx, &stores, &health, INITIAL_LIST_WAIT).await };
+    let (rx, needs) = if args.datapath.all_capacities_explicit() {
+        (rx, None)
+    } else {
+        initial_needs(rx, &stores, &health, INITIAL_LIST_WAIT, args.datapath.maglev_table_size).await
+    };
     let sizing = args.datapath.capacities(needs)?;
     let explicit = args.datapath.explicit_capacities()?;
     let caps = sizing::keep_pinned(&sizing.caps, needs, &explicit, &map_migration::pinned_capacities(&args.datapath.bpffs));
@@ -290,9 +295,13 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
         sock_revnat = caps.sock_revnat,
         np_conntrack = caps.np_conntrack,
         affinity = caps.affinity,
+        maglev_tables_mib = sizing.maglev_bytes >> 20,
         worst_case_mib = sizing.worst_case_bytes >> 20,
         "map capacities"
     );
+    metrics.set_maglev_budget(sizing.maglev_bytes);
+    // One share for both datapaths' tables.
+    let maglev_budget = std::sync::Arc::new(proxy_agent::datapath::maglev_budget::MaglevBudget::new(sizing.maglev_bytes));
     if sizing.over_budget {
         tracing::warn!(
             budget_mib = args.datapath.map_memory_budget,
@@ -313,6 +322,8 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     }
     let mut writer = MapWriter::open(&pin_dir).context("opening the pinned maps")?;
     writer.set_maglev_size(args.datapath.maglev_table_size);
+    writer.set_maglev_budget(maglev_budget.clone());
+    external_cfg.maglev_budget = Some(maglev_budget);
     tracing::info!(
         node = %args.node,
         cgroup = %cgroup.display(),

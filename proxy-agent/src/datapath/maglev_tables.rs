@@ -16,12 +16,14 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::Path;
+use std::sync::Arc;
 
 use aya::maps::{Array, HashOfMaps, IterableMap, Map, MapData, MapError};
 use proxy_common as pc;
 use proxy_common::{MaglevKey, ServiceValue};
 
 use crate::datapath::bpf_batch::{self, BPF_MAP_DELETE_ELEM, BPF_MAP_UPDATE_ELEM};
+use crate::datapath::maglev_budget::{MaglevBudget, OverBudget};
 use crate::datapath::maps::MapSpec;
 use crate::decide::maglev::{Table, TableSize};
 use crate::model::Backend;
@@ -52,6 +54,9 @@ pub(crate) struct MaglevTables {
     /// same table: they link one array under each of their keys, and the
     /// memory is paid once.
     by_content: HashMap<Content, u32>,
+    /// The tables' share of the memory budget, charged for every array in
+    /// `tables` (shared with the other datapath's writer).
+    budget: Arc<MaglevBudget>,
 }
 
 /// What a table is computed from: its size and backend set (addresses, in
@@ -111,6 +116,7 @@ impl MaglevTables {
             linked: HashMap::new(),
             tables: HashMap::new(),
             by_content: HashMap::new(),
+            budget: Arc::new(MaglevBudget::unlimited()),
         }))
     }
 
@@ -143,7 +149,14 @@ impl MaglevTables {
                 continue;
             }
             self.linked.insert(k, info.id());
-            self.tables.entry(info.id()).or_insert(Shared { size: *size, refs: 0, content: None }).refs += 1;
+            let budget = &self.budget;
+            self.tables
+                .entry(info.id())
+                .or_insert_with(|| {
+                    budget.take_anyway(size.bytes());
+                    Shared { size: *size, refs: 0, content: None }
+                })
+                .refs += 1;
         }
         Ok(missing)
     }
@@ -217,11 +230,17 @@ impl MaglevTables {
                 }
             }
         }
-        let ids = (r.compute)().ok_or(MapError::KeyNotFound)?;
-        let m = u32::try_from(ids.len()).map_err(|_| MapError::OutOfBounds { index: u32::MAX, max_entries: u32::MAX })?;
-        let inner = Array::<MapData, u32>::create(m, BPF_F_INNER_MAP | BPF_F_MMAPABLE)?;
-        fill(IterableMap::map(&inner), &ids).map_err(MapError::IoError)?;
-        let id = IterableMap::map(&inner).info()?.id();
+        // Charged before the table is computed: a refusal costs nothing.
+        self.budget.take(r.size.bytes()).map_err(|e| MapError::IoError(std::io::Error::other(e)))?;
+        let made = (|| -> Result<(Array<MapData, u32>, u32), MapError> {
+            let ids = (r.compute)().ok_or(MapError::KeyNotFound)?;
+            let m = u32::try_from(ids.len()).map_err(|_| MapError::OutOfBounds { index: u32::MAX, max_entries: u32::MAX })?;
+            let inner = Array::<MapData, u32>::create(m, BPF_F_INNER_MAP | BPF_F_MMAPABLE)?;
+            fill(IterableMap::map(&inner), &ids).map_err(MapError::IoError)?;
+            let id = IterableMap::map(&inner).info()?.id();
+            Ok((inner, id))
+        })();
+        let (inner, id) = made.inspect_err(|_| self.budget.give_back(r.size.bytes()))?;
         self.tables.insert(id, Shared { size: r.size, refs: 0, content: Some(content.clone()) });
         self.by_content.insert(content, id);
         open.insert(id, inner);
@@ -248,10 +267,11 @@ impl MaglevTables {
     /// Stops tracking an array no key links any more (the kernel frees it
     /// with its last link).
     fn forget(&mut self, id: u32) {
-        if let Some(t) = self.tables.remove(&id)
-            && let Some(content) = t.content
-        {
-            self.by_content.remove(&content);
+        if let Some(t) = self.tables.remove(&id) {
+            self.budget.give_back(t.size.bytes());
+            if let Some(content) = t.content {
+                self.by_content.remove(&content);
+            }
         }
     }
 
@@ -285,6 +305,20 @@ impl MaglevTables {
                 false
             }
         }
+    }
+
+    /// Charges this writer's tables to `budget` from now on (moving the
+    /// tables it tracks already, adopted or made, over to it).
+    pub(crate) fn set_budget(&mut self, budget: Arc<MaglevBudget>) {
+        let bytes: u64 = self.tables.values().map(|t| t.size.bytes()).sum();
+        self.budget.give_back(bytes);
+        budget.take_anyway(bytes);
+        self.budget = budget;
+    }
+
+    /// Bytes of new tables the budget takes now.
+    pub(crate) fn room(&self) -> u64 {
+        self.budget.room()
     }
 
     /// The pinned outer map's name, for errors.
@@ -345,9 +379,26 @@ fn elem_call(cmd: libc::c_long, outer: BorrowedFd<'_>, key: &MaglevKey, inner_fd
 }
 
 /// A copy of a preparation error for the caller's list (`MapError` is not
-/// `Clone`); the message is what matters there.
+/// `Clone`); the message is what matters there, and whether it was the
+/// budget's refusal ([`is_over_budget`]).
 fn clone_error(e: &MapError) -> MapError {
-    MapError::IoError(std::io::Error::other(e.to_string()))
+    match over_budget(e) {
+        Some(o) => MapError::IoError(std::io::Error::other(OverBudget { ..*o })),
+        None => MapError::IoError(std::io::Error::other(e.to_string())),
+    }
+}
+
+fn over_budget(e: &MapError) -> Option<&OverBudget> {
+    match e {
+        MapError::IoError(io) => io.get_ref().and_then(|inner| inner.downcast_ref::<OverBudget>()),
+        _ => None,
+    }
+}
+
+/// Whether a link failed because the table did not fit the tables' share
+/// of the memory budget (not for a kernel error).
+pub(crate) fn is_over_budget(e: &MapError) -> bool {
+    over_budget(e).is_some()
 }
 
 /// Writes `ids` into a fresh mmap-able array of exactly `ids.len()` `u32`

@@ -143,6 +143,11 @@ pub struct MapWriter {
     /// Frontends whose current generation announces a Maglev table that
     /// is not linked in (found so at start-up).
     maglev_stale: BTreeSet<Frontend>,
+    /// Frontends written without the table they ask for because it did not
+    /// fit the tables' share of the memory budget. They are not rewritten
+    /// for it (every pass would otherwise write a new generation, and warn)
+    /// until the budget has room for a table of their size again.
+    maglev_refused: BTreeSet<Frontend>,
     /// Table sizes set per frontend (the Service annotation); the others
     /// get the writer's default.
     maglev_sizes: BTreeMap<Frontend, TableSize>,
@@ -222,6 +227,7 @@ impl MapWriter {
             affinity_gone: BTreeSet::new(),
             maglev,
             maglev_stale: BTreeSet::new(),
+            maglev_refused: BTreeSet::new(),
             maglev_sizes: BTreeMap::new(),
             ports,
         };
@@ -351,17 +357,41 @@ impl MapWriter {
     /// table is missing or of another size than this writer would write
     /// shows without backends, so that the next plan rewrites it.
     pub fn state(&self) -> State {
+        let retries = self.maglev_retries();
         self.programmed
             .iter()
             .map(|(fe, p)| {
-                let set = if self.maglev_is_stale(fe, p) { BTreeSet::new() } else { p.backends.iter().copied().collect() };
+                let set = if self.maglev_is_stale(fe, p, &retries) { BTreeSet::new() } else { p.backends.iter().copied().collect() };
                 (*fe, set)
             })
             .collect()
     }
 
-    fn maglev_is_stale(&self, fe: &Frontend, p: &Programmed) -> bool {
+    fn maglev_is_stale(&self, fe: &Frontend, p: &Programmed, retries: &BTreeSet<Frontend>) -> bool {
+        if self.maglev_refused.contains(fe) && !retries.contains(fe) {
+            return false;
+        }
         p.value.backend_count > 0 && (self.maglev_stale.contains(fe) || maglev_tables::size_of_value(&p.value) != self.maglev_size_for(fe))
+    }
+
+    /// The frontends the budget refused a table that the next plan tries
+    /// again: as many as the room in the budget holds now, in frontend
+    /// order. Retrying every one whenever one table's room appears would
+    /// rewrite them all (a new generation each) for one table.
+    fn maglev_retries(&self) -> BTreeSet<Frontend> {
+        let Some(t) = &self.maglev else { return BTreeSet::new() };
+        let mut room = t.room();
+        self.maglev_refused
+            .iter()
+            .filter(|fe| match self.maglev_size_for(fe) {
+                Some(size) if size.bytes() <= room => {
+                    room -= size.bytes();
+                    true
+                }
+                _ => false,
+            })
+            .copied()
+            .collect()
     }
 
     /// The size of the table `fe` gets when written with backends; `None`
@@ -402,6 +432,21 @@ impl MapWriter {
             let (tables, bytes) = t.usage();
             (t.size, tables, bytes)
         })
+    }
+
+    /// Charges this writer's Maglev tables to `budget` (the tables' share
+    /// of --map-memory-budget, shared with the other datapath's writer);
+    /// without one, tables are not capped.
+    pub fn set_maglev_budget(&mut self, budget: std::sync::Arc<crate::datapath::maglev_budget::MaglevBudget>) {
+        if let Some(t) = &mut self.maglev {
+            t.set_budget(budget);
+        }
+    }
+
+    /// Frontends written without the Maglev table they ask for, because
+    /// it did not fit the tables' share of the memory budget.
+    pub fn maglev_refused(&self) -> usize {
+        self.maglev_refused.len()
     }
 
     /// The policies of the programmed frontends that have one.
@@ -588,6 +633,10 @@ impl MapWriter {
         chunk.range_keys.extend(ranges.iter().map(|c| source_range_key(service_id, generation, c)));
         chunk.service_keys.push(service_key(fe));
         let maglev = self.maglev_size_for(fe).filter(|_| n > 0);
+        if maglev.is_none() {
+            // Asks for no table now (the annotation went, or no backends).
+            self.maglev_refused.remove(fe);
+        }
         let flags = policy_flags(policy) | maglev.map_or(0, maglev_tables::flags_of);
         chunk.service_values.push(ServiceValue { service_id, backend_count: n, generation, flags });
         chunk.staged.push(Staged {
@@ -752,18 +801,40 @@ impl MapWriter {
             which.push(i);
         }
         let results = t.link_all(requests);
+        let mut refused = Vec::new();
         for (i, r) in which.into_iter().zip(results) {
+            let st = &mut c.staged[i];
             if let Err(e) = r {
-                let st = &mut c.staged[i];
-                tracing::warn!(
-                    frontend = %st.frontend,
-                    map = t.map_name(),
-                    error = %e,
-                    "Maglev table not linked; new flows to this frontend take the modulo pick until it is rewritten"
-                );
+                if !maglev_tables::is_over_budget(&e) {
+                    tracing::warn!(
+                        frontend = %st.frontend,
+                        map = t.map_name(),
+                        error = %e,
+                        "Maglev table not linked; new flows to this frontend take the modulo pick until it is rewritten"
+                    );
+                } else if self.maglev_refused.insert(st.frontend) {
+                    // Said once per frontend (it is not retried until the
+                    // budget has room, `maglev_is_stale`), and summed up
+                    // below: a cold start may refuse thousands.
+                    tracing::debug!(frontend = %st.frontend, map = t.map_name(), error = %e, "Maglev table not made");
+                    refused.push((st.frontend, e));
+                }
                 st.maglev = None;
                 c.service_values[i].flags &= !(pc::SVC_FLAG_MAGLEV | pc::SVC_FLAG_MAGLEV_LARGE);
+            } else {
+                self.maglev_refused.remove(&st.frontend);
             }
+        }
+        if let Some((_, e)) = refused.first() {
+            let named: Vec<String> = refused.iter().take(5).map(|(fe, _)| fe.to_string()).collect();
+            tracing::warn!(
+                map = t.map_name(),
+                frontends = refused.len(),
+                named = %named.join(", "),
+                waiting = self.maglev_refused.len(),
+                error = %e,
+                "Maglev tables not made; new flows to these frontends take the modulo pick until tables that are no longer needed make room (or a larger --map-memory-budget at the next restart)"
+            );
         }
     }
 
@@ -774,6 +845,7 @@ impl MapWriter {
         let mut keys = Vec::new();
         let mut olds = Vec::new();
         for fe in frontends {
+            self.maglev_refused.remove(fe);
             if let Some(old) = self.programmed.remove(fe) {
                 self.service_id_set.remove(&old.value.service_id);
                 if old.policy.affinity_timeout_s.is_some() {

@@ -12,6 +12,7 @@ pub mod dump;
 pub mod kernel_btf;
 pub mod kernel_features;
 pub mod keys;
+pub mod maglev_budget;
 pub mod maglev_tables;
 pub mod map_migration;
 pub mod map_writer;

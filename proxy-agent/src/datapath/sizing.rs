@@ -11,11 +11,19 @@
 //! worst case, every map full, so the pinned maps never exceed it whatever
 //! the traffic; what they use at first is much less (only the LRU maps are
 //! charged in full at creation).
+//!
+//! Maglev tables are arrays made on demand, one per distinct backend set,
+//! outside any capacity: the budget reserves them a share before the maps
+//! grow (what the first list asks for, plus half again, and at least
+//! [`MAGLEV_FLOOR_BYTES`] for Services added later, within what the maps'
+//! own needs leave), which the writers do not exceed (`maglev_budget`).
 
 use std::collections::BTreeMap;
 
 use crate::datapath::maps::{Capacities, Capacity};
+use crate::decide::maglev::{self, TableSize};
 use crate::model::ObjectRef;
+use crate::model::Protocol;
 use crate::model::store::{Delta, Object};
 
 /// What the first model will program, counted from its objects.
@@ -27,6 +35,10 @@ pub struct Needs {
     pub slots: u64,
     /// Distinct backend addresses.
     pub backends: u64,
+    /// Kernel memory of the Maglev tables asked for: one per Service port
+    /// at TC (NodePort, LoadBalancer IPs, externalIPs), one more at the
+    /// socket layer for UDP, of the annotated size or the default.
+    pub maglev_bytes: u64,
 }
 
 /// NodePort frontends are one per node address, which is not known before
@@ -38,7 +50,9 @@ impl Needs {
     /// an object wins). An overestimate where the decision is not known yet
     /// (every endpoint counts, ready or not; every NodePort as
     /// [`NODE_ADDRESSES_GUESS`] frontends), which only adds headroom.
-    pub fn of(deltas: &[Delta]) -> Needs {
+    /// `maglev_default` is `--maglev-table-size`: the tables of Services
+    /// without the annotation.
+    pub fn of(deltas: &[Delta], maglev_default: Option<TableSize>) -> Needs {
         let mut latest: BTreeMap<(u8, &ObjectRef), Option<&Object>> = BTreeMap::new();
         for d in deltas {
             latest.insert((d.kind as u8, &d.id), d.object.as_ref().filter(|_| d.present));
@@ -58,10 +72,20 @@ impl Needs {
             if let Object::Service(s) = object {
                 let ips = (s.cluster_ips.len() + s.external_ips.len() + s.load_balancer_ips.len()) as u64;
                 let eps = endpoints.get(&(s.id.namespace.as_str(), s.id.name.as_str())).copied().unwrap_or(0);
+                // An invalid annotation falls back to the default, as
+                // `decide::decision` does.
+                let table = maglev::annotated_size(&s.annotations).ok().flatten().or(maglev_default).map_or(0, TableSize::bytes);
+                let external = !s.external_ips.is_empty() || !s.load_balancer_ips.is_empty();
                 for p in &s.ports {
                     let frontends = ips + if p.node_port.is_some() { NODE_ADDRESSES_GUESS } else { 0 };
                     needs.frontends += frontends;
                     needs.slots += frontends * eps;
+                    if external || p.node_port.is_some() {
+                        needs.maglev_bytes += table;
+                    }
+                    if p.protocol == Protocol::Udp {
+                        needs.maglev_bytes += table;
+                    }
                 }
             }
         }
@@ -106,6 +130,11 @@ const fn bounds(c: Capacity) -> (u32, u32) {
 /// Default `--map-memory-budget`, MiB.
 pub const DEFAULT_BUDGET_MIB: u64 = 64;
 
+/// The least the budget reserves for Maglev tables: 16 tables of the
+/// default size, for Services annotated after the start (the reserve is
+/// fixed until the next restart).
+pub const MAGLEV_FLOOR_BYTES: u64 = 16 * TableSize::Default.bytes();
+
 /// The order in which spare budget doubles capacities: connection
 /// tracking first (a full LRU evicts live flows), then the socket reverse
 /// translations, then room for more Services before a restart.
@@ -116,8 +145,11 @@ const GROWTH_ORDER: [Capacity; 6] =
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sizing {
     pub caps: Capacities,
-    /// Kernel memory of the sized maps when full, bytes.
+    /// Kernel memory of the sized maps when full, bytes, the Maglev
+    /// tables' share included.
     pub worst_case_bytes: u64,
+    /// The Maglev tables' share of the budget, bytes.
+    pub maglev_bytes: u64,
     /// The explicit capacities and the first model's needs alone exceed
     /// the budget (they win; the agent warns).
     pub over_budget: bool,
@@ -132,7 +164,11 @@ pub fn worst_case_bytes(caps: &Capacities) -> u64 {
 /// first model's needs plus half again (a frontend's old and new slot
 /// generations coexist while it is rewritten, and the cluster grows
 /// between restarts), at least their floor; then the spare budget doubles
-/// capacities in [`GROWTH_ORDER`] up to their ceilings.
+/// capacities in [`GROWTH_ORDER`] up to their ceilings. The Maglev
+/// tables' share is set aside before the maps grow: their needs plus half
+/// again (a rewritten frontend's old and new tables coexist), at least
+/// [`MAGLEV_FLOOR_BYTES`], at most what the maps' own needs leave of the
+/// budget; what the grown maps leave is added.
 pub fn size(needs: Option<Needs>, explicit: &[Option<u32>; 6], budget_bytes: u64) -> Sizing {
     let needs = needs.unwrap_or_default();
     let mut caps = Capacities::default();
@@ -153,6 +189,11 @@ pub fn size(needs: Option<Needs>, explicit: &[Option<u32>; 6], budget_bytes: u64
         set(&mut caps, c, value);
     }
     let over_budget = worst_case_bytes(&caps) > budget_bytes;
+    // Tables are an optimisation (a frontend without one takes the slot
+    // pick), so unlike the maps they never take the budget past its end.
+    let left = budget_bytes.saturating_sub(worst_case_bytes(&caps));
+    let maglev_reserve = needs.maglev_bytes.saturating_add(needs.maglev_bytes / 2).max(MAGLEV_FLOOR_BYTES).min(left);
+    let maps_budget = budget_bytes.saturating_sub(maglev_reserve);
     loop {
         let mut grew = false;
         for c in GROWTH_ORDER {
@@ -164,7 +205,7 @@ pub fn size(needs: Option<Needs>, explicit: &[Option<u32>; 6], budget_bytes: u64
             }
             let next = now.saturating_mul(2).min(ceiling);
             let extra = u64::from(next - now) * bytes_per_entry(c);
-            if worst_case_bytes(&caps) + extra <= budget_bytes {
+            if worst_case_bytes(&caps) + extra <= maps_budget {
                 set(&mut caps, c, next);
                 grew = true;
             }
@@ -173,7 +214,10 @@ pub fn size(needs: Option<Needs>, explicit: &[Option<u32>; 6], budget_bytes: u64
             break;
         }
     }
-    Sizing { caps, worst_case_bytes: worst_case_bytes(&caps), over_budget }
+    // What the maps leave (they may stop short of it, at their ceilings or
+    // set by flags) goes to the tables too.
+    let maglev_bytes = maglev_reserve.max(budget_bytes.saturating_sub(worst_case_bytes(&caps)));
+    Sizing { caps, worst_case_bytes: worst_case_bytes(&caps) + maglev_bytes, maglev_bytes, over_budget }
 }
 
 /// The capacities to use given the pinned maps' (`pinned`, in
@@ -220,7 +264,7 @@ mod tests {
     const NONE: [Option<u32>; 6] = [None; 6];
 
     fn needs(frontends: u64, slots: u64, backends: u64) -> Needs {
-        Needs { frontends, slots, backends }
+        Needs { frontends, slots, backends, maglev_bytes: 0 }
     }
 
     #[test]
@@ -238,6 +282,7 @@ mod tests {
             "---\napiVersion: v1\nkind: Service\nmetadata: {name: np}\nspec: {type: NodePort, clusterIP: 10.96.0.2, externalIPs: [192.0.2.1], ports: [{name: a, port: 80, nodePort: 30080}]}\n".to_string(),
             slice("web-1", "web", &["10.0.0.1", "10.0.0.2", "10.0.0.3"]),
             slice("np-1", "np", &["10.0.1.1", "10.0.1.2"]),
+            "---\napiVersion: v1\nkind: Service\nmetadata: {name: dns, annotations: {topoproxy.io/maglev-table-size: \"65521\"}}\nspec: {clusterIP: 10.96.0.3, ports: [{name: a, port: 53, protocol: UDP}, {name: b, port: 53, protocol: TCP}]}\n".to_string(),
         ]
         .concat();
         std::fs::write(dir.join("m.yaml"), yaml).unwrap();
@@ -245,10 +290,15 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
         let deltas: Vec<Delta> = read.deltas.into_values().collect();
         // web: 2 ports x 1 IP, 3 endpoints each. np: 1 port x (cluster IP,
-        // external IP, 4 guessed node addresses), 2 endpoints each.
-        // Backends: endpoints x slice ports.
-        assert_eq!(Needs::of(&deltas), Needs { frontends: 2 + 6, slots: 2 * 3 + 6 * 2, backends: 3 * 2 + 2 * 2 });
-        assert_eq!(Needs::of(&[]), Needs::default());
+        // external IP, 4 guessed node addresses), 2 endpoints each. dns: 2
+        // ports x 1 IP, no endpoints. Backends: endpoints x slice ports.
+        // Maglev tables: dns's UDP port at the socket layer, at its
+        // annotated size; np's port at TC when tables are on by default.
+        let (default, large) = (TableSize::Default.bytes(), TableSize::Large.bytes());
+        let counted = Needs { frontends: 2 + 6 + 2, slots: 2 * 3 + 6 * 2, backends: 3 * 2 + 2 * 2, maglev_bytes: large };
+        assert_eq!(Needs::of(&deltas, None), counted);
+        assert_eq!(Needs::of(&deltas, Some(TableSize::Default)), Needs { maglev_bytes: large + default, ..counted });
+        assert_eq!(Needs::of(&[], Some(TableSize::Large)), Needs::default());
     }
 
     #[test]
@@ -323,11 +373,73 @@ mod tests {
                 },
             },
             Case {
-                what: "a large budget grows every capacity to today's defaults and no further",
+                what: "a large budget grows every capacity to today's defaults and no further; the tables get the rest",
                 needs: Some(needs(3, 6, 6)),
                 explicit: NONE,
                 budget_mib: 4096,
-                check: |s| assert_eq!(s.caps, Capacities::default()),
+                check: |s| {
+                    assert_eq!(s.caps, Capacities::default());
+                    assert_eq!(s.worst_case_bytes, 4096 * MIB);
+                    assert_eq!(s.maglev_bytes, 4096 * MIB - worst_case_bytes(&s.caps));
+                },
+            },
+            Case {
+                what: "no tables asked for: the tables' floor is set aside before the maps grow",
+                needs: Some(needs(3, 6, 6)),
+                explicit: NONE,
+                budget_mib: DEFAULT_BUDGET_MIB,
+                check: |s| {
+                    assert!(s.maglev_bytes >= MAGLEV_FLOOR_BYTES, "{s:?}");
+                    assert_eq!(s.worst_case_bytes, worst_case_bytes(&s.caps) + s.maglev_bytes);
+                    assert!(s.worst_case_bytes <= DEFAULT_BUDGET_MIB * MIB);
+                },
+            },
+            Case {
+                what: "the tables asked for, plus half again, are set aside before the maps grow",
+                needs: Some(Needs { maglev_bytes: 100 * TableSize::Default.bytes(), ..needs(300, 600, 600) }),
+                explicit: NONE,
+                budget_mib: DEFAULT_BUDGET_MIB,
+                check: |s| {
+                    assert!(!s.over_budget);
+                    assert!(s.maglev_bytes >= 150 * TableSize::Default.bytes(), "{s:?}");
+                    assert!(s.worst_case_bytes <= DEFAULT_BUDGET_MIB * MIB);
+                    let without = size(Some(needs(300, 600, 600)), &NONE, DEFAULT_BUDGET_MIB * MIB);
+                    assert!(worst_case_bytes(&s.caps) < worst_case_bytes(&without.caps), "the maps grew less: {s:?} vs {without:?}");
+                },
+            },
+            Case {
+                what: "tables beyond the budget get what the maps' needs leave, and no more (they are an optimisation)",
+                needs: Some(Needs { maglev_bytes: 1000 * TableSize::Default.bytes(), ..needs(3, 6, 6) }),
+                explicit: NONE,
+                budget_mib: DEFAULT_BUDGET_MIB,
+                check: |s| {
+                    assert!(!s.over_budget);
+                    assert_eq!(s.worst_case_bytes, DEFAULT_BUDGET_MIB * MIB);
+                    for c in Capacity::ALL {
+                        assert_eq!(s.caps.get(c), bounds(c).0, "{c:?}: no budget left to grow");
+                    }
+                    assert_eq!(s.maglev_bytes, DEFAULT_BUDGET_MIB * MIB - worst_case_bytes(&s.caps));
+                },
+            },
+            Case {
+                what: "maps that need more than the budget leave the tables nothing",
+                needs: Some(Needs { maglev_bytes: 10 * TableSize::Default.bytes(), ..needs(100_000, 1_000_000, 1_000_000) }),
+                explicit: NONE,
+                budget_mib: DEFAULT_BUDGET_MIB,
+                check: |s| {
+                    assert!(s.over_budget);
+                    assert_eq!(s.maglev_bytes, 0);
+                },
+            },
+            Case {
+                what: "capacities set by flags leave the rest of the budget to the tables",
+                needs: None,
+                explicit: [Some(1024), Some(16_384), Some(8192), Some(16_384), Some(16_384), Some(4096)],
+                budget_mib: DEFAULT_BUDGET_MIB,
+                check: |s| {
+                    assert!(!s.over_budget);
+                    assert_eq!(s.maglev_bytes, DEFAULT_BUDGET_MIB * MIB - worst_case_bytes(&s.caps));
+                },
             },
         ];
         for case in cases {

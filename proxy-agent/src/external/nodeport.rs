@@ -68,6 +68,17 @@ impl NodePortWriter {
         self.writer.set_maglev_size(size);
     }
 
+    /// Charges the Maglev tables to `budget` (see
+    /// [`MapWriter::set_maglev_budget`]).
+    pub fn set_maglev_budget(&mut self, budget: std::sync::Arc<crate::datapath::maglev_budget::MaglevBudget>) {
+        self.writer.set_maglev_budget(budget);
+    }
+
+    /// Frontends without the table they ask for, for want of budget.
+    pub fn maglev_refused(&self) -> usize {
+        self.writer.maglev_refused()
+    }
+
     /// The Maglev table size, the tables linked in and their bytes.
     pub fn maglev_usage(&self) -> Option<(Option<crate::decide::maglev::TableSize>, u32, u64)> {
         self.writer.maglev_usage()
@@ -185,6 +196,9 @@ pub struct ExternalConfig {
     /// `--maglev-table-size`: the size of the frontends' Maglev tables
     /// unless their Service's annotation says otherwise.
     pub maglev_size: Option<crate::decide::maglev::TableSize>,
+    /// The Maglev tables' share of `--map-memory-budget`, shared with the
+    /// socket datapath's writer; `None`: not capped.
+    pub maglev_budget: Option<std::sync::Arc<crate::datapath::maglev_budget::MaglevBudget>>,
 }
 
 /// Everything the agent runs for external traffic: the node addresses
@@ -222,6 +236,11 @@ impl ExternalDatapath {
         self.tc.as_ref().and_then(NodePortWriter::maglev_usage)
     }
 
+    /// TC frontends without the table they ask for, for want of budget.
+    pub fn maglev_refused(&self) -> usize {
+        self.tc.as_ref().map_or(0, NodePortWriter::maglev_refused)
+    }
+
     /// Attaches the TC programs (unless `--devices none`) and opens the
     /// maps. `socket_loader::install` must have run on `pin_dir` first.
     pub fn install(pin_dir: &Path, cfg: &ExternalConfig) -> anyhow::Result<(ExternalDatapath, Vec<String>)> {
@@ -247,6 +266,9 @@ impl ExternalDatapath {
             let mut w = NodePortWriter::open(pin_dir).context("opening the TC maps")?;
             w.set_config(resolved.snat_v4, resolved.snat_v6, cfg.snat_ports).context("writing the TC configuration")?;
             w.set_maglev_size(cfg.maglev_size);
+            if let Some(b) = &cfg.maglev_budget {
+                w.set_maglev_budget(b.clone());
+            }
             Some(w)
         } else {
             // `none`: take down what an earlier agent with devices attached

@@ -209,6 +209,8 @@ pub struct Metrics {
     nodeport_ports: Family<Labels, Gauge>,
     maglev_tables: Family<Labels, Gauge>,
     maglev_table_bytes: Family<Labels, Gauge>,
+    maglev_tables_refused: Family<Labels, Gauge>,
+    maglev_budget_bytes: Gauge,
     watch_events: Family<Labels, Counter>,
     events_posted: Counter,
     api_versions: Family<Labels, Gauge>,
@@ -288,6 +290,18 @@ impl Metrics {
             "maglev_table_bytes",
             "Kernel bytes of the Maglev lookup tables (8 per entry), by datapath",
             maglev_table_bytes.clone(),
+        );
+        let maglev_tables_refused = Family::<Labels, Gauge>::default();
+        registry.register(
+            "maglev_tables_refused",
+            "Frontends without the Maglev table they ask for (their flows take the modulo pick) because it would exceed the tables' share of --map-memory-budget, by datapath",
+            maglev_tables_refused.clone(),
+        );
+        let maglev_budget_bytes = Gauge::default();
+        registry.register(
+            "maglev_budget_bytes",
+            "The Maglev tables' share of --map-memory-budget (both datapaths), bytes",
+            maglev_budget_bytes.clone(),
         );
         let watch_events = Family::<Labels, Counter>::default();
         registry.register("watch_events", "Watch events received from the API server, by kind", watch_events.clone());
@@ -391,6 +405,8 @@ impl Metrics {
             nodeport_ports,
             maglev_tables,
             maglev_table_bytes,
+            maglev_tables_refused,
+            maglev_budget_bytes,
             watch_events,
             events_posted,
             api_versions,
@@ -566,11 +582,18 @@ impl Metrics {
     }
 
     /// The Maglev tables of one datapath (`socket`, `tc`): how many are
-    /// linked in and the bytes of backend ids they hold.
-    pub fn set_maglev_tables(&self, datapath: &str, tables: u32, bytes: u64) {
+    /// linked in, the bytes of backend ids they hold, and the frontends
+    /// the budget left without one.
+    pub fn set_maglev_tables(&self, datapath: &str, tables: u32, bytes: u64, refused: usize) {
         let labels = vec![("datapath", datapath.to_string())];
         self.maglev_tables.get_or_create(&labels).set(i64::from(tables));
         self.maglev_table_bytes.get_or_create(&labels).set(i64::try_from(bytes).unwrap_or(i64::MAX));
+        self.maglev_tables_refused.get_or_create(&labels).set(i64::try_from(refused).unwrap_or(i64::MAX));
+    }
+
+    /// The Maglev tables' share of the memory budget, set at start-up.
+    pub fn set_maglev_budget(&self, bytes: u64) {
+        self.maglev_budget_bytes.set(i64::try_from(bytes).unwrap_or(i64::MAX));
     }
 
     /// Records one completed sync: its duration, what the maps now hold and

@@ -41,6 +41,11 @@ pub trait SocketMaps {
     fn maglev_usage(&self) -> Option<(Option<crate::decide::maglev::TableSize>, u32, u64)> {
         None
     }
+    /// Frontends without the Maglev table they ask for, because it did not
+    /// fit the tables' share of the memory budget.
+    fn maglev_refused(&self) -> usize {
+        0
+    }
 }
 
 impl SocketMaps for MapWriter {
@@ -70,6 +75,9 @@ impl SocketMaps for MapWriter {
     }
     fn maglev_usage(&self) -> Option<(Option<crate::decide::maglev::TableSize>, u32, u64)> {
         MapWriter::maglev_usage(self)
+    }
+    fn maglev_refused(&self) -> usize {
+        MapWriter::maglev_refused(self)
     }
 }
 

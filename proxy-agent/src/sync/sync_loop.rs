@@ -392,12 +392,16 @@ impl<W: SocketMaps> SyncLoop<W> {
             no_local_external: outcome.no_local_external,
         });
         let maglev = [
-            (crate::datapath::maps::Datapath::Socket, self.writer.maglev_usage()),
-            (crate::datapath::maps::Datapath::Tc, self.external.as_ref().and_then(ExternalDatapath::maglev_usage)),
+            (crate::datapath::maps::Datapath::Socket, self.writer.maglev_usage(), self.writer.maglev_refused()),
+            (
+                crate::datapath::maps::Datapath::Tc,
+                self.external.as_ref().and_then(ExternalDatapath::maglev_usage),
+                self.external.as_ref().map_or(0, ExternalDatapath::maglev_refused),
+            ),
         ];
-        for (datapath, usage) in maglev {
+        for (datapath, usage, refused) in maglev {
             if let Some((_, tables, bytes)) = usage {
-                self.metrics.set_maglev_tables(datapath.label(), tables, bytes);
+                self.metrics.set_maglev_tables(datapath.label(), tables, bytes, refused);
             }
         }
         for kind in Kind::ALL {
