@@ -429,6 +429,20 @@ fn a_client_in_the_host_network_namespace_is_handled_too() {
 
 #[test]
 fn a_terminating_backend_that_still_serves_keeps_its_connections() {
+    draining_backend(false);
+}
+
+/// An agent that starts while a backend drains has not seen it leave its
+/// set: it still ends that backend's connections once it stops serving.
+#[test]
+fn a_backend_draining_across_an_agent_restart_loses_its_connections_when_it_stops_serving() {
+    draining_backend(true);
+}
+
+/// Two connections on backend `a`, which then drains (its connections
+/// stay) and stops serving (they are aborted); with `restart`, the agent
+/// restarts while `a` drains.
+fn draining_backend(restart: bool) {
     let net = PodNetwork::new();
     let _ = net.netns.add_loopback_addrs(&["10.244.5.1/32", "10.244.5.2/32"]);
     let a = echo_server(&net.netns, "10.244.5.1:80".parse().unwrap()).expect("echo a");
@@ -467,6 +481,17 @@ fn a_terminating_backend_that_still_serves_keeps_its_connections() {
     std::thread::sleep(Duration::from_secs(1));
     for s in &on_a {
         assert_eq!(s.first_failure_since(t0), None, "{} on the draining backend keeps its connection", s.name);
+    }
+    if restart {
+        node.stop_agent();
+        node.start_agent();
+        eventually("the new agent's first sync", || {
+            if node.agent_log().matches("first sync applied").count() >= 2 { Ok(()) } else { Err(()) }
+        });
+        std::thread::sleep(Duration::from_secs(1));
+        for s in &on_a {
+            assert_eq!(s.first_failure_since(t0), None, "{} keeps its connection across the restart", s.name);
+        }
     }
 
     // No longer serving: now they go.

@@ -30,7 +30,7 @@
 use std::collections::BTreeSet;
 use std::fmt;
 
-use crate::model::{Backend, EndpointSlice, Frontend, ObjectRef, Protocol};
+use crate::model::{Backend, EndpointSlice, Frontend, ObjectRef, Protocol, ServicePort};
 
 /// How a backend's endpoint stands in its Service's EndpointSlices now.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -184,6 +184,33 @@ pub fn recheck_draining(backend: &Backend, state: EndpointState, current: Option
     if current.is_empty() { Draining::Wait } else { Draining::End(reason) }
 }
 
+/// The endpoints of one Service port (`port`: its name and protocol, as
+/// EndpointSlice ports are matched to it) that are draining (terminating,
+/// still serving, see [`endpoint_state`]) and of the family of `frontend`,
+/// as backends with their target ports.
+///
+/// An agent that starts again has forgotten which backends left a
+/// frontend while draining: the written sets no longer hold them. Each of
+/// these outside a frontend's set is watched as if it had left while
+/// draining. One that never was in the set costs only the watching: no
+/// socket was sent to it through that frontend, so ending its connections
+/// later finds none.
+pub fn draining_endpoints(slices: &[&EndpointSlice], port: &ServicePort, frontend: &Frontend) -> Vec<Backend> {
+    let mut out = Vec::new();
+    for slice in slices {
+        for p in slice.ports.iter().filter(|p| p.name == port.name && p.protocol == port.protocol) {
+            for e in slice.endpoints.iter().filter(|e| e.serving && e.terminating && e.address.is_ipv4() == frontend.ip.is_ipv4()) {
+                out.push(Backend { ip: e.address, port: p.port });
+            }
+        }
+    }
+    out.sort();
+    out.dedup();
+    // A duplicate in another slice that still serves wins.
+    out.retain(|b| endpoint_state(slices.iter().copied(), b, port.protocol) == EndpointState::TerminatingServing);
+    out
+}
+
 /// How the endpoint `backend` (address and target port, for `protocol`)
 /// stands in a Service's EndpointSlices (`slices`). Several slices may
 /// list the same address (a slice being replaced): the most available
@@ -294,6 +321,44 @@ mod tests {
         let (c, e) = crate::source::manifest_watch::cluster_from_text(&yaml);
         assert!(e.is_empty(), "{e:?}");
         c
+    }
+
+    #[test]
+    fn draining_endpoints_are_the_ports_terminating_serving_endpoints_of_the_frontends_family() {
+        let svc = ObjectRef::new("default", "dns");
+        let port = |name: &str, protocol| ServicePort { name: name.into(), port: 53, protocol, node_port: None };
+        let v6 = Frontend { ip: "fd00::10".parse().unwrap(), port: 53, protocol: Protocol::Udp };
+        const DRAINING: &str = "conditions: {ready: false, serving: true, terminating: true}";
+        // (endpoints, Service port, frontend, draining backends)
+        let cases = [
+            (format!("{{addresses: [10.244.0.1], {DRAINING}}}"), port("", Protocol::Udp), fe(), vec!["10.244.0.1:53"]),
+            (
+                format!("{{addresses: [10.244.0.2], {DRAINING}}}, {{addresses: [10.244.0.1], {DRAINING}}}, {{addresses: [10.244.0.3]}}"),
+                port("", Protocol::Udp),
+                fe(),
+                vec!["10.244.0.1:53", "10.244.0.2:53"],
+            ),
+            ("{addresses: [10.244.0.1]}".to_string(), port("", Protocol::Udp), fe(), vec![]),
+            (
+                "{addresses: [10.244.0.1], conditions: {ready: false, serving: false, terminating: true}}".to_string(),
+                port("", Protocol::Udp),
+                fe(),
+                vec![],
+            ),
+            // The slice's port is the unnamed UDP one.
+            (format!("{{addresses: [10.244.0.1], {DRAINING}}}"), port("dns", Protocol::Udp), fe(), vec![]),
+            (format!("{{addresses: [10.244.0.1], {DRAINING}}}"), port("", Protocol::Tcp), fe(), vec![]),
+            // An IPv4 endpoint never served an IPv6 frontend.
+            (format!("{{addresses: [10.244.0.1], {DRAINING}}}"), port("", Protocol::Udp), v6, vec![]),
+            // Listed again as serving (a slice being replaced): not draining.
+            (format!("{{addresses: [10.244.0.1], {DRAINING}}}, {{addresses: [10.244.0.1]}}"), port("", Protocol::Udp), fe(), vec![]),
+        ];
+        for (endpoints, port, frontend, want) in cases {
+            let c = cluster(&endpoints);
+            let slices: Vec<&EndpointSlice> = c.slices_of(&svc).collect();
+            let want: Vec<Backend> = want.into_iter().map(be).collect();
+            assert_eq!(draining_endpoints(&slices, &port, &frontend), want, "{endpoints} {port:?} {frontend}");
+        }
     }
 
     #[test]

@@ -15,7 +15,7 @@ use crate::decide::departures::{self, Departure, Draining, EndpointState};
 use crate::decide::plan::{self, FrontendPolicy, Plan, Policies};
 use crate::external::nodeport::ExternalDatapath;
 use crate::model::store::Changes;
-use crate::model::{Backend, Cluster, Frontend, ObjectRef};
+use crate::model::{Backend, Cluster, EndpointSlice, Frontend, ObjectRef};
 
 /// What a pass needs of the socket datapath's maps.
 pub trait SocketMaps {
@@ -206,6 +206,11 @@ pub struct CachedSync {
     /// TC one.
     draining: BTreeSet<(Frontend, Backend)>,
     draining_tc: BTreeSet<(Frontend, Backend)>,
+    /// Whether `draining` and `draining_tc` were seeded with what an
+    /// earlier agent may have been watching (see [`Self::restart_draining`]):
+    /// once, in the first pass that writes each datapath.
+    seeded: bool,
+    seeded_tc: bool,
 }
 
 impl CachedSync {
@@ -223,6 +228,8 @@ impl CachedSync {
             no_local: (0, 0),
             draining: BTreeSet::new(),
             draining_tc: BTreeSet::new(),
+            seeded: false,
+            seeded_tc: false,
         }
     }
 
@@ -363,6 +370,9 @@ impl CachedSync {
         left.retain(|(fe, _)| !self.retry.contains(fe));
         let node_addrs: Vec<IpAddr> = external.as_deref().map(|e| e.node_addrs.clone()).unwrap_or_default();
         let mut draining = std::mem::take(&mut self.draining);
+        if !std::mem::replace(&mut self.seeded, true) {
+            draining.extend(self.restart_draining(cluster, &node_addrs, |fe| writer.backends_of(fe).map(<[Backend]>::to_vec)));
+        }
         let departures =
             self.departures_of(cluster, &node_addrs, left, &mut draining, |fe| writer.backends_of(fe).map(<[Backend]>::to_vec));
         self.draining = draining;
@@ -387,6 +397,9 @@ impl CachedSync {
         if let (Some(e), Some(ext)) = (external, ext.as_ref()) {
             let (np, problems) = e.apply(ext);
             let mut draining = std::mem::take(&mut self.draining_tc);
+            if !std::mem::replace(&mut self.seeded_tc, true) {
+                draining.extend(self.restart_draining(cluster, &node_addrs, |fe| ext.tc.get(fe).map(|s| s.iter().copied().collect())));
+            }
             tc_departures =
                 self.departures_of(cluster, &node_addrs, np.left, &mut draining, |fe| ext.tc.get(fe).map(|s| s.iter().copied().collect()));
             self.draining_tc = draining;
@@ -480,6 +493,42 @@ impl CachedSync {
             }));
         }
         (out, draining)
+    }
+
+    /// What an earlier agent may have been watching as draining when this
+    /// one started: each draining endpoint of a decided Service port
+    /// outside the set written for one of the port's frontends
+    /// (`departures::draining_endpoints`). The sets written no longer hold
+    /// a backend that left while draining, and nothing else remembers it
+    /// across a restart; without this, its clients would stay on it after
+    /// it stops serving. `current` gives a frontend's set as written.
+    fn restart_draining(
+        &self,
+        cluster: &Cluster,
+        node_addrs: &[IpAddr],
+        current: impl Fn(&Frontend) -> Option<Vec<Backend>>,
+    ) -> Vec<(Frontend, Backend)> {
+        let ids: BTreeSet<&ObjectRef> = self.cache.service_ids().chain(self.external_services.iter()).collect();
+        let mut out = Vec::new();
+        for id in ids {
+            let decisions = self.cache.decisions_of(id);
+            let slices: Vec<&EndpointSlice> = self.cache.slices_of(cluster, id).collect();
+            if slices.iter().all(|s| !s.endpoints.iter().any(|e| e.terminating && e.serving)) {
+                continue;
+            }
+            for d in decisions {
+                let owned = d.frontends.iter().filter(|fe| self.cache.owner(fe) == Some(id)).copied();
+                for fe in owned.chain(d.external_frontends(node_addrs)) {
+                    let draining = departures::draining_endpoints(&slices, &d.port, &fe);
+                    if draining.is_empty() {
+                        continue;
+                    }
+                    let Some(set) = current(&fe).filter(|s| !s.is_empty()) else { continue };
+                    out.extend(draining.into_iter().filter(|b| !set.contains(b)).map(|b| (fe, b)));
+                }
+            }
+        }
+        out
     }
 
     /// The draining backends in `draining` whose connections end now
@@ -584,6 +633,8 @@ mod departure_tests {
     const DRAINING: &str = "ready: false, serving: true, terminating: true";
     const NOT_READY: &str = "ready: false";
     const GONE_FROM_SERVING: &str = "ready: false, serving: false, terminating: true";
+    /// The step that starts a new agent over the same maps.
+    const RESTART: &str = "the agent restarts while it drains";
 
     /// Each step's sets and the departures the pass reports, in order:
     /// one pass over the in-memory maps per step.
@@ -624,12 +675,34 @@ mod departure_tests {
             ("topology off again", vec![("10.244.0.1", READY, "a"), ("10.244.0.4", READY, "b")], "", vec![]),
             ("the last serving endpoint goes: nothing to reconnect to", vec![("10.244.0.4", NOT_READY, "b")], "", vec![]),
             ("served again", vec![("10.244.0.5", READY, "b")], "", vec![]),
+            (
+                "two new ones replace it",
+                vec![("10.244.0.1", READY, "a"), ("10.244.0.7", READY, "b")],
+                "",
+                vec![("10.244.0.5", Reason::Deleted)],
+            ),
+            ("it drains", vec![("10.244.0.1", READY, "a"), ("10.244.0.7", DRAINING, "b")], "", vec![]),
+            (RESTART, vec![("10.244.0.1", READY, "a"), ("10.244.0.7", DRAINING, "b")], "", vec![]),
+            (
+                "it stops serving: the new agent ends its sockets",
+                vec![("10.244.0.1", READY, "a"), ("10.244.0.7", GONE_FROM_SERVING, "b")],
+                "",
+                vec![("10.244.0.7", Reason::NotServing)],
+            ),
+            ("and another", vec![("10.244.0.1", READY, "a"), ("10.244.0.8", READY, "b")], "", vec![]),
+            ("it drains", vec![("10.244.0.1", READY, "a"), ("10.244.0.8", DRAINING, "b")], "", vec![]),
+            (RESTART, vec![("10.244.0.1", READY, "a"), ("10.244.0.8", DRAINING, "b")], "", vec![]),
+            ("it is deleted: the new agent ends its sockets", vec![("10.244.0.1", READY, "a")], "", vec![("10.244.0.8", Reason::Deleted)]),
         ];
         let fe = Frontend { ip: "10.96.0.10".parse().unwrap(), port: 53, protocol: Protocol::Udp };
         let mut pass = CachedSync::new("a");
         let mut maps = MemoryMaps::default();
         let all = Changes { all: true, ..Changes::default() };
         for (name, endpoints, annotations, want) in steps {
+            if name == RESTART {
+                // What it remembered is gone; the pinned maps stay.
+                pass = CachedSync::new("a");
+            }
             let outcome = pass.pass(&mut maps, None, &cluster(&endpoints, annotations), &all, false);
             let got: Vec<(String, Reason)> = outcome.departures.iter().map(|d| (d.backend.ip.to_string(), d.reason)).collect();
             let want: Vec<(String, Reason)> = want.into_iter().map(|(ip, r)| (ip.to_string(), r)).collect();
