@@ -58,6 +58,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     } else {
         lint::check().context("tests not run")?;
     }
+    util::print_disk("the tests");
     let mut c = util::cargo();
     c.arg("test");
     if !selects {
@@ -89,6 +90,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         println!("\nfuzz step not run: packages were selected with -p (`cargo xtask fuzz` runs it alone)");
         None
     } else {
+        util::print_disk("the fuzz step");
         fuzz::ci_step(&mut totals)
     };
     // The VM run follows even when a test failed above, so that one run
@@ -99,6 +101,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     } else if selects {
         println!("\nvmtest not run: packages were selected with -p (`cargo xtask vmtest` runs it alone)");
     } else {
+        util::print_disk("vmtest");
         match vmtest::run_with(&vmtest::Options::default()) {
             Ok(vmtest::Outcome::Skipped { reason, tests }) => {
                 println!("\nvmtest skipped ({tests} tests counted as skipped): {reason}");
@@ -123,11 +126,13 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         println!("\nimage test not run: packages were selected with -p (`cargo xtask image --test` runs it alone)");
         None
     } else {
+        util::print_disk("the image step");
         image::test_step(&mut totals)
     };
     if totals.binaries > 0 {
         totals.print_summary();
     }
+    util::print_disk("the end");
     if !status.success() {
         bail!("tests failed ({status})");
     }

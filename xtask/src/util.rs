@@ -59,6 +59,30 @@ pub(crate) fn target_dir() -> PathBuf {
     }
 }
 
+/// One line saying how much disk the target directory takes and how much
+/// is left on its filesystem, before a step that needs room: a CI run ran
+/// out of disk once, and its log did not say how close it had come.
+pub(crate) fn print_disk(step: &str) {
+    let dir = target_dir();
+    let used = std::process::Command::new("du").args(["-sm"]).arg(&dir).output().ok().and_then(|o| first_number(&o.stdout));
+    let free = std::process::Command::new("df")
+        .args(["-BM", "--output=avail"])
+        .arg(if dir.exists() { dir.as_path() } else { std::path::Path::new("/") })
+        .output()
+        .ok()
+        .and_then(|o| first_number(&o.stdout));
+    let mib = |v: Option<u64>| v.map_or_else(|| "?".to_string(), |n| format!("{n} MiB"));
+    println!("disk before {step}: target {}, {} free", mib(used), mib(free));
+}
+
+/// The first run of digits in a command's output.
+fn first_number(out: &[u8]) -> Option<u64> {
+    let text = String::from_utf8_lossy(out);
+    let start = text.find(|c: char| c.is_ascii_digit())?;
+    let digits: String = text[start..].chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().ok()
+}
+
 /// Runs a command with inherited stdout/stderr and fails when it fails.
 pub(crate) fn run(c: &mut Command) -> Result<()> {
     let status = c.status().with_context(|| format!("cannot run {}", describe(c)))?;
@@ -128,6 +152,16 @@ mod tests {
             .arg(format!("n=$(cat \"$0\" 2>/dev/null || echo 0); n=$((n+1)); echo $n > \"$0\"; [ $n -gt {fail_times} ]"))
             .arg(counter);
         c
+    }
+
+    #[test]
+    fn the_first_number_of_du_and_df_output_is_read() {
+        // (output, number)
+        let cases: [(&[u8], Option<u64>); 4] =
+            [(b"10829\t/tmp/x/target\n", Some(10829)), (b" Avail\n81794M\n", Some(81794)), (b"", None), (b"Avail\n", None)];
+        for (out, want) in cases {
+            assert_eq!(first_number(out), want, "{}", String::from_utf8_lossy(out));
+        }
     }
 
     #[test]
