@@ -4,7 +4,7 @@
 //! headers in the skb's linear data) directly through the packet pointers,
 //! bounds-checked against `data_end`: that is one comparison where the
 //! helper costs a call per field, on every packet the device carries
-//! (`parse_linear_v4`). Everything else goes through `bpf_skb_load_bytes`
+//! (`linear_v4`). Everything else goes through `bpf_skb_load_bytes`
 //! (`TcContext::load`), which also works on non-linear skbs (GRO'd or paged
 //! veth traffic) and bounds every access itself, so a truncated packet is a
 //! failed load, never an out-of-bounds read. Reads need nothing from the
@@ -54,8 +54,8 @@ pub fn addr_copy(src: &[u32; 4]) -> [u32; 4] {
 }
 
 pub const ETH_HLEN: usize = 14;
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86dd;
+pub const ETH_P_IP: u16 = 0x0800;
+pub const ETH_P_IPV6: u16 = 0x86dd;
 const IPPROTO_ICMP: u8 = 1;
 const IPPROTO_ICMPV6: u8 = 58;
 /// IPv6 extension headers (RFC 8200 4): hop-by-hop options, routing,
@@ -131,7 +131,7 @@ pub enum Parsed {
 /// * Truncated headers: a failed load.
 #[inline(always)]
 pub fn parse(ctx: &TcContext) -> Parsed {
-    if let Some(p) = parse_linear_v4(ctx) {
+    if let Some(p) = linear_v4(ctx.data(), ctx.data_end()) {
         return Parsed::L4(p);
     }
     let Ok(eth_proto) = ctx.load::<u16>(12) else {
@@ -204,34 +204,36 @@ pub fn parse(ctx: &TcContext) -> Parsed {
     Parsed::L4(Pkt { family, proto, l3, l4, saddr, daddr, sport_be, dport_be, tcp_flags })
 }
 
-/// A `T` read from the linear packet data at `data + off`. The caller must
-/// have checked `data + off + size_of::<T>() <= data_end`, and `T` must be
-/// an integer type (any bits are a valid value).
+/// A `T` read from the packet at `data + off`, through the packet
+/// pointers of a TC program (the skb's linear data) or an XDP program (the
+/// frame). The caller must have checked `data + off + size_of::<T>() <=
+/// data_end`, and `T` must be an integer type (any bits are a valid value).
 #[inline(always)]
-fn read_at<T: Copy>(data: usize, off: usize) -> T {
-    // SAFETY: the only caller, `parse_linear_v4`, reads integers at offsets
-    // below `L4 + 20` after checking `data + L4 + 20 <= data_end`, so the
-    // bytes lie in the skb's linear data, which stays in place until the
-    // program calls a helper that may move it (none runs between the check
-    // and the reads). The verifier tracks the same bound on the packet
-    // pointer and refuses the program if a read could pass `data_end`. The
-    // read is unaligned because the IP header follows a 14-byte Ethernet
-    // header.
+pub fn read_at<T: Copy>(data: usize, off: usize) -> T {
+    // SAFETY: every caller (`linear_v4`, `l4_pkt` and the XDP program)
+    // reads integers below a bound it checked against `data_end`, so the
+    // bytes lie in the packet. The data stays in place until the program
+    // calls a helper that may move it (`bpf_skb_*` or `bpf_xdp_adjust_*`),
+    // and none runs between a check and its reads. The verifier tracks the
+    // same bound on the packet pointer and refuses the program if a read
+    // could pass `data_end`. Unaligned: the IP header follows a 14-byte
+    // Ethernet header.
     unsafe { core::ptr::read_unaligned((data + off) as *const T) }
 }
 
-/// `parse` for IPv4 without options (IHL 5) and not a fragment, carrying
-/// TCP or UDP, with the Ethernet, IP and 20 bytes of L4 header in the
-/// linear data: read directly, no helper call. `None` for anything else,
-/// which `parse` then parses (and classifies) with the helpers.
+/// The packet between `data` and `end` (a TC program's linear data or an
+/// XDP frame) when it is IPv4 without options (IHL 5) and not a fragment,
+/// carrying TCP or UDP, with the Ethernet, IP and 20 bytes of L4 header in
+/// it: read directly, no helper call. `None` for anything else, which
+/// `parse` then parses (and classifies) with the helpers, and which the
+/// XDP program passes to TC.
 /// The stack has the headers in the linear area in practice: drivers copy
 /// at least the headers there (`eth_get_headlen`), and locally built
 /// packets are built there. 20 bytes of L4 also covers UDP's 8; a shorter
 /// UDP frame takes the helper path.
 #[inline(always)]
-fn parse_linear_v4(ctx: &TcContext) -> Option<Pkt> {
+pub fn linear_v4(data: usize, end: usize) -> Option<Pkt> {
     const L4: usize = ETH_HLEN + 20;
-    let (data, end) = (ctx.data(), ctx.data_end());
     if data + L4 + 20 > end {
         return None;
     }
@@ -244,19 +246,29 @@ fn parse_linear_v4(ctx: &TcContext) -> Option<Pkt> {
     }
     let proto = read_at::<u8>(data, ETH_HLEN + 9);
     if proto != PROTO_TCP && proto != PROTO_UDP {
+        // ICMP (errors about tracked flows, icmp.rs) and everything else.
         return None;
     }
-    Some(Pkt {
-        family: FAMILY_V4,
+    let saddr = [read_at::<u32>(data, ETH_HLEN + 12), 0, 0, 0];
+    let daddr = [read_at::<u32>(data, ETH_HLEN + 16), 0, 0, 0];
+    Some(l4_pkt::<L4>(data, FAMILY_V4, proto, saddr, daddr))
+}
+
+/// The `Pkt` of a TCP or UDP header at offset `L4` behind an IP header at
+/// `ETH_HLEN`, whose first 20 bytes the caller checked to be in the packet.
+#[inline(always)]
+pub fn l4_pkt<const L4: usize>(data: usize, family: u8, proto: u8, saddr: [u32; 4], daddr: [u32; 4]) -> Pkt {
+    Pkt {
+        family,
         proto,
         l3: ETH_HLEN,
         l4: L4,
-        saddr: [read_at::<u32>(data, ETH_HLEN + 12), 0, 0, 0],
-        daddr: [read_at::<u32>(data, ETH_HLEN + 16), 0, 0, 0],
+        saddr,
+        daddr,
         sport_be: read_at::<u16>(data, L4),
         dport_be: read_at::<u16>(data, L4 + 2),
         tcp_flags: if proto == PROTO_TCP { read_at::<u8>(data, L4 + 13) } else { 0 },
-    })
+    }
 }
 
 /// Skips the IPv6 extension headers from `off` (where a header of type

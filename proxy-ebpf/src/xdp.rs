@@ -59,10 +59,10 @@ use proxy_common::{
 use crate::kernel;
 use crate::nodeport::{NEW_FLOW_ERR, TRANSLATE, backend_alive, new_flow};
 use crate::nodeport_maps::{NP_CT, NP_PORTS, np_count};
-use crate::packet::{ETH_HLEN, Pkt, TCP_FIN, TCP_RST, addr_copy, csum_replace2, csum_replace4};
+use crate::packet::{
+    self, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Pkt, TCP_FIN, TCP_RST, addr_copy, csum_replace2, csum_replace4, l4_pkt, read_at,
+};
 
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86dd;
 /// `AF_INET` and `AF_INET6` for `bpf_fib_lookup`.
 const AF_INET: u8 = 2;
 const AF_INET6: u8 = 10;
@@ -104,20 +104,8 @@ fn xdp_verdict(r: Result<u32, u32>) -> u32 {
     }
 }
 
-/// A `T` read from the frame at `data + off`. The caller must have checked
-/// `data + off + size_of::<T>() <= data_end`; `T` is an integer type.
-#[inline(always)]
-fn read_at<T: Copy>(data: usize, off: usize) -> T {
-    // SAFETY: every caller reads below `L4_V4 + L4_MIN` (IPv4) or
-    // `L4_V6 + L4_MIN` (IPv6) after checking that bound against `data_end`
-    // (the verifier tracks the same bound on the packet pointer and refuses
-    // the program otherwise); XDP frame data stays in place until the
-    // program returns, as no helper that moves it (`bpf_xdp_adjust_*`) is
-    // called. Unaligned: the IP header follows the 14-byte Ethernet header.
-    unsafe { core::ptr::read_unaligned((data + off) as *const T) }
-}
-
-/// Writes `v` into the frame at `data + off`; same contract as `read_at`.
+/// Writes `v` into the frame at `data + off`; same contract as
+/// `packet::read_at`.
 #[inline(always)]
 fn write_at<T: Copy>(data: usize, off: usize, v: T) {
     // SAFETY: as `read_at`: the bytes lie inside the checked bounds of the
@@ -266,33 +254,13 @@ fn parse(ctx: &XdpContext) -> Option<Pkt> {
     }
     let eth_proto = u16::from_be(read_at::<u16>(data, 12));
     if eth_proto == ETH_P_IP {
-        return parse_v4(data);
+        // IPv4 options, fragments, ICMP and the rest: the TC path parses them.
+        return packet::linear_v4(data, end);
     }
     if eth_proto == ETH_P_IPV6 && data + L4_V6 + L4_MIN <= end {
         return parse_v6(data);
     }
     None
-}
-
-/// `parse` for IPv4; the caller checked `data + L4_V4 + L4_MIN <= end`.
-#[inline(always)]
-fn parse_v4(data: usize) -> Option<Pkt> {
-    if read_at::<u8>(data, L3) != 0x45 {
-        // IPv4 options (or not IPv4 at all): the TC path parses them.
-        return None;
-    }
-    // 0x3fff: the MF flag and the 13-bit fragment offset.
-    if u16::from_be(read_at::<u16>(data, L3 + 6)) & 0x3fff != 0 {
-        return None;
-    }
-    let proto = read_at::<u8>(data, L3 + 9);
-    if proto != PROTO_TCP && proto != PROTO_UDP {
-        // ICMP (errors about tracked flows, icmp.rs) and everything else.
-        return None;
-    }
-    let saddr = [read_at::<u32>(data, L3 + 12), 0, 0, 0];
-    let daddr = [read_at::<u32>(data, L3 + 16), 0, 0, 0];
-    Some(l4_pkt::<L4_V4>(data, FAMILY_V4, proto, saddr, daddr))
 }
 
 /// `parse` for IPv6; the caller checked `data + L4_V6 + L4_MIN <= end`.
@@ -331,23 +299,6 @@ fn write_addr6(data: usize, off: usize, a: &[u32; 4]) {
     write_at(data, off + 4, a[1]);
     write_at(data, off + 8, a[2]);
     write_at(data, off + 12, a[3]);
-}
-
-/// The `Pkt` of a TCP or UDP header at offset `L4`, whose first `L4_MIN`
-/// bytes the caller checked to be in the frame.
-#[inline(always)]
-fn l4_pkt<const L4: usize>(data: usize, family: u8, proto: u8, saddr: [u32; 4], daddr: [u32; 4]) -> Pkt {
-    Pkt {
-        family,
-        proto,
-        l3: L3,
-        l4: L4,
-        saddr,
-        daddr,
-        sport_be: read_at::<u16>(data, L4),
-        dport_be: read_at::<u16>(data, L4 + 2),
-        tcp_flags: if proto == PROTO_TCP { read_at::<u8>(data, L4 + 13) } else { 0 },
-    }
 }
 
 /// Looks the route to `to`'s destination up, and only when the kernel can
