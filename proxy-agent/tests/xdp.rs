@@ -354,6 +354,97 @@ fn remote_backend_through_xdp(fam: Family) {
     w.stop_agent();
 }
 
+/// The backend's MAC in `next_hop_follows_the_neighbour_and_longer_packets_are_checked_again`.
+const BACKEND_ETH0_MAC: &str = "02:00:00:00:03:02";
+/// A MAC no device has.
+const NOBODY_MAC: &str = "02:00:00:00:00:99";
+
+#[test]
+fn a_flows_cached_next_hop_follows_a_neighbour_change_and_longer_packets_are_checked_again() {
+    let mut w = World::new();
+    // A known MAC, set before anyone resolves it.
+    w.backend.ip(&["link", "set", "eth0", "address", BACKEND_ETH0_MAC]).expect("backend MAC");
+    w.start_agent("native");
+    eventually("the XDP link to be pinned", || if w.xdp_devices().len() == 2 { Ok(()) } else { Err(w.xdp_devices()) });
+    let dns = at(V4.node, 30053);
+    w.wait_answers(&dns, &["--udp"]);
+    // One flow: a connected UDP socket of the client (it stays in the
+    // client's namespace after the thread that made it returns).
+    let to: SocketAddr = dns.parse().expect("addr");
+    let sock = in_netns(&w.client, move || -> std::io::Result<std::net::UdpSocket> {
+        let s = std::net::UdpSocket::bind("10.0.1.1:0")?;
+        s.connect(to)?;
+        s.set_read_timeout(Some(Duration::from_millis(300)))?;
+        Ok(s)
+    })
+    .expect("netns")
+    .expect("client socket");
+    let ask = |len: usize| -> Result<String, String> {
+        sock.send(&vec![b'x'; len]).map_err(|e| format!("send: {e}"))?;
+        let mut buf = [0u8; 2048];
+        let n = sock.recv(&mut buf).map_err(|e| format!("recv: {e}"))?;
+        Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+    };
+    // The next hops the XDP program cached for flows to the backend's DNS
+    // port: this socket's flow and the probes' before it, each under the
+    // SNAT port the node gave it.
+    let cached = |w: &World| -> Vec<serde_json::Value> {
+        let (_, json) = w.dump();
+        let all = json["nodeport"]["xdpNextHops"].as_array().cloned().unwrap_or_default();
+        all.into_iter().filter(|h| h["flow"].as_str().is_some_and(|f| f.starts_with("UDP ") && f.ends_with("-> 10.0.3.2:5353"))).collect()
+    };
+    let with_mac = |hops: &[serde_json::Value], mac: &str| hops.iter().any(|h| h["dmac"] == mac);
+    eventually("the flow to be answered through XDP with its next hop cached", || {
+        let before = w.counter("xdp_forwarded");
+        let answer = ask(32)?;
+        let hops = cached(&w);
+        if answer.contains("pod-b") && w.counter("xdp_forwarded") > before && with_mac(&hops, BACKEND_ETH0_MAC) {
+            Ok(())
+        } else {
+            Err(format!("answer {answer:?}, next hops {hops:?}"))
+        }
+    });
+    let (text, _) = w.dump();
+    assert!(text.contains("xdp next hops cached: "), "{text}");
+
+    // The neighbour changes under the flow: the flow's cached next hop
+    // follows once it is older than XDP_NEXTHOP_TTL_S (meanwhile packets
+    // go to the old MAC; after it, to a MAC nobody has, and get no answer).
+    // Only this socket sends, so its flow is the one whose next hop moves.
+    w.node.ip(&["neigh", "replace", "10.0.3.2", "lladdr", NOBODY_MAC, "dev", "n-b", "nud", "permanent"]).expect("neigh");
+    let mine: String = eventually("the cached next hop to follow the changed neighbour", || {
+        let _ = ask(32);
+        let hops = cached(&w);
+        hops.iter().find(|h| h["dmac"] == NOBODY_MAC).and_then(|h| h["flow"].as_str().map(str::to_string)).ok_or(hops)
+    });
+    assert!(ask(32).is_err(), "the backend answered frames sent to another MAC");
+    // And back: the same flow is answered again, through XDP.
+    w.node.ip(&["neigh", "replace", "10.0.3.2", "lladdr", BACKEND_ETH0_MAC, "dev", "n-b", "nud", "permanent"]).expect("neigh");
+    eventually("the same flow to be answered again through XDP", || {
+        let before = w.counter("xdp_forwarded");
+        let answer = ask(32)?;
+        let hops = cached(&w);
+        let back = hops.iter().any(|h| h["flow"] == mine.as_str() && h["dmac"] == BACKEND_ETH0_MAC);
+        if answer.contains("pod-b") && w.counter("xdp_forwarded") > before && back { Ok(()) } else { Err(format!("{answer:?} {hops:?}")) }
+    });
+
+    // A longer packet than the cache checked is checked against the
+    // route's MTU again: with n-b's MTU at 1000, `bpf_fib_lookup` answers
+    // "fragmentation needed" for a 1200-byte datagram, which XDP leaves to
+    // the stack (counted `xdp_pass_no_route`) while short ones go on.
+    w.node.ip(&["link", "set", "n-b", "mtu", "1000"]).expect("mtu");
+    eventually("short datagrams to go through XDP at the lower MTU", || {
+        let before = w.counter("xdp_forwarded");
+        let answer = ask(32)?;
+        if answer.contains("pod-b") && w.counter("xdp_forwarded") > before { Ok(()) } else { Err(answer) }
+    });
+    let (no_route, forwarded) = (w.counter("xdp_pass_no_route"), w.counter("xdp_forwarded"));
+    let _ = ask(1200);
+    assert!(w.counter("xdp_pass_no_route") > no_route, "a datagram longer than the MTU was not checked again");
+    assert_eq!(w.counter("xdp_forwarded"), forwarded, "XDP forwarded a datagram longer than the route's MTU");
+    w.stop_agent();
+}
+
 #[test]
 fn auto_attaches_native_xdp_on_veth_and_the_default_is_off() {
     let mut w = World::new();

@@ -1270,3 +1270,109 @@ pub const SOCK_PORTS_ENTRIES: u32 = NP_PORT_WORDS;
 pub fn sock_port_bit(port_host: u16) -> (u32, u64) {
     np_port_bit(port_host, false)
 }
+
+// ---------------------------------------------------------------------------
+// XDP next-hop cache: the result of `bpf_fib_lookup` for a forwarded flow,
+// kept for a second, so that the XDP program's steady state skips the route
+// and neighbour lookup (the largest single cost of its per-packet path,
+// measured by `cargo xtask bench --only xdp`).
+// ---------------------------------------------------------------------------
+
+/// LRU hash, [`XdpNextHopKey`] -> [`XdpNextHopValue`]. Private to the XDP
+/// program's load (not pinned, not in the agent's map table): it is a cache
+/// that refills from `bpf_fib_lookup`, so a restarted agent's program starts
+/// with an empty one and loses nothing.
+pub const XDP_NEXTHOP_MAP: &str = "XDP_NEXTHOP";
+/// Its capacity for the XDP program: flows forwarded at once that keep
+/// their next hop cached (about 100 bytes each in the kernel). Loads of the
+/// object that do not run the XDP program create it with one entry.
+pub const XDP_NEXTHOP_ENTRIES: u32 = 65_536;
+/// How long a cached next hop is used before `bpf_fib_lookup` is asked
+/// again: a route or neighbour change reaches a flow's packets within this
+/// many seconds (the neighbour's MAC, the output device, forwarding turned
+/// off). Seconds of the coarse monotonic clock, as `CtValue.seen_s`.
+pub const XDP_NEXTHOP_TTL_S: u32 = 1;
+
+/// A forwarded flow's packet as it leaves the node (after DNAT and SNAT:
+/// the SNAT address and port to the backend), and the device it came in on:
+/// everything `bpf_fib_lookup` was asked besides the packet's length and
+/// TOS/flow label, which one flow keeps.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct XdpNextHopKey {
+    pub saddr_be: [u32; 4],
+    pub daddr_be: [u32; 4],
+    pub sport_be: u16,
+    pub dport_be: u16,
+    pub ingress_ifindex: u32,
+    pub proto: u8,
+    pub family: u8,
+    pub _pad: [u8; 2],
+}
+
+/// What `bpf_fib_lookup` answered for a flow: the output device and the
+/// MAC addresses to write, when (`checked_s`), and the longest packet it
+/// checked against the route's MTU (`max_len_host`, the lookup's
+/// `tot_len`): a longer packet asks the helper again, which answers
+/// "fragmentation needed" where the MTU is smaller.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct XdpNextHopValue {
+    pub ifindex: u32,
+    pub checked_s: u32,
+    pub dmac: [u8; 6],
+    pub smac: [u8; 6],
+    pub max_len_host: u16,
+    pub _pad: u16,
+}
+
+/// Whether a cached next hop `v` may forward a packet of `len_host`
+/// (`tot_len` as `bpf_fib_lookup` takes it) at `now_s`.
+#[inline(always)]
+pub fn xdp_nexthop_usable(v: &XdpNextHopValue, len_host: u16, now_s: u32) -> bool {
+    now_s.wrapping_sub(v.checked_s) < XDP_NEXTHOP_TTL_S && len_host <= v.max_len_host
+}
+
+const _: () = {
+    assert!(core::mem::size_of::<XdpNextHopKey>() == 44);
+    assert!(core::mem::size_of::<XdpNextHopValue>() == 24);
+};
+
+#[cfg(feature = "user")]
+mod nexthop_pod {
+    //! As for `pod`: repr(C), integer fields only, no implicit padding.
+
+    use super::{XdpNextHopKey, XdpNextHopValue};
+
+    // SAFETY: repr(C) integers only; 16 + 16 + 2 + 2 + 4 + 1 + 1 + 2 (`_pad`) = 44 bytes, no padding.
+    unsafe impl aya::Pod for XdpNextHopKey {}
+    // SAFETY: repr(C) integers only; 4 + 4 + 6 + 6 + 2 + 2 (`_pad`) = 24 bytes, no padding.
+    unsafe impl aya::Pod for XdpNextHopValue {}
+}
+
+#[cfg(test)]
+mod nexthop_tests {
+    use super::*;
+
+    #[test]
+    fn a_cached_next_hop_serves_packets_no_longer_than_checked_within_its_ttl() {
+        let v = XdpNextHopValue { checked_s: 100, max_len_host: 1000, ..Default::default() };
+        // (packet length, now, usable)
+        let cases = [
+            (1000, 100, true),
+            (64, 100, true),
+            (1001, 100, false),
+            (1000, 100 + XDP_NEXTHOP_TTL_S - 1, true),
+            (1000, 100 + XDP_NEXTHOP_TTL_S, false),
+            (1000, 99, false), // a clock behind the entry (wrapped) is stale
+        ];
+        for (len, now, want) in cases {
+            assert_eq!(xdp_nexthop_usable(&v, len, now), want, "len {len} at {now}");
+        }
+        // The seconds counter wraps: an entry checked at its last value is
+        // judged by the distance across the wrap.
+        let w = XdpNextHopValue { checked_s: u32::MAX, max_len_host: 100, ..Default::default() };
+        assert!(xdp_nexthop_usable(&w, 100, u32::MAX.wrapping_add(XDP_NEXTHOP_TTL_S - 1)));
+        assert!(!xdp_nexthop_usable(&w, 100, u32::MAX.wrapping_add(XDP_NEXTHOP_TTL_S)));
+    }
+}

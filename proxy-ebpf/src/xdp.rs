@@ -12,6 +12,10 @@
 //! checksums differ (IPv6 has no header checksum, and its addresses enter
 //! the TCP/UDP pseudo header whole).
 //!
+//! The route to the backend comes from `bpf_fib_lookup`, whose answer is
+//! kept per flow for a second in `XDP_NEXTHOP` (see `forward`): the lookup
+//! is the largest single cost of a forwarded packet.
+//!
 //! Conntrack is the TC path's: new flows are set up by nodeport.rs's own
 //! `new_flow` (same backend pick, same `NP_CT` entries, same SNAT port
 //! reservation), and a tracked flow is forwarded from its `CT_DIR_FORWARD`
@@ -51,9 +55,10 @@ use aya_ebpf::{
     macros::xdp,
     programs::XdpContext,
 };
+use aya_ebpf::{macros::map, maps::LruHashMap};
 use proxy_common::{
-    CT_DIR_FORWARD, CT_DIR_SNAT, CT_FLAG_SNAT, CT_REFRESH_S, CtKey, CtValue, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, np_counter,
-    np_port_bit,
+    CT_DIR_FORWARD, CT_DIR_SNAT, CT_FLAG_SNAT, CT_REFRESH_S, CtKey, CtValue, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, XdpNextHopKey,
+    XdpNextHopValue, np_counter, np_port_bit, xdp_nexthop_usable,
 };
 
 use crate::kernel;
@@ -62,6 +67,13 @@ use crate::nodeport_maps::{NP_CT, NP_PORTS, np_count};
 use crate::packet::{
     self, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Pkt, TCP_FIN, TCP_RST, addr_copy, csum_replace2, csum_replace4, l4_pkt, read_at,
 };
+
+/// The flows' next hops (see `XdpNextHopKey`). One entry in the object:
+/// the XDP loader gives it `XDP_NEXTHOP_ENTRIES`, and the other loads of
+/// the object, which never run this program, create it that small.
+/// LRU, as `NP_CT`: a cache that evicts rather than fills.
+#[map(name = "XDP_NEXTHOP")]
+static XDP_NEXTHOP: LruHashMap<XdpNextHopKey, XdpNextHopValue> = LruHashMap::with_max_entries(1, 0);
 
 /// `AF_INET` and `AF_INET6` for `bpf_fib_lookup`.
 const AF_INET: u8 = 2;
@@ -217,7 +229,8 @@ fn try_xdp<const KERNEL: u8>(ctx: &XdpContext) -> Result<u32, u32> {
     // us (an update, a deletion or an eviction returns the old element to
     // the LRU map's free list at once, kernel/bpf/hashtab.c), a window
     // TC's rewrite has too.
-    let rc = forward(ctx, &p, snat);
+    let now = (kernel::now_ns::<KERNEL>() / 1_000_000_000) as u32;
+    let rc = forward(ctx, &p, snat, now);
     if rc == i64::from(XDP_PASS) {
         // No usable route or neighbour, or a TTL/hop limit the stack must
         // answer.
@@ -229,7 +242,6 @@ fn try_xdp<const KERNEL: u8>(ctx: &XdpContext) -> Result<u32, u32> {
     // The flow is in use (both legs the TC path would have refreshed, at
     // ingress and at egress). Written only when stale, not per packet (see
     // nodeport.rs, `touch`).
-    let now = (kernel::now_ns::<KERNEL>() / 1_000_000_000) as u32;
     if now.wrapping_sub(fwd.seen_s) >= CT_REFRESH_S {
         fwd.seen_s = now;
     }
@@ -301,26 +313,27 @@ fn write_addr6(data: usize, off: usize, a: &[u32; 4]) {
     write_at(data, off + 12, a[3]);
 }
 
-/// Looks the route to `to`'s destination up, and only when the kernel can
-/// forward there without the stack (`BPF_FIB_LKUP_RET_SUCCESS`: forwarding
-/// enabled on the receiving device, a route, a resolved neighbour, a device
-/// up, within its MTU) rewrites the frame to `to` (addresses, ports, MACs,
-/// TTL or hop limit, checksums) and returns `XDP_TX` or the verdict of
-/// `bpf_redirect`. Otherwise the frame is untouched and the answer is
-/// `XDP_PASS` (or `OUT_OF_BOUNDS`). Its own subprogram, with a plain
-/// integer result, to keep the 64-byte lookup parameters out of the
-/// caller's frame; one for both families, so that the parameters have one
-/// stack slot.
+/// Sends the frame towards `to` (the flow's packet after DNAT and SNAT)
+/// without the stack, when the route to it is usable from here: rewrites
+/// the frame to `to` (addresses, ports, MACs, TTL or hop limit, checksums)
+/// and returns `XDP_TX` or the verdict of `bpf_redirect`. Otherwise the
+/// frame is untouched and the answer is `XDP_PASS` (or `OUT_OF_BOUNDS`).
+///
+/// The route and neighbour come from the flow's entry in `XDP_NEXTHOP`
+/// while it is fresh (`XDP_NEXTHOP_TTL_S`) and was checked for a packet at
+/// least this long, otherwise from `bpf_fib_lookup` (`next_hop`), whose
+/// answer is cached for the flow's next packets. Its own subprogram, with
+/// a plain integer result, to keep the key and the next hop out of the
+/// caller's frame; one for both families.
 #[inline(never)]
-fn forward(ctx: &XdpContext, p: &Pkt, to: &CtValue) -> i64 {
-    let mut params = core::mem::MaybeUninit::<FibParams>::uninit();
-    let fib = zero_fib_params(&mut params);
-    fib.l4_protocol = p.proto;
-    fib.sport = to.sport_be;
-    fib.dport = to.dport_be;
-    fib.ifindex = ctx.ingress_ifindex() as u32;
+fn forward(ctx: &XdpContext, p: &Pkt, to: &CtValue, now_s: u32) -> i64 {
     let (data, end) = (ctx.data(), ctx.data_end());
-    if p.family == FAMILY_V4 {
+    // The length `bpf_fib_lookup` compares with the route's MTU, host
+    // order: IPv4's total length (`bpf_ipv4_fib_lookup`); IPv6's payload
+    // length leaves out the fixed header, which the MTU counts
+    // (`bpf_ipv6_fib_lookup` compares with `ip6_mtu_from_fib6`). No
+    // jumbograms: those carry a hop-by-hop header, and TC has them.
+    let len = if p.family == FAMILY_V4 {
         if data + L4_V4 + L4_MIN > end {
             return OUT_OF_BOUNDS;
         }
@@ -328,12 +341,7 @@ fn forward(ctx: &XdpContext, p: &Pkt, to: &CtValue) -> i64 {
             // TTL: the stack sends the ICMP time exceeded (`ip_forward`).
             return i64::from(XDP_PASS);
         }
-        fib.family = AF_INET;
-        // Host order: compared with the route's MTU (`bpf_ipv4_fib_lookup`).
-        fib.__bindgen_anon_1.tot_len = u16::from_be(read_at::<u16>(data, L3 + 2));
-        fib.__bindgen_anon_2.tos = read_at::<u8>(data, L3 + 1);
-        fib.__bindgen_anon_3.ipv4_src = to.saddr_be[0];
-        fib.__bindgen_anon_4.ipv4_dst = to.daddr_be[0];
+        u16::from_be(read_at::<u16>(data, L3 + 2))
     } else {
         if data + L4_V6 + L4_MIN > end {
             return OUT_OF_BOUNDS;
@@ -343,27 +351,40 @@ fn forward(ctx: &XdpContext, p: &Pkt, to: &CtValue) -> i64 {
             // (`ip6_forward`).
             return i64::from(XDP_PASS);
         }
-        fib.family = AF_INET6;
-        // The payload length leaves out the fixed header, the route's MTU
-        // counts it (`bpf_ipv6_fib_lookup` compares `tot_len` with
-        // `ip6_mtu_from_fib6`, host order). No jumbograms: those carry a
-        // hop-by-hop header, and TC has them.
-        fib.__bindgen_anon_1.tot_len = u16::from_be(read_at::<u16>(data, L3 + 4)).saturating_add(40);
-        // Traffic class and flow label, as the stack's own lookup of a
-        // forwarded packet takes them (`ip6_route_input`: `ip6_flowinfo`,
-        // the first word without the version); multipath routes hash the
-        // flow label (`rt6_multipath_hash`).
-        fib.__bindgen_anon_2.flowinfo = read_at::<u32>(data, L3) & 0x0fff_ffffu32.to_be();
-        fib.__bindgen_anon_3.ipv6_src = addr_copy(&to.saddr_be);
-        fib.__bindgen_anon_4.ipv6_dst = addr_copy(&to.daddr_be);
-    }
-    // SAFETY: `fib` is a local of the size passed; the helper reads and
-    // writes only it, and the context is this program's own.
-    let rc = unsafe { bpf_fib_lookup(ctx.ctx.cast(), core::ptr::from_mut(fib), core::mem::size_of::<FibParams>() as i32, 0) };
-    if rc != FIB_SUCCESS {
-        return i64::from(XDP_PASS);
-    }
-    // The helper does not move frame data; bounds checked again all the
+        u16::from_be(read_at::<u16>(data, L3 + 4)).saturating_add(40)
+    };
+    let key = XdpNextHopKey {
+        saddr_be: addr_copy(&to.saddr_be),
+        daddr_be: addr_copy(&to.daddr_be),
+        sport_be: to.sport_be,
+        dport_be: to.dport_be,
+        ingress_ifindex: ctx.ingress_ifindex() as u32,
+        proto: p.proto,
+        family: p.family,
+        _pad: [0; 2],
+    };
+    // What `next_hop` fills in on a miss; it reads the length and time
+    // from here (a BPF call takes five arguments at most).
+    let mut looked_up = XdpNextHopValue { checked_s: now_s, max_len_host: len, ..XdpNextHopValue::default() };
+    let cached = XDP_NEXTHOP.get_ptr_mut(&key);
+    // SAFETY: a map value pointer, valid for the run (RCU; LRU elements
+    // are preallocated and never freed while the map exists). A changed
+    // next hop replaces the element whole (`next_hop` inserts a new one),
+    // so the element holds one lookup's device and MACs; only the check
+    // time and length are written in place. An eviction that reuses the
+    // element for another flow meanwhile leaves that flow's answer, at
+    // most a second old, for this frame: the window `NP_CT`'s entries have
+    // too (see `try_xdp`).
+    let hop: &XdpNextHopValue = match cached.map(|c| unsafe { &mut *c }) {
+        Some(c) if xdp_nexthop_usable(c, len, now_s) => c,
+        stale => {
+            if next_hop(ctx, p, &key, &mut looked_up, stale) != FIB_SUCCESS {
+                return i64::from(XDP_PASS);
+            }
+            &looked_up
+        }
+    };
+    // The lookup does not move frame data; bounds checked again all the
     // same, as the verifier wants a fresh check for new pointers.
     let (data, end) = (ctx.data(), ctx.data_end());
     if p.family == FAMILY_V4 {
@@ -377,15 +398,85 @@ fn forward(ctx: &XdpContext, p: &Pkt, to: &CtValue) -> i64 {
         }
         rewrite_v6(data, p, to);
     }
-    write_mac(data, 0, &fib.dmac);
-    write_mac(data, 6, &fib.smac);
-    if fib.ifindex == ctx.ingress_ifindex() as u32 {
+    write_mac(data, 0, &hop.dmac);
+    write_mac(data, 6, &hop.smac);
+    if hop.ifindex == key.ingress_ifindex {
         return i64::from(XDP_TX);
     }
     // SAFETY: no memory is passed; the helper only records the target
     // device for this CPU and returns XDP_REDIRECT (or XDP_ABORTED for
     // bad flags, none here).
-    unsafe { bpf_redirect(fib.ifindex, 0) }
+    unsafe { bpf_redirect(hop.ifindex, 0) }
+}
+
+/// Asks `bpf_fib_lookup` where the flow's packet `key` of length
+/// `hop.max_len_host` goes, as the stack would forward it
+/// (`BPF_FIB_LKUP_RET_SUCCESS`: forwarding enabled on the receiving
+/// device, a route, a resolved neighbour, a device up, within its MTU). On
+/// success fills in `hop`'s device and MACs and caches it for the flow,
+/// checked at `hop.checked_s`: in `stale`, the flow's cached entry, when
+/// the answer is the one it holds (the common case, a flow's first packet
+/// of each second: two stores instead of an LRU insert, which costs about
+/// a microsecond); as a new element otherwise. Returns the helper's
+/// answer. Its own subprogram, so that the 64-byte lookup parameters take
+/// stack only while it runs.
+#[inline(never)]
+fn next_hop(ctx: &XdpContext, p: &Pkt, key: &XdpNextHopKey, hop: &mut XdpNextHopValue, stale: Option<&mut XdpNextHopValue>) -> i64 {
+    let mut params = core::mem::MaybeUninit::<FibParams>::uninit();
+    let fib = zero_fib_params(&mut params);
+    fib.l4_protocol = p.proto;
+    fib.sport = key.sport_be;
+    fib.dport = key.dport_be;
+    fib.ifindex = key.ingress_ifindex;
+    fib.__bindgen_anon_1.tot_len = hop.max_len_host;
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if p.family == FAMILY_V4 {
+        if data + L4_V4 + L4_MIN > end {
+            return OUT_OF_BOUNDS;
+        }
+        fib.family = AF_INET;
+        fib.__bindgen_anon_2.tos = read_at::<u8>(data, L3 + 1);
+        fib.__bindgen_anon_3.ipv4_src = key.saddr_be[0];
+        fib.__bindgen_anon_4.ipv4_dst = key.daddr_be[0];
+    } else {
+        if data + L4_V6 + L4_MIN > end {
+            return OUT_OF_BOUNDS;
+        }
+        fib.family = AF_INET6;
+        // Traffic class and flow label, as the stack's own lookup of a
+        // forwarded packet takes them (`ip6_route_input`: `ip6_flowinfo`,
+        // the first word without the version); multipath routes hash the
+        // flow label (`rt6_multipath_hash`). One flow keeps them, so the
+        // cached answer holds for its later packets.
+        fib.__bindgen_anon_2.flowinfo = read_at::<u32>(data, L3) & 0x0fff_ffffu32.to_be();
+        fib.__bindgen_anon_3.ipv6_src = addr_copy(&key.saddr_be);
+        fib.__bindgen_anon_4.ipv6_dst = addr_copy(&key.daddr_be);
+    }
+    // SAFETY: `fib` is a local of the size passed; the helper reads and
+    // writes only it, and the context is this program's own.
+    let rc = unsafe { bpf_fib_lookup(ctx.ctx.cast(), core::ptr::from_mut(fib), core::mem::size_of::<FibParams>() as i32, 0) };
+    if rc != FIB_SUCCESS {
+        return rc;
+    }
+    hop.ifindex = fib.ifindex;
+    hop.dmac = fib.dmac;
+    hop.smac = fib.smac;
+    if let Some(c) = stale
+        && c.ifindex == hop.ifindex
+        && c.dmac == hop.dmac
+        && c.smac == hop.smac
+    {
+        // The length first: a reader on another CPU that sees the new time
+        // with the old length asks the helper itself. Only the length
+        // checked now is trusted (the route's MTU may have shrunk).
+        c.max_len_host = hop.max_len_host;
+        c.checked_s = hop.checked_s;
+        return FIB_SUCCESS;
+    }
+    // A failed insert (memory short) only means the next packet asks
+    // again; the answer in `hop` is used for this one either way.
+    let _ = XDP_NEXTHOP.insert(key, hop, 0);
+    FIB_SUCCESS
 }
 
 /// The IPv4 header (TTL, addresses, header checksum) and TCP/UDP of an

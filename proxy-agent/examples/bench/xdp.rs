@@ -51,6 +51,7 @@ use proxy_agent::datapath::xdp_loader::{self, XdpMode};
 use proxy_agent::decide::decision::ExternalState;
 use proxy_agent::external::nodeport::NodePortWriter;
 use proxy_agent::model::{Backend, Frontend, Protocol};
+use proxy_common::{XdpNextHopKey, XdpNextHopValue};
 use proxy_test_support::sandbox::{Netns, PinDir, in_netns};
 use serde_json::json;
 
@@ -273,9 +274,10 @@ fn ethtool_set(dev: &str, cmd: u32, value: u32) -> std::io::Result<()> {
 
 /// Median BPF_PROG_TEST_RUN duration (ns, one run per call) of the XDP
 /// program on a tracked flow to a remote backend whose route and
-/// neighbour resolve (the full path: lookups, `bpf_fib_lookup`, rewrite,
-/// `bpf_redirect`), and of `bench_minimal_xdp`, per repeat.
-fn test_run(repeats: usize) -> Result<(Vec<f64>, Vec<f64>, i32)> {
+/// neighbour resolve (the full path: lookups, the next hop from the cache
+/// or `bpf_fib_lookup`, rewrite, `bpf_redirect`), and of
+/// `bench_minimal_xdp`, per repeat.
+fn test_run(repeats: usize) -> Result<TestRuns> {
     // The test run looks routes up in the caller's namespace: one of our
     // own, with the backend's subnet on a veth and a fixed neighbour.
     let ns = Netns::new("tpbx")?;
@@ -283,6 +285,11 @@ fn test_run(repeats: usize) -> Result<(Vec<f64>, Vec<f64>, i32)> {
     ns.veth("x0", &other, "x1")?;
     ns.ip(&["addr", "add", "10.0.5.1/24", "dev", "x0"])?;
     ns.ip(&["neigh", "replace", "10.0.5.2", "lladdr", "02:00:00:00:05:02", "dev", "x0", "nud", "permanent"])?;
+    // Forwarding on, or `bpf_fib_lookup` answers "forwarding disabled" for
+    // the test run's ingress device and the program passes every frame
+    // (verdict XDP_PASS) without its rewrite and redirect.
+    ns.sysctl("net.ipv4.ip_forward", "1")?;
+    ns.ip(&["link", "set", "lo", "up"])?;
     let pins = PinDir::new("tpbx")?;
     let mut ebpf = xdp_loader::load_unattached(pins.path())?;
     let mut w = NodePortWriter::open(pins.path())?;
@@ -300,13 +307,30 @@ fn test_run(repeats: usize) -> Result<(Vec<f64>, Vec<f64>, i32)> {
     };
     let ours = fd_of(&mut ebpf, &xdp_loader::loaded_name(), false)?;
     let minimal = fd_of(&mut ebpf, "bench_minimal_xdp", true)?;
+    // The program's next-hop cache, made stale or emptied before each call
+    // of those runs (outside the timed run): every packet then pays the
+    // route lookup, as a flow's first packet of each second does, and the
+    // entry's refresh or insert.
+    let mut nexthops: aya::maps::HashMap<aya::maps::MapData, XdpNextHopKey, XdpNextHopValue> =
+        aya::maps::HashMap::try_from(ebpf.take_map(proxy_common::XDP_NEXTHOP_MAP).context("XDP_NEXTHOP missing")?)?;
     let frame = udp_frame([2, 0, 0, 0, 1, 2], [2, 0, 0, 0, 1, 1], Ipv4Addr::new(10, 0, 1, 1), NODE, NODE_PORT);
-    let (a, b, verdict) = in_netns(&ns, move || -> std::io::Result<(Vec<f64>, Vec<f64>, i32)> {
+    let runs = in_netns(&ns, move || -> Result<TestRuns> {
         let mut out = vec![0u8; frame.len() + 256];
-        let mut one = |fd: i32| -> std::io::Result<(f64, i32)> {
+        let mut one = |fd: i32, cache: Cache| -> Result<(f64, i32)> {
             let mut d = Vec::with_capacity(TEST_RUNS);
             let mut rv = 0;
             for _ in 0..TEST_RUNS {
+                let entries: Vec<(XdpNextHopKey, XdpNextHopValue)> =
+                    if cache == Cache::Used { Vec::new() } else { nexthops.iter().flatten().collect() };
+                for (k, mut v) in entries {
+                    if cache == Cache::Absent {
+                        nexthops.remove(&k)?;
+                    } else {
+                        // Checked at boot: older than any TTL.
+                        v.checked_s = 0;
+                        nexthops.insert(k, v, 0)?;
+                    }
+                }
                 let r = proxy_test_support::prog_test_run::run(fd, &frame, &mut out, 1)?;
                 d.push(f64::from(r.duration_ns));
                 rv = r.retval;
@@ -314,18 +338,48 @@ fn test_run(repeats: usize) -> Result<(Vec<f64>, Vec<f64>, i32)> {
             Ok((spread(&d).median, rv))
         };
         // The first run sets the flow up (new_flow); the rest are tracked.
-        one(ours)?;
-        let (mut a, mut b) = (Vec::new(), Vec::new());
-        let mut verdict = 0;
+        one(ours, Cache::Used)?;
+        let mut runs = TestRuns::default();
         for _ in 0..repeats.max(1) {
-            let (x, v) = one(ours)?;
-            a.push(x);
-            verdict = v;
-            b.push(one(minimal)?.0);
+            let (x, v) = one(ours, Cache::Used)?;
+            runs.cached.push(x);
+            runs.verdict = v;
+            runs.stale.push(one(ours, Cache::Stale)?.0);
+            runs.uncached.push(one(ours, Cache::Absent)?.0);
+            runs.minimal.push(one(minimal, Cache::Used)?.0);
         }
-        Ok((a, b, verdict))
+        Ok(runs)
     })??;
-    Ok((a, b, verdict))
+    Ok(runs)
+}
+
+/// What each test run finds in the next-hop cache: the flow's fresh entry
+/// (what the last run left), its entry checked too long ago (the lookup
+/// confirms it and refreshes it in place), or none (the lookup's answer is
+/// inserted: a flow's first packet, or a changed next hop).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Cache {
+    Used,
+    Stale,
+    Absent,
+}
+
+/// BPF_PROG_TEST_RUN medians (ns) per repeat: our program with the flow's
+/// next hop cached (`cached`), stale (`stale`) and absent (`uncached`),
+/// the minimal program, and our program's verdict.
+#[derive(Default)]
+struct TestRuns {
+    cached: Vec<f64>,
+    stale: Vec<f64>,
+    uncached: Vec<f64>,
+    minimal: Vec<f64>,
+    verdict: i32,
+}
+
+/// `median ns (min–max)`.
+fn ns_spread(v: &[f64]) -> String {
+    let s = spread(v);
+    format!("{:.0} ns ({:.0}–{:.0})", s.median, s.min, s.max)
 }
 
 /// Sends `frame` from `cl0` for `dur` with `bench_tx_xdp` in live-frames
@@ -436,7 +490,8 @@ impl Generator {
 
 pub(crate) fn run(repeats: usize) -> Result<Section> {
     crate::step("XDP: BPF_PROG_TEST_RUN of xdp_nodeport against bench_minimal_xdp");
-    let (ours, minimal, verdict) = test_run(repeats)?;
+    let runs = test_run(repeats)?;
+    let (ours, stale, uncached, minimal, verdict) = (&runs.cached, &runs.stale, &runs.uncached, &runs.minimal, runs.verdict);
     crate::step("XDP: building three veth NodePort paths (xdp, tc, iptables)");
     let mut txgen = Generator::load()?;
     let worlds: Vec<World> = VARIANTS.iter().map(|v| world(v, &mut txgen)).collect::<Result<_>>()?;
@@ -458,14 +513,14 @@ pub(crate) fn run(repeats: usize) -> Result<Section> {
     }
     let med = |v: &[f64]| spread(v).median;
     let mut md = format!(
-        "## NodePort at XDP\n\nBPF_PROG_TEST_RUN, one run per call, median of {TEST_RUNS} calls per repeat, {r} repeats: `xdp_nodeport` on a tracked UDP flow to a remote backend (forward and SNAT entries, `bpf_fib_lookup` to a resolved neighbour, rewrite, `bpf_redirect`; verdict {verdict}) {:.0} ns ({:.0}–{:.0}), `bench_minimal_xdp` (returns XDP_PASS) {:.0} ns ({:.0}–{:.0}); the difference, {:.0} ns, is the program's own per-packet cost.\n\nForwarding through veth, client -> node -> remote backend (DNAT + SNAT), one UDP flow of 64-byte frames for {:.0} s per repeat, counted at the backend's veth end, where an XDP program drops them (the backend's stack would cost as much as the node in every variant); the whole path runs on the generator's CPU. Generators: `xdp-gen` sends each frame with XDP_TX from BPF_PROG_TEST_RUN in live-frames mode, so the node's veth receives `xdp_frame`s as from a NIC (no skb until something needs one); `af_packet` sends skbs from an AF_PACKET socket (`PACKET_QDISC_BYPASS`), which veth must copy into an XDP buffer before an XDP program sees them, a cost no NIC driver has. Variants: `xdp`, our XDP program in front of TC on the node's veths; `tc`, the TC programs alone; `iptables`, one DNAT rule in PREROUTING plus MASQUERADE (iptables-legacy). Median (min–max) over {r} repeats, generators and variants interleaved.\n\n| generator | variant | forwarded (pkt/s) | sent (pkt/s) |\n|---|---|---|---|\n",
-        med(&ours),
-        spread(&ours).min,
-        spread(&ours).max,
-        med(&minimal),
-        spread(&minimal).min,
-        spread(&minimal).max,
-        med(&ours) - med(&minimal),
+        "## NodePort at XDP\n\nBPF_PROG_TEST_RUN, one run per call, median of {TEST_RUNS} calls per repeat, {r} repeats: `xdp_nodeport` on a tracked UDP flow to a remote backend (forward and SNAT entries, the next hop, rewrite, `bpf_redirect`; verdict {verdict}, 4 = XDP_REDIRECT) {} with the flow's next hop cached (`XDP_NEXTHOP`: every packet but a flow's first of each second), {} with it stale (`bpf_fib_lookup` to a resolved neighbour confirms it, refreshed in place: a flow's first packet of each second), {} without it (the lookup's answer inserted: a flow's first packet, or a changed next hop), `bench_minimal_xdp` (returns XDP_PASS) {}; the differences, {:.0}, {:.0} and {:.0} ns, are the program's own per-packet cost.\n\nForwarding through veth, client -> node -> remote backend (DNAT + SNAT), one UDP flow of 64-byte frames for {:.0} s per repeat, counted at the backend's veth end, where an XDP program drops them (the backend's stack would cost as much as the node in every variant); the whole path runs on the generator's CPU. Generators: `xdp-gen` sends each frame with XDP_TX from BPF_PROG_TEST_RUN in live-frames mode, so the node's veth receives `xdp_frame`s as from a NIC (no skb until something needs one); `af_packet` sends skbs from an AF_PACKET socket (`PACKET_QDISC_BYPASS`), which veth must copy into an XDP buffer before an XDP program sees them, a cost no NIC driver has. Variants: `xdp`, our XDP program in front of TC on the node's veths; `tc`, the TC programs alone; `iptables`, one DNAT rule in PREROUTING plus MASQUERADE (iptables-legacy). Median (min–max) over {r} repeats, generators and variants interleaved.\n\n| generator | variant | forwarded (pkt/s) | sent (pkt/s) |\n|---|---|---|---|\n",
+        ns_spread(ours),
+        ns_spread(stale),
+        ns_spread(uncached),
+        ns_spread(minimal),
+        med(ours) - med(minimal),
+        med(stale) - med(minimal),
+        med(uncached) - med(minimal),
         FLOOD.as_secs_f64(),
     );
     let mut rows = Vec::new();
@@ -497,7 +552,7 @@ pub(crate) fn run(repeats: usize) -> Result<Section> {
         met: Some(target >= 2.0),
     }];
     let json = json!({
-        "test_run_ns": {"xdp_nodeport": spread(&ours).json(), "bench_minimal_xdp": spread(&minimal).json(), "verdict": verdict},
+        "test_run_ns": {"xdp_nodeport": spread(ours).json(), "xdp_nodeport_stale": spread(stale).json(), "xdp_nodeport_uncached": spread(uncached).json(), "bench_minimal_xdp": spread(minimal).json(), "verdict": verdict},
         "veth": rows,
         "ratio_xdp_vs_tc": target,
         "ratio_xdp_vs_tc_af_packet": ratio(1, 1),

@@ -226,6 +226,16 @@ fn nodeport_table(out: &mut impl Write, np: &NodePortReport) -> std::io::Result<
         "  xdp: {}",
         if np.xdp_devices.is_empty() { "off (TC alone)".to_string() } else { format!("native on {}", np.xdp_devices.join(" ")) }
     )?;
+    if !np.xdp_devices.is_empty() {
+        writeln!(out, "  xdp next hops cached: {}", np.xdp_next_hops.len())?;
+        for h in np.xdp_next_hops.iter().take(CONNTRACK_LISTED) {
+            writeln!(
+                out,
+                "    {}  in #{}  =>  out #{} to {} from {}  (checked at {}s for {} bytes)",
+                h.flow, h.ingress_ifindex, h.ifindex, h.dmac, h.smac, h.checked_s, h.max_len
+            )?;
+        }
+    }
     writeln!(out, "  conntrack: {} entries", np.conntrack.len())?;
     for c in np.conntrack.iter().take(CONNTRACK_LISTED) {
         let age = c.age_seconds.map_or_else(String::new, |a| format!("  {a}s ago"));

@@ -967,6 +967,57 @@ pub struct NodePortReport {
     /// Devices with the XDP program in front of TC (native mode, a pinned
     /// link each); every other device of the datapath runs TC alone.
     pub xdp_devices: Vec<String>,
+    /// XDP_NEXTHOP: the next hop the XDP program caches for each flow it
+    /// forwards (empty when XDP is off).
+    pub xdp_next_hops: Vec<NextHopView>,
+}
+
+/// One flow's cached next hop (`XDP_NEXTHOP`).
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct NextHopView {
+    /// `TCP`/`UDP` and the packet as it leaves: `SNAT source -> backend`.
+    pub flow: String,
+    pub ingress_ifindex: u32,
+    /// The device the flow's packets leave by, and the MACs written.
+    pub ifindex: u32,
+    pub dmac: String,
+    pub smac: String,
+    /// The longest packet (IP length) checked against the route's MTU.
+    pub max_len: u16,
+    /// CLOCK_MONOTONIC seconds of the route lookup; reused while younger
+    /// than `XDP_NEXTHOP_TTL_S`.
+    pub checked_s: u32,
+}
+
+/// The view of cached next hops, ordered by flow.
+pub fn next_hop_views(entries: &[(pc::XdpNextHopKey, pc::XdpNextHopValue)]) -> Vec<NextHopView> {
+    let mac = |m: &[u8; 6]| m.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":");
+    let mut out: Vec<NextHopView> = entries
+        .iter()
+        .map(|(k, v)| {
+            let protocol = match k.proto {
+                pc::PROTO_TCP => "TCP".to_string(),
+                pc::PROTO_UDP => "UDP".to_string(),
+                p => format!("proto {p}"),
+            };
+            NextHopView {
+                flow: format!(
+                    "{protocol} {} -> {}",
+                    endpoint(k.saddr_be, k.sport_be, k.family),
+                    endpoint(k.daddr_be, k.dport_be, k.family)
+                ),
+                ingress_ifindex: k.ingress_ifindex,
+                ifindex: v.ifindex,
+                dmac: mac(&v.dmac),
+                smac: mac(&v.smac),
+                max_len: v.max_len_host,
+                checked_s: v.checked_s,
+            }
+        })
+        .collect();
+    out.sort_by(|a, b| (&a.flow, a.ingress_ifindex).cmp(&(&b.flow, b.ingress_ifindex)));
+    out
 }
 
 #[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
@@ -1161,6 +1212,7 @@ pub fn check_nodeport(np: &NpSnapshot) -> (NodePortReport, Vec<Finding>) {
         affinity,
         port_bits,
         xdp_devices: Vec::new(),
+        xdp_next_hops: Vec::new(),
     };
     (report, findings)
 }
@@ -1207,6 +1259,10 @@ pub fn report(pin_dir: &Path, snap: &Snapshot) -> Report {
         let (mut r, f) = check_nodeport(np);
         findings.extend(f);
         r.xdp_devices = crate::datapath::xdp_loader::attached_devices(pin_dir);
+        match crate::datapath::xdp_loader::next_hops(pin_dir) {
+            Ok(entries) => r.xdp_next_hops = next_hop_views(&entries),
+            Err(e) => tracing::debug!(error = %e, "XDP next hops not read"),
+        }
         r
     });
     sort_findings(&mut findings);

@@ -5,6 +5,7 @@
 use std::path::Path;
 
 use aya::{Ebpf, EbpfError, EbpfLoader};
+use proxy_common as pc;
 
 use crate::datapath::map_migration;
 use crate::datapath::maps::{self, Capacities};
@@ -28,7 +29,28 @@ pub fn load(object: &[u8], pin_dir: &Path, caps: Option<&Capacities>) -> Result<
 /// (`map_migration::staged_pin`): created there, with `caps`, when none is
 /// pinned there yet. For a capacity change (see `map_migration`).
 pub fn load_staged(object: &[u8], pin_dir: &Path, caps: Option<&Capacities>, staged: &[&str]) -> Result<Ebpf, EbpfError> {
+    load_with(object, pin_dir, caps, staged, |_| {})
+}
+
+/// [`load`] for the XDP program: its private next-hop cache
+/// (`XDP_NEXTHOP`, proxy-common) gets its working capacity. Every other
+/// load creates that map with the object's single entry, as none of their
+/// programs uses it.
+pub fn load_xdp(object: &[u8], pin_dir: &Path) -> Result<Ebpf, EbpfError> {
+    load_with(object, pin_dir, None, &[], |loader| {
+        loader.map_max_entries(pc::XDP_NEXTHOP_MAP, pc::XDP_NEXTHOP_ENTRIES);
+    })
+}
+
+fn load_with(
+    object: &[u8],
+    pin_dir: &Path,
+    caps: Option<&Capacities>,
+    staged: &[&str],
+    private: impl FnOnce(&mut EbpfLoader<'_>),
+) -> Result<Ebpf, EbpfError> {
     let mut loader = EbpfLoader::new();
+    private(&mut loader);
     for m in maps::MAPS {
         let pin = if staged.contains(&m.name) { map_migration::staged_pin(pin_dir, m.name) } else { pin_dir.join(m.name) };
         loader.map_pin_path(m.name, pin);

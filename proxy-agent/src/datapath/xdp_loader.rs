@@ -11,7 +11,9 @@
 //! `BPF_LINK_UPDATE` (`bpf_xdp_link_update` replaces the device's program
 //! under RTNL, so every frame meets the old or the new program, never
 //! none). Conntrack is the TC path's pinned `NP_CT`, so no map of its own
-//! needs adopting.
+//! needs adopting: its one map, the next-hop cache `XDP_NEXTHOP` (see
+//! proxy-common), belongs to each load and starts empty, as the new
+//! program's lookups refill it within a packet per flow.
 //!
 //! `--xdp` is `off` by default: a frame XDP redirects (or sends back) into a
 //! veth is dropped unless the veth's peer runs NAPI, i.e. has an XDP program
@@ -29,6 +31,8 @@ use aya::Ebpf;
 use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::xdp::XdpLink;
 use aya::programs::{Xdp, XdpMode as AttachMode};
+
+use proxy_common as pc;
 
 use crate::datapath::kernel_features::KernelFeatures;
 use crate::datapath::object::{self, EBPF_OBJECT, LINKS_DIR};
@@ -139,6 +143,35 @@ pub fn attached_devices(pin_dir: &Path) -> Vec<String> {
     out
 }
 
+/// The XDP program's cached next hops (`XDP_NEXTHOP`), for `dump`. The
+/// cache belongs to the program's load and has no pin of its own, so it is
+/// found through the program: a pinned XDP link of this pin directory
+/// names it (every device runs the same program), and the program names
+/// its maps. Empty when XDP is off.
+pub fn next_hops(pin_dir: &Path) -> Result<Vec<(pc::XdpNextHopKey, pc::XdpNextHopValue)>, XdpError> {
+    let Some(device) = attached_devices(pin_dir).into_iter().next() else { return Ok(Vec::new()) };
+    let pin = pin_dir.join(LINKS_DIR).join(format!("{LINK_PREFIX}{device}"));
+    let not_found = |what: String| XdpError::Io { path: pin.clone(), source: io::Error::new(io::ErrorKind::NotFound, what) };
+    let link: FdLink = PinnedLink::from_pin(&pin).map_err(|e| not_found(error_chain(&e)))?.into();
+    let prog_id = link.info().map_err(|e| not_found(error_chain(&e)))?.program_id();
+    let prog = aya::programs::loaded_programs()
+        .flatten()
+        .find(|p| p.id() == prog_id)
+        .ok_or_else(|| not_found(format!("program {prog_id} of the link is gone")))?;
+    let map_ids = prog.map_ids().map_err(XdpError::Program)?.unwrap_or_default();
+    for id in map_ids {
+        let Ok(info) = aya::maps::MapInfo::from_id(id) else { continue };
+        if info.name_as_str() != Some(pc::XDP_NEXTHOP_MAP) {
+            continue;
+        }
+        let data = aya::maps::MapData::from_id(id).map_err(|e| not_found(error_chain(&e)))?;
+        let map: aya::maps::HashMap<_, pc::XdpNextHopKey, pc::XdpNextHopValue> =
+            aya::maps::HashMap::try_from(aya::maps::Map::LruHashMap(data)).map_err(|e| not_found(error_chain(&e)))?;
+        return Ok(map.iter().flatten().collect());
+    }
+    Err(not_found(format!("program {prog_id} has no map {}", pc::XDP_NEXTHOP_MAP)))
+}
+
 fn detach_unlisted(pin_dir: &Path, keep: &[String], notes: &mut Vec<String>) {
     let Ok(rd) = fs::read_dir(pin_dir.join(LINKS_DIR)) else { return };
     for e in rd.flatten() {
@@ -201,7 +234,7 @@ pub fn load_unattached(pin_dir: &Path) -> Result<Ebpf, XdpError> {
 }
 
 fn load_program(pin_dir: &Path) -> Result<Ebpf, XdpError> {
-    let mut ebpf = object::load(EBPF_OBJECT, pin_dir, None)?;
+    let mut ebpf = object::load_xdp(EBPF_OBJECT, pin_dir)?;
     program(&mut ebpf)?.load().map_err(XdpError::Program)?;
     Ok(ebpf)
 }
