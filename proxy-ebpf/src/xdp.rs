@@ -466,9 +466,10 @@ fn next_hop(ctx: &XdpContext, p: &Pkt, key: &XdpNextHopKey, hop: &mut XdpNextHop
         && c.dmac == hop.dmac
         && c.smac == hop.smac
     {
-        // The length first: a reader on another CPU that sees the new time
-        // with the old length asks the helper itself. Only the length
-        // checked now is trusted (the route's MTU may have shrunk).
+        // The length first, then the time: until the new time shows, a
+        // reader on another CPU finds the entry stale and asks the helper
+        // itself. Only the length checked now is trusted (the route's MTU
+        // may have shrunk).
         c.max_len_host = hop.max_len_host;
         c.checked_s = hop.checked_s;
         return FIB_SUCCESS;

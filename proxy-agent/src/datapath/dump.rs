@@ -996,11 +996,7 @@ pub fn next_hop_views(entries: &[(pc::XdpNextHopKey, pc::XdpNextHopValue)]) -> V
     let mut out: Vec<NextHopView> = entries
         .iter()
         .map(|(k, v)| {
-            let protocol = match k.proto {
-                pc::PROTO_TCP => "TCP".to_string(),
-                pc::PROTO_UDP => "UDP".to_string(),
-                p => format!("proto {p}"),
-            };
+            let protocol = protocol_name(k.proto);
             NextHopView {
                 flow: format!(
                     "{protocol} {} -> {}",
@@ -1025,6 +1021,15 @@ pub fn next_hop_views(entries: &[(pc::XdpNextHopKey, pc::XdpNextHopValue)]) -> V
 pub struct PortBitsView {
     pub ingress_ports: usize,
     pub egress_ports: usize,
+}
+
+/// `TCP`, `UDP`, or `proto N`, as conntrack and next-hop entries show it.
+fn protocol_name(proto: u8) -> String {
+    match proto {
+        pc::PROTO_TCP => "TCP".to_string(),
+        pc::PROTO_UDP => "UDP".to_string(),
+        p => format!("proto {p}"),
+    }
 }
 
 fn endpoint(ip_be: [u32; 4], port_be: u16, family: u8) -> String {
@@ -1085,11 +1090,7 @@ pub fn check_nodeport(np: &NpSnapshot) -> (NodePortReport, Vec<Finding>) {
             pc::CT_DIR_REPLY_SNAT => "reply-snat".to_string(),
             d => format!("dir {d}"),
         };
-        let protocol = match k.proto {
-            pc::PROTO_TCP => "TCP".to_string(),
-            pc::PROTO_UDP => "UDP".to_string(),
-            p => format!("proto {p}"),
-        };
+        let protocol = protocol_name(k.proto);
         let tuple = format!("{} -> {}", endpoint(k.saddr_be, k.sport_be, k.family), endpoint(k.daddr_be, k.dport_be, k.family));
         let translated = format!("{} -> {}", endpoint(v.saddr_be, v.sport_be, k.family), endpoint(v.daddr_be, v.dport_be, k.family));
         let known = k.dir <= pc::CT_DIR_REPLY_SNAT
