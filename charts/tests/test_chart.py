@@ -69,6 +69,7 @@ NON_DEFAULT = {
     "nodeIPs": ["192.0.2.21", "2001:db8::21"],
     "snatPortRange": "40000-45000",
     "tcMode": "netlink",
+    "terminateTcp": "never",
     "xdp": "native",
     "maglev": {"tableSize": 65521},
     "metrics": {
@@ -285,6 +286,7 @@ def test_agent_arguments_environment_and_probes(default_objects):
         "--metrics-address": "0.0.0.0:10256",
         "--devices": "auto",
         "--tc-mode": "auto",
+        "--terminate-tcp": "gone",
         "--xdp": "off",
         "--maglev-table-size": "16381",
     }
@@ -406,6 +408,7 @@ def test_values_reach_the_agent(custom_objects):
         "--node-ip": "192.0.2.21,2001:db8::21",
         "--snat-port-range": "40000-45000",
         "--tc-mode": "netlink",
+        "--terminate-tcp": "never",
         "--xdp": "native",
         "--maglev-table-size": "65521",
         "--poll-interval-ms": "500",
@@ -467,6 +470,13 @@ def test_tc_mode_value_becomes_the_flag(mode, flag):
     assert args_of(one(render({"tcMode": mode}), "DaemonSet"))["--tc-mode"] == flag
 
 
+# Connections to departed backends: TCP ends only once its endpoint is
+# gone after terminating, unless told never to.
+@pytest.mark.parametrize("value, flag", [("gone", "gone"), ("never", "never"), (None, "gone")])
+def test_terminate_tcp_value_becomes_the_flag(value, flag):
+    assert args_of(one(render({"terminateTcp": value}), "DaemonSet"))["--terminate-tcp"] == flag
+
+
 # `false` is what YAML makes of a bare `off` in a values file (YAML 1.1
 # booleans, which Helm's parser follows); the chart takes it as off.
 @pytest.mark.parametrize(
@@ -522,6 +532,7 @@ def test_xdp_and_maglev_as_users_write_them(values, flags):
         ({"xdp": True}, "/xdp", "'off', 'auto', 'native'"),
         ({"xdp": ""}, "/xdp", "'off', 'auto', 'native'"),
         ({"tcMode": "clsact"}, "/tcMode", "'auto', 'tcx', 'netlink'"),
+        ({"terminateTcp": "always"}, "/terminateTcp", "'gone', 'never'"),
         ({"maglev": {"tableSize": 1234}}, "/maglev/tableSize", "16381, 65521"),
         ({"maglev": {"tableSize": "1234"}}, "/maglev/tableSize", "16381, 65521"),
         ({"maglev": {"tableSize": 16383}}, "/maglev/tableSize", "16381, 65521"),

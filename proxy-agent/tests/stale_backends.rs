@@ -149,6 +149,7 @@ fn service(
 const READY: &str = "ready: true";
 const DRAINING: &str = "ready: false, serving: true, terminating: true";
 const GONE_FROM_SERVING: &str = "ready: false, serving: false, terminating: true";
+const NOT_READY: &str = "ready: false";
 
 /// The agent's /metrics, read in `netns` when the agent serves there.
 fn scrape(node: &Node, netns: Option<&Netns>) -> String {
@@ -244,15 +245,19 @@ fn a_connected_udp_client_moves_to_the_surviving_backend() {
     eventually("the batch's line in the log", || node.agent_log().contains("terminated the sockets").then_some(()).ok_or("no line yet"));
 }
 
+/// TCP is ended in one case only: the endpoint is gone from its Service
+/// after it was seen terminating. Failing readiness and terminating while
+/// still listed leave its connections alone; the removal that follows
+/// aborts them at once, and connections to the other backend never notice.
 #[test]
-fn a_tcp_connection_to_a_deleted_backend_is_aborted_and_others_are_untouched() {
+fn a_tcp_connection_is_aborted_only_once_its_backend_is_gone_after_terminating() {
     let net = PodNetwork::new();
     let _ = net.netns.add_loopback_addrs(&["10.244.2.1/32", "10.244.2.2/32"]);
     let a = echo_server(&net.netns, "10.244.2.1:80".parse().unwrap()).expect("echo a");
     let b = echo_server(&net.netns, "10.244.2.2:80".parse().unwrap()).expect("echo b");
     let mut node = Node::new("node-1");
-    let both = [("10.244.2.1", READY), ("10.244.2.2", READY)];
-    node.write_manifest("web.yaml", &service("web", "10.96.2.10", "TCP", 80, 80, &both, None));
+    let web = |eps: &[(&str, &str)]| service("web", "10.96.2.10", "TCP", 80, 80, eps, None);
+    node.write_manifest("web.yaml", &web(&[("10.244.2.1", READY), ("10.244.2.2", READY)]));
     node.start_agent();
     eventually("the Service to answer", || {
         node.probe(&net, &["--to", "10.96.2.10:80"]).first().map(|r| r["ok"] == true).filter(|ok| *ok).ok_or(())
@@ -269,21 +274,162 @@ fn a_tcp_connection_to_a_deleted_backend_is_aborted_and_others_are_untouched() {
         let on = which_echo(&[("a", &a), ("b", &b)]).expect("backend");
         clients.push((on, s));
     }
-    node.write_manifest("web.yaml", &service("web", "10.96.2.10", "TCP", 80, 80, &both[1..], None));
     let t0 = Instant::now();
+    // Not ready, then terminating and not serving: a live process, its
+    // connections stay (kube-proxy leaves established TCP alone).
+    for cond in [NOT_READY, GONE_FROM_SERVING] {
+        node.write_manifest("web.yaml", &web(&[("10.244.2.1", cond), ("10.244.2.2", READY)]));
+        std::thread::sleep(Duration::from_millis(1500));
+        for (on, s) in &clients {
+            assert_eq!(s.first_failure_since(t0), None, "{} on {on} stays while a is {cond}", s.name);
+        }
+    }
+    // Gone after terminating: its pod is gone, the connections end at once.
+    node.write_manifest("web.yaml", &web(&[("10.244.2.2", READY)]));
+    let t1 = Instant::now();
     for (on, s) in clients.iter().filter(|(on, _)| on == "a") {
-        let (at, failure) = eventually(&format!("{} on {on} to be aborted", s.name), || s.first_failure_since(t0).ok_or(()));
+        let (at, failure) = eventually(&format!("{} on {on} to be aborted", s.name), || s.first_failure_since(t1).ok_or(()));
         let errno = failure["errno"].as_i64();
         assert!(errno == Some(ECONNABORTED) || errno == Some(ECONNRESET), "{}: aborted or reset, got {failure}", s.name);
-        assert!(at <= within(), "{} failed {at:?} after the deletion, later than {:?}", s.name, within());
+        assert!(at <= within(), "{} failed {at:?} after the removal, later than {:?}", s.name, within());
     }
     std::thread::sleep(Duration::from_secs(2));
     for (on, s) in clients.iter().filter(|(on, _)| on == "b") {
         assert_eq!(s.first_failure_since(t0), None, "{} on {on} is untouched", s.name);
-        let late = s.lines().iter().filter(|(t, l)| *t > t0 + Duration::from_millis(1500) && l["ok"] == true).count();
+        let late = s.lines().iter().filter(|(t, l)| *t > t1 + Duration::from_millis(1500) && l["ok"] == true).count();
         assert!(late > 5, "{} still exchanges ({late} answers in the last half second)", s.name);
     }
-    assert!(node.agent_log().contains("reason=deleted") || node.agent_log().contains("endpoint deleted"), "the batch names the reason");
+    eventually("the rule to be logged", || {
+        let log = node.agent_log();
+        if log.contains("gone_after_terminating") || log.contains("tcp rule") { Ok(()) } else { Err("no rule in the log yet") }
+    });
+}
+
+/// A TCP connection to a backend removed without ever being seen
+/// terminating (a selector change, an old API server) is left alone.
+#[test]
+fn a_tcp_connection_to_a_backend_removed_without_terminating_is_left_alone() {
+    let net = PodNetwork::new();
+    let _ = net.netns.add_loopback_addrs(&["10.244.12.1/32", "10.244.12.2/32"]);
+    let a = echo_server(&net.netns, "10.244.12.1:80".parse().unwrap()).expect("echo a");
+    let b = echo_server(&net.netns, "10.244.12.2:80".parse().unwrap()).expect("echo b");
+    let mut node = Node::new("node-1");
+    let web = |eps: &[(&str, &str)]| service("web", "10.96.12.10", "TCP", 80, 80, eps, None);
+    node.write_manifest("web.yaml", &web(&[("10.244.12.1", READY), ("10.244.12.2", READY)]));
+    node.start_agent();
+    eventually("the Service to answer", || {
+        node.probe(&net, &["--to", "10.96.12.10:80"]).first().map(|r| r["ok"] == true).filter(|ok| *ok).ok_or(())
+    });
+    while a.try_recv().is_ok() || b.try_recv().is_ok() {}
+    let args = ["--to", "10.96.12.10:80", "--stream", "--count", "1000000", "--interval-ms", "20", "--timeout-ms", "2000"];
+    let on_a = (0..24)
+        .find_map(|i| {
+            let s = Stream::start(&format!("connection {i}"), pod_probe(&node, &net.netns, &args));
+            s.wait_answered(1);
+            (which_echo(&[("a", &a), ("b", &b)]).as_deref() == Some("a")).then_some(s)
+        })
+        .expect("a connection on backend a");
+    node.write_manifest("web.yaml", &web(&[("10.244.12.2", READY)]));
+    let t0 = Instant::now();
+    eventually("new connections to avoid the removed backend", || {
+        while a.try_recv().is_ok() {}
+        node.probe(&net, &["--to", "10.96.12.10:80", "--count", "10"]);
+        if a.try_recv().is_err() { Ok(()) } else { Err("a new connection reached the removed backend") }
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(on_a.first_failure_since(t0), None, "{} keeps its connection", on_a.name);
+    let late = on_a.lines().iter().filter(|(t, l)| *t > t0 + Duration::from_millis(1500) && l["ok"] == true).count();
+    assert!(late > 5, "{} still exchanges ({late} answers late)", on_a.name);
+}
+
+/// Topology: a same-zone endpoint appears for a Service ranked by zone.
+/// A TCP connection to the remote-zone endpoint stays (it still serves); a
+/// connected UDP socket on it is ended (the UDP topology rule), and new
+/// connections of both go to the same-zone endpoint. The project's own
+/// client and echo servers, so the kernels under `cargo xtask vmtest` run
+/// it too.
+#[test]
+fn a_same_zone_endpoint_takes_new_connections_and_tcp_to_the_remote_one_stays() {
+    let mut net = PodNetwork::new();
+    net.backend("remote", "10.244.13.1", &[53]);
+    net.backend("near", "10.244.13.2", &[53]);
+    let remote = echo_server(&net.netns, "10.244.13.1:80".parse().unwrap()).expect("echo remote");
+    let near = echo_server(&net.netns, "10.244.13.2:80".parse().unwrap()).expect("echo near");
+    let mut node = Node::new("node-1");
+    let manifests = |with_near: bool| {
+        let mut eps = String::from("- {addresses: [\"10.244.13.1\"], nodeName: node-2, zone: z2, conditions: {ready: true}}\n");
+        if with_near {
+            eps.push_str("- {addresses: [\"10.244.13.2\"], nodeName: node-1, zone: z1, conditions: {ready: true}}\n");
+        }
+        let mut y = String::from(
+            "kind: Node\napiVersion: v1\nmetadata: {name: node-1, labels: {topology.kubernetes.io/zone: z1}}\n---\nkind: Node\napiVersion: v1\nmetadata: {name: node-2, labels: {topology.kubernetes.io/zone: z2}}\n",
+        );
+        for (name, ip, proto, port) in [("web", "10.96.13.10", "TCP", 80u16), ("dns", "10.96.13.20", "UDP", 53)] {
+            y.push_str(&format!(
+                "---\napiVersion: v1\nkind: Service\nmetadata: {{name: {name}, namespace: default, annotations: {{topoproxy.io/topology-keys: \"topology.kubernetes.io/zone, *\"}}}}\nspec:\n  clusterIP: {ip}\n  ports:\n  - {{name: p, port: {port}, protocol: {proto}}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}-1, namespace: default, labels: {{kubernetes.io/service-name: {name}}}}}\naddressType: IPv4\nports:\n- {{name: p, port: {port}, protocol: {proto}}}\nendpoints:\n{eps}"
+            ));
+        }
+        y
+    };
+    node.write_manifest("svc.yaml", &manifests(false));
+    node.start_agent_with(&["--metrics-address", "127.0.0.1:0"]);
+    wait_for_backends(&node, &net, "10.96.13.20:53", &["--udp"], &["remote"]);
+    eventually("the TCP Service to answer", || {
+        node.probe(&net, &["--to", "10.96.13.10:80"]).first().map(|r| r["ok"] == true).filter(|ok| *ok).ok_or(())
+    });
+    while remote.try_recv().is_ok() || near.try_recv().is_ok() {}
+    let tcp = Stream::start(
+        "TCP on the remote-zone endpoint",
+        pod_probe(
+            &node,
+            &net.netns,
+            &["--to", "10.96.13.10:80", "--stream", "--count", "1000000", "--interval-ms", "20", "--timeout-ms", "2000"],
+        ),
+    );
+    tcp.wait_answered(1);
+    assert_eq!(which_echo(&[("remote", &remote), ("near", &near)]).as_deref(), Some("remote"));
+    let udp = Stream::start(
+        "connected UDP on the remote-zone endpoint",
+        pod_probe(
+            &node,
+            &net.netns,
+            &[
+                "--to",
+                "10.96.13.20:53",
+                "--udp",
+                "--connected",
+                "--stream",
+                "--count",
+                "1000000",
+                "--interval-ms",
+                "10",
+                "--timeout-ms",
+                "500",
+            ],
+        ),
+    );
+    assert_eq!(udp.wait_answered(1), "remote");
+
+    node.write_manifest("svc.yaml", &manifests(true));
+    let t0 = Instant::now();
+    let (at, failure) = eventually("the UDP socket to be ended by the topology rule", || udp.first_failure_since(t0).ok_or(()));
+    assert!(udp_aborted(&failure) && at <= within(), "{failure} after {at:?}");
+    eventually("new connections to go to the same-zone endpoint", || {
+        while near.try_recv().is_ok() || remote.try_recv().is_ok() {}
+        node.probe(&net, &["--to", "10.96.13.10:80", "--count", "5"]);
+        let udp_replies = replies(&node.probe(&net, &["--to", "10.96.13.20:53", "--udp", "--count", "5"]));
+        let tcp_remote = remote.try_recv().is_ok();
+        if !tcp_remote && udp_replies == set(&["near"]) {
+            Ok(())
+        } else {
+            Err(format!("remote reached: tcp {tcp_remote}, udp {udp_replies:?}"))
+        }
+    });
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(tcp.first_failure_since(t0), None, "the TCP connection to the remote-zone endpoint stays");
+    let late = tcp.lines().iter().filter(|(t, l)| *t > t0 + Duration::from_millis(500) && l["ok"] == true).count();
+    assert!(late > 5, "it still exchanges ({late} answers since the change)");
+    assert_metric_at_least(&scrape(&node, None), "topoproxy_sockets_terminated_total{protocol=\"udp\",reason=\"topology\"}", 1.0);
 }
 
 #[test]
@@ -433,15 +579,16 @@ fn a_terminating_backend_that_still_serves_keeps_its_connections() {
 }
 
 /// An agent that starts while a backend drains has not seen it leave its
-/// set: it still ends that backend's connections once it stops serving.
+/// set: it still ends that backend's TCP connections once it is gone.
 #[test]
-fn a_backend_draining_across_an_agent_restart_loses_its_connections_when_it_stops_serving() {
+fn a_backend_draining_across_an_agent_restart_loses_its_connections_once_gone() {
     draining_backend(true);
 }
 
 /// Two connections on backend `a`, which then drains (its connections
-/// stay) and stops serving (they are aborted); with `restart`, the agent
-/// restarts while `a` drains.
+/// stay), stops serving (they still stay: TCP) and is removed (they are
+/// aborted: gone after terminating); with `restart`, the agent restarts
+/// while `a` drains.
 fn draining_backend(restart: bool) {
     let net = PodNetwork::new();
     let _ = net.netns.add_loopback_addrs(&["10.244.5.1/32", "10.244.5.2/32"]);
@@ -494,20 +641,26 @@ fn draining_backend(restart: bool) {
         }
     }
 
-    // No longer serving: now they go.
+    // No longer serving: TCP stays (a live process finishing its work).
     node.write_manifest("web.yaml", &web(GONE_FROM_SERVING));
+    std::thread::sleep(Duration::from_millis(1500));
+    for s in &on_a {
+        assert_eq!(s.first_failure_since(t0), None, "{} stays while the endpoint is terminating and not serving", s.name);
+    }
+    // Gone after terminating: now they go.
+    node.write_manifest("web.yaml", &service("web", "10.96.5.10", "TCP", 80, 80, &[("10.244.5.2", READY)], None));
     let t1 = Instant::now();
     for s in &on_a {
         let (at, failure) = eventually(&format!("{} to be aborted", s.name), || s.first_failure_since(t1).ok_or(()));
         let errno = failure["errno"].as_i64();
         assert!(errno == Some(ECONNABORTED) || errno == Some(ECONNRESET), "{}: {failure}", s.name);
-        assert!(at <= within(), "{} failed {at:?} after the endpoint stopped serving", s.name);
+        assert!(at <= within(), "{} failed {at:?} after the endpoint was removed", s.name);
     }
     // The walk logs its summary after the last namespace, so a socket can
     // see its abort before the line is written.
-    eventually("the reason to be logged", || {
+    eventually("the rule to be logged", || {
         let log = node.agent_log();
-        if log.contains("not_serving") || log.contains("endpoint not serving") { Ok(()) } else { Err("no reason in the log yet") }
+        if log.contains("gone_after_terminating") || log.contains("tcp rule") { Ok(()) } else { Err("no rule in the log yet") }
     });
 }
 
@@ -617,10 +770,18 @@ fn the_netlink_fallback_terminates_udp_and_tcp_sockets_too() {
         s.wait_answered(1);
         tcp.push((which_echo(&[("a", &a), ("b", &b)]).expect("backend"), s));
     }
-    write(&both[1..]);
+    // Terminating and no longer serving: the UDP client goes, TCP stays.
+    write(&[("10.244.8.1", GONE_FROM_SERVING), ("10.244.8.2", READY)]);
     let t0 = Instant::now();
     let (at, failure) = eventually("the UDP client to be aborted", || udp.first_failure_since(t0).ok_or(()));
     assert!(udp_aborted(&failure) && at <= within(), "{failure} after {at:?}");
+    std::thread::sleep(Duration::from_secs(1));
+    for (on, s) in &tcp {
+        assert_eq!(s.first_failure_since(t0), None, "{} on {on} stays while its backend is only not serving", s.name);
+    }
+    // Gone after terminating: TCP to it goes too.
+    write(&both[1..]);
+    let t0 = Instant::now();
     for (on, s) in &tcp {
         if on == "a" {
             let (at, failure) = eventually(&format!("{} to be aborted", s.name), || s.first_failure_since(t0).ok_or(()));
@@ -633,8 +794,8 @@ fn the_netlink_fallback_terminates_udp_and_tcp_sockets_too() {
         assert_eq!(s.first_failure_since(t0), None, "{} on {on} is untouched", s.name);
     }
     let m = scrape(&node, None);
-    assert_metric_at_least(&m, "topoproxy_sockets_terminated_total{protocol=\"udp\",reason=\"deleted\"}", 1.0);
-    assert_metric_at_least(&m, "topoproxy_sockets_terminated_total{protocol=\"tcp\",reason=\"deleted\"}", 1.0);
+    assert_metric_at_least(&m, "topoproxy_sockets_terminated_total{protocol=\"udp\",reason=\"not_serving\"}", 1.0);
+    assert_metric_at_least(&m, "topoproxy_sockets_terminated_total{protocol=\"tcp\",reason=\"gone_after_terminating\"}", 1.0);
 }
 
 /// The termination mechanism the agent must pick here: what `cargo xtask

@@ -422,6 +422,20 @@ pub mod counter {
     /// A UDP frontend generation announced a Maglev table that is not
     /// linked in `SOCK_MAGLEV`: the socket took the modulo slot pick.
     pub const MAGLEV_MISS: u32 = 11;
+    // Written by the agent, never by the programs: sockets the agent
+    // terminated because their backend left, by the rule that ended them
+    // (`decide::departures`), so that `dump` shows them beside the
+    // programs' counts. Added to the first CPU's value; the agent's
+    // termination worker is their only writer.
+    /// Connected UDP sockets whose endpoint was gone from its Service.
+    pub const ENDED_UDP_DELETED: u32 = 12;
+    /// Connected UDP sockets whose endpoint stopped serving.
+    pub const ENDED_UDP_NOT_SERVING: u32 = 13;
+    /// Connected UDP sockets whose endpoint this node's topology no longer
+    /// picked.
+    pub const ENDED_UDP_TOPOLOGY: u32 = 14;
+    /// TCP sockets whose endpoint was gone after it was seen terminating.
+    pub const ENDED_TCP_GONE_AFTER_TERMINATING: u32 = 15;
     /// The size of the array. Datapaths pinned by an agent version with 8
     /// counters keep their array (the counters above 7 then count nothing
     /// until `proxy-agent reset`).
@@ -441,10 +455,10 @@ pub mod counter {
         "affinity_stale",
         "affinity_update_failed",
         "maglev_miss",
-        "reserved12",
-        "reserved13",
-        "reserved14",
-        "reserved15",
+        "ended_udp_deleted",
+        "ended_udp_not_serving",
+        "ended_udp_topology",
+        "ended_tcp_gone_after_terminating",
     ];
 }
 

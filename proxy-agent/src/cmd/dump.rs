@@ -95,8 +95,14 @@ fn table(out: &mut impl Write, r: &Report) -> std::io::Result<()> {
     backend_lines(out, "  ", &r.backends)?;
     affinity_lines(out, "", &r.affinity)?;
     writeln!(out)?;
-    let counters: Vec<String> = r.counters.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let counters: Vec<String> = r.counters.iter().filter(|(k, _)| !k.starts_with("ended_")).map(|(k, v)| format!("{k}={v}")).collect();
     writeln!(out, "counters: {}", counters.join(" "))?;
+    // The agent's terminations of sockets whose backend left, by the rule
+    // that ended them (it adds them to COUNTERS for this view).
+    let ended: Vec<String> = r.counters.iter().filter_map(|(k, v)| Some(format!("{}={v}", k.strip_prefix("ended_")?))).collect();
+    if !ended.is_empty() {
+        writeln!(out, "sockets ended by rule: {}", ended.join(" "))?;
+    }
     if let Some(n) = r.socket_port_bits {
         writeln!(out, "port bitmap (SOCK_PORTS): {n} ports")?;
     }

@@ -22,6 +22,7 @@ use proxy_agent::datapath::pin_guard::{self, PinGuard};
 use proxy_agent::datapath::sizing::{self, Needs};
 use proxy_agent::datapath::sock_destroy::{self, Terminator};
 use proxy_agent::datapath::{conntrack_gc, socket_loader};
+use proxy_agent::decide::departures::TcpTermination;
 use proxy_agent::external::node_addresses;
 use proxy_agent::external::nodeport::ExternalDatapath;
 use proxy_agent::model::store::Kind;
@@ -79,8 +80,34 @@ pub(crate) struct RunArgs {
     /// not fit into the maps (like kube-proxy's --sync-period).
     #[arg(long, default_value_t = 30)]
     sync_period_secs: u64,
+    /// Which TCP connections to a backend that left its Service the agent
+    /// ends: `gone` ends them once the endpoint is gone from every
+    /// EndpointSlice after it was seen terminating (its pod is gone, so
+    /// they are dead anyway: ending them turns a hang into a fast error);
+    /// `never` leaves every established TCP connection alone. Not serving,
+    /// topology changes and a Service left without endpoints never end
+    /// TCP. Connected UDP sockets are ended when their endpoint is gone or
+    /// not serving whatever this says, as kube-proxy does.
+    #[arg(long, value_enum, default_value_t = TerminateTcp::Gone)]
+    terminate_tcp: TerminateTcp,
     #[command(flatten)]
     datapath: DatapathArgs,
+}
+
+/// `--terminate-tcp` (`decide::departures::TcpTermination`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum TerminateTcp {
+    Gone,
+    Never,
+}
+
+impl From<TerminateTcp> for TcpTermination {
+    fn from(t: TerminateTcp) -> TcpTermination {
+        match t {
+            TerminateTcp::Gone => TcpTermination::Gone,
+            TerminateTcp::Never => TcpTermination::Never,
+        }
+    }
 }
 
 pub(crate) fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
@@ -348,6 +375,10 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     let detected = sock_destroy::detect(&pin_dir);
     sock_destroy::report(&detected.detection, &metrics);
     let terminator = Terminator::start(pin_dir.clone(), detected, metrics.clone()).context("starting the socket termination worker")?;
+    tracing::info!(
+        terminate_tcp = TcpTermination::from(args.terminate_tcp).label(),
+        "connections to departed backends: UDP ends when its endpoint is gone or not serving; TCP only when gone after terminating (--terminate-tcp=gone) or never"
+    );
 
     // NP_COUNTERS and COUNTERS in /metrics, and the conntrack GC of NP_CT.
     let counters_dir = pin_dir.clone();
@@ -374,6 +405,7 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
         node: args.node,
         min_sync_interval: Duration::from_millis(args.min_sync_period_ms),
         sync_period: Duration::from_secs(args.sync_period_secs.max(1)),
+        terminate_tcp: args.terminate_tcp.into(),
     };
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;

@@ -329,7 +329,9 @@ impl Worker {
     fn flush_conntrack(&self, departures: &[Departure]) {
         let started = Instant::now();
         let mut targets: StdHashMap<FlowEnds, (Protocol, Reason)> = StdHashMap::new();
-        for d in departures.iter().filter(|d| d.reason.flushes_flows(d.frontend.protocol)) {
+        // Every departure is flushed: its protocol's rule already said that
+        // its connections end (`decide::departures`).
+        for d in departures {
             let (f, b) = (backend_value(&Backend { ip: d.frontend.ip, port: d.frontend.port }), backend_value(&d.backend));
             if f.family != b.family {
                 continue;
@@ -396,6 +398,9 @@ impl Worker {
         }
         for ((protocol, why), n) in &per_reason {
             self.metrics.sockets_terminated(label(*protocol), why.label(), *n);
+        }
+        if let Err(e) = record_ended(&self.pin_dir, &per_reason) {
+            tracing::debug!("the terminations are not counted in {}: {e}", pc::COUNTERS_MAP);
         }
         self.metrics.errors_by(reason::SOCKET_TERMINATION, errors.len());
         for e in errors.iter().take(5) {
@@ -492,6 +497,44 @@ fn terminate_key(d: &Departure) -> Option<SockTerminateKey> {
         proto: proto_number(d.frontend.protocol),
         _pad: [0; 2],
     })
+}
+
+/// The `COUNTERS` index that counts sockets of `protocol` ended by
+/// `reason`, for `dump`.
+pub fn ended_counter(protocol: Protocol, reason: Reason) -> u32 {
+    match (protocol, reason) {
+        (Protocol::Tcp, _) => pc::counter::ENDED_TCP_GONE_AFTER_TERMINATING,
+        (Protocol::Udp, Reason::NotServing) => pc::counter::ENDED_UDP_NOT_SERVING,
+        (Protocol::Udp, Reason::Topology) => pc::counter::ENDED_UDP_TOPOLOGY,
+        (Protocol::Udp, Reason::Deleted | Reason::GoneAfterTerminating) => pc::counter::ENDED_UDP_DELETED,
+    }
+}
+
+/// Adds the sockets terminated by each rule to the pinned `COUNTERS`
+/// (the first CPU's value of the `ended_*` entries, which no program
+/// writes), so that `dump` shows which rule ended how many. An array
+/// pinned by a version with 8 counters has no such entries: nothing is
+/// written then.
+fn record_ended(pin_dir: &Path, per_reason: &BTreeMap<(Protocol, Reason), usize>) -> Result<(), String> {
+    use aya::maps::{PerCpuArray, PerCpuValues};
+    if per_reason.values().all(|n| *n == 0) {
+        return Ok(());
+    }
+    let data = MapData::from_pin(pin_dir.join(pc::COUNTERS_MAP)).map_err(|e| e.to_string())?;
+    let mut counters = PerCpuArray::<MapData, u64>::try_from(Map::PerCpuArray(data)).map_err(|e| e.to_string())?;
+    for ((protocol, reason), n) in per_reason {
+        let index = ended_counter(*protocol, *reason);
+        if index >= counters.len() {
+            continue;
+        }
+        let mut values: Vec<u64> = counters.get(&index, 0).map_err(|e| e.to_string())?.iter().copied().collect();
+        if let Some(first) = values.first_mut() {
+            *first = first.wrapping_add(*n as u64);
+        }
+        let values = PerCpuValues::try_from(values).map_err(|e| e.to_string())?;
+        counters.set(index, values, 0).map_err(|e| e.to_string())?;
+    }
+    Ok(())
 }
 
 /// The departures of a batch in one log field: at most ten, then a count.

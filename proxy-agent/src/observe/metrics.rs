@@ -120,7 +120,9 @@ impl Collector for KernelCounters {
         let mut family = encoder.encode_descriptor(self.family, self.help, None, MetricType::Counter)?;
         for (i, value) in sums.iter().enumerate() {
             let Some(name) = self.names.get(i) else { continue };
-            if name.starts_with("reserved") {
+            // `ended_*` are the agent's own terminations, written into the
+            // array for `dump`: `topoproxy_sockets_terminated_total` has them.
+            if name.starts_with("reserved") || name.starts_with("ended_") {
                 continue;
             }
             let labels: Labels = vec![("reason", (*name).to_string())];
@@ -348,7 +350,7 @@ impl Metrics {
         let sockets_terminated = Family::<Labels, Counter>::default();
         registry.register(
             "sockets_terminated",
-            "Sockets the socket load balancer had translated to a backend that left its frontend's set, terminated, by protocol and reason (deleted, not_serving, topology)",
+            "Sockets the socket load balancer had translated to a backend that left its frontend's set, terminated, by protocol and the rule that ended them (reason: udp deleted, not_serving, topology; tcp gone_after_terminating)",
             sockets_terminated.clone(),
         );
         let termination_batches = Counter::default();
@@ -366,7 +368,7 @@ impl Metrics {
         let conntrack_flushed_flows = Family::<Labels, Counter>::default();
         registry.register(
             "conntrack_flushed_flows",
-            "Flows deleted from NP_CT because their backend left the frontend's set, by protocol and reason (deleted, not_serving, topology)",
+            "Flows deleted from NP_CT because their backend left the frontend's set, by protocol and the rule that ended them (reason: udp deleted, not_serving, topology; tcp gone_after_terminating)",
             conntrack_flushed_flows.clone(),
         );
         let conntrack_flushed_entries = Family::<Labels, Counter>::default();

@@ -6,12 +6,13 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::IpAddr;
+use std::time::Instant;
 
 use crate::datapath::map_writer::{ApplyError, MapWriter, WriteError};
 use crate::datapath::maps;
 use crate::decide::cache::DecisionCache;
 use crate::decide::decision::{self, PortDecision};
-use crate::decide::departures::{self, Departure, Draining, EndpointState};
+use crate::decide::departures::{self, Departure, EndpointState, Step, TcpTermination, Watch};
 use crate::decide::plan::{self, FrontendPolicy, Plan, Policies};
 use crate::external::nodeport::ExternalDatapath;
 use crate::model::store::Changes;
@@ -159,15 +160,31 @@ pub struct SyncOutcome {
     /// (`PortDecision::no_local_endpoints`), over every Service.
     pub no_local_internal: usize,
     pub no_local_external: usize,
-    /// Backends that left a socket-datapath frontend's set in a way that
-    /// ends the connections made to them (`decide::departures`): the
-    /// sockets translated to them are to be terminated. Only frontends
-    /// that were written are listed.
+    /// Backends that left a socket-datapath frontend's set and whose
+    /// connections end now by their protocol's rule
+    /// (`decide::departures`): the sockets translated to them are to be
+    /// terminated.
     pub departures: Vec<Departure>,
     /// The same for the TC datapath's frontends: their conntrack flows are
     /// to be flushed.
     pub tc_departures: Vec<Departure>,
+    /// When a pass is owed even if nothing changes: a departed backend's
+    /// endpoint is in no slice and the rules wait for that to settle
+    /// (`departures::GONE_SETTLE`).
+    pub recheck_at: Option<Instant>,
 }
+
+/// A backend that left a frontend's set, watched until its protocol's
+/// rule ends its connections or it is forgotten (`departures::step`).
+#[derive(Clone, Debug)]
+struct Watched {
+    watch: Watch,
+    /// The frontend's Service when the backend left: a pass looks at the
+    /// entry again when that Service changed (or in a full pass).
+    owner: Option<ObjectRef>,
+}
+
+type WatchSet = BTreeMap<(Frontend, Backend), Watched>;
 
 /// The passes of the sync loop. Decisions come from the `DecisionCache`
 /// (the per-Service decision function `decision::decide` uses); only the frontends whose
@@ -200,17 +217,18 @@ pub struct CachedSync {
     /// decision to count them.
     no_local_of: BTreeMap<ObjectRef, (usize, usize)>,
     no_local: (usize, usize),
-    /// Backends that left a frontend while draining (terminating, still
-    /// serving), kept until their connections are to end too
-    /// (`departures::recheck_draining`): of the socket datapath, and of the
+    /// Backends that left a frontend's set and may still lose their
+    /// connections (`departures::step`): of the socket datapath, and of the
     /// TC one.
-    draining: BTreeSet<(Frontend, Backend)>,
-    draining_tc: BTreeSet<(Frontend, Backend)>,
-    /// Whether `draining` and `draining_tc` were seeded with what an
-    /// earlier agent may have been watching (see [`Self::restart_draining`]):
-    /// once, in the first pass that writes each datapath.
+    watched: WatchSet,
+    watched_tc: WatchSet,
+    /// Whether `watched` and `watched_tc` were seeded with what an earlier
+    /// agent may have been watching (see [`Self::restart_watch`]): once, in
+    /// the first pass that writes each datapath.
     seeded: bool,
     seeded_tc: bool,
+    /// `--terminate-tcp`.
+    tcp: TcpTermination,
 }
 
 impl CachedSync {
@@ -226,11 +244,24 @@ impl CachedSync {
             retry: BTreeSet::new(),
             no_local_of: BTreeMap::new(),
             no_local: (0, 0),
-            draining: BTreeSet::new(),
-            draining_tc: BTreeSet::new(),
+            watched: WatchSet::new(),
+            watched_tc: WatchSet::new(),
             seeded: false,
             seeded_tc: false,
+            tcp: TcpTermination::default(),
         }
+    }
+
+    /// Sets what becomes of TCP connections to departed backends
+    /// (`--terminate-tcp`).
+    pub fn with_tcp_termination(mut self, tcp: TcpTermination) -> Self {
+        self.tcp = tcp;
+        self
+    }
+
+    /// Departed backends being watched, of the socket and the TC datapath.
+    pub fn watched(&self) -> (usize, usize) {
+        (self.watched.len(), self.watched_tc.len())
     }
 
     /// Recounts the ports without local endpoints of the Services in `ids`
@@ -296,6 +327,20 @@ impl CachedSync {
         cluster: &Cluster,
         changes: &Changes,
         full: bool,
+    ) -> SyncOutcome {
+        self.pass_at(writer, external, cluster, changes, full, Instant::now())
+    }
+
+    /// [`Self::pass`] at the moment `now` (the clock the departure rules
+    /// read).
+    pub fn pass_at(
+        &mut self,
+        writer: &mut impl SocketMaps,
+        external: Option<&mut ExternalDatapath>,
+        cluster: &Cluster,
+        changes: &Changes,
+        full: bool,
+        now: Instant,
     ) -> SyncOutcome {
         let update = self.cache.update(cluster, changes);
         let mut touched = update.frontends;
@@ -369,20 +414,26 @@ impl CachedSync {
         self.retry = failures.iter().map(|f| f.frontend).collect();
         left.retain(|(fe, _)| !self.retry.contains(fe));
         let node_addrs: Vec<IpAddr> = external.as_deref().map(|e| e.node_addrs.clone()).unwrap_or_default();
-        let mut draining = std::mem::take(&mut self.draining);
+        // Which watched backends a pass looks at again: all in a full pass,
+        // else those whose Service changed (their endpoint's state) or
+        // whose frontend was written (their set).
+        let everything = full || changes.all;
+        let written: BTreeSet<Frontend> = plan.upserts.iter().map(|(fe, _)| *fe).chain(plan.deletes.iter().copied()).collect();
+        let scope = Scope { everything, services: &update.services, frontends: &written, now };
+        let mut watched = std::mem::take(&mut self.watched);
         if !std::mem::replace(&mut self.seeded, true) {
-            draining.extend(self.restart_draining(cluster, &node_addrs, |fe| writer.backends_of(fe).map(<[Backend]>::to_vec)));
+            self.restart_watch(&mut watched, cluster, &node_addrs, |fe| writer.backends_of(fe).map(<[Backend]>::to_vec));
         }
-        let departures =
-            self.departures_of(cluster, &node_addrs, left, &mut draining, |fe| writer.backends_of(fe).map(<[Backend]>::to_vec));
-        self.draining = draining;
+        let (departures, mut recheck_at) =
+            self.departures_of(cluster, &node_addrs, left, &mut watched, &scope, |fe| writer.backends_of(fe).map(<[Backend]>::to_vec));
+        self.watched = watched;
         let mut tc_departures = Vec::new();
 
         let recheck: Vec<ObjectRef> = if full {
             self.cache.service_ids().chain(self.programmed.iter()).cloned().collect()
         } else {
             let owners = retried.iter().filter_map(|fe| self.cache.owner(fe).cloned());
-            update.services.into_iter().chain(owners).collect()
+            update.services.iter().cloned().chain(owners).collect()
         };
         for id in recheck {
             if self.cache.owned_frontends(&id).any(|fe| writer.backends_of(fe).is_some()) {
@@ -396,13 +447,19 @@ impl CachedSync {
         let mut external_problems = Vec::new();
         if let (Some(e), Some(ext)) = (external, ext.as_ref()) {
             let (np, problems) = e.apply(ext);
-            let mut draining = std::mem::take(&mut self.draining_tc);
+            let mut watched = std::mem::take(&mut self.watched_tc);
+            let tc_set = |fe: &Frontend| ext.tc.get(fe).map(|s| s.iter().copied().collect());
             if !std::mem::replace(&mut self.seeded_tc, true) {
-                draining.extend(self.restart_draining(cluster, &node_addrs, |fe| ext.tc.get(fe).map(|s| s.iter().copied().collect())));
+                self.restart_watch(&mut watched, cluster, &node_addrs, tc_set);
             }
-            tc_departures =
-                self.departures_of(cluster, &node_addrs, np.left, &mut draining, |fe| ext.tc.get(fe).map(|s| s.iter().copied().collect()));
-            self.draining_tc = draining;
+            // The TC sets are written whole each pass: every frontend that
+            // lost a backend counts as written.
+            let tc_written: BTreeSet<Frontend> = written.iter().copied().chain(np.left.iter().map(|(fe, _)| *fe)).collect();
+            let tc_scope = Scope { frontends: &tc_written, ..scope };
+            let (out, at) = self.departures_of(cluster, &node_addrs, np.left, &mut watched, &tc_scope, tc_set);
+            tc_departures = out;
+            recheck_at = earliest(recheck_at, at);
+            self.watched_tc = watched;
             failures.extend(np.failures);
             upserts += np.upserts;
             deletes += np.deletes;
@@ -428,6 +485,7 @@ impl CachedSync {
             no_local_external: self.no_local.1,
             departures,
             tc_departures,
+            recheck_at,
         }
     }
 
@@ -447,116 +505,119 @@ impl CachedSync {
         self.external_services.iter().find(|id| self.cache.decisions_of(id).iter().any(claims)).cloned()
     }
 
-    /// One datapath's departures in this pass: the backends in `left` that
-    /// left the frontends written (see [`Self::classify_departures`]), and
-    /// the draining ones of `draining` whose connections end now (see
-    /// [`Self::recheck_draining`]); `draining` then holds the ones still
-    /// draining, those that started in this pass included. `current` gives
-    /// a frontend's set as written.
+    /// One datapath's departures in this pass (`departures::step` for each
+    /// watched backend in `scope`, after the backends in `left`, which left
+    /// the frontends written, joined them), and when a pass is owed next.
+    /// `current` gives a frontend's set as written.
     fn departures_of(
         &self,
         cluster: &Cluster,
         node_addrs: &[IpAddr],
         left: Vec<(Frontend, Vec<Backend>)>,
-        draining: &mut BTreeSet<(Frontend, Backend)>,
+        watched: &mut WatchSet,
+        scope: &Scope,
         current: impl Fn(&Frontend) -> Option<Vec<Backend>>,
-    ) -> Vec<Departure> {
-        let (mut out, started) = self.classify_departures(cluster, node_addrs, left);
-        out.extend(self.recheck_draining(cluster, node_addrs, draining, current));
-        draining.extend(started);
-        out
-    }
-
-    /// [`departures::classify`] for backends that left the frontends
-    /// written in this pass, against the endpoints of each frontend's
-    /// Service as the model has them now; and the ones that left while
-    /// draining, to be checked again in later passes.
-    fn classify_departures(
-        &self,
-        cluster: &Cluster,
-        node_addrs: &[IpAddr],
-        left: Vec<(Frontend, Vec<Backend>)>,
-    ) -> (Vec<Departure>, Vec<(Frontend, Backend)>) {
-        let mut out = Vec::new();
-        let mut draining = Vec::new();
+    ) -> (Vec<Departure>, Option<Instant>) {
         for (fe, backends) in left {
-            let service = self.owner_of(&fe, node_addrs);
-            out.extend(departures::classify(fe, &backends, |fe, b| {
-                let state = match &service {
-                    Some(s) => departures::endpoint_state(self.cache.slices_of(cluster, s), b, fe.protocol),
-                    None => EndpointState::Unknown,
-                };
-                if state == EndpointState::TerminatingServing {
-                    draining.push((*fe, *b));
-                }
-                (service.clone(), state)
-            }));
-        }
-        (out, draining)
-    }
-
-    /// What an earlier agent may have been watching as draining when this
-    /// one started: each draining endpoint of a decided Service port
-    /// outside the set written for one of the port's frontends
-    /// (`departures::draining_endpoints`). The sets written no longer hold
-    /// a backend that left while draining, and nothing else remembers it
-    /// across a restart; without this, its clients would stay on it after
-    /// it stops serving. `current` gives a frontend's set as written.
-    fn restart_draining(
-        &self,
-        cluster: &Cluster,
-        node_addrs: &[IpAddr],
-        current: impl Fn(&Frontend) -> Option<Vec<Backend>>,
-    ) -> Vec<(Frontend, Backend)> {
-        let ids: BTreeSet<&ObjectRef> = self.cache.service_ids().chain(self.external_services.iter()).collect();
-        let mut out = Vec::new();
-        for id in ids {
-            let decisions = self.cache.decisions_of(id);
-            let slices: Vec<&EndpointSlice> = self.cache.slices_of(cluster, id).collect();
-            if slices.iter().all(|s| !s.endpoints.iter().any(|e| e.terminating && e.serving)) {
-                continue;
-            }
-            for d in decisions {
-                let owned = d.frontends.iter().filter(|fe| self.cache.owner(fe) == Some(id)).copied();
-                for fe in owned.chain(d.external_frontends(node_addrs)) {
-                    let draining = departures::draining_endpoints(&slices, &d.port, &fe);
-                    if draining.is_empty() {
-                        continue;
-                    }
-                    let Some(set) = current(&fe).filter(|s| !s.is_empty()) else { continue };
-                    out.extend(draining.into_iter().filter(|b| !set.contains(b)).map(|b| (fe, b)));
-                }
+            let owner = self.owner_of(&fe, node_addrs);
+            for b in backends {
+                // Left just now: what an earlier stay outside the set saw
+                // no longer counts.
+                watched.insert((fe, b), Watched { watch: Watch::default(), owner: owner.clone() });
             }
         }
-        out
-    }
-
-    /// The draining backends in `draining` whose connections end now
-    /// (`departures::recheck_draining`), which leave the set with those
-    /// forgotten; `current` gives a frontend's set as written.
-    fn recheck_draining(
-        &self,
-        cluster: &Cluster,
-        node_addrs: &[IpAddr],
-        draining: &mut BTreeSet<(Frontend, Backend)>,
-        current: impl Fn(&Frontend) -> Option<Vec<Backend>>,
-    ) -> Vec<Departure> {
         let mut out = Vec::new();
-        draining.retain(|(fe, b)| {
+        let mut recheck_at = None;
+        let mut sets: BTreeMap<Frontend, Option<Vec<Backend>>> = BTreeMap::new();
+        watched.retain(|(fe, b), w| {
+            let looked_at = scope.everything
+                || w.watch.gone_since.is_some()
+                || scope.frontends.contains(fe)
+                || w.owner.as_ref().is_none_or(|o| scope.services.contains(o));
+            if !looked_at {
+                return true;
+            }
             let service = self.owner_of(fe, node_addrs);
             let state = service
                 .as_ref()
                 .map_or(EndpointState::Unknown, |s| departures::endpoint_state(self.cache.slices_of(cluster, s), b, fe.protocol));
-            match departures::recheck_draining(b, state, current(fe).as_deref()) {
-                Draining::Wait => true,
-                Draining::Forget => false,
-                Draining::End(reason) => {
+            let set = sets.entry(*fe).or_insert_with(|| current(fe));
+            match departures::step(fe.protocol, self.tcp, b, w.watch, state, set.as_deref(), scope.now) {
+                Step::Watch { watch, recheck_at: at } => {
+                    w.watch = watch;
+                    if service.is_some() {
+                        w.owner = service;
+                    }
+                    recheck_at = earliest(recheck_at, at);
+                    true
+                }
+                Step::Forget => false,
+                Step::End(reason) => {
                     out.push(Departure { frontend: *fe, backend: *b, service, reason });
                     false
                 }
             }
         });
-        out
+        (out, recheck_at)
+    }
+
+    /// What an earlier agent may have been watching when this one started
+    /// (`departures::restart_watch`: draining endpoints, and for TCP every
+    /// terminating one) outside the set written for one of a decided
+    /// Service port's frontends, into `watched` as seen terminating. The
+    /// sets written no longer hold a backend that left, and nothing else
+    /// remembers it across a restart; without this, its clients would stay
+    /// on it after it stops serving (UDP) or is gone (TCP). `current` gives
+    /// a frontend's set as written.
+    fn restart_watch(
+        &self,
+        watched: &mut WatchSet,
+        cluster: &Cluster,
+        node_addrs: &[IpAddr],
+        current: impl Fn(&Frontend) -> Option<Vec<Backend>>,
+    ) {
+        let ids: BTreeSet<&ObjectRef> = self.cache.service_ids().chain(self.external_services.iter()).collect();
+        for id in ids {
+            let decisions = self.cache.decisions_of(id);
+            let slices: Vec<&EndpointSlice> = self.cache.slices_of(cluster, id).collect();
+            if slices.iter().all(|s| !s.endpoints.iter().any(|e| e.terminating)) {
+                continue;
+            }
+            for d in decisions {
+                let owned = d.frontends.iter().filter(|fe| self.cache.owner(fe) == Some(id)).copied();
+                for fe in owned.chain(d.external_frontends(node_addrs)) {
+                    let terminating = departures::restart_watch(&slices, &d.port, &fe);
+                    if terminating.is_empty() {
+                        continue;
+                    }
+                    let Some(set) = current(&fe).filter(|s| !s.is_empty()) else { continue };
+                    for b in terminating.into_iter().filter(|b| !set.contains(b)) {
+                        let watch = Watch { seen_terminating: true, gone_since: None };
+                        watched.entry((fe, b)).or_insert(Watched { watch, owner: Some(id.clone()) });
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Which watched backends a pass steps ([`CachedSync::departures_of`]),
+/// and its clock.
+#[derive(Clone, Copy)]
+struct Scope<'a> {
+    /// A full pass (or one that decided every Service): all of them.
+    everything: bool,
+    /// The Services decided again in this pass.
+    services: &'a BTreeSet<ObjectRef>,
+    /// The frontends written in this pass.
+    frontends: &'a BTreeSet<Frontend>,
+    now: Instant,
+}
+
+fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 
@@ -612,18 +673,28 @@ mod policy_tests {
 #[cfg(test)]
 mod departure_tests {
     use super::*;
-    use crate::decide::departures::Reason;
+    use crate::decide::departures::{GONE_SETTLE, Reason};
     use crate::model::Protocol;
+    use std::time::Duration;
 
-    /// A UDP Service on node `a` with the given endpoints, each
-    /// `(address, conditions, node)`; `annotations` for topology.
-    fn cluster(endpoints: &[(&str, &str, &str)], annotations: &str) -> Cluster {
-        let eps: Vec<String> =
-            endpoints.iter().map(|(ip, cond, node)| format!("{{addresses: [{ip}], nodeName: {node}, conditions: {{{cond}}}}}")).collect();
-        let yaml = format!(
-            "kind: Node\nmetadata: {{name: a, labels: {{topology.kubernetes.io/zone: z1}}}}\n---\nkind: Node\nmetadata: {{name: b, labels: {{topology.kubernetes.io/zone: z2}}}}\n---\napiVersion: v1\nkind: Service\nmetadata: {{name: dns, annotations: {{{annotations}}}}}\nspec: {{clusterIP: 10.96.0.10, ports: [{{port: 53, protocol: UDP}}]}}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: dns-1, labels: {{kubernetes.io/service-name: dns}}}}\naddressType: IPv4\nports: [{{port: 53, protocol: UDP}}]\nendpoints: [{}]\n",
-            eps.join(", ")
+    /// A Service of `protocol` on node `a` with the given endpoints, each
+    /// `(address, conditions, node, slice)`; `annotations` for topology.
+    fn cluster(protocol: Protocol, endpoints: &[(&str, &str, &str, &str)], annotations: &str) -> Cluster {
+        let proto = if protocol == Protocol::Tcp { "TCP" } else { "UDP" };
+        let mut slices: BTreeMap<&str, Vec<String>> = BTreeMap::new();
+        slices.entry("dns-1").or_default();
+        for (ip, cond, node, slice) in endpoints {
+            slices.entry(slice).or_default().push(format!("{{addresses: [{ip}], nodeName: {node}, conditions: {{{cond}}}}}"));
+        }
+        let mut yaml = format!(
+            "kind: Node\nmetadata: {{name: a, labels: {{topology.kubernetes.io/zone: z1}}}}\n---\nkind: Node\nmetadata: {{name: b, labels: {{topology.kubernetes.io/zone: z2}}}}\n---\napiVersion: v1\nkind: Service\nmetadata: {{name: dns, annotations: {{{annotations}}}}}\nspec: {{clusterIP: 10.96.0.10, ports: [{{port: 53, protocol: {proto}}}]}}\n"
         );
+        for (name, eps) in slices {
+            yaml.push_str(&format!(
+                "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}, labels: {{kubernetes.io/service-name: dns}}}}\naddressType: IPv4\nports: [{{port: 53, protocol: {proto}}}]\nendpoints: [{}]\n",
+                eps.join(", ")
+            ));
+        }
         let (c, e) = crate::source::manifest_watch::cluster_from_text(&yaml);
         assert!(e.is_empty(), "{e:?}");
         c
@@ -636,82 +707,172 @@ mod departure_tests {
     /// The step that starts a new agent over the same maps.
     const RESTART: &str = "the agent restarts while it drains";
 
-    /// Each step's sets and the departures the pass reports, in order:
-    /// one pass over the in-memory maps per step.
+    /// Runs a step as the sync loop does: a pass at `now`, then the pass
+    /// the outcome asks for (`recheck_at`) if any, with no change.
+    fn run_step(pass: &mut CachedSync, maps: &mut MemoryMaps, cluster: &Cluster, now: Instant) -> Vec<Departure> {
+        let all = Changes { all: true, ..Changes::default() };
+        let outcome = pass.pass_at(maps, None, cluster, &all, false, now);
+        assert!(outcome.tc_departures.is_empty(), "no TC datapath here");
+        let mut out = outcome.departures;
+        if let Some(at) = outcome.recheck_at {
+            assert!(at > now && at <= now + GONE_SETTLE, "a recheck within the settle time");
+            let again = pass.pass_at(maps, None, cluster, &Changes::default(), false, at);
+            assert_eq!(again.recheck_at, None, "settled");
+            out.extend(again.departures);
+        }
+        out
+    }
+
+    /// Each step's endpoints and the departures the passes report, for a
+    /// UDP and for a TCP Service: UDP ends on gone, not serving and
+    /// topology; TCP only once gone after terminating.
     #[test]
-    fn a_pass_reports_the_backends_whose_connections_end() {
+    fn a_pass_reports_the_backends_whose_connections_end_by_protocol() {
+        use Reason::{Deleted, GoneAfterTerminating as Gone, NotServing, Topology};
         let zone_first = "topoproxy.io/topology-keys: \"topology.kubernetes.io/zone, *\"";
-        // (step, endpoints, annotations, departures as (backend, reason))
-        type Step<'a> = (&'a str, Vec<(&'a str, &'a str, &'a str)>, &'a str, Vec<(&'a str, Reason)>);
+        // (step, endpoints (address, conditions, node), annotations, UDP departures, TCP departures)
+        type Step<'a> = (&'a str, Vec<(&'a str, &'a str, &'a str)>, &'a str, Vec<(&'a str, Reason)>, Vec<(&'a str, Reason)>);
         let steps: Vec<Step> = vec![
-            ("first sync", vec![("10.244.0.1", READY, "a"), ("10.244.0.2", READY, "b"), ("10.244.0.3", READY, "b")], "", vec![]),
-            ("one deleted", vec![("10.244.0.1", READY, "a"), ("10.244.0.3", READY, "b")], "", vec![("10.244.0.2", Reason::Deleted)]),
-            ("one draining keeps its sockets", vec![("10.244.0.1", READY, "a"), ("10.244.0.3", DRAINING, "b")], "", vec![]),
-            ("still draining", vec![("10.244.0.1", READY, "a"), ("10.244.0.3", DRAINING, "b")], "", vec![]),
+            ("first sync", vec![("10.244.0.1", READY, "a"), ("10.244.0.2", READY, "b"), ("10.244.0.3", READY, "b")], "", vec![], vec![]),
             (
-                "the drained one stops serving: now its sockets go",
+                "one deleted, never seen terminating",
+                vec![("10.244.0.1", READY, "a"), ("10.244.0.3", READY, "b")],
+                "",
+                vec![("10.244.0.2", Deleted)],
+                vec![],
+            ),
+            ("one draining keeps its connections", vec![("10.244.0.1", READY, "a"), ("10.244.0.3", DRAINING, "b")], "", vec![], vec![]),
+            ("still draining", vec![("10.244.0.1", READY, "a"), ("10.244.0.3", DRAINING, "b")], "", vec![], vec![]),
+            (
+                "the drained one stops serving: UDP goes",
                 vec![("10.244.0.1", READY, "a"), ("10.244.0.3", GONE_FROM_SERVING, "b")],
                 "",
-                vec![("10.244.0.3", Reason::NotServing)],
+                vec![("10.244.0.3", NotServing)],
+                vec![],
             ),
-            ("then it goes away: already done", vec![("10.244.0.1", READY, "a")], "", vec![]),
-            ("a new one", vec![("10.244.0.1", READY, "a"), ("10.244.0.6", READY, "b")], "", vec![]),
-            ("it drains", vec![("10.244.0.1", READY, "a"), ("10.244.0.6", DRAINING, "b")], "", vec![]),
-            ("and is deleted while draining", vec![("10.244.0.1", READY, "a")], "", vec![("10.244.0.6", Reason::Deleted)]),
-            ("a new one", vec![("10.244.0.1", READY, "a"), ("10.244.0.4", READY, "b")], "", vec![]),
+            ("then it goes away: TCP goes", vec![("10.244.0.1", READY, "a")], "", vec![], vec![("10.244.0.3", Gone)]),
+            ("a new one", vec![("10.244.0.1", READY, "a"), ("10.244.0.6", READY, "b")], "", vec![], vec![]),
+            ("it drains", vec![("10.244.0.1", READY, "a"), ("10.244.0.6", DRAINING, "b")], "", vec![], vec![]),
             (
-                "one fails readiness",
+                "and is deleted while draining",
+                vec![("10.244.0.1", READY, "a")],
+                "",
+                vec![("10.244.0.6", Deleted)],
+                vec![("10.244.0.6", Gone)],
+            ),
+            ("a new one", vec![("10.244.0.1", READY, "a"), ("10.244.0.4", READY, "b")], "", vec![], vec![]),
+            (
+                "one fails readiness: TCP stays",
                 vec![("10.244.0.1", READY, "a"), ("10.244.0.4", NOT_READY, "b")],
                 "",
-                vec![("10.244.0.4", Reason::NotServing)],
+                vec![("10.244.0.4", NotServing)],
+                vec![],
             ),
-            ("back", vec![("10.244.0.1", READY, "a"), ("10.244.0.4", READY, "b")], "", vec![]),
+            ("back", vec![("10.244.0.1", READY, "a"), ("10.244.0.4", READY, "b")], "", vec![], vec![]),
             (
-                "topology: this zone first, the other zone's endpoint leaves",
+                "topology: this zone first, the other zone's endpoint leaves; TCP stays",
                 vec![("10.244.0.1", READY, "a"), ("10.244.0.4", READY, "b")],
                 zone_first,
-                vec![("10.244.0.4", Reason::Topology)],
+                vec![("10.244.0.4", Topology)],
+                vec![],
             ),
-            ("topology off again", vec![("10.244.0.1", READY, "a"), ("10.244.0.4", READY, "b")], "", vec![]),
-            ("the last serving endpoint goes: nothing to reconnect to", vec![("10.244.0.4", NOT_READY, "b")], "", vec![]),
-            ("served again", vec![("10.244.0.5", READY, "b")], "", vec![]),
+            ("topology off again", vec![("10.244.0.1", READY, "a"), ("10.244.0.4", READY, "b")], "", vec![], vec![]),
+            ("the last serving endpoint goes: nothing to reconnect to", vec![("10.244.0.4", NOT_READY, "b")], "", vec![], vec![]),
+            ("served again", vec![("10.244.0.5", READY, "b")], "", vec![], vec![]),
             (
                 "two new ones replace it",
                 vec![("10.244.0.1", READY, "a"), ("10.244.0.7", READY, "b")],
                 "",
-                vec![("10.244.0.5", Reason::Deleted)],
+                vec![("10.244.0.5", Deleted)],
+                vec![],
             ),
-            ("it drains", vec![("10.244.0.1", READY, "a"), ("10.244.0.7", DRAINING, "b")], "", vec![]),
-            (RESTART, vec![("10.244.0.1", READY, "a"), ("10.244.0.7", DRAINING, "b")], "", vec![]),
+            ("it drains", vec![("10.244.0.1", READY, "a"), ("10.244.0.7", DRAINING, "b")], "", vec![], vec![]),
+            (RESTART, vec![("10.244.0.1", READY, "a"), ("10.244.0.7", DRAINING, "b")], "", vec![], vec![]),
             (
-                "it stops serving: the new agent ends its sockets",
+                "it stops serving: the new agent ends its UDP sockets",
                 vec![("10.244.0.1", READY, "a"), ("10.244.0.7", GONE_FROM_SERVING, "b")],
                 "",
-                vec![("10.244.0.7", Reason::NotServing)],
+                vec![("10.244.0.7", NotServing)],
+                vec![],
             ),
-            ("and another", vec![("10.244.0.1", READY, "a"), ("10.244.0.8", READY, "b")], "", vec![]),
-            ("it drains", vec![("10.244.0.1", READY, "a"), ("10.244.0.8", DRAINING, "b")], "", vec![]),
-            (RESTART, vec![("10.244.0.1", READY, "a"), ("10.244.0.8", DRAINING, "b")], "", vec![]),
-            ("it is deleted: the new agent ends its sockets", vec![("10.244.0.1", READY, "a")], "", vec![("10.244.0.8", Reason::Deleted)]),
+            (
+                "it goes, another comes: the new agent ends its TCP",
+                vec![("10.244.0.1", READY, "a"), ("10.244.0.8", READY, "b")],
+                "",
+                vec![],
+                vec![("10.244.0.7", Gone)],
+            ),
+            ("it drains", vec![("10.244.0.1", READY, "a"), ("10.244.0.8", DRAINING, "b")], "", vec![], vec![]),
+            (RESTART, vec![("10.244.0.1", READY, "a"), ("10.244.0.8", DRAINING, "b")], "", vec![], vec![]),
+            (
+                "it is deleted: the new agent ends both",
+                vec![("10.244.0.1", READY, "a")],
+                "",
+                vec![("10.244.0.8", Deleted)],
+                vec![("10.244.0.8", Gone)],
+            ),
         ];
-        let fe = Frontend { ip: "10.96.0.10".parse().unwrap(), port: 53, protocol: Protocol::Udp };
-        let mut pass = CachedSync::new("a");
-        let mut maps = MemoryMaps::default();
-        let all = Changes { all: true, ..Changes::default() };
-        for (name, endpoints, annotations, want) in steps {
-            if name == RESTART {
-                // What it remembered is gone; the pinned maps stay.
-                pass = CachedSync::new("a");
+        for (protocol, tcp) in
+            [(Protocol::Udp, TcpTermination::Gone), (Protocol::Tcp, TcpTermination::Gone), (Protocol::Tcp, TcpTermination::Never)]
+        {
+            let fe = Frontend { ip: "10.96.0.10".parse().unwrap(), port: 53, protocol };
+            let mut pass = CachedSync::new("a").with_tcp_termination(tcp);
+            let mut maps = MemoryMaps::default();
+            let mut now = Instant::now();
+            for (name, endpoints, annotations, udp_want, tcp_want) in &steps {
+                if *name == RESTART {
+                    // What it remembered is gone; the pinned maps stay.
+                    pass = CachedSync::new("a").with_tcp_termination(tcp);
+                }
+                let endpoints: Vec<(&str, &str, &str, &str)> = endpoints.iter().map(|(ip, c, n)| (*ip, *c, *n, "dns-1")).collect();
+                now += Duration::from_secs(1);
+                let got = run_step(&mut pass, &mut maps, &cluster(protocol, &endpoints, annotations), now);
+                let got: Vec<(String, Reason)> = got.iter().map(|d| (d.backend.ip.to_string(), d.reason)).collect();
+                let want = match (protocol, tcp) {
+                    (Protocol::Udp, _) => udp_want.clone(),
+                    (Protocol::Tcp, TcpTermination::Gone) => tcp_want.clone(),
+                    (Protocol::Tcp, TcpTermination::Never) => vec![],
+                };
+                let want: Vec<(String, Reason)> = want.into_iter().map(|(ip, r)| (ip.to_string(), r)).collect();
+                assert_eq!(got, want, "{protocol} --terminate-tcp={}: {name}", tcp.label());
+                assert!(maps.backends_of(&fe).is_some(), "{name}");
             }
-            let outcome = pass.pass(&mut maps, None, &cluster(&endpoints, annotations), &all, false);
-            let got: Vec<(String, Reason)> = outcome.departures.iter().map(|d| (d.backend.ip.to_string(), d.reason)).collect();
-            let want: Vec<(String, Reason)> = want.into_iter().map(|(ip, r)| (ip.to_string(), r)).collect();
-            assert_eq!(got, want, "{name}");
-            for d in &outcome.departures {
-                assert_eq!((d.frontend, d.backend.port), (fe, 53), "{name}");
-                assert_eq!(d.service, Some(ObjectRef::new("default", "dns")), "{name}");
+        }
+    }
+
+    /// The EndpointSlice controller moves an endpoint between slices as two
+    /// updates, in either order: nothing ends, for either protocol, even
+    /// when the loss arrives first and a pass runs between the two.
+    #[test]
+    fn an_endpoint_moving_between_slices_ends_nothing() {
+        let a = ("10.244.0.1", READY, "a", "dns-1");
+        let moving = |slice| ("10.244.0.2", READY, "b", slice);
+        // (name, steps of endpoints, each a pass 100 ms after the last)
+        type Endpoints<'a> = Vec<(&'a str, &'a str, &'a str, &'a str)>;
+        let orders: [(&str, Vec<Endpoints>); 2] = [
+            ("loss first", vec![vec![a, moving("dns-1")], vec![a], vec![a, moving("dns-2")]]),
+            ("gain first", vec![vec![a, moving("dns-1")], vec![a, moving("dns-1"), moving("dns-2")], vec![a, moving("dns-2")]]),
+        ];
+        for protocol in [Protocol::Udp, Protocol::Tcp] {
+            for (name, steps) in &orders {
+                let mut pass = CachedSync::new("a");
+                let mut maps = MemoryMaps::default();
+                let all = Changes { all: true, ..Changes::default() };
+                let t0 = Instant::now();
+                let mut recheck = None;
+                for (i, eps) in steps.iter().enumerate() {
+                    let at = t0 + Duration::from_millis(100) * u32::try_from(i).unwrap();
+                    let outcome = pass.pass_at(&mut maps, None, &cluster(protocol, eps, ""), &all, false, at);
+                    assert!(outcome.departures.is_empty(), "{protocol} {name}, pass {i}: {:?}", outcome.departures);
+                    recheck = recheck.or(outcome.recheck_at);
+                }
+                // The pass the loss asked for, after the gain: nothing.
+                if let Some(at) = recheck {
+                    let outcome = pass.pass_at(&mut maps, None, &cluster(protocol, &steps[2], ""), &Changes::default(), false, at);
+                    assert!(outcome.departures.is_empty(), "{protocol} {name}, recheck: {:?}", outcome.departures);
+                }
+                assert_eq!(pass.watched(), (0, 0), "{protocol} {name}: nothing left to watch");
             }
-            assert!(outcome.tc_departures.is_empty(), "{name}: no TC datapath here");
         }
     }
 }

@@ -33,6 +33,7 @@ use tokio::sync::mpsc::error::TryRecvError;
 
 use crate::datapath::map_writer::WriteError;
 use crate::datapath::sock_destroy::{Batch, Terminator};
+use crate::decide::departures::TcpTermination;
 use crate::external::nodeport::ExternalDatapath;
 use crate::model::store::{Changes, Kind, Model, ObjectProblem};
 use crate::observe::health_server::Health;
@@ -51,6 +52,9 @@ pub struct SyncConfig {
     /// frontends that failed (e.g. a full map) and refreshes the metrics
     /// (kube-proxy's --sync-period).
     pub sync_period: Duration,
+    /// What becomes of TCP connections to departed backends
+    /// (`--terminate-tcp`, `decide::departures`).
+    pub terminate_tcp: TcpTermination,
 }
 
 pub struct SyncLoop<W: SocketMaps> {
@@ -76,6 +80,9 @@ pub struct SyncLoop<W: SocketMaps> {
     pending: Vec<(Kind, SystemTime)>,
     dirty: bool,
     last_sync: Option<Instant>,
+    /// A pass owed at this moment even if nothing changes: the departure
+    /// rules wait for a backend's absence from every slice to settle.
+    recheck_at: Option<Instant>,
     /// Problems already logged, so a bad object is logged (and counted)
     /// when it appears, not on every sync.
     logged: BTreeSet<String>,
@@ -96,7 +103,7 @@ impl<W: SocketMaps> SyncLoop<W> {
         events: Option<EventReporter>,
     ) -> Self {
         health.waiting_for("Services, EndpointSlices and Nodes to be listed");
-        let cached = CachedSync::new(&config.node);
+        let cached = CachedSync::new(&config.node).with_tcp_termination(config.terminate_tcp);
         SyncLoop {
             config,
             writer,
@@ -113,6 +120,7 @@ impl<W: SocketMaps> SyncLoop<W> {
             pending: Vec::new(),
             dirty: false,
             last_sync: None,
+            recheck_at: None,
             logged: BTreeSet::new(),
             failing: BTreeMap::new(),
             node_seen: false,
@@ -147,6 +155,12 @@ impl<W: SocketMaps> SyncLoop<W> {
                     None => return,
                 },
                 () = sleep_until(due), if due.is_some() => {
+                    // A departure recheck that is due is a pass of changes
+                    // (none, or what queued meanwhile), not a full one.
+                    if self.recheck_at.is_some_and(|at| at <= Instant::now()) {
+                        self.recheck_at = None;
+                        self.dirty = true;
+                    }
                     // Take everything that queued up meanwhile into this
                     // sync: that is the coalescing.
                     loop {
@@ -175,7 +189,10 @@ impl<W: SocketMaps> SyncLoop<W> {
         Some(match self.last_sync {
             None => Instant::now(),
             Some(last) if self.dirty => last + self.config.min_sync_interval,
-            Some(last) => last + self.config.sync_period,
+            Some(last) => {
+                let periodic = last + self.config.sync_period;
+                self.recheck_at.map_or(periodic, |at| at.min(periodic))
+            }
         })
     }
 
@@ -416,6 +433,7 @@ impl<W: SocketMaps> SyncLoop<W> {
         self.health.synced();
         self.dirty = false;
         self.last_sync = Some(Instant::now());
+        self.recheck_at = outcome.recheck_at;
         let changed = outcome.upserts + outcome.deletes > 0;
         if first || changed || !outcome.failures.is_empty() {
             tracing::info!(
@@ -470,7 +488,12 @@ mod tests {
 
     impl Harness {
         fn new(node: &str, capacity: Option<u32>) -> Harness {
-            let config = SyncConfig { node: node.into(), min_sync_interval: Duration::ZERO, sync_period: Duration::from_secs(30) };
+            let config = SyncConfig {
+                node: node.into(),
+                min_sync_interval: Duration::ZERO,
+                sync_period: Duration::from_secs(30),
+                terminate_tcp: TcpTermination::Gone,
+            };
             let maps = MemoryMaps { capacity, ..MemoryMaps::default() };
             let health = Arc::new(Health::new(Duration::from_mins(1)));
             Harness { sync: SyncLoop::new(config, maps, Stores::default(), Arc::new(Metrics::new()), health, None), known: Known::new() }
