@@ -322,15 +322,18 @@ fn the_gc_deletes_idle_and_stale_flows_whole_and_keeps_the_rest() {
     let busy_be = ([10, 244, 2, 2], 5353);
     let gone_be = ([10, 244, 1, 1], 8080);
     let kept_be = ([10, 244, 1, 4], 8080);
+    let moved_be = ([10, 244, 1, 6], 8080);
     let (idle_fe, busy_fe, gone_fe, kept_fe) =
-        (fe(NODE, 30053, Protocol::Udp), fe(NODE, 30054, Protocol::Udp), fe(NODE, 30080, Protocol::Tcp), fe(NODE, 30081, Protocol::Tcp));
-    let local = [gone_be.0, kept_be.0, [10, 244, 1, 5], [10, 244, 1, 9]];
+        (fe(NODE, 30053, Protocol::Udp), fe(NODE, 30054, Protocol::Udp), fe(NODE, 30080, Protocol::Udp), fe(NODE, 30081, Protocol::Tcp));
+    let moved_fe = fe(NODE, 30082, Protocol::Tcp);
+    let local = [gone_be.0, kept_be.0, moved_be.0, [10, 244, 1, 5], [10, 244, 1, 9]];
     let mut l = Loaded::new(
         &[
             (idle_fe, vec![be(idle_be.0, idle_be.1)]),
             (busy_fe, vec![be(busy_be.0, busy_be.1)]),
             (gone_fe, vec![be(gone_be.0, gone_be.1)]),
             (kept_fe, vec![be(kept_be.0, kept_be.1)]),
+            (moved_fe, vec![be(moved_be.0, moved_be.1)]),
         ],
         &local,
         (61000, 65535),
@@ -339,48 +342,59 @@ fn the_gc_deletes_idle_and_stale_flows_whole_and_keeps_the_rest() {
     let idle = remote_keys(pc::PROTO_UDP, 40000, 30053, idle_be, snat_port(&out));
     let out = l.client_packet(&udp(CLIENT, 40001, NODE, 30054));
     let busy = remote_keys(pc::PROTO_UDP, 40001, 30054, busy_be, snat_port(&out));
-    l.client_packet(&tcp(CLIENT, 40002, NODE, 30080, SYN));
+    l.client_packet(&udp(CLIENT, 40002, NODE, 30080));
     let gone = [
-        key(pc::PROTO_TCP, (CLIENT, 40002), (NODE, 30080), pc::CT_DIR_FORWARD),
-        key(pc::PROTO_TCP, gone_be, (CLIENT, 40002), pc::CT_DIR_REPLY),
+        key(pc::PROTO_UDP, (CLIENT, 40002), (NODE, 30080), pc::CT_DIR_FORWARD),
+        key(pc::PROTO_UDP, gone_be, (CLIENT, 40002), pc::CT_DIR_REPLY),
     ];
     l.client_packet(&tcp(CLIENT, 40003, NODE, 30081, SYN));
     let kept = [
         key(pc::PROTO_TCP, (CLIENT, 40003), (NODE, 30081), pc::CT_DIR_FORWARD),
         key(pc::PROTO_TCP, kept_be, (CLIENT, 40003), pc::CT_DIR_REPLY),
     ];
-    assert_eq!(entries(l.path()).len(), 12);
+    l.client_packet(&tcp(CLIENT, 40004, NODE, 30082, SYN));
+    let moved = [
+        key(pc::PROTO_TCP, (CLIENT, 40004), (NODE, 30082), pc::CT_DIR_FORWARD),
+        key(pc::PROTO_TCP, moved_be, (CLIENT, 40004), pc::CT_DIR_REPLY),
+    ];
+    assert_eq!(entries(l.path()).len(), 14);
 
     // UDP idle past 60 s; the busy UDP flow was quiet 50 s on one leg only.
     age(l.path(), &idle, 61);
     age(l.path(), &busy[2..], 50);
-    // The first TCP frontend's only backend is replaced; the second one's
-    // set grows but keeps its backend.
+    // The UDP frontend's only backend is replaced (its flow is stale); the
+    // first TCP one's set grows but keeps its backend; the second TCP one's
+    // only backend is replaced, and its connection keeps it all the same,
+    // as netfilter's conntrack keeps kube-proxy's DNAT.
     l.program(
         &[
             (idle_fe, vec![be(idle_be.0, idle_be.1)]),
             (busy_fe, vec![be(busy_be.0, busy_be.1)]),
             (gone_fe, vec![be([10, 244, 1, 9], 8080)]),
             (kept_fe, vec![be(kept_be.0, kept_be.1), be([10, 244, 1, 5], 8080)]),
+            (moved_fe, vec![be([10, 244, 1, 5], 8080)]),
         ],
         &local,
     );
 
     let stats = conntrack_gc::sweep(l.path(), &Timeouts::default()).expect("sweep");
-    assert_eq!(stats.entries, 12);
+    assert_eq!(stats.entries, 14);
     assert_eq!((stats.expired_flows, stats.deleted_expired), (1, 4), "{stats:?}");
     assert_eq!((stats.stale_flows, stats.deleted_stale), (1, 2), "{stats:?}");
     let left: Vec<CtKey> = entries(l.path()).into_iter().map(|(k, _)| k).collect();
     for k in idle.iter().chain(&gone) {
         assert!(!left.contains(k), "deleted: {k:?}");
     }
-    for k in busy.iter().chain(&kept) {
+    for k in busy.iter().chain(&kept).chain(&moved) {
         assert!(left.contains(k), "kept: {k:?}");
     }
-    assert_eq!(left.len(), 6);
-    // The kept flow still goes to its backend.
+    assert_eq!(left.len(), 8);
+    // The kept flow still goes to its backend, and so does the connection
+    // whose backend left the set.
     let (_, out) = run(l.ingress, &tcp(CLIENT, 40003, NODE, 30081, ACK));
     assert_eq!(&out[30..34], &kept_be.0);
+    let (_, out) = run(l.ingress, &tcp(CLIENT, 40004, NODE, 30082, ACK));
+    assert_eq!(&out[30..34], &moved_be.0, "an established TCP connection keeps its backend");
 
     // A closed TCP flow goes 10 s after its last packet; shorter timeouts
     // from the flags apply as given.
@@ -390,7 +404,7 @@ fn the_gc_deletes_idle_and_stale_flows_whole_and_keeps_the_rest() {
     assert_eq!(stats.expired_flows, 0, "closing, but only 5 s idle");
     let stats = conntrack_gc::sweep(l.path(), &Timeouts { tcp_closing_s: 4, ..Timeouts::default() }).expect("sweep");
     assert_eq!((stats.expired_flows, stats.deleted_expired), (1, 2), "{stats:?}");
-    assert_eq!(entries(l.path()).len(), 4);
+    assert_eq!(entries(l.path()).len(), 6);
 }
 
 #[test]

@@ -137,15 +137,14 @@ fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> Result<i32,
         return Ok(PASS);
     }
 
-    // A packet of a tracked flow: keep its backend while that backend still
-    // exists (the agent removes a backend from NP_BACKENDS once no frontend
-    // uses it), even if the slots changed meanwhile.
+    // A packet of a tracked flow: keep its backend even if the slots
+    // changed meanwhile (see `keeps_backend`).
     key.dir = CT_DIR_FORWARD;
     if let Some(v) = NP_CT.get_ptr_mut(&key) {
         // SAFETY: an NP_CT value pointer, valid for the run; races as for
         // the reply entry above.
         let v = unsafe { &mut *v };
-        if backend_alive(v) {
+        if keeps_backend(p.proto, v) {
             touch::<KERNEL>(&p, v, CT_DIR_FORWARD);
             return apply(ctx, &p, v);
         }
@@ -747,6 +746,20 @@ fn affinity_remember(p: &Pkt, scope_id: u32, backend_id: u32, now_ns: u64) {
 }
 
 #[inline(always)]
+/// Whether a tracked flow's next packet still goes to the backend its
+/// entry names. TCP always: an established connection keeps its backend
+/// as netfilter's conntrack keeps a DNAT (kube-proxy), whether the backend
+/// stopped serving, left this node's topology or was removed; the agent
+/// deletes the flow only once its endpoint is gone after terminating
+/// (`decide::departures`), and the GC once it closes or idles out. Other
+/// protocols while the backend still exists (the agent removes a backend
+/// from NP_BACKENDS once no frontend uses it): a UDP flow has no end, so
+/// it moves to a live backend.
+#[inline(always)]
+pub(crate) fn keeps_backend(proto: u8, v: &CtValue) -> bool {
+    proto == PROTO_TCP || backend_alive(v)
+}
+
 pub(crate) fn backend_alive(v: &CtValue) -> bool {
     // SAFETY: the value is valid memory for the run (RCU, preallocated hash
     // elements) and read at once; a concurrent replacement by the agent

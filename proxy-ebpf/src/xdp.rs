@@ -62,7 +62,7 @@ use proxy_common::{
 };
 
 use crate::kernel;
-use crate::nodeport::{NEW_FLOW_ERR, TRANSLATE, backend_alive, new_flow};
+use crate::nodeport::{NEW_FLOW_ERR, TRANSLATE, keeps_backend, new_flow};
 use crate::nodeport_maps::{NP_CT, NP_PORTS, np_count};
 use crate::packet::{
     self, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Pkt, TCP_FIN, TCP_RST, addr_copy, csum_replace2, csum_replace4, l4_pkt, read_at,
@@ -209,9 +209,9 @@ fn try_xdp<const KERNEL: u8>(ctx: &XdpContext) -> Result<u32, u32> {
     // fields are loaded and stored, and every bit pattern is a valid
     // `CtValue` (see nodeport.rs, `try_nodeport`).
     let fwd = unsafe { &mut *fwd };
-    if fwd.flags & CT_FLAG_SNAT == 0 || !backend_alive(fwd) {
-        // A local backend (the stack delivers it), or a backend gone (the
-        // TC path picks another).
+    if fwd.flags & CT_FLAG_SNAT == 0 || !keeps_backend(p.proto, fwd) {
+        // A local backend (the stack delivers it), or a UDP flow's backend
+        // gone (the TC path picks another).
         return Err(np_counter::XDP_PASS_TO_TC);
     }
     // The SNAT leg: client -> backend.

@@ -14,11 +14,14 @@
 //! * anything else (UDP): 60 s.
 //!
 //! These are Cilium's conntrack defaults, and `--conntrack-*-timeout-secs`
-//! change them. Flows whose backend has left `NP_BACKENDS` are deleted too:
-//! their next packet would pick a new backend anyway (`backend_alive` in
-//! proxy-ebpf/src/nodeport.rs), and their reply entries would otherwise
+//! change them. UDP flows whose backend has left `NP_BACKENDS` are deleted
+//! too: their next packet would pick a new backend anyway (`keeps_backend`
+//! in proxy-ebpf/src/nodeport.rs), and their reply entries would otherwise
 //! linger. A backend stays in `NP_BACKENDS` while any frontend uses it, so
-//! flows survive backend-set changes that keep their backend.
+//! flows survive backend-set changes that keep their backend. A TCP flow
+//! keeps its backend whatever the sets say, as netfilter's conntrack keeps
+//! kube-proxy's DNAT: it ends by closing, idling out, or the flush of a
+//! backend gone after terminating.
 //!
 //! Deciding ([`plan`], [`expired`]) is pure and table-tested; [`sweep`]
 //! does the map I/O.
@@ -182,7 +185,7 @@ pub fn plan(entries: &[(CtKey, CtValue)], now_s: u32, t: &Timeouts, mut backend_
         let merged = CtValue { flags: f.flags, seen_s: now_s.wrapping_sub(f.min_age), ..Default::default() };
         let reason = if expired(f.proto, &merged, now_s, t) {
             Reason::Expired
-        } else if !f.forwards.is_empty() && !f.forwards.iter().any(&mut backend_alive) {
+        } else if f.proto != pc::PROTO_TCP && !f.forwards.is_empty() && !f.forwards.iter().any(&mut backend_alive) {
             Reason::StaleBackend
         } else {
             continue;
@@ -655,8 +658,8 @@ mod tests {
                 Some(Reason::Expired),
             ),
             (
-                "backend gone",
-                remote_flow(17, PROTO_TCP, now, now, 0)
+                "UDP backend gone",
+                remote_flow(17, PROTO_UDP, now, now, 0)
                     .into_iter()
                     .map(|(k, mut v)| {
                         v.backend_id = 8;
@@ -664,6 +667,17 @@ mod tests {
                     })
                     .collect(),
                 Some(Reason::StaleBackend),
+            ),
+            (
+                "TCP backend gone: the connection keeps it, as conntrack keeps a DNAT",
+                remote_flow(20, PROTO_TCP, now, now, 0)
+                    .into_iter()
+                    .map(|(k, mut v)| {
+                        v.backend_id = 8;
+                        (k, v)
+                    })
+                    .collect(),
+                None,
             ),
             (
                 "reply entries left without forward entries (LRU) still expire",
