@@ -904,3 +904,65 @@ fn nodeport_udp_flows_move_to_the_surviving_backend() {
     let m = scrape(&node, Some(&host));
     assert_metric_at_least(&m, "topoproxy_conntrack_flushed_flows_total{protocol=\"udp\",reason=\"deleted\"}", 1.0);
 }
+
+/// NodePort TCP from outside (the topology of
+/// `nodeport_udp_flows_move_to_the_surviving_backend`, echo servers on the
+/// pod addresses): a long-lived connection keeps its backend while that
+/// backend fails readiness and while it is terminating and not serving,
+/// although it then leaves `NP_BACKENDS` (no frontend uses it), as
+/// netfilter's conntrack keeps kube-proxy's DNAT; once the endpoint is gone
+/// after terminating, its flow is flushed and the connection fails fast.
+#[test]
+fn nodeport_tcp_flows_keep_their_backend_until_it_is_gone_after_terminating() {
+    require_root();
+    let client = Netns::new("tsb").expect("client netns");
+    let host = Netns::new("tsb").expect("node netns");
+    let pod = Netns::new("tsb").expect("pod netns");
+    host.veth("n-c", &client, "c-n").expect("veth client");
+    host.veth("n-pod", &pod, "eth0").expect("veth pod");
+    client.ip(&["addr", "add", "10.0.9.1/24", "dev", "c-n"]).expect("addr");
+    host.ip(&["addr", "add", "10.0.9.2/24", "dev", "n-c"]).expect("addr");
+    host.ip(&["addr", "add", "10.244.9.1/24", "dev", "n-pod"]).expect("addr");
+    pod.ip(&["addr", "add", "10.244.9.10/24", "dev", "eth0"]).expect("addr");
+    pod.ip(&["addr", "add", "10.244.9.11/24", "dev", "eth0"]).expect("addr");
+    pod.ip(&["route", "add", "default", "via", "10.244.9.1"]).expect("route");
+    host.sysctl("net.ipv4.ip_forward", "1").expect("forwarding");
+    let a = echo_server(&pod, "10.244.9.10:80".parse().unwrap()).expect("echo a");
+    let b = echo_server(&pod, "10.244.9.11:80".parse().unwrap()).expect("echo b");
+    let node = Node::new("node-1");
+    let web = |eps: &[(&str, &str)]| service("web", "10.96.9.10", "TCP", 80, 80, eps, Some(30080));
+    node.write_manifest("np.yaml", &web(&[("10.244.9.10", READY), ("10.244.9.11", READY)]));
+    let _agent = start_agent_in(&node, &host, &["--devices", "n-c", "--metrics-address", "127.0.0.1:0"]);
+    let probe = |args: &[&str]| {
+        let mut cmd = command_in(agent_bin(), Some(&client), None).expect("probe");
+        cmd.arg("probe").args(args);
+        cmd
+    };
+    eventually("the NodePort to answer", || {
+        let out = probe(&["--to", "10.0.9.2:30080", "--timeout-ms", "500"]).output().expect("probe");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        if text.contains("\"ok\":true") { Ok(()) } else { Err(text) }
+    });
+    while a.try_recv().is_ok() || b.try_recv().is_ok() {}
+    let conn = Stream::start(
+        "external TCP connection",
+        probe(&["--to", "10.0.9.2:30080", "--stream", "--count", "1000000", "--interval-ms", "20", "--timeout-ms", "2000"]),
+    );
+    conn.wait_answered(1);
+    let on = which_echo(&[("a", &a), ("b", &b)]).expect("backend");
+    let (mine, other) = if on == "a" { ("10.244.9.10", "10.244.9.11") } else { ("10.244.9.11", "10.244.9.10") };
+    let t0 = Instant::now();
+    for cond in [NOT_READY, GONE_FROM_SERVING] {
+        node.write_manifest("np.yaml", &web(&[(mine, cond), (other, READY)]));
+        std::thread::sleep(Duration::from_millis(1500));
+        assert_eq!(conn.first_failure_since(t0), None, "the connection stays while its backend is {cond}");
+    }
+    let answered = conn.lines().iter().filter(|(t, l)| *t > t0 + Duration::from_millis(2500) && l["ok"] == true).count();
+    assert!(answered > 5, "it still exchanges with its backend ({answered} answers)");
+    node.write_manifest("np.yaml", &web(&[(other, READY)]));
+    let t1 = Instant::now();
+    let (at, failure) = eventually("the connection to fail once its backend is gone", || conn.first_failure_since(t1).ok_or(()));
+    assert!(at <= within() + Duration::from_secs(2), "{failure} after {at:?}");
+    let m = scrape(&node, Some(&host));
+    assert_metric_at_least(&m, "topoproxy_conntrack_flushed_flows_total{protocol=\"tcp\",reason=\"gone_after_terminating\"}", 1.0);
+}

@@ -216,6 +216,7 @@ const TESTS: [(&str, &[&str]); 7] = [
             "a_same_zone_endpoint_takes_new_connections_and_tcp_to_the_remote_one_stays",
             "the_netlink_fallback_terminates_udp_and_tcp_sockets_too",
             "nodeport_udp_flows_move_to_the_surviving_backend",
+            "nodeport_tcp_flows_keep_their_backend_until_it_is_gone_after_terminating",
         ],
     ),
     (
