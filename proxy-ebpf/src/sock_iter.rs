@@ -47,7 +47,6 @@ const AF_INET6: u16 = 10;
 /// include/net/tcp_states.h. connect() puts a UDP socket in ESTABLISHED.
 const TCP_ESTABLISHED: u8 = 1;
 const TCP_SYN_SENT: u8 = 2;
-const TCP_CLOSE_WAIT: u8 = 8;
 
 /// `struct bpf_iter__tcp` / `struct bpf_iter__udp` up to the socket: the
 /// iterator's metadata, then the socket (NULL once, at the end).
@@ -95,8 +94,12 @@ fn try_terminate(ctx: *mut IterSockCtx, proto: u8) -> Option<()> {
         )
     };
     let live = if proto == PROTO_TCP {
-        // Listening and time-wait sockets have no backend to leave.
-        state == TCP_ESTABLISHED || state == TCP_SYN_SENT || state == TCP_CLOSE_WAIT
+        // Listening and time-wait sockets have no backend to leave. A
+        // socket in CLOSE_WAIT got its backend's FIN: it hangs on nothing
+        // (its reads end in EOF), and aborting it would throw away what it
+        // received and has not read yet (a response the backend finished
+        // sending before its pod went away).
+        state == TCP_ESTABLISHED || state == TCP_SYN_SENT
     } else {
         state == TCP_ESTABLISHED
     };

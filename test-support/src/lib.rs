@@ -24,6 +24,9 @@
 //! - [`traffic`]: steady traffic (long-lived and new TCP connections, UDP
 //!   over long-lived and new sockets) checked line by line while a test
 //!   breaks things, and the table of attempts and failures per fault.
+//! - [`workloads`]: real software as pods (Debian's nginx as a backend,
+//!   curl and wrk as clients), for what an application sees while its
+//!   backends drain, quit and leave.
 //!
 //! What needs the agent binary itself (`CARGO_BIN_EXE_proxy-agent`, which
 //! cargo sets only for proxy-agent's own tests) stays in
@@ -38,3 +41,4 @@ pub mod sandbox;
 pub mod scenario;
 pub mod traffic;
 pub mod wait;
+pub mod workloads;

@@ -14,9 +14,24 @@ use crate::util;
 /// `ip` for the demo's namespaces, bpftool to inspect pinned maps,
 /// iptables/nftables, which `cargo xtask bench` compares against and the
 /// kube-proxy migration tests load kube-proxy's rules with, and ipset and
-/// conntrack, which those tests (and the migration guide they run) use.
-const DEBIAN_PACKAGES: [&str; 10] =
-    ["llvm-22-dev", "libpolly-22-dev", "libzstd-dev", "zlib1g-dev", "iproute2", "bpftool", "iptables", "nftables", "ipset", "conntrack"];
+/// conntrack, which those tests (and the migration guide they run) use;
+/// nginx-light, curl and wrk, the real backends and clients of the
+/// graceful-drain tests (`proxy-agent/tests/graceful_drain.rs`).
+const DEBIAN_PACKAGES: [&str; 13] = [
+    "llvm-22-dev",
+    "libpolly-22-dev",
+    "libzstd-dev",
+    "zlib1g-dev",
+    "iproute2",
+    "bpftool",
+    "iptables",
+    "nftables",
+    "ipset",
+    "conntrack",
+    "nginx-light",
+    "curl",
+    "wrk",
+];
 
 /// bpf-linker release that builds against Debian's LLVM 22.
 const BPF_LINKER_VERSION: &str = "0.13.0";

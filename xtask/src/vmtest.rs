@@ -120,7 +120,8 @@ const KERNELS: [Kernel; 4] = [
 ];
 
 /// Every binary of [`TESTS`]: the kernels most clusters run.
-const ALL_BINARIES: &[&str] = &["nodeport", "socket_lb", "session_affinity", "lb_policy", "policy_maps", "stale_backends", "maglev"];
+const ALL_BINARIES: &[&str] =
+    &["nodeport", "socket_lb", "session_affinity", "lb_policy", "policy_maps", "stale_backends", "graceful_drain", "maglev"];
 /// The ends of the range (the 5.10 floor, the newest kernel): the socket
 /// load balancer and NodePort sets, upgrades and restarts included, which
 /// hold every program variant and attach mode; four guests on two cores
@@ -128,8 +129,10 @@ const ALL_BINARIES: &[&str] = &["nodeport", "socket_lb", "session_affinity", "lb
 const EDGE_BINARIES: &[&str] = &["nodeport", "socket_lb", "maglev"];
 
 /// Host packages: the emulator, a static busybox for the initramfs,
-/// iproute2 (copied in with its libraries) and xz for 6.12's `.ko.xz`.
-const HOST_PACKAGES: [&str; 4] = ["qemu-system-x86", "busybox-static", "iproute2", "xz-utils"];
+/// iproute2 (copied in with its libraries), xz for 6.12's `.ko.xz`, and
+/// the real workloads of graceful_drain.rs (nginx, curl; copied in with
+/// their libraries too).
+const HOST_PACKAGES: [&str; 6] = ["qemu-system-x86", "busybox-static", "iproute2", "xz-utils", "nginx-light", "curl"];
 
 /// Modules the tests need, besides what is built into Debian's kernels:
 /// veth pairs, the clsact qdisc and cls_bpf for the pre-tcx path, 9p
@@ -141,7 +144,7 @@ const MODULES: [&str; 10] =
     ["virtio_pci", "veth", "sch_ingress", "cls_bpf", "9pnet", "9pnet_virtio", "9p", "inet_diag", "tcp_diag", "udp_diag"];
 
 /// Host programs copied into the initramfs with their shared libraries.
-const HOST_PROGRAMS: [&str; 2] = ["/usr/sbin/ip", "/usr/sbin/tc"];
+const HOST_PROGRAMS: [&str; 4] = ["/usr/sbin/ip", "/usr/sbin/tc", "/usr/sbin/nginx", "/usr/bin/curl"];
 
 /// The tests run in each guest: (test binary, libtest filters). They show
 /// the datapath on each kernel: NodePort end to end with a remote backend
@@ -159,7 +162,7 @@ const HOST_PROGRAMS: [&str; 2] = ["/usr/sbin/ip", "/usr/sbin/tc"];
 /// several threads at once) read by the TC programs. The unconnected-UDP
 /// Maglev test stays on the host: its client is a python3 script, and the
 /// initramfs has no python.
-const TESTS: [(&str, &[&str]); 7] = [
+const TESTS: [(&str, &[&str]); 8] = [
     (
         "nodeport",
         &[
@@ -210,13 +213,23 @@ const TESTS: [(&str, &[&str]); 7] = [
             "a_connected_udp_client_moves_to_the_surviving_backend",
             "a_tcp_connection_is_aborted_only_once_its_backend_is_gone_after_terminating",
             // The drain and topology tests of graceful_drain.rs with the
-            // project's own client and servers (the initramfs carries no
-            // nginx, curl or wrk).
+            // project's own client and servers too.
             "a_terminating_backend_that_still_serves_keeps_its_connections",
             "a_same_zone_endpoint_takes_new_connections_and_tcp_to_the_remote_one_stays",
             "the_netlink_fallback_terminates_udp_and_tcp_sockets_too",
             "nodeport_udp_flows_move_to_the_surviving_backend",
             "nodeport_tcp_flows_keep_their_backend_until_it_is_gone_after_terminating",
+        ],
+    ),
+    (
+        // nginx and curl, copied into the initramfs with their libraries
+        // (wrk's rolling replacements would only add emulated minutes).
+        "graceful_drain",
+        &[
+            "a_download_completes_across_drain_not_serving_graceful_quit_and_removal",
+            "a_download_from_a_remote_zone_survives_a_same_zone_endpoint_appearing",
+            "a_connection_to_a_pod_removed_after_terminating_is_aborted_within_a_second",
+            "an_endpoint_moved_between_slices_removed_first_ends_no_socket",
         ],
     ),
     (
@@ -849,6 +862,9 @@ fn make_initramfs(k: &Kernel, kernel_dir: &Path, bins: &Binaries, work: &Path, o
     for p in HOST_PROGRAMS {
         copy_into(&root, Path::new(p), 0o755)?;
     }
+    // nginx looks its `user root;` up (glibc's built-in files backend).
+    fs::write(root.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n")?;
+    fs::write(root.join("etc/group"), "root:x:0:\n")?;
     // The Rust binaries stay on the share, but are linked dynamically
     // against glibc: their libraries and the loader go into the initramfs at
     // the paths the binaries name, like those of `ip` and `tc`.

@@ -560,12 +560,11 @@ fn sweep_namespace(inode: u64, targets: &Targets, maps: &ProofMaps) -> NsOutcome
     for &(family, protocol) in &targets.dumps {
         let states = match protocol {
             // SYN_SENT too: a connect() still waiting on a deleted pod
-            // is better retried elsewhere at once.
-            Protocol::Tcp => {
-                sock_diag::state_bit(sock_diag::TCP_ESTABLISHED)
-                    | sock_diag::state_bit(sock_diag::TCP_SYN_SENT)
-                    | sock_diag::state_bit(sock_diag::TCP_CLOSE_WAIT)
-            }
+            // is better retried elsewhere at once. Not CLOSE_WAIT: the
+            // backend's FIN arrived, nothing hangs, and an abort would
+            // throw away what the socket received and has not read yet
+            // (as in the iterators, proxy-ebpf/src/sock_iter.rs).
+            Protocol::Tcp => sock_diag::state_bit(sock_diag::TCP_ESTABLISHED) | sock_diag::state_bit(sock_diag::TCP_SYN_SENT),
             // connect() puts a UDP socket in TCP_ESTABLISHED; unconnected
             // sockets are re-translated per datagram and need nothing.
             Protocol::Udp => sock_diag::state_bit(sock_diag::TCP_ESTABLISHED),

@@ -52,7 +52,6 @@ const SK_DIAG_BPF_STORAGE_MAP_VALUE: u16 = 3;
 /// TCP states (include/net/tcp_states.h) as bits of `idiag_states`.
 pub const TCP_ESTABLISHED: u32 = 1;
 pub const TCP_SYN_SENT: u32 = 2;
-pub const TCP_CLOSE_WAIT: u32 = 8;
 
 pub fn state_bit(state: u32) -> u32 {
     1 << state
