@@ -44,8 +44,15 @@ fn within() -> Duration {
 }
 
 const MIB: u64 = 1 << 20;
-/// How fast nginx sends `/file`: a download of N MiB takes N seconds.
-const RATE: u64 = MIB;
+
+/// How fast nginx sends `/file`: a download of N MiB takes N seconds, and
+/// up to 8 times longer under `cargo xtask vmtest`'s emulated CPU, whose
+/// steps are that much slower (a download must outlast them; curl gives
+/// up after 120 s).
+fn rate() -> u64 {
+    let slower = (wait_limit().as_secs_f64() / 30.0).clamp(1.0, 8.0);
+    (MIB as f64 / slower) as u64
+}
 
 const ECONNABORTED: i64 = libc::ECONNABORTED as i64;
 const ECONNRESET: i64 = libc::ECONNRESET as i64;
@@ -135,11 +142,11 @@ fn node_with(manifests: &[(&str, &str)]) -> Node {
 }
 
 /// nginx as pod `name` on `ip`:80, serving a `/file` of `file_bytes` at
-/// [`RATE`].
+/// [`rate`].
 fn nginx(net: &PodNetwork, name: &str, ip: &str, file_bytes: u64) -> Nginx {
     net.netns.add_loopback_addrs(&[&format!("{ip}/32")]).expect("pod address");
     let listen = SocketAddr::new(ip.parse().expect("pod address"), 80);
-    Nginx::start(&net.netns, name, listen, file_bytes, Some(RATE)).expect("start nginx")
+    Nginx::start(&net.netns, name, listen, file_bytes, Some(rate())).expect("start nginx")
 }
 
 /// Which pods answered `n` new connections to `url` from a pod of `node`.

@@ -46,6 +46,16 @@ fn slice(svc: &str, name: &str, endpoints: &[(&str, &str)]) -> Value {
     })
 }
 
+/// [`slice`] with each endpoint's `zone`, as the EndpointSlice controller
+/// copies it from the endpoint's Node: (address, node, zone).
+fn slice_in_zones(svc: &str, name: &str, endpoints: &[(&str, &str, &str)]) -> Value {
+    let mut s = slice(svc, name, &endpoints.iter().map(|(ip, node, _)| (*ip, *node)).collect::<Vec<_>>());
+    for (e, (_, _, zone)) in s["endpoints"].as_array_mut().into_iter().flatten().zip(endpoints) {
+        e["zone"] = json!(zone);
+    }
+    s
+}
+
 fn node_obj(name: &str, zone: &str) -> Value {
     json!({
         "apiVersion": "v1",
@@ -192,15 +202,19 @@ fn services_and_slices_follow_the_api_server() {
         services_watch.contains("labelSelector=%21service.kubernetes.io%2Fservice-proxy-name%2C%21service.kubernetes.io%2Fheadless"),
         "{services_watch}"
     );
-    // Nodes are listed and watched whole: their taints are in the spec,
-    // which metadata-only objects do not carry.
+    // This node's Node is listed and watched whole (its taints are in the
+    // spec, which metadata-only objects do not carry), and alone, by a
+    // field selector as kube-proxy does; no Service needs other Nodes.
+    let own = "fieldSelector=metadata.name%3Dnode-a";
     assert!(
-        reqs.iter().any(|r| r.contains("/api/v1/nodes?") && r.contains("watch=true") && !r.contains("PartialObjectMetadata")),
-        "Nodes are watched with their spec: {reqs:#?}"
+        reqs.iter()
+            .any(|r| r.contains("/api/v1/nodes?") && r.contains(own) && r.contains("watch=true") && !r.contains("PartialObjectMetadata")),
+        "this Node is watched with its spec: {reqs:#?}"
     );
+    assert!(reqs.iter().filter(|r| r.contains("/api/v1/nodes?")).all(|r| r.contains(own)), "no other Node is watched: {reqs:#?}");
     assert!(
         reqs.iter().any(|r| r.contains("/api/v1/nodes?") && !r.contains("watch=true") && !r.contains("PartialObjectMetadata")),
-        "Nodes are listed with their spec: {reqs:#?}"
+        "this Node is listed with its spec: {reqs:#?}"
     );
 }
 
@@ -216,7 +230,7 @@ fn a_node_label_change_reranks_topology_services() {
         node_obj("node-b", "z1"),
         node_obj("node-c", "z2"),
         service("zonal", "10.96.22.10", 80, json!({"topologyKeys": [ZONE]}), json!({})),
-        slice("zonal", "zonal-1", &[("10.244.22.2", "node-b"), ("10.244.22.3", "node-c")]),
+        slice_in_zones("zonal", "zonal-1", &[("10.244.22.2", "node-b", "z1"), ("10.244.22.3", "node-c", "z2")]),
         service("plain", "10.96.22.11", 80, json!({}), json!({})),
         slice("plain", "plain-1", &[("10.244.22.2", "node-b"), ("10.244.22.3", "node-c")]),
     ]);
@@ -229,10 +243,93 @@ fn a_node_label_change_reranks_topology_services() {
     // follows it.
     api.apply(node_obj("node-a", "z2"));
     wait_for_backends(&node, &net, "10.96.22.10:80", &[], &["pod-c"]);
-    // node-b joins z2 as well: both endpoints are in our zone now.
+    // node-b joins z2 as well: the EndpointSlice controller rewrites the
+    // endpoint's zone, and both endpoints are in our zone now.
     api.apply(node_obj("node-b", "z2"));
+    api.apply(slice_in_zones("zonal", "zonal-1", &[("10.244.22.2", "node-b", "z2"), ("10.244.22.3", "node-c", "z2")]));
     wait_for_backends(&node, &net, "10.96.22.10:80", &[], &["pod-b", "pod-c"]);
     wait_for_backends(&node, &net, "10.96.22.11:80", &[], &["pod-b", "pod-c"]);
+}
+
+/// Other Nodes are watched, metadata only, just while a Service's topology
+/// needs a label their EndpointSlices do not carry (region on v1 slices,
+/// OpenYurt's node pool): the decisions read those labels from the
+/// metadata-only Nodes and follow their changes, and the watch stops once
+/// no Service needs them (seed 004: a watch of every Node costs every
+/// agent every kubelet's status report).
+#[test]
+fn other_nodes_are_watched_metadata_only_while_a_services_topology_needs_them() {
+    const REGION: &str = "topology.kubernetes.io/region";
+    const POOL: &str = "apps.openyurt.io/nodepool";
+    let mut net = PodNetwork::new();
+    net.backend("pod-b", "10.244.23.2", &[8080]);
+    net.backend("pod-c", "10.244.23.3", &[8080]);
+    let node_with = |name: &str, zone: &str, region: &str, pool: &str| {
+        let mut n = node_obj(name, zone);
+        n["metadata"]["labels"][REGION] = json!(region);
+        n["metadata"]["labels"][POOL] = json!(pool);
+        n["metadata"]["labels"]["example.com/unused"] = json!("x");
+        n
+    };
+    let eps = [("10.244.23.2", "node-b", "z2"), ("10.244.23.3", "node-c", "z3")];
+    let cluster = Cluster::new(1);
+    let api = cluster.api();
+    api.apply_all(vec![
+        node_with("node-a", "z1", "r1", "p1"),
+        node_with("node-b", "z2", "r1", "p2"),
+        node_with("node-c", "z3", "r2", "p1"),
+        service("plain", "10.96.23.10", 80, json!({}), json!({})),
+        slice_in_zones("plain", "plain-1", &eps),
+    ]);
+    let mut node = Node::new("node-a");
+    node.start_kube_agent(&cluster.kubeconfig(), &[]);
+    wait_for_backends(&node, &net, "10.96.23.10:80", &[], &["pod-b", "pod-c"]);
+    let metadata_only =
+        |reqs: &[String]| reqs.iter().filter(|r| r.contains("/api/v1/nodes?") && r.contains("PartialObjectMetadata")).count();
+    assert_eq!(metadata_only(&api.requests()), 0, "no Service needs other Nodes");
+
+    // Ranked by region: node-b shares ours (r1), node-c does not.
+    let regional = |name: &str, ip: &str| {
+        let mut s = service(name, ip, 80, json!({}), json!({}));
+        s["metadata"]["annotations"] = json!({"topoproxy.io/topology-keys": format!("{REGION}, *")});
+        s
+    };
+    api.apply_all(vec![regional("regional", "10.96.23.11"), slice_in_zones("regional", "regional-1", &eps)]);
+    wait_for_backends(&node, &net, "10.96.23.11:80", &[], &["pod-b"]);
+    let reqs = api.requests();
+    let other = reqs
+        .iter()
+        .find(|r| r.contains("/api/v1/nodes?") && r.contains("PartialObjectMetadata") && r.contains("watch=true"))
+        .unwrap_or_else(|| panic!("other Nodes are watched metadata-only: {reqs:#?}"));
+    assert!(other.contains("fieldSelector=metadata.name%21%3Dnode-a"), "all but this Node: {other}");
+    // node-c moves to our region: a label of another Node, read from its
+    // metadata.
+    api.apply(node_with("node-c", "z3", "r1", "p1"));
+    wait_for_backends(&node, &net, "10.96.23.11:80", &[], &["pod-b", "pod-c"]);
+
+    // OpenYurt's node pools: node-c shares ours (p1).
+    let mut pooled = service("pooled", "10.96.23.12", 80, json!({}), json!({}));
+    pooled["metadata"]["annotations"] = json!({"openyurt.io/topologyKeys": "openyurt.io/nodepool"});
+    api.apply_all(vec![pooled, slice_in_zones("pooled", "pooled-1", &eps)]);
+    wait_for_backends(&node, &net, "10.96.23.12:80", &[], &["pod-c"]);
+    eventually("the labels in use to be logged", || {
+        let log = node.agent_log();
+        if log.contains(POOL) && log.contains(REGION) { Ok(()) } else { Err("not yet") }
+    });
+    assert!(!node.agent_log().contains("example.com/unused"), "a label no Service reads is not watched for");
+
+    // No Service needs other Nodes any more: the watch stops, and the
+    // plain Service is unaffected.
+    api.delete("Service", "default", "regional");
+    api.delete("Service", "default", "pooled");
+    eventually("the other Nodes' watch to stop", || {
+        if node.agent_log().contains("stopped watching other Nodes") { Ok(()) } else { Err("still watching") }
+    });
+    wait_for_backends(&node, &net, "10.96.23.10:80", &[], &["pod-b", "pod-c"]);
+    eventually("Services, EndpointSlices and this Node to be the only watches", || {
+        let n = api.open_watches();
+        if n == 3 { Ok(()) } else { Err(n) }
+    });
 }
 
 /// The API server goes away while clients connect and comes back with a

@@ -227,11 +227,16 @@ async fn initial_needs(
 ) -> (UnboundedReceiver<Signal>, Option<Needs>) {
     let deadline = tokio::time::Instant::now() + wait;
     let mut seen = Vec::new();
+    // Nodes size nothing, and the Kubernetes source announces their
+    // listing only once the sync loop has said which labels of other Nodes
+    // it needs (`kube_watch::watch_nodes`): waiting for them here would
+    // wait for the timeout.
     let mut listed = [false; Kind::ALL.len()];
+    listed[Kind::Node as usize] = true;
     while !listed.iter().all(|l| *l) {
         // /readyz says what the start-up waits for, as the sync loop does
         // after it.
-        if listed.iter().any(|l| *l) {
+        if listed[Kind::Service as usize] || listed[Kind::EndpointSlice as usize] {
             let missing: Vec<&str> = Kind::ALL.iter().filter(|k| !listed[**k as usize]).map(|k| k.as_str()).collect();
             health.waiting_for(format!("{} to be listed", missing.join(", ")));
         } else {
@@ -289,6 +294,10 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     // from its first full list (unless every --max-* flag is given), and
     // what it reads waits in the queue until the sync loop runs.
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    // Which labels of other Nodes the Services' topology needs: the sync
+    // loop publishes, the Node watch follows (Kubernetes mode only;
+    // manifests hold whole Nodes).
+    let (node_labels_tx, node_labels_rx) = tokio::sync::watch::channel(None);
     let (stores, events): (Stores, Option<EventReporter>) = if standalone {
         let interval = Duration::from_millis(args.poll_interval_ms.max(10));
         (manifest_watch::start(args.manifests.clone(), interval, metrics.clone(), tx.clone()), None)
@@ -297,7 +306,7 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
         // EndpointSlices and Events changed version between 1.17 and
         // today: both wait for what the API server serves.
         let versions = api_versions::negotiate(client.clone(), metrics.clone());
-        let stores = kube_watch::start(client.clone(), versions.clone(), tx.clone());
+        let stores = kube_watch::start(client.clone(), versions.clone(), tx.clone(), &args.node, node_labels_rx);
         let instance = format!("{}-{}", events::REPORTING_CONTROLLER, args.node);
         (stores, Some(EventReporter::spawn(client, instance, metrics.clone(), versions)))
     };
@@ -415,11 +424,11 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
             _ = int.recv() => {}
         }
     };
-    SyncLoop::new(config, writer, stores, metrics, health, events)
-        .with_external(external, addresses_changed)
-        .with_termination(terminator)
-        .run(rx, shutdown)
-        .await;
+    let mut sync = SyncLoop::new(config, writer, stores, metrics, health, events);
+    if !standalone {
+        sync = sync.with_node_label_needs(node_labels_tx);
+    }
+    sync.with_external(external, addresses_changed).with_termination(terminator).run(rx, shutdown).await;
     // Nothing to tear down: pinned links and maps keep serving until the
     // next agent adopts them or `proxy-agent reset` removes them.
     tracing::info!("stopping; the pinned datapath keeps serving");

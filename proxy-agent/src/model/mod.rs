@@ -235,7 +235,11 @@ pub struct EndpointSlice {
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct Node {
     pub name: String,
-    pub labels: BTreeMap<String, String>,
+    /// Its labels, each key and value one shared copy (`intern`). This
+    /// node's Node has every label; other Nodes, watched metadata-only and
+    /// only while a Service's topology needs them, only the labels in use
+    /// (`decide::topology::other_node_labels`, plus hostname and zone).
+    pub labels: NodeTopology,
     /// Why the node is going away, when it is: `metadata.deletionTimestamp`
     /// is set, or the cluster autoscaler tainted it
     /// `ToBeDeletedByClusterAutoscaler` before removing it (kube-proxy's

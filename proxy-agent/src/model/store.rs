@@ -246,7 +246,7 @@ mod tests {
             id: ObjectRef::new("", "n1"),
             present: true,
             uid: None,
-            object: Some(Object::Node(Node { name: "n1".into(), labels: [("zone".to_string(), zone.to_string())].into(), leaving })),
+            object: Some(Object::Node(Node { name: "n1".into(), labels: [("zone".into(), zone.into())].into(), leaving })),
             problems: Vec::new(),
         };
         assert!(m.apply([node("z1", None)]).all);

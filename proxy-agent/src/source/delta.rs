@@ -2,12 +2,15 @@
 //! [`Delta`] a source queues for the model. Both sources call these, so
 //! they agree on every check.
 
+use std::collections::BTreeSet;
+
 use serde_json::Value;
 
-use crate::model::ObjectRef;
 use crate::model::store::{Delta, Kind, Object, ObjectProblem};
+use crate::model::{Node, ObjectRef};
 use crate::source::objects::{self, Converted, SERVICE_NAME_LABEL};
 use crate::source::wire::{WireNode, WireService, WireSlice};
+use crate::util::intern::intern;
 
 /// Converts one object of `kind` (as JSON, the API server's or a test's)
 /// into what the model needs. The same `objects::*_from_json` functions
@@ -62,6 +65,23 @@ pub(crate) fn node_delta(n: WireNode) -> Delta {
     d
 }
 
+/// Another Node, as a metadata-only watch delivers it: its name and, of
+/// its labels, only `keep` (interned). Nothing else of another Node is
+/// read: its taints and deletion matter only to its own agent.
+pub(crate) fn node_labels_delta(m: kube::core::PartialObjectMeta<WireNode>, keep: &BTreeSet<String>) -> Delta {
+    let name = m.metadata.name.unwrap_or_default();
+    let id = ObjectRef::new("", name.clone());
+    let mut d = Delta { kind: Kind::Node, id, present: true, uid: None, object: None, problems: Vec::new() };
+    if name.is_empty() {
+        d.problems.push(ObjectProblem { kind: Kind::Node, error: objects::node_without_name(), service: None });
+        return d;
+    }
+    let labels = m.metadata.labels.unwrap_or_default();
+    let labels = labels.iter().filter(|(k, _)| keep.contains(k.as_str())).map(|(k, v)| (intern(k), intern(v))).collect();
+    d.object = Some(Object::Node(Node { name, labels, leaving: None }));
+    d
+}
+
 /// Puts a conversion's object and problems into `d`; problems are reported
 /// on `service` (a slice's owner, or the Service itself).
 fn record<T>(d: &mut Delta, service: Option<ObjectRef>, result: objects::Conversion<T>, wrap: fn(T) -> Object) {
@@ -98,6 +118,32 @@ pub(crate) fn slice_delta(s: WireSlice) -> Delta {
 
 #[cfg(test)]
 mod tests {
+
+    /// Another Node as the metadata-only watch brings it keeps its name and
+    /// the labels in use, nothing else.
+    #[test]
+    fn another_node_keeps_only_the_labels_in_use() {
+        let meta: kube::core::PartialObjectMeta<WireNode> = serde_json::from_value(serde_json::json!({
+            "apiVersion": "meta.k8s.io/v1",
+            "kind": "PartialObjectMetadata",
+            "metadata": {
+                "name": "n2",
+                "labels": {"topology.kubernetes.io/region": "r1", "topology.kubernetes.io/zone": "z1", "example.com/team": "a", "kubernetes.io/os": "linux"},
+                "annotations": {"node.alpha.kubernetes.io/ttl": "0"},
+                "managedFields": [{"manager": "kubelet", "operation": "Update"}],
+            },
+        }))
+        .expect("PartialObjectMetadata");
+        let keep: BTreeSet<String> = ["topology.kubernetes.io/region", "topology.kubernetes.io/zone"].map(str::to_string).into();
+        let d = node_labels_delta(meta, &keep);
+        let Some(Object::Node(n)) = &d.object else { panic!("{d:?}") };
+        assert_eq!(n.name, "n2");
+        let labels: Vec<(&str, &str)> = n.labels.iter().map(|(k, v)| (&**k, &**v)).collect();
+        assert_eq!(labels, [("topology.kubernetes.io/region", "r1"), ("topology.kubernetes.io/zone", "z1")]);
+        assert_eq!(n.leaving, None, "another Node's taints and deletion are its own agent's");
+        assert!(d.problems.is_empty());
+    }
+
     use std::collections::BTreeMap;
 
     use serde_json::json;
@@ -147,7 +193,7 @@ mod tests {
         let web = &s.cluster.services[&ObjectRef::new("shop", "web")];
         assert_eq!(web.topology_keys.as_deref().map(<[String]>::len), Some(2));
         assert_eq!(s.cluster.slices[&ObjectRef::new("shop", "web-1")].endpoints.len(), 1);
-        assert_eq!(s.cluster.nodes["n1"].labels["topology.kubernetes.io/zone"], "z1");
+        assert_eq!(&*s.cluster.nodes["n1"].labels["topology.kubernetes.io/zone"], "z1");
         assert_eq!(s.service_uids[&ObjectRef::new("shop", "bad")], "u2");
         let got: Vec<(Kind, Option<String>, String)> =
             s.problems.iter().map(|p| (p.kind, p.service.as_ref().map(ToString::to_string), p.error.to_string())).collect();

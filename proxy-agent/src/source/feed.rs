@@ -14,8 +14,11 @@ use crate::model::store::{Delta, Kind};
 #[derive(Debug)]
 pub enum Signal {
     /// An object was added, changed or deleted while watching. `trigger`
-    /// is when the change happened, as far as the agent can tell.
-    Changed { kind: Kind, trigger: SystemTime },
+    /// is when the change happened, as far as the agent can tell; `stamped`
+    /// says it is the EndpointSlice controller's own
+    /// `endpoints.kubernetes.io/last-change-trigger-time`, the only start
+    /// kube-proxy's network programming latency counts from.
+    Changed { kind: Kind, trigger: SystemTime, stamped: bool },
     /// A complete (re)list landed in the store.
     Listed { kind: Kind },
     /// A list or watch failed; the watcher retries with backoff.

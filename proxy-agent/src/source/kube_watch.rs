@@ -6,11 +6,19 @@
 //! manifests, so both sources agree on every check. Services,
 //! EndpointSlices and Nodes are deserialized into the slim shapes of
 //! `wire`, which keep only what conversion reads (and `spec.topologyKeys`,
-//! Kubernetes 1.17-1.21, which today's typed `Service` would drop). Of a
-//! Node that is its labels, its `deletionTimestamp` and its taints' keys
-//! (this node's `/healthz`); its status, large and rewritten by every
-//! heartbeat, is skipped while deserializing, and a heartbeat changes
-//! nothing in the model.
+//! Kubernetes 1.17-1.21, which today's typed `Service` would drop).
+//!
+//! Nodes cost the most on the wire: every kubelet status report rewrites
+//! its Node, and a watch of every Node carries every report of the cluster
+//! to every agent, which grows with the square of the cluster (seed 004;
+//! why Service Topology moved to EndpointSlices, and why kube-proxy watches
+//! only its own Node by a field selector). So this node's Node is watched
+//! alone, whole (its labels, `deletionTimestamp` and taints' keys feed its
+//! zone and `/healthz`; its status is skipped while deserializing), and
+//! other Nodes only while some Service's topology reads a label that its
+//! EndpointSlices do not carry (`decide::topology::other_node_labels`),
+//! metadata-only (`PartialObjectMetadata`), keeping just those labels
+//! (`watch_nodes`).
 //!
 //! EndpointSlices are watched in the version `api_versions` negotiated
 //! with the API server: discovery.k8s.io/v1, or v1beta1 on 1.17-1.20.
@@ -27,23 +35,27 @@
 //! would hold every object as received): only the converted model and, per
 //! object, its resourceVersion, so a relist converts only what changed.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::fmt::Debug;
 use std::hash::Hash;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use futures::StreamExt;
+use futures::stream::BoxStream;
 use kube::api::Api;
+use kube::core::PartialObjectMeta;
 use kube::runtime::WatchStreamExt;
 use kube::runtime::watcher::{self, DefaultBackoff};
 use kube::{Client, Resource};
 use serde::de::DeserializeOwned;
-use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
+use tokio::sync::watch;
 
 use crate::model::ObjectRef;
 use crate::model::store::{Delta, Kind};
 use crate::source::api_versions::{Negotiated, Version};
-use crate::source::delta::{node_delta, service_delta, slice_delta};
+use crate::source::delta::{node_delta, node_labels_delta, service_delta, slice_delta};
 use crate::source::feed::{Signal, Stores};
 use crate::source::wire::{WireNode, WireService, WireSlice};
 use crate::source::wire_v1beta1::WireSliceV1beta1;
@@ -63,21 +75,188 @@ pub const SERVICE_LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-n
 pub const TRIGGER_TIME_ANNOTATION: &str = "endpoints.kubernetes.io/last-change-trigger-time";
 
 /// Starts one watcher task per kind and returns the queue they fill.
-/// EndpointSlices are watched in the version `versions` negotiates. The
-/// tasks run until the runtime shuts down.
-pub fn start(client: Client, versions: Negotiated, tx: UnboundedSender<Signal>) -> Stores {
+/// EndpointSlices are watched in the version `versions` negotiates; Nodes
+/// as `watch_nodes` says, for node `node`, with the labels of other Nodes
+/// that the sync loop publishes on `node_labels`. The tasks run until the
+/// runtime shuts down.
+pub fn start(
+    client: Client,
+    versions: Negotiated,
+    tx: UnboundedSender<Signal>,
+    node: &str,
+    node_labels: watch::Receiver<Option<BTreeSet<String>>>,
+) -> Stores {
     let stores = Stores::default();
     let services: Api<WireService> = Api::all(client.clone());
     let svc_config = watcher::Config::default().labels(SERVICE_LABEL_SELECTOR);
-    tokio::spawn(watch_kind(services, svc_config, stores.clone(), Kind::Service, tx.clone(), |_| None, |s| Some(service_delta(s))));
+    tokio::spawn(watch_kind(
+        services,
+        svc_config,
+        stores.clone(),
+        Kind::Service,
+        tx.clone(),
+        |_| None,
+        Arc::new(|s| Some(service_delta(s))),
+    ));
 
     tokio::spawn(watch_slices(client.clone(), versions, stores.clone(), tx.clone()));
 
-    // Full Nodes, not metadata-only ones: the taints are in the spec.
-    let nodes: Api<WireNode> = Api::all(client);
-    tokio::spawn(watch_kind(nodes, watcher::Config::default(), stores.clone(), Kind::Node, tx, |_| None, |n| Some(node_delta(n))));
+    tokio::spawn(watch_nodes(client, node.to_string(), node_labels, stores.clone(), tx));
 
     stores
+}
+
+/// Labels every watched Node keeps besides the ones Services need: the
+/// two an endpoint's `nodeName` and `zone` stand for when its Node is
+/// unknown, so that a Node being known never hides them.
+const ALWAYS_KEPT: [&str; 2] = [crate::decide::topology::LABEL_HOSTNAME, crate::decide::topology::LABEL_ZONE];
+
+/// This node's Node, whole, by the field selector `metadata.name=<node>`
+/// (kube-proxy's own Node watch); and, while `needed` names labels, every
+/// other Node metadata-only (`metadata.name!=<node>`), keeping those labels
+/// and [`ALWAYS_KEPT`]. The Nodes' listing is announced to the sync loop
+/// once this node's Node is listed, `needed` is known (the sync loop
+/// publishes it once Services and EndpointSlices are listed) and, if it
+/// names labels, the other Nodes are listed too: the first sync then
+/// decides with every label it reads. A change of the labels needed
+/// relists the other Nodes (their labels were filtered); none needed any
+/// more stops that watch and forgets the other Nodes.
+async fn watch_nodes(
+    client: Client,
+    node: String,
+    mut needed: watch::Receiver<Option<BTreeSet<String>>>,
+    stores: Stores,
+    tx: UnboundedSender<Signal>,
+) {
+    let kind = Kind::Node;
+    let (own_tx, mut own_rx) = unbounded_channel();
+    let own: Api<WireNode> = Api::all(client.clone());
+    let own_config = watcher::Config::default().fields(&format!("metadata.name={node}"));
+    tokio::spawn(watch_kind(own, own_config, stores.clone(), kind, own_tx, |_| None, Arc::new(|n| Some(node_delta(n)))));
+    let (other_tx, mut other_rx) = unbounded_channel();
+    let mut others: HashMap<ObjectRef, String> = HashMap::new();
+    let mut watching: Option<BTreeSet<String>> = None;
+    let mut listed = Listing::default();
+    loop {
+        let want = needed.borrow_and_update().clone();
+        listed.need_known = want.is_some();
+        let keys = want.filter(|k| !k.is_empty()).map(|mut k| {
+            k.extend(ALWAYS_KEPT.iter().map(|l| (*l).to_string()));
+            k
+        });
+        if keys != watching {
+            match &keys {
+                None => {
+                    tracing::info!(nodes = others.len(), "no Service needs other Nodes' labels: stopped watching other Nodes");
+                    stores.push(others.drain().map(|(id, _)| Delta::removed(kind, id)));
+                    if tx.send(Signal::Changed { kind, trigger: SystemTime::now(), stamped: false }).is_err() {
+                        return;
+                    }
+                }
+                Some(k) => {
+                    let labels: Vec<&str> = k.iter().map(String::as_str).collect();
+                    tracing::info!(labels = %labels.join(","), "watching other Nodes, metadata only, for these labels");
+                    // Their labels were filtered for the old set: convert
+                    // every one again, still removing the ones gone.
+                    others.values_mut().for_each(String::clear);
+                }
+            }
+            watching = keys;
+            listed.others = false;
+        }
+        // Not watching other Nodes: nothing of theirs to wait for.
+        if watching.is_none() {
+            listed.others = true;
+        }
+        if !listed.announce(&tx) {
+            return;
+        }
+        let other = Watch {
+            open: other_nodes(client.clone(), &node),
+            kind,
+            trigger_of: |_| None,
+            convert_of: {
+                let (node, keys) = (node.clone(), Arc::new(watching.clone().unwrap_or_default()));
+                Arc::new(move |m: PartialObjectMeta<WireNode>| {
+                    (m.metadata.name.as_deref() != Some(node.as_str())).then(|| node_labels_delta(m, &keys))
+                })
+            },
+        };
+        let active = watching.is_some();
+        let run_other = async {
+            if active {
+                watch_until(&other, &stores, &other_tx, &mut others, false).await;
+            } else {
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::pin!(run_other);
+        // Until the labels needed change.
+        loop {
+            tokio::select! {
+                () = &mut run_other => return,
+                s = own_rx.recv() => {
+                    let Some(s) = s else { return };
+                    if !listed.forward(&tx, s, true) { return; }
+                }
+                s = other_rx.recv() => {
+                    let Some(s) = s else { return };
+                    if !listed.forward(&tx, s, false) { return; }
+                }
+                r = needed.changed() => {
+                    if r.is_err() { return; }
+                    break;
+                }
+            }
+        }
+    }
+}
+
+/// Whether the Nodes' listing can be announced ([`watch_nodes`]).
+#[derive(Default)]
+struct Listing {
+    own: bool,
+    others: bool,
+    need_known: bool,
+    announced: bool,
+}
+
+impl Listing {
+    /// Announces the listing if it is complete and was not announced yet;
+    /// false once the sync loop is gone.
+    fn announce(&mut self, tx: &UnboundedSender<Signal>) -> bool {
+        if self.announced || !(self.own && self.need_known && self.others) {
+            return true;
+        }
+        self.announced = true;
+        tx.send(Signal::Listed { kind: Kind::Node }).is_ok()
+    }
+
+    /// Passes a Node watcher's signal on, holding its `Listed` back until
+    /// the listing is complete; false once the sync loop is gone.
+    fn forward(&mut self, tx: &UnboundedSender<Signal>, s: Signal, own: bool) -> bool {
+        let s = match s {
+            Signal::Listed { kind } => {
+                if own {
+                    self.own = true;
+                } else {
+                    self.others = true;
+                }
+                if !self.announced {
+                    return self.announce(tx);
+                }
+                Signal::Listed { kind }
+            }
+            other => other,
+        };
+        tx.send(s).is_ok()
+    }
+}
+
+/// The metadata-only watch stream of every Node but `node` (an
+/// `Api<PartialObjectMeta<_>>` asks for `PartialObjectMetadata`).
+fn other_nodes(client: Client, node: &str) -> Opener<PartialObjectMeta<WireNode>> {
+    opener(Api::all(client), watcher::Config::default().fields(&format!("metadata.name!={node}")))
 }
 
 fn slice_trigger_time<K: Resource>(s: &K) -> Option<SystemTime> {
@@ -101,21 +280,19 @@ async fn watch_slices(client: Client, mut versions: Negotiated, stores: Stores, 
         let stopped = match chosen.endpoint_slices {
             Some(Version::V1) => {
                 let w: Watch<WireSlice> = Watch {
-                    api: Api::all(client.clone()),
-                    config: watcher::Config::default(),
+                    open: opener(Api::all(client.clone()), watcher::Config::default()),
                     kind,
                     trigger_of: slice_trigger_time,
-                    convert_of: |s| Some(slice_delta(s)),
+                    convert_of: Arc::new(|s| Some(slice_delta(s))),
                 };
                 watch_until(&w, &stores, &tx, &mut known, true).await
             }
             Some(Version::V1beta1) => {
                 let w: Watch<WireSliceV1beta1> = Watch {
-                    api: Api::all(client.clone()),
-                    config: watcher::Config::default(),
+                    open: opener(Api::all(client.clone()), watcher::Config::default()),
                     kind,
                     trigger_of: slice_trigger_time,
-                    convert_of: |s| Some(slice_delta(s.into_v1())),
+                    convert_of: Arc::new(|s| Some(slice_delta(s.into_v1()))),
                 };
                 watch_until(&w, &stores, &tx, &mut known, true).await
             }
@@ -196,13 +373,24 @@ fn key_of<K: Resource>(obj: &K) -> (ObjectRef, String) {
     )
 }
 
+/// Opens a watcher stream (lists, then watches) of objects `K`.
+type Opener<K> = Arc<dyn Fn() -> BoxStream<'static, watcher::Result<watcher::Event<K>>> + Send + Sync>;
+
+/// The watcher stream of `api` with `config`, as an [`Opener`].
+fn opener<K>(api: Api<K>, config: watcher::Config) -> Opener<K>
+where
+    K: Resource + Clone + DeserializeOwned + Debug + Send + 'static,
+    K::DynamicType: Default + Eq + Hash + Clone + Send,
+{
+    Arc::new(move || watcher::watcher(api.clone(), config.clone()).boxed())
+}
+
 /// One kind's watch: what to watch, and how its objects become deltas.
-struct Watch<K: Resource> {
-    api: Api<K>,
-    config: watcher::Config,
+struct Watch<K> {
+    open: Opener<K>,
     kind: Kind,
     trigger_of: fn(&K) -> Option<SystemTime>,
-    convert_of: fn(K) -> Option<Delta>,
+    convert_of: Arc<dyn Fn(K) -> Option<Delta> + Send + Sync>,
 }
 
 /// Why a watch ended.
@@ -231,13 +419,13 @@ async fn watch_kind<K>(
     kind: Kind,
     tx: UnboundedSender<Signal>,
     trigger_of: fn(&K) -> Option<SystemTime>,
-    convert_of: fn(K) -> Option<Delta>,
+    convert_of: Arc<dyn Fn(K) -> Option<Delta> + Send + Sync>,
 ) where
     K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
-    K::DynamicType: Eq + Hash + Clone + Send + Sync,
+    K::DynamicType: Default + Eq + Hash + Clone + Send + Sync,
 {
     let mut known = HashMap::new();
-    watch_until(&Watch { api, config, kind, trigger_of, convert_of }, &stores, &tx, &mut known, false).await;
+    watch_until(&Watch { open: opener(api, config), kind, trigger_of, convert_of }, &stores, &tx, &mut known, false).await;
 }
 
 /// Runs a watch until the agent shuts down or, with `stop_if_not_served`,
@@ -252,10 +440,9 @@ async fn watch_until<K>(
     stop_if_not_served: bool,
 ) -> Stopped
 where
-    K: Resource + Clone + DeserializeOwned + Debug + Send + Sync + 'static,
-    K::DynamicType: Eq + Hash + Clone + Send + Sync,
+    K: Resource + Send + 'static,
 {
-    let (kind, trigger_of, convert_of) = (w.kind, w.trigger_of, w.convert_of);
+    let (kind, trigger_of, convert_of) = (w.kind, w.trigger_of, &w.convert_of);
     let mut restart_backoff = DefaultBackoff::default();
     // A relist in progress: what it has seen, and the deltas it will hand
     // over when complete.
@@ -263,7 +450,7 @@ where
     loop {
         // default_backoff: exponential 0.8 s .. 30 s with jitter between
         // failed attempts (client-go's reflector values), reset by success.
-        let mut stream = watcher::watcher(w.api.clone(), w.config.clone()).default_backoff().boxed();
+        let mut stream = (w.open)().default_backoff().boxed();
         let mut restart = false;
         while let Some(item) = stream.next().await {
             match item {
@@ -271,11 +458,12 @@ where
                     let signal = match event {
                         watcher::Event::Apply(obj) => {
                             let (id, rv) = key_of(&obj);
-                            let trigger = trigger_of(&obj).unwrap_or_else(SystemTime::now);
+                            let stamped = trigger_of(&obj);
+                            let trigger = stamped.unwrap_or_else(SystemTime::now);
                             stores.push(convert_of(obj));
                             known.insert(id, rv);
                             stores.set_len(kind, known.len());
-                            Some(Signal::Changed { kind, trigger })
+                            Some(Signal::Changed { kind, trigger, stamped: stamped.is_some() })
                         }
                         // A deleted slice's trigger annotation describes its
                         // last update, not the deletion.
@@ -284,7 +472,7 @@ where
                             known.remove(&id);
                             stores.push([Delta::removed(kind, id)]);
                             stores.set_len(kind, known.len());
-                            Some(Signal::Changed { kind, trigger: SystemTime::now() })
+                            Some(Signal::Changed { kind, trigger: SystemTime::now(), stamped: false })
                         }
                         watcher::Event::Init => {
                             relist = Some((HashMap::new(), Vec::new()));

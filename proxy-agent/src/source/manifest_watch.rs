@@ -261,7 +261,7 @@ async fn watch(paths: Vec<PathBuf>, poll: Duration, metrics: Arc<Metrics>, store
         // The first read is the list every kind waits for; after it, a
         // change is a change of the kinds it touched.
         let signals: Vec<Signal> = if listed {
-            kinds.into_iter().map(|kind| Signal::Changed { kind, trigger }).collect()
+            kinds.into_iter().map(|kind| Signal::Changed { kind, trigger, stamped: false }).collect()
         } else {
             listed = true;
             Kind::ALL.into_iter().map(|kind| Signal::Listed { kind }).collect()

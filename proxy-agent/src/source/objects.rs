@@ -388,6 +388,11 @@ pub(crate) fn node_from_json(v: &Value) -> Result<Node, ObjectError> {
     node_from_wire(wire)
 }
 
+/// The error of a Node without a name.
+pub(crate) fn node_without_name() -> ObjectError {
+    fail("Node", "", "", "metadata.name is missing")
+}
+
 /// [`node_from_json`] for a Node the watcher deserialized.
 pub(crate) fn node_from_wire(node: WireNode) -> Result<Node, ObjectError> {
     let name = node.metadata.name.unwrap_or_default();
@@ -402,7 +407,8 @@ pub(crate) fn node_from_wire(node: WireNode) -> Result<Node, ObjectError> {
     } else {
         None
     };
-    Ok(Node { name, labels: node.metadata.labels.unwrap_or_default(), leaving })
+    let labels = node.metadata.labels.unwrap_or_default().iter().map(|(k, v)| (intern(k), intern(v))).collect();
+    Ok(Node { name, labels, leaving })
 }
 
 #[cfg(test)]
@@ -460,7 +466,7 @@ metadata: {name: n1, labels: {topology.kubernetes.io/zone: z1}}
         assert!(slice.endpoints[0].ready && !slice.endpoints[0].terminating);
         assert_eq!(slice.endpoints[0].hint_zones.as_deref(), Some(&[std::sync::Arc::from("z1")][..]));
         assert!(!slice.endpoints[1].ready && slice.endpoints[1].serving && slice.endpoints[1].terminating);
-        assert_eq!(c.nodes["n1"].labels["topology.kubernetes.io/zone"], "z1");
+        assert_eq!(&*c.nodes["n1"].labels["topology.kubernetes.io/zone"], "z1");
     }
 
     #[test]
@@ -583,7 +589,7 @@ spec: {unschedulable: true, taints: [{key: node.kubernetes.io/unschedulable, eff
         assert_eq!(c.nodes["deleted"].leaving, Some("its Node has a deletionTimestamp"));
         assert_eq!(c.nodes["tainted"].leaving, Some("its Node is tainted ToBeDeletedByClusterAutoscaler"));
         assert_eq!(c.nodes["cordoned"].leaving, None, "a cordoned node still serves");
-        assert_eq!(c.nodes["cordoned"].labels["topology.kubernetes.io/zone"], "z1");
+        assert_eq!(&*c.nodes["cordoned"].labels["topology.kubernetes.io/zone"], "z1");
         let (_, e) = cluster("kind: Node\nmetadata: {name: bad, labels: [x]}\n");
         assert!(e.len() == 1 && e[0].starts_with("Node bad: malformed:"), "{e:?}");
     }

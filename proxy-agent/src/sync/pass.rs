@@ -229,6 +229,11 @@ pub struct CachedSync {
     seeded_tc: bool,
     /// `--terminate-tcp`.
     tcp: TcpTermination,
+    /// Per Service whose topology reads labels of other Nodes that its
+    /// slices do not carry, those labels
+    /// (`decide::topology::other_node_labels`): the source watches other
+    /// Nodes, metadata only, just while this is not empty.
+    label_needs: BTreeMap<ObjectRef, BTreeSet<String>>,
 }
 
 impl CachedSync {
@@ -249,6 +254,32 @@ impl CachedSync {
             seeded: false,
             seeded_tc: false,
             tcp: TcpTermination::default(),
+            label_needs: BTreeMap::new(),
+        }
+    }
+
+    /// The labels of other Nodes that some Service's topology needs.
+    pub fn node_labels_needed(&self) -> BTreeSet<String> {
+        self.label_needs.values().flatten().cloned().collect()
+    }
+
+    /// Follows what the Services in `ids` need of other Nodes' labels after
+    /// they were decided again.
+    fn track_label_needs<'a>(&mut self, cluster: &Cluster, ids: impl IntoIterator<Item = &'a ObjectRef>) {
+        for id in ids {
+            let needs = match cluster.services.get(id) {
+                Some(svc) => {
+                    let endpoints: Vec<&crate::model::Endpoint> =
+                        self.cache.slices_of(cluster, id).flat_map(|s| s.endpoints.iter()).collect();
+                    crate::decide::topology::other_node_labels(svc, &endpoints)
+                }
+                None => BTreeSet::new(),
+            };
+            if needs.is_empty() {
+                self.label_needs.remove(id);
+            } else {
+                self.label_needs.insert(id.clone(), needs);
+            }
         }
     }
 
@@ -356,9 +387,11 @@ impl CachedSync {
                 .cloned()
                 .collect();
             self.track_no_local(&all);
+            self.track_label_needs(cluster, all.iter().chain(cluster.services.keys()));
             self.track_external(all);
         } else {
             self.track_no_local(&update.services);
+            self.track_label_needs(cluster, &update.services);
             self.track_external(update.services.iter().cloned());
         }
         let ext = external.as_deref().map(|e| {

@@ -77,7 +77,7 @@ pub struct SyncLoop<W: SocketMaps> {
     cached: CachedSync,
     listed: BTreeSet<Kind>,
     /// Changes seen since the last sync, with their trigger times.
-    pending: Vec<(Kind, SystemTime)>,
+    pending: Vec<(Kind, SystemTime, bool)>,
     dirty: bool,
     last_sync: Option<Instant>,
     /// A pass owed at this moment even if nothing changes: the departure
@@ -91,6 +91,11 @@ pub struct SyncLoop<W: SocketMaps> {
     /// Whether this node's Node object has been seen: once it has, its
     /// disappearance means the node was deleted.
     node_seen: bool,
+    /// Where the labels of other Nodes that Services' topology needs are
+    /// published for the source (`kube_watch`), which watches other Nodes
+    /// metadata-only only while the set is not empty. `None` inside means
+    /// not known yet (before Services and EndpointSlices are listed).
+    node_labels: Option<tokio::sync::watch::Sender<Option<BTreeSet<String>>>>,
 }
 
 impl<W: SocketMaps> SyncLoop<W> {
@@ -124,7 +129,34 @@ impl<W: SocketMaps> SyncLoop<W> {
             logged: BTreeSet::new(),
             failing: BTreeMap::new(),
             node_seen: false,
+            node_labels: None,
         }
+    }
+
+    /// Publishes on `tx` which labels of other Nodes the Services need
+    /// (`decide::topology::other_node_labels`): first once Services and
+    /// EndpointSlices are listed, before the first sync, then after every
+    /// pass that changes it.
+    pub fn with_node_label_needs(mut self, tx: tokio::sync::watch::Sender<Option<BTreeSet<String>>>) -> Self {
+        self.node_labels = Some(tx);
+        self
+    }
+
+    fn publish_node_labels(&self, needed: BTreeSet<String>) {
+        let Some(tx) = &self.node_labels else { return };
+        tx.send_if_modified(|current| {
+            if current.as_ref() == Some(&needed) {
+                return false;
+            }
+            if needed.is_empty() {
+                tracing::info!("no Service's topology needs other Nodes' labels");
+            } else {
+                let keys: Vec<&str> = needed.iter().map(String::as_str).collect();
+                tracing::info!(labels = %keys.join(","), "Services' topology needs these labels of other Nodes");
+            }
+            *current = Some(needed);
+            true
+        });
     }
 
     /// Writes the external datapath in every pass too; `addresses_changed`
@@ -198,10 +230,10 @@ impl<W: SocketMaps> SyncLoop<W> {
 
     fn handle(&mut self, s: Signal) {
         match s {
-            Signal::Changed { kind, trigger } => {
+            Signal::Changed { kind, trigger, stamped } => {
                 self.metrics.watch_event(kind.as_str());
                 self.recovered(kind);
-                self.pending.push((kind, trigger));
+                self.pending.push((kind, trigger, stamped));
                 self.dirty = true;
                 self.mark_pending();
             }
@@ -223,6 +255,13 @@ impl<W: SocketMaps> SyncLoop<W> {
                 // decides every Service anyway (`changes.all`).
                 if !self.all_listed() && !self.health.is_ready() {
                     self.apply_queued();
+                    // The source holds the Nodes' listing back until it
+                    // knows whether other Nodes are needed, and lists
+                    // them first if they are: the first sync then decides
+                    // with every label it needs.
+                    if self.listed.contains(&Kind::Service) && self.listed.contains(&Kind::EndpointSlice) {
+                        self.publish_node_labels(crate::decide::topology::node_labels_needed(&self.model.cluster));
+                    }
                 }
                 self.dirty = true;
                 self.mark_pending();
@@ -327,6 +366,20 @@ impl<W: SocketMaps> SyncLoop<W> {
         }
         let mut outcome = self.cached.pass(&mut self.writer, self.external.as_mut(), &self.model.cluster, &changes, full);
         let took = started.elapsed();
+        // Network programming latency, as kube-proxy measures it
+        // (pkg/proxy/metrics NetworkProgrammingLatency): from the
+        // EndpointSlice controller's trigger time of each change the pass
+        // took to the moment its maps are written, which is now; changes
+        // without that stamp (deletions, manifests) are not counted.
+        for (kind, trigger, stamped) in self.pending.drain(..) {
+            self.metrics.programmed(kind.as_str(), trigger);
+            if kind == Kind::EndpointSlice && stamped {
+                self.metrics.endpoints_programmed(trigger);
+            }
+        }
+        if self.node_labels.is_some() {
+            self.publish_node_labels(self.cached.node_labels_needed());
+        }
         if let Some(t) = &self.terminator {
             t.submit(Batch { sockets: std::mem::take(&mut outcome.departures), conntrack: std::mem::take(&mut outcome.tc_departures) });
         }
@@ -423,12 +476,6 @@ impl<W: SocketMaps> SyncLoop<W> {
         }
         for kind in Kind::ALL {
             self.metrics.set_objects(kind.as_str(), self.stores.len(kind));
-        }
-        for (kind, trigger) in self.pending.drain(..) {
-            self.metrics.programmed(kind.as_str(), trigger);
-            if kind == Kind::EndpointSlice {
-                self.metrics.endpoints_programmed(trigger);
-            }
         }
         self.health.synced();
         self.dirty = false;

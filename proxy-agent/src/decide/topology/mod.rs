@@ -36,7 +36,7 @@ mod openyurt;
 mod topology_keys;
 mod traffic_distribution;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use crate::model::{Endpoint, Node, Service};
@@ -175,6 +175,60 @@ pub(crate) fn rank(svc: &Service, endpoints: &[&Endpoint], node: NodeContext<'_>
     Ranking { model, cluster: sorted_unique(cluster), local: local.indices, decision: parts.join("; "), problems }
 }
 
+/// The labels of other Nodes that ranking `svc` reads and that its
+/// endpoints (`endpoints`, of every slice of the Service) do not report
+/// themselves, so that the agent watches other Nodes (metadata only) just
+/// for these, and only while some Service needs one (seed 004: a watch of
+/// every Node costs every agent every kubelet's status report).
+///
+/// An endpoint carries its node's name (`kubernetes.io/hostname` when no
+/// Node says otherwise) and zone in v1 EndpointSlices, and its hostname,
+/// zone and region in v1beta1's `topology` map; hints and
+/// `trafficDistribution` read only those. A topology key list reads any
+/// label: region on v1 slices, or a custom label, needs the Nodes; so does
+/// OpenYurt's node pool (`apps.openyurt.io/nodepool`). A key every endpoint
+/// with a node reports in its `topology` needs nothing. An invalid key list
+/// is ignored by the ranking, and needs nothing either.
+pub(crate) fn other_node_labels(svc: &Service, endpoints: &[&Endpoint]) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    match constraint(svc, &mut Vec::new(), &mut Vec::new()) {
+        Some(Constraint::Keys { keys, .. }) => {
+            for key in keys.into_iter().filter(|k| ![TOPOLOGY_KEY_ANY, LABEL_HOSTNAME, LABEL_ZONE].contains(&k.as_str())) {
+                let reported = endpoints
+                    .iter()
+                    .filter(|e| e.node_name.is_some())
+                    .all(|e| e.topology.as_deref().is_some_and(|t| t.contains_key(key.as_str())));
+                let any = endpoints.iter().any(|e| e.node_name.is_some());
+                if !(any && reported) {
+                    out.insert(key);
+                }
+            }
+        }
+        Some(Constraint::OpenYurt(yurt)) if yurt.reads_pools() => {
+            out.insert(openyurt::LABEL_OPENYURT_NODEPOOL.to_string());
+        }
+        Some(Constraint::OpenYurt(_)) | None => {}
+    }
+    out
+}
+
+/// [`other_node_labels`] over every Service of `cluster`: what the agent
+/// needs of other Nodes before its first sync, when no decision is cached
+/// yet (`sync::pass::CachedSync` keeps it current after that).
+pub(crate) fn node_labels_needed(cluster: &crate::model::Cluster) -> BTreeSet<String> {
+    let mut slices: std::collections::HashMap<(&str, &str), Vec<&crate::model::EndpointSlice>> = std::collections::HashMap::new();
+    for s in cluster.slices.values() {
+        slices.entry((s.id.namespace.as_str(), s.service_name.as_str())).or_default().push(s);
+    }
+    let mut out = BTreeSet::new();
+    for svc in cluster.services.values() {
+        let of = slices.get(&(svc.id.namespace.as_str(), svc.id.name.as_str())).map(Vec::as_slice).unwrap_or_default();
+        let endpoints: Vec<&Endpoint> = of.iter().flat_map(|s| s.endpoints.iter()).collect();
+        out.extend(other_node_labels(svc, &endpoints));
+    }
+    out
+}
+
 /// Sorts and deduplicates a result (the tiers produce ascending indices
 /// already; this keeps the documented guarantee whatever the path).
 fn sorted_unique(mut v: Vec<usize>) -> Vec<usize> {
@@ -196,7 +250,7 @@ struct View<'a> {
     nodes: &'a BTreeMap<String, Node>,
     /// This node's labels; `None` when the node is unknown, in which case
     /// it has no label at all (as kube-proxy with empty node labels).
-    labels: Option<&'a BTreeMap<String, String>>,
+    labels: Option<&'a crate::model::NodeTopology>,
 }
 
 impl<'a> View<'a> {
@@ -210,7 +264,7 @@ impl<'a> View<'a> {
 
     /// This node's value for label `key`.
     fn node_label(&self, key: &str) -> Option<&'a str> {
-        self.labels.and_then(|l| l.get(key)).map(String::as_str)
+        self.labels.and_then(|l| l.get(key)).map(|v| &**v)
     }
 
     /// The value of label `key` on the Node an endpoint runs on.
@@ -230,7 +284,7 @@ impl<'a> View<'a> {
         'a: 'e,
     {
         if let Some(node) = ep.node_name.as_deref().and_then(|n| self.nodes.get(n)) {
-            return node.labels.get(key).map(String::as_str);
+            return node.labels.get(key).map(|v| &**v);
         }
         if let Some(value) = ep.topology.as_deref().and_then(|t| t.get(key)) {
             return Some(value);
@@ -399,6 +453,39 @@ mod tests {
 
     use super::test_support::{Case, EpExt, REGION, SvcExt, ep, node, run, svc};
     use super::*;
+
+    /// Which other Nodes' labels a Service's ranking needs: (name, Service,
+    /// its endpoints, labels).
+    #[test]
+    fn other_node_labels_are_those_the_slices_do_not_carry() {
+        const YURT: &str = "openyurt.io/topologyKeys";
+        const KEYS: &str = "topoproxy.io/topology-keys";
+        let v1 = || vec![ep(0, "a").zone("z1"), ep(1, "b").zone("z2")];
+        let v1beta1 = || vec![ep(0, "a").topo(&[(REGION, "r1")]), ep(1, "b").topo(&[(REGION, "r2")])];
+        let cases: Vec<(&str, Service, Vec<Endpoint>, Vec<&str>)> = vec![
+            ("no topology", svc(), v1(), vec![]),
+            ("hostname, zone, *", svc().keys(&[LABEL_HOSTNAME, LABEL_ZONE, "*"]), v1(), vec![]),
+            ("region on v1 slices", svc().keys(&[LABEL_HOSTNAME, REGION, "*"]), v1(), vec![REGION]),
+            ("region on v1beta1 slices, which carry it", svc().keys(&[REGION, "*"]), v1beta1(), vec![]),
+            (
+                "region, one endpoint without it",
+                svc().keys(&[REGION, "*"]),
+                vec![ep(0, "a").topo(&[(REGION, "r1")]), ep(1, "b")],
+                vec![REGION],
+            ),
+            ("region, no endpoint yet", svc().keys(&[REGION, "*"]), vec![], vec![REGION]),
+            ("a custom label, from the annotation", svc().ann(KEYS, "example.com/rack, *"), v1(), vec!["example.com/rack"]),
+            ("an invalid list is ignored", svc().keys(&["*", REGION]), v1(), vec![]),
+            ("OpenYurt node pools", svc().ann(YURT, "openyurt.io/nodepool"), v1(), vec![openyurt::LABEL_OPENYURT_NODEPOOL]),
+            ("OpenYurt, same node only", svc().ann(YURT, "kubernetes.io/hostname"), v1(), vec![]),
+            ("hints and trafficDistribution read the slices", svc().td("PreferClose"), v1(), vec![]),
+            ("internalTrafficPolicy Local reads nodeName", svc().itp_local(), v1(), vec![]),
+        ];
+        for (name, s, eps, want) in cases {
+            let want: BTreeSet<String> = want.into_iter().map(str::to_string).collect();
+            assert_eq!(other_node_labels(&s, &eps.iter().collect::<Vec<_>>()), want, "{name}");
+        }
+    }
 
     // ----- traffic policies and terminating endpoints (TestCategorizeEndpoints) -----
 

@@ -29,6 +29,13 @@ pub(super) struct YurtTopology {
     any: bool,
 }
 
+impl YurtTopology {
+    /// Whether the ranking compares node pools (other Nodes' pool labels).
+    pub(super) fn reads_pools(&self) -> bool {
+        self.pool
+    }
+}
+
 /// Parses OpenYurt's annotation. Current OpenYurt
 /// (`pkg/yurthub/filter/servicetopology/filter.go`) takes the value as one
 /// of `kubernetes.io/hostname`, `kubernetes.io/zone`, `openyurt.io/nodepool`

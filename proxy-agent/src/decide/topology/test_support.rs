@@ -124,7 +124,7 @@ impl EpExt for Endpoint {
 }
 
 pub(super) fn node(name: &str, labels: &[(&str, &str)]) -> Node {
-    Node { name: name.to_string(), labels: labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect(), leaving: None }
+    Node { name: name.to_string(), labels: labels.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect(), leaving: None }
 }
 
 pub(super) const REGION: &str = "topology.kubernetes.io/region";
