@@ -27,6 +27,10 @@
 //! - [`workloads`]: real software as pods (Debian's nginx as a backend,
 //!   curl and wrk as clients), for what an application sees while its
 //!   backends drain, quit and leave.
+//! - [`real_cluster`]: a real control plane on loopback (etcd,
+//!   kube-apiserver, kube-controller-manager from `cargo xtask k8s`) with
+//!   Nodes and Pods written as a kubelet would, for the agent against the
+//!   real EndpointSlice controller and API server.
 //!
 //! What needs the agent binary itself (`CARGO_BIN_EXE_proxy-agent`, which
 //! cargo sets only for proxy-agent's own tests) stays in
@@ -37,6 +41,7 @@ pub mod checksum;
 pub mod http;
 pub mod kube_proxy;
 pub mod prog_test_run;
+pub mod real_cluster;
 pub mod sandbox;
 pub mod scenario;
 pub mod traffic;

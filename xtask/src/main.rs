@@ -17,9 +17,13 @@
 //! - `image`: the agent's container image from the Dockerfile, with podman
 //!   and Debian packages (no image registry); `--test` also runs it as the
 //!   chart's DaemonSet.
+//! - `k8s`: etcd, kube-apiserver, kube-controller-manager and kubectl from
+//!   the Go modules pinned in tools/k8s, for the real-API-server tests
+//!   (`test` runs it first); the only command that needs Go.
 //!
-//! Every command runs the `setup` checks first. xtask depends on nothing of
-//! the project's own, so it builds before the eBPF toolchain exists.
+//! Every command but `k8s` runs the `setup` checks first (which do not
+//! install Go). xtask depends on nothing of the project's own, so it
+//! builds before the eBPF toolchain exists.
 
 mod bench;
 mod build_ebpf;
@@ -27,6 +31,7 @@ mod chart_env;
 mod demo;
 mod fuzz;
 mod image;
+mod k8s;
 mod libtest;
 mod lint;
 mod setup;
@@ -111,6 +116,12 @@ enum Command {
         #[arg(long)]
         test: bool,
     },
+    /// Build etcd, kube-apiserver, kube-controller-manager and kubectl at
+    /// the versions pinned in tools/k8s/go.mod into target/k8s/<version>/
+    /// (Go and its module proxy needed; about 9 minutes cold, skipped for
+    /// binaries newer than go.mod and go.sum). The real-API-server tests
+    /// run them; `test` does this first.
+    K8s,
 }
 
 fn main() -> std::process::ExitCode {
@@ -125,6 +136,7 @@ fn main() -> std::process::ExitCode {
         Command::Fuzz { args } => fuzz::run(&args),
         Command::Vmtest { args } => vmtest::run(&args),
         Command::Image { test } => image::run(test),
+        Command::K8s => k8s::run(),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

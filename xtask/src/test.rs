@@ -29,11 +29,12 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::Stdio;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 
 use crate::libtest::Totals;
-use crate::{fuzz, image, lint, setup, util, vmtest};
+use crate::{fuzz, image, k8s, lint, setup, util, vmtest};
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     if !util::is_root() {
@@ -42,7 +43,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
              so they need root; run `cargo xtask test` as root"
         );
     }
+    let mut steps = Steps::default();
+    let started = Instant::now();
     setup::ensure()?;
+    steps.done("setup", started);
     let (no_vm, args) = take_no_vm(args);
     let no_vm = no_vm || std::env::var_os(NO_VM_ENV).is_some_and(|v| !v.is_empty() && v != "0");
     let args = &args[..];
@@ -56,10 +60,22 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if selects {
         println!("lint not run: packages were selected with -p (`cargo xtask lint` runs it alone)");
     } else {
+        let started = Instant::now();
         lint::check().context("tests not run")?;
+        steps.done("lint", started);
+    }
+    // The real control plane of the real-API-server tests, built from
+    // tools/k8s when missing (k8s.rs); the tests find it through the env.
+    // Only proxy-agent's tests use it.
+    let mut c = util::cargo();
+    if !selects || selects_package(&cargo_args, "proxy-agent") {
+        let started = Instant::now();
+        let k8s_bin = k8s::ensure_binaries(&util::workspace_root()).context("tests not run")?;
+        steps.done("kubernetes binaries (tools/k8s)", started);
+        c.env(k8s::BIN_ENV, &k8s_bin);
     }
     util::print_disk("the tests");
-    let mut c = util::cargo();
+    let started = Instant::now();
     c.arg("test");
     if !selects {
         c.arg("--workspace");
@@ -84,6 +100,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     }
     let status = child.wait()?;
     drop(out);
+    steps.done("cargo test (build and run)", started);
     // The fuzz targets, briefly (fuzz.rs); they follow even when a test
     // failed, like the VM run.
     let fuzz_failed = if selects {
@@ -91,7 +108,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         None
     } else {
         util::print_disk("the fuzz step");
-        fuzz::ci_step(&mut totals)
+        let started = Instant::now();
+        let failed = fuzz::ci_step(&mut totals);
+        steps.done("fuzz targets", started);
+        failed
     };
     // The VM run follows even when a test failed above, so that one run
     // shows every failure; it reuses the debug binaries built above.
@@ -102,7 +122,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         println!("\nvmtest not run: packages were selected with -p (`cargo xtask vmtest` runs it alone)");
     } else {
         util::print_disk("vmtest");
-        match vmtest::run_with(&vmtest::Options::default()) {
+        let started = Instant::now();
+        let outcome = vmtest::run_with(&vmtest::Options::default());
+        steps.done("vmtest (older kernels under qemu)", started);
+        match outcome {
             Ok(vmtest::Outcome::Skipped { reason, tests }) => {
                 println!("\nvmtest skipped ({tests} tests counted as skipped): {reason}");
                 totals.ignored += tests;
@@ -127,8 +150,12 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         None
     } else {
         util::print_disk("the image step");
-        image::test_step(&mut totals)
+        let started = Instant::now();
+        let failed = image::test_step(&mut totals);
+        steps.done("container image (build and run)", started);
+        failed
     };
+    steps.print();
     if totals.binaries > 0 {
         totals.print_summary();
     }
@@ -146,6 +173,35 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         bail!(why);
     }
     Ok(())
+}
+
+/// How long each step of the run took, printed as a table at the end.
+#[derive(Default)]
+struct Steps(Vec<(&'static str, Duration)>);
+
+impl Steps {
+    fn done(&mut self, step: &'static str, started: Instant) {
+        self.0.push((step, started.elapsed()));
+    }
+
+    fn print(&self) {
+        let width = self.0.iter().map(|(s, _)| s.len()).max().unwrap_or(0);
+        println!("\nstep times:");
+        for (step, took) in &self.0 {
+            println!("  {step:<width$}  {:>7.1} s", took.as_secs_f64());
+        }
+        let total: Duration = self.0.iter().map(|(_, d)| *d).sum();
+        println!("  {:<width$}  {:>7.1} s", "total", total.as_secs_f64());
+    }
+}
+
+/// Whether cargo's arguments select `package` (in any of the spellings
+/// [`selects_packages`] knows).
+fn selects_package(cargo_args: &[&String], package: &str) -> bool {
+    cargo_args.iter().enumerate().any(|(i, a)| {
+        let named = a.strip_prefix("--package=").or_else(|| a.strip_prefix("-p").filter(|p| !p.is_empty()));
+        named == Some(package) || ((*a == "-p" || *a == "--package") && cargo_args.get(i + 1).is_some_and(|n| *n == package))
+    })
 }
 
 /// Whether cargo's arguments select packages (`-p NAME`, `-pNAME`,
@@ -192,6 +248,13 @@ mod tests {
         assert!(sel(&["--package=xtask"]));
         assert!(!sel(&["--release", "some_test"]));
         assert!(!sel(&[]));
+        let one = |s: &[&str]| {
+            let v: Vec<String> = s.iter().map(std::string::ToString::to_string).collect();
+            selects_package(&v.iter().collect::<Vec<_>>(), "proxy-agent")
+        };
+        assert!(one(&["-p", "proxy-agent"]) && one(&["-pproxy-agent"]) && one(&["--package=proxy-agent"]));
+        assert!(one(&["-p", "xtask", "--package", "proxy-agent"]));
+        assert!(!one(&["-p", "xtask"]) && !one(&["-p", "proxy-agent-x"]) && !one(&[]));
     }
 
     #[test]

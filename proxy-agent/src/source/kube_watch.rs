@@ -139,7 +139,7 @@ async fn watch_nodes(
     let mut listed = Listing::default();
     loop {
         let want = needed.borrow_and_update().clone();
-        listed.need_known = want.is_some();
+        listed.need = want.as_ref().map(|_| ());
         let keys = want.filter(|k| !k.is_empty()).map(|mut k| {
             k.extend(ALWAYS_KEPT.iter().map(|l| (*l).to_string()));
             k
@@ -212,20 +212,22 @@ async fn watch_nodes(
     }
 }
 
-/// Whether the Nodes' listing can be announced ([`watch_nodes`]).
+/// Whether the Nodes' listing can be announced ([`watch_nodes`]): this
+/// node's Node listed, the other Nodes listed (or not watched), and the
+/// labels needed known (`need`, the sync loop's latest word).
 #[derive(Default)]
 struct Listing {
     own: bool,
     others: bool,
-    need_known: bool,
     announced: bool,
+    need: Option<()>,
 }
 
 impl Listing {
     /// Announces the listing if it is complete and was not announced yet;
     /// false once the sync loop is gone.
     fn announce(&mut self, tx: &UnboundedSender<Signal>) -> bool {
-        if self.announced || !(self.own && self.need_known && self.others) {
+        if self.announced || !(self.own && self.need.is_some() && self.others) {
             return true;
         }
         self.announced = true;

@@ -1,0 +1,216 @@
+//! `cargo xtask k8s`: the real Kubernetes control plane the real-API-server
+//! tests (`proxy-agent/tests/real_apiserver.rs`, through
+//! `proxy_test_support::real_cluster`) start: etcd, kube-apiserver,
+//! kube-controller-manager and kubectl, built from Go modules.
+//!
+//! The versions are pinned in `tools/k8s/go.mod` (see `tools/k8s/tools.go`
+//! for how its replace lines were made), and `go.sum` is committed, so a
+//! fresh clone builds without `go mod tidy` and without changing either
+//! file (`-mod=readonly`). Each binary goes to `target/k8s/<version>/`,
+//! `<version>` being k8s.io/kubernetes' in go.mod, built with
+//! `CGO_ENABLED=0 go build -trimpath` and the version stamped in as
+//! Kubernetes' own release builds do. A binary that exists and is newer
+//! than go.mod and go.sum is kept: a cold build takes about 9 minutes on 2
+//! cores (kube-apiserver alone about 4), a warm one seconds. Go's build and
+//! module caches stay where Go keeps them.
+//!
+//! This is the only step that needs Go; `cargo xtask setup` does not
+//! install it. `cargo xtask test` runs this before the workspace's tests
+//! and hands the directory to them as `TOPOPROXY_K8S_BIN`.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Instant, SystemTime};
+
+use anyhow::{Context, Result, bail};
+
+use crate::util;
+
+/// The environment variable the tests read the binaries' directory from.
+pub(crate) const BIN_ENV: &str = "TOPOPROXY_K8S_BIN";
+
+/// (binary, its module, main package) built from tools/k8s.
+const BINARIES: [(&str, &str, &str); 4] = [
+    ("etcd", ETCD_MODULE, ETCD_MODULE),
+    ("kube-apiserver", KUBERNETES_MODULE, "k8s.io/kubernetes/cmd/kube-apiserver"),
+    ("kube-controller-manager", KUBERNETES_MODULE, "k8s.io/kubernetes/cmd/kube-controller-manager"),
+    ("kubectl", KUBERNETES_MODULE, "k8s.io/kubernetes/cmd/kubectl"),
+];
+const KUBERNETES_MODULE: &str = "k8s.io/kubernetes";
+const ETCD_MODULE: &str = "go.etcd.io/etcd/server/v3";
+
+/// Where Go's official tarball installs itself, for a machine whose PATH
+/// does not have it.
+const GO_FALLBACK: &str = "/usr/local/go/bin/go";
+
+/// `cargo xtask k8s`.
+pub(crate) fn run() -> Result<()> {
+    let dir = ensure_binaries(&util::workspace_root())?;
+    println!("k8s: binaries in {} (export {BIN_ENV}={})", dir.display(), dir.display());
+    Ok(())
+}
+
+/// Builds what is missing or older than tools/k8s/go.mod and go.sum into
+/// `<root>/target/k8s/<version>/` and returns that directory.
+pub(crate) fn ensure_binaries(root: &Path) -> Result<PathBuf> {
+    let module = root.join("tools/k8s");
+    let go_mod_path = module.join("go.mod");
+    let go_mod = std::fs::read_to_string(&go_mod_path).with_context(|| format!("reading {}", go_mod_path.display()))?;
+    let version = required_version(&go_mod, KUBERNETES_MODULE)
+        .with_context(|| format!("no `{KUBERNETES_MODULE} vX.Y.Z` requirement in {}", go_mod_path.display()))?;
+    let out = root.join("target/k8s").join(&version);
+    std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
+    let inputs = [go_mod_path, module.join("go.sum")]
+        .iter()
+        .map(|p| std::fs::metadata(p).and_then(|m| m.modified()).with_context(|| format!("reading {}", p.display())))
+        .collect::<Result<Vec<SystemTime>>>()?;
+    let newest_input = inputs.into_iter().max().unwrap_or(SystemTime::UNIX_EPOCH);
+    let mut missing = Vec::new();
+    for (bin, module, package) in BINARIES {
+        // etcd's own version (v3.7.0), the others' is the directory's.
+        let shown = required_version(&go_mod, module).unwrap_or_else(|| version.clone());
+        let built = std::fs::metadata(out.join(bin)).and_then(|m| m.modified()).ok();
+        if built.is_some_and(|t| t > newest_input) {
+            println!("k8s: {bin} {shown} present");
+        } else {
+            missing.push((bin, package, shown));
+        }
+    }
+    if missing.is_empty() {
+        return Ok(out);
+    }
+    let go = go_binary(&go_mod)?;
+    download_modules(&go, &module)?;
+    let ldflags = ldflags(&version)?;
+    for (bin, package, shown) in missing {
+        println!("k8s: building {bin} {shown} ({package}; minutes on a cold Go build cache)");
+        let started = Instant::now();
+        let partial = out.join(format!("{bin}.partial"));
+        let mut c = util::cmd(&go);
+        c.current_dir(&module)
+            .env("CGO_ENABLED", "0")
+            .args(["build", "-trimpath", "-mod=readonly", "-buildvcs=false", "-ldflags", &ldflags, "-o"])
+            .arg(&partial)
+            .arg(package);
+        util::run(&mut c).with_context(|| format!("building {bin} {shown} in {}", module.display()))?;
+        // Renamed into place only when complete: an interrupted build
+        // leaves no binary that the next run would take for a good one.
+        std::fs::rename(&partial, out.join(bin)).with_context(|| format!("moving {} into place", partial.display()))?;
+        println!("k8s: built {bin} {shown} in {} s", started.elapsed().as_secs());
+    }
+    Ok(out)
+}
+
+/// The version of `module` that go.mod requires (`v1.37.2` for
+/// k8s.io/kubernetes).
+fn required_version(go_mod: &str, module: &str) -> Option<String> {
+    go_mod.lines().find_map(|l| {
+        let mut words = l.trim_start_matches("require").split_whitespace();
+        (words.next() == Some(module)).then(|| words.next()).flatten().filter(|v| v.starts_with('v')).map(str::to_string)
+    })
+}
+
+/// The `go` directive of go.mod (`1.26.0`).
+fn go_directive(go_mod: &str) -> Option<&str> {
+    go_mod.lines().find_map(|l| l.strip_prefix("go ")).map(str::trim)
+}
+
+/// `-s -w` and the version stamps Kubernetes' release builds set
+/// (hack/lib/version.sh): what `kubectl version` and the API server's
+/// /version report. etcd has its version compiled in.
+fn ldflags(version: &str) -> Result<String> {
+    let numbers = version.strip_prefix('v').unwrap_or(version);
+    let mut parts = numbers.split('.');
+    let (Some(major), Some(minor)) = (parts.next(), parts.next()) else { bail!("cannot read major and minor of {version}") };
+    let mut flags = String::from("-s -w");
+    for package in ["k8s.io/component-base/version", "k8s.io/client-go/pkg/version"] {
+        for (var, value) in [("gitVersion", version), ("gitMajor", major), ("gitMinor", minor), ("gitTreeState", "clean")] {
+            flags.push_str(&format!(" -X {package}.{var}={value}"));
+        }
+    }
+    Ok(flags)
+}
+
+/// `go` from PATH, else from [`GO_FALLBACK`]; fails saying that Go is
+/// missing, or too old for go.mod's `go` directive.
+fn go_binary(go_mod: &str) -> Result<PathBuf> {
+    let need = go_directive(go_mod).unwrap_or("0");
+    let found = ["go", GO_FALLBACK].into_iter().find_map(|go| {
+        let v = util::output(util::cmd(go).args(["env", "GOVERSION"]))?;
+        Some((PathBuf::from(go), v.trim().to_string()))
+    });
+    let Some((go, have)) = found else {
+        bail!(
+            "Go is not installed (no `go` on PATH, nor {GO_FALLBACK}); building etcd, kube-apiserver, \
+             kube-controller-manager and kubectl for the real-API-server tests needs Go {need} or newer \
+             (https://go.dev/dl/), and only this step needs it"
+        );
+    };
+    if version_numbers(have.trim_start_matches("go")) < version_numbers(need) {
+        bail!("{} is {have}, older than the Go {need} that tools/k8s/go.mod needs; install Go {need} or newer", go.display());
+    }
+    Ok(go)
+}
+
+/// `1.26.8` -> [1, 26, 8], for comparing; stops at the first part that is
+/// not a number (`1.27rc1` -> [1]).
+fn version_numbers(v: &str) -> Vec<u64> {
+    v.split('.').map_while(|p| p.parse().ok()).collect()
+}
+
+/// `go mod download`: fetches every module go.mod lists (a no-op when the
+/// module cache has them), so that a proxy that cannot be reached is told
+/// apart from a failing build.
+fn download_modules(go: &Path, module: &Path) -> Result<()> {
+    let mut c = util::cmd(go);
+    c.current_dir(module).args(["mod", "download"]).stdout(Stdio::null()).stderr(Stdio::piped());
+    let out = c.output().with_context(|| format!("cannot run {}", util::describe(&c)))?;
+    if !out.status.success() {
+        let proxy = util::output(util::cmd(go).args(["env", "GOPROXY"])).unwrap_or_default();
+        bail!(
+            "the Go module proxy failed: `go mod download` in {} could not fetch the modules of go.mod (GOPROXY={}): {}",
+            module.display(),
+            proxy.trim(),
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GO_MOD: &str = "module topoproxy.test/tools/k8s\n\ngo 1.26.0\n\nrequire (\n\tgo.etcd.io/etcd/server/v3 v3.7.0\n\tk8s.io/kubernetes v1.37.2\n)\n\nreplace (\n\tk8s.io/api => k8s.io/api v0.37.2\n)\n";
+
+    #[test]
+    fn the_version_and_go_directive_are_read_from_go_mod() {
+        assert_eq!(required_version(GO_MOD, KUBERNETES_MODULE).as_deref(), Some("v1.37.2"));
+        assert_eq!(required_version(GO_MOD, ETCD_MODULE).as_deref(), Some("v3.7.0"));
+        assert_eq!(required_version("require k8s.io/kubernetes v1.36.0\n", KUBERNETES_MODULE).as_deref(), Some("v1.36.0"));
+        assert_eq!(required_version("replace k8s.io/api => k8s.io/api v0.37.2\n", "k8s.io/api"), None);
+        assert_eq!(go_directive(GO_MOD), Some("1.26.0"));
+    }
+
+    #[test]
+    fn the_repository_pins_a_version() {
+        let go_mod = std::fs::read_to_string(util::workspace_root().join("tools/k8s/go.mod")).unwrap();
+        assert!(required_version(&go_mod, KUBERNETES_MODULE).is_some_and(|v| v.starts_with("v1.")), "{go_mod}");
+    }
+
+    #[test]
+    fn the_version_is_stamped_like_a_release_build() {
+        let f = ldflags("v1.37.2").unwrap();
+        assert!(f.starts_with("-s -w "), "{f}");
+        assert!(f.contains(" -X k8s.io/component-base/version.gitVersion=v1.37.2"), "{f}");
+        assert!(f.contains(" -X k8s.io/client-go/pkg/version.gitMinor=37"), "{f}");
+        assert!(f.contains(" -X k8s.io/component-base/version.gitMajor=1"), "{f}");
+    }
+
+    #[test]
+    fn go_versions_compare_by_number() {
+        assert!(version_numbers("1.26.8") >= version_numbers("1.26.0"));
+        assert!(version_numbers("1.3") < version_numbers("1.26.0"));
+        assert!(version_numbers("1.27") > version_numbers("1.26.0"));
+    }
+}
