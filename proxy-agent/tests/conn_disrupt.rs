@@ -14,7 +14,9 @@
 //! whose processes in the pod namespace are the cluster's clients
 //! (ClusterIP). Two backends (`pod-a`, `pod-b`) serve every Service: a
 //! serve-hostname (TCP and UDP 8080) and a line-echo server (TCP 7000) each.
-//! The stand-in API server listens on the node namespace's loopback.
+//! The stand-in API server listens on the node namespace's loopback
+//! (Stand-in: injected faults, an outage then a compacted history, and
+//! 1,000 EndpointSlice changes a second written directly).
 //! Besides the two Services that carry traffic there are filler Services
 //! that carry none: they give each sync work to be interrupted and they
 //! are what the EndpointSlice churn changes, so that no fault removes a

@@ -20,7 +20,10 @@
 //!   touched; the chart's default `devices: auto` then finds that veth;
 //! - the API server: the in-cluster configuration is always https, and
 //!   the stand-in speaks plain HTTP, so each agent gets a kubeconfig
-//!   through the chart's `extraArgs` and one extra read-only mount;
+//!   through the chart's `extraArgs` and one extra read-only mount
+//!   (Stand-in: it serves the demo's objects verbatim from inside the
+//!   test's control namespace, which the containers reach; the real
+//!   control plane of real_apiserver.rs listens on the host's loopback);
 //! - `cgroup.hostRoot` is the node's own test cgroup, where its pods run,
 //!   instead of the machine's cgroup2 root: three agents of one machine
 //!   would otherwise all translate every process's connections;

@@ -1,7 +1,9 @@
 //! The agent as a Kubernetes node agent: the real `proxy-agent run
 //! --kubeconfig` against the stand-in API server (`proxy_test_support::apiserver`,
 //! real list/watch protocol over HTTP), with clients in an isolated
-//! namespace connecting through the datapath.
+//! namespace connecting through the datapath. The same agent against a real
+//! kube-apiserver and EndpointSlice controller is `real_apiserver.rs`; each
+//! test here says in one line (`Stand-in:`) why it needs the stand-in.
 
 mod support;
 
@@ -126,6 +128,8 @@ fn wait_metric(node: &Node, series: &str, ok: impl Fn(f64) -> bool) {
     });
 }
 
+/// Stand-in: it records every request, so the test can count lists and
+/// watches and read their selectors.
 #[test]
 fn services_and_slices_follow_the_api_server() {
     let mut net = PodNetwork::new();
@@ -218,6 +222,8 @@ fn services_and_slices_follow_the_api_server() {
     );
 }
 
+/// Stand-in: a 1.21 API server (`spec.topologyKeys`), an era no release
+/// built here serves.
 #[test]
 fn a_node_label_change_reranks_topology_services() {
     let mut net = PodNetwork::new();
@@ -257,6 +263,8 @@ fn a_node_label_change_reranks_topology_services() {
 /// metadata-only Nodes and follow their changes, and the watch stops once
 /// no Service needs them (seed 004: a watch of every Node costs every
 /// agent every kubelet's status report).
+/// Stand-in: it records every request, so the test can see which Node
+/// watches run, metadata-only or not, and when they stop.
 #[test]
 fn other_nodes_are_watched_metadata_only_while_a_services_topology_needs_them() {
     const REGION: &str = "topology.kubernetes.io/region";
@@ -338,6 +346,8 @@ fn other_nodes_are_watched_metadata_only_while_a_services_topology_needs_them() 
 /// version"); then it goes away again and the agent is restarted without
 /// it. Traffic to Services whose backends stayed up never fails, and the
 /// agent converges to each new server's state.
+/// Stand-in: an injected fault (a new history with resourceVersions far
+/// below the agent's, as after an etcd restore).
 #[test]
 fn api_server_outage_and_new_history_keep_traffic_flowing() {
     let mut net = PodNetwork::new();
@@ -413,6 +423,9 @@ fn api_server_outage_and_new_history_keep_traffic_flowing() {
     assert_no_failures("stable Service during the outages", client.finish());
 }
 
+/// Stand-in: the restarts run against a server whose history the test
+/// controls (resourceVersions chosen); the real server's case is in
+/// real_apiserver.rs.
 #[test]
 fn agent_restarts_do_not_interrupt_traffic() {
     let mut net = PodNetwork::new();
@@ -448,6 +461,8 @@ fn agent_restarts_do_not_interrupt_traffic() {
 /// Every open watch is told its version expired (410 Gone, as after an etcd
 /// compaction): the agent relists, keeps the maps meanwhile and converges,
 /// including a change made while it was relisting.
+/// Stand-in: an injected fault (every open watch expired with 410 at the
+/// moment the test chooses).
 #[test]
 fn an_expired_watch_relists_without_flushing() {
     let mut net = PodNetwork::new();
@@ -485,6 +500,8 @@ fn an_expired_watch_relists_without_flushing() {
 }
 
 /// /healthz, /readyz and /metrics; Events for bad Services, posted once.
+/// Stand-in: an injected fault (the API server absent when the agent
+/// starts) and Events read back as posted.
 #[test]
 fn health_metrics_and_events() {
     let mut net = PodNetwork::new();
@@ -611,6 +628,8 @@ fn health_metrics_and_events() {
 /// autoscaler's `ToBeDeletedByClusterAutoscaler` taint. Through the real
 /// watcher; `/livez` (the kubelet's liveness probe) and the traffic are not
 /// affected.
+/// Stand-in: a Node with a deletionTimestamp that stays (a real server
+/// deletes a Node without finalizers at once).
 #[test]
 fn healthz_fails_while_this_node_is_going_away() {
     let mut net = PodNetwork::new();
@@ -689,6 +708,8 @@ fn healthz_fails_while_this_node_is_going_away() {
 
 /// A map that is too small: what does not fit is logged and counted, the
 /// rest works, and the Service is programmed once there is room.
+/// Stand-in: hundreds of Services written in one step, with no controller
+/// in between.
 #[test]
 fn a_full_map_is_reported_and_retried() {
     let mut net = PodNetwork::new();

@@ -1,5 +1,6 @@
 //! 1,000 Services with 10 endpoints each, created at once on the stand-in
-//! API server: all programmed exactly (checked through the agent's metrics,
+//! API server (Stand-in: 10,000 endpoints written in one step, faster than
+//! Pods through a real controller): all programmed exactly (checked through the agent's metrics,
 //! by reading the pinned maps back and by connecting), then all deleted and
 //! the maps are empty. Deadlines are only for waiting; speed is measured
 //! by the benchmarks, not here.

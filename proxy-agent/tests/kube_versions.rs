@@ -1,5 +1,6 @@
 //! The agent against API servers of the releases where the seed documents'
-//! features were born, and today's: the real `proxy-agent run
+//! features were born, and today's (Stand-in: API eras, 1.18 and 1.21,
+//! that no release built here serves): the real `proxy-agent run
 //! --kubeconfig` (kube-rs client, list/watch over HTTP) on every node of a
 //! simulated cluster, against the stand-in API server behaving as
 //! - Kubernetes 1.18 (OpenYurt's walk-through: EndpointSlices and Events in
