@@ -51,7 +51,8 @@ ARG DEBIAN_IMAGE=docker.io/library/debian:bookworm-slim
 FROM ${RUST_IMAGE} AS agent-build
 ARG BPF_LINKER_VERSION=0.13.0
 # The nightly whose LLVM (22) is bpf-linker's: a newer nightly's bitcode
-# fails in bpf-linker with "Invalid record".
+# fails in bpf-linker with "Invalid record". The same channel as
+# proxy-ebpf/rust-toolchain.toml, which proxy-agent's build.rs runs.
 ARG RUST_NIGHTLY=nightly-2026-05-20
 ENV DEBIAN_FRONTEND=noninteractive
 # LLVM 22 comes from bookworm-security; without LLVM_PREFIX bpf-linker's build
@@ -60,11 +61,8 @@ ENV DEBIAN_FRONTEND=noninteractive
 RUN apt-get update \
  && apt-get install -y --no-install-recommends llvm-22-dev libpolly-22-dev libzstd-dev zlib1g-dev cmake \
  && rm -rf /var/lib/apt/lists/*
-# proxy-agent's build.rs runs `rustup run nightly`: the dated toolchain is
-# installed under that name as well.
 RUN rustup toolchain install ${RUST_NIGHTLY} --profile minimal --component rust-src \
- && ln -s "${RUST_NIGHTLY}-x86_64-unknown-linux-gnu" "${RUSTUP_HOME:-$HOME/.rustup}/toolchains/nightly-x86_64-unknown-linux-gnu" \
- && rustup run nightly rustc --version
+ && rustup run ${RUST_NIGHTLY} rustc --version
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     LLVM_PREFIX=/usr/lib/llvm-22 PATH=/usr/lib/llvm-22/bin:$PATH \
     cargo install bpf-linker --version ${BPF_LINKER_VERSION} --locked \

@@ -23,13 +23,26 @@ fn main() {
     }
     let workspace = manifest_dir.parent().expect("proxy-agent lives in the workspace").to_path_buf();
     let ebpf_dir = workspace.join("proxy-ebpf");
-    for p in ["proxy-ebpf/src", "proxy-ebpf/Cargo.toml", "proxy-ebpf/Cargo.lock", "proxy-common/src", "proxy-common/Cargo.toml"] {
+    for p in [
+        "proxy-ebpf/src",
+        "proxy-ebpf/Cargo.toml",
+        "proxy-ebpf/Cargo.lock",
+        "proxy-ebpf/rust-toolchain.toml",
+        "proxy-common/src",
+        "proxy-common/Cargo.toml",
+    ] {
         println!("cargo:rerun-if-changed={}", workspace.join(p).display());
     }
     let target_dir = env::var_os("CARGO_TARGET_DIR").map_or_else(|| workspace.join("target"), PathBuf::from).join("ebpf");
 
+    // The pinned nightly of proxy-ebpf/rust-toolchain.toml.
+    let toolchain = std::fs::read_to_string(ebpf_dir.join("rust-toolchain.toml")).expect("read proxy-ebpf/rust-toolchain.toml");
+    let channel = toolchain
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("channel")?.trim().strip_prefix('=')?.trim().strip_prefix('"')?.strip_suffix('"'))
+        .expect("proxy-ebpf/rust-toolchain.toml names a channel");
     let mut cmd = Command::new("rustup");
-    cmd.args(["run", "nightly", "cargo", "build", "--release", "-Z", "build-std=core", "--target", "bpfel-unknown-none"])
+    cmd.args(["run", channel, "cargo", "build", "--release", "-Z", "build-std=core", "--target", "bpfel-unknown-none"])
         .arg("--manifest-path")
         .arg(ebpf_dir.join("Cargo.toml"))
         .arg("--target-dir")
@@ -43,7 +56,7 @@ fn main() {
     let status = cmd.status().unwrap_or_else(|e| panic!("cannot run {cmd:?}: {e}. Run `cargo xtask setup` first"));
     assert!(
         status.success(),
-        "building the eBPF object failed ({status}). Run `cargo xtask setup` to install nightly rust-src and bpf-linker"
+        "building the eBPF object failed ({status}). Run `cargo xtask setup` to install {channel} with rust-src, and bpf-linker"
     );
     let built = target_dir.join("bpfel-unknown-none/release/proxy-ebpf");
     std::fs::copy(&built, &dest).unwrap_or_else(|e| panic!("copy {}: {e}", built.display()));

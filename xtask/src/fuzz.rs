@@ -140,7 +140,9 @@ fn work_dir() -> PathBuf {
 /// would double the build time for nothing it could find there.
 fn cargo_fuzz(sub: &str, release: bool) -> Command {
     let mut c = util::cmd("cargo");
-    c.current_dir(fuzz_dir()).args(["+nightly", "fuzz", sub, "--sanitizer", "none"]);
+    // The pinned nightly (setup::nightly_channel), as the eBPF build's.
+    let toolchain = format!("+{}", crate::setup::nightly_channel().unwrap_or_else(|_| "nightly".to_string()));
+    c.current_dir(fuzz_dir()).args([toolchain.as_str(), "fuzz", sub, "--sanitizer", "none"]);
     if !release {
         c.arg("--dev");
     }
@@ -161,7 +163,9 @@ fn build(release: bool) -> Result<()> {
 /// The fuzz target binary `cargo fuzz build` made, for the host triple
 /// (`rustc -vV`), as cargo-fuzz builds it.
 fn binary(target: &str, release: bool) -> Result<PathBuf> {
-    let info = util::output(util::cmd("rustc").args(["+nightly", "-vV"])).context("`rustc +nightly -vV` failed")?;
+    let toolchain = format!("+{}", crate::setup::nightly_channel()?);
+    let info =
+        util::output(util::cmd("rustc").args([toolchain.as_str(), "-vV"])).with_context(|| format!("`rustc {toolchain} -vV` failed"))?;
     let host = info.lines().find_map(|l| l.strip_prefix("host: ")).context("`rustc -vV` names no host")?;
     let path = work_dir().join(host).join(if release { "release" } else { "debug" }).join(target);
     if !path.is_file() {

@@ -35,13 +35,15 @@ fn checks() -> Vec<Check> {
     fmt.args(["fmt", "--all", "--check"]);
     // The rustup proxy (first on PATH), since `+nightly` means nothing to
     // the toolchain's own cargo that `util::cargo` runs.
+    // The pinned nightly (proxy-ebpf/rust-toolchain.toml).
+    let toolchain = format!("+{}", crate::setup::nightly_channel().unwrap_or_else(|_| "nightly".to_string()));
     let mut ebpf_fmt = util::cmd("cargo");
-    ebpf_fmt.args(["+nightly", "fmt", "--check"]).current_dir(root.join("proxy-ebpf"));
+    ebpf_fmt.args([toolchain.as_str(), "fmt", "--check"]).current_dir(root.join("proxy-ebpf"));
     let mut clippy = util::cargo();
     clippy.args(["clippy", "--workspace", "--all-targets", "--", "-D", "warnings"]);
     let mut ebpf_clippy = util::cmd("cargo");
     ebpf_clippy
-        .args(["+nightly", "clippy", "--target", "bpfel-unknown-none", "-Z", "build-std=core", "--", "-D", "warnings"])
+        .args([toolchain.as_str(), "clippy", "--target", "bpfel-unknown-none", "-Z", "build-std=core", "--", "-D", "warnings"])
         .current_dir(root.join("proxy-ebpf"));
     // The toolchain that runs xtask must not leak into the nightly build.
     for key in ["RUSTC", "RUSTC_WORKSPACE_WRAPPER", "RUSTC_WRAPPER", "RUSTUP_TOOLCHAIN", "CARGO_TARGET_DIR", "RUSTFLAGS"] {

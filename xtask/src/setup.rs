@@ -54,7 +54,7 @@ pub(crate) fn ensure() -> Result<()> {
     // workspace; nightly formats proxy-ebpf, and its minimal profile leaves
     // rustfmt out.
     rust_components(None, &["rustfmt", "clippy"])?;
-    rust_components(Some("nightly"), &["rustfmt", "clippy"])?;
+    rust_components(Some(&nightly_channel()?), &["rustfmt", "clippy"])?;
     debian_packages()?;
     bpf_linker()?;
     cargo_fuzz()?;
@@ -62,23 +62,37 @@ pub(crate) fn ensure() -> Result<()> {
     Ok(())
 }
 
+/// The pinned nightly (`proxy-ebpf/rust-toolchain.toml`'s channel, e.g.
+/// `nightly-2026-05-20`): the eBPF build, its lint and the fuzz targets run
+/// with it. A newer nightly has broken bpf-linker before.
+pub(crate) fn nightly_channel() -> Result<String> {
+    let path = util::workspace_root().join("proxy-ebpf/rust-toolchain.toml");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    text.lines()
+        .find_map(|l| l.trim().strip_prefix("channel")?.trim().strip_prefix('=')?.trim().strip_prefix('"')?.strip_suffix('"'))
+        .map(str::to_string)
+        .with_context(|| format!("{} names no channel", path.display()))
+}
+
 fn nightly() -> Result<()> {
+    let channel = nightly_channel()?;
     let list = util::output(util::cmd("rustup").args(["toolchain", "list"]))
         .context("`rustup toolchain list` failed; is rustup installed and ~/.cargo/bin on PATH?")?;
-    if list.lines().any(|l| l.starts_with("nightly-") || l.split_whitespace().next() == Some("nightly")) {
-        println!("ok: nightly toolchain present");
+    if list.lines().any(|l| l.split_whitespace().next().is_some_and(|t| t == channel || t.starts_with(&format!("{channel}-")))) {
+        println!("ok: {channel} toolchain present");
         return Ok(());
     }
-    println!("installing: nightly toolchain (rustup toolchain install nightly --profile minimal)");
+    println!("installing: {channel} toolchain (rustup toolchain install {channel} --profile minimal -c rust-src)");
     util::run_fetching(|| {
         let mut c = util::cmd("rustup");
-        c.args(["toolchain", "install", "nightly", "--profile", "minimal", "--no-self-update"]);
+        c.args(["toolchain", "install", &channel, "--profile", "minimal", "-c", "rust-src", "--no-self-update"]);
         c
     })
 }
 
 fn nightly_sysroot() -> Option<PathBuf> {
-    util::output(util::cmd("rustup").args(["run", "nightly", "rustc", "--print", "sysroot"])).map(|s| PathBuf::from(s.trim()))
+    let channel = nightly_channel().ok()?;
+    util::output(util::cmd("rustup").args(["run", &channel, "rustc", "--print", "sysroot"])).map(|s| PathBuf::from(s.trim()))
 }
 
 fn rust_src() -> Result<()> {
@@ -87,10 +101,11 @@ fn rust_src() -> Result<()> {
         println!("ok: rust-src for nightly present");
         return Ok(());
     }
-    println!("installing: rust-src for nightly (rustup component add rust-src --toolchain nightly)");
+    let channel = nightly_channel()?;
+    println!("installing: rust-src for {channel} (rustup component add rust-src --toolchain {channel})");
     util::run_fetching(|| {
         let mut c = util::cmd("rustup");
-        c.args(["component", "add", "rust-src", "--toolchain", "nightly"]);
+        c.args(["component", "add", "rust-src", "--toolchain", &channel]);
         c
     })?;
     match nightly_sysroot() {
