@@ -23,17 +23,14 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
-use std::thread::JoinHandle;
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use proxy_test_support::sandbox::{Guarded, command_in, echo_server};
+use proxy_test_support::sandbox::{command_in, echo_server};
 use proxy_test_support::wait::{eventually, wait_limit};
 use proxy_test_support::workloads::{Download, DownloadResult, Nginx, Reply, Wrk, WrkReport, get_each, installed};
-use serde_json::Value;
 use support::*;
 
 /// The window the issue sets for ending a connection of a departed
@@ -426,60 +423,6 @@ fn pod_probe(node: &Node, net: &PodNetwork, args: &[&str]) -> Command {
     let mut cmd = command_in(agent_bin(), Some(&net.netns), Some(&node.cgroup)).expect("probe command");
     cmd.arg("probe").args(args);
     cmd
-}
-
-/// A `probe --stream` process whose JSON lines are collected with the
-/// moment each was read (as in stale_backends.rs).
-struct Stream {
-    name: String,
-    _probe: Guarded,
-    lines: Arc<Mutex<Vec<(Instant, Value)>>>,
-    _reader: JoinHandle<()>,
-}
-
-impl Stream {
-    fn start(name: &str, mut cmd: Command) -> Stream {
-        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-        let mut probe = Guarded::spawn(&mut cmd).expect("start probe");
-        let stdout = probe.0.stdout.take().expect("probe stdout");
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let sink = lines.clone();
-        let reader = std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("probe printed {line:?}: {e}"));
-                sink.lock().unwrap_or_else(PoisonError::into_inner).push((Instant::now(), v));
-            }
-        });
-        Stream { name: name.to_string(), _probe: probe, lines, _reader: reader }
-    }
-
-    fn lines(&self) -> Vec<(Instant, Value)> {
-        self.lines.lock().unwrap_or_else(PoisonError::into_inner).clone()
-    }
-
-    /// Waits until `n` exchanges succeeded; returns the first reply.
-    fn wait_answered(&self, n: usize) -> String {
-        eventually(&format!("{} to get {n} answers", self.name), || {
-            let r: Vec<String> =
-                self.lines().iter().filter(|(_, l)| l["ok"] == true).filter_map(|(_, l)| l["reply"].as_str().map(str::to_string)).collect();
-            if r.len() >= n { Ok(r[0].clone()) } else { Err(self.lines().into_iter().map(|(_, l)| l).rev().take(3).collect::<Vec<_>>()) }
-        })
-    }
-
-    /// The first failed exchange at or after `since`, when there is one.
-    fn first_failure_since(&self, since: Instant) -> Option<(Duration, Value)> {
-        self.lines().into_iter().find(|(t, l)| *t >= since && l["ok"] != true).map(|(t, l)| (t - since, l))
-    }
-
-    /// The replies of successful exchanges read after `since`.
-    fn replies_since(&self, since: Instant) -> Vec<String> {
-        self.lines()
-            .into_iter()
-            .filter(|(t, l)| *t >= since && l["ok"] == true)
-            .filter_map(|(_, l)| l["reply"].as_str().map(str::to_string))
-            .collect()
-    }
 }
 
 /// A long-lived TCP connection through the Service (a line each way every

@@ -14,12 +14,9 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};
 use std::sync::mpsc::Receiver;
-use std::sync::{Arc, Mutex, PoisonError};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use proxy_test_support::http::{http_get, metric};
@@ -46,73 +43,6 @@ const ECONNRESET: i64 = libc::ECONNRESET as i64;
 /// in these tests disconnects a socket.
 fn udp_aborted(failure: &Value) -> bool {
     matches!(failure["errno"].as_i64(), Some(e) if e == ECONNABORTED || e == i64::from(libc::EDESTADDRREQ))
-}
-
-/// A probe process whose JSON lines are collected, each with the moment it
-/// was read.
-struct Stream {
-    name: String,
-    probe: Guarded,
-    lines: Arc<Mutex<Vec<(Instant, Value)>>>,
-    reader: Option<JoinHandle<()>>,
-}
-
-impl Stream {
-    fn start(name: &str, mut cmd: Command) -> Stream {
-        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-        let mut probe = Guarded::spawn(&mut cmd).expect("start probe");
-        let stdout = probe.0.stdout.take().expect("probe stdout");
-        let lines = Arc::new(Mutex::new(Vec::new()));
-        let sink = lines.clone();
-        let reader = std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("probe printed {line:?}: {e}"));
-                sink.lock().unwrap_or_else(PoisonError::into_inner).push((Instant::now(), v));
-            }
-        });
-        Stream { name: name.to_string(), probe, lines, reader: Some(reader) }
-    }
-
-    fn lines(&self) -> Vec<(Instant, Value)> {
-        self.lines.lock().unwrap_or_else(PoisonError::into_inner).clone()
-    }
-
-    /// The replies so far (successful exchanges' `reply`).
-    fn replies(&self) -> Vec<String> {
-        self.lines().iter().filter(|(_, l)| l["ok"] == true).filter_map(|(_, l)| l["reply"].as_str().map(str::to_string)).collect()
-    }
-
-    /// Waits until `n` exchanges succeeded; returns the first reply.
-    fn wait_answered(&self, n: usize) -> String {
-        eventually(&format!("{} to get {n} answers", self.name), || {
-            let r = self.replies();
-            if r.len() >= n { Ok(r[0].clone()) } else { Err(self.lines().into_iter().map(|(_, l)| l).rev().take(3).collect::<Vec<_>>()) }
-        })
-    }
-
-    /// The first failed exchange at or after `since`, when there is one.
-    fn first_failure_since(&self, since: Instant) -> Option<(Duration, Value)> {
-        self.lines().into_iter().find(|(t, l)| *t >= since && l["ok"] != true).map(|(t, l)| (t - since, l))
-    }
-
-    /// Waits for the probe to exit by itself; returns every line.
-    fn finish(mut self) -> Vec<(Instant, Value)> {
-        let deadline = Instant::now() + wait_limit() * 2;
-        while self.probe.0.try_wait().ok().flatten().is_none() {
-            assert!(
-                Instant::now() < deadline,
-                "{} did not finish; last lines {:?}",
-                self.name,
-                self.lines().iter().rev().take(3).collect::<Vec<_>>()
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        if let Some(r) = self.reader.take() {
-            let _ = r.join();
-        }
-        self.lines()
-    }
 }
 
 /// `proxy-agent probe ARGS` as a pod of `node` (its cgroup) in `net`.

@@ -9,12 +9,13 @@ use std::collections::BTreeSet;
 use std::fs;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use proxy_test_support::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in, spawn_backend};
-use proxy_test_support::wait::eventually;
+use proxy_test_support::wait::{eventually, wait_limit};
 use serde_json::Value;
 
 pub(crate) fn agent_bin() -> PathBuf {
@@ -360,4 +361,80 @@ pub(crate) fn assert_no_failures(what: &str, (ok, failures): (u64, Vec<String>))
 pub(crate) fn refused_errno() -> i64 {
     use proxy_agent::datapath::kernel_features::{KernelFeatures, SET_RETVAL};
     if KernelFeatures::get().has(SET_RETVAL) { i64::from(libc::ECONNREFUSED) } else { i64::from(libc::EPERM) }
+}
+
+/// A probe process whose JSON lines are collected, each with the moment it
+/// was read.
+pub(crate) struct Stream {
+    pub(crate) name: String,
+    probe: Guarded,
+    lines: Arc<Mutex<Vec<(Instant, Value)>>>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl Stream {
+    pub(crate) fn start(name: &str, mut cmd: Command) -> Stream {
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        let mut probe = Guarded::spawn(&mut cmd).expect("start probe");
+        let stdout = probe.0.stdout.take().expect("probe stdout");
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = lines.clone();
+        let reader = std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("probe printed {line:?}: {e}"));
+                sink.lock().unwrap_or_else(PoisonError::into_inner).push((Instant::now(), v));
+            }
+        });
+        Stream { name: name.to_string(), probe, lines, reader: Some(reader) }
+    }
+
+    pub(crate) fn lines(&self) -> Vec<(Instant, Value)> {
+        self.lines.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
+    /// The replies so far (successful exchanges' `reply`).
+    pub(crate) fn replies(&self) -> Vec<String> {
+        self.lines().iter().filter(|(_, l)| l["ok"] == true).filter_map(|(_, l)| l["reply"].as_str().map(str::to_string)).collect()
+    }
+
+    /// The replies of successful exchanges read after `since`.
+    pub(crate) fn replies_since(&self, since: Instant) -> Vec<String> {
+        self.lines()
+            .into_iter()
+            .filter(|(t, l)| *t >= since && l["ok"] == true)
+            .filter_map(|(_, l)| l["reply"].as_str().map(str::to_string))
+            .collect()
+    }
+
+    /// Waits until `n` exchanges succeeded; returns the first reply.
+    pub(crate) fn wait_answered(&self, n: usize) -> String {
+        eventually(&format!("{} to get {n} answers", self.name), || {
+            let r = self.replies();
+            if r.len() >= n { Ok(r[0].clone()) } else { Err(self.lines().into_iter().map(|(_, l)| l).rev().take(3).collect::<Vec<_>>()) }
+        })
+    }
+
+    /// The first failed exchange at or after `since`, when there is one.
+    pub(crate) fn first_failure_since(&self, since: Instant) -> Option<(Duration, Value)> {
+        self.lines().into_iter().find(|(t, l)| *t >= since && l["ok"] != true).map(|(t, l)| (t - since, l))
+    }
+
+    /// Waits for the probe to exit by itself; returns every line.
+    pub(crate) fn finish(mut self) -> Vec<(Instant, Value)> {
+        let deadline = Instant::now() + wait_limit() * 2;
+        while self.probe.0.try_wait().ok().flatten().is_none() {
+            assert!(
+                Instant::now() < deadline,
+                "{} did not finish; last lines {:?}",
+                self.name,
+                self.lines().iter().rev().take(3).collect::<Vec<_>>()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if let Some(r) = self.reader.take() {
+            let _ = r.join();
+        }
+        self.lines()
+    }
 }
