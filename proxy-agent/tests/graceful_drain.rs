@@ -24,21 +24,13 @@
 mod support;
 
 use std::net::SocketAddr;
-use std::process::Command;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use proxy_test_support::sandbox::{command_in, echo_server};
+use proxy_test_support::sandbox::echo_server;
 use proxy_test_support::wait::{eventually, wait_limit};
 use proxy_test_support::workloads::{Download, DownloadResult, Nginx, Reply, Wrk, WrkReport, get_each, installed};
 use support::*;
-
-/// The window the issue sets for ending a connection of a departed
-/// backend: 1 s, grown with the tests' wait limit under `cargo xtask
-/// vmtest`'s emulated CPU (as in stale_backends.rs).
-fn within() -> Duration {
-    Duration::from_secs(1).mul_f64((wait_limit().as_secs_f64() / 30.0).max(1.0))
-}
 
 const MIB: u64 = 1 << 20;
 
@@ -50,9 +42,6 @@ fn rate() -> u64 {
     let slower = (wait_limit().as_secs_f64() / 30.0).clamp(1.0, 8.0);
     (MIB as f64 / slower) as u64
 }
-
-const ECONNABORTED: i64 = libc::ECONNABORTED as i64;
-const ECONNRESET: i64 = libc::ECONNRESET as i64;
 
 /// Endpoint conditions as the EndpointSlice controller writes them.
 const READY: &str = "ready: true";
@@ -418,19 +407,12 @@ fn rolling_replacement_under_wrk_with_keep_alive_reports_its_errors() {
     rolling_replacement("keep-alive", 45, true);
 }
 
-/// `proxy-agent probe ARGS` as a pod of `node`.
-fn pod_probe(node: &Node, net: &PodNetwork, args: &[&str]) -> Command {
-    let mut cmd = command_in(agent_bin(), Some(&net.netns), Some(&node.cgroup)).expect("probe command");
-    cmd.arg("probe").args(args);
-    cmd
-}
-
 /// A long-lived TCP connection through the Service (a line each way every
 /// 20 ms).
 fn tcp_stream(node: &Node, net: &PodNetwork, name: &str, to: &str) -> Stream {
     Stream::start(
         name,
-        pod_probe(node, net, &["--to", to, "--stream", "--count", "1000000", "--interval-ms", "20", "--timeout-ms", "2000"]),
+        pod_probe(node, &net.netns, &["--to", to, "--stream", "--count", "1000000", "--interval-ms", "20", "--timeout-ms", "2000"]),
     )
 }
 
@@ -509,7 +491,7 @@ fn slice_move(subnet: u8, remove_first: bool, cond: &str) {
         "connected UDP on a",
         pod_probe(
             &node,
-            &net,
+            &net.netns,
             &["--to", &udp_to, "--udp", "--connected", "--stream", "--count", "1000000", "--interval-ms", "20", "--timeout-ms", "1000"],
         ),
     );

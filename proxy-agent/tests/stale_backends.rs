@@ -15,42 +15,15 @@
 mod support;
 
 use std::net::SocketAddr;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
 use proxy_test_support::http::{http_get, metric};
 use proxy_test_support::sandbox::{Guarded, Netns, command_in, echo_server, in_netns, spawn_backend};
-use proxy_test_support::wait::{eventually, wait_limit};
+use proxy_test_support::wait::eventually;
 use serde_json::Value;
 use support::*;
-
-/// The behaviour window the issue sets: a client on a departed backend
-/// sees its socket fail within 1 s after the manifests change. Under
-/// `cargo xtask vmtest` the CPU is emulated, one to two orders of
-/// magnitude slower, and the window grows with the tests' wait limit
-/// (`TOPOPROXY_TEST_WAIT_SECS`, 30 s on a real CPU).
-fn within() -> Duration {
-    Duration::from_secs(1).mul_f64((wait_limit().as_secs_f64() / 30.0).max(1.0))
-}
-const ECONNABORTED: i64 = libc::ECONNABORTED as i64;
-const ECONNRESET: i64 = libc::ECONNRESET as i64;
-
-/// Whether a connected UDP socket's failure is the agent's abort: the
-/// kernel's `udp_abort` reports ECONNABORTED to the next receive and
-/// disconnects the socket, so a send that comes first fails with
-/// EDESTADDRREQ (`udp_sendmsg` on a socket without a peer). Nothing else
-/// in these tests disconnects a socket.
-fn udp_aborted(failure: &Value) -> bool {
-    matches!(failure["errno"].as_i64(), Some(e) if e == ECONNABORTED || e == i64::from(libc::EDESTADDRREQ))
-}
-
-/// `proxy-agent probe ARGS` as a pod of `node` (its cgroup) in `net`.
-fn pod_probe(node: &Node, net: &Netns, args: &[&str]) -> Command {
-    let mut cmd = command_in(agent_bin(), Some(net), Some(&node.cgroup)).expect("probe command");
-    cmd.arg("probe").args(args);
-    cmd
-}
 
 /// A Service of one port with one EndpointSlice; endpoints are
 /// `(address, conditions)`, all on `node-1`. With `node_port`, a NodePort

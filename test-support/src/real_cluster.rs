@@ -13,6 +13,10 @@
 //! nothing finishes a graceful deletion either: a deleted Pod stays
 //! terminating until it is force-deleted.
 //!
+//! The API server writes an audit log of watch requests only
+//! ([`RealCluster::audit_log`]: each one's URI and client), so a test can
+//! see how a client watches (its resourceVersion, `allowWatchBookmarks`).
+//!
 //! Everything listens on 127.0.0.1 only, on ports picked free at start;
 //! keys, certificates (made with the `openssl` CLI), kubeconfigs, etcd's
 //! data and the components' logs live in one temporary directory. Dropping
@@ -246,6 +250,19 @@ pub struct RealCluster {
     etcd: Option<Proc>,
     apiserver: Option<Proc>,
     kcm: Option<Proc>,
+    /// Arguments kube-controller-manager gets besides the harness's own.
+    kcm_extra: Vec<String>,
+}
+
+/// A Pod for [`RealCluster::create_pods`]: bound to `node`, with status
+/// Running, `ip` and Ready `ready`.
+#[derive(Clone, Debug)]
+pub struct PodSpec<'a> {
+    pub name: &'a str,
+    pub node: &'a str,
+    pub ip: &'a str,
+    pub labels: &'a [(&'a str, &'a str)],
+    pub ready: bool,
 }
 
 impl RealCluster {
@@ -253,6 +270,14 @@ impl RealCluster {
     /// kube-controller-manager (waits for the `default` ServiceAccount).
     /// `name` names the temporary directory and the saved logs.
     pub fn start(name: &str) -> io::Result<RealCluster> {
+        Self::start_with(name, &[])
+    }
+
+    /// [`start`](Self::start) with more kube-controller-manager arguments,
+    /// e.g. `--endpointslice-updates-batch-period=2s`, which makes the
+    /// EndpointSlice controller gather the Pod changes of that period into
+    /// one sync.
+    pub fn start_with(name: &str, controller_args: &[&str]) -> io::Result<RealCluster> {
         let bin = bin_dir()?;
         sweep();
         let dir = std::env::temp_dir().join(format!("{PREFIX}-{}-{}-{name}", std::process::id(), COUNTER.fetch_add(1, Ordering::Relaxed)));
@@ -260,8 +285,17 @@ impl RealCluster {
             fs::create_dir_all(dir.join(sub))?;
         }
         let kubectl = Kubectl { bin: bin.join("kubectl"), kubeconfig: dir.join("admin.kubeconfig"), cache: dir.join("kubectl-cache") };
-        let mut cluster =
-            RealCluster { name: name.to_string(), bin, dir, ports: Ports::pick()?, kubectl, etcd: None, apiserver: None, kcm: None };
+        let mut cluster = RealCluster {
+            name: name.to_string(),
+            bin,
+            dir,
+            ports: Ports::pick()?,
+            kubectl,
+            etcd: None,
+            apiserver: None,
+            kcm: None,
+            kcm_extra: controller_args.iter().map(|a| (*a).to_string()).collect(),
+        };
         match cluster.boot() {
             Ok(()) => Ok(cluster),
             Err(e) => {
@@ -402,6 +436,8 @@ impl RealCluster {
         }
         let pki = self.dir.join("pki");
         let f = |name: &str| pki.join(name).display().to_string();
+        let policy = self.dir.join("audit-policy.yaml");
+        fs::write(&policy, AUDIT_POLICY)?;
         let args = [
             "--bind-address=127.0.0.1".to_string(),
             "--advertise-address=127.0.0.1".to_string(),
@@ -425,6 +461,10 @@ impl RealCluster {
             // by default the HTTP/2 server keeps them for its 60 s
             // shutdown timeout.
             "--shutdown-watch-termination-grace-period=5s".to_string(),
+            // Every watch request (its URI, its user) in logs/audit.log:
+            // what the tests read to see how clients watch.
+            format!("--audit-policy-file={}", policy.display()),
+            format!("--audit-log-path={}", self.dir.join("logs/audit.log").display()),
         ];
         let mut apiserver = self.spawn("kube-apiserver", &args)?;
         let kubectl = &self.kubectl;
@@ -467,6 +507,7 @@ impl RealCluster {
             "--use-service-account-credentials=true".to_string(),
             "--leader-elect=false".to_string(),
         ];
+        let args: Vec<String> = args.into_iter().chain(self.kcm_extra.iter().cloned()).collect();
         let mut kcm = self.spawn("kube-controller-manager", &args)?;
         let kubectl = &self.kubectl;
         let result = wait_until("the default ServiceAccount", &mut kcm, || {
@@ -570,6 +611,73 @@ impl RealCluster {
         self.kubectl(&["-n", ns, "delete", "pod", name, "--grace-period=0", "--force", "--wait=false"]).map(drop)
     }
 
+    /// Creates many Pods with two kubectl runs (the objects, then their
+    /// statuses, both by server-side apply of one List), as
+    /// [`create_pod`](Self::create_pod) does for one.
+    pub fn create_pods(&self, ns: &str, pods: &[PodSpec<'_>]) -> io::Result<()> {
+        let list = |items: Vec<Value>| json!({"apiVersion": "v1", "kind": "List", "items": items}).to_string();
+        let objects = pods
+            .iter()
+            .map(|p| {
+                let labels: serde_json::Map<String, Value> = p.labels.iter().map(|(k, v)| ((*k).to_string(), Value::from(*v))).collect();
+                json!({
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": p.name, "namespace": ns, "labels": labels},
+                    "spec": {"nodeName": p.node, "containers": [{"name": "app", "image": "pause"}]},
+                })
+            })
+            .collect();
+        self.kubectl.run(&["apply", "--server-side", "--field-manager=topoproxy-test", "-f", "-"], Some(&list(objects)))?;
+        let statuses = pods
+            .iter()
+            .map(|p| {
+                json!({
+                    "apiVersion": "v1",
+                    "kind": "Pod",
+                    "metadata": {"name": p.name, "namespace": ns},
+                    "status": {"phase": "Running", "podIP": p.ip, "podIPs": [{"ip": p.ip}], "conditions": pod_conditions(p.ready)},
+                })
+            })
+            .collect();
+        self.kubectl
+            .run(
+                &[
+                    "apply",
+                    "--server-side",
+                    "--force-conflicts",
+                    "--subresource=status",
+                    "--field-manager=topoproxy-test-kubelet",
+                    "-f",
+                    "-",
+                ],
+                Some(&list(statuses)),
+            )
+            .map(drop)
+    }
+
+    /// Removes Pods at once with one kubectl run, as
+    /// [`force_delete_pod`](Self::force_delete_pod) does for one.
+    pub fn force_delete_pods(&self, ns: &str, names: &[&str]) -> io::Result<()> {
+        let mut args = vec!["-n", ns, "delete", "pod"];
+        args.extend_from_slice(names);
+        args.extend_from_slice(&["--grace-period=0", "--force", "--wait=false"]);
+        self.kubectl(&args).map(drop)
+    }
+
+    /// kubectl as the admin, not started: for a command that runs in the
+    /// background (`get --watch`). The caller sets its standard streams.
+    pub fn kubectl_command(&self, args: &[&str]) -> Command {
+        self.kubectl.command(args)
+    }
+
+    /// The API server's audit log so far: one JSON line per watch request
+    /// (stages ResponseStarted and ResponseComplete), with its
+    /// `requestURI` and `user`. Kept across restarts.
+    pub fn audit_log(&self) -> String {
+        fs::read_to_string(self.dir.join("logs/audit.log")).unwrap_or_default()
+    }
+
     /// The EndpointSlices of Service `service` (a List; `items`).
     pub fn endpoint_slices(&self, ns: &str, service: &str) -> io::Result<Value> {
         let out =
@@ -640,6 +748,17 @@ impl Drop for RealCluster {
         let _ = fs::remove_dir_all(&self.dir);
     }
 }
+
+/// What the API server audits: watch requests only, without their
+/// bodies.
+const AUDIT_POLICY: &str = "apiVersion: audit.k8s.io/v1
+kind: Policy
+omitStages: [RequestReceived]
+rules:
+- level: Metadata
+  verbs: [watch]
+- level: None
+";
 
 /// The conditions a kubelet reports for a running Pod.
 fn pod_conditions(ready: bool) -> Value {

@@ -183,6 +183,10 @@ async fn post_loop(
     let mut retry = false;
     let Some(mut chosen) = versions.current().await else { return };
     let mut said_unserved = false;
+    // A refusal (401/403) is a configuration problem an operator must see:
+    // warned once, until a post succeeds again; other failures (the API
+    // server unreachable, a conflict) are retried quietly.
+    let mut said_forbidden = false;
     loop {
         if retry {
             // Some posts failed: look again after a while even if nothing
@@ -206,19 +210,26 @@ async fn post_loop(
             continue;
         };
         let mut not_served = false;
+        let mut forbidden: Option<String> = None;
         for p in dedup.fresh(&current) {
             let posted = match event_object(&event_for(&p, &instance, Timestamp::now()), version) {
                 Ok((resource, obj)) => {
                     let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &p.service.namespace, &resource);
                     api.create(&PostParams::default(), &obj).await.map(drop).map_err(|e| {
                         not_served |= matches!(&e, kube::Error::Api(s) if s.code == 404);
+                        if matches!(&e, kube::Error::Api(s) if s.code == 401 || s.code == 403) {
+                            forbidden.get_or_insert_with(|| e.to_string());
+                        }
                         e.to_string()
                     })
                 }
                 Err(e) => Err(e.to_string()),
             };
             match posted {
-                Ok(()) => metrics.event_posted(),
+                Ok(()) => {
+                    metrics.event_posted();
+                    said_forbidden = false;
+                }
                 Err(e) => {
                     tracing::debug!(service = %p.service, reason = p.reason, error = %e, "posting Event failed; will retry");
                     metrics.error(metric_reason::EVENT_POST);
@@ -226,6 +237,13 @@ async fn post_loop(
                     retry = true;
                 }
             }
+        }
+        if let Some(e) = forbidden.filter(|_| !said_forbidden) {
+            tracing::warn!(
+                "the API server refuses the agent's Events ({e}): grant its ServiceAccount `create` on {EVENTS_GROUP} events \
+                 (the chart's ClusterRole does); problems are still logged and counted in topoproxy_errors_total{{reason=\"event_post\"}}"
+            );
+            said_forbidden = true;
         }
         if not_served {
             tracing::warn!("the API server answers 404 for {EVENTS_GROUP}/{}; negotiating the version again", version.as_str());

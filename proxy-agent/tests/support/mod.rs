@@ -398,6 +398,31 @@ impl Stream {
         self.lines().iter().filter(|(_, l)| l["ok"] == true).filter_map(|(_, l)| l["reply"].as_str().map(str::to_string)).collect()
     }
 
+    /// The same stream under another name (for messages).
+    pub(crate) fn named(mut self, name: &str) -> Stream {
+        self.name = name.to_string();
+        self
+    }
+
+    /// The first failed exchange at or after `since`, and when it was read.
+    pub(crate) fn first_failure_at(&self, since: Instant) -> Option<(Instant, Value)> {
+        self.lines().into_iter().find(|(t, l)| *t >= since && l["ok"] != true)
+    }
+
+    /// Waits for the first exchange; its reply, or `None` when it failed.
+    pub(crate) fn first(&self) -> Option<String> {
+        eventually(&format!("{} to make its first exchange", self.name), || {
+            self.lines().first().map(|(_, l)| l["reply"].as_str().filter(|_| l["ok"] == true).map(str::to_string)).ok_or(())
+        })
+    }
+
+    /// (successful exchanges, failed ones).
+    pub(crate) fn counts(&self) -> (usize, Vec<Value>) {
+        let lines = self.lines();
+        let failed: Vec<Value> = lines.iter().filter(|(_, l)| l["ok"] != true).map(|(_, l)| l.clone()).collect();
+        (lines.len() - failed.len(), failed)
+    }
+
     /// The replies of successful exchanges read after `since`.
     pub(crate) fn replies_since(&self, since: Instant) -> Vec<String> {
         self.lines()
@@ -437,4 +462,31 @@ impl Stream {
         }
         self.lines()
     }
+}
+
+/// The window the departure rules get to end a socket after the change
+/// that calls for it: 1 s, grown with the tests' wait limit under `cargo
+/// xtask vmtest`, whose CPU is emulated one to two orders of magnitude
+/// slower (`TOPOPROXY_TEST_WAIT_SECS`, 30 s on a real CPU).
+pub(crate) fn within() -> Duration {
+    Duration::from_secs(1).mul_f64((wait_limit().as_secs_f64() / 30.0).max(1.0))
+}
+
+pub(crate) const ECONNABORTED: i64 = libc::ECONNABORTED as i64;
+pub(crate) const ECONNRESET: i64 = libc::ECONNRESET as i64;
+
+/// Whether a connected UDP socket's failure is the agent's abort: the
+/// kernel's `udp_abort` reports ECONNABORTED to the next receive and
+/// disconnects the socket, so a send that comes first fails with
+/// EDESTADDRREQ (`udp_sendmsg` on a socket without a peer). Nothing else
+/// in these tests disconnects a socket.
+pub(crate) fn udp_aborted(failure: &Value) -> bool {
+    matches!(failure["errno"].as_i64(), Some(e) if e == ECONNABORTED || e == i64::from(libc::EDESTADDRREQ))
+}
+
+/// `proxy-agent probe ARGS` as a pod of `node` (its cgroup) in `net`.
+pub(crate) fn pod_probe(node: &Node, net: &Netns, args: &[&str]) -> Command {
+    let mut cmd = command_in(agent_bin(), Some(net), Some(&node.cgroup)).expect("probe command");
+    cmd.arg("probe").args(args);
+    cmd
 }
