@@ -745,7 +745,6 @@ fn affinity_remember(p: &Pkt, scope_id: u32, backend_id: u32, now_ns: u64) {
     }
 }
 
-#[inline(always)]
 /// Whether a tracked flow's next packet still goes to the backend its
 /// entry names. TCP always: an established connection keeps its backend
 /// as netfilter's conntrack keeps a DNAT (kube-proxy), whether the backend
@@ -760,6 +759,7 @@ pub(crate) fn keeps_backend(proto: u8, v: &CtValue) -> bool {
     proto == PROTO_TCP || backend_alive(v)
 }
 
+#[inline(always)]
 pub(crate) fn backend_alive(v: &CtValue) -> bool {
     // SAFETY: the value is valid memory for the run (RCU, preallocated hash
     // elements) and read at once; a concurrent replacement by the agent
