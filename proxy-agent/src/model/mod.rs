@@ -217,6 +217,11 @@ pub struct Endpoint {
     pub topology: Option<Arc<NodeTopology>>,
 }
 
+/// Well-known node label carrying the node's hostname (`v1.LabelHostname`).
+pub const LABEL_HOSTNAME: &str = "kubernetes.io/hostname";
+/// Well-known node label carrying the node's zone (`v1.LabelTopologyZone`).
+pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
+
 /// Node labels as an EndpointSlice reports them (label key to value).
 pub type NodeTopology = BTreeMap<Arc<str>, Arc<str>>;
 

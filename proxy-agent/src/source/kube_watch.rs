@@ -108,8 +108,9 @@ pub fn start(
 
 /// Labels every watched Node keeps besides the ones Services need: the
 /// two an endpoint's `nodeName` and `zone` stand for when its Node is
-/// unknown, so that a Node being known never hides them.
-const ALWAYS_KEPT: [&str; 2] = [crate::decide::topology::LABEL_HOSTNAME, crate::decide::topology::LABEL_ZONE];
+/// unknown (`decide::topology`, `View::endpoint_label`), so that a Node
+/// being known never hides them.
+const ALWAYS_KEPT: [&str; 2] = [crate::model::LABEL_HOSTNAME, crate::model::LABEL_ZONE];
 
 /// This node's Node, whole, by the field selector `metadata.name=<node>`
 /// (kube-proxy's own Node watch); and, while `needed` names labels, every

@@ -50,10 +50,10 @@ use self::topology_keys::{ANNOTATION_TOPOLOGY_KEYS, KeySource};
 /// OpenYurt compares `nodeName`; the ranking names it only to read an
 /// endpoint's `nodeName` as this label when the endpoint's Node is unknown
 /// ([`View::endpoint_label`]).
-pub(crate) const LABEL_HOSTNAME: &str = "kubernetes.io/hostname";
+pub(crate) const LABEL_HOSTNAME: &str = crate::model::LABEL_HOSTNAME;
 /// Well-known node label carrying the node's zone; kube-proxy reads the
 /// node's zone from it (`v1.LabelTopologyZone`).
-pub(crate) const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
+pub(crate) const LABEL_ZONE: &str = crate::model::LABEL_ZONE;
 /// The catch-all topology key (`v1.TopologyKeyAny`), also accepted in
 /// older OpenYurt annotation lists.
 pub(crate) const TOPOLOGY_KEY_ANY: &str = "*";
