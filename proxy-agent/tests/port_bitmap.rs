@@ -257,8 +257,10 @@ fn a_bit_is_cleared_only_once_no_frontend_backend_or_flow_uses_the_port() {
     let stats = conntrack_gc::sweep(l.path(), &Timeouts::default()).expect("sweep");
     assert_eq!((stats.expired_flows, stats.stale_flows), (0, 0), "a TCP flow is never stale: {stats:?}");
     assert!(bits(l.path()).contains(8080, true) && bits(l.path()).contains(30080, false));
-    age_all(l.path(), Timeouts::default().tcp_s + 1);
-    let stats = conntrack_gc::sweep(l.path(), &Timeouts::default()).expect("sweep");
+    // (A 10 s timeout stands for the 6 h default: the clock may not have
+    // run that long since boot.)
+    age_all(l.path(), 20);
+    let stats = conntrack_gc::sweep(l.path(), &Timeouts { tcp_s: 10, ..Timeouts::default() }).expect("sweep");
     assert_eq!((stats.expired_flows, stats.deleted_expired), (1, 2), "{stats:?}");
     assert_eq!(stats.ports_cleared, Some(2), "the flow's frontend port (ingress) and its backend's port (egress)");
     let b = bits(l.path());
@@ -273,8 +275,8 @@ fn a_bit_is_cleared_only_once_no_frontend_backend_or_flow_uses_the_port() {
     let out = l.through(&tcp(CLIENT, 40001, NODE, 30081, SYN));
     assert_eq!(&out[30..34], &[10, 244, 1, 2]);
     l.program(&[]);
-    age_all(l.path(), Timeouts::default().tcp_syn_s + 1);
-    let stats = conntrack_gc::sweep(l.path(), &Timeouts::default()).expect("sweep");
+    age_all(l.path(), 20);
+    let stats = conntrack_gc::sweep(l.path(), &Timeouts { tcp_syn_s: 10, ..Timeouts::default() }).expect("sweep");
     assert_eq!(stats.expired_flows, 1, "unanswered past its timeout: {stats:?}");
     assert_eq!(bits(l.path()).counts(), (0, 1), "only port 0 at egress is left");
 }
