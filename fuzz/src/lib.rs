@@ -461,7 +461,9 @@ pub fn cluster(u: &mut Unstructured<'_>) -> Result<Cluster> {
         c.slices.insert(s.id.clone(), s);
     }
     for name in NODES.iter().take(u.int_in_range(0..=NODES.len())?) {
-        c.nodes.insert((*name).to_string(), Node { name: (*name).to_string(), labels: labels(u)?, leaving: None });
+        // The model's Node labels are shared strings (`intern`).
+        let labels = labels(u)?.into_iter().map(|(k, v)| (k.into(), v.into())).collect();
+        c.nodes.insert((*name).to_string(), Node { name: (*name).to_string(), labels, leaving: None });
     }
     Ok(c)
 }
