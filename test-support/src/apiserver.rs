@@ -46,6 +46,10 @@
 //!   core/v1 Events (validated for the fields events.k8s.io requires, and
 //!   for an `apiVersion` that matches the path), PATCH accepted; kept for
 //!   tests with the version they were posted to.
+//! - Bytes accounting: the bytes of every list response body and every
+//!   watch stream (events, bookmarks, errors), per collection, counted
+//!   as hyper takes them ([`ApiServer::bytes_sent`]); uncompressed JSON,
+//!   as kube-rs without its `gzip` feature asks for it.
 //! - `/version`. Everything else is a 404: a Status from 1.24 on, the
 //!   plain-text `404 page not found` of Go's mux before (what an older API
 //!   server answers for a group version it does not serve).
@@ -114,6 +118,19 @@ impl Resource {
 
     fn namespaced(self) -> bool {
         self != Resource::Nodes
+    }
+
+    /// Its slot in [`BytesSent`].
+    fn index(self) -> usize {
+        match self {
+            Resource::Services => 0,
+            Resource::EndpointSlices => 1,
+            Resource::Nodes => 2,
+        }
+    }
+
+    fn of_plural(plural: &str) -> Option<Resource> {
+        [Resource::Services, Resource::EndpointSlices, Resource::Nodes].into_iter().find(|r| r.plural() == plural)
     }
 
     fn of_kind(kind: &str) -> Option<Resource> {
@@ -309,6 +326,26 @@ enum Msg {
 
 type Key = (Resource, String, String);
 
+/// Bytes of response bodies sent, per collection ([`Resource::index`]):
+/// list bodies (whole, when the response is built) and watch streams (each
+/// event, bookmark or error line as the connection takes it). Atomics, so
+/// a bench can read them while watches stream, without the state's lock.
+#[derive(Default)]
+struct BytesSent {
+    list: [AtomicU64; 3],
+    watch: [AtomicU64; 3],
+}
+
+impl BytesSent {
+    fn add_list(&self, res: Resource, n: usize) {
+        self.list[res.index()].fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    fn add_watch(&self, res: Resource, n: usize) {
+        self.watch[res.index()].fetch_add(n as u64, Ordering::Relaxed);
+    }
+}
+
 struct State {
     rv: u64,
     /// Watches and continue tokens from versions below this get 410 Gone.
@@ -335,6 +372,7 @@ struct State {
     version: KubeVersion,
     /// Where it listens (the `/api` discovery document names it).
     addr: SocketAddr,
+    bytes: Arc<BytesSent>,
 }
 
 static UID: AtomicU64 = AtomicU64::new(1);
@@ -454,6 +492,7 @@ impl State {
 pub struct ApiServer {
     addr: SocketAddr,
     state: Arc<Mutex<State>>,
+    bytes: Arc<BytesSent>,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
@@ -475,6 +514,7 @@ impl ApiServer {
     /// `objects` may be in any version of their group that it serves.
     pub fn start_as(version: KubeVersion, addr: SocketAddr, first_rv: u64, objects: Vec<Value>) -> ApiServer {
         let (tx, _) = broadcast::channel(1 << 16);
+        let bytes = Arc::new(BytesSent::default());
         let mut st = State {
             rv: first_rv,
             compacted: first_rv,
@@ -489,6 +529,7 @@ impl ApiServer {
             watch_cutoff: None,
             version,
             addr,
+            bytes: bytes.clone(),
         };
         for o in objects {
             st.apply(o);
@@ -537,7 +578,7 @@ impl ApiServer {
         });
         let addr = bound_rx.recv_timeout(Duration::from_secs(15)).expect("test API server did not start");
         state.lock().unwrap_or_else(std::sync::PoisonError::into_inner).addr = addr;
-        ApiServer { addr, state, stop: Some(stop_tx), thread: Some(thread) }
+        ApiServer { addr, state, bytes, stop: Some(stop_tx), thread: Some(thread) }
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -632,6 +673,37 @@ impl ApiServer {
     /// BOOKMARK events sent so far (all servers of this process).
     pub fn bookmarks_sent() -> u64 {
         BOOKMARKS.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of response bodies sent so far for `resource` (`"nodes"`,
+    /// `"services"`, `"endpointslices"`; every version and shape, full or
+    /// metadata-only), lists and watches together. Counted since the start
+    /// or the last [`Self::reset_bytes_sent`]; a watch's bytes count as the
+    /// connection takes them. Panics on another name.
+    pub fn bytes_sent(&self, resource: &str) -> u64 {
+        self.list_bytes_sent(resource) + self.watch_bytes_sent(resource)
+    }
+
+    /// [`Self::bytes_sent`] of list responses only (every page).
+    pub fn list_bytes_sent(&self, resource: &str) -> u64 {
+        self.bytes.list[Self::resource_named(resource).index()].load(Ordering::Relaxed)
+    }
+
+    /// [`Self::bytes_sent`] of watch streams only: events (including a
+    /// watch's synthetic ADDED events), bookmarks and ERROR events.
+    pub fn watch_bytes_sent(&self, resource: &str) -> u64 {
+        self.bytes.watch[Self::resource_named(resource).index()].load(Ordering::Relaxed)
+    }
+
+    /// Sets every byte count to zero.
+    pub fn reset_bytes_sent(&self) {
+        for c in self.bytes.list.iter().chain(&self.bytes.watch) {
+            c.store(0, Ordering::Relaxed);
+        }
+    }
+
+    fn resource_named(plural: &str) -> Resource {
+        Resource::of_plural(plural).unwrap_or_else(|| panic!("no collection {plural:?} (nodes, services, endpointslices)"))
     }
 
     /// Open watch streams.
@@ -1167,6 +1239,7 @@ fn list(st: &Arc<Mutex<State>>, shape: Shape, filter: &Filter, q: &BTreeMap<Stri
         }
     }
     body.push_str("]}");
+    s.bytes.add_list(res, body.len());
     let mut r = Response::new(Full::new(Bytes::from(body)).boxed());
     r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
     r
@@ -1242,7 +1315,7 @@ fn watch(st: Arc<Mutex<State>>, shape: Shape, filter: Filter, q: &BTreeMap<Strin
     let mut timeout = Duration::from_secs(q.get("timeoutSeconds").and_then(|t| t.parse().ok()).unwrap_or(1800));
     let rv_param = q.get("resourceVersion").cloned().unwrap_or_default();
     let (out_tx, mut out_rx) = mpsc::channel::<Bytes>(1024);
-    let (mut rx, first, mut last, interval) = {
+    let (mut rx, first, mut last, interval, counter) = {
         let s = lock(&st);
         let mut first: Vec<Bytes> = Vec::new();
         match rv_param.as_str() {
@@ -1258,7 +1331,11 @@ fn watch(st: Arc<Mutex<State>>, shape: Shape, filter: Filter, q: &BTreeMap<Strin
                 };
                 if n < s.compacted {
                     first.push(expired_line(v, s.compacted));
-                    let body = futures::stream::iter(first.into_iter().map(|b| Ok::<_, Infallible>(Frame::data(b))));
+                    let counter = s.bytes.clone();
+                    let body = futures::stream::iter(first.into_iter().map(move |b| {
+                        counter.add_watch(res, b.len());
+                        Ok::<_, Infallible>(Frame::data(b))
+                    }));
                     return stream_response(StreamBody::new(body).boxed());
                 }
                 if n > s.rv {
@@ -1273,7 +1350,7 @@ fn watch(st: Arc<Mutex<State>>, shape: Shape, filter: Filter, q: &BTreeMap<Strin
             timeout = timeout.min(c);
         }
         bookmarks &= s.bookmarks_served;
-        (s.tx.subscribe(), first, s.rv, s.bookmark_interval)
+        (s.tx.subscribe(), first, s.rv, s.bookmark_interval, s.bytes.clone())
     };
     tokio::spawn(async move {
         for b in first {
@@ -1338,7 +1415,14 @@ fn watch(st: Arc<Mutex<State>>, shape: Shape, filter: Filter, q: &BTreeMap<Strin
             }
         }
     });
-    let body = futures::stream::poll_fn(move |cx| out_rx.poll_recv(cx).map(|o| o.map(|b| Ok::<_, Infallible>(Frame::data(b)))));
+    let body = futures::stream::poll_fn(move |cx| {
+        out_rx.poll_recv(cx).map(|o| {
+            o.map(|b| {
+                counter.add_watch(res, b.len());
+                Ok::<_, Infallible>(Frame::data(b))
+            })
+        })
+    });
     stream_response(StreamBody::new(body).boxed())
 }
 
@@ -1346,4 +1430,68 @@ fn stream_response(body: Body) -> Response<Body> {
     let mut r = Response::new(body);
     r.headers_mut().insert(hyper::header::CONTENT_TYPE, hyper::header::HeaderValue::from_static("application/json"));
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One HTTP/1.0 request (no chunked framing: the body is the bytes
+    /// after the headers); the body read until the server closes or `wait`.
+    fn get(addr: SocketAddr, path: &str, accept: &str, wait: Duration) -> String {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(addr).expect("connect");
+        s.set_read_timeout(Some(wait)).expect("timeout");
+        write!(s, "GET {path} HTTP/1.0\r\nAccept: {accept}\r\n\r\n").expect("send");
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        let end = Instant::now() + wait;
+        while let Ok(n) = s.read(&mut chunk) {
+            if n == 0 || Instant::now() > end {
+                break;
+            }
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default()
+    }
+
+    #[test]
+    fn bytes_sent_counts_list_and_watch_bodies_per_collection() {
+        let node = |n: &str, beat: &str| json!({"kind": "Node", "apiVersion": "v1", "metadata": {"name": n}, "status": {"beat": beat}});
+        let api = ApiServer::start_on("127.0.0.1:0".parse().expect("addr"), 10, vec![node("a", "0"), node("b", "0")]);
+        api.set_bookmark_interval(Duration::from_hours(1));
+        let a = api.addr();
+        let short = Duration::from_millis(300);
+        let body = get(a, "/api/v1/nodes", "application/json", short);
+        assert!(body.starts_with("{\"kind\":\"NodeList\""), "{body}");
+        assert_eq!(api.list_bytes_sent("nodes"), body.len() as u64);
+        assert_eq!((api.watch_bytes_sent("nodes"), api.bytes_sent("services"), api.bytes_sent("endpointslices")), (0, 0, 0));
+        let meta = get(
+            a,
+            "/api/v1/nodes?fieldSelector=metadata.name%3Da",
+            "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1",
+            short,
+        );
+        assert_eq!(api.list_bytes_sent("nodes"), (body.len() + meta.len()) as u64);
+
+        api.reset_bytes_sent();
+        assert_eq!(api.bytes_sent("nodes"), 0);
+        // A watch from the list's version: the changes to "a" only.
+        let watcher = std::thread::spawn(move || {
+            get(
+                a,
+                "/api/v1/nodes?watch=true&resourceVersion=12&fieldSelector=metadata.name%3Da",
+                "application/json",
+                Duration::from_millis(600),
+            )
+        });
+        std::thread::sleep(Duration::from_millis(150));
+        api.apply(node("a", "1"));
+        api.apply(node("b", "1"));
+        let streamed = watcher.join().expect("watcher");
+        assert_eq!(streamed.lines().count(), 1, "{streamed}");
+        assert_eq!(api.watch_bytes_sent("nodes"), streamed.len() as u64);
+        assert_eq!(api.list_bytes_sent("nodes"), 0);
+    }
 }

@@ -257,13 +257,13 @@ fn unix(t: SystemTime) -> f64 {
     t.duration_since(SystemTime::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64())
 }
 
-fn metric(text: &str, series: &str) -> Option<f64> {
+pub(crate) fn metric(text: &str, series: &str) -> Option<f64> {
     text.lines()
         .find(|l| l.starts_with(series) && l[series.len()..].starts_with(' '))
         .and_then(|l| l[series.len()..].split_whitespace().next()?.parse().ok())
 }
 
-fn http_get(addr: &str, path: &str) -> Result<String> {
+pub(crate) fn http_get(addr: &str, path: &str) -> Result<String> {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(addr)?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;

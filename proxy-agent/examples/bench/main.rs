@@ -8,11 +8,13 @@
 //! tests.
 
 mod control_plane;
+mod control_plane_scale;
 mod forwarding;
 mod kernel_memory;
 mod maglev_sync;
 mod manifest_input;
 mod programs;
+mod realistic_nodes;
 mod report;
 mod rules;
 mod workload;
@@ -60,9 +62,12 @@ struct Args {
     /// memory at default flags (kernel_memory.rs); `connect4`: only the connect4 run time by
     /// path against an empty program and its step breakdown; `xdp`: only
     /// the XDP NodePort program, xdp.rs; `maglev-sync`: only what Maglev
-    /// tables add to a TC sync, maglev_sync.rs).
+    /// tables add to a TC sync, maglev_sync.rs; `control-plane-scale`: only
+    /// the Node watch's bytes at cluster scale, control_plane_scale.rs,
+    /// written to `control-plane-scale.md`, never part of a full run).
     only: Option<String>,
     cp: control_plane::Options,
+    cps: control_plane_scale::Options,
     mi: manifest_input::Options,
     /// BPF_PROG_TEST_RUN calls per case and repeat, and the NodePort
     /// frontends in the maps (programs.rs).
@@ -82,6 +87,7 @@ fn parse_args() -> Result<Args> {
         out: PathBuf::from("results/bench"),
         only: None,
         cp: control_plane::Options::default(),
+        cps: control_plane_scale::Options::default(),
         mi: manifest_input::Options::default(),
         np_calls: 20_000,
         np_frontends: 1_000,
@@ -109,6 +115,12 @@ fn parse_args() -> Result<Args> {
                     bail!("unknown flag {cp}; control-plane flags: {}", control_plane::FLAGS_HELP);
                 }
             }
+            cps if cps.starts_with("--cps-") => {
+                let v = val()?;
+                if !control_plane_scale::flag(&mut a.cps, cps, &v)? {
+                    bail!("unknown flag {cps}; control-plane-scale flags: {}", control_plane_scale::FLAGS_HELP);
+                }
+            }
             mi if mi.starts_with("--mi-") => {
                 let v = val()?;
                 if !manifest_input::flag(&mut a.mi, mi, &v)? {
@@ -116,8 +128,9 @@ fn parse_args() -> Result<Args> {
                 }
             }
             other => bail!(
-                "unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 6 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|nodeport|cold-start|manifest-input|kernel-memory|connect4|xdp|maglev-sync --np-calls 20000 --np-frontends 1000 --revnat-capacity 262144 --fwd-services 1000 --fwd-udp-ms 1000 {} {}",
+                "unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 6 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|control-plane-scale|nodeport|cold-start|manifest-input|kernel-memory|connect4|xdp|maglev-sync --np-calls 20000 --np-frontends 1000 --revnat-capacity 262144 --fwd-services 1000 --fwd-udp-ms 1000 {} {} {}",
                 control_plane::FLAGS_HELP,
+                control_plane_scale::FLAGS_HELP,
                 manifest_input::FLAGS_HELP
             ),
         }
@@ -309,6 +322,14 @@ fn agent_start_repeats(repeats: usize, scratch: &Path, agent: Option<&Path>, ver
 }
 
 fn main() -> Result<()> {
+    // The kube-proxy-shaped client of control_plane_scale.rs, which runs
+    // this program again as its own process.
+    let argv: Vec<String> = std::env::args().collect();
+    if let [_, flag, kubeconfig, node] = argv.as_slice()
+        && flag == control_plane_scale::CLIENT_FLAG
+    {
+        return control_plane_scale::kube_proxy_client(Path::new(kubeconfig), node);
+    }
     let args = parse_args()?;
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
@@ -325,6 +346,10 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
     if args.only.as_deref() == Some("control-plane") {
         let cp = control_plane::run(&args.cp, args.repeats, scratch)?;
         return control_plane::write_alone(&args.out, &cp);
+    }
+    if args.only.as_deref() == Some("control-plane-scale") {
+        let r = control_plane_scale::run(&args.cps, args.repeats, scratch)?;
+        return control_plane_scale::write_alone(&args.out, &r);
     }
     if args.only.as_deref() == Some("nodeport") {
         let section = programs::nodeport_test_run(args.repeats, args.np_calls, args.np_frontends)?;
