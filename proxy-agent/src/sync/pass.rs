@@ -384,6 +384,10 @@ impl CachedSync {
                 .chain(self.local_of.keys())
                 .chain(self.external_services.iter())
                 .chain(self.no_local_of.keys())
+                // A Service deleted in this pass is in none of the above:
+                // without this, one deleted beside a Node label change kept
+                // its needs and the other Nodes' watch never stopped.
+                .chain(self.label_needs.keys())
                 .cloned()
                 .collect();
             self.track_no_local(&all);
@@ -907,5 +911,37 @@ mod departure_tests {
                 assert_eq!(pass.watched(), (0, 0), "{protocol} {name}: nothing left to watch");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod label_need_tests {
+    use super::*;
+
+    /// Nodes `a` and `b` in `region`, and unless `deleted`, a Service ranked
+    /// by region (which its v1 slice does not carry).
+    fn cluster(region: &str, deleted: bool) -> Cluster {
+        let mut yaml = format!(
+            "kind: Node\nmetadata: {{name: a, labels: {{topology.kubernetes.io/region: {region}}}}}\n---\nkind: Node\nmetadata: {{name: b, labels: {{topology.kubernetes.io/region: {region}}}}}\n"
+        );
+        if !deleted {
+            yaml.push_str("---\napiVersion: v1\nkind: Service\nmetadata: {name: regional, annotations: {topoproxy.io/topology-keys: \"topology.kubernetes.io/region, *\"}}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: regional-1, labels: {kubernetes.io/service-name: regional}}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints: [{addresses: [10.244.0.1], nodeName: a}, {addresses: [10.244.0.2], nodeName: b}]\n");
+        }
+        let (c, e) = crate::source::manifest_watch::cluster_from_text(&yaml);
+        assert!(e.is_empty(), "{e:?}");
+        c
+    }
+
+    /// A Service deleted in the pass that also takes a Node label change
+    /// (which decides everything again) takes its needs with it.
+    #[test]
+    fn a_deleted_service_needs_no_labels_even_in_a_full_update() {
+        let mut pass = CachedSync::new("a");
+        let mut maps = MemoryMaps::default();
+        pass.pass(&mut maps, None, &cluster("r1", false), &Changes { all: true, ..Changes::default() }, true);
+        assert_eq!(pass.node_labels_needed(), ["topology.kubernetes.io/region".to_string()].into());
+        let changes = Changes { all: true, services: [ObjectRef::new("default", "regional")].into(), ..Changes::default() };
+        pass.pass(&mut maps, None, &cluster("r2", true), &changes, false);
+        assert!(pass.node_labels_needed().is_empty(), "{:?}", pass.node_labels_needed());
     }
 }
