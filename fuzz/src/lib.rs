@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use arbitrary::{Result, Unstructured};
 use proxy_agent::model::{
-    Cluster, Endpoint, EndpointSlice, Family, Node, ObjectRef, Protocol, Service, ServicePort, ServiceType, SlicePort,
+    Cluster, Endpoint, EndpointExtra, EndpointSlice, Family, Node, ObjectRef, Protocol, Service, ServicePort, ServiceType, SlicePort,
 };
 use serde_json::{Map, Value, json};
 
@@ -433,9 +433,7 @@ fn model_slice(u: &mut Unstructured<'_>, i: usize, service_name: &str) -> Result
             terminating: u.ratio(1, 4)?,
             node_name: shared(u, &NODES)?,
             zone: shared(u, &ZONES)?,
-            hint_zones: zones,
-            hint_nodes: nodes,
-            topology,
+            extra: EndpointExtra { hint_zones: zones, hint_nodes: nodes, topology }.boxed(),
         });
     }
     Ok(EndpointSlice {

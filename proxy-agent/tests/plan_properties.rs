@@ -347,6 +347,16 @@ proptest! {
         union.extend(primary.clone());
         let none = Policies::new();
         prop_assert_eq!(plan::diff_layered(&current, &none, &primary, &fallback, &none), plan::diff(&current, &union));
+        // The same one frontend at a time, the current sets in any order.
+        let have: Vec<(Frontend, Vec<Backend>)> = current.iter().map(|(fe, set)| (*fe, set.iter().rev().copied().collect())).collect();
+        let streamed = plan::diff_layered_streams(
+            have.iter().map(|(fe, list)| (*fe, list.as_slice())),
+            &none,
+            primary.iter().map(|(fe, set)| (*fe, set.iter().copied().collect())),
+            &fallback,
+            &none,
+        );
+        prop_assert_eq!(streamed, plan::diff(&current, &union));
     }
 
     #[test]

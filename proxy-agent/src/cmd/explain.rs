@@ -135,8 +135,8 @@ fn port_label(d: &PortDecision) -> String {
 /// The documented, stable JSON shape (README, "explain").
 fn to_json(d: &PortDecision) -> serde_json::Value {
     json!({
-        "namespace": d.service.namespace,
-        "name": d.service.name,
+        "namespace": &*d.service.namespace,
+        "name": &*d.service.name,
         "port": {"name": d.port.name, "port": d.port.port, "protocol": d.port.protocol.as_str()},
         "frontends": d.frontends.iter().map(|f| sockaddr(f.ip, f.port)).collect::<Vec<_>>(),
         // External traffic. NodePorts are served on every node
@@ -147,7 +147,7 @@ fn to_json(d: &PortDecision) -> serde_json::Value {
         "externalEndpoints": d.external_backends().iter().map(ToString::to_string).collect::<Vec<_>>(),
         "healthCheckNodePort": if d.external_local { d.health_check_node_port } else { None },
         "model": d.model,
-        "decision": d.decision,
+        "decision": &*d.decision,
         // As kube-proxy's CategorizeEndpoints: null when no traffic of the
         // port uses the set (pkg/proxy/topology.go).
         "clusterEndpoints": used_json(d.uses_cluster_endpoints(), &d.cluster),

@@ -64,14 +64,14 @@ impl Needs {
         for object in latest.values().flatten() {
             if let Object::Slice(s) = object {
                 let n = s.endpoints.len() as u64;
-                *endpoints.entry((s.id.namespace.as_str(), s.service_name.as_str())).or_default() += n;
+                *endpoints.entry((&*s.id.namespace, s.service_name.as_str())).or_default() += n;
                 needs.backends += n * (s.ports.len() as u64).max(1);
             }
         }
         for object in latest.values().flatten() {
             if let Object::Service(s) = object {
                 let ips = (s.cluster_ips.len() + s.external_ips.len() + s.load_balancer_ips.len()) as u64;
-                let eps = endpoints.get(&(s.id.namespace.as_str(), s.id.name.as_str())).copied().unwrap_or(0);
+                let eps = endpoints.get(&(&*s.id.namespace, &*s.id.name)).copied().unwrap_or(0);
                 // An invalid annotation falls back to the default, as
                 // `decide::decision` does.
                 let table = maglev::annotated_size(&s.annotations).ok().flatten().or(maglev_default).map_or(0, TableSize::bytes);

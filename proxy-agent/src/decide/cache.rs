@@ -14,10 +14,11 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::decide::decision::{self, PortDecision};
-use crate::decide::plan::{Policies, State};
+use crate::decide::plan::Policies;
 use crate::decide::topology::NodeContext;
 use crate::model::store::Changes;
-use crate::model::{Cluster, EndpointSlice, Family, Frontend, ObjectRef};
+use crate::model::{Backend, Cluster, EndpointSlice, Family, Frontend, ObjectRef};
+use crate::util::btree::repack_after;
 
 /// What one update changed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -28,52 +29,84 @@ pub(crate) struct Update {
     pub services: BTreeSet<ObjectRef>,
 }
 
-/// A small set kept as a sorted Vec of exact capacity. Nearly every set
-/// here has one element (a Service's only slice, a frontend's only
-/// claimant), for which a BTreeSet allocates a whole node of eleven: 544
-/// bytes for one ObjectRef, 10 MiB of the agent's peak at 10k Services.
-/// Iterates in ascending order, as a BTreeSet does, so the first claimant
-/// in namespace/name order is `first()`.
+/// A small set kept sorted, a single element inline. Nearly every set here
+/// has one element (a Service's only slice, a frontend's only claimant),
+/// for which a BTreeSet allocates a whole node of eleven (544 bytes for one
+/// ObjectRef, 10 MiB of the agent's peak at 10k Services) and a Vec a heap
+/// block (48 bytes with the allocator's header, 10 MiB at 100k Services);
+/// inline it costs nothing more. More elements are a sorted Vec of exact
+/// capacity. Iterates in ascending order, as a BTreeSet does, so the first
+/// claimant in namespace/name order is `first()`.
 #[derive(Clone, Debug)]
-struct SortedVec<T>(Vec<T>);
+enum SortedVec<T> {
+    One(T),
+    Many(Vec<T>),
+}
 
 impl<T> Default for SortedVec<T> {
     fn default() -> Self {
-        SortedVec(Vec::new())
+        SortedVec::Many(Vec::new())
     }
 }
 
 impl<T: Ord> SortedVec<T> {
     fn insert(&mut self, v: T) {
-        if let Err(i) = self.0.binary_search(&v) {
-            self.0.reserve_exact(1);
-            self.0.insert(i, v);
-        }
-    }
-
-    fn remove(&mut self, v: &T) {
-        if let Ok(i) = self.0.binary_search(v) {
-            self.0.remove(i);
-            if self.0.len() * 2 <= self.0.capacity() {
-                self.0.shrink_to_fit();
+        match self {
+            SortedVec::Many(vec) if vec.is_empty() => *self = SortedVec::One(v),
+            SortedVec::Many(vec) => {
+                if let Err(i) = vec.binary_search(&v) {
+                    vec.reserve_exact(1);
+                    vec.insert(i, v);
+                }
+            }
+            SortedVec::One(one) if *one == v => {}
+            SortedVec::One(_) => {
+                let SortedVec::One(one) = std::mem::take(self) else { unreachable!() };
+                let mut vec = vec![one, v];
+                vec.sort();
+                *self = SortedVec::Many(vec);
             }
         }
     }
 
+    fn remove(&mut self, v: &T) {
+        match self {
+            SortedVec::One(one) if one == v => *self = SortedVec::default(),
+            SortedVec::One(_) => {}
+            SortedVec::Many(vec) => {
+                if let Ok(i) = vec.binary_search(v) {
+                    vec.remove(i);
+                    if vec.len() == 1 {
+                        *self = SortedVec::One(vec.remove(0));
+                    } else if vec.len() * 2 <= vec.capacity() {
+                        vec.shrink_to_fit();
+                    }
+                }
+            }
+        }
+    }
+
+    fn as_slice(&self) -> &[T] {
+        match self {
+            SortedVec::One(one) => std::slice::from_ref(one),
+            SortedVec::Many(vec) => vec,
+        }
+    }
+
     fn first(&self) -> Option<&T> {
-        self.0.first()
+        self.as_slice().first()
     }
 
     fn len(&self) -> usize {
-        self.0.len()
+        self.as_slice().len()
     }
 
     fn is_empty(&self) -> bool {
-        self.0.is_empty()
+        self.as_slice().is_empty()
     }
 
     fn iter(&self) -> std::slice::Iter<'_, T> {
-        self.0.iter()
+        self.as_slice().iter()
     }
 }
 
@@ -87,9 +120,11 @@ pub(crate) struct DecisionCache {
     slices_of: BTreeMap<ObjectRef, SortedVec<ObjectRef>>,
     owner_of: BTreeMap<ObjectRef, ObjectRef>,
     /// Services claiming each ClusterIP frontend; the first one owns it.
+    /// With the decisions, this is the desired state (`desired_state`):
+    /// each frontend's backends are read from its owner's decision when
+    /// asked for ([`Self::desired_of`], [`Self::desired_entries`]), not
+    /// kept in a second copy (30 MiB at 100k Services x 10 endpoints).
     claims: BTreeMap<Frontend, SortedVec<ObjectRef>>,
-    /// ClusterIP frontends with their backends: what `desired_state` gives.
-    desired: State,
     /// Their policies, where not the default: what `desired_policies` gives.
     desired_policies: Policies,
     /// Frontends claimed by more than one Service.
@@ -108,27 +143,35 @@ impl DecisionCache {
     /// or updated), and the Services decided again.
     pub(crate) fn update(&mut self, cluster: &Cluster, changes: &Changes) -> Update {
         let mut affected: BTreeSet<ObjectRef> = changes.services.clone();
+        // New entries of the slice index, decisions and claims, to rebuild
+        // the maps that grew by many (`repack_after`).
+        let (mut new_slices, mut new_decisions, mut new_claims) = (0, 0, 0);
         if changes.all {
             self.slices_of.clear();
             self.owner_of.clear();
             for s in cluster.slices.values() {
-                self.index_slice(s);
+                self.index_slice(cluster, s);
             }
-            affected.extend(self.decisions.keys().cloned());
-            affected.extend(cluster.services.keys().cloned());
+            new_slices = self.owner_of.len();
+            // Collected at once (a bulk build, full nodes): inserted one by
+            // one, in order, the set was twice its size.
+            affected = affected.iter().chain(self.decisions.keys()).chain(cluster.services.keys()).cloned().collect();
         } else {
             for id in &changes.slices {
-                if let Some(old) = self.owner_of.remove(id) {
-                    if let Some(set) = self.slices_of.get_mut(&old) {
-                        set.remove(id);
-                        if set.is_empty() {
-                            self.slices_of.remove(&old);
+                match self.owner_of.remove(id) {
+                    Some(old) => {
+                        if let Some(set) = self.slices_of.get_mut(&old) {
+                            set.remove(id);
+                            if set.is_empty() {
+                                self.slices_of.remove(&old);
+                            }
                         }
+                        affected.insert(old);
                     }
-                    affected.insert(old);
+                    None => new_slices += usize::from(cluster.slices.contains_key(id)),
                 }
                 if let Some(s) = cluster.slices.get(id) {
-                    affected.insert(self.index_slice(s));
+                    affected.insert(self.index_slice(cluster, s));
                 }
             }
         }
@@ -153,7 +196,11 @@ impl DecisionCache {
                 self.with_problems.remove(id);
             }
             let old = match new {
-                Some(d) => self.decisions.insert(id.clone(), d),
+                Some(d) => {
+                    let old = self.decisions.insert(id.clone(), d);
+                    new_decisions += usize::from(old.is_none());
+                    old
+                }
                 None => self.decisions.remove(id),
             };
             let old_fes: BTreeSet<Frontend> = old.iter().flatten().flat_map(|d| d.frontends.iter().copied()).collect();
@@ -168,6 +215,7 @@ impl DecisionCache {
                 }
             }
             for fe in &new_fes {
+                new_claims += usize::from(!self.claims.contains_key(fe));
                 self.claims.entry(*fe).or_default().insert(id.clone());
             }
             touched.extend(old_fes);
@@ -178,14 +226,6 @@ impl DecisionCache {
                 self.clashed.insert(*fe);
             } else {
                 self.clashed.remove(fe);
-            }
-            match self.backends_for(fe) {
-                Some(set) => {
-                    self.desired.insert(*fe, set);
-                }
-                None => {
-                    self.desired.remove(fe);
-                }
             }
             match self.policy_for(fe) {
                 Some(p) => {
@@ -203,6 +243,10 @@ impl DecisionCache {
                 affected.insert(owner.clone());
             }
         }
+        repack_after(&mut self.owner_of, new_slices);
+        repack_after(&mut self.slices_of, new_slices);
+        repack_after(&mut self.decisions, new_decisions);
+        repack_after(&mut self.claims, new_claims);
         Update { frontends: touched, services: affected }
     }
 
@@ -222,36 +266,66 @@ impl DecisionCache {
         self.decisions.get(service).into_iter().flatten().flat_map(|d| d.frontends.iter()).filter(move |fe| self.owner(fe) == Some(service))
     }
 
-    fn index_slice(&mut self, s: &EndpointSlice) -> ObjectRef {
-        let owner = ObjectRef::new(s.id.namespace.clone(), s.service_name.clone());
+    fn index_slice(&mut self, cluster: &Cluster, s: &EndpointSlice) -> ObjectRef {
+        let owner = ObjectRef::new(s.id.namespace.clone(), s.service_name.as_str());
+        // The Service's own copy of its id, when it exists: one copy of
+        // the names, however many maps hold them.
+        let owner = cluster.services.get_key_value(&owner).map_or(owner, |(k, _)| k.clone());
         self.slices_of.entry(owner.clone()).or_default().insert(s.id.clone());
         self.owner_of.insert(s.id.clone(), owner.clone());
         owner
     }
 
-    /// The backends of `fe` from its owner: the first claiming Service, and
-    /// within it the first port with that frontend (as `desired_state`).
-    fn backends_for(&self, fe: &Frontend) -> Option<std::collections::BTreeSet<crate::model::Backend>> {
+    /// The decision `fe` takes its backends and policy from: its owner's
+    /// (the first claiming Service), and within it the first port with
+    /// that frontend (as `desired_state`).
+    fn decision_for(&self, fe: &Frontend) -> Option<&PortDecision> {
         let owner = self.claims.get(fe)?.first()?;
-        let d = self.decisions.get(owner)?.iter().find(|d| d.frontends.contains(fe))?;
+        self.decisions.get(owner)?.iter().find(|d| d.frontends.contains(fe))
+    }
+
+    /// The backends of `fe` from [`Self::decision_for`], of its family,
+    /// sorted and without duplicates (the order of a `BTreeSet`).
+    fn backends_for(&self, fe: &Frontend) -> Option<Vec<Backend>> {
+        let d = self.decision_for(fe)?;
         let fam = Family::of(&fe.ip);
-        Some(d.internal_backends().iter().filter(|b| Family::of(&b.ip) == fam).copied().collect())
+        let mut v: Vec<Backend> = d.internal_backends().iter().filter(|b| Family::of(&b.ip) == fam).copied().collect();
+        v.sort_unstable();
+        v.dedup();
+        Some(v)
     }
 
     /// The policy of `fe` from its owner (as [`Self::backends_for`]), when
     /// it is not the default.
     fn policy_for(&self, fe: &Frontend) -> Option<crate::decide::plan::FrontendPolicy> {
-        let owner = self.claims.get(fe)?.first()?;
-        let d = self.decisions.get(owner)?.iter().find(|d| d.frontends.contains(fe))?;
+        let d = self.decision_for(fe)?;
         Some(d.frontend_policy(fe, &[], false)).filter(|p| !p.is_default())
     }
 
-    /// The ClusterIP part of the desired socket state.
-    pub(crate) fn desired(&self) -> &State {
-        &self.desired
+    /// Whether `fe` is in the ClusterIP part of the desired socket state.
+    pub(crate) fn is_desired(&self, fe: &Frontend) -> bool {
+        self.decision_for(fe).is_some()
     }
 
-    /// The policies of the ClusterIP frontends in [`Self::desired`] that
+    /// The backends the desired state gives `fe`, if it has it.
+    pub(crate) fn desired_of(&self, fe: &Frontend) -> Option<std::collections::BTreeSet<Backend>> {
+        Some(self.backends_for(fe)?.into_iter().collect())
+    }
+
+    /// The ClusterIP part of the desired socket state, frontends in order,
+    /// each set made when it is reached (sorted, without duplicates), so
+    /// that a full pass does not hold a copy of every set.
+    pub(crate) fn desired_entries(&self) -> impl Iterator<Item = (Frontend, Vec<Backend>)> + '_ {
+        self.claims.keys().filter_map(|fe| Some((*fe, self.backends_for(fe)?)))
+    }
+
+    /// The ClusterIP part of the desired socket state, whole.
+    #[cfg(test)]
+    pub(crate) fn desired(&self) -> crate::decide::plan::State {
+        self.desired_entries().map(|(fe, set)| (fe, set.into_iter().collect())).collect()
+    }
+
+    /// The policies of the ClusterIP frontends in the desired state that
     /// have one.
     pub(crate) fn desired_policies(&self) -> &Policies {
         &self.desired_policies
@@ -430,12 +504,12 @@ mod tests {
                     .collect(),
                 slices: c.slices.keys().chain(prev.slices.keys()).filter(|k| c.slices.get(*k) != prev.slices.get(*k)).cloned().collect(),
             };
-            let before = cache.desired().clone();
+            let before = cache.desired();
             let before_policies = cache.desired_policies().clone();
             let touched = cache.update(&c, &changes).frontends;
             let full = decision::decide(&c, "a");
             let (want, clashes) = decision::desired_state(&full);
-            assert_eq!(cache.desired(), &want, "step {name}");
+            assert_eq!(cache.desired(), want, "step {name}");
             let want_policies = decision::desired_policies(&full);
             assert_eq!(cache.desired_policies(), &want_policies, "step {name}");
             for fe in want_policies.keys().chain(before_policies.keys()) {
@@ -462,6 +536,25 @@ mod tests {
     }
 
     #[test]
+    fn sorted_vecs_stay_sorted_and_keep_one_element_inline() {
+        let mut v = SortedVec::default();
+        assert!(v.is_empty() && v.first().is_none());
+        v.insert(5);
+        v.insert(5);
+        assert!(matches!(v, SortedVec::One(5)));
+        v.insert(3);
+        v.insert(9);
+        assert_eq!(v.iter().copied().collect::<Vec<_>>(), [3, 5, 9]);
+        assert_eq!((v.first(), v.len()), (Some(&3), 3));
+        v.remove(&3);
+        v.remove(&4);
+        v.remove(&9);
+        assert!(matches!(v, SortedVec::One(5)), "{v:?}");
+        v.remove(&5);
+        assert!(v.is_empty());
+    }
+
+    #[test]
     fn node_label_changes_need_a_full_update() {
         let yaml = format!(
             "{NODES}{}{}",
@@ -473,7 +566,7 @@ mod tests {
         let moved = yaml.replace("topology.kubernetes.io/zone: z-b", "topology.kubernetes.io/zone: z-a");
         let c = cluster(&moved);
         cache.update(&c, &Changes { all: true, ..Changes::default() });
-        assert_eq!(cache.desired(), &decision::desired_state(&decision::decide(&c, "a")).0);
+        assert_eq!(cache.desired(), decision::desired_state(&decision::decide(&c, "a")).0);
         assert!(!Changes { all: true, ..Changes::default() }.is_empty());
         assert!(Changes::default().is_empty());
     }

@@ -17,8 +17,10 @@ pub struct PortDecision {
     pub frontends: Vec<Frontend>,
     /// Name of the model that decided (see `topology::Model`).
     pub model: &'static str,
-    /// Why, in words.
-    pub decision: String,
+    /// Why, in words. One shared copy of each text (`intern`): most
+    /// Services are decided for the same reasons, and a copy each was 5 MiB
+    /// at 100k Services.
+    pub decision: std::sync::Arc<str>,
     /// Backends for cluster-policy traffic.
     pub cluster: Vec<Backend>,
     /// Backends for local-policy traffic.
@@ -187,12 +189,12 @@ pub fn decide(cluster: &Cluster, node: &str) -> Vec<PortDecision> {
     // number of objects (a scan per Service is quadratic at 10k Services).
     let mut slices_by_service: BTreeMap<(&str, &str), Vec<&EndpointSlice>> = BTreeMap::new();
     for slice in cluster.slices.values() {
-        slices_by_service.entry((slice.id.namespace.as_str(), slice.service_name.as_str())).or_default().push(slice);
+        slices_by_service.entry((&*slice.id.namespace, slice.service_name.as_str())).or_default().push(slice);
     }
     let no_slices = Vec::new();
     let mut out = Vec::new();
     for svc in cluster.services.values() {
-        let slices = slices_by_service.get(&(svc.id.namespace.as_str(), svc.id.name.as_str())).unwrap_or(&no_slices);
+        let slices = slices_by_service.get(&(&*svc.id.namespace, &*svc.id.name)).unwrap_or(&no_slices);
         decide_service(svc, slices, ctx, &mut out);
     }
     out
@@ -245,7 +247,7 @@ pub fn decide_service(svc: &Service, slices: &[&EndpointSlice], ctx: NodeContext
             port: port.clone(),
             frontends: svc.cluster_ips.iter().map(|ip| Frontend { ip: *ip, port: port.port, protocol: port.protocol }).collect(),
             model: ranking.model.as_str(),
-            decision: ranking.decision,
+            decision: crate::util::intern::intern(&ranking.decision),
             cluster: to_backends(&ranking.cluster),
             local: to_backends(&ranking.local),
             internal_local: svc.internal_policy_local,

@@ -94,6 +94,113 @@ pub fn diff_layered(current: &State, current_policies: &Policies, primary: &Stat
     diff_entries(current, current_policies, desired.iter().map(|(fe, set)| (*fe, *set)), desired_policies, |fe| desired.contains_key(fe))
 }
 
+/// [`diff_layered`] with every side given one frontend at a time, in
+/// frontend order, instead of held as a State: at 100k Services a full
+/// pass would otherwise hold a copy of every programmed set (`current`)
+/// and of every desired one (`primary`) beside the maps' own. `current`
+/// gives each set in any order (as the maps hold it); each `primary` set
+/// is sorted and without duplicates (as a `BTreeSet` iterates), and moves
+/// into the plan as it is when it differs.
+pub fn diff_layered_streams<'c>(
+    current: impl Iterator<Item = (Frontend, &'c [Backend])>,
+    current_policies: &Policies,
+    primary: impl Iterator<Item = (Frontend, Vec<Backend>)>,
+    fallback: &State,
+    desired_policies: &Policies,
+) -> Plan {
+    let mut plan = Plan::default();
+    let mut current = current.peekable();
+    let mut primary = primary.peekable();
+    let mut fallback = fallback.iter().peekable();
+    loop {
+        // The desired state is the union in frontend order, primary first
+        // on the same frontend.
+        let desired = match (primary.peek(), fallback.peek()) {
+            (Some((p, _)), Some((f, _))) if p > *f => fallback.next().map(|(fe, set)| (*fe, Want::Set(set))),
+            (Some(_), _) => {
+                let next = primary.next().map(|(fe, list)| (fe, Want::Sorted(list)));
+                if let (Some((fe, _)), Some((f, _))) = (&next, fallback.peek())
+                    && fe == *f
+                {
+                    fallback.next();
+                }
+                next
+            }
+            (None, _) => fallback.next().map(|(fe, set)| (*fe, Want::Set(set))),
+        };
+        // Programmed frontends before it are no longer wanted.
+        while let Some((fe, _)) = current.next_if(|(fe, _)| desired.as_ref().is_none_or(|(d, _)| fe < d)) {
+            plan.deletes.push(fe);
+        }
+        let Some((fe, want)) = desired else { break };
+        let have = current.next_if(|(c, _)| *c == fe).map(|(_, set)| set);
+        let same = have.is_some_and(|have| same_set(have, &want.as_sorted()));
+        upsert_if_changed(&mut plan, current_policies, desired_policies, &fe, same, || want.into_vec());
+    }
+    // Held while the plan is written, at the agent's memory peak.
+    plan.upserts.shrink_to_fit();
+    plan
+}
+
+/// A desired set in [`diff_layered_streams`].
+enum Want<'a> {
+    Sorted(Vec<Backend>),
+    Set(&'a BTreeSet<Backend>),
+}
+
+impl Want<'_> {
+    /// Its backends, sorted and without duplicates.
+    fn as_sorted(&self) -> std::borrow::Cow<'_, [Backend]> {
+        match self {
+            Want::Sorted(v) => std::borrow::Cow::Borrowed(v.as_slice()),
+            Want::Set(s) => std::borrow::Cow::Owned(s.iter().copied().collect()),
+        }
+    }
+
+    fn into_vec(self) -> Vec<Backend> {
+        match self {
+            Want::Sorted(v) => v,
+            Want::Set(s) => s.iter().copied().collect(),
+        }
+    }
+}
+
+/// Whether `have` (in any order, maybe with duplicates) is the set `want`
+/// (sorted, without duplicates).
+fn same_set(have: &[Backend], want: &[Backend]) -> bool {
+    if have.windows(2).all(|w| w[0] < w[1]) {
+        return have == want;
+    }
+    let mut have = have.to_vec();
+    have.sort_unstable();
+    have.dedup();
+    have == want
+}
+
+/// A default policy listed in a map is the same as none listed.
+fn listed_policy<'p>(m: &'p Policies, fe: &Frontend) -> Option<&'p FrontendPolicy> {
+    m.get(fe).filter(|p| !p.is_default())
+}
+
+/// Adds `fe` to the plan's upserts, with `want()`, unless its backends
+/// are the `same` as the current ones and so is its policy.
+fn upsert_if_changed(
+    plan: &mut Plan,
+    current_policies: &Policies,
+    desired_policies: &Policies,
+    fe: &Frontend,
+    same: bool,
+    want: impl FnOnce() -> Vec<Backend>,
+) {
+    let want_policy = listed_policy(desired_policies, fe);
+    if !same || listed_policy(current_policies, fe) != want_policy {
+        plan.upserts.push((*fe, want()));
+        if let Some(p) = want_policy {
+            plan.policies.insert(*fe, p.clone());
+        }
+    }
+}
+
 fn diff_entries<'a>(
     current: &State,
     current_policies: &Policies,
@@ -101,19 +208,11 @@ fn diff_entries<'a>(
     desired_policies: &Policies,
     wanted: impl Fn(&Frontend) -> bool,
 ) -> Plan {
-    // A default policy listed in a map is the same as none listed.
-    fn policy<'p>(m: &'p Policies, fe: &Frontend) -> Option<&'p FrontendPolicy> {
-        m.get(fe).filter(|p| !p.is_default())
-    }
     let mut plan = Plan::default();
     for (fe, want) in desired {
-        let want_policy = policy(desired_policies, fe);
-        if current.get(fe) != Some(want) || policy(current_policies, fe) != want_policy {
-            plan.upserts.push((*fe, want.iter().copied().collect()));
-            if let Some(p) = want_policy {
-                plan.policies.insert(*fe, p.clone());
-            }
-        }
+        upsert_if_changed(&mut plan, current_policies, desired_policies, fe, current.get(fe) == Some(want), || {
+            want.iter().copied().collect()
+        });
     }
     for fe in current.keys() {
         if !wanted(fe) {
@@ -205,8 +304,8 @@ mod tests {
         let d = fe("10.96.0.13", 80, Protocol::Tcp);
         let b1 = be("10.244.0.1", 8080);
         let b2 = be("10.244.0.2", 8080);
-        let current = state(&[(a, &[b1]), (b, &[b1]), (d, &[b2])]);
-        let primary = state(&[(a, &[b1]), (c, &[b2])]);
+        let current = state(&[(a, &[b1, b2]), (b, &[b1]), (d, &[b2])]);
+        let primary = state(&[(a, &[b1, b2]), (c, &[b2])]);
         // `a` is in both: primary wins; `b` only in fallback.
         let fallback = state(&[(a, &[b2]), (b, &[b2])]);
         let mut union = fallback.clone();
@@ -214,6 +313,17 @@ mod tests {
         let none = Policies::new();
         let got = diff_layered(&current, &none, &primary, &fallback, &none);
         assert_eq!(got, diff(&current, &union));
+        let lists =
+            |s: &State| -> Vec<(Frontend, Vec<Backend>)> { s.iter().map(|(fe, set)| (*fe, set.iter().copied().collect())).collect() };
+        let have = lists(&current);
+        let streams = |have: &[(Frontend, Vec<Backend>)]| {
+            diff_layered_streams(have.iter().map(|(fe, l)| (*fe, l.as_slice())), &none, lists(&primary).into_iter(), &fallback, &none)
+        };
+        assert_eq!(streams(&have), got);
+        // The maps may hold a set in any order, with duplicates.
+        let shuffled: Vec<(Frontend, Vec<Backend>)> =
+            have.iter().map(|(fe, l)| (*fe, l.iter().rev().chain(l).copied().collect())).collect();
+        assert_eq!(streams(&shuffled), got);
         assert_eq!(got.upserts, vec![(b, vec![b2]), (c, vec![b2])]);
         assert_eq!(got.deletes, vec![d]);
     }

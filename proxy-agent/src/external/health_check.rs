@@ -138,7 +138,7 @@ pub(crate) fn response(entry: Option<&(ObjectRef, usize)>, agent_healthy: bool) 
         None => (ObjectRef::new("", ""), 0),
     };
     let body = serde_json::json!({
-        "service": {"namespace": svc.namespace, "name": svc.name},
+        "service": {"namespace": &*svc.namespace, "name": &*svc.name},
         "localEndpoints": count,
         "serviceProxyHealthy": agent_healthy,
     })

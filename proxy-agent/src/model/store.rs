@@ -13,6 +13,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::model::{Cluster, EndpointSlice, Node, ObjectRef, Service};
+use crate::util::btree::repack_after;
 
 /// The kinds of object the agent reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -124,6 +125,8 @@ impl Model {
     /// touched only its status) changes nothing.
     pub fn apply(&mut self, deltas: impl IntoIterator<Item = Delta>) -> Changes {
         let mut changes = Changes::default();
+        // New entries per map, to rebuild a map that grew by many.
+        let (mut new_services, mut new_slices, mut new_uids) = (0, 0, 0);
         for d in deltas {
             let key = (d.kind, d.id.clone());
             if d.problems.is_empty() {
@@ -135,34 +138,34 @@ impl Model {
                 Kind::Service => {
                     match d.uid.filter(|_| d.present) {
                         Some(uid) => {
-                            self.service_uids.insert(d.id.clone(), uid);
+                            new_uids += usize::from(self.service_uids.insert(d.id.clone(), uid).is_none());
                         }
                         None => {
                             self.service_uids.remove(&d.id);
                         }
                     }
                     let new = match d.object {
-                        Some(Object::Service(s)) => Some(s),
+                        Some(Object::Service(s)) => Some(share_id(s, &d.id, |s| &mut s.id)),
                         _ => None,
                     };
                     if self.cluster.services.get(&d.id) != new.as_ref() {
                         match new {
-                            Some(s) => self.cluster.services.insert(d.id.clone(), s),
-                            None => self.cluster.services.remove(&d.id),
-                        };
+                            Some(s) => new_services += usize::from(self.cluster.services.insert(d.id.clone(), s).is_none()),
+                            None => drop(self.cluster.services.remove(&d.id)),
+                        }
                         changes.services.insert(d.id);
                     }
                 }
                 Kind::EndpointSlice => {
                     let new = match d.object {
-                        Some(Object::Slice(s)) => Some(s),
+                        Some(Object::Slice(s)) => Some(share_id(s, &d.id, |s| &mut s.id)),
                         _ => None,
                     };
                     if self.cluster.slices.get(&d.id) != new.as_ref() {
                         match new {
-                            Some(s) => self.cluster.slices.insert(d.id.clone(), s),
-                            None => self.cluster.slices.remove(&d.id),
-                        };
+                            Some(s) => new_slices += usize::from(self.cluster.slices.insert(d.id.clone(), s).is_none()),
+                            None => drop(self.cluster.slices.remove(&d.id)),
+                        }
                         changes.slices.insert(d.id);
                     }
                 }
@@ -174,17 +177,20 @@ impl Model {
                     // Node labels feed every topology decision; whether a
                     // node is leaving feeds none (only this node's health),
                     // so that alone decides nothing again.
-                    let old = self.cluster.nodes.get(&d.id.name);
+                    let old = self.cluster.nodes.get(&*d.id.name);
                     if old != new.as_ref() {
                         changes.all |= old.map(|n| &n.labels) != new.as_ref().map(|n| &n.labels);
                         match new {
-                            Some(n) => self.cluster.nodes.insert(d.id.name.clone(), n),
-                            None => self.cluster.nodes.remove(&d.id.name),
+                            Some(n) => self.cluster.nodes.insert(d.id.name.to_string(), n),
+                            None => self.cluster.nodes.remove(&*d.id.name),
                         };
                     }
                 }
             }
         }
+        repack_after(&mut self.cluster.services, new_services);
+        repack_after(&mut self.cluster.slices, new_slices);
+        repack_after(&mut self.service_uids, new_uids);
         changes
     }
 
@@ -192,6 +198,17 @@ impl Model {
     pub fn problems(&self) -> impl Iterator<Item = &ObjectProblem> {
         self.problems.values().flatten()
     }
+}
+
+/// `object` with its own id made the same copy as the key it is kept
+/// under, when they are equal (they are unless the source named a nameless
+/// object after its location): one copy of the names per object.
+fn share_id<T>(mut object: T, key: &ObjectRef, id: fn(&mut T) -> &mut ObjectRef) -> T {
+    let own = id(&mut object);
+    if own == key {
+        own.clone_from(key);
+    }
+    object
 }
 
 #[cfg(test)]

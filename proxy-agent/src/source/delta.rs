@@ -110,7 +110,7 @@ pub(crate) fn slice_delta(s: WireSlice) -> Delta {
         .as_ref()
         .and_then(|l| l.get(SERVICE_NAME_LABEL))
         .filter(|name| !name.is_empty())
-        .map(|name| ObjectRef::new(id.namespace.clone(), name));
+        .map(|name| ObjectRef::new(id.namespace.clone(), name.as_str()));
     let mut d = Delta { kind: Kind::EndpointSlice, id, present: true, uid: None, object: None, problems: Vec::new() };
     record(&mut d, owner, objects::slice_from_wire(s), Object::Slice);
     d
@@ -217,7 +217,7 @@ mod tests {
         let d = node_delta(wire);
         assert_eq!(d.object, delta_from_value(Kind::Node, &v).object);
         assert!(matches!(&d.object, Some(Object::Node(n)) if n.leaving.is_some() && n.labels.len() == 1), "{d:?}");
-        assert_eq!((d.id.namespace.as_str(), d.id.name.as_str()), ("", "n1"), "Nodes are not namespaced");
+        assert_eq!((&*d.id.namespace, &*d.id.name), ("", "n1"), "Nodes are not namespaced");
     }
 
     #[test]

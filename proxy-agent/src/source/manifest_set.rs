@@ -104,12 +104,12 @@ impl Sink for FileObjects {
         // Nodes are cluster-scoped: no namespace, as the watcher has them,
         // so that one Node written with and without one is one object.
         if kind == Kind::Node {
-            d.id.namespace.clear();
+            d.id.namespace = "".into();
         }
         // A nameless object is reported under its location ("file.yaml#2"),
         // so that two of them do not replace each other.
         if d.id.name.is_empty() {
-            d.id.name = location.to_string();
+            d.id.name = location.into();
         }
         for p in &mut d.problems {
             if p.error.object.is_empty() {
@@ -167,7 +167,7 @@ impl FileObjects {
 
 fn duplicate(d: &mut Delta, reason: String) {
     let service = (d.kind == Kind::Service).then(|| d.id.clone());
-    let object = if d.kind == Kind::Node { d.id.name.clone() } else { d.id.to_string() };
+    let object = if d.kind == Kind::Node { d.id.name.to_string() } else { d.id.to_string() };
     d.problems.push(ObjectProblem { kind: d.kind, error: ObjectError { kind: d.kind.as_str().into(), object, reason }, service });
 }
 
@@ -575,7 +575,7 @@ mod tests {
             };
             let mut from_value = delta_from_value(kind, &value);
             if kind == Kind::Node {
-                from_value.id.namespace.clear();
+                from_value.id.namespace = "".into();
             }
             let api_version = value["apiVersion"].as_str();
             assert_eq!(delta_from_json(kind, api_version, text), from_value, "{text}");
@@ -625,7 +625,7 @@ mod tests {
                     Some(ModelObject::Service(s)) => s.cluster_ips[0].to_string(),
                     _ => "-".into(),
                 };
-                (d.id.name.clone(), ip, d.problems.len())
+                (d.id.name.to_string(), ip, d.problems.len())
             })
             .collect();
         v.sort();
@@ -701,7 +701,7 @@ mod tests {
         let mut set = ManifestSet::new(vec![dir.0.clone()]);
         let u = set.refresh(&|_| false);
         assert_eq!(show(&u), [s("only-a", "10.96.0.7", 0), s("x", "10.96.0.2", 1)]);
-        let d = u.deltas.iter().find(|d| d.id.name == "x").expect("x");
+        let d = u.deltas.iter().find(|d| &*d.id.name == "x").expect("x");
         assert!(d.problems[0].error.reason.contains("defined in more than one file"), "{:?}", d.problems);
 
         // a.yaml changes, b.yaml still wins: nothing to hand over for x.

@@ -380,17 +380,17 @@ mod tests {
         std::fs::rename(dir.join(".b.yaml.tmp"), dir.join("b.yaml")).expect("rename");
         assert!(matches!(next(&mut rx).await, Signal::Changed { kind: Kind::Service, .. }));
         let deltas = stores.drain();
-        assert_eq!(deltas.iter().map(|d| d.id.name.as_str()).collect::<Vec<_>>(), ["b"], "only the new file is read");
+        assert_eq!(deltas.iter().map(|d| &*d.id.name).collect::<Vec<_>>(), ["b"], "only the new file is read");
 
         // Written in place and closed; then deleted.
         std::fs::write(dir.join("a.yaml"), svc("a", "10.96.0.3")).expect("write");
         assert!(matches!(next(&mut rx).await, Signal::Changed { kind: Kind::Service, .. }));
         let deltas = stores.drain();
-        assert!(matches!(&deltas[..], [d] if d.id.name == "a" && d.object.is_some()), "{deltas:?}");
+        assert!(matches!(&deltas[..], [d] if &*d.id.name == "a" && d.object.is_some()), "{deltas:?}");
         std::fs::remove_file(dir.join("a.yaml")).expect("rm");
         assert!(matches!(next(&mut rx).await, Signal::Changed { kind: Kind::Service, .. }));
         let deltas = stores.drain();
-        assert!(matches!(&deltas[..], [d] if d.id.name == "a" && !d.present), "{deltas:?}");
+        assert!(matches!(&deltas[..], [d] if &*d.id.name == "a" && !d.present), "{deltas:?}");
         assert_eq!(stores.len(Kind::Service), 1);
         let _ = std::fs::remove_dir_all(&dir);
     }

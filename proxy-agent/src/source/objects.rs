@@ -12,7 +12,8 @@ use serde_json::Value;
 
 use crate::model::store::ObjectError;
 use crate::model::{
-    Cidr, Endpoint, EndpointSlice, Family, Node, NodeTopology, ObjectRef, Protocol, Service, ServicePort, ServiceType, SlicePort,
+    Cidr, Endpoint, EndpointExtra, EndpointSlice, Family, Node, NodeTopology, ObjectRef, Protocol, Service, ServicePort, ServiceType,
+    SlicePort,
 };
 use crate::source::wire::{FirstAddress, WireNode, WireService, WireSlice};
 use crate::source::wire_v1beta1::WireSliceV1beta1;
@@ -45,18 +46,19 @@ pub(crate) enum Converted<T> {
 }
 
 /// Namespace and name of an object given as JSON; no (or an empty)
-/// namespace means "default".
-pub(crate) fn object_ref(v: &Value) -> (String, String) {
+/// namespace means "default". The namespace is interned: a cluster has few,
+/// and every object id names one.
+pub(crate) fn object_ref(v: &Value) -> (Arc<str>, String) {
     let meta = v.get("metadata");
     let ns = meta.and_then(|m| m.get("namespace")).and_then(Value::as_str).filter(|n| !n.is_empty()).unwrap_or("default");
     let name = meta.and_then(|m| m.get("name")).and_then(Value::as_str).unwrap_or_default();
-    (ns.to_string(), name.to_string())
+    (intern(ns), name.to_string())
 }
 
 /// [`object_ref`] for deserialized metadata.
-pub(crate) fn meta_ref(m: &ObjectMeta) -> (String, String) {
+pub(crate) fn meta_ref(m: &ObjectMeta) -> (Arc<str>, String) {
     let ns = m.namespace.as_deref().filter(|n| !n.is_empty()).unwrap_or("default");
-    (ns.to_string(), m.name.clone().unwrap_or_default())
+    (intern(ns), m.name.clone().unwrap_or_default())
 }
 
 fn fail(kind: &str, ns: &str, name: &str, reason: impl Into<String>) -> ObjectError {
@@ -356,9 +358,12 @@ pub(crate) fn slice_from_wire(slice: WireSlice) -> Conversion<EndpointSlice> {
             terminating: cond.terminating.unwrap_or(false),
             node_name: ep.node_name.map(|n| n.0),
             zone: ep.zone.map(|z| z.0),
-            hint_zones: hints.for_zones.map(|z| z.into_iter().map(|z| z.name.0).collect()),
-            hint_nodes: hints.for_nodes.map(|n| n.into_iter().map(|n| n.name.0).collect()),
-            topology: ep.deprecated_topology.map(|labels| shared_topology(&mut topologies, &labels)),
+            extra: EndpointExtra {
+                hint_zones: hints.for_zones.map(|z| z.into_iter().map(|z| z.name.0).collect()),
+                hint_nodes: hints.for_nodes.map(|n| n.into_iter().map(|n| n.name.0).collect()),
+                topology: ep.deprecated_topology.map(|labels| shared_topology(&mut topologies, &labels)),
+            }
+            .boxed(),
         });
     }
     Ok((Converted::Ok(EndpointSlice { id: ObjectRef::new(ns, name), service_name, family, ports, endpoints }), problems))
@@ -464,7 +469,7 @@ metadata: {name: n1, labels: {topology.kubernetes.io/zone: z1}}
         let slice = &c.slices[&ObjectRef::new("shop", "web-abc")];
         assert_eq!(slice.service_name, "web");
         assert!(slice.endpoints[0].ready && !slice.endpoints[0].terminating);
-        assert_eq!(slice.endpoints[0].hint_zones.as_deref(), Some(&[std::sync::Arc::from("z1")][..]));
+        assert_eq!(slice.endpoints[0].hint_zones(), Some(&[std::sync::Arc::from("z1")][..]));
         assert!(!slice.endpoints[1].ready && slice.endpoints[1].serving && slice.endpoints[1].terminating);
         assert_eq!(&*c.nodes["n1"].labels["topology.kubernetes.io/zone"], "z1");
     }
@@ -632,13 +637,13 @@ endpoints:
         assert_eq!((a.node_name.as_deref(), a.zone.as_deref()), (Some("n1"), Some("z1")));
         assert!(a.ready && a.serving && !a.terminating, "no conditions: ready, as kube-proxy 1.17-1.20 read it");
         assert!(!b.ready && !b.serving && !b.terminating, "not ready: never used");
-        let topology = a.topology.as_ref().expect("region is kept");
+        let topology = a.topology().expect("region is kept");
         assert_eq!(topology.iter().map(|(k, v)| (&**k, &**v)).collect::<Vec<_>>(), [("topology.kubernetes.io/region", "r1")]);
-        assert!(a.topology.as_ref().zip(b.topology.as_ref()).is_some_and(|(x, y)| Arc::ptr_eq(x, y)), "one copy per slice");
+        assert!(a.topology().zip(b.topology()).is_some_and(|(x, y)| Arc::ptr_eq(x, y)), "one copy per slice");
         assert_eq!((d.node_name.as_deref(), d.zone.as_deref()), (Some("n2"), Some("z2")));
         // Apart from what only v1beta1 reports, the same endpoint as v1's.
         let mut same = a.clone();
-        same.topology = None;
+        same.edit_extra(|x| x.topology = None);
         assert_eq!(same, v1.endpoints[0]);
         assert_eq!(beta.ports, v1.ports);
     }

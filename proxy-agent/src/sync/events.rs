@@ -118,7 +118,7 @@ pub fn event_for(p: &ServiceProblem, instance: &str, now: Timestamp) -> Event {
             // The naming client-go's recorder uses: object name, a dot, a
             // unique hex suffix.
             name: Some(format!("{}.{:x}", p.service.name, now.as_nanosecond())),
-            namespace: Some(p.service.namespace.clone()),
+            namespace: Some(p.service.namespace.to_string()),
             ..Default::default()
         },
         event_time: Some(MicroTime(now)),
@@ -131,8 +131,8 @@ pub fn event_for(p: &ServiceProblem, instance: &str, now: Timestamp) -> Event {
         regarding: Some(ObjectReference {
             api_version: Some("v1".into()),
             kind: Some("Service".into()),
-            namespace: Some(p.service.namespace.clone()),
-            name: Some(p.service.name.clone()),
+            namespace: Some(p.service.namespace.to_string()),
+            name: Some(p.service.name.to_string()),
             uid: p.uid.clone(),
             ..Default::default()
         }),

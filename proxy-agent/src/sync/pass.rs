@@ -22,6 +22,9 @@ use crate::model::{Backend, Cluster, EndpointSlice, Frontend, ObjectRef};
 pub trait SocketMaps {
     /// What the maps hold, in the planner's terms.
     fn state(&self) -> plan::State;
+    /// [`Self::state`] one frontend at a time, in frontend order, each set
+    /// in any order.
+    fn state_entries(&self) -> impl Iterator<Item = (Frontend, &[Backend])>;
     /// The backends programmed for `fe`, in slot order.
     fn backends_of(&self, fe: &Frontend) -> Option<&[Backend]>;
     /// The programmed frontends whose policy is not the default.
@@ -31,6 +34,11 @@ pub trait SocketMaps {
     /// Applies a plan; each frontend is written completely or not at all,
     /// and the ones that failed are returned.
     fn apply(&mut self, plan: &Plan) -> Vec<ApplyError>;
+    /// [`Self::apply`], keeping the plan's backend lists rather than
+    /// copies of them where the maps are mirrored.
+    fn apply_owned(&mut self, plan: Plan) -> Vec<ApplyError> {
+        self.apply(&plan)
+    }
     /// Frontends programmed.
     fn frontends(&self) -> usize;
     /// Backends programmed, summed over all frontends.
@@ -53,6 +61,9 @@ impl SocketMaps for MapWriter {
     fn state(&self) -> plan::State {
         MapWriter::state(self)
     }
+    fn state_entries(&self) -> impl Iterator<Item = (Frontend, &[Backend])> {
+        MapWriter::state_entries(self)
+    }
     fn backends_of(&self, fe: &Frontend) -> Option<&[Backend]> {
         MapWriter::backends_of(self, fe)
     }
@@ -64,6 +75,9 @@ impl SocketMaps for MapWriter {
     }
     fn apply(&mut self, plan: &Plan) -> Vec<ApplyError> {
         MapWriter::apply(self, plan)
+    }
+    fn apply_owned(&mut self, plan: Plan) -> Vec<ApplyError> {
+        MapWriter::apply_owned(self, plan)
     }
     fn frontends(&self) -> usize {
         MapWriter::frontends(self)
@@ -96,6 +110,9 @@ pub struct MemoryMaps {
 impl SocketMaps for MemoryMaps {
     fn state(&self) -> plan::State {
         self.programmed.iter().map(|(fe, b)| (*fe, b.iter().copied().collect())).collect()
+    }
+    fn state_entries(&self) -> impl Iterator<Item = (Frontend, &[Backend])> {
+        self.programmed.iter().map(|(fe, b)| (*fe, b.as_slice()))
     }
     fn backends_of(&self, fe: &Frontend) -> Option<&[Backend]> {
         self.programmed.get(fe).map(Vec::as_slice)
@@ -205,8 +222,11 @@ pub struct CachedSync {
     external_services: BTreeSet<ObjectRef>,
     /// Local endpoint addresses per Service, and how many Services use each
     /// (`ExternalState::local_endpoints` without visiting every decision).
+    /// Kept only while the external datapath reads them (`tracking_local`):
+    /// 40 MiB at 100k Services whose endpoints are partly on this node.
     local_of: BTreeMap<ObjectRef, Vec<IpAddr>>,
     local_refs: BTreeMap<IpAddr, usize>,
+    tracking_local: bool,
     /// Frontends whose last write failed (a full map): compared again on
     /// the next pass, whatever it was triggered by, so that room freed by
     /// a deleted Service is used at once rather than at the next full pass.
@@ -246,6 +266,7 @@ impl CachedSync {
             external_services: BTreeSet::new(),
             local_of: BTreeMap::new(),
             local_refs: BTreeMap::new(),
+            tracking_local: false,
             retry: BTreeSet::new(),
             no_local_of: BTreeMap::new(),
             no_local: (0, 0),
@@ -331,23 +352,48 @@ impl CachedSync {
             } else {
                 self.external_services.remove(&id);
             }
-            let mut local: Vec<IpAddr> = decisions.iter().flat_map(|d| d.local.iter().map(|b| b.ip)).collect();
-            local.sort();
-            local.dedup();
-            for ip in self.local_of.remove(&id).unwrap_or_default() {
-                if let Some(n) = self.local_refs.get_mut(&ip) {
-                    *n -= 1;
-                    if *n == 0 {
-                        self.local_refs.remove(&ip);
-                    }
+            if self.tracking_local {
+                self.track_local(id);
+            }
+        }
+    }
+
+    /// Starts or stops following the local endpoints of every Service, as
+    /// the external datapath starts or stops reading them.
+    fn follow_local_endpoints(&mut self, wanted: bool) {
+        if wanted == self.tracking_local {
+            return;
+        }
+        self.tracking_local = wanted;
+        self.local_of.clear();
+        self.local_refs.clear();
+        if wanted {
+            let ids: Vec<ObjectRef> = self.cache.service_ids().cloned().collect();
+            for id in ids {
+                self.track_local(id);
+            }
+        }
+    }
+
+    /// Recounts the local endpoint addresses of the Service `id`.
+    fn track_local(&mut self, id: ObjectRef) {
+        let decisions = self.cache.decisions_of(&id);
+        let mut local: Vec<IpAddr> = decisions.iter().flat_map(|d| d.local.iter().map(|b| b.ip)).collect();
+        local.sort();
+        local.dedup();
+        for ip in self.local_of.remove(&id).unwrap_or_default() {
+            if let Some(n) = self.local_refs.get_mut(&ip) {
+                *n -= 1;
+                if *n == 0 {
+                    self.local_refs.remove(&ip);
                 }
             }
-            for ip in &local {
-                *self.local_refs.entry(*ip).or_default() += 1;
-            }
-            if !local.is_empty() {
-                self.local_of.insert(id, local);
-            }
+        }
+        for ip in &local {
+            *self.local_refs.entry(*ip).or_default() += 1;
+        }
+        if !local.is_empty() {
+            self.local_of.insert(id, local);
         }
     }
 
@@ -398,6 +444,7 @@ impl CachedSync {
             self.track_label_needs(cluster, &update.services);
             self.track_external(update.services.iter().cloned());
         }
+        self.follow_local_endpoints(external.as_deref().is_some_and(ExternalDatapath::uses_local_endpoints));
         let ext = external.as_deref().map(|e| {
             let cache = &self.cache;
             let decisions = self.external_services.iter().flat_map(|id| cache.decisions_of(id));
@@ -420,23 +467,29 @@ impl CachedSync {
         self.external_policies = ext_policies;
         // ClusterIPs keep priority over external frontends, with their
         // policies.
-        let want = |fe: &Frontend| self.cache.desired().get(fe).or_else(|| self.external_socket.get(fe));
+        let want = |fe: &Frontend| self.cache.desired_of(fe).or_else(|| self.external_socket.get(fe).cloned());
         let want_policy = |fe: &Frontend| {
-            if self.cache.desired().contains_key(fe) { self.cache.desired_policies().get(fe) } else { self.external_policies.get(fe) }
+            if self.cache.is_desired(fe) { self.cache.desired_policies().get(fe) } else { self.external_policies.get(fe) }
         };
         let plan = if full {
             let mut policies = self.cache.desired_policies().clone();
             for (fe, p) in &self.external_policies {
-                if !self.cache.desired().contains_key(fe) {
+                if !self.cache.is_desired(fe) {
                     policies.insert(*fe, p.clone());
                 }
             }
-            plan::diff_layered(&writer.state(), &writer.policies(), self.cache.desired(), &self.external_socket, &policies)
+            plan::diff_layered_streams(
+                writer.state_entries(),
+                &writer.policies(),
+                self.cache.desired_entries(),
+                &self.external_socket,
+                &policies,
+            )
         } else {
             let current: plan::State =
                 touched.iter().filter_map(|fe| Some((*fe, writer.backends_of(fe)?.iter().copied().collect()))).collect();
             let current_policies: Policies = touched.iter().filter_map(|fe| Some((*fe, writer.policy_of(fe)?.clone()))).collect();
-            let desired: plan::State = touched.iter().filter_map(|fe| Some((*fe, want(fe)?.clone()))).collect();
+            let desired: plan::State = touched.iter().filter_map(|fe| Some((*fe, want(fe)?))).collect();
             let desired_policies: Policies = touched.iter().filter_map(|fe| Some((*fe, want_policy(fe)?.clone()))).collect();
             plan::diff_with_policies(&current, &current_policies, &desired, &desired_policies)
         };
@@ -447,15 +500,16 @@ impl CachedSync {
             .map(|(fe, new)| (*fe, departures::left(writer.backends_of(fe).unwrap_or_default(), Some(new))))
             .filter(|(_, l)| !l.is_empty())
             .collect();
-        let mut failures = writer.apply(&plan);
-        self.retry = failures.iter().map(|f| f.frontend).collect();
-        left.retain(|(fe, _)| !self.retry.contains(fe));
-        let node_addrs: Vec<IpAddr> = external.as_deref().map(|e| e.node_addrs.clone()).unwrap_or_default();
         // Which watched backends a pass looks at again: all in a full pass,
         // else those whose Service changed (their endpoint's state) or
         // whose frontend was written (their set).
         let everything = full || changes.all;
         let written: BTreeSet<Frontend> = plan.upserts.iter().map(|(fe, _)| *fe).chain(plan.deletes.iter().copied()).collect();
+        let (mut upserts, mut deletes) = (plan.upserts.len(), plan.deletes.len());
+        let mut failures = writer.apply_owned(plan);
+        self.retry = failures.iter().map(|f| f.frontend).collect();
+        left.retain(|(fe, _)| !self.retry.contains(fe));
+        let node_addrs: Vec<IpAddr> = external.as_deref().map(|e| e.node_addrs.clone()).unwrap_or_default();
         let scope = Scope { everything, services: &update.services, frontends: &written, now };
         let mut watched = std::mem::take(&mut self.watched);
         if !std::mem::replace(&mut self.seeded, true) {
@@ -480,7 +534,6 @@ impl CachedSync {
             }
         }
 
-        let (mut upserts, mut deletes) = (plan.upserts.len(), plan.deletes.len());
         let mut external_problems = Vec::new();
         if let (Some(e), Some(ext)) = (external, ext.as_ref()) {
             let (np, problems) = e.apply(ext);

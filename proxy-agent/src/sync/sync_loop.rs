@@ -308,7 +308,15 @@ impl<W: SocketMaps> SyncLoop<W> {
     /// manifest relist or a duplicated event that changes nothing counts
     /// nothing) and follows this node's Node.
     fn apply_queued(&mut self) -> Changes {
-        let changes = self.model.apply(self.stores.drain());
+        let mut deltas = self.stores.drain();
+        if self.events.is_none() {
+            // Services' uids serve only Events (manifest mode posts none):
+            // not kept, 10 MiB at 100k Services.
+            for d in &mut deltas {
+                d.uid = None;
+            }
+        }
+        let changes = self.model.apply(deltas);
         self.metrics.object_changes(changes.services.len(), changes.slices.len());
         self.follow_this_node();
         changes

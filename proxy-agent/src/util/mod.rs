@@ -1,4 +1,5 @@
 //! Small helpers every layer may use; they import nothing from the crate.
 
+pub(crate) mod btree;
 pub(crate) mod error_chain;
 pub(crate) mod intern;

@@ -66,11 +66,11 @@ pub(super) fn rank_by_hints(svc: &Service, view: &View<'_>, ready: &[Indexed<'_>
     let zone = view.zone();
     let requested = requested_by(svc).map(|r| format!(" ({r})")).unwrap_or_default();
 
-    let node_hinted = ready.iter().filter(|(_, e)| has_hints(e.hint_nodes.as_deref())).count();
-    let zone_hinted = ready.iter().filter(|(_, e)| has_hints(e.hint_zones.as_deref())).count();
+    let node_hinted = ready.iter().filter(|(_, e)| has_hints(e.hint_nodes())).count();
+    let zone_hinted = ready.iter().filter(|(_, e)| has_hints(e.hint_zones())).count();
 
     if node_hinted == ready.len() {
-        let sel = indices_where(ready, |e| hinted_for(e.hint_nodes.as_deref(), view.node_name));
+        let sel = indices_where(ready, |e| hinted_for(e.hint_nodes(), view.node_name));
         if !sel.is_empty() {
             log.push(format!("node hints{requested}: {} hinted for {}", sel.len(), view.node_name));
             return Hints::Used(Model::HintsNode, sel);
@@ -84,7 +84,7 @@ pub(super) fn rank_by_hints(svc: &Service, view: &View<'_>, ready: &[Indexed<'_>
         match zone {
             None => log.push(format!("zone hints ignored: node lacks label {LABEL_ZONE}")),
             Some(z) => {
-                let sel = indices_where(ready, |e| hinted_for(e.hint_zones.as_deref(), z));
+                let sel = indices_where(ready, |e| hinted_for(e.hint_zones(), z));
                 if !sel.is_empty() {
                     log.push(format!("zone hints{requested}: {} hinted for zone {z}", sel.len()));
                     return Hints::Used(Model::HintsZone, sel);
@@ -213,7 +213,7 @@ mod tests {
                 nodes: za(),
                 eps: {
                     let mut e = four();
-                    e[2].hint_zones = None;
+                    e[2].edit_extra(|x| x.hint_zones = None);
                     e
                 },
                 cluster: vec![0, 1, 2, 3],
@@ -225,7 +225,7 @@ mod tests {
                 nodes: za(),
                 eps: {
                     let mut e = four();
-                    e[2].hint_zones = Some(Box::new([]));
+                    e[2].edit_extra(|x| x.hint_zones = Some(Box::new([])));
                     e
                 },
                 cluster: vec![0, 1, 2, 3],

@@ -194,10 +194,8 @@ pub(crate) fn other_node_labels(svc: &Service, endpoints: &[&Endpoint]) -> BTree
     match constraint(svc, &mut Vec::new(), &mut Vec::new()) {
         Some(Constraint::Keys { keys, .. }) => {
             for key in keys.into_iter().filter(|k| ![TOPOLOGY_KEY_ANY, LABEL_HOSTNAME, LABEL_ZONE].contains(&k.as_str())) {
-                let reported = endpoints
-                    .iter()
-                    .filter(|e| e.node_name.is_some())
-                    .all(|e| e.topology.as_deref().is_some_and(|t| t.contains_key(key.as_str())));
+                let reported =
+                    endpoints.iter().filter(|e| e.node_name.is_some()).all(|e| e.topology().is_some_and(|t| t.contains_key(key.as_str())));
                 let any = endpoints.iter().any(|e| e.node_name.is_some());
                 if !(any && reported) {
                     out.insert(key);
@@ -218,11 +216,11 @@ pub(crate) fn other_node_labels(svc: &Service, endpoints: &[&Endpoint]) -> BTree
 pub(crate) fn node_labels_needed(cluster: &crate::model::Cluster) -> BTreeSet<String> {
     let mut slices: std::collections::HashMap<(&str, &str), Vec<&crate::model::EndpointSlice>> = std::collections::HashMap::new();
     for s in cluster.slices.values() {
-        slices.entry((s.id.namespace.as_str(), s.service_name.as_str())).or_default().push(s);
+        slices.entry((&*s.id.namespace, s.service_name.as_str())).or_default().push(s);
     }
     let mut out = BTreeSet::new();
     for svc in cluster.services.values() {
-        let of = slices.get(&(svc.id.namespace.as_str(), svc.id.name.as_str())).map(Vec::as_slice).unwrap_or_default();
+        let of = slices.get(&(&*svc.id.namespace, &*svc.id.name)).map(Vec::as_slice).unwrap_or_default();
         let endpoints: Vec<&Endpoint> = of.iter().flat_map(|s| s.endpoints.iter()).collect();
         out.extend(other_node_labels(svc, &endpoints));
     }
@@ -286,7 +284,7 @@ impl<'a> View<'a> {
         if let Some(node) = ep.node_name.as_deref().and_then(|n| self.nodes.get(n)) {
             return node.labels.get(key).map(|v| &**v);
         }
-        if let Some(value) = ep.topology.as_deref().and_then(|t| t.get(key)) {
+        if let Some(value) = ep.topology().and_then(|t| t.get(key)) {
             return Some(value);
         }
         match key {

@@ -68,9 +68,7 @@ pub(super) fn ep(n: u8, node: &str) -> Endpoint {
         terminating: false,
         node_name: (!node.is_empty()).then(|| node.into()),
         zone: None,
-        hint_zones: None,
-        hint_nodes: None,
-        topology: None,
+        extra: None,
     }
 }
 
@@ -110,15 +108,15 @@ impl EpExt for Endpoint {
         self
     }
     fn zh(mut self, zones: &[&str]) -> Self {
-        self.hint_zones = Some(zones.iter().map(|z| (*z).into()).collect());
+        self.edit_extra(|x| x.hint_zones = Some(zones.iter().map(|z| (*z).into()).collect()));
         self
     }
     fn nh(mut self, nodes: &[&str]) -> Self {
-        self.hint_nodes = Some(nodes.iter().map(|z| (*z).into()).collect());
+        self.edit_extra(|x| x.hint_nodes = Some(nodes.iter().map(|z| (*z).into()).collect()));
         self
     }
     fn topo(mut self, labels: &[(&str, &str)]) -> Self {
-        self.topology = Some(std::sync::Arc::new(labels.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect()));
+        self.edit_extra(|x| x.topology = Some(std::sync::Arc::new(labels.iter().map(|(k, v)| ((*k).into(), (*v).into())).collect())));
         self
     }
 }
