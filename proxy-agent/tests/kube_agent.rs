@@ -286,6 +286,8 @@ fn other_nodes_are_watched_metadata_only_while_a_services_topology_needs_them() 
         node_with("node-a", "z1", "r1", "p1"),
         node_with("node-b", "z2", "r1", "p2"),
         node_with("node-c", "z3", "r2", "p1"),
+        // Hosts no endpoint: its labels are never needed.
+        node_with("node-d", "z3", "r2", "p1"),
         service("plain", "10.96.23.10", 80, json!({}), json!({})),
         slice_in_zones("plain", "plain-1", &eps),
     ]);
@@ -310,9 +312,22 @@ fn other_nodes_are_watched_metadata_only_while_a_services_topology_needs_them() 
         .find(|r| r.contains("/api/v1/nodes?") && r.contains("PartialObjectMetadata") && r.contains("watch=true"))
         .unwrap_or_else(|| panic!("other Nodes are watched metadata-only: {reqs:#?}"));
     assert!(other.contains("fieldSelector=metadata.name%21%3Dnode-a"), "all but this Node: {other}");
+    // Only the Nodes hosting the Service's endpoints, by their hostname
+    // label (a set-based selector): a status report of node-d never
+    // reaches this agent.
+    let selector = other.split("labelSelector=").nth(1).and_then(|s| s.split('&').next()).unwrap_or_default();
+    let selector =
+        selector.replace("%2F", "/").replace("%28", "(").replace("%29", ")").replace("%2C", ",").replace(['+'], " ").replace("%20", " ");
+    assert_eq!(selector, "kubernetes.io/hostname in (node-b,node-c)", "{other}");
     // node-c moves to our region: a label of another Node, read from its
     // metadata.
     api.apply(node_with("node-c", "z3", "r1", "p1"));
+    wait_for_backends(&node, &net, "10.96.23.11:80", &[], &["pod-b", "pod-c"]);
+    // pod-c moves to node-d (r2): the watch follows the endpoints to
+    // node-d, and node-d's own move to our region counts.
+    api.apply(slice_in_zones("regional", "regional-1", &[eps[0], ("10.244.23.3", "node-d", "z3")]));
+    wait_for_backends(&node, &net, "10.96.23.11:80", &[], &["pod-b"]);
+    api.apply(node_with("node-d", "z3", "r1", "p1"));
     wait_for_backends(&node, &net, "10.96.23.11:80", &[], &["pod-b", "pod-c"]);
 
     // OpenYurt's node pools: node-c shares ours (p1).

@@ -621,8 +621,13 @@ fn the_charts_rbac_is_all_the_agent_needs_to_program_services_and_post_events() 
     assert_eq!(event["reportingInstance"], "topoproxy-node-1", "{event}");
     assert_eq!(event["regarding"]["kind"], "Service", "{event}");
     assert!(event["note"].as_str().is_some_and(|n| n.contains("topology-keys")), "{event}");
-    let denied: Vec<String> =
-        node.agent_log().lines().filter(|l| l.contains("forbidden") || l.contains("403")).map(str::to_string).collect();
+    // The timestamp is left out: its microseconds may hold "403".
+    let denied: Vec<String> = node
+        .agent_log()
+        .lines()
+        .filter(|l| l.split_once(' ').map_or(*l, |(_, rest)| rest).contains("403") || l.contains("forbidden"))
+        .map(str::to_string)
+        .collect();
     assert!(denied.is_empty(), "the chart's RBAC denied the agent something: {denied:#?}");
 }
 
@@ -761,6 +766,69 @@ fn openyurt_node_pools_and_ordered_topology_keys_with_the_real_controller() {
     wait_for_backends(&n1, &net, ordered, &[], &["ud1-n2"]);
     wait_for_backends(&n3, &net, ordered, &[], &["ud1-n2"]);
     wait_for_backends(&n3, &net, anywhere, &[], &["ud1-n2"]);
+}
+
+/// A region-keyed Service (v1 slices carry no region) against the real
+/// API server: the agent watches only the other Nodes hosting its
+/// endpoints, metadata-only, selected by their hostname label (the audit
+/// log shows the request), follows a label change on one of them, follows
+/// an endpoint to a Node it did not watch, and stops watching when the
+/// Service goes. node-1 and node-2 in r1, node-3 and node-4 in r2; Pods on
+/// node-1, node-2 and node-3; the agent on node-1.
+#[test]
+fn other_nodes_are_watched_by_name_while_a_region_keyed_service_needs_them() {
+    const REGION: &str = "topology.kubernetes.io/region";
+    require_root();
+    let mut net = PodNetwork::new();
+    for (pod, ip) in [("rg-1", "10.244.36.1"), ("rg-2", "10.244.36.2"), ("rg-3", "10.244.36.3"), ("rg-4", "10.244.36.4")] {
+        net.backend(pod, ip, &[9376]);
+    }
+    let cluster = RealCluster::start("region-keyed").expect("start the real cluster");
+    for (node, region) in [("node-1", "r1"), ("node-2", "r1"), ("node-3", "r2"), ("node-4", "r2")] {
+        cluster.create_node(node, &[(REGION, region)]).expect("create node");
+    }
+    let port = [("http", 80, "TCP", 9376)];
+    cluster
+        .apply(&service("regional", "10.96.36.10", "rg", &port, "topoproxy.io/topology-keys: \"topology.kubernetes.io/region, *\"", ""))
+        .expect("create the Service");
+    let pods: Vec<PodSpec> = [("rg-1", "node-1", "10.244.36.1"), ("rg-2", "node-2", "10.244.36.2"), ("rg-3", "node-3", "10.244.36.3")]
+        .iter()
+        .map(|(name, node, ip)| PodSpec { name, node, ip, labels: &[("app", "rg")], ready: true })
+        .collect();
+    cluster.create_pods(NS, &pods).expect("create the Pods");
+    wait_published(&cluster, "regional", &all_ready(&["10.244.36.1", "10.244.36.2", "10.244.36.3"]));
+
+    let mut n1 = Node::new("node-1");
+    n1.start_kube_agent(cluster.admin_kubeconfig(), &[]);
+    let frontend = "10.96.36.10:80";
+    wait_for_backends(&n1, &net, frontend, &[], &["rg-1", "rg-2"]);
+    let audit = cluster.audit_log();
+    let watch = audit
+        .lines()
+        .find(|l| l.contains("/api/v1/nodes?") && l.contains("labelSelector") && l.contains("watch=true"))
+        .unwrap_or_else(|| panic!("a watch of other Nodes by label selector: {audit}"));
+    for (want, what) in [("node-2", "hosts an endpoint"), ("node-3", "hosts an endpoint")] {
+        assert!(watch.contains(want), "{want} {what}: {watch}");
+    }
+    assert!(!watch.contains("node-4"), "node-4 hosts no endpoint: {watch}");
+
+    // node-3 joins r1: a label of another Node, read from its metadata.
+    cluster.kubectl(&["label", "node", "node-3", &format!("{REGION}=r1"), "--overwrite"]).expect("relabel node-3");
+    wait_for_backends(&n1, &net, frontend, &[], &["rg-1", "rg-2", "rg-3"]);
+    // A Pod on node-4 (r2), which was not watched: once its endpoint is
+    // published the watch takes node-4 in, and node-4's move to r1 counts.
+    cluster
+        .create_pods(NS, &[PodSpec { name: "rg-4", node: "node-4", ip: "10.244.36.4", labels: &[("app", "rg")], ready: true }])
+        .expect("create rg-4");
+    wait_published(&cluster, "regional", &all_ready(&["10.244.36.1", "10.244.36.2", "10.244.36.3", "10.244.36.4"]));
+    cluster.kubectl(&["label", "node", "node-4", &format!("{REGION}=r1"), "--overwrite"]).expect("relabel node-4");
+    wait_for_backends(&n1, &net, frontend, &[], &["rg-1", "rg-2", "rg-3", "rg-4"]);
+
+    // No Service needs other Nodes any more: the watch stops.
+    cluster.kubectl(&["-n", NS, "delete", "service", "regional"]).expect("delete the Service");
+    eventually("the other Nodes' watch to stop", || {
+        if n1.agent_log().contains("stopped watching other Nodes") { Ok(()) } else { Err("still watching") }
+    });
 }
 
 /// `spec.trafficDistribution`: `PreferClose`, `PreferSameZone` and

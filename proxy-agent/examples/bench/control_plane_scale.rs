@@ -51,16 +51,22 @@ use proxy_test_support::apiserver::ApiServer;
 use proxy_test_support::sandbox::{Cgroup, Guarded, PinDir};
 use serde_json::{Value, json};
 
+use crate::real_server::RealServer;
 use crate::realistic_nodes;
 use crate::report::{Spread, Target, spread};
 
 /// The node the agent (and the kube-proxy-shaped client) runs on.
 const NODE_INDEX: usize = 1;
 const NAMESPACE: &str = "bench";
-const SVC_IP: Ipv4Addr = Ipv4Addr::new(10, 100, 0, 1);
+/// In the real API server's `--service-cluster-ip-range` (10.96.0.0/16).
+const SVC_IP: Ipv4Addr = Ipv4Addr::new(10, 96, 100, 1);
 const EP_BASE: Ipv4Addr = Ipv4Addr::new(10, 200, 0, 0);
 /// Endpoints of the Service, on nodes 1.. (spanning the regions).
 const ENDPOINTS: usize = 6;
+/// Endpoints of the `region-keyed-wide` variant's Service, each on a Node
+/// of its own: more Nodes than the agent names in a label selector
+/// (`decide::topology::MAX_NAMED_NODES`, 100), so it watches every Node.
+const WIDE_ENDPOINTS: usize = 150;
 const REGION_KEYS: &str = "topology.kubernetes.io/region, *";
 /// The subcommand that runs the kube-proxy-shaped client.
 pub(crate) const CLIENT_FLAG: &str = "--cps-kube-proxy-client";
@@ -71,16 +77,18 @@ const MIB: f64 = 1_048_576.0;
 pub(crate) enum Variant {
     NoLabelKeys,
     RegionKeyed,
+    RegionKeyedWide,
     KubeProxy,
 }
 
 impl Variant {
-    const ALL: [Variant; 3] = [Variant::NoLabelKeys, Variant::RegionKeyed, Variant::KubeProxy];
+    const ALL: [Variant; 4] = [Variant::NoLabelKeys, Variant::RegionKeyed, Variant::RegionKeyedWide, Variant::KubeProxy];
 
     fn key(self) -> &'static str {
         match self {
             Variant::NoLabelKeys => "no-label-keys",
             Variant::RegionKeyed => "region-keyed",
+            Variant::RegionKeyedWide => "region-keyed-wide",
             Variant::KubeProxy => "kube-proxy",
         }
     }
@@ -89,16 +97,35 @@ impl Variant {
         Variant::ALL
             .into_iter()
             .find(|v| v.key() == s)
-            .with_context(|| format!("unknown variant {s:?} (no-label-keys, region-keyed, kube-proxy)"))
+            .with_context(|| format!("unknown variant {s:?} (no-label-keys, region-keyed, region-keyed-wide, kube-proxy)"))
     }
 
     fn label(self) -> &'static str {
         match self {
             Variant::NoLabelKeys => "agent, no label-keyed Service",
-            Variant::RegionKeyed => "agent, one region-keyed Service",
+            Variant::RegionKeyed => "agent, one region-keyed Service (6 endpoints on 6 Nodes)",
+            Variant::RegionKeyedWide => "agent, one region-keyed Service with endpoints on 150 Nodes (every Node watched)",
             Variant::KubeProxy => "kube-proxy-shaped client (own Node only, `metadata.name` field selector)",
         }
     }
+
+    fn keyed(self) -> bool {
+        matches!(self, Variant::RegionKeyed | Variant::RegionKeyedWide)
+    }
+
+    fn endpoints(self) -> usize {
+        if self == Variant::RegionKeyedWide { WIDE_ENDPOINTS } else { ENDPOINTS }
+    }
+}
+
+/// Which API server the rows are measured against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ServerKind {
+    /// The real kube-apiserver (`real_server`), the default.
+    Real,
+    /// The stand-in (`test-support/src/apiserver.rs`), which counts bytes
+    /// per collection.
+    StandIn,
 }
 
 /// `--cps-*` flags.
@@ -116,6 +143,9 @@ pub(crate) struct Options {
     pub agent: Option<PathBuf>,
     pub agent_flags: Vec<String>,
     pub variants: Vec<Variant>,
+    pub server: ServerKind,
+    /// The churn rows (`control_plane_churn`), in the same real cluster.
+    pub churn: crate::control_plane_churn::Options,
 }
 
 impl Default for Options {
@@ -128,6 +158,8 @@ impl Default for Options {
             agent: None,
             agent_flags: vec!["--devices".into(), "none".into()],
             variants: Variant::ALL.to_vec(),
+            server: ServerKind::Real,
+            churn: crate::control_plane_churn::Options::default(),
         }
     }
 }
@@ -144,7 +176,17 @@ pub(crate) fn flag(o: &mut Options, name: &str, value: &str) -> Result<bool> {
         "--cps-variants" => {
             o.variants = value.split(',').map(str::trim).filter(|s| !s.is_empty()).map(Variant::parse).collect::<Result<_>>()?;
         }
-        _ => return Ok(false),
+        "--cps-server" => {
+            o.server = match value {
+                "real" => ServerKind::Real,
+                "stand-in" => ServerKind::StandIn,
+                _ => bail!("--cps-server is real or stand-in"),
+            }
+        }
+        other => return crate::control_plane_churn::flag(&mut o.churn, other, value),
+    }
+    if o.variants.contains(&Variant::RegionKeyedWide) && o.nodes < NODE_INDEX + WIDE_ENDPOINTS {
+        bail!("the region-keyed-wide variant needs --cps-nodes of at least {}", NODE_INDEX + WIDE_ENDPOINTS);
     }
     if o.nodes < ENDPOINTS || o.rate <= 0.0 || o.secs == 0 || o.variants.is_empty() {
         bail!("--cps-nodes must be at least {ENDPOINTS}, --cps-rate above 0, --cps-secs at least 1, and --cps-variants name one");
@@ -152,7 +194,7 @@ pub(crate) fn flag(o: &mut Options, name: &str, value: &str) -> Result<bool> {
     Ok(true)
 }
 
-pub(crate) const FLAGS_HELP: &str = "--cps-nodes 5000 --cps-rate 20 --cps-secs 60 --cps-warmup-secs 5 --cps-agent PATH --cps-agent-flags '--devices none' --cps-variants no-label-keys,region-keyed,kube-proxy";
+pub(crate) const FLAGS_HELP: &str = "--cps-server real|stand-in --cps-nodes 5000 --cps-rate 20 --cps-secs 60 --cps-warmup-secs 5 --cps-agent PATH --cps-agent-flags '--devices none' --cps-variants no-label-keys,region-keyed,region-keyed-wide,kube-proxy --cps-churn-services 10000 --cps-churn-endpoints 10 --cps-churn-rate 100 --cps-churn-secs 60 (--cps-churn-services 0: no churn rows)";
 
 /// One run of one variant.
 #[derive(Clone, Debug, Default)]
@@ -191,11 +233,17 @@ pub(crate) struct Results {
     event_full: usize,
     event_meta: usize,
     repeats: usize,
+    /// Creating the Nodes in the real API server (with one status report
+    /// each), seconds.
+    setup_s: f64,
+    server_version: String,
+    /// The churn rows, measured in the same real cluster.
+    pub(crate) churn: Option<crate::control_plane_churn::Results>,
 }
 
-fn service(keyed: bool) -> Value {
+fn service(v: Variant) -> Value {
     let mut meta = json!({"name": "web", "namespace": NAMESPACE});
-    if keyed {
+    if v.keyed() {
         meta["annotations"] = json!({"topoproxy.io/topology-keys": REGION_KEYS});
     }
     json!({"apiVersion": "v1", "kind": "Service", "metadata": meta,
@@ -203,8 +251,8 @@ fn service(keyed: bool) -> Value {
                     "ports": [{"name": "http", "port": 80, "protocol": "TCP", "targetPort": 8080}]}})
 }
 
-fn slice() -> Value {
-    let eps: Vec<Value> = (0..ENDPOINTS)
+fn slice(v: Variant) -> Value {
+    let eps: Vec<Value> = (0..v.endpoints())
         .map(|j| {
             let n = NODE_INDEX + j;
             json!({"addresses": [Ipv4Addr::from(u32::from(EP_BASE) + 1 + j as u32).to_string()],
@@ -213,14 +261,16 @@ fn slice() -> Value {
                    "targetRef": {"kind": "Pod", "namespace": NAMESPACE, "name": format!("web-{j}")}})
         })
         .collect();
+    // Not the EndpointSlice controller's: the Service has no selector, and
+    // the real controller leaves slices it does not manage alone.
     json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
            "metadata": {"name": "web-abcde", "namespace": NAMESPACE,
-                        "labels": {"kubernetes.io/service-name": "web", "endpointslice.kubernetes.io/managed-by": "endpointslice-controller.k8s.io"}},
+                        "labels": {"kubernetes.io/service-name": "web", "endpointslice.kubernetes.io/managed-by": "bench.topoproxy.io"}},
            "addressType": "IPv4", "ports": [{"name": "http", "port": 8080, "protocol": "TCP"}], "endpoints": eps})
 }
 
 /// utime + stime of a process, in seconds.
-fn cpu_seconds(pid: &str) -> f64 {
+pub(crate) fn cpu_seconds(pid: &str) -> f64 {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // The fields after the command name (which may hold spaces): state is
     // the first, utime the 12th, stime the 13th.
@@ -231,7 +281,7 @@ fn cpu_seconds(pid: &str) -> f64 {
     (ticks(11) + ticks(12)) as f64 / hz as f64
 }
 
-fn vm_rss(pid: u32) -> u64 {
+pub(crate) fn vm_rss(pid: u32) -> u64 {
     let status = fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     status.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok()).unwrap_or(0) * 1024
 }
@@ -248,9 +298,9 @@ impl Population {
         Population { nodes: (1..=n).map(|i| realistic_nodes::node(i, created, &now)).collect() }
     }
 
-    /// The Nodes, the Service (ranked by region when `keyed`) and its slice.
-    fn objects(&self, keyed: bool) -> Vec<Value> {
-        self.nodes.iter().cloned().chain([service(keyed), slice()]).collect()
+    /// The Nodes, the Service of variant `v` and its slice.
+    fn objects(&self, v: Variant) -> Vec<Value> {
+        self.nodes.iter().cloned().chain([service(v), slice(v)]).collect()
     }
 }
 
@@ -273,20 +323,44 @@ pub(crate) fn run(o: &Options, repeats: usize, scratch: &Path) -> Result<Results
         repeats,
         ..Results::default()
     };
+    let real = match o.server {
+        ServerKind::StandIn => None,
+        ServerKind::Real => {
+            super::step(&format!("control plane at scale: starting the real control plane and creating {} Nodes", o.nodes));
+            let rs = RealServer::start("bench-cps")?;
+            let t0 = Instant::now();
+            rs.create_nodes(&pop.nodes)?;
+            r.setup_s = t0.elapsed().as_secs_f64();
+            r.server_version = RealServer::version();
+            rs.create_namespace(NAMESPACE)?;
+            eprintln!("[bench]   {} Nodes created and reported once in {:.1} s", o.nodes, r.setup_s);
+            // One Node's watch event as this server sends it, whole and
+            // metadata-only (its own managedFields).
+            let n = rs.node(&realistic_nodes::name(NODE_INDEX))?;
+            r.event_full = json!({"type": "MODIFIED", "object": n}).to_string().len() + 1;
+            let meta = json!({"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": n["metadata"]});
+            r.event_meta = json!({"type": "MODIFIED", "object": meta}).to_string().len() + 1;
+            Some(rs)
+        }
+    };
     for rep in 0..repeats {
         let order: Vec<Variant> = if rep % 2 == 0 { o.variants.clone() } else { o.variants.iter().rev().copied().collect() };
         for v in order {
             super::step(&format!(
-                "control plane at scale: repeat {}/{repeats}: {} ({} Nodes, {} reports/s, {} s)",
+                "control plane at scale: repeat {}/{repeats}: {} ({} Nodes, {} reports/s, {} s, {} API server)",
                 rep + 1,
                 v.key(),
                 o.nodes,
                 o.rate,
-                o.secs
+                o.secs,
+                if real.is_some() { "real" } else { "stand-in" }
             ));
-            let s = one_run(o, v, &agent, &pop, scratch, &mut r)?;
+            let s = match &real {
+                Some(rs) => one_run_real(o, v, &agent, &pop, scratch, rs)?,
+                None => one_run(o, v, &agent, &pop, scratch, &mut r)?,
+            };
             eprintln!(
-                "[bench]   Node watch {:.1} KB/s ({} B over {} reports), first sync {:.2} s with {:.1} KB of Node lists, CPU {:.2} %, RSS {:.1} MiB (peak {:.1}), stand-in+reporter CPU {:.1} %",
+                "[bench]   Node watch {:.1} KB/s ({} B over {} reports), first sync {:.2} s with {:.1} KB of lists, CPU {:.2} %, RSS {:.1} MiB (peak {:.1}), server side CPU {:.1} %",
                 s.watch_bps / KB,
                 s.watch_bytes,
                 s.reports,
@@ -299,6 +373,11 @@ pub(crate) fn run(o: &Options, repeats: usize, scratch: &Path) -> Result<Results
             );
             r.samples.entry(v).or_default().push(s);
         }
+    }
+    if let Some(rs) = &real
+        && o.churn.services > 0
+    {
+        r.churn = Some(crate::control_plane_churn::run(&o.churn, rs, &agent, &o.agent_flags, o.nodes, scratch)?);
     }
     Ok(r)
 }
@@ -314,34 +393,55 @@ fn spawn_client(
     cg: &Cgroup,
     pins: &PinDir,
 ) -> Result<(Guarded, f64)> {
+    if v != Variant::KubeProxy {
+        return spawn_agent(agent, &o.agent_flags, kubeconfig, log, cg, pins);
+    }
     let t0 = Instant::now();
-    let mut child = if v == Variant::KubeProxy {
-        Guarded::spawn(
-            Command::new(std::env::current_exe()?)
-                .arg(CLIENT_FLAG)
-                .arg(kubeconfig)
-                .arg(realistic_nodes::name(NODE_INDEX))
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(fs::File::create(log)?),
-        )?
-    } else {
-        Guarded::spawn(
-            Command::new(agent)
-                .args(["run", "--node", &realistic_nodes::name(NODE_INDEX), "--metrics-address", "127.0.0.1:0"])
-                .arg("--kubeconfig")
-                .arg(kubeconfig)
-                .arg("--cgroup")
-                .arg(cg.path())
-                .arg("--bpffs")
-                .arg(pins.path())
-                .args(&o.agent_flags)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(fs::File::create(log)?),
-        )?
-    };
-    let ready = if v == Variant::KubeProxy { "node synced" } else { "first sync applied" };
+    let mut child = Guarded::spawn(
+        Command::new(std::env::current_exe()?)
+            .arg(CLIENT_FLAG)
+            .arg(kubeconfig)
+            .arg(realistic_nodes::name(NODE_INDEX))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(log)?),
+    )?;
+    wait_logged(&mut child, log, "node synced", v.key())?;
+    Ok((child, t0.elapsed().as_secs_f64()))
+}
+
+/// Spawns the agent (`proxy-agent run` on node-1 with `flags`, in `cg`
+/// and `pins`) against `kubeconfig`; waits for its first sync. Returns the
+/// process and the seconds it took.
+pub(crate) fn spawn_agent(
+    agent: &Path,
+    flags: &[String],
+    kubeconfig: &Path,
+    log: &Path,
+    cg: &Cgroup,
+    pins: &PinDir,
+) -> Result<(Guarded, f64)> {
+    let t0 = Instant::now();
+    let mut child = Guarded::spawn(
+        Command::new(agent)
+            .args(["run", "--node", &realistic_nodes::name(NODE_INDEX), "--metrics-address", "127.0.0.1:0"])
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .arg("--cgroup")
+            .arg(cg.path())
+            .arg("--bpffs")
+            .arg(pins.path())
+            .args(flags)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(log)?),
+    )?;
+    wait_logged(&mut child, log, "first sync applied", "the agent")?;
+    Ok((child, t0.elapsed().as_secs_f64()))
+}
+
+/// Waits until `log` holds `ready`, for at most 5 minutes.
+fn wait_logged(child: &mut Guarded, log: &Path, ready: &str, who: &str) -> Result<()> {
     let deadline = Instant::now() + Duration::from_mins(5);
     loop {
         let text = fs::read_to_string(log).unwrap_or_default();
@@ -349,15 +449,15 @@ fn spawn_client(
             break;
         }
         if Instant::now() > deadline || child.0.try_wait()?.is_some() {
-            bail!("{} did not sync: {}", v.key(), text.lines().rev().take(20).collect::<Vec<_>>().join("\n"));
+            bail!("{who} did not sync: {}", text.lines().rev().take(20).collect::<Vec<_>>().join("\n"));
         }
         std::thread::sleep(Duration::from_millis(5));
     }
-    Ok((child, t0.elapsed().as_secs_f64()))
+    Ok(())
 }
 
 fn one_run(o: &Options, v: Variant, agent: &Path, pop: &Population, scratch: &Path, r: &mut Results) -> Result<Sample> {
-    let api = ApiServer::start_on("127.0.0.1:0".parse()?, 1, pop.objects(v == Variant::RegionKeyed));
+    let api = ApiServer::start_on("127.0.0.1:0".parse()?, 1, pop.objects(v));
     api.set_bookmark_interval(Duration::from_mins(1));
     if r.event_full == 0 {
         // One Node's watch event as the stand-in sends it, whole and
@@ -445,6 +545,89 @@ fn one_run(o: &Options, v: Variant, agent: &Path, pop: &Population, scratch: &Pa
     Ok(s)
 }
 
+/// One run of variant `v` against the real API server `rs`, which holds
+/// the Nodes already: the variant's Service and slice are applied first
+/// and deleted after.
+fn one_run_real(o: &Options, v: Variant, agent: &Path, pop: &Population, scratch: &Path, rs: &RealServer) -> Result<Sample> {
+    rs.apply_all(vec![service(v), slice(v)])?;
+    let kubeconfig = scratch.join("cps-kubeconfig");
+    rs.write_kubeconfig(&kubeconfig)?;
+    let cg = Cgroup::new("tps")?;
+    let pins = PinDir::new("tps")?;
+    let log = scratch.join(format!("cps-{}.log", v.key()));
+    let b0 = rs.bytes_to_clients();
+    let (mut child, sync_s) = spawn_client(o, v, agent, &kubeconfig, &log, &cg, &pins)?;
+    let pid = child.0.id();
+    let first = rs.bytes_to_clients() - b0;
+    let mut s = Sample { sync_s, first_nodes: first, first_all: first, ..Sample::default() };
+    if v != Variant::KubeProxy {
+        check_programmed(&log)?;
+    }
+    let stop = AtomicBool::new(false);
+    let sent = AtomicU64::new(0);
+    let failed = AtomicU64::new(0);
+    let names: Vec<String> = (1..=pop.nodes.len()).map(realistic_nodes::name).collect();
+    std::thread::scope(|scope| -> Result<()> {
+        let reporter = scope.spawn(|| {
+            let period = Duration::from_secs_f64(1.0 / o.rate);
+            let begin = Instant::now();
+            let mut k: u64 = 0;
+            while !stop.load(Ordering::Relaxed) {
+                let due = begin + period.mul_f64(k as f64);
+                let now = Instant::now();
+                if due > now {
+                    std::thread::sleep(due - now);
+                }
+                let i = (k % names.len() as u64) as usize;
+                if rs.report_status(&names[i], &realistic_nodes::now_rfc3339()).is_err() {
+                    failed.fetch_add(1, Ordering::Relaxed);
+                }
+                k += 1;
+                sent.store(k, Ordering::Relaxed);
+            }
+        });
+        std::thread::sleep(Duration::from_secs(o.warmup_secs));
+        let server = server_pids();
+        let server_cpu = || server.iter().map(|p| cpu_seconds(p)).sum::<f64>();
+        let (t0, w0, c0, m0, k0) =
+            (Instant::now(), rs.bytes_to_clients(), cpu_seconds(&pid.to_string()), server_cpu(), sent.load(Ordering::Relaxed));
+        std::thread::sleep(Duration::from_secs(o.secs));
+        let (w1, c1, m1, k1) = (rs.bytes_to_clients(), cpu_seconds(&pid.to_string()), server_cpu(), sent.load(Ordering::Relaxed));
+        let dt = t0.elapsed().as_secs_f64();
+        stop.store(true, Ordering::Relaxed);
+        let _ = reporter.join();
+        s.watch_bytes = w1 - w0;
+        s.watch_bps = s.watch_bytes as f64 / dt;
+        s.run_list_bytes = w1 - b0;
+        s.cpu_pct = 100.0 * (c1 - c0) / dt;
+        s.server_cpu_pct = 100.0 * (m1 - m0) / dt;
+        s.reports = k1 - k0;
+        Ok(())
+    })?;
+    let failed = failed.load(Ordering::Relaxed);
+    if failed > 0 {
+        eprintln!("[bench]   {failed} status reports failed");
+    }
+    s.rss = vm_rss(pid);
+    s.hwm = crate::control_plane::vm_hwm(pid);
+    if child.0.try_wait()?.is_some() {
+        bail!("{} exited during the run: {}", v.key(), fs::read_to_string(&log).unwrap_or_default());
+    }
+    child.terminate(Duration::from_secs(10))?;
+    rs.delete_service(NAMESPACE, "web")?;
+    rs.delete_slice(NAMESPACE, "web-abcde")?;
+    Ok(s)
+}
+
+/// The real control plane's kube-apiserver and etcd processes.
+fn server_pids() -> Vec<String> {
+    let Ok(dir) = fs::read_dir("/proc") else { return Vec::new() };
+    dir.filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str().filter(|n| n.bytes().all(|b| b.is_ascii_digit())).map(String::from))
+        .filter(|pid| matches!(fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default().trim(), "kube-apiserver" | "etcd"))
+        .collect()
+}
+
 /// The agent programmed the Service (its /metrics).
 fn check_programmed(log: &Path) -> Result<()> {
     let text = fs::read_to_string(log).unwrap_or_default();
@@ -518,12 +701,27 @@ impl Results {
     pub(crate) fn targets(&self) -> Vec<Target> {
         let Some(o) = &self.opts else { return Vec::new() };
         let at = format!("{} Nodes reporting {} times/s", o.nodes, o.rate);
+        let server = match o.server {
+            ServerKind::Real => "real kube-apiserver, every byte it sends the agent",
+            ServerKind::StandIn => "stand-in API server",
+        };
         let mut t = Vec::new();
-        for (v, goal, limit) in [(Variant::NoLabelKeys, "<= 2 KB/s", 2.0), (Variant::RegionKeyed, "<= 50 KB/s", 50.0)] {
+        for (v, goal, limit) in [
+            (Variant::NoLabelKeys, "<= 2 KB/s", 2.0),
+            (Variant::RegionKeyed, "<= 50 KB/s", 50.0),
+            (Variant::RegionKeyedWide, "<= 50 KB/s", 50.0),
+        ] {
+            if !self.samples.contains_key(&v) {
+                continue;
+            }
             let m = self.median(v, |s| s.watch_bps) / KB;
-            let what = if v == Variant::NoLabelKeys { "without label-keyed Services" } else { "with one region-keyed Service" };
+            let what = match v {
+                Variant::NoLabelKeys => "without label-keyed Services",
+                Variant::RegionKeyed => "with one region-keyed Service (endpoints on 6 Nodes)",
+                _ => "with one region-keyed Service whose endpoints span 150 Nodes (every Node watched)",
+            };
             t.push(Target {
-                name: format!("Node watch bytes per agent {what}, {at} (stand-in API server)"),
+                name: format!("Node watch bytes per agent {what}, {at} ({server})"),
                 goal: goal.into(),
                 measured: if m.is_nan() { "–".into() } else { format!("{m:.1} KB/s") },
                 met: m.is_finite().then_some(m <= limit),
@@ -535,26 +733,58 @@ impl Results {
     pub(crate) fn markdown(&self) -> String {
         let Some(o) = &self.opts else { return String::new() };
         let mut md = String::from("## Control plane at scale: the Node watch\n\n");
+        if o.server == ServerKind::Real {
+            let _ = writeln!(
+                md,
+                "Against the **real kube-apiserver** {} (`test-support/src/real_cluster.rs`: etcd, kube-apiserver, kube-controller-manager on loopback). It holds {} Nodes made from `realistic_nodes.rs` (labels, annotations, five conditions, 30 images, nodeInfo; {} B of JSON each as generated, {}–{}), created through the API with the field manager `kubelet` and reported once each ({:.0} s for all); the server computes their managedFields. They report status {} times a second in total, round robin, each a strategic-merge patch of `nodes/NAME/status` by `kubelet` that changes the four heartbeats. One Node's watch event from this server is {} B whole, {} B metadata-only. The client reaches the server through a byte-counting TCP relay: **the byte figures are everything the server sends that client on all its connections** (TLS records and HTTP framing included; Services and EndpointSlices do not change in the window, so beyond the Node watches they are bookmarks). Agent: {} (`proxy-agent run --kubeconfig ... --node {} {}`, its own cgroup and pin directory). Window {} s after {} s of warm-up; {} repeats, variants interleaved; medians (min–max). KB = 1000 B. Server CPU = kube-apiserver + etcd.\n",
+                self.server_version,
+                o.nodes,
+                self.node_json.1,
+                self.node_json.0,
+                self.node_json.2,
+                self.setup_s,
+                o.rate,
+                self.event_full,
+                self.event_meta,
+                self.agent,
+                realistic_nodes::name(NODE_INDEX),
+                o.agent_flags.join(" "),
+                o.secs,
+                o.warmup_secs,
+                self.repeats
+            );
+        } else {
+            let _ = writeln!(
+                md,
+                "Against the **stand-in API server** (`test-support/src/apiserver.rs`: real list/watch over HTTP, uncompressed JSON, bookmarks every 60 s), not a real kube-apiserver. It holds {} realistic Nodes (`realistic_nodes.rs`: labels, annotations, kubelet managedFields, five conditions, 30 images, nodeInfo; {} B of JSON each, {}–{}) that report status {} times a second in total, round robin (each report a new resourceVersion with new heartbeats). One Node's watch event is {} B whole, {} B metadata-only (`PartialObjectMetadata`, managedFields included). Agent: {} (`proxy-agent run --kubeconfig ... --node {} {}`, its own cgroup and pin directory). Window {} s after {} s of warm-up; {} repeats, variants interleaved; medians (min–max). KB = 1000 B.\n",
+                o.nodes,
+                self.node_json.1,
+                self.node_json.0,
+                self.node_json.2,
+                o.rate,
+                self.event_full,
+                self.event_meta,
+                self.agent,
+                realistic_nodes::name(NODE_INDEX),
+                o.agent_flags.join(" "),
+                o.secs,
+                o.warmup_secs,
+                self.repeats
+            );
+        }
         let _ = writeln!(
             md,
-            "Against the **stand-in API server** (`test-support/src/apiserver.rs`: real list/watch over HTTP, uncompressed JSON, bookmarks every 60 s), not a real kube-apiserver. It holds {} realistic Nodes (`realistic_nodes.rs`: labels, annotations, kubelet managedFields, five conditions, 30 images, nodeInfo; {} B of JSON each, {}–{}) that report status {} times a second in total, round robin (each report a new resourceVersion with new heartbeats). One Node's watch event is {} B whole, {} B metadata-only (`PartialObjectMetadata`, managedFields included). Agent: {} (`proxy-agent run --kubeconfig ... --node {} {}`, its own cgroup and pin directory). Window {} s after {} s of warm-up; {} repeats, variants interleaved; medians (min–max). KB = 1000 B.\n",
-            o.nodes,
-            self.node_json.1,
-            self.node_json.0,
-            self.node_json.2,
-            o.rate,
-            self.event_full,
-            self.event_meta,
-            self.agent,
-            realistic_nodes::name(NODE_INDEX),
-            o.agent_flags.join(" "),
-            o.secs,
-            o.warmup_secs,
-            self.repeats
-        );
-        let _ = writeln!(
-            md,
-            "| variant | Node watch KB/s | Node watch bytes in the window | per report | Node lists until first sync, KB | Node lists, whole run, KB | spawn to first sync, s | CPU % | RSS MiB (VmRSS) | peak RSS MiB (VmHWM) |\n|---|---|---|---|---|---|---|---|---|---|"
+            "| variant | {} | per report | {} | spawn to first sync, s | CPU % | RSS MiB (VmRSS) | peak RSS MiB (VmHWM) |\n|---|---|---|---|---|---|---|---|---|---|",
+            if o.server == ServerKind::Real {
+                "Node watch KB/s (all bytes sent) | bytes in the window"
+            } else {
+                "Node watch KB/s | Node watch bytes in the window"
+            },
+            if o.server == ServerKind::Real {
+                "bytes until first sync, KB | bytes, whole run, KB"
+            } else {
+                "Node lists until first sync, KB | Node lists, whole run, KB"
+            },
         );
         for &v in self.samples.keys() {
             let per_report = if v == Variant::KubeProxy {
@@ -578,7 +808,7 @@ impl Results {
         }
         let _ = writeln!(
             md,
-            "\nRun health: reports handed to the stand-in per second during the window, the bench process's own CPU (the stand-in and the reporter; it shares the machine's cores with the client), Node list bytes during the window (non-zero: the watch was closed and the client relisted), and the list bytes of every kind until the first sync.\n\n| variant | reports/s achieved | stand-in + reporter CPU % | Node list KB during the window | lists of every kind until first sync, KB |\n|---|---|---|---|---|"
+            "\nRun health: reports handed to the API server per second during the window; the server side's CPU (the stand-in and the reporter in the bench process, or kube-apiserver and etcd; it shares the machine's cores with the client); Node list bytes during the window (stand-in only; non-zero: the watch was closed and the client relisted); and the list bytes until the first sync (of every kind; with the real server, everything it sent).\n\n| variant | reports/s achieved | server side CPU % | Node list KB during the window | lists of every kind until first sync, KB |\n|---|---|---|---|---|"
         );
         for &v in self.samples.keys() {
             let _ = writeln!(
@@ -590,6 +820,9 @@ impl Results {
                 cell(&self.of(v, |s| s.window_list_bytes as f64), 1.0 / KB, 1),
                 cell(&self.of(v, |s| s.first_all as f64), 1.0 / KB, 1),
             );
+        }
+        if let Some(c) = &self.churn {
+            md.push_str(&c.markdown());
         }
         let per_node = o.rate / o.nodes as f64;
         let _ = writeln!(
@@ -630,7 +863,9 @@ impl Results {
             })
             .collect();
         json!({
-            "api_server": "stand-in (test-support/src/apiserver.rs)",
+            "api_server": match o.server { ServerKind::Real => "real kube-apiserver (test-support/src/real_cluster.rs), bytes through a counting relay, all connections", ServerKind::StandIn => "stand-in (test-support/src/apiserver.rs)" },
+            "node_setup_seconds": self.setup_s,
+            "churn": self.churn.as_ref().map(crate::control_plane_churn::Results::json),
             "nodes": o.nodes,
             "reports_per_second": o.rate,
             "window_seconds": o.secs,
@@ -648,7 +883,10 @@ impl Results {
 /// to `control-plane-scale.md` and `control-plane-scale.json` in `out`
 /// (the full report, `report.md`, is left alone).
 pub(crate) fn write_alone(out: &Path, r: &Results) -> Result<()> {
-    let targets = r.targets();
+    let mut targets = r.targets();
+    if let Some(c) = &r.churn {
+        targets.extend(c.targets());
+    }
     let md = format!(
         "# topoproxy benchmark: control plane at scale only\n\n{}\n\n{}{}",
         crate::report::machine(),

@@ -8,12 +8,14 @@
 //! tests.
 
 mod control_plane;
+mod control_plane_churn;
 mod control_plane_scale;
 mod forwarding;
 mod kernel_memory;
 mod maglev_sync;
 mod manifest_input;
 mod programs;
+mod real_server;
 mod realistic_nodes;
 mod report;
 mod rules;

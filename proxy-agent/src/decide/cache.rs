@@ -138,6 +138,11 @@ impl DecisionCache {
         DecisionCache { node: node.to_string(), ..DecisionCache::default() }
     }
 
+    /// The node this agent decides for.
+    pub(crate) fn node(&self) -> &str {
+        &self.node
+    }
+
     /// Brings the decisions up to `cluster` and returns the ClusterIP
     /// frontends whose desired backends may have changed (added, removed
     /// or updated), and the Services decided again.

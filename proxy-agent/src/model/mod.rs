@@ -8,7 +8,7 @@
 
 pub mod store;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -288,6 +288,27 @@ pub const LABEL_ZONE: &str = "topology.kubernetes.io/zone";
 
 /// Node labels as an EndpointSlice reports them (label key to value).
 pub type NodeTopology = BTreeMap<Arc<str>, Arc<str>>;
+
+/// What the source must watch of other Nodes for the Services' topology
+/// (`decide::topology::other_nodes_needed`).
+#[derive(Clone, Debug, PartialEq, Eq, Default)]
+pub struct OtherNodes {
+    /// The labels read that EndpointSlices do not carry; empty: other
+    /// Nodes are not watched at all.
+    pub labels: BTreeSet<String>,
+    /// The Nodes whose labels are read: those hosting an endpoint of a
+    /// Service that needs labels. `None`: every Node (too many to name in
+    /// one label selector, or names that cannot be selected by their
+    /// hostname label).
+    pub names: Option<BTreeSet<String>>,
+}
+
+impl OtherNodes {
+    /// Whether any other Node must be watched.
+    pub fn any(&self) -> bool {
+        !self.labels.is_empty() && self.names.as_ref().is_none_or(|n| !n.is_empty())
+    }
+}
 
 const _: () = assert!(std::mem::size_of::<Endpoint>() <= 64);
 

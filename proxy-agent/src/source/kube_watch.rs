@@ -52,8 +52,8 @@ use serde::de::DeserializeOwned;
 use tokio::sync::mpsc::{UnboundedSender, unbounded_channel};
 use tokio::sync::watch;
 
-use crate::model::ObjectRef;
 use crate::model::store::{Delta, Kind};
+use crate::model::{ObjectRef, OtherNodes};
 use crate::source::api_versions::{Negotiated, Version};
 use crate::source::delta::{node_delta, node_labels_delta, service_delta, slice_delta};
 use crate::source::feed::{Signal, Stores};
@@ -84,7 +84,7 @@ pub fn start(
     versions: Negotiated,
     tx: UnboundedSender<Signal>,
     node: &str,
-    node_labels: watch::Receiver<Option<BTreeSet<String>>>,
+    node_labels: watch::Receiver<Option<OtherNodes>>,
 ) -> Stores {
     let stores = Stores::default();
     let services: Api<WireService> = Api::all(client.clone());
@@ -125,7 +125,7 @@ const ALWAYS_KEPT: [&str; 2] = [crate::model::LABEL_HOSTNAME, crate::model::LABE
 async fn watch_nodes(
     client: Client,
     node: String,
-    mut needed: watch::Receiver<Option<BTreeSet<String>>>,
+    mut needed: watch::Receiver<Option<OtherNodes>>,
     stores: Stores,
     tx: UnboundedSender<Signal>,
 ) {
@@ -136,13 +136,13 @@ async fn watch_nodes(
     tokio::spawn(watch_kind(own, own_config, stores.clone(), kind, own_tx, |_| None, Arc::new(|n| Some(node_delta(n)))));
     let (other_tx, mut other_rx) = unbounded_channel();
     let mut others: HashMap<ObjectRef, String> = HashMap::new();
-    let mut watching: Option<BTreeSet<String>> = None;
+    let mut watching: Option<OtherNodes> = None;
     let mut listed = Listing::default();
     loop {
         let want = needed.borrow_and_update().clone();
         listed.need = want.as_ref().map(|_| ());
-        let keys = want.filter(|k| !k.is_empty()).map(|mut k| {
-            k.extend(ALWAYS_KEPT.iter().map(|l| (*l).to_string()));
+        let keys = want.filter(OtherNodes::any).map(|mut k| {
+            k.labels.extend(ALWAYS_KEPT.iter().map(|l| (*l).to_string()));
             k
         });
         if keys != watching {
@@ -155,10 +155,19 @@ async fn watch_nodes(
                     }
                 }
                 Some(k) => {
-                    let labels: Vec<&str> = k.iter().map(String::as_str).collect();
-                    tracing::info!(labels = %labels.join(","), "watching other Nodes, metadata only, for these labels");
+                    let labels: Vec<&str> = k.labels.iter().map(String::as_str).collect();
+                    if let Some(names) = &k.names {
+                        tracing::info!(
+                            labels = %labels.join(","),
+                            nodes = names.len(),
+                            "watching the other Nodes that host endpoints of those Services, by hostname label, metadata only, for these labels"
+                        );
+                    } else {
+                        tracing::info!(labels = %labels.join(","), "watching every other Node, metadata only, for these labels");
+                    }
                     // Their labels were filtered for the old set: convert
-                    // every one again, still removing the ones gone.
+                    // every one again; the relist removes the Nodes no
+                    // longer selected.
                     others.values_mut().for_each(String::clear);
                 }
             }
@@ -173,11 +182,11 @@ async fn watch_nodes(
             return;
         }
         let other = Watch {
-            open: other_nodes(client.clone(), &node),
+            open: other_nodes(client.clone(), &node, watching.as_ref().and_then(|w| w.names.as_ref())),
             kind,
             trigger_of: |_| None,
             convert_of: {
-                let (node, keys) = (node.clone(), Arc::new(watching.clone().unwrap_or_default()));
+                let (node, keys) = (node.clone(), Arc::new(watching.as_ref().map(|w| w.labels.clone()).unwrap_or_default()));
                 Arc::new(move |m: PartialObjectMeta<WireNode>| {
                     (m.metadata.name.as_deref() != Some(node.as_str())).then(|| node_labels_delta(m, &keys))
                 })
@@ -256,10 +265,19 @@ impl Listing {
     }
 }
 
-/// The metadata-only watch stream of every Node but `node` (an
-/// `Api<PartialObjectMeta<_>>` asks for `PartialObjectMetadata`).
-fn other_nodes(client: Client, node: &str) -> Opener<PartialObjectMeta<WireNode>> {
-    opener(Api::all(client), watcher::Config::default().fields(&format!("metadata.name!={node}")))
+/// The metadata-only watch stream of the Nodes `names` (every Node when
+/// `None`) but `node` (an `Api<PartialObjectMeta<_>>` asks for
+/// `PartialObjectMetadata`). Named Nodes are selected by their hostname
+/// label with a set-based label selector, since field selectors have no
+/// `in` (`decide::topology::other_nodes_needed` checks that the names can
+/// be label values and that hostname labels match names here).
+fn other_nodes(client: Client, node: &str, names: Option<&BTreeSet<String>>) -> Opener<PartialObjectMeta<WireNode>> {
+    let mut config = watcher::Config::default().fields(&format!("metadata.name!={node}"));
+    if let Some(names) = names {
+        let list: Vec<&str> = names.iter().map(String::as_str).collect();
+        config = config.labels(&format!("{} in ({})", crate::model::LABEL_HOSTNAME, list.join(",")));
+    }
+    opener(Api::all(client), config)
 }
 
 fn slice_trigger_time<K: Resource>(s: &K) -> Option<SystemTime> {

@@ -16,7 +16,7 @@ use crate::decide::departures::{self, Departure, EndpointState, Step, TcpTermina
 use crate::decide::plan::{self, FrontendPolicy, Plan, Policies};
 use crate::external::nodeport::ExternalDatapath;
 use crate::model::store::Changes;
-use crate::model::{Backend, Cluster, EndpointSlice, Frontend, ObjectRef};
+use crate::model::{Backend, Cluster, EndpointSlice, Frontend, ObjectRef, OtherNodes};
 
 /// What a pass needs of the socket datapath's maps.
 pub trait SocketMaps {
@@ -253,7 +253,8 @@ pub struct CachedSync {
     /// slices do not carry, those labels
     /// (`decide::topology::other_node_labels`): the source watches other
     /// Nodes, metadata only, just while this is not empty.
-    label_needs: BTreeMap<ObjectRef, BTreeSet<String>>,
+    /// with the Nodes its endpoints run on (`endpoint_nodes`).
+    label_needs: BTreeMap<ObjectRef, (BTreeSet<String>, BTreeSet<String>)>,
 }
 
 impl CachedSync {
@@ -279,9 +280,16 @@ impl CachedSync {
         }
     }
 
+    /// What the source must watch of other Nodes for the Services'
+    /// topology (`decide::topology::other_nodes_needed`).
+    pub fn other_nodes_needed(&self, cluster: &Cluster) -> OtherNodes {
+        let own = self.cache.node();
+        crate::decide::topology::other_nodes_needed(self.label_needs.values().map(|(l, n)| (l, n)), cluster.nodes.get(own), own)
+    }
+
     /// The labels of other Nodes that some Service's topology needs.
     pub fn node_labels_needed(&self) -> BTreeSet<String> {
-        self.label_needs.values().flatten().cloned().collect()
+        self.label_needs.values().flat_map(|(l, _)| l).cloned().collect()
     }
 
     /// Follows what the Services in `ids` need of other Nodes' labels after
@@ -292,11 +300,13 @@ impl CachedSync {
                 Some(svc) => {
                     let endpoints: Vec<&crate::model::Endpoint> =
                         self.cache.slices_of(cluster, id).flat_map(|s| s.endpoints.iter()).collect();
-                    crate::decide::topology::other_node_labels(svc, &endpoints)
+                    let labels = crate::decide::topology::other_node_labels(svc, &endpoints);
+                    let nodes = if labels.is_empty() { BTreeSet::new() } else { crate::decide::topology::endpoint_nodes(&endpoints) };
+                    (labels, nodes)
                 }
-                None => BTreeSet::new(),
+                None => (BTreeSet::new(), BTreeSet::new()),
             };
-            if needs.is_empty() {
+            if needs.0.is_empty() {
                 self.label_needs.remove(id);
             } else {
                 self.label_needs.insert(id.clone(), needs);
@@ -975,7 +985,7 @@ mod label_need_tests {
     /// by region (which its v1 slice does not carry).
     fn cluster(region: &str, deleted: bool) -> Cluster {
         let mut yaml = format!(
-            "kind: Node\nmetadata: {{name: a, labels: {{topology.kubernetes.io/region: {region}}}}}\n---\nkind: Node\nmetadata: {{name: b, labels: {{topology.kubernetes.io/region: {region}}}}}\n"
+            "kind: Node\nmetadata: {{name: a, labels: {{topology.kubernetes.io/region: {region}, kubernetes.io/hostname: a}}}}\n---\nkind: Node\nmetadata: {{name: b, labels: {{topology.kubernetes.io/region: {region}, kubernetes.io/hostname: b}}}}\n"
         );
         if !deleted {
             yaml.push_str("---\napiVersion: v1\nkind: Service\nmetadata: {name: regional, annotations: {topoproxy.io/topology-keys: \"topology.kubernetes.io/region, *\"}}\nspec: {clusterIP: 10.96.0.10, ports: [{port: 80}]}\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: regional-1, labels: {kubernetes.io/service-name: regional}}\naddressType: IPv4\nports: [{port: 8080}]\nendpoints: [{addresses: [10.244.0.1], nodeName: a}, {addresses: [10.244.0.2], nodeName: b}]\n");
@@ -991,10 +1001,17 @@ mod label_need_tests {
     fn a_deleted_service_needs_no_labels_even_in_a_full_update() {
         let mut pass = CachedSync::new("a");
         let mut maps = MemoryMaps::default();
-        pass.pass(&mut maps, None, &cluster("r1", false), &Changes { all: true, ..Changes::default() }, true);
+        let c = cluster("r1", false);
+        pass.pass(&mut maps, None, &c, &Changes { all: true, ..Changes::default() }, true);
         assert_eq!(pass.node_labels_needed(), ["topology.kubernetes.io/region".to_string()].into());
+        // Only the other Node hosting an endpoint is watched, by name.
+        let want = OtherNodes { labels: pass.node_labels_needed(), names: Some(["b".to_string()].into()) };
+        assert_eq!(pass.other_nodes_needed(&c), want);
+        assert_eq!(crate::decide::topology::node_labels_needed(&c, "a"), want, "the first sync's view agrees");
         let changes = Changes { all: true, services: [ObjectRef::new("default", "regional")].into(), ..Changes::default() };
-        pass.pass(&mut maps, None, &cluster("r2", true), &changes, false);
+        let c = cluster("r2", true);
+        pass.pass(&mut maps, None, &c, &changes, false);
         assert!(pass.node_labels_needed().is_empty(), "{:?}", pass.node_labels_needed());
+        assert!(!pass.other_nodes_needed(&c).any());
     }
 }

@@ -35,6 +35,7 @@ use crate::datapath::map_writer::WriteError;
 use crate::datapath::sock_destroy::{Batch, Terminator};
 use crate::decide::departures::TcpTermination;
 use crate::external::nodeport::ExternalDatapath;
+use crate::model::OtherNodes;
 use crate::model::store::{Changes, Kind, Model, ObjectProblem};
 use crate::observe::health_server::Health;
 use crate::observe::metrics::{Metrics, SyncFigures, reason};
@@ -95,7 +96,7 @@ pub struct SyncLoop<W: SocketMaps> {
     /// published for the source (`kube_watch`), which watches other Nodes
     /// metadata-only only while the set is not empty. `None` inside means
     /// not known yet (before Services and EndpointSlices are listed).
-    node_labels: Option<tokio::sync::watch::Sender<Option<BTreeSet<String>>>>,
+    node_labels: Option<tokio::sync::watch::Sender<Option<OtherNodes>>>,
 }
 
 impl<W: SocketMaps> SyncLoop<W> {
@@ -133,26 +134,30 @@ impl<W: SocketMaps> SyncLoop<W> {
         }
     }
 
-    /// Publishes on `tx` which labels of other Nodes the Services need
-    /// (`decide::topology::other_node_labels`): first once Services and
+    /// Publishes on `tx` what the source must watch of other Nodes
+    /// (`decide::topology::other_nodes_needed`): first once Services and
     /// EndpointSlices are listed, before the first sync, then after every
     /// pass that changes it.
-    pub fn with_node_label_needs(mut self, tx: tokio::sync::watch::Sender<Option<BTreeSet<String>>>) -> Self {
+    pub fn with_node_label_needs(mut self, tx: tokio::sync::watch::Sender<Option<OtherNodes>>) -> Self {
         self.node_labels = Some(tx);
         self
     }
 
-    fn publish_node_labels(&self, needed: BTreeSet<String>) {
+    fn publish_node_labels(&self, needed: OtherNodes) {
         let Some(tx) = &self.node_labels else { return };
         tx.send_if_modified(|current| {
             if current.as_ref() == Some(&needed) {
                 return false;
             }
-            if needed.is_empty() {
+            if needed.labels.is_empty() {
                 tracing::info!("no Service's topology needs other Nodes' labels");
             } else {
-                let keys: Vec<&str> = needed.iter().map(String::as_str).collect();
-                tracing::info!(labels = %keys.join(","), "Services' topology needs these labels of other Nodes");
+                let keys: Vec<&str> = needed.labels.iter().map(String::as_str).collect();
+                let nodes = needed
+                    .names
+                    .as_ref()
+                    .map_or_else(|| "every Node".to_string(), |n| format!("{} Nodes hosting their endpoints", n.len()));
+                tracing::info!(labels = %keys.join(","), nodes = %nodes, "Services' topology needs these labels of other Nodes");
             }
             *current = Some(needed);
             true
@@ -260,7 +265,7 @@ impl<W: SocketMaps> SyncLoop<W> {
                     // them first if they are: the first sync then decides
                     // with every label it needs.
                     if self.listed.contains(&Kind::Service) && self.listed.contains(&Kind::EndpointSlice) {
-                        self.publish_node_labels(crate::decide::topology::node_labels_needed(&self.model.cluster));
+                        self.publish_node_labels(crate::decide::topology::node_labels_needed(&self.model.cluster, &self.config.node));
                     }
                 }
                 self.dirty = true;
@@ -386,7 +391,7 @@ impl<W: SocketMaps> SyncLoop<W> {
             }
         }
         if self.node_labels.is_some() {
-            self.publish_node_labels(self.cached.node_labels_needed());
+            self.publish_node_labels(self.cached.other_nodes_needed(&self.model.cluster));
         }
         if let Some(t) = &self.terminator {
             t.submit(Batch { sockets: std::mem::take(&mut outcome.departures), conntrack: std::mem::take(&mut outcome.tc_departures) });

@@ -39,7 +39,7 @@ mod traffic_distribution;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
-use crate::model::{Endpoint, Node, Service};
+use crate::model::{Endpoint, Node, OtherNodes, Service};
 
 use self::hints::Hints;
 use self::openyurt::{ANNOTATION_OPENYURT_TOPOLOGY_KEYS, YurtTopology};
@@ -210,21 +210,89 @@ pub(crate) fn other_node_labels(svc: &Service, endpoints: &[&Endpoint]) -> BTree
     out
 }
 
-/// [`other_node_labels`] over every Service of `cluster`: what the agent
+/// [`other_nodes_needed`] over every Service of `cluster`: what the agent
 /// needs of other Nodes before its first sync, when no decision is cached
 /// yet (`sync::pass::CachedSync` keeps it current after that).
-pub(crate) fn node_labels_needed(cluster: &crate::model::Cluster) -> BTreeSet<String> {
+pub(crate) fn node_labels_needed(cluster: &crate::model::Cluster, own: &str) -> OtherNodes {
     let mut slices: std::collections::HashMap<(&str, &str), Vec<&crate::model::EndpointSlice>> = std::collections::HashMap::new();
     for s in cluster.slices.values() {
         slices.entry((&*s.id.namespace, s.service_name.as_str())).or_default().push(s);
     }
-    let mut out = BTreeSet::new();
+    let mut needs = Vec::new();
     for svc in cluster.services.values() {
         let of = slices.get(&(&*svc.id.namespace, &*svc.id.name)).map(Vec::as_slice).unwrap_or_default();
         let endpoints: Vec<&Endpoint> = of.iter().flat_map(|s| s.endpoints.iter()).collect();
-        out.extend(other_node_labels(svc, &endpoints));
+        let labels = other_node_labels(svc, &endpoints);
+        if !labels.is_empty() {
+            needs.push((labels, endpoint_nodes(&endpoints)));
+        }
+    }
+    other_nodes_needed(needs.iter().map(|(l, n)| (l, n)), cluster.nodes.get(own), own)
+}
+
+/// At most this many Nodes are named in the other-Node watch's label
+/// selector (`kubernetes.io/hostname in (...)`); beyond it every Node is
+/// watched. The selector travels in the request line: 100 names of at
+/// most 63 characters stay under the 8 KB that proxies in front of API
+/// servers commonly accept, and a watch of every Node costs no more than
+/// one of 100 named ones once a Service spans that much of the cluster.
+pub(crate) const MAX_NAMED_NODES: usize = 100;
+
+/// The Nodes that `endpoints` run on (`nodeName`).
+pub(crate) fn endpoint_nodes(endpoints: &[&Endpoint]) -> BTreeSet<String> {
+    endpoints.iter().filter_map(|e| e.node_name.as_deref()).map(str::to_string).collect()
+}
+
+/// What the source watches of other Nodes, from each Service that needs
+/// labels: its labels ([`other_node_labels`]) and its endpoints' Nodes
+/// ([`endpoint_nodes`]). A ranking compares this node's labels with those
+/// of the endpoints' Nodes only, so only those Nodes are watched, selected
+/// by their `kubernetes.io/hostname` label (an API server has no
+/// set-based field selector on `metadata.name`): a watch of N Nodes
+/// carries N of the cluster's status reports instead of all of them
+/// (seed 004). Every Node is watched instead when the Nodes are too many
+/// to name ([`MAX_NAMED_NODES`]), when a name cannot be a label value, or
+/// when this node's hostname label differs from its name: such a cluster
+/// names its Nodes apart from their hostnames (the kubelet's
+/// `--hostname-override` left out), and a selector by hostname would miss
+/// them (or carries none: Nodes not made by a kubelet). A Node labelled
+/// apart from its name in a cluster whose other Nodes are not goes unseen:
+/// its endpoints rank as in no zone, region or pool (README).
+pub(crate) fn other_nodes_needed<'a>(
+    needs: impl IntoIterator<Item = (&'a BTreeSet<String>, &'a BTreeSet<String>)>,
+    own: Option<&Node>,
+    own_name: &str,
+) -> OtherNodes {
+    let mut out = OtherNodes { labels: BTreeSet::new(), names: Some(BTreeSet::new()) };
+    for (labels, nodes) in needs {
+        out.labels.extend(labels.iter().cloned());
+        if let Some(names) = &mut out.names {
+            names.extend(nodes.iter().filter(|n| n.as_str() != own_name).cloned());
+        }
+    }
+    // Not known yet (the first sync may come before this node's Node is
+    // listed): assume the kubelet's default, hostname label = name.
+    let hostname_differs = own.is_some_and(|n| n.labels.get(LABEL_HOSTNAME).is_none_or(|h| &**h != own_name));
+    if out.names.as_ref().is_some_and(|n| n.len() > MAX_NAMED_NODES || !n.iter().all(|n| is_label_value(n))) || hostname_differs {
+        out.names = None;
+    }
+    if out.labels.is_empty() {
+        out.names = Some(BTreeSet::new());
     }
     out
+}
+
+/// A label value: at most 63 characters, alphanumerics with `-`, `_` and
+/// `.` inside (apimachinery's `IsValidLabelValue`). Node names are DNS
+/// subdomains of up to 253 characters, so a long one is not.
+fn is_label_value(v: &str) -> bool {
+    let b = v.as_bytes();
+    let edge = |c: &u8| c.is_ascii_alphanumeric();
+    b.len() <= 63
+        && (b.is_empty()
+            || (b.first().is_some_and(edge)
+                && b.last().is_some_and(edge)
+                && b.iter().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'-' | b'_' | b'.'))))
 }
 
 /// Sorts and deduplicates a result (the tiers produce ascending indices
@@ -482,6 +550,48 @@ mod tests {
         for (name, s, eps, want) in cases {
             let want: BTreeSet<String> = want.into_iter().map(str::to_string).collect();
             assert_eq!(other_node_labels(&s, &eps.iter().collect::<Vec<_>>()), want, "{name}");
+        }
+    }
+
+    /// What to watch of other Nodes: (name, each Service's labels and
+    /// endpoint Nodes, this node's hostname label, want: labels and names,
+    /// `None` for every Node).
+    #[test]
+    fn other_nodes_are_the_endpoints_nodes_while_they_can_be_named() {
+        let set = |v: &[&str]| v.iter().map(|s| (*s).to_string()).collect::<BTreeSet<String>>();
+        let many: Vec<String> = (0..=MAX_NAMED_NODES).map(|i| format!("n{i}")).collect();
+        let many: Vec<&str> = many.iter().map(String::as_str).collect();
+        let long = "x".repeat(64);
+        type Case<'a> = (&'a str, Vec<(&'a [&'a str], Vec<&'a str>)>, Option<&'a str>, (&'a [&'a str], Option<Vec<&'a str>>));
+        let cases: Vec<Case<'_>> = vec![
+            ("no Service needs labels", vec![], Some("me"), (&[], Some(vec![]))),
+            ("one region-keyed Service", vec![(&[REGION], vec!["a", "b"])], Some("me"), (&[REGION], Some(vec!["a", "b"]))),
+            ("this node is left out", vec![(&[REGION], vec!["me", "a"])], Some("me"), (&[REGION], Some(vec!["a"]))),
+            (
+                "two Services: labels and Nodes joined",
+                vec![(&[REGION], vec!["a"]), (&["rack"], vec!["b"])],
+                Some("me"),
+                (&["rack", REGION], Some(vec!["a", "b"])),
+            ),
+            ("this Node not listed yet: names assumed hostnames", vec![(&[REGION], vec!["a"])], None, (&[REGION], Some(vec!["a"]))),
+            ("hostname label differs from the name", vec![(&[REGION], vec!["a"])], Some("me.example.com"), (&[REGION], None)),
+            ("no hostname label", vec![(&[REGION], vec!["a"])], Some(""), (&[REGION], None)),
+            ("too many to name", vec![(&[REGION], many.clone())], Some("me"), (&[REGION], None)),
+            ("a name that is no label value", vec![(&[REGION], vec!["a", long.as_str()])], Some("me"), (&[REGION], None)),
+            ("labels, no endpoint on a Node yet", vec![(&[REGION], vec![])], Some("me"), (&[REGION], Some(vec![]))),
+        ];
+        for (name, needs, hostname, (labels, names)) in cases {
+            let needs: Vec<(BTreeSet<String>, BTreeSet<String>)> = needs.into_iter().map(|(l, n)| (set(l), set(&n))).collect();
+            let own = hostname.map(|h| {
+                let mut n = node("me", &[]);
+                if !h.is_empty() {
+                    n.labels.insert(LABEL_HOSTNAME.into(), h.into());
+                }
+                n
+            });
+            let got = other_nodes_needed(needs.iter().map(|(l, n)| (l, n)), own.as_ref(), "me");
+            assert_eq!(got, OtherNodes { labels: set(labels), names: names.map(|n| set(&n)) }, "{name}");
+            assert_eq!(got.any(), !labels.is_empty() && got.names.as_ref().is_none_or(|n| !n.is_empty()), "{name}");
         }
     }
 
