@@ -50,7 +50,8 @@ pub(crate) fn ensure() -> Result<()> {
     Ok(())
 }
 
-fn create_venv(venv: &Path) -> Result<()> {
+/// `python3 -m venv`, with Debian's python3-venv installed when missing.
+pub(crate) fn create_venv(venv: &Path) -> Result<()> {
     let _ = fs::remove_dir_all(venv); // a half-made venv from an interrupted run
     if util::run(util::cmd("python3").args(["-m", "venv"]).arg(venv)).is_ok() {
         return Ok(());

@@ -98,10 +98,13 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
 
 /// `cargo xtask test`'s step: every target for [`CI_SECONDS`], each
 /// counted as a test. Returns why it failed, if it did.
-pub(crate) fn ci_step(totals: &mut Totals) -> Option<String> {
+/// `compiled` is set to the time the build took.
+pub(crate) fn ci_step(totals: &mut Totals, compiled: &mut std::time::Duration) -> Option<String> {
     let started = Instant::now();
     println!("\nfuzz: every cargo-fuzz target for {CI_SECONDS} s (`cargo xtask fuzz` runs them longer)");
-    if let Err(e) = build(false) {
+    let built = build(false);
+    *compiled = started.elapsed();
+    if let Err(e) = built {
         println!("fuzz build failed: {e:#}");
         totals.failed += 1;
         return Some(format!("fuzz build: {e:#}"));

@@ -24,6 +24,9 @@ use crate::{setup, util};
 /// and how to fix what it finds.
 struct Check {
     what: &'static str,
+    /// Whether it compiles (clippy builds every crate's metadata), for
+    /// the step table's compile column.
+    compiles: bool,
     shown: &'static str,
     fix: &'static str,
     command: Command,
@@ -52,24 +55,28 @@ fn checks() -> Vec<Check> {
     vec![
         Check {
             what: "formatting of the host workspace",
+            compiles: false,
             shown: "cargo fmt --all --check",
             fix: "`cargo fmt --all` rewrites the files",
             command: fmt,
         },
         Check {
             what: "formatting of proxy-ebpf (nightly rustfmt)",
+            compiles: false,
             shown: "cd proxy-ebpf && cargo +nightly fmt --check",
             fix: "`cd proxy-ebpf && cargo +nightly fmt` rewrites the files",
             command: ebpf_fmt,
         },
         Check {
             what: "clippy on the host workspace",
+            compiles: true,
             shown: "cargo clippy --workspace --all-targets -- -D warnings",
             fix: "fix the warnings clippy printed above",
             command: clippy,
         },
         Check {
             what: "clippy on proxy-ebpf (nightly, bpfel-unknown-none)",
+            compiles: true,
             shown: "cd proxy-ebpf && cargo +nightly clippy --target bpfel-unknown-none -Z build-std=core -- -D warnings",
             fix: "fix the warnings clippy printed above",
             command: ebpf_clippy,
@@ -80,15 +87,22 @@ fn checks() -> Vec<Check> {
 /// `cargo xtask lint`.
 pub(crate) fn run() -> Result<()> {
     setup::ensure()?;
-    check()
+    check().map(drop)
 }
 
-/// Runs every check; fails naming each one that failed.
-pub(crate) fn check() -> Result<()> {
+/// Runs every check; fails naming each one that failed. Returns the time
+/// the compiling checks (clippy) took.
+pub(crate) fn check() -> Result<std::time::Duration> {
     let mut failed = Vec::new();
+    let mut compiled = std::time::Duration::ZERO;
     for mut c in checks() {
         println!("lint: checking {}: {}", c.what, c.shown);
-        let why = match c.command.status() {
+        let started = std::time::Instant::now();
+        let status = c.command.status();
+        if c.compiles {
+            compiled += started.elapsed();
+        }
+        let why = match status {
             Ok(status) if status.success() => None,
             Ok(status) => Some(status.to_string()),
             Err(e) => Some(format!("cannot run it: {e}")),
@@ -103,7 +117,7 @@ pub(crate) fn check() -> Result<()> {
     }
     if failed.is_empty() {
         println!("lint: all checks passed");
-        return Ok(());
+        return Ok(compiled);
     }
     let list: Vec<String> = failed.iter().map(|c| format!("{} (`{}`)", c.what, c.shown)).collect();
     bail!("lint failed: {}", list.join("; "))

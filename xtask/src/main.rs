@@ -28,6 +28,7 @@
 mod bench;
 mod build_ebpf;
 mod chart_env;
+mod compiler_cache;
 mod demo;
 mod fuzz;
 mod image;

@@ -45,7 +45,11 @@ pub(crate) fn run() -> Result<()> {
 }
 
 /// The checks every xtask command runs first; installs what is missing.
+/// The compiler cache comes first and is turned on for every cargo xtask
+/// starts from here on (`compiler_cache.rs`).
 pub(crate) fn ensure() -> Result<()> {
+    crate::compiler_cache::ensure();
+    crate::compiler_cache::enable();
     nightly()?;
     rust_src()?;
     // The lint step's tools (`lint.rs`). The toolchain that runs xtask

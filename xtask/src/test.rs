@@ -46,6 +46,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut steps = Steps::default();
     let started = Instant::now();
     setup::ensure()?;
+    // The table's last line counts this run's compiler cache hits.
+    crate::compiler_cache::zero_stats();
     steps.done("setup", started);
     let (no_vm, args) = take_no_vm(args);
     let no_vm = no_vm || std::env::var_os(NO_VM_ENV).is_some_and(|v| !v.is_empty() && v != "0");
@@ -61,8 +63,8 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         println!("lint not run: packages were selected with -p (`cargo xtask lint` runs it alone)");
     } else {
         let started = Instant::now();
-        lint::check().context("tests not run")?;
-        steps.done("lint", started);
+        let compiled = lint::check().context("tests not run")?;
+        steps.done_compiled("lint (clippy compiles)", started, compiled);
     }
     // The real control plane of the real-API-server tests, built from
     // tools/k8s when missing (k8s.rs); the tests find it through the env.
@@ -80,6 +82,22 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     if !selects {
         c.arg("--workspace");
     }
+    // The build alone first (`--no-run`, the same arguments before `--`),
+    // so that the table can tell compiling from running; the run that
+    // follows finds everything fresh. A build that fails is reported by
+    // that run, which compiles nothing more.
+    let build_started = Instant::now();
+    let mut build = util::cargo();
+    build.args(c.get_args()).args(&cargo_args).arg("--no-run");
+    for (k, v) in c.get_envs() {
+        match v {
+            Some(v) => build.env(k, v),
+            None => build.env_remove(k),
+        };
+    }
+    eprintln!("building: {}", util::describe(&build));
+    let _ = build.status();
+    let test_build = build_started.elapsed();
     // Run every test binary even when an earlier one fails, so that one run
     // shows every failure.
     if !cargo_args.iter().any(|a| *a == "--no-fail-fast") {
@@ -100,7 +118,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     }
     let status = child.wait()?;
     drop(out);
-    steps.done("cargo test (build and run)", started);
+    steps.done_compiled("cargo test", started, test_build);
     // The fuzz targets, briefly (fuzz.rs); they follow even when a test
     // failed, like the VM run.
     let fuzz_failed = if selects {
@@ -109,8 +127,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     } else {
         util::print_disk("the fuzz step");
         let started = Instant::now();
-        let failed = fuzz::ci_step(&mut totals);
-        steps.done("fuzz targets", started);
+        let mut compiled = Duration::ZERO;
+        let failed = fuzz::ci_step(&mut totals, &mut compiled);
+        steps.done_compiled("fuzz targets", started, compiled);
         failed
     };
     // The VM run follows even when a test failed above, so that one run
@@ -151,11 +170,16 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     } else {
         util::print_disk("the image step");
         let started = Instant::now();
-        let failed = image::test_step(&mut totals);
-        steps.done("container image (build and run)", started);
+        let mut compiled = Duration::ZERO;
+        let failed = image::test_step(&mut totals, &mut compiled);
+        steps.done_compiled("container image", started, compiled);
         failed
     };
     steps.print();
+    if let Some(line) = crate::compiler_cache::stats_line() {
+        println!("{line}");
+    }
+    crate::compiler_cache::stop();
     if totals.binaries > 0 {
         totals.print_summary();
     }
@@ -175,23 +199,41 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// How long each step of the run took, printed as a table at the end.
+/// How long each step of the run took, printed as a table at the end:
+/// the step's time, and of it the time its cargo builds took (`compile`)
+/// and the rest (`run`: tests, guests, fuzzing, podman), where the step
+/// builds anything.
 #[derive(Default)]
-struct Steps(Vec<(&'static str, Duration)>);
+struct Steps(Vec<(&'static str, Duration, Option<Duration>)>);
 
 impl Steps {
     fn done(&mut self, step: &'static str, started: Instant) {
-        self.0.push((step, started.elapsed()));
+        self.0.push((step, started.elapsed(), None));
+    }
+
+    fn done_compiled(&mut self, step: &'static str, started: Instant, compiled: Duration) {
+        let took = started.elapsed();
+        self.0.push((step, took, Some(compiled.min(took))));
     }
 
     fn print(&self) {
-        let width = self.0.iter().map(|(s, _)| s.len()).max().unwrap_or(0);
-        println!("\nstep times:");
-        for (step, took) in &self.0 {
-            println!("  {step:<width$}  {:>7.1} s", took.as_secs_f64());
+        print!("{}", self.table());
+    }
+
+    fn table(&self) -> String {
+        let width = self.0.iter().map(|(s, _, _)| s.len()).max().unwrap_or(0).max("total".len());
+        let secs = |d: Option<Duration>| d.map_or_else(String::new, |d| format!("{:.1} s", d.as_secs_f64()));
+        let mut out = format!("\nstep times:\n  {:<width$}  {:>9}  {:>9}  {:>9}\n", "step", "total", "compile", "run");
+        for (step, took, compiled) in &self.0 {
+            let run = compiled.map(|c| took.saturating_sub(c));
+            let row = format!("  {step:<width$}  {:>9}  {:>9}  {:>9}", secs(Some(*took)), secs(*compiled), secs(run));
+            out.push_str(row.trim_end());
+            out.push('\n');
         }
-        let total: Duration = self.0.iter().map(|(_, d)| *d).sum();
-        println!("  {:<width$}  {:>7.1} s", "total", total.as_secs_f64());
+        let total: Duration = self.0.iter().map(|(_, d, _)| *d).sum();
+        let compiled: Duration = self.0.iter().filter_map(|(_, _, c)| *c).sum();
+        out.push_str(&format!("  {:<width$}  {:>9}  {:>9}\n", "total", secs(Some(total)), secs(Some(compiled))));
+        out
     }
 }
 
@@ -255,6 +297,17 @@ mod tests {
         assert!(one(&["-p", "proxy-agent"]) && one(&["-pproxy-agent"]) && one(&["--package=proxy-agent"]));
         assert!(one(&["-p", "xtask", "--package", "proxy-agent"]));
         assert!(!one(&["-p", "xtask"]) && !one(&["-p", "proxy-agent-x"]) && !one(&[]));
+    }
+
+    #[test]
+    fn the_step_table_splits_compiling_from_running() {
+        let mut steps = Steps::default();
+        steps.0.push(("setup", Duration::from_secs(8), None));
+        steps.0.push(("cargo test", Duration::from_secs(400), Some(Duration::from_secs(150))));
+        let table = steps.table();
+        assert!(table.contains("\n  setup           8.0 s\n"), "{table}");
+        assert!(table.contains("\n  cargo test    400.0 s    150.0 s    250.0 s\n"), "{table}");
+        assert!(table.contains("\n  total         408.0 s    150.0 s\n"), "{table}");
     }
 
     #[test]

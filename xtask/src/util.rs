@@ -34,9 +34,14 @@ pub(crate) fn path_with_cargo_bin() -> OsString {
 }
 
 /// A command with the cargo bin directory on PATH and no stdin (CI has none).
+/// Once the compiler cache is on (`compiler_cache::enable`), it is every
+/// command's `RUSTC_WRAPPER`, so that each cargo xtask starts uses it.
 pub(crate) fn cmd(program: impl AsRef<std::ffi::OsStr>) -> Command {
     let mut c = Command::new(program);
     c.env("PATH", path_with_cargo_bin()).stdin(Stdio::null());
+    if let Some(w) = crate::compiler_cache::wrapper() {
+        c.env("RUSTC_WRAPPER", w);
+    }
     c
 }
 
