@@ -41,6 +41,9 @@ pub const SOCK_REVNAT_MAP: &str = "SOCK_REVNAT";
 pub const COUNTERS_MAP: &str = "COUNTERS";
 pub const SOCK_PEER_MAP: &str = "SOCK_PEER";
 pub const SOCK_CONFIG_MAP: &str = "SOCK_CONFIG";
+/// The connect hook's per-socket record, keyed by socket cookie (u64 ->
+/// [`SockRecValue`]), a preallocated hash.
+pub const SOCK_REC_MAP: &str = "SOCK_REC";
 /// ClientIP session affinity of the socket programs ([`SockAffinityKey`]
 /// -> [`AffinityValue`]), LRU.
 pub const AFFINITY_MAP: &str = "AFFINITY";
@@ -230,6 +233,33 @@ pub struct SockPeerValue {
     pub family: u8,
     /// 1 when `SOCK_REVNAT` also holds entries for this socket.
     pub spilled: u8,
+    pub _pad: [u8; 2],
+}
+
+/// `SOCK_REC` value: what one translated connect() did, keyed by the
+/// socket's cookie (`bpf_get_socket_cookie`, unique for the kernel's
+/// lifetime, so a key is never reused by another socket). The connect
+/// hooks write it (overwriting on a reconnect), getpeername/recvmsg read it
+/// and translate only while the socket's peer is still `backend`, the
+/// `cgroup/sock_release` program deletes it when the socket is freed, and
+/// the agent reads it by cookie to prove a socket ours before it
+/// terminates it. A preallocated hash rather than socket storage: its
+/// insert takes an element from a per-CPU free list and a bucket lock, no
+/// allocation (measured by `cargo xtask bench --only connect4`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockRecValue {
+    pub backend_ip_be: [u32; 4],
+    pub frontend_ip_be: [u32; 4],
+    /// The frontend's `ServiceValue::service_id` at connect() time.
+    pub service_id: u32,
+    pub backend_port_be: u16,
+    pub frontend_port_be: u16,
+    /// `FAMILY_V4` or `FAMILY_V6`, of backend and frontend alike (a mapped
+    /// IPv4 destination is recorded in IPv4 form).
+    pub family: u8,
+    /// `PROTO_TCP` or `PROTO_UDP`.
+    pub proto: u8,
     pub _pad: [u8; 2],
 }
 
@@ -436,10 +466,14 @@ pub mod counter {
     pub const ENDED_UDP_TOPOLOGY: u32 = 14;
     /// TCP sockets whose endpoint was gone after it was seen terminating.
     pub const ENDED_TCP_GONE_AFTER_TERMINATING: u32 = 15;
+    /// A translated connect() found `SOCK_REC` full (or its bucket busy):
+    /// the connection still went to its backend, and its record went to
+    /// socket storage (`SOCK_PEER`) instead.
+    pub const SOCK_RECORD_FULL: u32 = 16;
     /// The size of the array. Datapaths pinned by an agent version with 8
     /// counters keep their array (the counters above 7 then count nothing
     /// until `proxy-agent reset`).
-    pub const COUNT: u32 = 16;
+    pub const COUNT: u32 = 17;
 
     /// Names for display, indexed by counter id.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -459,6 +493,7 @@ pub mod counter {
         "ended_udp_not_serving",
         "ended_udp_topology",
         "ended_tcp_gone_after_terminating",
+        "sock_record_full",
     ];
 }
 
@@ -505,6 +540,7 @@ const _: () = {
     assert!(core::mem::size_of::<SockRevNatValue>() == 20);
     assert!(core::mem::size_of::<SockPeerValue>() == 40);
     assert!(core::mem::size_of::<SockConfig>() == 8);
+    assert!(core::mem::size_of::<SockRecValue>() == 44);
     assert!(core::mem::size_of::<NodeNetns>() == 8);
     assert!(core::mem::size_of::<SockAffinityKey>() == 16);
     assert!(core::mem::size_of::<NpAffinityKey>() == 24);
@@ -527,9 +563,11 @@ mod pod {
 
     use super::{
         AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, NodeNetns, NpAffinityKey, ServiceKey, ServiceValue,
-        SlotKey, SlotValue, SockAffinityKey, SockConfig, SockPeerValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
+        SlotKey, SlotValue, SockAffinityKey, SockConfig, SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
     };
 
+    // SAFETY: repr(C) integers only; 16 + 16 + 4 + 2 + 2 + 1 + 1 + 2 (`_pad`) = 44 bytes, no padding.
+    unsafe impl aya::Pod for SockRecValue {}
     // SAFETY: repr(C) integers only; 16 + 2 + 1 + 1 = 20 bytes, no padding.
     unsafe impl aya::Pod for ServiceKey {}
     // SAFETY: repr(C), four u32 = 16 bytes, no padding.

@@ -40,18 +40,20 @@ use aya_ebpf::{
     EbpfContext,
     btf_maps::lpm_trie::Key,
     helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
-    macros::cgroup_sock_addr,
-    programs::SockAddrContext,
+    macros::{cgroup_sock, cgroup_sock_addr},
+    programs::{SockAddrContext, SockContext},
 };
 use proxy_common::{
     AFFINITY_REFRESH_NS, AffinityMatchKey, AffinityValue, BackendKey, FAMILY_V4, FAMILY_V6, MaglevKey, PROTO_TCP, PROTO_UDP,
     SOURCE_RANGE_FIXED_BITS, SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, SVC_FLAG_SOURCE_RANGES_NODE, ServiceKey, ServiceValue,
-    SockAffinityKey, SockPeerValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, affinity_expired, counter, sock_port_bit, socket_hash,
+    SockAffinityKey, SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, affinity_expired, counter, sock_port_bit,
+    socket_hash,
 };
 
 use maglev_maps::SOCK_MAGLEV;
 use maps::{
-    AFFINITY, AFFINITY_MATCH, BACKENDS, NODE_NETNS, SERVICES, SLOTS, SOCK_CONFIG, SOCK_PEER, SOCK_PORTS, SOCK_REVNAT, SOURCE_RANGES, count,
+    AFFINITY, AFFINITY_MATCH, BACKENDS, NODE_NETNS, SERVICES, SLOTS, SOCK_CONFIG, SOCK_PEER, SOCK_PORTS, SOCK_REC, SOCK_REVNAT,
+    SOURCE_RANGES, count,
 };
 use sockaddr::{Addr, bound_source, read_peer, write_peer};
 
@@ -137,6 +139,44 @@ pub fn getpeername4(ctx: SockAddrContext) -> i32 {
 #[cgroup_sock_addr(getpeername6)]
 pub fn getpeername6(ctx: SockAddrContext) -> i32 {
     verdict(try_reverse::<FAMILY_V6, true>(&ctx).map(|()| ALLOW))
+}
+
+/// Runs when a TCP or UDP socket in the cgroup is released
+/// (`inet_release` -> `BPF_CGROUP_RUN_PROG_INET_SOCK_RELEASE`, Linux >=
+/// 5.9), whatever the way it goes: close(), the last reference of an
+/// exiting process, after a shutdown() or an RST, after the agent aborted
+/// it. Deletes its `SOCK_REC` record, so the map holds only live sockets.
+/// The socket's cgroup is the one it was created in, as for the connect
+/// hooks, so every socket that can have a record passes here. It runs for
+/// every socket of the cgroup (listeners, DNS, sockets never translated),
+/// so a miss costs one protocol load, the cookie and one lookup; the
+/// delete, which takes the bucket lock, only happens on a hit. Keyed by
+/// cookie alone, so a UDP socket whose peer was zeroed before its release
+/// (connect(AF_UNSPEC), an abort: cilium/cilium#42649) is still found.
+/// Returns 1: the kernel ignores the verdict of this attach type.
+#[cgroup_sock(sock_release)]
+pub fn sock_release(ctx: SockContext) -> i32 {
+    try_release(&ctx);
+    1
+}
+
+#[inline(always)]
+fn try_release(ctx: &SockContext) {
+    // SAFETY: `ctx.sock` is the `bpf_sock` context the kernel passed;
+    // `protocol` is readable by this attach type as one 4-byte load the
+    // verifier rewrites into a read of the socket (`bpf_sock_is_valid_access`).
+    let proto = unsafe { read_volatile(addr_of!((*ctx.sock).protocol)) } as u8;
+    if proto != PROTO_TCP && proto != PROTO_UDP {
+        return;
+    }
+    // SAFETY: the sock variant of the helper (`bpf_get_socket_cookie_sock`,
+    // ARG_PTR_TO_CTX) gets this program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    if SOCK_REC.get_ptr(cookie).is_some() {
+        // Fails only if another release of the same cookie won the race,
+        // which cannot happen (a socket is released once); nothing to count.
+        let _ = SOCK_REC.remove(cookie);
+    }
 }
 
 /// Our own failures (the `Err` side carries a counter id) are counted and
@@ -260,7 +300,11 @@ fn try_forward<const FAMILY: u8, const KERNEL: u8>(ctx: &SockAddrContext, pick: 
         return Err(counter::CTX_ERROR);
     }
 
-    remember(ctx, proto, cookie, &backend, &dst, matches!(pick, Pick::Random));
+    if matches!(pick, Pick::Random) {
+        record(ctx, proto, svc.service_id, &backend, &dst);
+    } else {
+        remember(ctx, proto, cookie, &backend, &dst, false);
+    }
     write_peer::<FAMILY>(sa, &if mapped.is_some() { backend.mapped_v6() } else { backend });
     count(counter::TRANSLATED);
     Ok(ALLOW)
@@ -432,8 +476,37 @@ fn affinity_key(ctx: &SockAddrContext, scope_id: u32) -> SockAffinityKey {
     SockAffinityKey { netns_cookie, scope_id, _pad: 0 }
 }
 
+/// Records a translated connect() in `SOCK_REC` under the socket's
+/// cookie, overwriting the record of an earlier connect() of the same
+/// socket (BPF_ANY), so the record always names the last translation. When
+/// the insert fails (the map full: E2BIG from the preallocated free list;
+/// or its bucket busy) the connection is translated all the same and its
+/// record goes to socket storage (`remember`), counted as
+/// `SOCK_RECORD_FULL`: getpeername and termination then find it there.
+#[inline(always)]
+fn record(ctx: &SockAddrContext, proto: u8, service_id: u32, backend: &Addr, frontend: &Addr) {
+    // SAFETY: the helper gets this program's own context, as it requires.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let rec = SockRecValue {
+        backend_ip_be: backend.ip_be,
+        frontend_ip_be: frontend.ip_be,
+        service_id,
+        backend_port_be: backend.port_be,
+        frontend_port_be: frontend.port_be,
+        family: backend.family,
+        proto,
+        _pad: [0; 2],
+    };
+    if SOCK_REC.insert(cookie, rec, 0).is_ok() {
+        return;
+    }
+    count(counter::SOCK_RECORD_FULL);
+    remember(ctx, proto, cookie, backend, frontend, true);
+}
+
 /// Records that this socket reaches `frontend` at `backend`, for the
-/// reverse path.
+/// reverse path: unconnected UDP (sendmsg), and connect() when `SOCK_REC`
+/// is full (see `record`).
 ///
 /// In the socket's own storage (`SOCK_PEER`), TCP and UDP alike. The
 /// element is created with its final contents in one step
@@ -536,23 +609,39 @@ fn try_reverse<const FAMILY: u8, const GETPEERNAME: bool>(ctx: &SockAddrContext)
         write_peer::<FAMILY>(sa, &if mapped.is_some() { frontend.mapped_v6() } else { frontend });
         count(counter::REVERSED);
     };
+    // The connect() record first: it names the socket's last translated
+    // connect(), and counts only while the socket's peer is still that
+    // backend (a socket reconnected elsewhere, or disconnected with
+    // AF_UNSPEC, reports its peer as it is).
+    // SAFETY: the helper gets this program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    // SAFETY: valid value memory for the run (RCU, preallocated elements
+    // are not freed while the map exists), copied out at once; an element
+    // deleted and reused meanwhile gives a stale but valid record, which
+    // the peer comparison below then rejects or accepts as any record.
+    if let Some(r) = (unsafe { SOCK_REC.get(cookie) }).copied()
+        && r.family == family
+        && r.backend_ip_be == peer.ip_be
+        && r.backend_port_be == peer.port_be
+    {
+        report(Addr { ip_be: r.frontend_ip_be, port_be: r.frontend_port_be, family });
+        return Ok(());
+    }
     // SAFETY: aya reads the socket from the context the kernel passed in
     // (`sk` is always set for sock_addr programs); the helper only looks up,
     // returning this socket's element or null.
     let stored = unsafe { SOCK_PEER.get_ptr_mut(ctx) };
     if stored.is_null() {
-        // recvmsg: a UDP socket we never translated, unless an agent
-        // version without SOCK_PEER translated it (see `SockConfig`). Every
-        // datagram of every UDP socket in the cgroup passes here, so the
-        // common case costs one pointer check and nothing else.
-        // getpeername: TCP keeps its entry in SOCK_REVNAT (see `remember`).
+        // recvmsg: a UDP socket with no record above and no storage was
+        // never translated, unless an agent version without SOCK_PEER
+        // translated it (see `SockConfig`). Every datagram of every UDP
+        // socket in the cgroup passes here, so that case stops at once.
+        // getpeername: an older agent's TCP entry in SOCK_REVNAT.
         if !GETPEERNAME {
             let below = SOCK_CONFIG.get(0).map_or(0, |c| c.legacy_revnat_cookie_below);
             if below == 0 {
                 return Ok(());
             }
-            // SAFETY: the helper gets this program's own context.
-            let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
             if cookie >= below {
                 return Ok(());
             }
@@ -570,8 +659,6 @@ fn try_reverse<const FAMILY: u8, const GETPEERNAME: bool>(ctx: &SockAddrContext)
             return Ok(()); // a peer this socket never reached through a frontend
         }
     }
-    // SAFETY: the helper gets this program's own context.
-    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
     let key = SockRevNatKey::new(cookie, peer.ip_be, peer.port_be, family);
     // SAFETY: valid value memory for the run (RCU, preallocated LRU
     // elements), copied out at once; an element evicted and reused meanwhile

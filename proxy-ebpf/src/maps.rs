@@ -18,7 +18,7 @@ use aya_ebpf::{
 use proxy_common::{
     AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, DEFAULT_MAX_AFFINITY, DEFAULT_MAX_BACKENDS,
     DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCK_REVNAT, NodeNetns, SOCK_PORTS_ENTRIES, ServiceKey, ServiceValue, SlotKey,
-    SlotValue, SockAffinityKey, SockConfig, SockPeerValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, counter,
+    SlotValue, SockAffinityKey, SockConfig, SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, counter,
 };
 
 // The capacity is part of the type (a const generic the BTF records as an
@@ -45,6 +45,18 @@ pub static BACKENDS: HashMap<BackendKey, BackendValue, { DEFAULT_MAX_BACKENDS as
 /// close hook in the sock_addr family), so old ones must age out.
 #[btf_map(name = "SOCK_REVNAT")]
 pub static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNatValue, { DEFAULT_MAX_SOCK_REVNAT as usize }> = LruHashMap::new();
+
+/// The record of every translated connect(), keyed by socket cookie (see
+/// `SockRecValue`). Preallocated (the default for a hash): an insert pops
+/// an element from a per-CPU free list and takes one bucket lock, with no
+/// allocation (kernel/bpf/hashtab.c: alloc_htab_elem with prealloc), and a
+/// reconnect overwrites in place through the per-CPU spare element. The
+/// `sock_release` program deletes a socket's record when the socket is
+/// freed, so the map holds only live sockets and never needs to evict;
+/// when it is full anyway the insert fails (E2BIG) and the hook records in
+/// `SOCK_PEER` instead. Sized like `SOCK_REVNAT` by the agent.
+#[btf_map(name = "SOCK_REC")]
+pub static SOCK_REC: HashMap<u64, SockRecValue, { DEFAULT_MAX_SOCK_REVNAT as usize }> = HashMap::new();
 
 /// Per-socket storage of the first translation (see `SockPeerValue`).
 #[btf_map(name = "SOCK_PEER")]

@@ -7,8 +7,9 @@
 //! batch, then reads one iterator per network namespace: the kernel runs
 //! the program once per TCP (or UDP) socket of the namespace the iterator
 //! was created in. A socket is aborted when the connect hook's own record
-//! (in the socket's storage, `SOCK_PEER`, for TCP; in `SOCK_REVNAT`, by
-//! its cookie and current peer, otherwise) names a frontend whose pair
+//! (`SOCK_REC`, by its cookie, while it names the current peer; else in the
+//! socket's storage, `SOCK_PEER`, for TCP; in `SOCK_REVNAT`, by its cookie
+//! and current peer, otherwise) names a frontend whose pair
 //! with its current peer is listed: a socket that dialled the pod's
 //! address directly has no such record and is left alone, as is every
 //! socket whose peer is not a departed backend. The same proof the
@@ -37,7 +38,7 @@ use proxy_common::{
     SKC_V6_DADDR_OFF, SOCK_DESTROY_KFUNC_INSN, SockPeerValue, SockRevNatKey, SockTerminateKey, SockTerminateValue,
 };
 
-use crate::maps::{SOCK_PEER, SOCK_REVNAT};
+use crate::maps::{SOCK_PEER, SOCK_REC, SOCK_REVNAT};
 
 #[btf_map(name = "SOCK_TERMINATE")]
 pub static SOCK_TERMINATE: HashMap<SockTerminateKey, SockTerminateValue, { MAX_SOCK_TERMINATE as usize }> = HashMap::new();
@@ -133,15 +134,25 @@ fn try_terminate(ctx: *mut IterSockCtx, proto: u8) -> Option<()> {
     // the verifier typed (ARG_PTR_TO_BTF_ID_SOCK_COMMON) and reads nothing
     // of ours.
     let cookie = unsafe { bpf_get_socket_cookie(sk) };
-    let (frontend_ip_be, frontend_port_be) = match stored_frontend(sk, proto, &ip_be, port_be, fam) {
-        Stored::Frontend(ip, port) => (ip, port),
-        Stored::NotThisPeer => return None,
-        Stored::Unknown => {
-            let rev = SockRevNatKey::new(cookie, ip_be, port_be, fam);
-            // SAFETY: a map value, valid for the run (RCU), copied out at once.
-            let v = unsafe { SOCK_REVNAT.get(&rev) }.copied()?;
-            (v.ip_be, v.port_be)
+    // SAFETY: a map value, valid for the run (RCU, preallocated), copied
+    // out at once.
+    let rec = unsafe { SOCK_REC.get(cookie) }.copied();
+    let (frontend_ip_be, frontend_port_be) = match rec {
+        Some(r) if r.family == fam && r.backend_ip_be == ip_be && r.backend_port_be == port_be && r.proto == proto => {
+            (r.frontend_ip_be, r.frontend_port_be)
         }
+        // No record for this peer: a socket recorded while SOCK_REC was
+        // full, translated by an agent version without it, or not ours.
+        _ => match stored_frontend(sk, proto, &ip_be, port_be, fam) {
+            Stored::Frontend(ip, port) => (ip, port),
+            Stored::NotThisPeer => return None,
+            Stored::Unknown => {
+                let rev = SockRevNatKey::new(cookie, ip_be, port_be, fam);
+                // SAFETY: a map value, valid for the run (RCU), copied out at once.
+                let v = unsafe { SOCK_REVNAT.get(&rev) }.copied()?;
+                (v.ip_be, v.port_be)
+            }
+        },
     };
     let key = SockTerminateKey {
         frontend_ip_be,

@@ -94,6 +94,7 @@ fn table(out: &mut impl Write, r: &Report) -> std::io::Result<()> {
     writeln!(out, "backends: {}", r.backends.len())?;
     backend_lines(out, "  ", &r.backends)?;
     affinity_lines(out, "", &r.affinity)?;
+    socket_lines(out, &r.sockets)?;
     writeln!(out)?;
     let counters: Vec<String> = r.counters.iter().filter(|(k, _)| !k.starts_with("ended_")).map(|(k, v)| format!("{k}={v}")).collect();
     writeln!(out, "counters: {}", counters.join(" "))?;
@@ -134,6 +135,25 @@ fn slot_lines(out: &mut impl Write, indent: &str, slots: &[SlotView]) -> std::io
             (Some(id), None) => writeln!(out, "{indent}[{}] #{id} (no such backend)", slot.slot)?,
             (None, _) => writeln!(out, "{indent}[{}] (missing slot)", slot.slot)?,
         }
+    }
+    Ok(())
+}
+
+/// Translated sockets by the record their connect() took, one per line.
+fn socket_lines(out: &mut impl Write, s: &proxy_agent::datapath::dump::SocketsView) -> std::io::Result<()> {
+    writeln!(
+        out,
+        "sockets: {} recorded in SOCK_REC, {} connects recorded in socket storage (SOCK_REC full)",
+        s.records.len(),
+        s.socket_storage_fallbacks
+    )?;
+    // A busy node has thousands: the table shows the first few, JSON all.
+    const SHOWN: usize = 20;
+    for r in s.records.iter().take(SHOWN) {
+        writeln!(out, "  cookie {}  {} {} -> {}  service {}  path {}", r.cookie, r.protocol, r.frontend, r.backend, r.service_id, r.path)?;
+    }
+    if s.records.len() > SHOWN {
+        writeln!(out, "  ... {} more (--output json lists them all)", s.records.len() - SHOWN)?;
     }
     Ok(())
 }

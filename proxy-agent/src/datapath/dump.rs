@@ -72,6 +72,9 @@ pub struct Snapshot {
     /// `SOCK_PORTS`; `None` when it is not pinned (pins of an agent version
     /// without it).
     pub socket_ports: Option<PortSet>,
+    /// `SOCK_REC`: (cookie, record) of every translated connect() of a
+    /// live socket; empty when it is not pinned.
+    pub socket_records: Vec<(u64, pc::SockRecValue)>,
 }
 
 /// One datapath's policy maps, as raw entries; empty when they are not
@@ -239,6 +242,9 @@ pub fn read(pin_dir: &Path) -> Result<Snapshot, DumpError> {
     snap.backends = sorted_entries(pin_dir, &maps::BACKENDS, usage)?;
     // Only the size of the reverse-translation table is interesting here.
     hash_entries::<SockRevNatKey, SockRevNatValue>(pin_dir, &maps::SOCK_REVNAT, usage)?;
+    if pin_dir.join(maps::SOCK_REC.name).exists() {
+        snap.socket_records = sorted_entries(pin_dir, &maps::SOCK_REC, usage)?;
+    }
     snap.counters = counter_sums(pin_dir, &maps::COUNTERS, usage)?;
     snap.maglev_table_bytes = maglev_usage(pin_dir, &maps::SOCK_MAGLEV, usage)?;
     snap.socket_ports = read_ports(pin_dir, &maps::SOCK_PORTS, Bitmap::Socket)?;
@@ -1245,6 +1251,51 @@ pub struct Report {
     /// up in SERVICES; absent when the map is not pinned.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub socket_port_bits: Option<usize>,
+    /// Which record each translated connect() took: one line per socket
+    /// recorded in `SOCK_REC` (path `sock_rec`), and how many connects
+    /// found it full and were recorded in their socket's storage instead
+    /// (path `socket_storage`, `sock_record_full`; socket storage cannot
+    /// be listed from the maps).
+    pub sockets: SocketsView,
+}
+
+/// Sockets by the record their connect() took.
+#[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct SocketsView {
+    pub records: Vec<SocketRecordView>,
+    /// Connects recorded in socket storage because `SOCK_REC` was full
+    /// (the `sock_record_full` counter).
+    pub socket_storage_fallbacks: u64,
+}
+
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct SocketRecordView {
+    pub cookie: u64,
+    pub protocol: String,
+    pub frontend: String,
+    pub backend: String,
+    pub service_id: u32,
+    /// `sock_rec`: the record is in `SOCK_REC`.
+    pub path: &'static str,
+}
+
+fn sockets_view(snap: &Snapshot) -> SocketsView {
+    let records = snap
+        .socket_records
+        .iter()
+        .map(|(cookie, r)| SocketRecordView {
+            cookie: *cookie,
+            protocol: protocol_name(r.proto),
+            frontend: endpoint(r.frontend_ip_be, r.frontend_port_be, r.family),
+            backend: endpoint(r.backend_ip_be, r.backend_port_be, r.family),
+            service_id: r.service_id,
+            path: "sock_rec",
+        })
+        .collect();
+    let fallbacks = snap.counters.get(pc::counter::SOCK_RECORD_FULL as usize).copied().unwrap_or(0);
+    SocketsView { records, socket_storage_fallbacks: fallbacks }
 }
 
 pub fn report(pin_dir: &Path, snap: &Snapshot) -> Report {
@@ -1280,6 +1331,7 @@ pub fn report(pin_dir: &Path, snap: &Snapshot) -> Report {
         nodeport,
         maglev_table_bytes,
         socket_port_bits: snap.socket_ports.as_ref().map(|p| p.counts().0),
+        sockets: sockets_view(snap),
     }
 }
 

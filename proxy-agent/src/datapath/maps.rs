@@ -14,7 +14,7 @@ use proxy_common as pc;
 use proxy_common::{
     AddrKey, AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, CtKey, CtValue, MaglevKey, NodeNetns,
     NpAffinityKey, NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SockAffinityKey, SockConfig, SockPeerValue,
-    SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    SockRecValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
 };
 
 /// Which programs use a map.
@@ -138,6 +138,11 @@ pub static SLOTS: MapSpec = MapSpec::new::<SlotKey, SlotValue>(pc::SLOTS_MAP, So
 pub static BACKENDS: MapSpec = MapSpec::new::<BackendKey, BackendValue>(pc::BACKENDS_MAP, Socket, MapType::Hash, Some(Capacity::Backends));
 pub static SOCK_REVNAT: MapSpec =
     MapSpec::new::<SockRevNatKey, SockRevNatValue>(pc::SOCK_REVNAT_MAP, Socket, MapType::LruHash, Some(Capacity::SockRevNat));
+/// The connect hooks' per-socket record, keyed by cookie (see
+/// `SockRecValue`). Preallocated, so it costs its capacity's memory from
+/// creation; `--max-sock-revnat` sizes it with `SOCK_REVNAT` (both count
+/// sockets remembered for the reverse path), and `sizing` charges both.
+pub static SOCK_REC: MapSpec = MapSpec::new::<u64, SockRecValue>(pc::SOCK_REC_MAP, Socket, MapType::Hash, Some(Capacity::SockRevNat));
 pub static COUNTERS: MapSpec = MapSpec::new::<u32, u64>(pc::COUNTERS_MAP, Socket, MapType::PerCpuArray, None);
 /// Socket-local storage: its elements live on the sockets, so the pinned
 /// map must survive restarts for sockets opened before one to keep their
@@ -192,11 +197,12 @@ pub static SOCK_PORTS: MapSpec = MapSpec::new::<u32, u64>(pc::SOCK_PORTS_MAP, So
 
 /// Every pinned map. Maps of the object that are not listed (per-CPU
 /// scratch space) are private to each load.
-pub static MAPS: [&MapSpec; 26] = [
+pub static MAPS: [&MapSpec; 27] = [
     &SERVICES,
     &SLOTS,
     &BACKENDS,
     &SOCK_REVNAT,
+    &SOCK_REC,
     &COUNTERS,
     &SOCK_PEER,
     &SOCK_CONFIG,

@@ -111,7 +111,7 @@ impl PinGuard {
             restored.maps.push(name);
         }
         let links = self.pin_dir.join(LINKS_DIR);
-        if socket_loader::PROGRAMS.iter().any(|p| !links.join(p).exists()) {
+        if socket_loader::PROGRAMS.iter().chain([&socket_loader::RELEASE_PROGRAM]).any(|p| !links.join(p).exists()) {
             let warnings = socket_loader::install(&self.cgroup, &self.pin_dir, self.caps).map_err(|e| GuardError::Install(Box::new(e)))?;
             restored.links = Some(warnings);
         }

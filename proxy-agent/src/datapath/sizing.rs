@@ -106,7 +106,9 @@ pub const fn bytes_per_entry(c: Capacity) -> u64 {
         Capacity::Slots => 88 + 88 + 16 + 16,
         // BACKENDS, NP_BACKENDS.
         Capacity::Backends => 96 + 96,
-        Capacity::SockRevNat => 120,
+        // SOCK_REVNAT (LRU, 120) and SOCK_REC (preallocated hash, 8-byte
+        // key, 44-byte value: 120, measured the same way on 6.18).
+        Capacity::SockRevNat => 120 + 120,
         Capacity::NpConntrack => 152,
         // AFFINITY (96), NP_AFFINITY (104).
         Capacity::Affinity => 96 + 104,

@@ -48,7 +48,7 @@ use std::time::Instant;
 
 use aya::maps::{HashMap, Map, MapData};
 use proxy_common as pc;
-use proxy_common::{SockPeerValue, SockRevNatKey, SockRevNatValue, SockTerminateKey};
+use proxy_common::{SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue, SockTerminateKey};
 
 use crate::datapath::conntrack_gc::{self, FlowEnds};
 use crate::datapath::kernel_features;
@@ -183,7 +183,8 @@ impl Terminator {
 
 /// The frontend a socket with cookie `cookie`, now talking to `peer`, was
 /// translated from by the socket load balancer, if it was. The connect
-/// hook's record says so: the socket's own storage (`SOCK_PEER`, its value
+/// hook's record says so: its `SOCK_REC` record (`rec`, by cookie) when it
+/// names this peer; else the socket's own storage (`SOCK_PEER`, its value
 /// as sock_diag reported it, `stored`) when it names this peer, else the
 /// `SOCK_REVNAT` entry of that cookie and peer, which the storage's
 /// `spilled` mark (or no storage at all) sends the search to. The entry
@@ -193,12 +194,21 @@ pub fn translated_frontend(
     protocol: Protocol,
     peer: &Backend,
     cookie: u64,
+    rec: Option<SockRecValue>,
     stored: Option<&[u8]>,
     revnat: impl FnOnce(&SockRevNatKey) -> Option<SockRevNatValue>,
 ) -> Option<Frontend> {
     let b = backend_value(peer);
     let frontend =
         |ip_be: [u32; 4], port_be: u16, family: u8| Some(Frontend { ip: ip_of(ip_be, family)?, port: u16::from_be(port_be), protocol });
+    if let Some(r) = rec
+        && r.family == b.family
+        && r.backend_ip_be == b.ip_be
+        && r.backend_port_be == b.port_be
+        && r.proto == proto_number(protocol)
+    {
+        return frontend(r.frontend_ip_be, r.frontend_port_be, r.family);
+    }
     if let Some(v) = stored.and_then(peer_value) {
         if v.family == b.family && v.backend_ip_be == b.ip_be && v.backend_port_be == b.port_be {
             return frontend(v.frontend_ip_be, v.frontend_port_be, v.family);
@@ -279,6 +289,8 @@ impl Targets {
 /// The pinned maps that prove a socket ours.
 struct ProofMaps {
     revnat: HashMap<MapData, SockRevNatKey, SockRevNatValue>,
+    /// `SOCK_REC`; `None` in pins of an agent version without it.
+    rec: Option<HashMap<MapData, u64, SockRecValue>>,
     /// `SOCK_PEER`, whose values TCP dumps carry; `None` in pins of an
     /// agent version without it, whose sockets are all in `SOCK_REVNAT`.
     peer: Option<MapData>,
@@ -288,7 +300,8 @@ impl ProofMaps {
     fn open(pin_dir: &Path) -> Result<ProofMaps, aya::maps::MapError> {
         let data = MapData::from_pin(pin_dir.join(pc::SOCK_REVNAT_MAP))?;
         let peer = MapData::from_pin(pin_dir.join(pc::SOCK_PEER_MAP)).ok();
-        Ok(ProofMaps { revnat: HashMap::try_from(Map::LruHashMap(data))?, peer })
+        let rec = MapData::from_pin(pin_dir.join(pc::SOCK_REC_MAP)).ok().and_then(|d| HashMap::try_from(Map::HashMap(d)).ok());
+        Ok(ProofMaps { revnat: HashMap::try_from(Map::LruHashMap(data))?, rec, peer })
     }
 }
 
@@ -582,7 +595,8 @@ fn sweep_namespace(inode: u64, targets: &Targets, maps: &ProofMaps) -> NsOutcome
         for s in socks {
             let peer = peer_of(s.dst);
             let Some(candidates) = targets.by_peer.get(&(protocol, peer)) else { continue };
-            let fe = translated_frontend(protocol, &peer, s.cookie, s.storage.as_deref(), |k| maps.revnat.get(k, 0).ok());
+            let rec = maps.rec.as_ref().and_then(|m| m.get(&s.cookie, 0).ok());
+            let fe = translated_frontend(protocol, &peer, s.cookie, rec, s.storage.as_deref(), |k| maps.revnat.get(k, 0).ok());
             let Some(d) = fe.and_then(|fe| candidates.iter().find(|d| d.frontend == fe)) else {
                 tracing::debug!(
                     netns = inode,
@@ -666,7 +680,7 @@ mod tests {
             ("the same address, another port", Protocol::Udp, 7, be("10.244.0.1:54"), None),
         ];
         for (name, protocol, cookie, peer, want) in cases {
-            assert_eq!(translated_frontend(protocol, &peer, cookie, None, revnat), want, "{name}");
+            assert_eq!(translated_frontend(protocol, &peer, cookie, None, None, revnat), want, "{name}");
         }
     }
 
@@ -711,8 +725,32 @@ mod tests {
             ("a value of the wrong size is no proof either way", 7, Some(vec![0; 3]), Some(web)),
         ];
         for (name, cookie, storage, want) in cases {
-            assert_eq!(translated_frontend(Protocol::Tcp, &pod, cookie, storage.as_deref(), revnat), want, "{name}");
+            assert_eq!(translated_frontend(Protocol::Tcp, &pod, cookie, None, storage.as_deref(), revnat), want, "{name}");
         }
+    }
+
+    #[test]
+    fn a_sock_rec_record_proves_a_socket_ours_only_for_its_peer_and_protocol() {
+        let web = Frontend { ip: "10.96.0.10".parse().unwrap(), port: 80, protocol: Protocol::Tcp };
+        let (pod, other) = (be("10.244.0.1:8080"), be("10.244.0.2:8080"));
+        let rec = |b: &Backend, proto: u8| {
+            let v = backend_value(b);
+            Some(SockRecValue {
+                backend_ip_be: v.ip_be,
+                frontend_ip_be: [u32::from_ne_bytes([10, 96, 0, 10]), 0, 0, 0],
+                service_id: 3,
+                backend_port_be: v.port_be,
+                frontend_port_be: 80u16.to_be(),
+                family: v.family,
+                proto,
+                _pad: [0; 2],
+            })
+        };
+        let none = |_: &SockRevNatKey| None;
+        assert_eq!(translated_frontend(Protocol::Tcp, &pod, 7, rec(&pod, pc::PROTO_TCP), None, none), Some(web));
+        // Reconnected elsewhere: the record names an earlier peer.
+        assert_eq!(translated_frontend(Protocol::Tcp, &pod, 7, rec(&other, pc::PROTO_TCP), None, none), None);
+        assert_eq!(translated_frontend(Protocol::Tcp, &pod, 7, rec(&pod, pc::PROTO_UDP), None, none), None);
     }
 
     #[test]

@@ -21,7 +21,7 @@ use std::path::{Path, PathBuf};
 use aya::Ebpf;
 use aya::maps::{Array, MapInfo};
 use aya::programs::links::{FdLink, PinnedLink};
-use aya::programs::{CgroupAttachMode, CgroupSockAddr};
+use aya::programs::{CgroupAttachMode, CgroupSock, CgroupSockAddr};
 use proxy_common as pc;
 
 use crate::datapath::kernel_features::{self, KernelFeatures};
@@ -32,6 +32,10 @@ use crate::util::error_chain::error_chain;
 
 /// Socket programs, by function name in the object.
 pub const PROGRAMS: [&str; 8] = ["connect4", "connect6", "sendmsg4", "sendmsg6", "recvmsg4", "recvmsg6", "getpeername4", "getpeername6"];
+
+/// The `cgroup/sock_release` program that deletes a socket's `SOCK_REC`
+/// record; its link is pinned under this name beside the others.
+pub const RELEASE_PROGRAM: &str = "sock_release";
 
 /// The programs built in a full and a compat variant (`<name>_compat`):
 /// the ones that refuse calls and read the clock.
@@ -122,6 +126,24 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
     let links = pin_dir.join(LINKS_DIR);
     fs::create_dir_all(&links).map_err(|source| mounts::MountError::Create { path: links.clone(), source })?;
 
+    // The release program first: every socket that gets a SOCK_REC record
+    // from the connect programs attached below is then released through
+    // it, so no record outlives its socket. (During an upgrade the old and
+    // the new release programs both run; a delete of a missing record is
+    // a miss.)
+    {
+        let program = RELEASE_PROGRAM;
+        let prog: &mut CgroupSock = ebpf
+            .program_mut(program)
+            .ok_or(LoadError::MissingProgram { program })?
+            .try_into()
+            .map_err(|source| LoadError::Program { program, source })?;
+        prog.load().map_err(|source| LoadError::Program { program, source })?;
+        let id = prog.attach(&cg, CgroupAttachMode::default()).map_err(|source| LoadError::Program { program, source })?;
+        let link = prog.take_link(id).map_err(|source| LoadError::Program { program, source })?;
+        let link: FdLink = link.try_into().map_err(|source| LoadError::Link { program, source })?;
+        pin_link(link, &links, program)?;
+    }
     for program in PROGRAMS {
         // The forward programs come in variants (see `KernelFeatures`); the
         // link keeps the base name, so an upgrade that changes the variant
@@ -140,22 +162,14 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
         let id = prog.attach(&cg, CgroupAttachMode::default()).map_err(|source| LoadError::Program { program, source })?;
         let link = prog.take_link(id).map_err(|source| LoadError::Program { program, source })?;
         let link: FdLink = link.try_into().map_err(|source| LoadError::Link { program, source })?;
-        let final_path = links.join(program);
-        // bpffs refuses names with a dot (kernel/bpf/inode.c:bpf_lookup).
-        let staging = links.join(format!("{program}-next"));
-        let _ = fs::remove_file(&staging); // left over by an agent killed mid-install
-        let pin_err = |reason: String| LoadError::Pin { program, path: final_path.clone(), reason };
-        let pinned = link.pin(&staging).map_err(|e| pin_err(error_chain(&e)))?;
-        // rename(2) replaces the old pin atomically; bpffs implements it
-        // with simple_rename.
-        fs::rename(&staging, &final_path).map_err(|e| pin_err(e.to_string()))?;
-        drop(pinned); // the pin keeps the link attached
+        pin_link(link, &links, program)?;
     }
     // The old socket programs are detached: what they wrote into the LRU
     // maps since the first copy is added, then the new maps take the
     // pins. The TC programs move to them when tc_loader installs next.
     for (m, n) in migrations.iter().zip(&mut copied) {
-        if m.spec.map_type == aya::maps::MapType::LruHash {
+        // The programs write the LRU maps and SOCK_REC too.
+        if m.spec.map_type == aya::maps::MapType::LruHash || m.spec.name == pc::SOCK_REC_MAP {
             *n += map_migration::copy(pin_dir, m, true)?;
         }
         map_migration::commit(pin_dir, m)?;
@@ -187,6 +201,22 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
         config.set(0, pc::SockConfig { legacy_revnat_cookie_below: below }, 0).map_err(|e| LoadError::LegacyConfig(io::Error::other(e)))?;
     }
     Ok(warnings)
+}
+
+/// Pins `link` as `links/<program>`, replacing an older agent's link of
+/// that name, which detaches it.
+fn pin_link(link: FdLink, links: &Path, program: &'static str) -> Result<(), LoadError> {
+    let final_path = links.join(program);
+    // bpffs refuses names with a dot (kernel/bpf/inode.c:bpf_lookup).
+    let staging = links.join(format!("{program}-next"));
+    let _ = fs::remove_file(&staging); // left over by an agent killed mid-install
+    let pin_err = |reason: String| LoadError::Pin { program, path: final_path.clone(), reason };
+    let pinned = link.pin(&staging).map_err(|e| pin_err(error_chain(&e)))?;
+    // rename(2) replaces the old pin atomically; bpffs implements it
+    // with simple_rename.
+    fs::rename(&staging, &final_path).map_err(|e| pin_err(e.to_string()))?;
+    drop(pinned); // the pin keeps the link attached
+    Ok(())
 }
 
 /// One above every cookie of a socket an older agent version translated:

@@ -1,0 +1,525 @@
+//! The connect hooks' per-socket record (`SOCK_REC`, keyed by socket
+//! cookie) and its release at close: getpeername/recvmsg through
+//! reconnects and `connect(AF_UNSPEC)`, the fallback to socket storage when
+//! the map is full, adoption of a socket-storage datapath, and every way a
+//! socket closes leaving the map empty.
+//!
+//! The socket work runs in a child: this test binary run again in the
+//! node's cgroup and the pods' namespace (`command_in`), with
+//! `TOPOPROXY_SOCK_REC_CHILD` naming the scenario; the child test
+//! `child_scenario` does nothing otherwise. So the scenarios are the same
+//! Rust code on every kernel, and the parent only reads the pinned maps.
+
+mod support;
+
+use std::io::{BufRead, BufReader, Write};
+use std::mem::size_of;
+use std::net::{IpAddr, SocketAddr, TcpStream, UdpSocket};
+use std::os::fd::RawFd;
+use std::process::{Command, Stdio};
+
+use aya::maps::{HashMap, Map, MapData};
+use proxy_agent::datapath::dump::socket_counter_sums;
+use proxy_common::{SOCK_PEER_MAP, SOCK_REC_MAP, SockRecValue, counter};
+use proxy_test_support::sandbox::{Guarded, command_in};
+use proxy_test_support::wait::eventually;
+use serde_json::{Value, json};
+use support::*;
+
+const CHILD_ENV: &str = "TOPOPROXY_SOCK_REC_CHILD";
+
+/// One Service with a single endpoint per family (pod-c, pod-6b), so the
+/// backend a socket reaches is known, on TCP 80 and UDP 53.
+fn solo() -> String {
+    ServiceSpec {
+        name: "solo",
+        cluster_ips: &["10.96.0.30", "fd00:96::30"],
+        ports: &[("http", 80, "TCP", 8080), ("dns", 53, "UDP", 5353)],
+        endpoints: &[("10.244.0.3", true, "node-a"), ("fd00:244::2", true, "node-a")],
+        extra_spec: "",
+        annotations: "",
+    }
+    .yaml()
+}
+
+fn setup(extra: &[&str]) -> (PodNetwork, Node) {
+    let mut net = PodNetwork::new();
+    net.backend("pod-a", "10.244.0.1", &[8080, 5353]);
+    net.backend("pod-c", "10.244.0.3", &[8080, 5353]);
+    net.backend("pod-6a", "fd00:244::1", &[8080, 5353]);
+    net.backend("pod-6b", "fd00:244::2", &[8080, 5353]);
+    let mut node = Node::new("node-a");
+    node.write_manifest("solo.yaml", &solo());
+    node.start_agent_with(extra);
+    wait_for_backends(&node, &net, "10.96.0.30:80", &[], &["pod-c"]);
+    wait_for_backends(&node, &net, "10.96.0.30:53", &["--udp"], &["pod-c"]);
+    wait_for_backends(&node, &net, "[fd00:96::30]:80", &[], &["pod-6b"]);
+    wait_for_backends(&node, &net, "[fd00:96::30]:53", &["--udp"], &["pod-6b"]);
+    (net, node)
+}
+
+/// The child: this binary in the node's cgroup and the pods' namespace.
+fn child(node: &Node, net: &PodNetwork, scenario: &str) -> Command {
+    let exe = std::env::current_exe().expect("test binary");
+    let mut cmd = command_in(exe, Some(&net.netns), Some(&node.cgroup)).expect("child command");
+    cmd.args(["--exact", "child_scenario", "--nocapture", "--test-threads", "1"]).env(CHILD_ENV, scenario);
+    cmd
+}
+
+/// Runs a scenario to its end; its JSON lines.
+fn run_child(node: &Node, net: &PodNetwork, scenario: &str) -> Vec<Value> {
+    let out = child(node, net, scenario).stdin(Stdio::null()).stderr(Stdio::inherit()).output().expect("run child");
+    let lines: Vec<Value> = String::from_utf8_lossy(&out.stdout).lines().filter_map(json_line).collect();
+    assert!(out.status.success(), "child {scenario} failed: {lines:?}");
+    lines
+}
+
+/// A scenario's JSON line: libtest writes `test child_scenario ... ` before
+/// the test runs, so the first one shares its line.
+fn json_line(line: &str) -> Option<Value> {
+    serde_json::from_str(&line[line.find('{')?..]).ok()
+}
+
+fn records(node: &Node) -> Vec<(u64, SockRecValue)> {
+    let data = MapData::from_pin(node.pins.path().join(SOCK_REC_MAP)).expect("open SOCK_REC");
+    let map: HashMap<_, u64, SockRecValue> = HashMap::try_from(Map::HashMap(data)).expect("SOCK_REC");
+    map.iter().filter_map(Result::ok).collect()
+}
+
+fn counter_value(node: &Node, id: u32) -> u64 {
+    socket_counter_sums(node.pins.path()).expect("counters").get(id as usize).copied().unwrap_or(0)
+}
+
+#[test]
+fn getpeername_and_recvmsg_follow_reconnects_and_af_unspec_tcp_and_udp_v4_and_v6() {
+    let (net, node) = setup(&[]);
+    let lines = run_child(&node, &net, "reverse");
+    let want = ["tcp4", "tcp6", "udp4", "udp6"];
+    for w in want {
+        assert!(lines.iter().any(|l| l["case"] == w && l["done"] == true), "case {w} did not finish: {lines:?}");
+    }
+    for l in &lines {
+        assert_eq!(l["ok"], true, "{l}");
+    }
+    // Every socket of the child is closed: nothing left behind.
+    assert_eq!(records(&node), Vec::new(), "every record is released with its socket");
+}
+
+#[test]
+fn every_way_a_socket_closes_removes_its_record() {
+    let (net, node) = setup(&[]);
+    // A held socket of each kind, then the process exits without closing
+    // them: the kernel releases them at exit.
+    let mut cmd = child(&node, &net, "hold");
+    cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    let mut held = Guarded::spawn(&mut cmd).expect("start child");
+    let mut stdin = held.0.stdin.take().expect("stdin");
+    let mut out = BufReader::new(held.0.stdout.take().expect("stdout")).lines();
+    let first: Value = loop {
+        let line = out.next().expect("child line").expect("read");
+        if let Some(v) = json_line(&line) {
+            break v;
+        }
+    };
+    let cookies: Vec<u64> = first["cookies"].as_array().expect("cookies").iter().filter_map(Value::as_u64).collect();
+    assert_eq!(cookies.len(), 4, "{first}");
+    let recorded: Vec<u64> = records(&node).iter().map(|r| r.0).collect();
+    for c in &cookies {
+        assert!(recorded.contains(c), "socket {c} is recorded while open: {recorded:?}");
+    }
+    // dump shows each with the path its connect took.
+    let dump = Command::new(agent_bin()).args(["dump", "--output", "json", "--bpffs"]).arg(node.pins.path()).output().expect("dump");
+    let report: Value = serde_json::from_slice(&dump.stdout).expect("dump json");
+    for c in &cookies {
+        let found = report["sockets"]["records"].as_array().expect("records").iter().any(|r| r["cookie"] == *c && r["path"] == "sock_rec");
+        assert!(found, "dump lists socket {c} on the sock_rec path: {}", report["sockets"]);
+    }
+    writeln!(stdin, "exit").expect("tell child");
+    let status = held.0.wait().expect("child exit");
+    assert!(status.success());
+    assert_eq!(records(&node), Vec::new(), "process exit releases every socket");
+
+    // close, shutdown then close, abort by RST (SO_LINGER 0), UDP close
+    // and AF_UNSPEC then close, v4 and v6.
+    run_child(&node, &net, "closes");
+    assert_eq!(records(&node), Vec::new(), "every way of closing releases the record");
+}
+
+#[test]
+fn a_million_connect_close_cycles_leave_the_map_empty() {
+    let (net, node) = setup(&[]);
+    let before = counter_value(&node, counter::TRANSLATED);
+    let lines = run_child(&node, &net, "churn");
+    let n = lines.last().and_then(|l| l["cycles"].as_u64()).expect("cycles");
+    assert_eq!(n, 1_000_000);
+    assert!(counter_value(&node, counter::TRANSLATED) - before >= n, "every cycle was translated");
+    assert_eq!(records(&node), Vec::new(), "a million sockets later, the map is empty");
+}
+
+#[test]
+fn a_full_map_falls_back_to_socket_storage_and_an_upgrade_keeps_those_sockets() {
+    // A small map, filled from user space with cookies no socket has.
+    let (net, mut node) = setup(&["--max-sock-revnat", "1024"]);
+    let data = MapData::from_pin(node.pins.path().join(SOCK_REC_MAP)).expect("open SOCK_REC");
+    let mut map: HashMap<_, u64, SockRecValue> = HashMap::try_from(Map::HashMap(data)).expect("SOCK_REC");
+    let mut filled = Vec::new();
+    for k in (u64::MAX - 100_000)..u64::MAX {
+        if map.insert(k, SockRecValue::default(), 0).is_err() {
+            break;
+        }
+        filled.push(k);
+    }
+    assert!(filled.len() >= 1024, "filled {}", filled.len());
+    let full_before = counter_value(&node, counter::SOCK_RECORD_FULL);
+
+    let mut cmd = child(&node, &net, "held-peers");
+    cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    let mut held = Guarded::spawn(&mut cmd).expect("start child");
+    let mut stdin = held.0.stdin.take().expect("stdin");
+    let mut out = BufReader::new(held.0.stdout.take().expect("stdout")).lines();
+    let mut next = || loop {
+        let line = out.next().expect("child line").expect("read");
+        if let Some(v) = json_line(&line) {
+            break v;
+        }
+    };
+    let first = next();
+    assert_eq!(first["ok"], true, "connects translate and getpeername shows the ClusterIP with SOCK_REC full: {first}");
+    assert!(counter_value(&node, counter::SOCK_RECORD_FULL) - full_before >= 4, "each connect counted sock_record_full");
+    let dump = Command::new(agent_bin()).args(["dump", "--output", "json", "--bpffs"]).arg(node.pins.path()).output().expect("dump");
+    let report: Value = serde_json::from_slice(&dump.stdout).expect("dump json");
+    assert!(report["sockets"]["socketStorageFallbacks"].as_u64().unwrap_or(0) >= 4, "dump: {}", report["sockets"]);
+    for k in &filled {
+        map.remove(k).expect("empty SOCK_REC again");
+    }
+    drop(map);
+
+    // The upgrade from the socket-storage build: its pins have no SOCK_REC
+    // and no release link, and its sockets are recorded in SOCK_PEER, as
+    // the held ones are.
+    node.stop_agent();
+    std::fs::remove_file(node.pins.path().join(SOCK_REC_MAP)).expect("remove SOCK_REC pin");
+    std::fs::remove_file(node.pins.path().join("links").join("sock_release")).expect("remove release link");
+    assert!(node.pins.path().join(SOCK_PEER_MAP).exists());
+    node.start_agent_with(&["--max-sock-revnat", "1024"]);
+    // The old programs keep translating until the new ones replace them:
+    // wait for the new datapath (SOCK_REC pinned again, the release link).
+    eventually("the upgraded agent installed SOCK_REC and its release program", || {
+        let ready = path_exists(&node.pins.path().join(SOCK_REC_MAP)) && path_exists(&node.pins.path().join("links").join("sock_release"));
+        if ready { Ok(()) } else { Err("not yet".to_string()) }
+    });
+    wait_for_backends(&node, &net, "10.96.0.30:80", &[], &["pod-c"]);
+    writeln!(stdin, "peers").expect("ask child");
+    let after = next();
+    assert_eq!(after["ok"], true, "sockets recorded before the upgrade keep their getpeername: {after}");
+    writeln!(stdin, "exit").expect("tell child");
+    assert!(held.0.wait().expect("child exit").success());
+    assert_eq!(records(&node), Vec::new());
+}
+
+// ---------------------------------------------------------------------
+// The child side.
+
+#[test]
+fn child_scenario() {
+    let Ok(scenario) = std::env::var(CHILD_ENV) else { return };
+    match scenario.as_str() {
+        "reverse" => reverse(),
+        "hold" => hold(),
+        "closes" => closes(),
+        "churn" => churn(),
+        "held-peers" => held_peers(),
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+fn say(v: Value) {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{v}").expect("stdout");
+    out.flush().expect("flush");
+}
+
+fn sa(s: &str) -> SocketAddr {
+    s.parse().expect("address")
+}
+
+/// The peer the kernel reports (getpeername, through our hooks).
+fn peer(fd: RawFd) -> Result<SocketAddr, i32> {
+    // SAFETY: a zeroed sockaddr_storage is valid; getpeername writes at
+    // most `len` bytes into it.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    let mut len = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+    // SAFETY: as above.
+    let rc = unsafe { libc::getpeername(fd, (&raw mut ss).cast(), &raw mut len) };
+    if rc != 0 {
+        return Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0));
+    }
+    Ok(from_storage(&ss))
+}
+
+fn from_storage(ss: &libc::sockaddr_storage) -> SocketAddr {
+    if i32::from(ss.ss_family) == libc::AF_INET {
+        // SAFETY: the family says sockaddr_in.
+        let sin = unsafe { &*(std::ptr::from_ref(ss).cast::<libc::sockaddr_in>()) };
+        SocketAddr::new(IpAddr::from(u32::from_be(sin.sin_addr.s_addr).to_be_bytes()), u16::from_be(sin.sin_port))
+    } else {
+        // SAFETY: the family says sockaddr_in6.
+        let sin6 = unsafe { &*(std::ptr::from_ref(ss).cast::<libc::sockaddr_in6>()) };
+        SocketAddr::new(IpAddr::from(sin6.sin6_addr.s6_addr), u16::from_be(sin6.sin6_port))
+    }
+}
+
+fn storage(a: SocketAddr) -> (libc::sockaddr_storage, libc::socklen_t) {
+    // SAFETY: zeroed sockaddr_storage is valid.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    match a {
+        SocketAddr::V4(v4) => {
+            // SAFETY: sockaddr_storage is large enough and aligned for sockaddr_in.
+            let sin = unsafe { &mut *((&raw mut ss).cast::<libc::sockaddr_in>()) };
+            sin.sin_family = libc::AF_INET as libc::sa_family_t;
+            sin.sin_port = v4.port().to_be();
+            sin.sin_addr.s_addr = u32::from(*v4.ip()).to_be();
+            (ss, size_of::<libc::sockaddr_in>() as libc::socklen_t)
+        }
+        SocketAddr::V6(v6) => {
+            // SAFETY: as above, for sockaddr_in6.
+            let sin6 = unsafe { &mut *((&raw mut ss).cast::<libc::sockaddr_in6>()) };
+            sin6.sin6_family = libc::AF_INET6 as libc::sa_family_t;
+            sin6.sin6_port = v6.port().to_be();
+            sin6.sin6_addr.s6_addr = v6.ip().octets();
+            (ss, size_of::<libc::sockaddr_in6>() as libc::socklen_t)
+        }
+    }
+}
+
+/// connect(2) on a raw socket; errno on failure.
+fn connect(fd: RawFd, a: SocketAddr) -> Result<(), i32> {
+    let (ss, len) = storage(a);
+    // SAFETY: `ss` holds a sockaddr of `len` bytes.
+    let rc = unsafe { libc::connect(fd, (&raw const ss).cast(), len) };
+    if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0)) }
+}
+
+/// connect(AF_UNSPEC): dissolves the association (`inet_dgram_connect`,
+/// `tcp_disconnect`); the connect hooks do not run for it.
+fn disconnect(fd: RawFd) -> Result<(), i32> {
+    // SAFETY: a zeroed sockaddr with family AF_UNSPEC.
+    let mut ss: libc::sockaddr_storage = unsafe { std::mem::zeroed() };
+    ss.ss_family = libc::AF_UNSPEC as libc::sa_family_t;
+    // SAFETY: `ss` is a valid sockaddr buffer of that size.
+    let rc = unsafe { libc::connect(fd, (&raw const ss).cast(), size_of::<libc::sockaddr>() as libc::socklen_t) };
+    if rc == 0 { Ok(()) } else { Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0)) }
+}
+
+fn socket(v6: bool, udp: bool) -> RawFd {
+    let family = if v6 { libc::AF_INET6 } else { libc::AF_INET };
+    let ty = if udp { libc::SOCK_DGRAM } else { libc::SOCK_STREAM };
+    // SAFETY: plain socket(2).
+    let fd = unsafe { libc::socket(family, ty | libc::SOCK_CLOEXEC, 0) };
+    assert!(fd >= 0, "socket: {}", std::io::Error::last_os_error());
+    fd
+}
+
+fn close(fd: RawFd) {
+    // SAFETY: `fd` is a socket this scenario opened and owns.
+    unsafe { libc::close(fd) };
+}
+
+fn cookie(fd: RawFd) -> u64 {
+    let mut c: u64 = 0;
+    let mut len = size_of::<u64>() as libc::socklen_t;
+    // SAFETY: SO_COOKIE writes a u64.
+    let rc = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_COOKIE, (&raw mut c).cast(), &raw mut len) };
+    assert_eq!(rc, 0);
+    c
+}
+
+/// Sends "ping" and reads the reply on a connected UDP socket: (reply,
+/// source as recvfrom reports it).
+fn udp_exchange(fd: RawFd) -> (String, SocketAddr) {
+    // SAFETY: the socket is ours; borrowed for the exchange only.
+    let sock = std::mem::ManuallyDrop::new(unsafe { <UdpSocket as std::os::fd::FromRawFd>::from_raw_fd(fd) });
+    sock.set_read_timeout(Some(std::time::Duration::from_secs(5))).expect("timeout");
+    sock.send(b"ping").expect("send");
+    let mut buf = [0u8; 256];
+    let (n, from) = sock.recv_from(&mut buf).expect("recv");
+    (String::from_utf8_lossy(&buf[..n]).trim().to_string(), from)
+}
+
+/// Per family and protocol: translate, check getpeername (and recvmsg for
+/// UDP), disconnect with AF_UNSPEC, reconnect straight to another pod
+/// (reported as that pod), reconnect to the Service (reported as it).
+fn reverse() {
+    for (case, v6, udp) in [("tcp4", false, false), ("tcp6", true, false), ("udp4", false, true), ("udp6", true, true)] {
+        let (svc, other) = match (v6, udp) {
+            (false, false) => (sa("10.96.0.30:80"), sa("10.244.0.1:8080")),
+            (true, false) => (sa("[fd00:96::30]:80"), sa("[fd00:244::1]:8080")),
+            (false, true) => (sa("10.96.0.30:53"), sa("10.244.0.1:5353")),
+            (true, true) => (sa("[fd00:96::30]:53"), sa("[fd00:244::1]:5353")),
+        };
+        let fd = socket(v6, udp);
+        let mut checks = Vec::new();
+        connect(fd, svc).expect("connect to the Service");
+        checks.push(("connected: getpeername shows the Service", peer(fd) == Ok(svc)));
+        if udp {
+            let (_, from) = udp_exchange(fd);
+            checks.push(("recvmsg shows the Service", from == svc));
+        }
+        disconnect(fd).expect("AF_UNSPEC");
+        checks.push(("after AF_UNSPEC: not connected", peer(fd) == Err(libc::ENOTCONN)));
+        connect(fd, other).expect("connect to a pod");
+        checks.push(("reconnected to a pod: getpeername shows the pod", peer(fd) == Ok(other)));
+        if udp {
+            let (_, from) = udp_exchange(fd);
+            checks.push(("recvmsg shows the pod", from == other));
+        }
+        disconnect(fd).expect("AF_UNSPEC");
+        connect(fd, svc).expect("reconnect to the Service");
+        checks.push(("reconnected to the Service: getpeername shows it", peer(fd) == Ok(svc)));
+        if udp {
+            let (_, from) = udp_exchange(fd);
+            checks.push(("recvmsg shows the Service again", from == svc));
+        } else {
+            // A plain stream too, through the standard library.
+            let s = TcpStream::connect(svc).expect("std connect");
+            checks.push(("std TcpStream peer_addr shows the Service", s.peer_addr().ok() == Some(svc)));
+        }
+        close(fd);
+        for (what, ok) in checks {
+            say(json!({"case": case, "check": what, "ok": ok}));
+        }
+        say(json!({"case": case, "done": true, "ok": true}));
+    }
+}
+
+/// Four sockets (TCP/UDP, v4/v6) connected to the Service, their cookies
+/// printed; waits for "exit" and exits without closing them.
+fn hold() {
+    let mut fds = Vec::new();
+    for (v6, udp) in [(false, false), (true, false), (false, true), (true, true)] {
+        let to = match (v6, udp) {
+            (false, false) => sa("10.96.0.30:80"),
+            (true, false) => sa("[fd00:96::30]:80"),
+            (false, true) => sa("10.96.0.30:53"),
+            (true, true) => sa("[fd00:96::30]:53"),
+        };
+        let fd = socket(v6, udp);
+        connect(fd, to).expect("connect");
+        fds.push(fd);
+    }
+    say(json!({"cookies": fds.iter().map(|&fd| cookie(fd)).collect::<Vec<_>>()}));
+    let mut line = String::new();
+    let _ = std::io::stdin().read_line(&mut line);
+    // SAFETY: exit(2) at once, without running destructors or closing
+    // descriptors: the kernel releases the sockets as the process goes.
+    unsafe { libc::_exit(0) };
+}
+
+/// Every way of closing, for TCP and UDP, v4 and v6.
+fn closes() {
+    let set_linger0 = |fd: RawFd| {
+        let l = libc::linger { l_onoff: 1, l_linger: 0 };
+        // SAFETY: SO_LINGER reads a `linger`.
+        let rc = unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_LINGER, (&raw const l).cast(), size_of::<libc::linger>() as _) };
+        assert_eq!(rc, 0);
+    };
+    for v6 in [false, true] {
+        let (tcp, udp) = if v6 { (sa("[fd00:96::30]:80"), sa("[fd00:96::30]:53")) } else { (sa("10.96.0.30:80"), sa("10.96.0.30:53")) };
+        // close.
+        let fd = socket(v6, false);
+        connect(fd, tcp).expect("connect");
+        close(fd);
+        // shutdown, then close.
+        let fd = socket(v6, false);
+        connect(fd, tcp).expect("connect");
+        // SAFETY: our socket.
+        unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+        close(fd);
+        // abort by RST: SO_LINGER 0 makes close() send an RST (tcp_close
+        // -> tcp_disconnect path).
+        let fd = socket(v6, false);
+        connect(fd, tcp).expect("connect");
+        set_linger0(fd);
+        close(fd);
+        // UDP: close, and AF_UNSPEC first (the peer zeroed before the
+        // release, cilium/cilium#42649).
+        let fd = socket(v6, true);
+        connect(fd, udp).expect("connect");
+        close(fd);
+        let fd = socket(v6, true);
+        connect(fd, udp).expect("connect");
+        disconnect(fd).expect("AF_UNSPEC");
+        close(fd);
+    }
+    say(json!({"ok": true}));
+}
+
+/// A million translated connects, each closed at once: UDP connect()
+/// (the cheapest translated connect) and non-blocking TCP connects (the
+/// close sends an RST to the SYN's answer), v4 and v6.
+fn churn() {
+    let targets = [(false, true, sa("10.96.0.30:53")), (true, true, sa("[fd00:96::30]:53"))];
+    let tcp = [(false, sa("10.96.0.30:80")), (true, sa("[fd00:96::30]:80"))];
+    let mut n: u64 = 0;
+    while n < 1_000_000 {
+        if n % 100 == 99 {
+            let (v6, to) = tcp[(n as usize / 100) % 2];
+            let fd = socket(v6, false);
+            // SAFETY: our socket; O_NONBLOCK so connect() returns at once.
+            unsafe { libc::fcntl(fd, libc::F_SETFL, libc::O_NONBLOCK) };
+            let r = connect(fd, to);
+            assert!(r.is_ok() || r == Err(libc::EINPROGRESS), "{r:?}");
+            close(fd);
+        } else {
+            let (v6, udp, to) = targets[n as usize % 2];
+            let fd = socket(v6, udp);
+            connect(fd, to).expect("connect");
+            close(fd);
+        }
+        n += 1;
+    }
+    say(json!({"cycles": n}));
+}
+
+/// Four held sockets; prints whether every getpeername shows the Service,
+/// on start and on each "peers" line; exits on "exit".
+fn held_peers() {
+    let targets = [
+        (false, false, sa("10.96.0.30:80")),
+        (true, false, sa("[fd00:96::30]:80")),
+        (false, true, sa("10.96.0.30:53")),
+        (true, true, sa("[fd00:96::30]:53")),
+    ];
+    let mut fds = Vec::new();
+    for (v6, udp, to) in targets {
+        let fd = socket(v6, udp);
+        connect(fd, to).expect("connect");
+        fds.push((fd, to, udp));
+    }
+    let report = |fds: &[(RawFd, SocketAddr, bool)]| {
+        let mut seen = Vec::new();
+        let mut ok = true;
+        for &(fd, to, udp) in fds {
+            let p = peer(fd);
+            ok &= p == Ok(to);
+            if udp {
+                let (_, from) = udp_exchange(fd);
+                ok &= from == to;
+                seen.push(format!("{p:?} recv {from}"));
+            } else {
+                seen.push(format!("{p:?}"));
+            }
+        }
+        say(json!({"ok": ok, "peers": seen}));
+    };
+    report(&fds);
+    for line in std::io::stdin().lock().lines() {
+        match line.as_deref() {
+            Ok("peers") => report(&fds),
+            _ => break,
+        }
+    }
+    for (fd, _, _) in fds {
+        close(fd);
+    }
+}
