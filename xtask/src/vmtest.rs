@@ -121,7 +121,7 @@ const KERNELS: [Kernel; 4] = [
 
 /// Every binary of [`TESTS`]: the kernels most clusters run.
 const ALL_BINARIES: &[&str] =
-    &["nodeport", "socket_lb", "session_affinity", "lb_policy", "policy_maps", "stale_backends", "graceful_drain", "maglev"];
+    &["nodeport", "socket_lb", "session_affinity", "lb_policy", "policy_maps", "stale_backends", "graceful_drain", "maglev", "sock_rec"];
 /// 6.12: what this kernel adds over 6.1 (which runs [`ALL_BINARIES`]) is
 /// tcx and the BPF socket iterators with `bpf_sock_destroy`; both are also
 /// in the host's kernel (6.18), where `cargo test` runs every test. So 6.12
@@ -138,12 +138,13 @@ const ALL_BINARIES: &[&str] =
 /// - `session_affinity` (48 s): sock_addr programs of the same `full`
 ///   variant, with the netns cookie and the coarse clock that 6.1 (which
 ///   has both) and the host run it with; tcx plays no part in it.
-const TCX_BINARIES: &[&str] = &["nodeport", "socket_lb", "lb_policy", "policy_maps", "stale_backends", "maglev"];
+const TCX_BINARIES: &[&str] = &["nodeport", "socket_lb", "lb_policy", "policy_maps", "stale_backends", "maglev", "sock_rec"];
 /// The ends of the range (the 5.10 floor, the newest kernel): the socket
 /// load balancer and NodePort sets, upgrades and restarts included, which
-/// hold every program variant and attach mode; four guests on two cores
-/// must still fit CI's time.
-const EDGE_BINARIES: &[&str] = &["nodeport", "socket_lb", "maglev"];
+/// hold every program variant and attach mode, and the connect record
+/// with its `cgroup/sock_release` program (5.9+, so 5.10 is its floor
+/// too); four guests on two cores must still fit CI's time.
+const EDGE_BINARIES: &[&str] = &["nodeport", "socket_lb", "maglev", "sock_rec"];
 
 /// Host packages: the emulator, a static busybox for the initramfs,
 /// iproute2 (copied in with its libraries), xz for 6.12's `.ko.xz`, and
@@ -179,7 +180,7 @@ const HOST_PROGRAMS: [&str; 4] = ["/usr/sbin/ip", "/usr/sbin/tc", "/usr/sbin/ngi
 /// several threads at once) read by the TC programs. The unconnected-UDP
 /// Maglev test stays on the host: its client is a python3 script, and the
 /// initramfs has no python.
-const TESTS: [(&str, &[&str]); 8] = [
+const TESTS: [(&str, &[&str]); 9] = [
     (
         "nodeport",
         &[
@@ -257,6 +258,20 @@ const TESTS: [(&str, &[&str]); 8] = [
             "the_large_size_links_large_tables_and_a_size_change_rewrites_them",
         ],
     ),
+    (
+        // The connect record (SOCK_REC) and its release program; the
+        // million connect/close cycles stay on the host (minutes of
+        // emulation for what the closes test already shows per kernel).
+        "sock_rec",
+        &[
+            "getpeername_and_recvmsg_follow_reconnects_and_af_unspec_tcp_and_udp_v4_and_v6",
+            "every_way_a_socket_closes_removes_its_record",
+            "a_full_map_falls_back_to_socket_storage_and_an_upgrade_keeps_those_sockets",
+            "a_socket_destroyed_by_termination_loses_its_record",
+            "records_of_sockets_gone_before_the_release_program_are_swept",
+            "a_counters_array_of_an_older_build_is_migrated_with_its_values",
+        ],
+    ),
 ];
 
 /// The deadline of the tests' waits (`proxy_test_support::wait::eventually`)
@@ -302,11 +317,13 @@ pub(crate) struct Options {
     /// them, slowed the guests until an agent restart outlasted the tests'
     /// deadline.
     pub guests: usize,
+    /// vCPUs per guest (`-smp`).
+    pub smp: u32,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { kernels: Vec::new(), timeout: Duration::from_mins(25), only: Vec::new(), guests: 2 }
+        Options { kernels: Vec::new(), timeout: Duration::from_mins(25), only: Vec::new(), guests: 2, smp: 2 }
     }
 }
 
@@ -324,6 +341,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "--only" => opts.only.push(it.next().context("--only needs a libtest filter")?.clone()),
             "--concurrent" => opts.guests = usize::MAX,
             "--sequential" => opts.guests = 1,
+            "--smp" => {
+                let v = it.next().context("--smp needs a number")?;
+                opts.smp = v.parse::<u32>().with_context(|| format!("--smp {v}"))?.max(1);
+            }
             "--guests" => {
                 let v = it.next().context("--guests needs a number")?;
                 opts.guests = v.parse::<usize>().with_context(|| format!("--guests {v}"))?.max(1);
@@ -331,9 +352,10 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             "-h" | "--help" => {
                 println!(
                     "cargo xtask vmtest [--kernel 5.10|6.1|6.12|sid]... [--timeout-secs N (per kernel, default 1500)] [--only FILTER]...\n\
-                     \x20   [--guests N|--concurrent|--sequential]\n\
+                     \x20   [--guests N|--concurrent|--sequential] [--smp N]\n\
                      --only runs the tests matching FILTER (libtest substring) in each test binary instead of the chosen set.\n\
-                     --guests N boots N kernels at a time (default 2), --concurrent all at once, --sequential one after the other."
+                     --guests N boots N kernels at a time (default 2), --concurrent all at once, --sequential one after the other.\n\
+                     --smp N gives each guest N vCPUs (default 2)."
                 );
                 return Ok(());
             }
@@ -975,7 +997,7 @@ fn boot(k: &Kernel, kernel_dir: &Path, bins: &Binaries, cache: &Path, opts: &Opt
     c.args(["-k", "10", &timeout.as_secs().to_string(), "qemu-system-x86_64"])
         // KVM is unusable here (PLATFORM.md): emulate. Two vCPUs run on two
         // host threads (multi-threaded TCG).
-        .args(["-accel", "tcg,thread=multi", "-cpu", "max", "-smp", "2", "-m", "2G"])
+        .args(["-accel", "tcg,thread=multi", "-cpu", "max", "-smp", &opts.smp.to_string(), "-m", "2G"])
         .args(["-display", "none", "-monitor", "none", "-serial", "stdio", "-nic", "none", "-no-reboot"])
         .arg("-kernel")
         .arg(&kernel)
