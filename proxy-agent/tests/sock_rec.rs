@@ -1,8 +1,11 @@
 //! The connect hooks' per-socket record (`SOCK_REC`, keyed by socket
 //! cookie) and its release at close: getpeername/recvmsg through
 //! reconnects and `connect(AF_UNSPEC)`, the fallback to socket storage when
-//! the map is full, adoption of a socket-storage datapath, and every way a
-//! socket closes leaving the map empty.
+//! the map is full, adoption of a socket-storage datapath, every way a
+//! socket closes leaving the map empty (an abort by the agent's
+//! termination included, through both mechanisms), the start-up sweep of
+//! records whose socket is gone, and the counter array of an older build
+//! migrated to the new size.
 //!
 //! The socket work runs in a child: this test binary run again in the
 //! node's cgroup and the pods' namespace (`command_in`), with
@@ -21,7 +24,7 @@ use std::process::{Command, Stdio};
 use aya::maps::{HashMap, Map, MapData};
 use proxy_agent::datapath::dump::socket_counter_sums;
 use proxy_common::{SOCK_PEER_MAP, SOCK_REC_MAP, SockRecValue, counter};
-use proxy_test_support::sandbox::{Guarded, command_in};
+use proxy_test_support::sandbox::{Guarded, command_in, echo_server};
 use proxy_test_support::wait::eventually;
 use serde_json::{Value, json};
 use support::*;
@@ -43,12 +46,19 @@ fn solo() -> String {
 }
 
 fn setup(extra: &[&str]) -> (PodNetwork, Node) {
+    setup_with_env(extra, &[])
+}
+
+/// [`setup`], the agent started with `env` (e.g. the kernel probe's
+/// `TOPOPROXY_KERNEL_HIDE`).
+fn setup_with_env(extra: &[&str], env: &[(&str, &str)]) -> (PodNetwork, Node) {
     let mut net = PodNetwork::new();
     net.backend("pod-a", "10.244.0.1", &[8080, 5353]);
     net.backend("pod-c", "10.244.0.3", &[8080, 5353]);
     net.backend("pod-6a", "fd00:244::1", &[8080, 5353]);
     net.backend("pod-6b", "fd00:244::2", &[8080, 5353]);
     let mut node = Node::new("node-a");
+    node.agent_env = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
     node.write_manifest("solo.yaml", &solo());
     node.start_agent_with(extra);
     wait_for_backends(&node, &net, "10.96.0.30:80", &[], &["pod-c"]);
@@ -215,6 +225,258 @@ fn a_full_map_falls_back_to_socket_storage_and_an_upgrade_keeps_those_sockets() 
     writeln!(stdin, "exit").expect("tell child");
     assert!(held.0.wait().expect("child exit").success());
     assert_eq!(records(&node), Vec::new());
+}
+
+/// A child holding the four sockets of the `hold` scenario (TCP/UDP,
+/// v4/v6, connected to the Service); its cookies, and the handle that
+/// tells it to exit with `exit`.
+struct Holder {
+    child: Guarded,
+    stdin: std::process::ChildStdin,
+    cookies: Vec<u64>,
+}
+
+impl Holder {
+    fn start(node: &Node, net: &PodNetwork) -> Holder {
+        let mut cmd = child(node, net, "hold");
+        cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        let mut held = Guarded::spawn(&mut cmd).expect("start child");
+        let stdin = held.0.stdin.take().expect("stdin");
+        let mut out = BufReader::new(held.0.stdout.take().expect("stdout")).lines();
+        let first: Value = loop {
+            let line = out.next().expect("child line").expect("read");
+            if let Some(v) = json_line(&line) {
+                break v;
+            }
+        };
+        let cookies: Vec<u64> = first["cookies"].as_array().expect("cookies").iter().filter_map(Value::as_u64).collect();
+        assert_eq!(cookies.len(), 4, "{first}");
+        Holder { child: held, stdin, cookies }
+    }
+
+    /// Exits the child; its sockets are released as the process goes.
+    fn exit(mut self) {
+        writeln!(self.stdin, "exit").expect("tell child");
+        assert!(self.child.0.wait().expect("child exit").success());
+    }
+}
+
+fn recorded(node: &Node) -> Vec<u64> {
+    records(node).iter().map(|r| r.0).collect()
+}
+
+/// Whether the kernel has the `bpf_sock_destroy` kfunc, so that the agent
+/// terminates sockets through the BPF iterators (else through netlink).
+fn has_sock_destroy_kfunc() -> bool {
+    std::fs::read("/sys/kernel/btf/vmlinux").is_ok_and(|b| b.windows(18).any(|w| w == b"\0bpf_sock_destroy\0"))
+}
+
+/// A socket the agent aborts because its backend left loses its record at
+/// the abort, while its owner still holds it open (it may never close
+/// it): through the socket iterators where the kernel has
+/// `bpf_sock_destroy`, and through netlink `SOCK_DESTROY` (the agent told
+/// the kfunc is missing, as on kernels before 6.5).
+#[test]
+fn a_socket_destroyed_by_termination_loses_its_record() {
+    let mut mechanisms = vec![("netlink", vec![("TOPOPROXY_KERNEL_HIDE", "sock_destroy_kfunc")])];
+    if has_sock_destroy_kfunc() {
+        mechanisms.push(("iterators", Vec::new()));
+    }
+    for (mechanism, env) in mechanisms {
+        let (net, node) = setup_with_env(&[], &env);
+        // The TCP port to echo servers that keep a connection open as long
+        // as the client does: the hostname servers close theirs after one
+        // answer, and both mechanisms leave a socket whose peer closed
+        // (CLOSE_WAIT) alone.
+        let _echo: Vec<_> = ["10.244.0.3:8081", "[fd00:244::2]:8081", "10.244.0.1:8081", "[fd00:244::1]:8081"]
+            .map(|a| echo_server(&net.netns, sa(a)).expect("echo server"))
+            .into_iter()
+            .collect();
+        let with = |eps: &[(&str, bool, &str)]| {
+            ServiceSpec {
+                name: "solo",
+                cluster_ips: &["10.96.0.30", "fd00:96::30"],
+                ports: &[("http", 80, "TCP", 8081), ("dns", 53, "UDP", 5353)],
+                endpoints: eps,
+                extra_spec: "",
+                annotations: "",
+            }
+            .yaml()
+        };
+        node.write_manifest("solo.yaml", &with(&[("10.244.0.3", true, "node-a"), ("fd00:244::2", true, "node-a")]));
+        eventually(&format!("{mechanism}: the Service on the echo port"), || {
+            let out = Command::new(agent_bin()).args(["dump", "--output", "json", "--bpffs"]).arg(node.pins.path()).output();
+            let text = out.map(|o| String::from_utf8_lossy(&o.stdout).to_string()).unwrap_or_default();
+            if text.matches(":8081").count() >= 2 { Ok(()) } else { Err(text) }
+        });
+        let held = Holder::start(&node, &net);
+        let before = recorded(&node);
+        for c in &held.cookies {
+            assert!(before.contains(c), "{mechanism}: socket {c} is recorded while connected: {before:?}");
+        }
+        // The held sockets' endpoint of each family terminating and no
+        // longer serving (connected UDP is aborted), then gone (TCP is
+        // too), while another endpoint takes over (a frontend left with no
+        // backend ends nothing).
+        let others = [("10.244.0.1", true, "node-a"), ("fd00:244::1", true, "node-a")];
+        let mut terminating = with(&[others[0], others[1], ("10.244.0.3", true, "node-a"), ("fd00:244::2", true, "node-a")]);
+        for ip in ["10.244.0.3", "fd00:244::2"] {
+            let from = format!("- addresses: [\"{ip}\"]\n  conditions: {{ready: true}}");
+            let to = format!("- addresses: [\"{ip}\"]\n  conditions: {{ready: false, serving: false, terminating: true}}");
+            assert!(terminating.contains(&from), "{terminating}");
+            terminating = terminating.replace(&from, &to);
+        }
+        node.write_manifest("solo.yaml", &terminating);
+        let gone = with(&others);
+        let udp_ended = || {
+            counter_value(&node, counter::ENDED_UDP_NOT_SERVING) + counter_value(&node, counter::ENDED_UDP_DELETED)
+        };
+        eventually(&format!("{mechanism}: the UDP sockets aborted"), || if udp_ended() >= 2 { Ok(()) } else { Err(udp_ended()) });
+        node.write_manifest("solo.yaml", &gone);
+        eventually(&format!("{mechanism}: every held socket's record gone"), || {
+            let now = recorded(&node);
+            if held.cookies.iter().any(|c| now.contains(c)) { Err(now) } else { Ok(()) }
+        });
+        assert!(counter_value(&node, counter::ENDED_TCP_GONE_AFTER_TERMINATING) >= 2, "{mechanism}: the TCP sockets were aborted");
+        held.exit();
+        assert_eq!(records(&node), Vec::new(), "{mechanism}");
+    }
+}
+
+fn fake_records(node: &Node, n: u64) -> Vec<u64> {
+    let data = MapData::from_pin(node.pins.path().join(SOCK_REC_MAP)).expect("open SOCK_REC");
+    let mut map: HashMap<_, u64, SockRecValue> = HashMap::try_from(Map::HashMap(data)).expect("SOCK_REC");
+    // Cookies count up from 1: these belong to no socket.
+    let keys: Vec<u64> = (0..n).map(|i| u64::MAX - i).collect();
+    for k in &keys {
+        map.insert(*k, SockRecValue::default(), 0).expect("insert a record of no socket");
+    }
+    keys
+}
+
+fn sock_rec_capacity(node: &Node) -> u32 {
+    aya::maps::MapInfo::from_pin(node.pins.path().join(SOCK_REC_MAP)).expect("SOCK_REC info").max_entries()
+}
+
+/// Records whose sockets went while no release program ran (its link
+/// gone), and records a capacity migration copied for sockets gone by the
+/// swap (stood in for by records of cookies no socket has), are deleted
+/// by the sweep at the agent's start; live sockets keep theirs.
+#[test]
+fn records_of_sockets_gone_before_the_release_program_are_swept() {
+    let (net, mut node) = setup(&["--max-sock-revnat", "1024"]);
+    let gone = Holder::start(&node, &net);
+    let live = Holder::start(&node, &net);
+    let (gone_cookies, live_cookies) = (gone.cookies.clone(), live.cookies.clone());
+
+    // The release program detached (its link unpinned), then the first
+    // child's sockets released. The kernel detaches a link whose last
+    // reference went in a deferred work item (`bpf_link_put`), so the
+    // release program may still have run for them: their records, read
+    // before, are written back as a release that did not run leaves them.
+    node.stop_agent();
+    std::fs::remove_file(node.pins.path().join("links").join("sock_release")).expect("remove release link");
+    let before: Vec<(u64, SockRecValue)> = records(&node).into_iter().filter(|(c, _)| gone_cookies.contains(c)).collect();
+    assert_eq!(before.len(), 4, "{before:?}");
+    gone.exit();
+    {
+        let data = MapData::from_pin(node.pins.path().join(SOCK_REC_MAP)).expect("open SOCK_REC");
+        let mut map: HashMap<_, u64, SockRecValue> = HashMap::try_from(Map::HashMap(data)).expect("SOCK_REC");
+        for (c, v) in &before {
+            map.insert(*c, *v, 0).expect("the record a missed release leaves");
+        }
+    }
+    let fakes = fake_records(&node, 10);
+
+    node.start_agent_with(&["--max-sock-revnat", "1024"]);
+    eventually("the release link back and the records of closed sockets swept", || {
+        let now = recorded(&node);
+        let released = path_exists(&node.pins.path().join("links").join("sock_release"));
+        if released && !gone_cookies.iter().chain(&fakes).any(|c| now.contains(c)) { Ok(()) } else { Err(now) }
+    });
+    let now = recorded(&node);
+    assert!(live_cookies.iter().all(|c| now.contains(c)), "live sockets keep their records: {now:?} {live_cookies:?}");
+
+    // A capacity migration copies SOCK_REC: records of no live socket in
+    // the old map are swept from the new one.
+    let fakes = fake_records(&node, 10);
+    node.stop_agent();
+    node.start_agent_with(&["--max-sock-revnat", "2048"]);
+    eventually("SOCK_REC migrated to 2048 entries and swept", || {
+        let now = recorded(&node);
+        if sock_rec_capacity(&node) == 2048 && !fakes.iter().any(|c| now.contains(c)) { Ok(()) } else { Err(now) }
+    });
+    let now = recorded(&node);
+    assert!(live_cookies.iter().all(|c| now.contains(c)), "live sockets keep their records across the migration: {now:?}");
+    wait_for_backends(&node, &net, "10.96.0.30:80", &[], &["pod-c"]);
+    live.exit();
+    assert_eq!(records(&node), Vec::new());
+}
+
+/// `BPF_MAP_CREATE` of a per-CPU array of u64 with `entries` entries,
+/// pinned at `path` (`BPF_OBJ_PIN`): the counter array of an older build.
+fn pin_counter_array(path: &std::path::Path, entries: u32) {
+    #[repr(C)]
+    struct CreateAttr {
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+    }
+    #[repr(C)]
+    struct PinAttr {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+    }
+    const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
+    let attr = CreateAttr { map_type: BPF_MAP_TYPE_PERCPU_ARRAY, key_size: 4, value_size: 8, max_entries: entries, map_flags: 0 };
+    // SAFETY: the first members of `union bpf_attr` for BPF_MAP_CREATE (0),
+    // read by the kernel during the call.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, 0, std::ptr::from_ref(&attr), size_of::<CreateAttr>()) };
+    assert!(fd >= 0, "BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).expect("path");
+    let pin = PinAttr { pathname: c_path.as_ptr() as u64, bpf_fd: fd as u32, file_flags: 0 };
+    // SAFETY: BPF_OBJ_PIN (6) with a NUL-terminated path alive across the call.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, 6, std::ptr::from_ref(&pin), size_of::<PinAttr>()) };
+    assert_eq!(rc, 0, "BPF_OBJ_PIN: {}", std::io::Error::last_os_error());
+    // SAFETY: our descriptor; the pin keeps the map.
+    unsafe { libc::close(fd as i32) };
+}
+
+/// A datapath pinned by a build with 16 socket counters (before
+/// `sock_record_full`): the upgrade recreates the array at 17 entries with
+/// the old counts carried over, and warns no more.
+#[test]
+fn a_counters_array_of_an_older_build_is_migrated_with_its_values() {
+    use aya::maps::{PerCpuArray, PerCpuValues};
+    let (net, mut node) = setup(&[]);
+    node.stop_agent();
+    let path = node.pins.path().join(proxy_common::COUNTERS_MAP);
+    std::fs::remove_file(&path).expect("remove COUNTERS pin");
+    pin_counter_array(&path, counter::COUNT - 1);
+    let cpus = aya::util::nr_cpus().expect("possible CPUs");
+    {
+        let mut old: PerCpuArray<_, u64> =
+            PerCpuArray::try_from(Map::PerCpuArray(MapData::from_pin(&path).expect("open old COUNTERS"))).expect("per-CPU array");
+        let mut at_cpu0 = |i: u32, v: u64| {
+            let mut values = vec![0u64; cpus];
+            values[0] = v;
+            old.set(i, PerCpuValues::try_from(values).expect("values"), 0).expect("set");
+        };
+        at_cpu0(counter::ENDED_TCP_GONE_AFTER_TERMINATING, 12_345);
+        at_cpu0(counter::TRANSLATED, 777);
+    }
+    node.start_agent();
+    eventually("COUNTERS migrated to the agent's size", || {
+        let n = aya::maps::MapInfo::from_pin(&path).map(|i| i.max_entries()).map_err(|e| e.to_string())?;
+        if n == counter::COUNT { Ok(()) } else { Err(format!("{n} entries")) }
+    });
+    assert_eq!(counter_value(&node, counter::ENDED_TCP_GONE_AFTER_TERMINATING), 12_345, "the old counts are carried over");
+    wait_for_backends(&node, &net, "10.96.0.30:80", &[], &["pod-c"]);
+    assert!(counter_value(&node, counter::TRANSLATED) > 777, "and the new programs count on top of them");
+    assert!(!node.agent_log().contains("counters, this agent has"), "no warning about the counter array");
 }
 
 // ---------------------------------------------------------------------

@@ -470,9 +470,9 @@ pub mod counter {
     /// the connection still went to its backend, and its record went to
     /// socket storage (`SOCK_PEER`) instead.
     pub const SOCK_RECORD_FULL: u32 = 16;
-    /// The size of the array. Datapaths pinned by an agent version with 8
-    /// counters keep their array (the counters above 7 then count nothing
-    /// until `proxy-agent reset`).
+    /// The size of the array. A datapath pinned by an agent version with
+    /// fewer counters gets a new array of this size at the upgrade, its
+    /// counts carried over (proxy-agent `map_migration::plan`).
     pub const COUNT: u32 = 17;
 
     /// Names for display, indexed by counter id.

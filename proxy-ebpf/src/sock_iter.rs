@@ -178,6 +178,15 @@ fn try_terminate(ctx: *mut IterSockCtx, proto: u8) -> Option<()> {
             (*counts).failed += 1;
         }
     }
+    if rc == 0 {
+        // The aborted socket stays open until its owner closes it (the
+        // release program then finds nothing), and it can never again
+        // report this peer: its record goes now, so that an application
+        // slow to close, or leaking, the socket holds no slot of the
+        // preallocated map. A record the socket gets by connecting again
+        // is written afresh by the connect hook.
+        let _ = SOCK_REC.remove(cookie);
+    }
     Some(())
 }
 

@@ -230,6 +230,14 @@ pub(crate) unsafe fn elem(cmd: libc::c_long, fd: BorrowedFd<'_>, key: *const u8,
     if rc == 0 { Ok(()) } else { Err(io::Error::last_os_error()) }
 }
 
+/// Deletes `key` from the map behind `fd` (`BPF_MAP_DELETE_ELEM`); the
+/// caller knows the map's key type to be `K`.
+pub(crate) fn delete_elem<K: Pod>(fd: BorrowedFd<'_>, key: &K) -> io::Result<()> {
+    // SAFETY: `key` is a live `K`, the map's key type; a delete reads the
+    // key only and takes no value.
+    unsafe { elem(BPF_MAP_DELETE_ELEM, fd, std::ptr::from_ref(key).cast(), std::ptr::null_mut(), 0) }
+}
+
 /// Entries asked for per lookup call at first; doubled when one hash
 /// bucket holds more (ENOSPC).
 const LOOKUP_PER_CALL: usize = 8192;

@@ -17,7 +17,7 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
-use aya::maps::{MapData, MapInfo, MapType};
+use aya::maps::{Map, MapData, MapInfo, MapType, PerCpuArray, PerCpuValues};
 
 use crate::datapath::bpf_batch::{self, BPF_MAP_GET_NEXT_KEY, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM};
 use crate::datapath::maps::{self, Capacities, MapSpec};
@@ -70,6 +70,15 @@ pub fn pinned_capacities(pin_dir: &Path) -> [Option<u32>; 6] {
 pub fn plan(pin_dir: &Path, caps: &Capacities) -> (Vec<Migration>, Vec<String>) {
     let mut out = Vec::new();
     let mut warnings = Vec::new();
+    // The socket hooks' counter array grows as reasons are added
+    // (`counter::COUNT`); one pinned by an older build is recreated at the
+    // new size, its counts carried over (see `add_counters`), so that the
+    // new reasons count without a `proxy-agent reset`.
+    if let Ok(info) = MapInfo::from_pin(pin_dir.join(maps::COUNTERS.name))
+        && info.max_entries() < proxy_common::counter::COUNT
+    {
+        out.push(Migration { spec: &maps::COUNTERS, from: info.max_entries(), to: proxy_common::counter::COUNT });
+    }
     for m in maps::MAPS {
         let Some(c) = m.capacity else { continue };
         let path = pin_dir.join(m.name);
@@ -96,10 +105,43 @@ pub fn plan(pin_dir: &Path, caps: &Capacities) -> (Vec<Migration>, Vec<String>) 
 pub fn copy(pin_dir: &Path, m: &Migration, only_missing: bool) -> Result<u64, MigrationError> {
     let name = m.spec.name;
     let open = |path: PathBuf| MapData::from_pin(&path).map_err(|source| MigrationError::Open { map: name, path, source });
+    if m.spec.map_type == MapType::PerCpuArray {
+        // Counters are added once, after the swap (`add_counters`): a copy
+        // before it would miss what the old programs count until then.
+        return if only_missing { add_counters(open(pin_dir.join(name))?, open(staged_pin(pin_dir, name))?, m) } else { Ok(0) };
+    }
     let old = open(pin_dir.join(name))?;
     let new = open(staged_pin(pin_dir, name))?;
     copy_entries(old.fd().as_fd(), new.fd().as_fd(), m.spec, u64::from(m.from), only_missing)
         .map_err(|source| MigrationError::Copy { map: name, source })
+}
+
+/// Adds every per-CPU count of the old counter array to the new one's,
+/// index by index. Called once the old programs are detached, so the old
+/// counts are final; the new array already holds what the new programs
+/// counted since they were attached, hence an addition rather than a copy.
+/// A count the new programs add on a CPU between this read and write is
+/// lost (the programs themselves increment without atomics, per CPU), a
+/// window of one syscall per index at start-up. Returns how many indices
+/// carried a count.
+fn add_counters(old: MapData, new: MapData, m: &Migration) -> Result<u64, MigrationError> {
+    let name = m.spec.name;
+    let err = |e: aya::maps::MapError| MigrationError::Copy { map: name, source: io::Error::other(e) };
+    let old: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(old)).map_err(err)?;
+    let mut new: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(new)).map_err(err)?;
+    let mut carried = 0;
+    for i in 0..m.from.min(m.to) {
+        let before = old.get(&i, 0).map_err(err)?;
+        if before.iter().all(|v| *v == 0) {
+            continue;
+        }
+        let now = new.get(&i, 0).map_err(err)?;
+        let sum: Vec<u64> = before.iter().zip(now.iter()).map(|(a, b)| a.wrapping_add(*b)).collect();
+        let values = PerCpuValues::try_from(sum).map_err(|e| MigrationError::Copy { map: name, source: e })?;
+        new.set(i, values, 0).map_err(err)?;
+        carried += 1;
+    }
+    Ok(carried)
 }
 
 /// Renames the staged copy over the old pin.

@@ -25,6 +25,7 @@ pub mod port_bits;
 pub mod sizing;
 pub mod sock_destroy;
 pub mod sock_diag;
+pub mod sock_rec_sweep;
 pub mod sock_iter;
 pub mod socket_loader;
 pub mod tc_loader;

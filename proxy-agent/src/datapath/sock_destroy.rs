@@ -51,7 +51,7 @@ use proxy_common as pc;
 use proxy_common::{SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue, SockTerminateKey};
 
 use crate::datapath::conntrack_gc::{self, FlowEnds};
-use crate::datapath::kernel_features;
+use crate::datapath::{bpf_batch, kernel_features};
 use crate::datapath::keys::{backend_value, ip_of};
 use crate::datapath::netns;
 use crate::datapath::sock_diag::{self, DiagSock, DiagSocket};
@@ -291,6 +291,10 @@ struct ProofMaps {
     revnat: HashMap<MapData, SockRevNatKey, SockRevNatValue>,
     /// `SOCK_REC`; `None` in pins of an agent version without it.
     rec: Option<HashMap<MapData, u64, SockRecValue>>,
+    /// `SOCK_REC` again, for deleting the record of a socket this walk
+    /// aborted (the typed handle's `remove` wants it exclusively, and the
+    /// walk shares these maps across namespaces).
+    rec_delete: Option<MapData>,
     /// `SOCK_PEER`, whose values TCP dumps carry; `None` in pins of an
     /// agent version without it, whose sockets are all in `SOCK_REVNAT`.
     peer: Option<MapData>,
@@ -301,7 +305,8 @@ impl ProofMaps {
         let data = MapData::from_pin(pin_dir.join(pc::SOCK_REVNAT_MAP))?;
         let peer = MapData::from_pin(pin_dir.join(pc::SOCK_PEER_MAP)).ok();
         let rec = MapData::from_pin(pin_dir.join(pc::SOCK_REC_MAP)).ok().and_then(|d| HashMap::try_from(Map::HashMap(d)).ok());
-        Ok(ProofMaps { revnat: HashMap::try_from(Map::LruHashMap(data))?, rec, peer })
+        let rec_delete = MapData::from_pin(pin_dir.join(pc::SOCK_REC_MAP)).ok();
+        Ok(ProofMaps { revnat: HashMap::try_from(Map::LruHashMap(data))?, rec, rec_delete, peer })
     }
 }
 
@@ -620,6 +625,13 @@ fn sweep_namespace(inode: u64, targets: &Targets, maps: &ProofMaps) -> NsOutcome
                         reason = d.reason.label(),
                         "socket terminated"
                     );
+                    // As the iterator program does after its abort
+                    // (proxy-ebpf/src/sock_iter.rs): the socket stays open
+                    // until its owner closes it, and its record is of no
+                    // further use.
+                    if let Some(m) = maps.rec_delete.as_ref() {
+                        let _ = bpf_batch::delete_elem(m.fd().as_fd(), &s.cookie);
+                    }
                     out.terminated.push((d.clone(), s));
                 }
                 // Closed since the dump: nothing left to do.

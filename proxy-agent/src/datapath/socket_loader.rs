@@ -27,7 +27,7 @@ use proxy_common as pc;
 use crate::datapath::kernel_features::{self, KernelFeatures};
 use crate::datapath::maps::{self, Capacities};
 use crate::datapath::object::{self, EBPF_OBJECT, LINKS_DIR};
-use crate::datapath::{bpf_batch, map_migration, mounts, port_bits, tc_loader};
+use crate::datapath::{bpf_batch, map_migration, mounts, port_bits, sock_rec_sweep, tc_loader};
 use crate::util::error_chain::error_chain;
 
 /// Socket programs, by function name in the object.
@@ -168,8 +168,8 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
     // maps since the first copy is added, then the new maps take the
     // pins. The TC programs move to them when tc_loader installs next.
     for (m, n) in migrations.iter().zip(&mut copied) {
-        // The programs write the LRU maps and SOCK_REC too.
-        if m.spec.map_type == aya::maps::MapType::LruHash || m.spec.name == pc::SOCK_REC_MAP {
+        // The programs write the LRU maps, SOCK_REC and the counters too.
+        if matches!(m.spec.map_type, aya::maps::MapType::LruHash | aya::maps::MapType::PerCpuArray) || m.spec.name == pc::SOCK_REC_MAP {
             *n += map_migration::copy(pin_dir, m, true)?;
         }
         map_migration::commit(pin_dir, m)?;
@@ -199,6 +199,14 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
         let map = ebpf.map_mut(pc::SOCK_CONFIG_MAP).ok_or(LoadError::MissingMap { map: pc::SOCK_CONFIG_MAP })?;
         let mut config: Array<_, pc::SockConfig> = Array::try_from(map).map_err(|e| LoadError::LegacyConfig(io::Error::other(e)))?;
         config.set(0, pc::SockConfig { legacy_revnat_cookie_below: below }, 0).map_err(|e| LoadError::LegacyConfig(io::Error::other(e)))?;
+    }
+    // The release program runs now, and the migrated maps hold their pins:
+    // records of sockets released before either are deleted (see
+    // `sock_rec_sweep`). A failed sweep only leaves slots taken.
+    match sock_rec_sweep::sweep(pin_dir) {
+        Ok(s) if s.deleted > 0 => tracing::info!(records = s.records, deleted = s.deleted, "SOCK_REC: records of closed sockets deleted"),
+        Ok(_) => {}
+        Err(e) => warnings.push(format!("sweeping SOCK_REC: {e}")),
     }
     Ok(warnings)
 }
@@ -285,11 +293,11 @@ fn check_pinned_maps(pin_dir: &Path) -> Result<Vec<String>, LoadError> {
                 m.value_size
             )));
         }
-        // The counter arrays grow as reasons are added; one pinned by an
-        // older version keeps its size, and the programs' lookups past its
-        // end find nothing, so those reasons go uncounted.
+        // The counter arrays grow as reasons are added. The socket hooks'
+        // is migrated to the new size (`map_migration::plan`); the TC
+        // programs' keeps the size it was pinned with, and their lookups
+        // past its end find nothing, so those reasons go uncounted.
         let counters = match m.name {
-            pc::COUNTERS_MAP => Some(pc::counter::COUNT),
             pc::NP_COUNTERS_MAP => Some(pc::np_counter::COUNT),
             _ => None,
         };
