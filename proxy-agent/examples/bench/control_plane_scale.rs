@@ -723,7 +723,7 @@ impl Results {
             t.push(Target {
                 name: format!("Node watch bytes per agent {what}, {at} ({server})"),
                 goal: goal.into(),
-                measured: if m.is_nan() { "–".into() } else { format!("{m:.1} KB/s") },
+                measured: if m.is_nan() { "–".into() } else { format!("{m:.3} KB/s") },
                 met: m.is_finite().then_some(m <= limit),
             });
         }
