@@ -34,7 +34,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
 use proxy_test_support::sandbox::{Cgroup, PinDir};
 use serde_json::{Value, json};
 
@@ -176,17 +176,6 @@ fn max_bound(b: &[(f64, u64)]) -> f64 {
     b.iter().find(|(_, c)| *c == total && total > 0).map_or(f64::NAN, |x| x.0)
 }
 
-fn metrics_of(log: &Path) -> Result<String> {
-    let text = fs::read_to_string(log).unwrap_or_default();
-    let addr = text
-        .rsplit("metrics_address=")
-        .next()
-        .and_then(|s| s.split_whitespace().next())
-        .filter(|_| text.contains("metrics_address="))
-        .context("the agent logged no metrics address")?;
-    crate::control_plane::http_get(addr, "/metrics")
-}
-
 pub(crate) fn run(o: &Options, rs: &RealServer, agent: &Path, flags: &[String], nodes: usize, scratch: &Path) -> Result<Results> {
     super::step(&format!("control plane churn: creating {} Services x {} endpoints in the real API server", o.services, o.endpoints));
     rs.create_namespace(NAMESPACE)?;
@@ -223,15 +212,10 @@ pub(crate) fn run(o: &Options, rs: &RealServer, agent: &Path, flags: &[String], 
                     return;
                 }
                 let mut not_ready = vec![0u128; mine.len()];
-                let period = Duration::from_secs_f64(WRITERS as f64 / o.rate);
-                let begin = Instant::now() + period.mul_f64(w as f64 / WRITERS as f64);
-                let mut k: usize = 0;
-                while !stop.load(Ordering::Relaxed) {
-                    let due = begin + period.mul_f64(k as f64);
-                    let now = Instant::now();
-                    if due > now {
-                        std::thread::sleep(due - now);
-                    }
+                let rate = o.rate / WRITERS as f64;
+                let offset = Duration::from_secs_f64(w as f64 / o.rate);
+                crate::control_plane_scale::paced(rate, offset, stop, |k| {
+                    let k = k as usize;
                     let slot = k % mine.len();
                     let i = mine[slot];
                     not_ready[slot] ^= 1 << ((k / mine.len()) % o.endpoints);
@@ -242,12 +226,11 @@ pub(crate) fn run(o: &Options, rs: &RealServer, agent: &Path, flags: &[String], 
                         failed.fetch_add(1, Ordering::Relaxed);
                     }
                     made.fetch_add(1, Ordering::Relaxed);
-                    k += 1;
-                }
+                });
             });
         }
         std::thread::sleep(Duration::from_secs(o.warmup_secs));
-        let before = buckets(&metrics_of(&log)?);
+        let before = buckets(&crate::control_plane_scale::agent_metrics(&log)?);
         let (t0, c0, k0) = (Instant::now(), crate::control_plane_scale::cpu_seconds(&pid.to_string()), made.load(Ordering::Relaxed));
         std::thread::sleep(Duration::from_secs(o.secs));
         let (c1, k1) = (crate::control_plane_scale::cpu_seconds(&pid.to_string()), made.load(Ordering::Relaxed));
@@ -255,7 +238,7 @@ pub(crate) fn run(o: &Options, rs: &RealServer, agent: &Path, flags: &[String], 
         stop.store(true, Ordering::Relaxed);
         // The last changes land (their latency is in the histogram).
         std::thread::sleep(Duration::from_secs(2));
-        let after = buckets(&metrics_of(&log)?);
+        let after = buckets(&crate::control_plane_scale::agent_metrics(&log)?);
         r.buckets = after.iter().map(|&(le, c)| (le, c.saturating_sub(before.iter().find(|b| b.0 == le).map_or(0, |b| b.1)))).collect();
         r.cpu_pct = 100.0 * (c1 - c0) / r.window_s;
         r.changes = k1 - k0;

@@ -489,21 +489,12 @@ fn one_run(o: &Options, v: Variant, agent: &Path, pop: &Population, scratch: &Pa
     let mut nodes = pop.nodes.clone();
     std::thread::scope(|scope| -> Result<()> {
         let reporter = scope.spawn(|| {
-            let period = Duration::from_secs_f64(1.0 / o.rate);
-            let begin = Instant::now();
-            let mut k: u64 = 0;
-            while !stop.load(Ordering::Relaxed) {
-                let due = begin + period.mul_f64(k as f64);
-                let now = Instant::now();
-                if due > now {
-                    std::thread::sleep(due - now);
-                }
+            paced(o.rate, Duration::ZERO, &stop, |k| {
                 let i = (k % nodes.len() as u64) as usize;
                 realistic_nodes::report_status(&mut nodes[i], &realistic_nodes::now_rfc3339());
                 api.apply(nodes[i].clone());
-                k += 1;
-                sent.store(k, Ordering::Relaxed);
-            }
+                sent.store(k + 1, Ordering::Relaxed);
+            });
         });
         std::thread::sleep(Duration::from_secs(o.warmup_secs));
         let me = std::process::id().to_string();
@@ -569,22 +560,13 @@ fn one_run_real(o: &Options, v: Variant, agent: &Path, pop: &Population, scratch
     let names: Vec<String> = (1..=pop.nodes.len()).map(realistic_nodes::name).collect();
     std::thread::scope(|scope| -> Result<()> {
         let reporter = scope.spawn(|| {
-            let period = Duration::from_secs_f64(1.0 / o.rate);
-            let begin = Instant::now();
-            let mut k: u64 = 0;
-            while !stop.load(Ordering::Relaxed) {
-                let due = begin + period.mul_f64(k as f64);
-                let now = Instant::now();
-                if due > now {
-                    std::thread::sleep(due - now);
-                }
+            paced(o.rate, Duration::ZERO, &stop, |k| {
                 let i = (k % names.len() as u64) as usize;
                 if rs.report_status(&names[i], &realistic_nodes::now_rfc3339()).is_err() {
                     failed.fetch_add(1, Ordering::Relaxed);
                 }
-                k += 1;
-                sent.store(k, Ordering::Relaxed);
-            }
+                sent.store(k + 1, Ordering::Relaxed);
+            });
         });
         std::thread::sleep(Duration::from_secs(o.warmup_secs));
         let server = server_pids();
@@ -628,8 +610,26 @@ fn server_pids() -> Vec<String> {
         .collect()
 }
 
-/// The agent programmed the Service (its /metrics).
-fn check_programmed(log: &Path) -> Result<()> {
+/// Calls `f(k)` for k = 0, 1, ... at `rate` calls per second, the first
+/// after `offset`, until `stop` is raised; a late call is not made up by
+/// a burst beyond catching up with the schedule.
+pub(crate) fn paced(rate: f64, offset: Duration, stop: &AtomicBool, mut f: impl FnMut(u64)) {
+    let period = Duration::from_secs_f64(1.0 / rate);
+    let begin = Instant::now() + offset;
+    let mut k: u64 = 0;
+    while !stop.load(Ordering::Relaxed) {
+        let due = begin + period.mul_f64(k as f64);
+        let now = Instant::now();
+        if due > now {
+            std::thread::sleep(due - now);
+        }
+        f(k);
+        k += 1;
+    }
+}
+
+/// The agent's /metrics, at the address its log names.
+pub(crate) fn agent_metrics(log: &Path) -> Result<String> {
     let text = fs::read_to_string(log).unwrap_or_default();
     let addr = text
         .rsplit("metrics_address=")
@@ -637,7 +637,12 @@ fn check_programmed(log: &Path) -> Result<()> {
         .and_then(|s| s.split_whitespace().next())
         .filter(|_| text.contains("metrics_address="))
         .context("the agent logged no metrics address")?;
-    let m = crate::control_plane::http_get(addr, "/metrics")?;
+    crate::control_plane::http_get(addr, "/metrics")
+}
+
+/// The agent programmed the Service (its /metrics).
+fn check_programmed(log: &Path) -> Result<()> {
+    let m = agent_metrics(log)?;
     let fes = crate::control_plane::metric(&m, "topoproxy_frontends_programmed").unwrap_or(0.0);
     if fes < 1.0 {
         bail!("after its first sync the agent programmed {fes} frontends, expected the Service's");
