@@ -38,6 +38,10 @@ use crate::util;
 const VERSION: &str = "0.16.0";
 /// Set to `0` to build without the cache.
 const OFF_ENV: &str = "TOPOPROXY_SCCACHE";
+/// How long the sccache server stays up without a compile (sccache's
+/// default is 10 minutes): longer than the VM step, so that one server,
+/// whose counts the run prints at the end, serves every build of the run.
+const IDLE_TIMEOUT_SECS: &str = "1800";
 
 /// The wrapper that `util::cmd` hands to every command, once [`enable`]d.
 static WRAPPER: OnceLock<Option<PathBuf>> = OnceLock::new();
@@ -107,7 +111,12 @@ pub(crate) fn enable() -> bool {
             // start would fail every compile, so then the builds run
             // uncached.
             let bin = binary();
-            if util::output(std::process::Command::new(&bin).args(["--show-stats", "--stats-format", "json"])).is_none() {
+            let mut probe = std::process::Command::new(&bin);
+            probe.args(["--show-stats", "--stats-format", "json"]);
+            if std::env::var_os(IDLE_ENV).is_none() {
+                probe.env(IDLE_ENV, IDLE_TIMEOUT_SECS);
+            }
+            if util::output(&mut probe).is_none() {
                 println!("note: the sccache server does not start; builds run uncached");
                 return None;
             }
@@ -119,6 +128,20 @@ pub(crate) fn enable() -> bool {
 /// The wrapper for `RUSTC_WRAPPER`, once enabled.
 pub(crate) fn wrapper() -> Option<&'static PathBuf> {
     WRAPPER.get().and_then(Option::as_ref)
+}
+
+/// sccache's idle timeout variable, read by whichever call starts its server.
+const IDLE_ENV: &str = "SCCACHE_IDLE_TIMEOUT";
+
+/// The environment every command gets while the cache is on: the wrapper,
+/// and the idle timeout for a server a compile may have to start.
+pub(crate) fn env() -> Vec<(&'static str, std::ffi::OsString)> {
+    let Some(w) = wrapper() else { return Vec::new() };
+    let mut env = vec![("RUSTC_WRAPPER", w.as_os_str().to_owned())];
+    if std::env::var_os(IDLE_ENV).is_none() {
+        env.push((IDLE_ENV, IDLE_TIMEOUT_SECS.into()));
+    }
+    env
 }
 
 /// Starts this run's counts from zero.
@@ -143,9 +166,13 @@ pub(crate) fn stats_line() -> Option<String> {
     ))
 }
 
-/// Stops the sccache server, so that nothing of the run stays behind it.
+/// In CI (`CI=true`), stops the sccache server, so that nothing of the
+/// run stays behind it. Elsewhere another xtask run may be compiling
+/// through the same server, which then ends by its idle timeout.
 pub(crate) fn stop() {
-    if let Some(w) = wrapper() {
+    if std::env::var("CI").is_ok_and(|v| v == "true")
+        && let Some(w) = wrapper()
+    {
         let _ = util::output(std::process::Command::new(w).arg("--stop-server"));
     }
 }

@@ -39,9 +39,7 @@ pub(crate) fn path_with_cargo_bin() -> OsString {
 pub(crate) fn cmd(program: impl AsRef<std::ffi::OsStr>) -> Command {
     let mut c = Command::new(program);
     c.env("PATH", path_with_cargo_bin()).stdin(Stdio::null());
-    if let Some(w) = crate::compiler_cache::wrapper() {
-        c.env("RUSTC_WRAPPER", w);
-    }
+    c.envs(crate::compiler_cache::env());
     c
 }
 
