@@ -69,6 +69,7 @@ NON_DEFAULT = {
     "nodeIPs": ["192.0.2.21", "2001:db8::21"],
     "snatPortRange": "40000-45000",
     "tcMode": "netlink",
+    "tcFastPath": "off",
     "terminateTcp": "never",
     "xdp": "native",
     "maglev": {"tableSize": 65521},
@@ -286,6 +287,7 @@ def test_agent_arguments_environment_and_probes(default_objects):
         "--metrics-address": "0.0.0.0:10256",
         "--devices": "auto",
         "--tc-mode": "auto",
+        "--tc-fast-path": "auto",
         "--terminate-tcp": "gone",
         "--xdp": "off",
         "--maglev-table-size": "16381",
@@ -408,6 +410,7 @@ def test_values_reach_the_agent(custom_objects):
         "--node-ip": "192.0.2.21,2001:db8::21",
         "--snat-port-range": "40000-45000",
         "--tc-mode": "netlink",
+        "--tc-fast-path": "off",
         "--terminate-tcp": "never",
         "--xdp": "native",
         "--maglev-table-size": "65521",
@@ -468,6 +471,12 @@ def test_xdp_is_off_and_maglev_tables_on_by_default(default_objects):
 @pytest.mark.parametrize("mode, flag", [("auto", "auto"), ("tcx", "tcx"), ("netlink", "netlink"), (None, "auto")])
 def test_tc_mode_value_becomes_the_flag(mode, flag):
     assert args_of(one(render({"tcMode": mode}), "DaemonSet"))["--tc-mode"] == flag
+
+
+# The TC fast path is on unless told off; a bare off in YAML is false.
+@pytest.mark.parametrize("value, flag", [("auto", "auto"), ("off", "off"), (False, "off"), (None, "auto")])
+def test_tc_fast_path_value_becomes_the_flag(value, flag):
+    assert args_of(one(render({"tcFastPath": value}), "DaemonSet"))["--tc-fast-path"] == flag
 
 
 # Connections to departed backends: TCP ends only once its endpoint is

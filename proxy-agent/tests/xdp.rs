@@ -134,6 +134,23 @@ impl World {
     /// Starts the agent with `--xdp <xdp>`; an empty `xdp` leaves the
     /// flag out (the default).
     fn start_agent(&mut self, xdp: &str) {
+        self.start_agent_with(xdp, &[]);
+    }
+
+    /// Waits until the agent started `runs`-th in this world has attached
+    /// its programs (the old ones serve until then: a probe that answers
+    /// proves nothing about the new agent), with the fast path as `fast`.
+    fn wait_attached(&self, runs: usize, fast: bool) {
+        let want = format!("tc_fast_path={fast}");
+        eventually(&format!("agent run {runs} to attach its programs with {want}"), || {
+            let log = std::fs::read_to_string(&self.log).unwrap_or_default();
+            let ready: Vec<&str> = log.lines().filter(|l| l.contains("external traffic datapath ready")).collect();
+            if ready.len() >= runs && ready[runs - 1].contains(&want) { Ok(()) } else { Err(ready.len()) }
+        });
+    }
+
+    /// `start_agent` with more flags (`--tc-fast-path`).
+    fn start_agent_with(&mut self, xdp: &str, extra: &[&str]) {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("open log");
         let mut cmd = command_in(agent_bin(), Some(&self.node), None).expect("agent command");
         cmd.arg("run")
@@ -146,6 +163,7 @@ impl World {
             .arg(self.pins.path())
             .args(["--poll-interval-ms", "50", "--devices", "n-c,n-b", "--node-ip", &format!("{},{}", V4.node, V6.node)])
             .args(if xdp.is_empty() { Vec::new() } else { vec!["--xdp", xdp] })
+            .args(extra)
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("dup log"))
             .stderr(log);
@@ -160,6 +178,38 @@ impl World {
 
     fn counter(&self, name: &str) -> u64 {
         proxy_agent::datapath::dump::np_counters(self.pins.path()).unwrap_or_default().get(name).copied().unwrap_or(0)
+    }
+
+    /// A TC fast-path counter (`NP_FAST_COUNTERS`), summed over CPUs.
+    fn fast_counter(&self, name: &str) -> u64 {
+        proxy_agent::datapath::dump::np_fast_counters(self.pins.path()).unwrap_or_default().get(name).copied().unwrap_or(0)
+    }
+
+    /// Packets the node's FORWARD chain saw for `fam` (the counter of a
+    /// rule `forward_counter_rule` put first in the chain).
+    fn forward_packets(&self, fam: Family) -> u64 {
+        let tool = if fam.node.contains(':') { "ip6tables" } else { "iptables" };
+        let out = command_in(tool, Some(&self.node), None)
+            .expect("iptables")
+            .args(["-w", "-L", "FORWARD", "1", "-v", "-x", "-n"])
+            .output()
+            .expect("run iptables");
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.split_whitespace().next().and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("{tool} -L FORWARD 1 printed {text:?}"))
+    }
+
+    /// A counting rule (no target) first in the node's FORWARD chain of both
+    /// families, whose packet count `forward_packets` reads: every
+    /// packet the stack forwards passes it.
+    fn forward_counter_rule(&self) {
+        for tool in ["iptables", "ip6tables"] {
+            let st = command_in(tool, Some(&self.node), None)
+                .expect("iptables")
+                .args(["-w", "-I", "FORWARD", "1", "-m", "comment", "--comment", "topoproxy-test"])
+                .status()
+                .expect("run iptables");
+            assert!(st.success(), "{tool} -I FORWARD failed");
+        }
     }
 
     fn xdp_devices(&self) -> Vec<String> {
@@ -217,6 +267,7 @@ impl Drop for World {
         }
         if std::thread::panicking() {
             eprintln!("--- agent log ---\n{}", std::fs::read_to_string(&self.log).unwrap_or_default());
+            eprintln!("--- dump ---\n{}", self.dump().0);
         }
         // The pins (XDP link included) go with `pins`, the devices with the
         // namespaces.
@@ -351,6 +402,146 @@ fn remote_backend_through_xdp(fam: Family) {
     }
     assert_eq!(w.counter("xdp_forwarded"), forwarded, "XDP is detached");
     assert!(w.counter("tracked") > tracked, "TC did not carry the flow on");
+    w.stop_agent();
+}
+
+// ---------------------------------------------------------------------------
+// The TC fast path (`--tc-fast-path`, proxy-ebpf/src/tc_fast.rs), XDP off:
+// the same topology, the node's FORWARD chain counted by iptables.
+// ---------------------------------------------------------------------------
+
+#[test]
+fn tc_fast_path_forwards_remote_flows_past_the_forward_chain_and_off_restores_the_stack() {
+    tc_fast_path_bypasses_forward(V4);
+}
+
+#[test]
+fn tc_fast_path_forwards_remote_flows_over_ipv6_past_the_forward_chain_and_off_restores_the_stack() {
+    tc_fast_path_bypasses_forward(V6);
+}
+
+/// One family, TCP and UDP to the remote backend, XDP off: with the fast
+/// path (the default) the flows' packets, both ways, leave from TC ingress
+/// and the FORWARD chain's counter stays still; a long-lived connection
+/// goes on across a restart that adopts the pinned programs and across
+/// one to `--tc-fast-path off`, after which the stack forwards again and
+/// the counter moves.
+fn tc_fast_path_bypasses_forward(fam: Family) {
+    let mut w = World::new();
+    w.forward_counter_rule();
+    w.start_agent("");
+    w.wait_attached(1, true);
+    let (http, dns) = (at(fam.node, 30080), at(fam.node, 30053));
+    // The first flows resolve the neighbours through the stack (the fast
+    // path needs a resolved one: `tc_stack_no_route`).
+    w.wait_answers(&http, &[]);
+    w.wait_answers(&dns, &["--udp"]);
+    let echo_addr: SocketAddr = at(fam.node, 30090).parse().expect("addr");
+    let _accepted = echo_server(&w.backend, at(fam.backend, 9090).parse().expect("addr")).expect("echo server");
+    let mut s = connect(&w.client, echo_addr);
+    let mut r = BufReader::new(s.try_clone().expect("clone"));
+    echo(&mut s, &mut r, "warm");
+    let (fwd, fast, reply) = (w.forward_packets(fam), w.fast_counter("tc_fast_forwarded"), w.fast_counter("tc_fast_reply_forwarded"));
+    // New TCP connections (SYN included) and UDP flows, and the long-lived one.
+    w.wait_answers(&http, &[]);
+    w.wait_answers(&dns, &["--udp"]);
+    for i in 0..5 {
+        echo(&mut s, &mut r, &format!("fast {i}"));
+    }
+    assert_eq!(w.forward_packets(fam), fwd, "the stack forwarded packets the fast path should have sent");
+    assert!(w.fast_counter("tc_fast_forwarded") > fast, "nothing went the fast way to the backend");
+    assert!(w.fast_counter("tc_fast_reply_forwarded") > reply, "no reply went the fast way to the client");
+    assert_eq!(w.counter("rewrite_failed"), 0);
+    let (text, json) = w.dump();
+    assert!(text.contains("tc fast path: "), "{text}");
+    assert!(json["nodeport"]["fastPath"]["tc_fast_forwarded"].as_u64().is_some_and(|n| n > 0), "{json}");
+
+    // A restart adopts the pinned programs (tcx links or clsact filters)
+    // with the fast path on: the connection goes on, fast.
+    w.stop_agent();
+    echo(&mut s, &mut r, "between agents");
+    w.start_agent("");
+    w.wait_attached(2, true);
+    w.wait_answers(&http, &[]);
+    let fast = w.fast_counter("tc_fast_forwarded");
+    echo(&mut s, &mut r, "after restart");
+    assert!(w.fast_counter("tc_fast_forwarded") > fast, "the restarted programs did not take the fast path");
+
+    // `off`: the stack forwards again, FORWARD counts, the flow goes on.
+    w.stop_agent();
+    w.start_agent_with("", &["--tc-fast-path", "off"]);
+    w.wait_attached(3, false);
+    w.wait_answers(&http, &[]);
+    let (fwd, fast, reply) = (w.forward_packets(fam), w.fast_counter("tc_fast_forwarded"), w.fast_counter("tc_fast_reply_forwarded"));
+    w.wait_answers(&http, &[]);
+    w.wait_answers(&dns, &["--udp"]);
+    for i in 0..5 {
+        echo(&mut s, &mut r, &format!("stack {i}"));
+    }
+    assert!(w.forward_packets(fam) > fwd, "with --tc-fast-path off the FORWARD chain saw nothing");
+    assert_eq!(w.fast_counter("tc_fast_forwarded"), fast, "--tc-fast-path off still sent packets the fast way");
+    assert_eq!(w.fast_counter("tc_fast_reply_forwarded"), reply, "--tc-fast-path off still sent replies the fast way");
+    w.stop_agent();
+}
+
+#[test]
+fn tc_fast_path_follows_a_neighbour_change_and_leaves_packets_over_the_mtu_to_the_stack() {
+    let mut w = World::new();
+    w.backend.ip(&["link", "set", "eth0", "address", BACKEND_ETH0_MAC]).expect("backend MAC");
+    w.forward_counter_rule();
+    w.start_agent("");
+    let dns = at(V4.node, 30053);
+    w.wait_answers(&dns, &["--udp"]);
+    let to: SocketAddr = dns.parse().expect("addr");
+    let sock = in_netns(&w.client, move || -> std::io::Result<std::net::UdpSocket> {
+        let s = std::net::UdpSocket::bind("10.0.1.1:0")?;
+        s.connect(to)?;
+        s.set_read_timeout(Some(Duration::from_millis(300)))?;
+        Ok(s)
+    })
+    .expect("netns")
+    .expect("client socket");
+    let ask = |len: usize| -> Result<String, String> {
+        sock.send(&vec![b'x'; len]).map_err(|e| format!("send: {e}"))?;
+        let mut buf = [0u8; 2048];
+        let n = sock.recv(&mut buf).map_err(|e| format!("recv: {e}"))?;
+        Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+    };
+    let fast_answer = |w: &World| -> Result<(), String> {
+        let (before, fwd) = (w.fast_counter("tc_fast_forwarded"), w.forward_packets(V4));
+        let answer = ask(32)?;
+        let (after, fwd_after) = (w.fast_counter("tc_fast_forwarded"), w.forward_packets(V4));
+        if answer.contains("pod-b") && after > before && fwd_after == fwd {
+            Ok(())
+        } else {
+            Err(format!("{answer:?} {before}->{after} forward {fwd}->{fwd_after}"))
+        }
+    };
+    eventually("the flow to be answered through the fast path", || fast_answer(&w));
+    // The neighbour changes under the flow: the cached next hop follows
+    // once older than XDP_NEXTHOP_TTL_S (datagrams then go to a MAC nobody
+    // has, and get no answer), and back again.
+    w.node.ip(&["neigh", "replace", "10.0.3.2", "lladdr", NOBODY_MAC, "dev", "n-b", "nud", "permanent"]).expect("neigh");
+    eventually("the flow's next hop to follow the changed neighbour", || match ask(32) {
+        Err(_) => Ok(()),
+        Ok(a) => Err(a),
+    });
+    w.node.ip(&["neigh", "replace", "10.0.3.2", "lladdr", BACKEND_ETH0_MAC, "dev", "n-b", "nud", "permanent"]).expect("neigh");
+    eventually("the same flow to be answered through the fast path again", || fast_answer(&w));
+
+    // A packet longer than the route's MTU goes to the stack: counted
+    // `tc_stack_mtu`; the stack answers the DF datagram with fragmentation
+    // needed (`ip_forward` checks the MTU before the FORWARD hook), which
+    // the TC programs translate back to the client, whose socket reports
+    // EMSGSIZE. Short ones stay on the fast path.
+    w.node.ip(&["link", "set", "n-b", "mtu", "1000"]).expect("mtu");
+    eventually("short datagrams to go the fast way at the lower MTU", || fast_answer(&w));
+    let (mtu, fast, icmp) = (w.fast_counter("tc_stack_mtu"), w.fast_counter("tc_fast_forwarded"), w.counter("icmp_translated"));
+    let long = ask(1200);
+    assert!(w.fast_counter("tc_stack_mtu") > mtu, "a datagram longer than the MTU was not left to the stack");
+    assert_eq!(w.fast_counter("tc_fast_forwarded"), fast, "the fast path sent a datagram longer than the route's MTU");
+    assert!(w.counter("icmp_translated") > icmp, "the stack's fragmentation needed did not reach the client");
+    assert!(long.as_ref().is_err_and(|e| e.contains("os error 90")), "no EMSGSIZE for the long datagram: {long:?}");
     w.stop_agent();
 }
 

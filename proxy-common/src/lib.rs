@@ -1330,14 +1330,15 @@ pub fn sock_port_bit(port_host: u16) -> (u32, u64) {
 // measured by `cargo xtask bench --only xdp`).
 // ---------------------------------------------------------------------------
 
-/// LRU hash, [`XdpNextHopKey`] -> [`XdpNextHopValue`]. Private to the XDP
-/// program's load (not pinned, not in the agent's map table): it is a cache
-/// that refills from `bpf_fib_lookup`, so a restarted agent's program starts
-/// with an empty one and loses nothing.
+/// LRU hash, [`XdpNextHopKey`] -> [`XdpNextHopValue`]. Private to the load
+/// of the XDP program and the TC programs, which share it for the TC fast
+/// path (not pinned, not in the agent's map table): it is a cache that
+/// refills from `bpf_fib_lookup`, so a restarted agent's programs start
+/// with an empty one and lose nothing.
 pub const XDP_NEXTHOP_MAP: &str = "XDP_NEXTHOP";
-/// Its capacity for the XDP program: flows forwarded at once that keep
-/// their next hop cached (about 100 bytes each in the kernel). Loads of the
-/// object that do not run the XDP program create it with one entry.
+/// Its capacity for the XDP program and the TC fast path: flows forwarded
+/// at once that keep their next hop cached (about 100 bytes each in the
+/// kernel). Loads of the object that run neither create it with one entry.
 pub const XDP_NEXTHOP_ENTRIES: u32 = 65_536;
 /// How long a cached next hop is used before `bpf_fib_lookup` is asked
 /// again: a route or neighbour change reaches a flow's packets within this
@@ -1389,6 +1390,60 @@ const _: () = {
     assert!(core::mem::size_of::<XdpNextHopKey>() == 44);
     assert!(core::mem::size_of::<XdpNextHopValue>() == 24);
 };
+
+// ---------------------------------------------------------------------------
+// TC fast path (`--tc-fast-path`): a translated NodePort/LoadBalancer/
+// externalIP packet to or from a remote backend is sent to its next hop from
+// TC ingress (`bpf_fib_lookup`, then `bpf_redirect`), without the stack's
+// routing, netfilter and conntrack. Its next hops share `XDP_NEXTHOP` with
+// the XDP program (same key: the packet as it leaves, and its input device).
+// ---------------------------------------------------------------------------
+
+/// Per-CPU array of `np_fast_counter::COUNT` u64: what the TC fast path
+/// forwarded, and why it left a translated packet to the stack.
+pub const NP_FAST_COUNTERS_MAP: &str = "NP_FAST_COUNTERS";
+/// The `.rodata` global the TC programs read (u8, 1 = fast path on), set
+/// by the loader for each load (`EbpfLoader::override_global`), so `off` is a
+/// constant the verifier prunes.
+pub const TC_FAST_PATH_GLOBAL: &str = "TC_FAST_PATH";
+
+/// Indexes into `NP_FAST_COUNTERS`.
+pub mod np_fast_counter {
+    /// A client's packet, after DNAT and SNAT, redirected to the remote
+    /// backend's next hop.
+    pub const FORWARDED: u32 = 0;
+    /// A remote backend's reply, translated back, redirected towards the
+    /// client's next hop.
+    pub const REPLY_FORWARDED: u32 = 1;
+    /// To the stack: the backend is on this node (a pod or the host
+    /// network), which the stack delivers.
+    pub const STACK_LOCAL_BACKEND: u32 = 2;
+    /// To the stack: the packet is longer than the route's MTU
+    /// (`BPF_FIB_LKUP_RET_FRAG_NEEDED`): the stack fragments it or answers
+    /// with fragmentation needed / packet too big.
+    pub const STACK_MTU: u32 = 3;
+    /// To the stack: `bpf_fib_lookup` gave no usable answer (no route, an
+    /// unresolved neighbour, forwarding off on the input device, a device
+    /// down); the stack resolves the neighbour, later packets go fast.
+    pub const STACK_NO_ROUTE: u32 = 4;
+    /// To the stack: TTL or hop limit 1 or less (the stack answers with
+    /// time exceeded).
+    pub const STACK_TTL: u32 = 5;
+    /// To the stack: the flow's other leg (`CT_DIR_SNAT` or
+    /// `CT_DIR_REPLY`) was missing, e.g. evicted.
+    pub const STACK_NO_ENTRY: u32 = 6;
+    pub const COUNT: u32 = 8;
+    pub const NAMES: [&str; COUNT as usize] = [
+        "tc_fast_forwarded",
+        "tc_fast_reply_forwarded",
+        "tc_stack_local_backend",
+        "tc_stack_mtu",
+        "tc_stack_no_route",
+        "tc_stack_ttl",
+        "tc_stack_no_entry",
+        "reserved7",
+    ];
+}
 
 #[cfg(feature = "user")]
 mod nexthop_pod {

@@ -32,6 +32,7 @@ mod nodeport_maps;
 mod packet;
 mod sock_iter;
 mod sockaddr;
+mod tc_fast;
 mod xdp;
 
 use core::ptr::{addr_of, read_volatile};

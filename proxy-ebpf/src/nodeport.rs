@@ -36,7 +36,7 @@ use proxy_common::{
     CT_DIR_REPLY_SNAT, CT_DIR_SNAT, CT_FLAG_CLOSING, CT_FLAG_REPLIED, CT_FLAG_SNAT, CT_REFRESH_S, CT_TIMEOUT_OTHER_S,
     CT_TIMEOUT_TCP_CLOSING_S, CT_TIMEOUT_TCP_S, CT_TIMEOUT_TCP_SYN_S, CtKey, CtValue, FAMILY_V4, MaglevKey, NP_FLAG_POLICY_LOCAL,
     NpAffinityKey, PROTO_TCP, SOURCE_RANGE_FIXED_BITS, SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRangeKey,
-    affinity_expired, ct_dir_from_client, ct_flags_after, flow_hash, maglev_hash, np_counter, np_port_bit,
+    affinity_expired, ct_dir_from_client, ct_flags_after, flow_hash, maglev_hash, np_counter, np_fast_counter, np_port_bit,
 };
 
 use crate::kernel;
@@ -46,6 +46,7 @@ use crate::nodeport_maps::{
     NP_SOURCE_RANGES, NpScratch, np_count,
 };
 use crate::packet::{Parsed, Pkt, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, addr_copy, parse, rewrite};
+use crate::tc_fast;
 
 /// Let the packet continue (see the module comment).
 const PASS: i32 = TC_ACT_UNSPEC;
@@ -122,6 +123,11 @@ fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> Result<i32,
         // A reply to our SNAT port (ingress) or a backend's reply towards
         // the client (egress): the flow, and the SNAT port, are in use.
         touch::<KERNEL>(&p, v, key.dir);
+        if ingress && tc_fast::enabled() {
+            // A remote backend's reply (only `CT_DIR_REPLY_SNAT` entries
+            // are looked up at ingress).
+            return fast_reply::<KERNEL>(ctx, &p, v, &mut key);
+        }
         return apply(ctx, &p, v);
     }
     if !ingress {
@@ -146,6 +152,9 @@ fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> Result<i32,
         let v = unsafe { &mut *v };
         if keeps_backend(p.proto, v) {
             touch::<KERNEL>(&p, v, CT_DIR_FORWARD);
+            if tc_fast::enabled() {
+                return fast_forward::<KERNEL>(ctx, &p, v, &mut key);
+            }
             return apply(ctx, &p, v);
         }
         np_count(np_counter::STALE_BACKEND);
@@ -159,6 +168,15 @@ fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> Result<i32,
         // the deepest call chain is main -> rewrite -> rewrite_addr or
         // main -> new_flow, never all four frames at once.
         TRANSLATE => {
+            // The flow's first packet takes the fast path too, from the
+            // entries `new_flow` just wrote (a refusal keeps none).
+            if tc_fast::enabled()
+                && let Some(v) = NP_CT.get_ptr_mut(&key)
+            {
+                // SAFETY: an NP_CT value pointer, valid for the run; races
+                // as for the reply entry above.
+                return fast_forward::<KERNEL>(ctx, &p, unsafe { &mut *v }, &mut key);
+            }
             let Some(s) = NP_SCRATCH.get_ptr(0) else {
                 return Err(np_counter::CT_UPDATE_FAILED);
             };
@@ -652,6 +670,77 @@ fn ct_key(p: &Pkt, dir: u8) -> CtKey {
         dir,
         _pad: 0,
     }
+}
+
+/// The fast path for a client's packet of a tracked flow whose forward
+/// entry is `fwd` (`key` is its key, reused for the SNAT leg's): for a
+/// remote backend, DNAT and SNAT at once to the `CT_DIR_SNAT` entry's
+/// tuple, and out to the next hop (tc_fast.rs). A local backend (a pod or
+/// the host network) is delivered by the stack, as without the fast path.
+#[inline(always)]
+fn fast_forward<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, fwd: &CtValue, key: &mut CtKey) -> Result<i32, u32> {
+    if fwd.flags & CT_FLAG_SNAT == 0 {
+        tc_fast::count(np_fast_counter::STACK_LOCAL_BACKEND);
+        return apply(ctx, p, fwd);
+    }
+    key.daddr_be = addr_copy(&fwd.daddr_be);
+    key.dport_be = fwd.dport_be;
+    key.dir = CT_DIR_SNAT;
+    let Some(snat) = NP_CT.get_ptr_mut(key) else {
+        tc_fast::count(np_fast_counter::STACK_NO_ENTRY);
+        return apply(ctx, p, fwd);
+    };
+    // SAFETY: an NP_CT value pointer, valid for the run; races as in
+    // `try_nodeport`.
+    let snat = unsafe { &mut *snat };
+    // What `np_egress` would have done with the packet after routing.
+    touch::<KERNEL>(p, snat, CT_DIR_SNAT);
+    fast_send::<KERNEL>(ctx, p, snat, fwd, np_fast_counter::FORWARDED)
+}
+
+/// The fast path for a remote backend's reply to our SNAT port, whose
+/// `CT_DIR_REPLY_SNAT` entry is `rs` (it names the backend -> client
+/// tuple): the destination and the source are turned back at once, to the
+/// `CT_DIR_REPLY` entry's frontend -> client tuple, and the packet goes to
+/// the client's next hop.
+#[inline(always)]
+fn fast_reply<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, rs: &CtValue, key: &mut CtKey) -> Result<i32, u32> {
+    key.saddr_be = addr_copy(&rs.saddr_be);
+    key.daddr_be = addr_copy(&rs.daddr_be);
+    key.sport_be = rs.sport_be;
+    key.dport_be = rs.dport_be;
+    key.dir = CT_DIR_REPLY;
+    let Some(rev) = NP_CT.get_ptr_mut(key) else {
+        tc_fast::count(np_fast_counter::STACK_NO_ENTRY);
+        return apply(ctx, p, rs);
+    };
+    // SAFETY: an NP_CT value pointer, valid for the run; races as in
+    // `try_nodeport`.
+    let rev = unsafe { &mut *rev };
+    // What `np_egress` would have done with the reply after routing.
+    touch::<KERNEL>(p, rev, CT_DIR_REPLY);
+    fast_send::<KERNEL>(ctx, p, rev, rs, np_fast_counter::REPLY_FORWARDED)
+}
+
+/// Rewrites `p` to `to` and redirects it to the next hop `tc_fast::route`
+/// finds; when there is none usable, translates it to `stack` instead (the
+/// first leg, as without the fast path) and passes it to the stack.
+#[inline(always)]
+fn fast_send<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, to: &CtValue, stack: &CtValue, counter: u32) -> Result<i32, u32> {
+    let rc = tc_fast::route(ctx, p, to, now_s::<KERNEL>());
+    if rc == tc_fast::TO_STACK {
+        return apply(ctx, p, stack);
+    }
+    // A failed store in `route`, or below, may leave the packet half
+    // written: dropped, as `apply` does.
+    if rc < 0 || rewrite(ctx, p, to) != 0 {
+        np_count(np_counter::REWRITE_FAILED);
+        return Ok(TC_ACT_SHOT);
+    }
+    // Translated, as `apply` counts it, and sent by the fast path.
+    np_count(np_counter::TRACKED);
+    tc_fast::count(counter);
+    Ok(tc_fast::redirect(rc as u32))
 }
 
 #[inline(always)]

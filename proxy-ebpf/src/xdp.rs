@@ -68,18 +68,19 @@ use crate::packet::{
     self, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Pkt, TCP_FIN, TCP_RST, addr_copy, csum_replace2, csum_replace4, l4_pkt, read_at,
 };
 
-/// The flows' next hops (see `XdpNextHopKey`). One entry in the object:
-/// the XDP loader gives it `XDP_NEXTHOP_ENTRIES`, and the other loads of
-/// the object, which never run this program, create it that small.
+/// The flows' next hops (see `XdpNextHopKey`), shared with the TC fast
+/// path (tc_fast.rs). One entry in the object: the loads that run this
+/// program or the TC fast path give it `XDP_NEXTHOP_ENTRIES`, and the
+/// other loads of the object create it that small.
 /// LRU, as `NP_CT`: a cache that evicts rather than fills.
 #[map(name = "XDP_NEXTHOP")]
-static XDP_NEXTHOP: LruHashMap<XdpNextHopKey, XdpNextHopValue> = LruHashMap::with_max_entries(1, 0);
+pub(crate) static XDP_NEXTHOP: LruHashMap<XdpNextHopKey, XdpNextHopValue> = LruHashMap::with_max_entries(1, 0);
 
 /// `AF_INET` and `AF_INET6` for `bpf_fib_lookup`.
-const AF_INET: u8 = 2;
-const AF_INET6: u8 = 10;
+pub(crate) const AF_INET: u8 = 2;
+pub(crate) const AF_INET6: u8 = 10;
 /// `BPF_FIB_LKUP_RET_SUCCESS` (include/uapi/linux/bpf.h).
-const FIB_SUCCESS: i64 = 0;
+pub(crate) const FIB_SUCCESS: i64 = 0;
 /// Offsets into the frame: the IP header, then TCP or UDP after IPv4
 /// without options (`L4_V4`) or after IPv6's fixed header (`L4_V6`).
 const L3: usize = ETH_HLEN;
@@ -141,7 +142,7 @@ fn write_mac(data: usize, off: usize, mac: &[u8; 6]) {
 /// word: `mem::zeroed` becomes a call to `memset` (see `write_mac`), and
 /// volatile stores cannot be merged back into one.
 #[inline(always)]
-fn zero_fib_params(fib: &mut core::mem::MaybeUninit<FibParams>) -> &mut FibParams {
+pub(crate) fn zero_fib_params(fib: &mut core::mem::MaybeUninit<FibParams>) -> &mut FibParams {
     const WORDS: usize = core::mem::size_of::<FibParams>() / 4;
     const _: () = assert!(core::mem::size_of::<FibParams>() == WORDS * 4 && core::mem::align_of::<FibParams>() >= 4);
     let words = fib.as_mut_ptr().cast::<u32>();

@@ -86,6 +86,15 @@ pub(crate) struct DatapathArgs {
     /// docs/external-traffic.md).
     #[arg(long, default_value = "off", value_parser = ["off", "auto", "native"])]
     pub xdp: String,
+    /// The TC fast path for NodePort/LoadBalancer/externalIP flows to
+    /// remote backends: `auto` (default) sends a translated packet, and the
+    /// backend's reply, from TC ingress straight to its next hop
+    /// (`bpf_fib_lookup` + `bpf_redirect`), so it bypasses the FORWARD and
+    /// POSTROUTING chains, conntrack and a host firewall's rules; `off`
+    /// hands every translated packet to the stack (see
+    /// docs/external-traffic.md).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "off"])]
+    pub tc_fast_path: String,
     /// Maglev consistent hashing for NodePort/LoadBalancer flows and
     /// unconnected UDP: the entries of every such frontend's table, a
     /// prime, 16381 (the default; fine up to ~160 backends) or 65521 (for
@@ -130,6 +139,7 @@ impl DatapathArgs {
             snat_ports: (lo, hi),
             tc_mode,
             xdp: proxy_agent::datapath::xdp_loader::XdpMode::parse(&self.xdp).unwrap_or_default(),
+            tc_fast: proxy_agent::datapath::tc_loader::TcFastPath::parse(&self.tc_fast_path).unwrap_or_default(),
             maglev_size: self.maglev_table_size,
             maglev_budget: None,
         })

@@ -274,5 +274,9 @@ fn nodeport_table(out: &mut impl Write, np: &NodePortReport) -> std::io::Result<
     }
     let counters: Vec<String> = np.counters.iter().filter(|(k, _)| !k.starts_with("reserved")).map(|(k, v)| format!("{k}={v}")).collect();
     writeln!(out, "  counters: {}", counters.join(" "))?;
+    if !np.fast_path.is_empty() {
+        let fast: Vec<String> = np.fast_path.iter().filter(|(k, _)| !k.starts_with("reserved")).map(|(k, v)| format!("{k}={v}")).collect();
+        writeln!(out, "  tc fast path: {}", fast.join(" "))?;
+    }
     Ok(())
 }

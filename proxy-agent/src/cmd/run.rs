@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use proxy_agent::datapath::dump::{np_counter_sums, socket_counter_sums};
+use proxy_agent::datapath::dump::{np_counter_sums, np_fast_counter_sums, socket_counter_sums};
 use proxy_agent::datapath::kernel_features::KernelFeatures;
 use proxy_agent::datapath::map_migration;
 use proxy_agent::datapath::map_writer::MapWriter;
@@ -375,7 +375,7 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     for w in external_warnings {
         tracing::warn!("{w}");
     }
-    tracing::info!(devices = ?external.devices, node_addresses = ?external.node_addrs, "external traffic datapath ready");
+    tracing::info!(devices = ?external.devices, node_addresses = ?external.node_addrs, tc_fast_path = external.tc_fast_on(), "external traffic datapath ready");
     metrics.set_xdp_devices(&external.devices, &external.xdp_devices());
 
     // Sockets translated to a backend that leaves are terminated (and TC
@@ -392,6 +392,8 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     // NP_COUNTERS and COUNTERS in /metrics, and the conntrack GC of NP_CT.
     let counters_dir = pin_dir.clone();
     metrics.export_nodeport_counters(Box::new(move || np_counter_sums(&counters_dir).map_err(|e| e.to_string())));
+    let counters_dir = pin_dir.clone();
+    metrics.export_tc_fast_counters(Box::new(move || np_fast_counter_sums(&counters_dir).map_err(|e| e.to_string())));
     let counters_dir = pin_dir.clone();
     metrics.export_socket_counters(Box::new(move || socket_counter_sums(&counters_dir).map_err(|e| e.to_string())));
     let _conntrack_gc = conntrack_gc::spawn(pin_dir.clone(), args.datapath.conntrack.gc_config(), metrics.clone());

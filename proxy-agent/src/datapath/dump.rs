@@ -115,6 +115,9 @@ pub struct NpSnapshot {
     /// `NP_PORTS`; `None` when it is not pinned (pins of an agent version
     /// without it).
     pub ports: Option<PortSet>,
+    /// `NP_FAST_COUNTERS` summed over CPUs (empty when not pinned: pins of
+    /// an agent version without the TC fast path).
+    pub fast_counters: Vec<u64>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -313,6 +316,17 @@ pub fn socket_counter_sums(pin_dir: &Path) -> Result<Vec<u64>, DumpError> {
     counter_sums(pin_dir, &maps::COUNTERS, &mut Vec::new())
 }
 
+/// The TC fast path's `NP_FAST_COUNTERS` summed over CPUs, indexed by
+/// counter id (`proxy_common::np_fast_counter::NAMES`). Used by `/metrics`.
+pub fn np_fast_counter_sums(pin_dir: &Path) -> Result<Vec<u64>, DumpError> {
+    counter_sums(pin_dir, &maps::NP_FAST_COUNTERS, &mut Vec::new())
+}
+
+/// [`np_fast_counter_sums`] by name.
+pub fn np_fast_counters(pin_dir: &Path) -> Result<BTreeMap<&'static str, u64>, DumpError> {
+    Ok(pc::np_fast_counter::NAMES.iter().copied().zip(np_fast_counter_sums(pin_dir)?).collect())
+}
+
 /// [`np_counter_sums`] by name, for the counters this agent knows.
 pub fn np_counters(pin_dir: &Path) -> Result<BTreeMap<&'static str, u64>, DumpError> {
     Ok(pc::np_counter::NAMES.iter().copied().zip(np_counter_sums(pin_dir)?).collect())
@@ -335,6 +349,9 @@ fn read_nodeport(pin_dir: &Path, usage: &mut Vec<MapUsage>) -> Result<NpSnapshot
     np.config = Some(config.get(&0, 0).map_err(|error| DumpError::Read { map: pc::NP_CONFIG_MAP, error })?);
     usage.push(MapUsage { name: pc::NP_CONFIG_MAP, entries: u64::from(max), max_entries: max });
     np.counters = counter_sums(pin_dir, &maps::NP_COUNTERS, usage)?;
+    if pin_dir.join(maps::NP_FAST_COUNTERS.name).exists() {
+        np.fast_counters = counter_sums(pin_dir, &maps::NP_FAST_COUNTERS, usage)?;
+    }
     np.ports = read_ports(pin_dir, &maps::NP_PORTS, Bitmap::Tc)?;
     np.maglev_table_bytes = maglev_usage(pin_dir, &maps::NP_MAGLEV, usage)?;
     np.policy = read_policy::<NpAffinityKey>(pin_dir, &TC_SERVICE_MAPS, usage, |k| {
@@ -976,6 +993,11 @@ pub struct NodePortReport {
     /// XDP_NEXTHOP: the next hop the XDP program caches for each flow it
     /// forwards (empty when XDP is off).
     pub xdp_next_hops: Vec<NextHopView>,
+    /// NP_FAST_COUNTERS by name: what the TC fast path sent to the next
+    /// hop (`tc_fast_*`) and why it left translated packets to the stack
+    /// (`tc_stack_*`). Fragments and ICMP errors never reach it: they are
+    /// `pass_fragment` and `icmp_translated` in `counters`.
+    pub fast_path: BTreeMap<String, u64>,
 }
 
 /// One flow's cached next hop (`XDP_NEXTHOP`).
@@ -1220,6 +1242,7 @@ pub fn check_nodeport(np: &NpSnapshot) -> (NodePortReport, Vec<Finding>) {
         port_bits,
         xdp_devices: Vec::new(),
         xdp_next_hops: Vec::new(),
+        fast_path: named(&np.fast_counters, &pc::np_fast_counter::NAMES),
     };
     (report, findings)
 }
@@ -1550,6 +1573,7 @@ mod tests {
                 ct(pc::CT_DIR_FORWARD, ("10.0.0.1", 40000), ("10.96.0.10", 80), (("10.0.0.1", 40000), ("10.244.1.2", 8080)), 10),
                 ct(pc::CT_DIR_REPLY, ("10.244.1.2", 8080), ("10.0.0.1", 40000), (("10.96.0.10", 80), ("10.0.0.1", 40000)), 10),
             ],
+            fast_counters: Vec::new(),
             config: Some(NpConfig {
                 snat_v4_be: u32::from_ne_bytes([10, 0, 3, 1]),
                 snat_port_min: 61000,

@@ -175,6 +175,9 @@ pub static NP_LOCAL: MapSpec = MapSpec::new::<AddrKey, u32>(pc::NP_LOCAL_MAP, Tc
 pub static NP_CT: MapSpec = MapSpec::new::<CtKey, CtValue>(pc::NP_CT_MAP, Tc, MapType::LruHash, Some(Capacity::NpConntrack));
 pub static NP_CONFIG: MapSpec = MapSpec::new::<u32, NpConfig>(pc::NP_CONFIG_MAP, Tc, MapType::Array, None);
 pub static NP_COUNTERS: MapSpec = MapSpec::new::<u32, u64>(pc::NP_COUNTERS_MAP, Tc, MapType::PerCpuArray, None);
+/// The TC fast path's counters (`proxy_common::np_fast_counter`): an own
+/// array, so that `NP_COUNTERS` keeps the size older agents pinned.
+pub static NP_FAST_COUNTERS: MapSpec = MapSpec::new::<u32, u64>(pc::NP_FAST_COUNTERS_MAP, Tc, MapType::PerCpuArray, None);
 pub static NP_AFFINITY: MapSpec =
     MapSpec::new::<NpAffinityKey, AffinityValue>(pc::NP_AFFINITY_MAP, Tc, MapType::LruHash, Some(Capacity::Affinity));
 pub static NP_AFFINITY_MATCH: MapSpec =
@@ -197,7 +200,7 @@ pub static SOCK_PORTS: MapSpec = MapSpec::new::<u32, u64>(pc::SOCK_PORTS_MAP, So
 
 /// Every pinned map. Maps of the object that are not listed (per-CPU
 /// scratch space) are private to each load.
-pub static MAPS: [&MapSpec; 27] = [
+pub static MAPS: [&MapSpec; 28] = [
     &SERVICES,
     &SLOTS,
     &BACKENDS,
@@ -218,6 +221,7 @@ pub static MAPS: [&MapSpec; 27] = [
     &NP_CT,
     &NP_CONFIG,
     &NP_COUNTERS,
+    &NP_FAST_COUNTERS,
     &NP_AFFINITY,
     &NP_AFFINITY_MATCH,
     &NP_SOURCE_RANGES,
@@ -293,6 +297,7 @@ mod tests {
             pc::NP_CT_MAP,
             pc::NP_CONFIG_MAP,
             pc::NP_COUNTERS_MAP,
+            pc::NP_FAST_COUNTERS_MAP,
             pc::NODE_NETNS_MAP,
             pc::AFFINITY_MAP,
             pc::AFFINITY_MATCH_MAP,

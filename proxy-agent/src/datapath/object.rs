@@ -42,6 +42,25 @@ pub fn load_xdp(object: &[u8], pin_dir: &Path) -> Result<Ebpf, EbpfError> {
     })
 }
 
+/// The TC fast path's value of the programs' `TC_FAST_PATH` global.
+static FAST_ON: u8 = 1;
+
+/// [`load`] for the external-traffic programs of a node (TC, and XDP from
+/// the same object): with `fast`, the TC programs' fast path is on
+/// (`TC_FAST_PATH`, a read-only global fixed at load). The next-hop cache
+/// the fast path and the XDP program share (`XDP_NEXTHOP`) gets its
+/// working capacity when either runs (`nexthops`).
+pub fn load_external(object: &[u8], pin_dir: &Path, fast: bool, nexthops: bool) -> Result<Ebpf, EbpfError> {
+    load_with(object, pin_dir, None, &[], |loader| {
+        if nexthops {
+            loader.map_max_entries(pc::XDP_NEXTHOP_MAP, pc::XDP_NEXTHOP_ENTRIES);
+        }
+        if fast {
+            loader.override_global(pc::TC_FAST_PATH_GLOBAL, &FAST_ON, true);
+        }
+    })
+}
+
 fn load_with(
     object: &[u8],
     pin_dir: &Path,

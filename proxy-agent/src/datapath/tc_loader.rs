@@ -75,13 +75,72 @@ pub enum TcError {
     PortBits(#[from] port_bits::PortBitsError),
 }
 
+/// `--tc-fast-path`: whether the TC programs send translated packets of
+/// flows to remote backends straight to their next hop (proxy-ebpf's
+/// tc_fast.rs), bypassing the stack's forwarding path.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TcFastPath {
+    /// On where the kernel loads it (every kernel from the 5.10 floor has
+    /// its helpers; a refusal is logged and the stack path used).
+    #[default]
+    Auto,
+    /// The stack forwards every translated packet, as before the fast path.
+    Off,
+}
+
+impl TcFastPath {
+    /// Parses `auto` or `off`.
+    pub fn parse(s: &str) -> Option<TcFastPath> {
+        match s {
+            "auto" => Some(TcFastPath::Auto),
+            "off" => Some(TcFastPath::Off),
+            _ => None,
+        }
+    }
+}
+
+/// What [`install_external`] loaded: the object (the XDP program is loaded
+/// from it, so that both share the next-hop cache), whether the fast path
+/// is on, and notes for the log.
+pub struct Installed {
+    pub ebpf: Ebpf,
+    pub fast: bool,
+    pub notes: Vec<String>,
+}
+
+/// [`install`] for the agent: the TC programs with the fast path as `fast`
+/// says, from an object whose next-hop cache is sized when the fast path
+/// or XDP (`xdp`) uses it. With `auto`, a kernel that refuses the fast
+/// path's programs gets them without it (noted).
+pub fn install_external(pin_dir: &Path, devices: &[String], mode: TcMode, fast: TcFastPath, xdp: bool) -> Result<Installed, TcError> {
+    let want = fast == TcFastPath::Auto;
+    let mut notes = Vec::new();
+    let (mut ebpf, fast) = match load_external(pin_dir, want, want || xdp) {
+        Ok(e) => (e, want),
+        Err(e) if want => {
+            notes.push(format!(
+                "the TC fast path is off: this kernel refused its programs ({}); translated NodePort traffic goes through the stack",
+                error_chain(&e)
+            ));
+            (load_external(pin_dir, false, xdp)?, false)
+        }
+        Err(e) => return Err(e),
+    };
+    notes.extend(attach_loaded(pin_dir, &mut ebpf, devices, mode)?);
+    Ok(Installed { ebpf, fast, notes })
+}
+
 /// Attaches (or upgrades in place) the ingress and egress programs on every
 /// device in `devices`, and detaches them from pinned devices that are no
 /// longer listed. The socket datapath (`socket_loader::install`) must have created
-/// and pinned the maps first.
+/// and pinned the maps first. The fast path is off (see [`install_external`]).
 pub fn install(pin_dir: &Path, devices: &[String], mode: TcMode) -> Result<Vec<String>, TcError> {
-    let mut warnings = Vec::new();
     let mut ebpf = load_programs(pin_dir)?;
+    attach_loaded(pin_dir, &mut ebpf, devices, mode)
+}
+
+fn attach_loaded(pin_dir: &Path, ebpf: &mut Ebpf, devices: &[String], mode: TcMode) -> Result<Vec<String>, TcError> {
+    let mut warnings = Vec::new();
     // Before any program is attached or swapped in: the programs pass every
     // packet whose port has no bit in NP_PORTS, so the bitmap must cover
     // every frontend, backend and tracked flow first, also when it was just
@@ -103,7 +162,7 @@ pub fn install(pin_dir: &Path, devices: &[String], mode: TcMode) -> Result<Vec<S
     for (program, attach_type, dir) in
         [(INGRESS_PROGRAM, TcAttachType::Ingress, "ingress"), (EGRESS_PROGRAM, TcAttachType::Egress, "egress")]
     {
-        let prog = classifier(&mut ebpf, program)?;
+        let prog = classifier(ebpf, program)?;
         for device in devices {
             let pin = links.join(format!("{LINK_PREFIX}{device}-{dir}"));
             let err = |what: &'static str, reason: String| TcError::Attach { device: device.clone(), what, reason };
@@ -290,7 +349,17 @@ pub fn load_unattached(pin_dir: &Path) -> Result<Ebpf, TcError> {
 /// The eBPF object with every map at its pin under `pin_dir` and both TC
 /// programs loaded (verified), not attached.
 fn load_programs(pin_dir: &Path) -> Result<Ebpf, TcError> {
-    let mut ebpf = object::load(EBPF_OBJECT, pin_dir, None)?;
+    let ebpf = object::load(EBPF_OBJECT, pin_dir, None)?;
+    load_classifiers(ebpf)
+}
+
+/// [`load_programs`] with the fast path as `fast` and the next-hop cache
+/// sized when `nexthops` (see `object::load_external`).
+fn load_external(pin_dir: &Path, fast: bool, nexthops: bool) -> Result<Ebpf, TcError> {
+    load_classifiers(object::load_external(EBPF_OBJECT, pin_dir, fast, nexthops)?)
+}
+
+fn load_classifiers(mut ebpf: Ebpf) -> Result<Ebpf, TcError> {
     for program in [INGRESS_PROGRAM, EGRESS_PROGRAM] {
         classifier(&mut ebpf, program)?.load().map_err(|source| TcError::Program { program, source })?;
     }

@@ -103,7 +103,38 @@ pub fn install(pin_dir: &Path, devices: &[String], mode: XdpMode) -> Result<Vec<
         }
         Err(e) => return Err(e),
     };
-    let prog = program(&mut ebpf)?;
+    attach_loaded(&mut ebpf, pin_dir, devices, mode, notes)
+}
+
+/// [`install`] with the program loaded from `ebpf`, the object the TC
+/// programs were loaded from (`tc_loader::install_external`), so that the
+/// XDP program and the TC fast path share one next-hop cache.
+pub fn install_shared(ebpf: &mut Ebpf, pin_dir: &Path, devices: &[String], mode: XdpMode) -> Result<Vec<String>, XdpError> {
+    let mut notes = Vec::new();
+    if mode == XdpMode::Off {
+        detach_unlisted(pin_dir, &[], &mut notes);
+        return Ok(notes);
+    }
+    match program(ebpf).and_then(|p| p.load().map_err(XdpError::Program)) {
+        Ok(()) => {}
+        Err(e) if mode == XdpMode::Auto => {
+            detach_unlisted(pin_dir, &[], &mut notes);
+            notes.push(format!("the XDP program cannot be loaded ({}); every device stays on TC alone", error_chain(&e)));
+            return Ok(notes);
+        }
+        Err(e) => return Err(e),
+    }
+    attach_loaded(ebpf, pin_dir, devices, mode, notes)
+}
+
+fn attach_loaded(
+    ebpf: &mut Ebpf,
+    pin_dir: &Path,
+    devices: &[String],
+    mode: XdpMode,
+    mut notes: Vec<String>,
+) -> Result<Vec<String>, XdpError> {
+    let prog = program(ebpf)?;
     let links = pin_dir.join(LINKS_DIR);
     fs::create_dir_all(&links).map_err(|source| XdpError::Io { path: links.clone(), source })?;
     let mut on = Vec::new();

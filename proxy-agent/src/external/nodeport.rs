@@ -193,6 +193,9 @@ pub struct ExternalConfig {
     pub tc_mode: crate::datapath::tc_loader::TcMode,
     /// `--xdp`: the XDP program in front of the TC programs.
     pub xdp: crate::datapath::xdp_loader::XdpMode,
+    /// `--tc-fast-path`: translated packets of flows to remote backends
+    /// leave from TC ingress to their next hop, without the stack.
+    pub tc_fast: crate::datapath::tc_loader::TcFastPath,
     /// `--maglev-table-size`: the size of the frontends' Maglev tables
     /// unless their Service's annotation says otherwise.
     pub maglev_size: Option<crate::decide::maglev::TableSize>,
@@ -223,6 +226,27 @@ pub struct ExternalDatapath {
     failed_attach: Option<Vec<(String, u32)>>,
     tc: Option<NodePortWriter>,
     health: crate::external::health_check::HealthServers,
+    /// Whether the attached TC programs run the fast path.
+    tc_fast_on: bool,
+}
+
+/// Attaches the TC programs (fast path as `cfg` says) and the XDP program
+/// from the same object, so that both share the next-hop cache. Returns
+/// whether the fast path is on, and notes for the log.
+fn install_programs(pin_dir: &Path, devices: &[String], cfg: &ExternalConfig) -> anyhow::Result<(bool, Vec<String>)> {
+    use anyhow::Context;
+    let xdp = cfg.xdp != crate::datapath::xdp_loader::XdpMode::Off;
+    let mut installed = crate::datapath::tc_loader::install_external(pin_dir, devices, cfg.tc_mode, cfg.tc_fast, xdp)
+        .context("attaching the TC programs")?;
+    let mut notes = std::mem::take(&mut installed.notes);
+    match crate::datapath::xdp_loader::install_shared(&mut installed.ebpf, pin_dir, devices, cfg.xdp) {
+        Ok(n) => notes.extend(n),
+        Err(e) if xdp => {
+            return Err(anyhow::Error::new(e).context("attaching the XDP program"));
+        }
+        Err(e) => notes.push(format!("detaching the XDP program: {}", crate::util::error_chain::error_chain(&e))),
+    }
+    Ok((installed.fast, notes))
 }
 
 fn with_ifindex(devices: &[String]) -> Vec<(String, u32)> {
@@ -241,6 +265,12 @@ impl ExternalDatapath {
         self.tc.as_ref().map_or(0, NodePortWriter::maglev_refused)
     }
 
+    /// Whether the TC programs run the fast path (`--tc-fast-path auto` on
+    /// a kernel that loaded it, with devices attached).
+    pub fn tc_fast_on(&self) -> bool {
+        self.tc_fast_on
+    }
+
     /// Attaches the TC programs (unless `--devices none`) and opens the
     /// maps. `socket_loader::install` must have run on `pin_dir` first.
     pub fn install(pin_dir: &Path, cfg: &ExternalConfig) -> anyhow::Result<(ExternalDatapath, Vec<String>)> {
@@ -249,6 +279,7 @@ impl ExternalDatapath {
         let resolved = node_addresses::resolve(&addrs, &cfg.devices, &cfg.node_ips, &node_addresses::default_route_devices());
         let mut warnings = Vec::new();
         let mut attached = Vec::new();
+        let mut tc_fast_on = false;
         let tc = if cfg.devices.enabled() {
             if resolved.devices.is_empty() {
                 // Possible with `auto` on a node whose network is not up
@@ -258,10 +289,9 @@ impl ExternalDatapath {
                     "--devices auto found no interface with an address yet; the TC programs are attached when one appears".to_string(),
                 );
             }
-            warnings
-                .extend(crate::datapath::tc_loader::install(pin_dir, &resolved.devices, cfg.tc_mode).context("attaching the TC programs")?);
-            warnings
-                .extend(crate::datapath::xdp_loader::install(pin_dir, &resolved.devices, cfg.xdp).context("attaching the XDP program")?);
+            let (fast, notes) = install_programs(pin_dir, &resolved.devices, cfg)?;
+            tc_fast_on = fast;
+            warnings.extend(notes);
             attached = with_ifindex(&resolved.devices);
             let mut w = NodePortWriter::open(pin_dir).context("opening the TC maps")?;
             w.set_config(resolved.snat_v4, resolved.snat_v6, cfg.snat_ports).context("writing the TC configuration")?;
@@ -290,6 +320,7 @@ impl ExternalDatapath {
                 failed_attach: None,
                 tc,
                 health: crate::external::health_check::HealthServers::new(),
+                tc_fast_on,
             },
             warnings,
         ))
@@ -315,24 +346,19 @@ impl ExternalDatapath {
         if self.cfg.devices.enabled() {
             let want = with_ifindex(&new.devices);
             if want != self.attached && self.failed_attach.as_ref() != Some(&want) {
-                match crate::datapath::tc_loader::install(&self.pin_dir, &new.devices, self.cfg.tc_mode) {
-                    Ok(notes) => {
+                match install_programs(&self.pin_dir, &new.devices, &self.cfg) {
+                    Ok((fast, notes)) => {
                         for n in notes {
                             tracing::info!("{n}");
                         }
-                        tracing::info!(devices = ?new.devices, "TC programs attached to the devices now holding node addresses");
-                        match crate::datapath::xdp_loader::install(&self.pin_dir, &new.devices, self.cfg.xdp) {
-                            Ok(notes) => notes.iter().for_each(|n| tracing::info!("{n}")),
-                            Err(e) => {
-                                tracing::warn!(devices = ?new.devices, error = %crate::util::error_chain::error_chain(&e), "attaching the XDP program failed; the devices stay on TC alone");
-                            }
-                        }
+                        tracing::info!(devices = ?new.devices, tc_fast_path = fast, "TC programs attached to the devices now holding node addresses");
+                        self.tc_fast_on = fast;
                         self.attached = want;
                         self.failed_attach = None;
                         changed = true;
                     }
                     Err(e) => {
-                        tracing::warn!(devices = ?new.devices, error = %crate::util::error_chain::error_chain(&e), "attaching the TC programs failed; retrying when the devices change");
+                        tracing::warn!(devices = ?new.devices, error = format!("{e:#}"), "attaching the TC programs failed; retrying when the devices change");
                         self.failed_attach = Some(want);
                     }
                 }

@@ -228,6 +228,7 @@ pub struct Metrics {
     conntrack_flushed_flows: Family<Labels, Counter>,
     conntrack_flushed_entries: Family<Labels, Counter>,
     nodeport_counters: std::sync::Arc<KernelCounters>,
+    tc_fast_counters: std::sync::Arc<KernelCounters>,
     socket_counters: std::sync::Arc<KernelCounters>,
 }
 
@@ -383,6 +384,12 @@ impl Metrics {
             &proxy_common::np_counter::NAMES,
         ));
         registry.register_collector(Box::new(nodeport_counters.clone()));
+        let tc_fast_counters = std::sync::Arc::new(KernelCounters::new(
+            "tc_fast_path_packets",
+            "Translated external packets of flows to remote backends the TC fast path sent to their next hop (tc_fast_*), or left to the stack, by reason (tc_stack_*) (NP_FAST_COUNTERS, summed over CPUs)",
+            &proxy_common::np_fast_counter::NAMES,
+        ));
+        registry.register_collector(Box::new(tc_fast_counters.clone()));
         let socket_counters = std::sync::Arc::new(KernelCounters::new(
             "socket_lb_calls",
             "Calls of the cgroup socket hooks (connect, sendmsg, recvmsg, getpeername) by outcome (COUNTERS, summed over CPUs)",
@@ -424,6 +431,7 @@ impl Metrics {
             conntrack_flushed_flows,
             conntrack_flushed_entries,
             nodeport_counters,
+            tc_fast_counters,
             socket_counters,
         }
     }
@@ -433,6 +441,12 @@ impl Metrics {
     /// counts: an agent has one pin directory.
     pub fn export_nodeport_counters(&self, read: CounterReader) {
         let _ = self.nodeport_counters.read.set(read);
+    }
+
+    /// Exports the TC fast path's `NP_FAST_COUNTERS` from now on
+    /// (`topoproxy_tc_fast_path_packets_total`). Only the first call counts.
+    pub fn export_tc_fast_counters(&self, read: CounterReader) {
+        let _ = self.tc_fast_counters.read.set(read);
     }
 
     /// Exports the socket hooks' `COUNTERS`, as `read` returns them, from
