@@ -306,6 +306,14 @@ fn cluster_policy_reaches_local_and_remote_backends_and_replies_come_from_the_no
     let c = w.nodes[0].counters();
     assert!(c["new_flow"] > 0 && c["tracked"] > 0, "{c:?}");
     assert_eq!(c["rewrite_failed"], 0, "{c:?}");
+    // The TC fast path (on by default) sent the remote backend's flows
+    // both ways once the neighbours were resolved: on every kernel the
+    // tests boot, the programs with it were loaded, not the fallback
+    // without it (which would only say so in the log).
+    let fast = proxy_agent::datapath::dump::np_fast_counters(w.nodes[0].pins.path()).unwrap_or_default();
+    assert!(fast.get("tc_fast_forwarded").is_some_and(|n| *n > 0), "{fast:?}");
+    assert!(fast.get("tc_fast_reply_forwarded").is_some_and(|n| *n > 0), "{fast:?}");
+    assert!(fast.get("tc_stack_local_backend").is_some_and(|n| *n > 0), "pod-a is local to node-a: {fast:?}");
 }
 
 #[test]
