@@ -43,7 +43,8 @@ const OFF_ENV: &str = "TOPOPROXY_SCCACHE";
 /// whose counts the run prints at the end, serves every build of the run.
 const IDLE_TIMEOUT_SECS: &str = "1800";
 
-/// The wrapper that `util::cmd` hands to every command, once [`enable`]d.
+/// The wrapper that `util::cmd` hands to every command (through
+/// `util::set_command_env`), once [`enable`]d.
 static WRAPPER: OnceLock<Option<PathBuf>> = OnceLock::new();
 
 /// `$XDG_CACHE_HOME/topoproxy/sccache-VERSION` (`~/.cache` by default): a
@@ -122,7 +123,11 @@ pub(crate) fn enable() -> bool {
             }
             Some(bin)
         })
-        .is_some()
+        .as_ref()
+        .is_some_and(|_| {
+            util::set_command_env(env());
+            true
+        })
 }
 
 /// The wrapper for `RUSTC_WRAPPER`, once enabled.
@@ -135,7 +140,7 @@ const IDLE_ENV: &str = "SCCACHE_IDLE_TIMEOUT";
 
 /// The environment every command gets while the cache is on: the wrapper,
 /// and the idle timeout for a server a compile may have to start.
-pub(crate) fn env() -> Vec<(&'static str, std::ffi::OsString)> {
+fn env() -> Vec<(&'static str, std::ffi::OsString)> {
     let Some(w) = wrapper() else { return Vec::new() };
     let mut env = vec![("RUSTC_WRAPPER", w.as_os_str().to_owned())];
     if std::env::var_os(IDLE_ENV).is_none() {

@@ -33,13 +33,25 @@ pub(crate) fn path_with_cargo_bin() -> OsString {
     std::env::join_paths(parts).unwrap_or(current)
 }
 
-/// A command with the cargo bin directory on PATH and no stdin (CI has none).
-/// Once the compiler cache is on (`compiler_cache::enable`), it is every
-/// command's `RUSTC_WRAPPER`, so that each cargo xtask starts uses it.
+/// Variables every command gets from now on ([`set_command_env`]).
+static COMMAND_ENV: std::sync::OnceLock<Vec<(&'static str, std::ffi::OsString)>> = std::sync::OnceLock::new();
+
+/// Sets, once, variables that every later [`cmd`] gets: the compiler
+/// cache's `RUSTC_WRAPPER` (`compiler_cache::enable`), so that each cargo
+/// xtask starts uses it. util stays below the modules that use it (no
+/// import back, `tests/layers.rs`).
+pub(crate) fn set_command_env(env: Vec<(&'static str, std::ffi::OsString)>) {
+    let _ = COMMAND_ENV.set(env);
+}
+
+/// A command with the cargo bin directory on PATH and no stdin (CI has
+/// none), with the variables of [`set_command_env`].
 pub(crate) fn cmd(program: impl AsRef<std::ffi::OsStr>) -> Command {
     let mut c = Command::new(program);
     c.env("PATH", path_with_cargo_bin()).stdin(Stdio::null());
-    c.envs(crate::compiler_cache::env());
+    if let Some(env) = COMMAND_ENV.get() {
+        c.envs(env.iter().map(|(k, v)| (*k, v)));
+    }
     c
 }
 
