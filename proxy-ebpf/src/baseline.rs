@@ -14,7 +14,11 @@
 //!   its steps (see `probe`), for a cost breakdown by difference: the
 //!   benchmark attaches one at a time in a child of the bench cgroup, so it
 //!   runs right before our `connect4` on the same connect() calls and sees
-//!   the address the application asked for.
+//!   the address the application asked for. `bench_alt_{storage,cilium}_connect4`:
+//!   the same whole path with the previous build's record (socket storage)
+//!   and Cilium's (a shared-list LRU insert keyed by {cookie, backend}).
+//! * `bench_empty_sock_release`, `bench_empty_recvmsg4`: the references for
+//!   our `sock_release` per close and `recvmsg4` per received datagram.
 //! * `bench_minimal_tc`: the least a TC program that looks at the same
 //!   traffic must do: the parse of Ethernet + IPv4/IPv6 + TCP/UDP ports that
 //!   `np_ingress` does, with exactly its bounds checks (it calls the same
@@ -28,15 +32,17 @@
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::{BPF_F_NO_COMMON_LRU, TC_ACT_OK, TC_ACT_UNSPEC},
-    btf_maps::{Array, LruHashMap, SkStorage},
+    bindings::{TC_ACT_OK, TC_ACT_UNSPEC},
+    btf_maps::{Array, HashMap, LruHashMap, SkStorage},
     helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie},
-    macros::{btf_map, cgroup_sock_addr, classifier},
-    programs::{SockAddrContext, TcContext},
+    macros::{btf_map, cgroup_sock, cgroup_sock_addr, classifier},
+    programs::{SockAddrContext, SockContext, TcContext},
 };
-use proxy_common::{FAMILY_V4, PROTO_TCP, PROTO_UDP, ServiceKey, SockPeerValue, SockRevNatKey, SockRevNatValue, counter};
+use proxy_common::{FAMILY_V4, PROTO_TCP, PROTO_UDP, ServiceKey, SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue, counter};
 
-use crate::maps::{SERVICES, SOCK_REVNAT, count};
+use core::ptr::{addr_of, read_volatile};
+
+use crate::maps::{SERVICES, count};
 use crate::packet::{Parsed, parse};
 use crate::sockaddr::read_peer;
 
@@ -84,8 +90,10 @@ pub fn bench_step7_connect4(ctx: SockAddrContext) -> i32 {
 /// ranges) up to and including step `STEPS`, never rewriting the address:
 /// 1 the context reads (protocol, address, port); 2 the `SERVICES` lookup;
 /// 3 the random pick and the `SLOTS` lookup; 4 the `BACKENDS` lookup; 5 the
-/// socket cookie; 6 the per-socket record (a socket storage element with
-/// `SOCK_PEER`'s layout, created); 7 the `TRANSLATED` counter.
+/// socket cookie; 6 the per-socket record (an insert into a preallocated
+/// hash with `SOCK_REC`'s key, value and capacity); 7 the `TRANSLATED`
+/// counter. `ALT_STORAGE` and `ALT_CILIUM` replace step 6 with the
+/// previous build's record and Cilium's.
 /// `connect4` itself adds the address stores to step 7. Every probe lets
 /// the call through unchanged; the compiler keeps each step all the same
 /// (context loads are volatile, map operations and helpers are calls).
@@ -130,81 +138,173 @@ fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
     if STEPS < 6 {
         return 1;
     }
-    // The top bit keeps the alternatives' entries apart from any `connect4`
-    // then inserts for the same socket (cookies count up from 1).
-    let rev_key = SockRevNatKey::new(cookie | 1 << 63, backend.ip_be, backend.port_be, backend.family);
-    let rev_val = SockRevNatValue { ip_be: dst.ip_be, port_be: dst.port_be, family: dst.family, _pad: 0 };
-    if STEPS == ALT_PERCPU_LRU {
-        let _ = BENCH_LRU_PERCPU.insert(&rev_key, &rev_val, 0);
+    if STEPS == ALT_CILIUM {
+        // Cilium's `sock4_update_revnat`: a shared-list LRU hash keyed by
+        // {cookie, backend address, port}.
+        let rev_key = SockRevNatKey::new(cookie, backend.ip_be, backend.port_be, backend.family);
+        let rev_val = SockRevNatValue { ip_be: dst.ip_be, port_be: dst.port_be, family: dst.family, _pad: 0 };
+        let _ = BENCH_LRU_SHARED.insert(&rev_key, &rev_val, 0);
+        count(counter::TRANSLATED);
         return 1;
     }
-    if STEPS == ALT_REVNAT_LRU {
-        let _ = SOCK_REVNAT.insert(&rev_key, &rev_val, 0);
+    if STEPS == ALT_STORAGE {
+        let mut peer = SockPeerValue {
+            backend_ip_be: backend.ip_be,
+            frontend_ip_be: dst.ip_be,
+            backend_port_be: backend.port_be,
+            frontend_port_be: dst.port_be,
+            family: backend.family,
+            spilled: 0,
+            _pad: [0; 2],
+        };
+        // SAFETY: as in `remember`: aya passes the context's socket, and
+        // the helper copies `peer`, a value of the map's type on our
+        // stack, into a new element. A map of its own, so that `connect4`
+        // then records as it would without the probe.
+        let _ = unsafe { BENCH_SK_STORAGE.get_or_insert_ptr_mut(ctx, Some(&mut peer)) };
+        count(counter::TRANSLATED);
         return 1;
     }
-    if STEPS == ALT_RECYCLED {
-        // The entry is removed again at once, so the next insert on this
-        // CPU reuses the element just freed (the LRU's local free list is
-        // LIFO, kernel/bpf/bpf_lru_list.c): what an insert costs when
-        // entries are deleted as their sockets close instead of aging out.
-        let _ = SOCK_REVNAT.insert(&rev_key, &rev_val, 0);
-        let _ = SOCK_REVNAT.remove(&rev_key);
-        return 1;
-    }
-    let mut peer = SockPeerValue {
+    // `connect4`'s record (`record` in main.rs), in a map of its own with
+    // SOCK_REC's type and capacity, so that `connect4` then records in
+    // SOCK_REC as it would without the probe; the benchmark empties it
+    // after each run, as the release program keeps SOCK_REC.
+    let rec = SockRecValue {
         backend_ip_be: backend.ip_be,
         frontend_ip_be: dst.ip_be,
+        service_id: svc.service_id,
         backend_port_be: backend.port_be,
         frontend_port_be: dst.port_be,
         family: backend.family,
-        spilled: 0,
+        proto,
         _pad: [0; 2],
     };
-    // SAFETY: as in `remember`: aya passes the context's socket, and the
-    // helper copies `peer`, a value of the map's type on our stack, into a
-    // new element. A map of its own, so that `connect4` then creates its
-    // element in SOCK_PEER as it would without the probe.
-    let _ = unsafe { BENCH_SK_STORAGE.get_or_insert_ptr_mut(ctx, Some(&mut peer)) };
+    let _ = BENCH_SOCK_REC.insert(cookie, rec, 0);
     if STEPS >= 7 {
         count(counter::TRANSLATED);
     }
     1
 }
 
-/// Alternatives to step 6 (the record in socket storage), measured the
-/// same way: the same steps up to the socket cookie, then the translation
-/// recorded as a `SOCK_REVNAT` entry (the LRU map UDP connect() and
-/// spilled translations use), in an LRU map with per-CPU LRU lists
-/// (`BPF_F_NO_COMMON_LRU`), or in `SOCK_REVNAT` and deleted at once.
 /// Bench-only maps: the agent's loads of the object create every map in
-/// it, so the LRU map is declared with one element (the kernel rounds a
-/// per-CPU LRU up to one per possible CPU, `htab_map_alloc`) and the
-/// benchmark sizes it like `SOCK_REVNAT` when it loads the object itself;
+/// it, so they are declared with one element and the benchmark sizes them
+/// like `SOCK_REC` and `SOCK_REVNAT` when it loads the object itself;
 /// socket storage costs nothing until used.
-#[btf_map(name = "BENCH_LRU_PERCPU")]
-static BENCH_LRU_PERCPU: LruHashMap<SockRevNatKey, SockRevNatValue, 1, { BPF_F_NO_COMMON_LRU as usize }> = LruHashMap::new();
+#[btf_map(name = "BENCH_SOCK_REC")]
+static BENCH_SOCK_REC: HashMap<u64, SockRecValue, 1> = HashMap::new();
+
+#[btf_map(name = "BENCH_LRU_SHARED")]
+static BENCH_LRU_SHARED: LruHashMap<SockRevNatKey, SockRevNatValue, 1> = LruHashMap::new();
 
 #[btf_map(name = "BENCH_SK_STORAGE")]
 static BENCH_SK_STORAGE: SkStorage<SockPeerValue> = SkStorage::new();
 
+/// The whole hit path with the previous build's record: the steps up to
+/// the socket cookie, a socket storage element created (`SOCK_PEER`'s
+/// layout), the counter.
 #[cgroup_sock_addr(connect4)]
-pub fn bench_alt_percpu_lru_connect4(ctx: SockAddrContext) -> i32 {
-    probe::<{ ALT_PERCPU_LRU }>(&ctx)
+pub fn bench_alt_storage_connect4(ctx: SockAddrContext) -> i32 {
+    probe::<{ ALT_STORAGE }>(&ctx)
 }
 
+/// The whole hit path shaped like Cilium's: the steps up to the socket
+/// cookie, a shared-list LRU insert keyed by {cookie, backend}, the
+/// counter.
 #[cgroup_sock_addr(connect4)]
-pub fn bench_alt_revnat_lru_connect4(ctx: SockAddrContext) -> i32 {
-    probe::<{ ALT_REVNAT_LRU }>(&ctx)
+pub fn bench_alt_cilium_connect4(ctx: SockAddrContext) -> i32 {
+    probe::<{ ALT_CILIUM }>(&ctx)
 }
 
-#[cgroup_sock_addr(connect4)]
-pub fn bench_alt_recycled_connect4(ctx: SockAddrContext) -> i32 {
-    probe::<{ ALT_RECYCLED }>(&ctx)
+const ALT_STORAGE: u8 = 100;
+const ALT_CILIUM: u8 = 101;
+
+/// The reference for `sock_release`: runs on the same closes, does nothing.
+#[cgroup_sock(sock_release)]
+pub fn bench_empty_sock_release(_ctx: SockContext) -> i32 {
+    1
 }
 
-const ALT_PERCPU_LRU: u8 = 100;
-const ALT_REVNAT_LRU: u8 = 101;
-const ALT_RECYCLED: u8 = 102;
+/// Gives back what the connect4 probes recorded for a closing socket, as
+/// the agent's `sock_release` does for `SOCK_REC` and Cilium's for its LRU
+/// map (cilium/cilium#39486), so that the probes' inserts reuse freed
+/// elements as the real ones do. Attached next to the probes only; not
+/// measured. Cilium's key is rebuilt from the socket's peer, the backend.
+#[cgroup_sock(sock_release)]
+pub fn bench_release_probe_maps(ctx: SockContext) -> i32 {
+    // SAFETY: the helper gets this program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    let _ = BENCH_SOCK_REC.remove(cookie);
+    // SAFETY: `ctx.sock` is the kernel's `bpf_sock` context; the verifier
+    // rewrites these loads into reads of the socket.
+    let (ip, port) = unsafe { (read_volatile(addr_of!((*ctx.sock).dst_ip4)), read_volatile(addr_of!((*ctx.sock).dst_port))) };
+    let _ = BENCH_LRU_SHARED.remove(&SockRevNatKey::new(cookie, [ip, 0, 0, 0], port, FAMILY_V4));
+    1
+}
+
+/// `sock_release`'s work cut off after each step, for its breakdown on a
+/// miss: 1 the protocol load; 2 the socket cookie; 3 the `SOCK_REC`
+/// lookup (our whole miss path). `RELEASE_ALT_SLOT` replaces the lookup
+/// with a measured alternative: one load from a direct-mapped array
+/// indexed by the cookie's low bits (`BENCH_COOKIE_SLOTS`), which
+/// consecutive cookies share cache lines of.
+#[inline(always)]
+fn release_probe<const STEPS: u8>(ctx: &SockContext) -> i32 {
+    // SAFETY: as in `try_release`.
+    let proto = unsafe { read_volatile(addr_of!((*ctx.sock).protocol)) } as u8;
+    if STEPS < 2 || (proto != PROTO_TCP && proto != PROTO_UDP) {
+        return 1;
+    }
+    // SAFETY: the helper gets this program's own context.
+    let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    if STEPS == RELEASE_ALT_SLOT {
+        let slot = (cookie & (COOKIE_SLOTS - 1)) as u32;
+        if let Some(c) = BENCH_COOKIE_SLOTS.get(slot) {
+            // SAFETY: a map value, valid for the run; the volatile load
+            // keeps the compiler from dropping a read nobody uses.
+            let _ = unsafe { read_volatile(c) };
+        }
+        return 1;
+    }
+    if STEPS < 3 {
+        return 1;
+    }
+    let _ = crate::maps::SOCK_REC.get_ptr(cookie);
+    1
+}
+
+const RELEASE_ALT_SLOT: u8 = 100;
+/// The slots the benchmark gives `BENCH_COOKIE_SLOTS` (one in the object,
+/// so the agent's loads create no more).
+const COOKIE_SLOTS: u64 = 1 << 16;
+
+#[btf_map(name = "BENCH_COOKIE_SLOTS")]
+static BENCH_COOKIE_SLOTS: Array<u64, 1> = Array::new();
+
+#[cgroup_sock(sock_release)]
+pub fn bench_release_step1(ctx: SockContext) -> i32 {
+    release_probe::<1>(&ctx)
+}
+
+#[cgroup_sock(sock_release)]
+pub fn bench_release_step2(ctx: SockContext) -> i32 {
+    release_probe::<2>(&ctx)
+}
+
+#[cgroup_sock(sock_release)]
+pub fn bench_release_step3(ctx: SockContext) -> i32 {
+    release_probe::<3>(&ctx)
+}
+
+#[cgroup_sock(sock_release)]
+pub fn bench_release_alt_slot(ctx: SockContext) -> i32 {
+    release_probe::<{ RELEASE_ALT_SLOT }>(&ctx)
+}
+
+/// The reference for `recvmsg4` on a UDP socket we never translated.
+#[cgroup_sock_addr(recvmsg4)]
+pub fn bench_empty_recvmsg4(_ctx: SockAddrContext) -> i32 {
+    1
+}
 
 #[classifier]
 pub fn bench_minimal_tc(ctx: TcContext) -> i32 {

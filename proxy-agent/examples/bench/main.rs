@@ -76,7 +76,8 @@ struct Args {
     np_calls: usize,
     np_frontends: usize,
     fwd: forwarding::Options,
-    /// `SOCK_REVNAT` capacity for `--only connect4` (default: the agent's).
+    /// `SOCK_REVNAT` and `SOCK_REC` capacity (`--max-sock-revnat`) for
+    /// `--only connect4` (default: the agent's).
     revnat_capacity: Option<u32>,
 }
 
@@ -559,8 +560,8 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
     write_report(args, &results, &sync_in_process, &load_times, &program_added, map_mem, max, cold, &cp, sections)
 }
 
-/// `--only connect4`: the connect4 run time by path (hit, miss, SOCK_REVNAT
-/// full) against an empty program, and the step breakdown
+/// `--only connect4`: the connect4 run time by path (hit, miss), the
+/// release and recvmsg4 programs, against empty programs, and the step breakdown
 /// (`ConnectRuntime::breakdown`), at each of `--sizes`; no iptables or
 /// nftables, no latency tables.
 fn connect4_only(args: &Args) -> Result<()> {

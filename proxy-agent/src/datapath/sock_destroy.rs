@@ -51,11 +51,11 @@ use proxy_common as pc;
 use proxy_common::{SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue, SockTerminateKey};
 
 use crate::datapath::conntrack_gc::{self, FlowEnds};
-use crate::datapath::{bpf_batch, kernel_features};
 use crate::datapath::keys::{backend_value, ip_of};
 use crate::datapath::netns;
 use crate::datapath::sock_diag::{self, DiagSock, DiagSocket};
 use crate::datapath::sock_iter::SockIterators;
+use crate::datapath::{bpf_batch, kernel_features};
 use crate::decide::departures::{Departure, Reason};
 use crate::model::{Backend, Frontend, Protocol};
 use crate::observe::metrics::{Metrics, reason};

@@ -24,6 +24,10 @@
 //! kept. Records written after the read are not candidates. When any
 //! namespace cannot be read, nothing is deleted.
 //!
+//! It needs the host's PID namespace (`hostPID`, as the chart sets): in
+//! another one, the pods' namespaces are not among `/proc/*/ns/net`, and
+//! the sweep deletes nothing.
+//!
 //! What the walk cannot see: a socket whose network namespace is held by
 //! no process and no bind mount (one created in a namespace its owner
 //! left with setns(2)). Its record is deleted: its getpeername then shows
@@ -31,6 +35,7 @@
 
 use std::collections::HashSet;
 use std::os::fd::AsFd;
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 use aya::maps::{HashMap, Map, MapData, MapError};
@@ -57,10 +62,26 @@ pub enum SweepError {
     Read(MapError),
     #[error("cannot list the sockets of network namespace {inode}: {reason}; no record was deleted")]
     Namespace { inode: u64, reason: String },
+    #[error(
+        "the agent is not in the host's PID namespace (hostPID), so the pods' network namespaces are hidden from it and their sockets cannot be listed; no record was deleted"
+    )]
+    NotHostPid,
 }
 
-/// Every TCP state bit (1..=12) and UDP's two: all sockets.
-const ALL_STATES: u32 = u32::MAX;
+/// The inode of the initial PID namespace (`PROC_PID_INIT_INO`,
+/// include/linux/proc_ns.h).
+const PROC_PID_INIT_INO: u64 = 0xEFFF_FFFC;
+
+/// The states of a socket that can hold a record: a TCP socket from its
+/// connect() until it is released (SYN_SENT, ESTABLISHED, FIN_WAIT1/2,
+/// CLOSE_WAIT, LAST_ACK, CLOSING; a closed one is in no table the dump
+/// walks, and a time-wait or request socket is no full socket), a UDP
+/// socket connected or not (ESTABLISHED, CLOSE: after `connect(AF_UNSPEC)`
+/// it keeps its record until released). Listening and request sockets are
+/// left out of the request: a listener never connected through us, and
+/// on Linux 5.10 a dump asking for every state did not end (vmtest).
+const TCP_STATES: u32 = (1 << 1) | (1 << 2) | (1 << 4) | (1 << 5) | (1 << 8) | (1 << 9) | (1 << 11);
+const UDP_STATES: u32 = (1 << 1) | (1 << 7);
 
 /// Deletes the records of `SOCK_REC` (pinned under `pin_dir`) whose
 /// socket no longer exists. A datapath without the map has nothing to do.
@@ -75,7 +96,16 @@ pub fn sweep(pin_dir: &Path) -> Result<Swept, SweepError> {
     if records.is_empty() {
         return Ok(Swept::default());
     }
-    let live = live_cookies(&netns::all())?;
+    // Without the host's PID namespace the walk sees only the namespaces
+    // of the agent's own processes, and every pod socket would look gone.
+    let in_host_pid = std::fs::metadata("/proc/self/ns/pid").is_ok_and(|m| m.ino() == PROC_PID_INIT_INO);
+    if !in_host_pid {
+        return Err(SweepError::NotHostPid);
+    }
+    let namespaces = netns::all();
+    tracing::debug!(records = records.len(), namespaces = namespaces.len(), "SOCK_REC sweep: listing every namespace's sockets");
+    let live = live_cookies(&namespaces)?;
+    tracing::debug!(live = live.len(), "SOCK_REC sweep: sockets listed");
     let delete = MapData::from_pin(&path).map_err(SweepError::Open)?;
     let mut deleted = 0;
     for cookie in &records {
@@ -96,8 +126,10 @@ fn live_cookies(namespaces: &[netns::Namespace]) -> Result<HashSet<u64>, SweepEr
         let mut diag = DiagSocket::open()?;
         let mut out = Vec::new();
         for family in [libc::AF_INET as u8, libc::AF_INET6 as u8] {
-            for protocol in [libc::IPPROTO_TCP as u8, libc::IPPROTO_UDP as u8] {
-                out.extend(diag.dump(family, protocol, ALL_STATES)?.into_iter().map(|s| s.cookie));
+            for (protocol, states) in [(libc::IPPROTO_TCP as u8, TCP_STATES), (libc::IPPROTO_UDP as u8, UDP_STATES)] {
+                let socks = diag.dump(family, protocol, states)?;
+                tracing::debug!(family, protocol, sockets = socks.len(), "SOCK_REC sweep: dumped");
+                out.extend(socks.into_iter().map(|s| s.cookie));
             }
         }
         Ok(out)

@@ -143,6 +143,7 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
         let link = prog.take_link(id).map_err(|source| LoadError::Program { program, source })?;
         let link: FdLink = link.try_into().map_err(|source| LoadError::Link { program, source })?;
         pin_link(link, &links, program)?;
+        tracing::debug!("release program attached");
     }
     for program in PROGRAMS {
         // The forward programs come in variants (see `KernelFeatures`); the
@@ -200,6 +201,7 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
         let mut config: Array<_, pc::SockConfig> = Array::try_from(map).map_err(|e| LoadError::LegacyConfig(io::Error::other(e)))?;
         config.set(0, pc::SockConfig { legacy_revnat_cookie_below: below }, 0).map_err(|e| LoadError::LegacyConfig(io::Error::other(e)))?;
     }
+    tracing::debug!("socket programs attached; sweeping SOCK_REC");
     // The release program runs now, and the migrated maps hold their pins:
     // records of sockets released before either are deleted (see
     // `sock_rec_sweep`). A failed sweep only leaves slots taken.
