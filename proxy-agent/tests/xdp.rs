@@ -34,6 +34,7 @@ mod support;
 
 use std::io::{BufRead, BufReader, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
+use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::Duration;
@@ -485,7 +486,7 @@ fn tc_fast_path_bypasses_forward(fam: Family) {
 }
 
 #[test]
-fn tc_fast_path_follows_a_neighbour_change_and_leaves_packets_over_the_mtu_to_the_stack() {
+fn tc_fast_path_follows_a_neighbour_change_and_leaves_ip_options_and_packets_over_the_mtu_to_the_stack() {
     let mut w = World::new();
     w.backend.ip(&["link", "set", "eth0", "address", BACKEND_ETH0_MAC]).expect("backend MAC");
     w.forward_counter_rule();
@@ -528,6 +529,36 @@ fn tc_fast_path_follows_a_neighbour_change_and_leaves_packets_over_the_mtu_to_th
     });
     w.node.ip(&["neigh", "replace", "10.0.3.2", "lladdr", BACKEND_ETH0_MAC, "dev", "n-b", "nud", "permanent"]).expect("neigh");
     eventually("the same flow to be answered through the fast path again", || fast_answer(&w));
+
+    // IPv4 options go to the stack, which processes them as a router must
+    // (here record route, `ip_forward_options`): counted
+    // `tc_stack_ip_options`, and answered.
+    let with_options = in_netns(&w.client, move || -> std::io::Result<std::net::UdpSocket> {
+        let s = std::net::UdpSocket::bind("10.0.1.1:0")?;
+        // Record route (type 7, RFC 791): length 11, pointer 4, two empty
+        // slots, then an end-of-options byte to fill the 12-byte header
+        // extension.
+        let opt: [u8; 12] = [7, 11, 4, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        // SAFETY: `opt` is live for the call and its length is passed.
+        let rc = unsafe { libc::setsockopt(s.as_raw_fd(), libc::IPPROTO_IP, libc::IP_OPTIONS, opt.as_ptr().cast(), opt.len() as u32) };
+        if rc != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        s.connect(to)?;
+        s.set_read_timeout(Some(Duration::from_millis(300)))?;
+        Ok(s)
+    })
+    .expect("netns")
+    .expect("client socket with IP options");
+    eventually("a datagram with IPv4 options to go through the stack and be answered", || {
+        let before = w.fast_counter("tc_stack_ip_options");
+        with_options.send(b"options").map_err(|e| format!("send: {e}"))?;
+        let mut buf = [0u8; 2048];
+        let n = with_options.recv(&mut buf).map_err(|e| format!("recv: {e}"))?;
+        let answer = String::from_utf8_lossy(&buf[..n]).into_owned();
+        let after = w.fast_counter("tc_stack_ip_options");
+        if answer.contains("pod-b") && after > before { Ok(()) } else { Err(format!("{answer:?} {before}->{after}")) }
+    });
 
     // A packet longer than the route's MTU goes to the stack: counted
     // `tc_stack_mtu`; the stack answers the DF datagram with fragmentation

@@ -1432,6 +1432,10 @@ pub mod np_fast_counter {
     /// To the stack: the flow's other leg (`CT_DIR_SNAT` or
     /// `CT_DIR_REPLY`) was missing, e.g. evicted.
     pub const STACK_NO_ENTRY: u32 = 6;
+    /// To the stack: IPv4 with options or IPv6 with extension headers,
+    /// which a router must process (`ip_forward_options`, hop-by-hop
+    /// options in `ip6_forward`).
+    pub const STACK_IP_OPTIONS: u32 = 7;
     pub const COUNT: u32 = 8;
     pub const NAMES: [&str; COUNT as usize] = [
         "tc_fast_forwarded",
@@ -1441,7 +1445,7 @@ pub mod np_fast_counter {
         "tc_stack_no_route",
         "tc_stack_ttl",
         "tc_stack_no_entry",
-        "reserved7",
+        "tc_stack_ip_options",
     ];
 }
 

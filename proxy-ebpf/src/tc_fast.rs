@@ -109,6 +109,14 @@ pub fn route(ctx: &TcContext, p: &Pkt, to: &CtValue, now_s: u32) -> i64 {
 #[inline(always)]
 fn route_inner(ctx: &TcContext, p: &Pkt, to: &CtValue, now_s: u32) -> Result<u32, i64> {
     let v4 = p.family == FAMILY_V4;
+    // IPv4 options and IPv6 extension headers: the stack processes what a
+    // router must (record route and timestamps, `ip_forward_options`;
+    // hop-by-hop options, `ip6_forward`), so such packets go its way, as
+    // XDP leaves them to TC.
+    if p.l4 != p.l3 + if v4 { 20 } else { 40 } {
+        count(np_fast_counter::STACK_IP_OPTIONS);
+        return Err(TO_STACK);
+    }
     // The length `bpf_fib_lookup` compares with the route's MTU, as the XDP
     // path gives it (see xdp.rs, `forward`): IPv4's total length, IPv6's
     // payload length plus the fixed header. A GRO aggregate carries the
