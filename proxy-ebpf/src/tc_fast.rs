@@ -42,7 +42,7 @@ use aya_ebpf::{
 use proxy_common::{CtValue, FAMILY_V4, XdpNextHopKey, XdpNextHopValue, np_fast_counter, xdp_nexthop_usable};
 
 use crate::packet::{Pkt, addr_copy};
-use crate::xdp::{AF_INET, AF_INET6, FIB_SUCCESS, XDP_NEXTHOP, zero_fib_params};
+use crate::xdp::{AF_INET, AF_INET6, FIB_SUCCESS, XDP_NEXTHOP, fib_params_for, remember_next_hop};
 
 /// 1 when the loader turned the fast path on (`TC_FAST_PATH_GLOBAL`). In
 /// `.rodata`, frozen at load (aya freezes read-only data maps), so the
@@ -192,16 +192,11 @@ fn route_inner(ctx: &TcContext, p: &Pkt, to: &CtValue, now_s: u32) -> Result<u32
 #[inline(never)]
 fn next_hop(ctx: &TcContext, p: &Pkt, key: &XdpNextHopKey, hop: &mut XdpNextHopValue, stale: Option<&mut XdpNextHopValue>) -> i64 {
     let mut params = core::mem::MaybeUninit::<FibParams>::uninit();
-    let fib = zero_fib_params(&mut params);
-    fib.l4_protocol = p.proto;
-    fib.sport = key.sport_be;
-    fib.dport = key.dport_be;
-    fib.ifindex = key.ingress_ifindex;
     // With a length set, the skb lookup checks it against the route's MTU
     // (Linux >= 5.12, `bpf_skb_fib_lookup`'s `check_mtu`); on 5.10 the
     // helper checks the skb against the output device's MTU instead
     // (`is_skb_forwardable`).
-    fib.__bindgen_anon_1.tot_len = hop.max_len_host;
+    let fib = fib_params_for(&mut params, p.proto, key, hop);
     if p.family == FAMILY_V4 {
         fib.family = AF_INET;
         fib.__bindgen_anon_2.tos = match ctx.load::<u8>(p.l3 + 1) {
@@ -226,20 +221,6 @@ fn next_hop(ctx: &TcContext, p: &Pkt, key: &XdpNextHopKey, hop: &mut XdpNextHopV
     if rc != FIB_SUCCESS {
         return rc;
     }
-    hop.ifindex = fib.ifindex;
-    hop.dmac = fib.dmac;
-    hop.smac = fib.smac;
-    if let Some(c) = stale
-        && c.ifindex == hop.ifindex
-        && c.dmac == hop.dmac
-        && c.smac == hop.smac
-    {
-        // Length first, then time (see xdp.rs, `next_hop`).
-        c.max_len_host = hop.max_len_host;
-        c.checked_s = hop.checked_s;
-        return FIB_SUCCESS;
-    }
-    // A failed insert only means the next packet asks again.
-    let _ = crate::xdp::XDP_NEXTHOP.insert(key, hop, 0);
+    remember_next_hop(fib, key, hop, stale);
     FIB_SUCCESS
 }

@@ -158,6 +158,53 @@ pub(crate) fn zero_fib_params(fib: &mut core::mem::MaybeUninit<FibParams>) -> &m
     unsafe { fib.assume_init_mut() }
 }
 
+/// The lookup parameters every next-hop question shares (this path's and
+/// the TC fast path's): the flow's protocol and ports, the receiving
+/// device and the length to check against the route's MTU. The caller
+/// adds the family, addresses and TOS or flow label.
+#[inline(always)]
+pub(crate) fn fib_params_for<'a>(
+    params: &'a mut core::mem::MaybeUninit<FibParams>,
+    proto: u8,
+    key: &XdpNextHopKey,
+    hop: &XdpNextHopValue,
+) -> &'a mut FibParams {
+    let fib = zero_fib_params(params);
+    fib.l4_protocol = proto;
+    fib.sport = key.sport_be;
+    fib.dport = key.dport_be;
+    fib.ifindex = key.ingress_ifindex;
+    fib.__bindgen_anon_1.tot_len = hop.max_len_host;
+    fib
+}
+
+/// After a successful lookup: fills `hop`'s device and MACs from `fib` and
+/// caches it for the flow, in `stale` (its cached entry) when the answer
+/// is the one it holds, as a new element otherwise. Shared by this path
+/// and the TC fast path, whose cache this is too.
+#[inline(always)]
+pub(crate) fn remember_next_hop(fib: &FibParams, key: &XdpNextHopKey, hop: &mut XdpNextHopValue, stale: Option<&mut XdpNextHopValue>) {
+    hop.ifindex = fib.ifindex;
+    hop.dmac = fib.dmac;
+    hop.smac = fib.smac;
+    if let Some(c) = stale
+        && c.ifindex == hop.ifindex
+        && c.dmac == hop.dmac
+        && c.smac == hop.smac
+    {
+        // The length first, then the time: until the new time shows, a
+        // reader on another CPU finds the entry stale and asks the helper
+        // itself. Only the length checked now is trusted (the route's MTU
+        // may have shrunk).
+        c.max_len_host = hop.max_len_host;
+        c.checked_s = hop.checked_s;
+        return;
+    }
+    // A failed insert (memory short) only means the next packet asks
+    // again; the answer in `hop` is used for this one either way.
+    let _ = XDP_NEXTHOP.insert(key, hop, 0);
+}
+
 #[inline(always)]
 fn try_xdp<const KERNEL: u8>(ctx: &XdpContext) -> Result<u32, u32> {
     let Some(p) = parse(ctx) else {
@@ -424,12 +471,7 @@ fn forward(ctx: &XdpContext, p: &Pkt, to: &CtValue, now_s: u32) -> i64 {
 #[inline(never)]
 fn next_hop(ctx: &XdpContext, p: &Pkt, key: &XdpNextHopKey, hop: &mut XdpNextHopValue, stale: Option<&mut XdpNextHopValue>) -> i64 {
     let mut params = core::mem::MaybeUninit::<FibParams>::uninit();
-    let fib = zero_fib_params(&mut params);
-    fib.l4_protocol = p.proto;
-    fib.sport = key.sport_be;
-    fib.dport = key.dport_be;
-    fib.ifindex = key.ingress_ifindex;
-    fib.__bindgen_anon_1.tot_len = hop.max_len_host;
+    let fib = fib_params_for(&mut params, p.proto, key, hop);
     let (data, end) = (ctx.data(), ctx.data_end());
     if p.family == FAMILY_V4 {
         if data + L4_V4 + L4_MIN > end {
@@ -459,25 +501,7 @@ fn next_hop(ctx: &XdpContext, p: &Pkt, key: &XdpNextHopKey, hop: &mut XdpNextHop
     if rc != FIB_SUCCESS {
         return rc;
     }
-    hop.ifindex = fib.ifindex;
-    hop.dmac = fib.dmac;
-    hop.smac = fib.smac;
-    if let Some(c) = stale
-        && c.ifindex == hop.ifindex
-        && c.dmac == hop.dmac
-        && c.smac == hop.smac
-    {
-        // The length first, then the time: until the new time shows, a
-        // reader on another CPU finds the entry stale and asks the helper
-        // itself. Only the length checked now is trusted (the route's MTU
-        // may have shrunk).
-        c.max_len_host = hop.max_len_host;
-        c.checked_s = hop.checked_s;
-        return FIB_SUCCESS;
-    }
-    // A failed insert (memory short) only means the next packet asks
-    // again; the answer in `hop` is used for this one either way.
-    let _ = XDP_NEXTHOP.insert(key, hop, 0);
+    remember_next_hop(fib, key, hop, stale);
     FIB_SUCCESS
 }
 
