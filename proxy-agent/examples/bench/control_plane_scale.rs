@@ -739,9 +739,9 @@ impl Results {
         let Some(o) = &self.opts else { return String::new() };
         let mut md = String::from("## Control plane at scale: the Node watch\n\n");
         if o.server == ServerKind::Real {
-            let _ = writeln!(
+            let _ = write!(
                 md,
-                "Against the **real kube-apiserver** {} (`test-support/src/real_cluster.rs`: etcd, kube-apiserver, kube-controller-manager on loopback). It holds {} Nodes made from `realistic_nodes.rs` (labels, annotations, five conditions, 30 images, nodeInfo; {} B of JSON each as generated, {}–{}), created through the API with the field manager `kubelet` and reported once each ({:.0} s for all); the server computes their managedFields. They report status {} times a second in total, round robin, each a strategic-merge patch of `nodes/NAME/status` by `kubelet` that changes the four heartbeats. One Node's watch event from this server is {} B whole, {} B metadata-only. The client reaches the server through a byte-counting TCP relay: **the byte figures are everything the server sends that client on all its connections** (TLS records and HTTP framing included; Services and EndpointSlices do not change in the window, so beyond the Node watches they are bookmarks). Agent: {} (`proxy-agent run --kubeconfig ... --node {} {}`, its own cgroup and pin directory). Window {} s after {} s of warm-up; {} repeats, variants interleaved; medians (min–max). KB = 1000 B. Server CPU = kube-apiserver + etcd.\n",
+                "Against the **real kube-apiserver** {} (`test-support/src/real_cluster.rs`: etcd, kube-apiserver, kube-controller-manager on loopback). It holds {} Nodes made from `realistic_nodes.rs` (labels, annotations, five conditions, 30 images, nodeInfo; {} B of JSON each as generated, {}–{}), created through the API with the field manager `kubelet` and reported once each ({:.0} s for all); the server computes their managedFields. They report status {} times a second in total, round robin, each a strategic-merge patch of `nodes/NAME/status` by `kubelet` that changes the four heartbeats. One Node's watch event from this server is {} B whole, {} B metadata-only. The client reaches the server through a byte-counting TCP relay: **the byte figures are everything the server sends that client on all its connections** (TLS records and HTTP framing included; Services and EndpointSlices do not change in the window, so beyond the Node watches they are bookmarks). Server CPU = kube-apiserver + etcd.",
                 self.server_version,
                 o.nodes,
                 self.node_json.1,
@@ -751,32 +751,24 @@ impl Results {
                 o.rate,
                 self.event_full,
                 self.event_meta,
-                self.agent,
-                realistic_nodes::name(NODE_INDEX),
-                o.agent_flags.join(" "),
-                o.secs,
-                o.warmup_secs,
-                self.repeats
             );
         } else {
-            let _ = writeln!(
+            let _ = write!(
                 md,
-                "Against the **stand-in API server** (`test-support/src/apiserver.rs`: real list/watch over HTTP, uncompressed JSON, bookmarks every 60 s), not a real kube-apiserver. It holds {} realistic Nodes (`realistic_nodes.rs`: labels, annotations, kubelet managedFields, five conditions, 30 images, nodeInfo; {} B of JSON each, {}–{}) that report status {} times a second in total, round robin (each report a new resourceVersion with new heartbeats). One Node's watch event is {} B whole, {} B metadata-only (`PartialObjectMetadata`, managedFields included). Agent: {} (`proxy-agent run --kubeconfig ... --node {} {}`, its own cgroup and pin directory). Window {} s after {} s of warm-up; {} repeats, variants interleaved; medians (min–max). KB = 1000 B.\n",
-                o.nodes,
-                self.node_json.1,
-                self.node_json.0,
-                self.node_json.2,
-                o.rate,
-                self.event_full,
-                self.event_meta,
-                self.agent,
-                realistic_nodes::name(NODE_INDEX),
-                o.agent_flags.join(" "),
-                o.secs,
-                o.warmup_secs,
-                self.repeats
+                "Against the **stand-in API server** (`test-support/src/apiserver.rs`: real list/watch over HTTP, uncompressed JSON, bookmarks every 60 s), not a real kube-apiserver. It holds {} realistic Nodes (`realistic_nodes.rs`: labels, annotations, kubelet managedFields, five conditions, 30 images, nodeInfo; {} B of JSON each, {}–{}) that report status {} times a second in total, round robin (each report a new resourceVersion with new heartbeats). One Node's watch event is {} B whole, {} B metadata-only (`PartialObjectMetadata`, managedFields included).",
+                o.nodes, self.node_json.1, self.node_json.0, self.node_json.2, o.rate, self.event_full, self.event_meta,
             );
         }
+        let _ = writeln!(
+            md,
+            " Agent: {} (`proxy-agent run --kubeconfig ... --node {} {}`, its own cgroup and pin directory). Window {} s after {} s of warm-up; {} repeats, variants interleaved; medians (min–max). KB = 1000 B.\n",
+            self.agent,
+            realistic_nodes::name(NODE_INDEX),
+            o.agent_flags.join(" "),
+            o.secs,
+            o.warmup_secs,
+            self.repeats
+        );
         let _ = writeln!(
             md,
             "| variant | {} | per report | {} | spawn to first sync, s | CPU % | RSS MiB (VmRSS) | peak RSS MiB (VmHWM) |\n|---|---|---|---|---|---|---|---|---|---|",
