@@ -4,9 +4,13 @@
 //! The lint step (`lint.rs`: rustfmt on both workspaces, clippy with
 //! `-D warnings`) runs first; when a check fails, no test runs and the error
 //! names the failed checks. Then cargo test, whose own output is passed
-//! through unchanged. Then `vmtest` runs the chosen datapath tests on
-//! Debian's 6.1 and 6.12 kernels under qemu, reusing the debug binaries
-//! just built. Because a workspace run ends with the (empty) doc-test
+//! through unchanged. Once its binaries are built, `vmtest` starts in a
+//! thread beside it: the chosen datapath tests on Debian's 5.10, 6.1, 6.12
+//! and newest kernels under qemu, reusing the debug binaries just built,
+//! one guest while the host's tests run (they leave most of the cores
+//! idle, waiting on agents and servers) and two from then on, beside the
+//! fuzz and image steps; its report comes after the image step. Because a
+//! workspace run ends with the (empty) doc-test
 //! result of its last crate, a total over all test binaries and kernels is
 //! printed last, as a plain `summary:` line.
 //!
@@ -98,6 +102,21 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     eprintln!("building: {}", util::describe(&build));
     let _ = build.status();
     let test_build = build_started.elapsed();
+    // The VM run starts now, in a thread beside the host's tests: its test
+    // binaries are the debug ones just built, and the host's tests leave
+    // most of the two cores idle while they wait on agents and servers.
+    // One guest at a time until cargo test ends, then two; its report
+    // follows the image step. It runs even when a test fails, so that one
+    // run shows every failure.
+    let vm = if no_vm {
+        println!("\nvmtest not run: --no-vm or {NO_VM_ENV} was given");
+        None
+    } else if selects {
+        println!("\nvmtest not run: packages were selected with -p (`cargo xtask vmtest` runs it alone)");
+        None
+    } else {
+        Some(BackgroundVm::start())
+    };
     // Run every test binary even when an earlier one fails, so that one run
     // shows every failure.
     if !cargo_args.iter().any(|a| *a == "--no-fail-fast") {
@@ -119,6 +138,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let status = child.wait()?;
     drop(out);
     steps.done_compiled("cargo test", started, test_build);
+    if let Some(vm) = &vm {
+        vm.open_all_lanes();
+    }
     // The fuzz targets, briefly (fuzz.rs); they follow even when a test
     // failed, like the VM run.
     let fuzz_failed = if selects {
@@ -132,18 +154,25 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         steps.done_compiled("fuzz targets", started, compiled);
         failed
     };
-    // The VM run follows even when a test failed above, so that one run
-    // shows every failure; it reuses the debug binaries built above.
-    let mut vm_failed = None;
-    if no_vm {
-        println!("\nvmtest not run: --no-vm or {NO_VM_ENV} was given");
-    } else if selects {
-        println!("\nvmtest not run: packages were selected with -p (`cargo xtask vmtest` runs it alone)");
+    // The container image, built and run as the chart's DaemonSet
+    // (image.rs); like the VM run, it follows even when a test failed.
+    let image_failed = if selects {
+        println!("\nimage test not run: packages were selected with -p (`cargo xtask image --test` runs it alone)");
+        None
     } else {
-        util::print_disk("vmtest");
+        util::print_disk("the image step");
         let started = Instant::now();
-        let outcome = vmtest::run_with(&vmtest::Options::default());
-        steps.done("vmtest (older kernels under qemu)", started);
+        let mut compiled = Duration::ZERO;
+        let failed = image::test_step(&mut totals, &mut compiled);
+        steps.done_compiled("container image", started, compiled);
+        failed
+    };
+    let mut vm_failed = None;
+    if let Some(vm) = vm {
+        let waited = Instant::now();
+        let (outcome, took) = vm.finish();
+        steps.done("vmtest, the rest after the image step", waited);
+        steps.beside("vmtest (older kernels under qemu, from the cargo test run on)", took);
         match outcome {
             Ok(vmtest::Outcome::Skipped { reason, tests }) => {
                 println!("\nvmtest skipped ({tests} tests counted as skipped): {reason}");
@@ -162,19 +191,6 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
         }
     }
-    // The container image, built and run as the chart's DaemonSet
-    // (image.rs); like the VM run, it follows even when a test failed.
-    let image_failed = if selects {
-        println!("\nimage test not run: packages were selected with -p (`cargo xtask image --test` runs it alone)");
-        None
-    } else {
-        util::print_disk("the image step");
-        let started = Instant::now();
-        let mut compiled = Duration::ZERO;
-        let failed = image::test_step(&mut totals, &mut compiled);
-        steps.done_compiled("container image", started, compiled);
-        failed
-    };
     steps.print();
     if let Some(line) = crate::compiler_cache::stats_line() {
         println!("{line}");
@@ -199,21 +215,81 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     Ok(())
 }
 
+/// The VM run in a thread of its own, beside the steps that follow the
+/// test build (`vmtest::Ready::boot_all` with a lane count that this side
+/// raises).
+struct BackgroundVm {
+    started: Instant,
+    lanes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    /// `Err` when preparing failed before any guest could start.
+    run: Result<std::thread::JoinHandle<Result<vmtest::Outcome>>, anyhow::Error>,
+}
+
+impl BackgroundVm {
+    /// Finds the binaries and fetches the kernels here (cargo and apt, with
+    /// their own output), then boots in a thread, one guest at a time
+    /// until [`BackgroundVm::open_all_lanes`]. Guests' consoles are printed
+    /// per guest once it powers off, not into the host tests' output.
+    fn start() -> Self {
+        util::print_disk("vmtest");
+        let started = Instant::now();
+        let opts = vmtest::Options { live: false, ..vmtest::Options::default() };
+        let lanes = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(1));
+        let run = vmtest::prepare(&opts).map(|prepared| {
+            let lanes = lanes.clone();
+            std::thread::spawn(move || match prepared {
+                vmtest::Prepared::Skipped(outcome) => Ok(outcome),
+                vmtest::Prepared::Ready(ready) => ready.boot_all(&opts, &lanes).map(vmtest::Outcome::Ran),
+            })
+        });
+        BackgroundVm { started, lanes, run }
+    }
+
+    /// Lets every guest lane run (the host's tests are over).
+    fn open_all_lanes(&self) {
+        self.lanes.store(usize::MAX, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Waits for the last guest; the outcome and the time since
+    /// [`BackgroundVm::start`].
+    fn finish(self) -> (Result<vmtest::Outcome>, Duration) {
+        self.open_all_lanes();
+        let outcome = match self.run {
+            Ok(handle) => handle.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the vmtest thread panicked"))),
+            Err(e) => Err(e),
+        };
+        (outcome, self.started.elapsed())
+    }
+}
+
 /// How long each step of the run took, printed as a table at the end:
 /// the step's time, and of it the time its cargo builds took (`compile`)
 /// and the rest (`run`: tests, guests, fuzzing, podman), where the step
-/// builds anything.
+/// builds anything. A step run beside the others (the VM run) is shown
+/// with its own time but left out of the total, which is then the run's
+/// wall time.
 #[derive(Default)]
-struct Steps(Vec<(&'static str, Duration, Option<Duration>)>);
+struct Steps(Vec<Step>);
+
+struct Step {
+    name: &'static str,
+    took: Duration,
+    compiled: Option<Duration>,
+    beside: bool,
+}
 
 impl Steps {
-    fn done(&mut self, step: &'static str, started: Instant) {
-        self.0.push((step, started.elapsed(), None));
+    fn done(&mut self, name: &'static str, started: Instant) {
+        self.0.push(Step { name, took: started.elapsed(), compiled: None, beside: false });
     }
 
-    fn done_compiled(&mut self, step: &'static str, started: Instant, compiled: Duration) {
+    fn done_compiled(&mut self, name: &'static str, started: Instant, compiled: Duration) {
         let took = started.elapsed();
-        self.0.push((step, took, Some(compiled.min(took))));
+        self.0.push(Step { name, took, compiled: Some(compiled.min(took)), beside: false });
+    }
+
+    fn beside(&mut self, name: &'static str, took: Duration) {
+        self.0.push(Step { name, took, compiled: None, beside: true });
     }
 
     fn print(&self) {
@@ -221,18 +297,22 @@ impl Steps {
     }
 
     fn table(&self) -> String {
-        let width = self.0.iter().map(|(s, _, _)| s.len()).max().unwrap_or(0).max("total".len());
+        let label = |s: &Step| if s.beside { format!("({})", s.name) } else { s.name.to_string() };
+        let width = self.0.iter().map(|s| label(s).len()).max().unwrap_or(0).max("total".len());
         let secs = |d: Option<Duration>| d.map_or_else(String::new, |d| format!("{:.1} s", d.as_secs_f64()));
         let mut out = format!("\nstep times:\n  {:<width$}  {:>9}  {:>9}  {:>9}\n", "step", "total", "compile", "run");
-        for (step, took, compiled) in &self.0 {
-            let run = compiled.map(|c| took.saturating_sub(c));
-            let row = format!("  {step:<width$}  {:>9}  {:>9}  {:>9}", secs(Some(*took)), secs(*compiled), secs(run));
+        for s in &self.0 {
+            let run = s.compiled.map(|c| s.took.saturating_sub(c));
+            let row = format!("  {:<width$}  {:>9}  {:>9}  {:>9}", label(s), secs(Some(s.took)), secs(s.compiled), secs(run));
             out.push_str(row.trim_end());
             out.push('\n');
         }
-        let total: Duration = self.0.iter().map(|(_, d, _)| *d).sum();
-        let compiled: Duration = self.0.iter().filter_map(|(_, _, c)| *c).sum();
+        let total: Duration = self.0.iter().filter(|s| !s.beside).map(|s| s.took).sum();
+        let compiled: Duration = self.0.iter().filter_map(|s| s.compiled).sum();
         out.push_str(&format!("  {:<width$}  {:>9}  {:>9}\n", "total", secs(Some(total)), secs(Some(compiled))));
+        if self.0.iter().any(|s| s.beside) {
+            out.push_str("  (a step in brackets ran beside the others; the total leaves it out)\n");
+        }
         out
     }
 }
@@ -302,11 +382,17 @@ mod tests {
     #[test]
     fn the_step_table_splits_compiling_from_running() {
         let mut steps = Steps::default();
-        steps.0.push(("setup", Duration::from_secs(8), None));
-        steps.0.push(("cargo test", Duration::from_secs(400), Some(Duration::from_secs(150))));
+        steps.0.push(Step { name: "setup", took: Duration::from_secs(8), compiled: None, beside: false });
+        let cargo = Step { name: "cargo test", took: Duration::from_secs(400), compiled: Some(Duration::from_secs(150)), beside: false };
+        steps.0.push(cargo);
         let table = steps.table();
         assert!(table.contains("\n  setup           8.0 s\n"), "{table}");
         assert!(table.contains("\n  cargo test    400.0 s    150.0 s    250.0 s\n"), "{table}");
+        assert!(table.contains("\n  total         408.0 s    150.0 s\n"), "{table}");
+        // A step beside the others is shown, not added to the total.
+        steps.beside("vm", Duration::from_secs(500));
+        let table = steps.table();
+        assert!(table.contains("\n  (vm)          500.0 s\n"), "{table}");
         assert!(table.contains("\n  total         408.0 s    150.0 s\n"), "{table}");
     }
 

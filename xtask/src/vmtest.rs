@@ -36,6 +36,7 @@ use std::fs;
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -69,7 +70,7 @@ struct Kernel {
     suite: Option<&'static str>,
 }
 
-const KERNELS: [Kernel; 4] = [
+static KERNELS: [Kernel; 4] = [
     Kernel {
         label: "5.10",
         package: "linux-image-5.10.0-46-amd64",
@@ -304,6 +305,7 @@ pub(crate) enum Outcome {
     Ran(Vec<KernelRun>),
 }
 
+#[derive(Clone)]
 pub(crate) struct Options {
     pub kernels: Vec<String>,
     pub timeout: Duration,
@@ -319,11 +321,15 @@ pub(crate) struct Options {
     pub guests: usize,
     /// vCPUs per guest (`-smp`).
     pub smp: u32,
+    /// Whether each guest's console is printed as it comes (alone), or
+    /// after the guest powers off, in one block (beside other steps of
+    /// `cargo xtask test`, whose output it would otherwise cut into).
+    pub live: bool,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Options { kernels: Vec::new(), timeout: Duration::from_mins(25), only: Vec::new(), guests: 2, smp: 2 }
+        Options { kernels: Vec::new(), timeout: Duration::from_mins(25), only: Vec::new(), guests: 2, smp: 2, live: true }
     }
 }
 
@@ -411,7 +417,32 @@ pub(crate) fn print_report(runs: &[KernelRun], all: &mut Totals) {
 /// Installs, fetches, builds and boots; `Skipped` only when qemu cannot be
 /// installed or the kernels cannot be downloaded.
 pub(crate) fn run_with(opts: &Options) -> Result<Outcome> {
-    let kernels: Vec<&Kernel> = if opts.kernels.is_empty() {
+    match prepare(opts)? {
+        Prepared::Skipped(outcome) => Ok(outcome),
+        Prepared::Ready(ready) => ready.boot_all(opts, &AtomicUsize::new(opts.guests)).map(Outcome::Ran),
+    }
+}
+
+/// What [`prepare`] leaves for the boots.
+pub(crate) enum Prepared {
+    /// qemu or a kernel is missing: an [`Outcome::Skipped`].
+    Skipped(Outcome),
+    Ready(Ready),
+}
+
+/// The test binaries found and the kernels unpacked: everything the
+/// guests need that asks cargo or apt, so that booting them can go on in
+/// another thread while cargo runs the host's tests.
+pub(crate) struct Ready {
+    kernels: Vec<(&'static Kernel, PathBuf)>,
+    bins: Binaries,
+    cache: PathBuf,
+}
+
+/// Finds the test binaries (`cargo test --no-run`, which builds nothing
+/// when they are current), installs qemu and fetches the kernels.
+pub(crate) fn prepare(opts: &Options) -> Result<Prepared> {
+    let kernels: Vec<&'static Kernel> = if opts.kernels.is_empty() {
         KERNELS.iter().collect()
     } else {
         let mut v = Vec::new();
@@ -427,12 +458,12 @@ pub(crate) fn run_with(opts: &Options) -> Result<Outcome> {
     };
     // First, so that a skip can say how many tests it leaves out.
     let bins = find_tests()?;
-    let skipped = |reason: String| -> Result<Outcome> {
+    let skipped = |reason: String| -> Result<Prepared> {
         let mut tests = 0;
         for k in &kernels {
             tests += planned_tests(&bins, k, &opts.only)?;
         }
-        Ok(Outcome::Skipped { reason, tests })
+        Ok(Prepared::Skipped(Outcome::Skipped { reason, tests }))
     };
     if let Err(e) = setup::ensure_debian_packages(&HOST_PACKAGES, true) {
         return skipped(format!("cannot install qemu and busybox: {e:#}"));
@@ -445,43 +476,60 @@ pub(crate) fn run_with(opts: &Options) -> Result<Outcome> {
             Err(e) => return skipped(format!("cannot download kernel {}: {e:#}", k.package)),
         }
     }
-    // `guests` boot threads take the kernels from one queue, the longest
-    // run first, and each takes the next as soon as its guest powers off.
-    // Waves of `guests` kernels at a time, as before, left a slot idle
-    // while the other guest of its wave ran on: 5.10 (175 s) waited for
-    // 6.1 (429 s), then sid (178 s) for 6.12 (478 s), 907 s in all where
-    // the queue needs about 610 s (CI log of this machine, two guests).
-    // Each thread prefixes its console lines with its kernel's label.
-    let order = queue_order(&unpacked.iter().map(|(k, _)| *k).collect::<Vec<_>>());
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let results: Vec<(usize, Result<KernelRun>)> = std::thread::scope(|s| {
-        let handles: Vec<_> = (0..opts.guests.max(1).min(unpacked.len()))
-            .map(|_| {
-                s.spawn(|| {
-                    let mut done = Vec::new();
-                    loop {
-                        let taken = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some(&i) = order.get(taken) else { break };
-                        let (k, dir) = &unpacked[i];
-                        done.push((i, boot(k, dir, &bins, &cache, opts)));
-                    }
-                    done
+    Ok(Prepared::Ready(Ready { kernels: unpacked, bins, cache }))
+}
+
+impl Ready {
+    /// Boots every kernel, at most `opts.guests` at a time and at most
+    /// `lanes` at the moment: `cargo xtask test` runs one guest beside the
+    /// host's tests (which leave about 60 % of the two cores idle: they
+    /// mostly wait on agents, timers and the API servers) and raises
+    /// `lanes` when they are done.
+    pub(crate) fn boot_all(&self, opts: &Options, lanes: &AtomicUsize) -> Result<Vec<KernelRun>> {
+        // `guests` boot threads take the kernels from one queue, the longest
+        // run first, and each takes the next as soon as its guest powers off.
+        // Waves of `guests` kernels at a time, as before, left a slot idle
+        // while the other guest of its wave ran on: 5.10 (175 s) waited for
+        // 6.1 (429 s), then sid (178 s) for 6.12 (478 s), 907 s in all where
+        // the queue needs about 610 s (CI log of this machine, two guests).
+        // Each thread prefixes its console lines with its kernel's label.
+        let order = queue_order(&self.kernels.iter().map(|(k, _)| *k).collect::<Vec<_>>());
+        let next = AtomicUsize::new(0);
+        let results: Vec<(usize, Result<KernelRun>)> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..opts.guests.max(1).min(self.kernels.len()))
+                .map(|lane| {
+                    let (order, next) = (&order, &next);
+                    s.spawn(move || {
+                        let mut done = Vec::new();
+                        loop {
+                            // A lane beyond the ones open waits until it
+                            // opens or the queue is empty.
+                            while lane >= lanes.load(Ordering::Relaxed) && next.load(Ordering::Relaxed) < order.len() {
+                                std::thread::sleep(Duration::from_millis(500));
+                            }
+                            let taken = next.fetch_add(1, Ordering::Relaxed);
+                            let Some(&i) = order.get(taken) else { break };
+                            let (k, dir) = &self.kernels[i];
+                            done.push((i, boot(k, dir, &self.bins, &self.cache, opts)));
+                        }
+                        done
+                    })
                 })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .flat_map(|h| h.join().unwrap_or_else(|_| vec![(usize::MAX, Err(anyhow::anyhow!("a boot thread panicked")))]))
-            .collect()
-    });
-    // Reported in the order of KERNELS, whichever finished first.
-    let mut results = results;
-    results.sort_by_key(|(i, _)| *i);
-    let mut runs = Vec::new();
-    for (_, r) in results {
-        runs.push(r?);
+                .collect();
+            handles
+                .into_iter()
+                .flat_map(|h| h.join().unwrap_or_else(|_| vec![(usize::MAX, Err(anyhow::anyhow!("a boot thread panicked")))]))
+                .collect()
+        });
+        // Reported in the order of KERNELS, whichever finished first.
+        let mut results = results;
+        results.sort_by_key(|(i, _)| *i);
+        let mut runs = Vec::new();
+        for (_, r) in results {
+            runs.push(r?);
+        }
+        Ok(runs)
     }
-    Ok(Outcome::Ran(runs))
 }
 
 /// The order the guests boot in: the kernels that run the most test
@@ -1024,6 +1072,8 @@ fn boot(k: &Kernel, kernel_dir: &Path, bins: &Binaries, cache: &Path, opts: &Opt
     let mut reader = BufReader::new(child.stdout.take().context("no stdout")?);
     let mut buf = Vec::new();
     let mut out = std::io::stdout();
+    // Not live: the console is printed in one block once the guest is off.
+    let mut held = String::new();
     loop {
         buf.clear();
         if reader.read_until(b'\n', &mut buf)? == 0 {
@@ -1032,7 +1082,11 @@ fn boot(k: &Kernel, kernel_dir: &Path, bins: &Binaries, cache: &Path, opts: &Opt
         log.write_all(&buf)?;
         let line = String::from_utf8_lossy(&buf);
         let line = line.trim_end_matches(['\r', '\n']);
-        writeln!(out, "[{}] {line}", k.label)?;
+        if opts.live {
+            writeln!(out, "[{}] {line}", k.label)?;
+        } else {
+            held.push_str(&format!("[{}] {line}\n", k.label));
+        }
         totals.add(line);
         if let Some(rest) = line.strip_prefix(MARK) {
             let rest = rest.trim();
@@ -1049,6 +1103,10 @@ fn boot(k: &Kernel, kernel_dir: &Path, bins: &Binaries, cache: &Path, opts: &Opt
     }
     let status = child.wait()?;
     let seconds = started.elapsed().as_secs_f64();
+    if !opts.live {
+        // One write, so that the other guest's block cannot cut into it.
+        out.lock().write_all(format!("\nconsole of Linux {release} ({seconds:.0} s):\n{held}").as_bytes())?;
+    }
     let qemu_err = err_reader.join().unwrap_or_default();
     let mut problems = Vec::new();
     if !done {
