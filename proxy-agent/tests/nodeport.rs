@@ -1394,3 +1394,45 @@ mod test_run {
         assert_eq!((c["new_flow"], c["pass_fragment"], c["pass_unparsed"]), (4, 2, 3), "{c:?}");
     }
 }
+
+/// Issue #34: an external client's new flows through a NodePort are
+/// counted in `NP_SVC_CONN` by the tier of the backend relative to the
+/// node that received them: its own pod `node`, the other node's `region`
+/// (the nodes share a region, not a zone); and the blind-remote sum grows
+/// by the share of the port's endpoints outside the receiving node's zone
+/// (half of them) per flow.
+#[test]
+fn external_flows_are_counted_by_the_receiving_nodes_tier() {
+    use proxy_agent::datapath::{dump, maps};
+    use proxy_agent::model::{Frontend, Protocol};
+    use proxy_common::{SHARE_ONE, tier};
+
+    let mut w = World::new();
+    let nodes = "---\napiVersion: v1\nkind: Node\nmetadata: {name: node-a, labels: {topology.kubernetes.io/zone: z1, topology.kubernetes.io/region: r1}}\n\
+                 ---\napiVersion: v1\nkind: Node\nmetadata: {name: node-b, labels: {topology.kubernetes.io/zone: z2, topology.kubernetes.io/region: r1}}\n";
+    w.publish(&format!("{nodes}{}", service("web", "Cluster", None, &["node-a", "node-b"], "")));
+    w.start();
+    for (i, (node, own)) in [(NODE_A, "pod-a"), (NODE_B, "pod-b")].into_iter().enumerate() {
+        let to = format!("{node}:30080");
+        w.wait_for(&to, &[], &["pod-a", "pod-b"]);
+        let fe = Frontend { ip: node.parse().expect("address"), port: 30080, protocol: Protocol::Tcp };
+        let counts = || {
+            dump::frontend_conn_counts(w.nodes[i].pins.path(), &maps::NP_SERVICES, &maps::NP_SVC_CONN)
+                .expect("read NP_SVC_CONN")
+                .get(&fe)
+                .copied()
+                .unwrap_or_default()
+        };
+        let before = counts();
+        let r = w.probe(&["--to", &to, "--count", "40", "--timeout-ms", "2000"]);
+        let local = r.iter().filter(|x| x["ok"] == true && x["reply"] == own).count() as u64;
+        assert!(r.iter().all(|x| x["ok"] == true), "{r:?}");
+        let after = counts();
+        let delta: Vec<u64> = after.tiers.iter().zip(before.tiers).map(|(a, b)| a - b).collect();
+        let mut want = vec![0; tier::COUNT];
+        want[usize::from(tier::NODE)] = local;
+        want[usize::from(tier::REGION)] = 40 - local;
+        assert_eq!(delta, want, "flows through {node} by tier ({:?})", tier::NAMES);
+        assert_eq!(after.blind_remote_fp - before.blind_remote_fp, 40 * u64::from(SHARE_ONE / 2), "through {node}");
+    }
+}

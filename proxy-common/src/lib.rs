@@ -117,6 +117,16 @@ pub const SVC_FLAG_SOURCE_RANGES: u32 = 2;
 /// in that case too).
 pub const SVC_FLAG_SOURCE_RANGES_NODE: u32 = 4;
 
+/// `ServiceValue.flags` bits 5..8: the tier every connection to this
+/// frontend counts in, plus one, when the Service's topology chose its
+/// backends by one domain (a topology key, OpenYurt's node pool, hints,
+/// trafficDistribution); 0: each backend's own [`BackendValue::tier`]
+/// (no topology, or a fall-through to anywhere). See
+/// [`ServiceValue::counted_tier`].
+pub const SVC_TIER_SHIFT: u32 = 5;
+/// The mask of those three bits.
+pub const SVC_TIER_MASK: u32 = 7 << SVC_TIER_SHIFT;
+
 /// `ServiceValue.flags` above this many bits: the affinity scope id, 24
 /// bits, 0 for none.
 pub const SVC_AFFINITY_SCOPE_SHIFT: u32 = 8;
@@ -137,6 +147,20 @@ impl ServiceValue {
             0 => self.service_id,
             scope => scope,
         }
+    }
+
+    /// The [`tier`] a connection to this frontend through a backend of
+    /// tier `backend_tier` counts in: the frontend's own tier when its
+    /// flags carry one, else the backend's. Always below [`tier::COUNT`]
+    /// (an unknown code counts as [`tier::OTHER`]), so it indexes
+    /// [`SvcConnValue::tiers`] without a further check.
+    #[inline(always)]
+    pub fn counted_tier(&self, backend_tier: u8) -> usize {
+        let t = match (self.flags & SVC_TIER_MASK) >> SVC_TIER_SHIFT {
+            0 => u32::from(backend_tier),
+            t => t - 1,
+        };
+        if t < tier::COUNT as u32 { t as usize } else { tier::OTHER as usize }
     }
 
     /// The slot of this service's current generation that `hash` selects.
@@ -175,7 +199,12 @@ pub struct BackendValue {
     pub ip_be: [u32; 4],
     pub port_be: u16,
     pub family: u8,
-    pub _pad: u8,
+    /// Where the backend runs relative to this node (a [`tier`] code), for
+    /// the per-Service connection counts. It was padding (0, [`tier::OTHER`])
+    /// in builds before the counts; the agent rewrites it when it adopts
+    /// such a map. Read in the same lookup as the address, so counting adds
+    /// no lookup to the hit path.
+    pub tier: u8,
 }
 
 /// Reverse translation for one socket: which frontend a socket meant when
@@ -419,6 +448,74 @@ impl SourceRangeKey {
 /// `SOURCE_RANGE_FIXED_BITS + 128`.
 pub const SOURCE_RANGE_FIXED_BITS: u32 = 96;
 
+/// Topology tiers: where a connection's backend runs relative to the node
+/// that sent it, or the domain the Service's topology chose it by (issue
+/// #34: how much of a Service's traffic stayed near). The order of the
+/// checks is node, zone, region, pool; the first shared domain wins.
+pub mod tier {
+    /// None of the domains below is shared, or it is not known.
+    pub const OTHER: u8 = 0;
+    /// The same node.
+    pub const NODE: u8 = 1;
+    /// The same zone (`topology.kubernetes.io/zone`).
+    pub const ZONE: u8 = 2;
+    /// The same region (`topology.kubernetes.io/region`).
+    pub const REGION: u8 = 3;
+    /// The same OpenYurt node pool (`apps.openyurt.io/nodepool`).
+    pub const POOL: u8 = 4;
+    pub const COUNT: usize = 5;
+    /// Names for display and metric labels, indexed by code.
+    pub const NAMES: [&str; COUNT] = ["other", "node", "zone", "region", "pool"];
+}
+
+/// Per-CPU array of [`SvcConnValue`], indexed by [`svc_conn_index`] of a
+/// socket-datapath service id: new connections (connect) and new
+/// unconnected-UDP flows (sendmsg) per frontend and tier.
+pub const SVC_CONN_MAP: &str = "SVC_CONN";
+/// Array of [`SvcTopoValue`], indexed as `SVC_CONN`: what the agent tells
+/// the socket programs to add per counted connection.
+pub const SVC_TOPO_MAP: &str = "SVC_TOPO";
+/// The TC datapath's `SVC_CONN` (new NodePort/LoadBalancer/externalIP flows,
+/// TC and XDP), indexed by its own service ids.
+pub const NP_SVC_CONN_MAP: &str = "NP_SVC_CONN";
+/// The TC datapath's `SVC_TOPO`.
+pub const NP_SVC_TOPO_MAP: &str = "NP_SVC_TOPO";
+
+/// Fixed-point one for [`SvcTopoValue::blind_remote_share_fp`] and
+/// [`SvcConnValue::blind_remote_fp`]: a share of 1/3 is 21,845.
+pub const SHARE_ONE: u32 = 1 << 16;
+
+/// The `SVC_CONN`/`SVC_TOPO` index of a service id. The agent hands out
+/// service ids from 1 to the services capacity, so index
+/// `0..capacity` covers them; an older build's larger ids (and 0) fall
+/// outside the arrays and are not counted (`counter::TOPO_UNCOUNTED`).
+#[inline(always)]
+pub fn svc_conn_index(service_id: u32) -> u32 {
+    service_id.wrapping_sub(1)
+}
+
+/// One frontend's counts on one CPU.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SvcConnValue {
+    /// New connections or flows per [`tier`] code.
+    pub tiers: [u64; tier::COUNT],
+    /// The sum of [`SvcTopoValue::blind_remote_share_fp`] over the counted
+    /// connections: divided by [`SHARE_ONE`], how many of them a pick
+    /// blind to topology would be expected to have sent out of this node's
+    /// zone.
+    pub blind_remote_fp: u64,
+}
+
+/// What the agent writes per frontend for the counting.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SvcTopoValue {
+    /// The share of the Service port's serving endpoints outside this
+    /// node's zone, in [`SHARE_ONE`]ths.
+    pub blind_remote_share_fp: u32,
+}
+
 /// Indexes into the per-CPU `COUNTERS` array. The programs count by reason
 /// instead of logging per packet.
 pub mod counter {
@@ -470,10 +567,14 @@ pub mod counter {
     /// the connection still went to its backend, and its record went to
     /// socket storage (`SOCK_PEER`) instead.
     pub const SOCK_RECORD_FULL: u32 = 16;
+    /// A translated connection or new UDP flow whose frontend's service id
+    /// has no `SVC_CONN` slot (given out by an older build, before ids
+    /// were bounded by the capacity): translated, not counted by tier.
+    pub const TOPO_UNCOUNTED: u32 = 17;
     /// The size of the array. A datapath pinned by an agent version with
     /// fewer counters gets a new array of this size at the upgrade, its
     /// counts carried over (proxy-agent `map_migration::plan`).
-    pub const COUNT: u32 = 17;
+    pub const COUNT: u32 = 18;
 
     /// Names for display, indexed by counter id.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -494,6 +595,7 @@ pub mod counter {
         "ended_udp_topology",
         "ended_tcp_gone_after_terminating",
         "sock_record_full",
+        "topo_uncounted",
     ];
 }
 
@@ -548,6 +650,10 @@ const _: () = {
     assert!(core::mem::size_of::<AffinityMatchKey>() == 12);
     assert!(core::mem::size_of::<AffinityMatchValue>() == 4);
     assert!(core::mem::size_of::<SourceRangeKey>() == 28);
+    assert!(core::mem::size_of::<SvcConnValue>() == 48);
+    assert!(core::mem::size_of::<SvcTopoValue>() == 4);
+    assert!(SVC_TIER_MASK < (1 << SVC_AFFINITY_SCOPE_SHIFT));
+    assert!(tier::COUNT < 8);
     assert!(SOURCE_RANGE_FIXED_BITS as usize == 8 * core::mem::offset_of!(SourceRangeKey, addr_be));
 };
 
@@ -564,8 +670,13 @@ mod pod {
     use super::{
         AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, NodeNetns, NpAffinityKey, ServiceKey, ServiceValue,
         SlotKey, SlotValue, SockAffinityKey, SockConfig, SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
+        SvcConnValue, SvcTopoValue,
     };
 
+    // SAFETY: repr(C), six u64 = 48 bytes, no padding.
+    unsafe impl aya::Pod for SvcConnValue {}
+    // SAFETY: repr(C), one u32, no padding.
+    unsafe impl aya::Pod for SvcTopoValue {}
     // SAFETY: repr(C) integers only; 16 + 16 + 4 + 2 + 2 + 1 + 1 + 2 (`_pad`) = 44 bytes, no padding.
     unsafe impl aya::Pod for SockRecValue {}
     // SAFETY: repr(C) integers only; 16 + 2 + 1 + 1 = 20 bytes, no padding.
@@ -578,7 +689,7 @@ mod pod {
     unsafe impl aya::Pod for SlotValue {}
     // SAFETY: repr(C), one u32, no padding.
     unsafe impl aya::Pod for BackendKey {}
-    // SAFETY: repr(C) integers only; 16 + 2 + 1 + 1 (`_pad`) = 20 bytes, no padding.
+    // SAFETY: repr(C) integers only; 16 + 2 + 1 + 1 (`tier`) = 20 bytes, no padding.
     unsafe impl aya::Pod for BackendValue {}
     // SAFETY: repr(C) integers only; 8 + 16 + 2 + 1 + 5 (`_pad`) = 32 bytes, no padding.
     unsafe impl aya::Pod for SockRevNatKey {}
@@ -608,6 +719,29 @@ mod pod {
 mod tests {
     extern crate std;
     use super::*;
+
+    #[test]
+    fn the_counted_tier_is_the_frontends_when_set_else_the_backends() {
+        let v = |t: u32| ServiceValue {
+            flags: (t << SVC_TIER_SHIFT) | SVC_FLAG_AFFINITY | (9 << SVC_AFFINITY_SCOPE_SHIFT),
+            ..Default::default()
+        };
+        // (frontend's field, backend's tier, counted)
+        let cases = [
+            (0, tier::NODE, tier::NODE),
+            (0, tier::POOL, tier::POOL),
+            (0, 200, tier::OTHER), // an unknown code
+            (1 + u32::from(tier::ZONE), tier::NODE, tier::ZONE),
+            (1 + u32::from(tier::POOL), tier::OTHER, tier::POOL),
+            (7, tier::NODE, tier::OTHER), // 6 is past the last tier
+        ];
+        for (field, backend, want) in cases {
+            assert_eq!(v(field).counted_tier(backend), usize::from(want), "{field} {backend}");
+            assert_eq!(v(field).affinity_scope(), 9, "the tier bits leave the scope alone");
+        }
+        assert_eq!(svc_conn_index(1), 0);
+        assert_eq!(svc_conn_index(0), u32::MAX, "id 0 is never counted");
+    }
 
     #[test]
     fn slots_stay_in_range() {
@@ -1021,6 +1155,9 @@ pub mod np_counter {
     /// A frontend generation announced a Maglev table that is not linked
     /// in `NP_MAGLEV`: the new flow took the modulo slot pick instead.
     pub const MAGLEV_MISS: u32 = 18;
+    /// A new flow whose frontend's service id has no `NP_SVC_CONN` slot
+    /// (see `counter::TOPO_UNCOUNTED`): translated, not counted by tier.
+    pub const TOPO_UNCOUNTED: u32 = 19;
     // Counters of the XDP program (xdp.rs), from the top of the array.
     /// A packet of a flow to a remote backend was translated and forwarded
     /// by XDP (`XDP_TX`/`XDP_REDIRECT`), before any skb existed.
@@ -1059,7 +1196,7 @@ pub mod np_counter {
         "pass_untracked_tcp",
         "pass_not_ours",
         "maglev_miss",
-        "reserved19",
+        "topo_uncounted",
         "reserved20",
         "xdp_forwarded",
         "xdp_pass_no_route",

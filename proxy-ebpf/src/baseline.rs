@@ -127,7 +127,7 @@ fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
     if STEPS < 4 {
         return 1;
     }
-    let Some(backend) = crate::backend_addr(id) else {
+    let Some((backend, _)) = crate::backend_addr(id) else {
         return 1;
     };
     if STEPS < 5 {

@@ -54,7 +54,7 @@ use proxy_common::{
 use maglev_maps::SOCK_MAGLEV;
 use maps::{
     AFFINITY, AFFINITY_MATCH, BACKENDS, NODE_NETNS, SERVICES, SLOTS, SOCK_CONFIG, SOCK_PEER, SOCK_PORTS, SOCK_REC, SOCK_REVNAT,
-    SOURCE_RANGES, count,
+    SOURCE_RANGES, count, count_connection,
 };
 use sockaddr::{Addr, bound_source, read_peer, write_peer};
 
@@ -273,7 +273,7 @@ fn try_forward<const FAMILY: u8, const KERNEL: u8>(ctx: &SockAddrContext, pick: 
     // update and only then deletes the previous generation's slots. A reader
     // that loaded the old entry just before may find its slot gone; looking
     // the service up once more then sees the new generation.
-    let backend = match sticky {
+    let (backend, tier) = match sticky {
         Some(b) => b,
         None => {
             let per_socket = matches!(pick, Pick::PerSocket);
@@ -303,8 +303,13 @@ fn try_forward<const FAMILY: u8, const KERNEL: u8>(ctx: &SockAddrContext, pick: 
 
     if matches!(pick, Pick::Random) {
         record(ctx, proto, svc.service_id, &backend, &dst);
-    } else {
-        remember(ctx, proto, cookie, &backend, &dst, false);
+        // Every translated connect() is a new connection (TCP) or a new
+        // peer for the socket (connected UDP).
+        count_connection(&svc, tier);
+    } else if remember(ctx, proto, cookie, &backend, &dst, false) {
+        // sendmsg() runs per datagram: only a socket's first datagram to
+        // this frontend and backend is a new flow.
+        count_connection(&svc, tier);
     }
     write_peer::<FAMILY>(sa, &if mapped.is_some() { backend.mapped_v6() } else { backend });
     count(counter::TRANSLATED);
@@ -340,13 +345,13 @@ fn refuse<const KERNEL: u8>(reason: u32) -> i32 {
     REJECT
 }
 
-/// The backend `hash` selects: its id and address. A per-socket pick
+/// The backend `hash` selects: its id, address and topology tier. A per-socket pick
 /// (unconnected UDP) takes it from the frontend's Maglev table when its
 /// generation has one, so that a backend leaving moves only the sockets
 /// that used it; otherwise (random picks, no table, a table not linked
 /// in) from the slot `hash` selects.
 #[inline(always)]
-fn lookup_backend(svc: &ServiceValue, hash: u32, per_socket: bool) -> Option<(u32, Addr)> {
+fn lookup_backend(svc: &ServiceValue, hash: u32, per_socket: bool) -> Option<(u32, (Addr, u8))> {
     let id = match if per_socket { maglev_backend_id(svc, hash) } else { None } {
         Some(id) => id,
         None => slot_backend_id(svc, hash)?,
@@ -386,12 +391,14 @@ fn slot_backend_id(svc: &ServiceValue, hash: u32) -> Option<u32> {
     Some(unsafe { SLOTS.get(&svc.slot_for(hash)) }?.backend_id)
 }
 
+/// A backend's address and its topology tier (`BackendValue::tier`), from
+/// one `BACKENDS` lookup.
 #[inline(always)]
-fn backend_addr(id: u32) -> Option<Addr> {
+fn backend_addr(id: u32) -> Option<(Addr, u8)> {
     // SAFETY: as in `lookup_backend`; the fields are copied into `Addr` at
     // once.
     let b = unsafe { BACKENDS.get(&BackendKey { backend_id: id }) }?;
-    Some(Addr { ip_be: b.ip_be, port_be: b.port_be, family: b.family })
+    Some((Addr { ip_be: b.ip_be, port_be: b.port_be, family: b.family }, b.tier))
 }
 
 /// Whether the client of this call may reach a frontend with
@@ -432,7 +439,7 @@ fn source_allowed<const FAMILY: u8>(ctx: &SockAddrContext, svc: &ServiceValue, m
 /// `AFFINITY_MATCH` under the generation `svc` was read at). Refreshes the
 /// entry's time on a hit.
 #[inline(always)]
-fn affinity_lookup<const KERNEL: u8>(key: &SockAffinityKey, svc: &ServiceValue) -> Option<Addr> {
+fn affinity_lookup<const KERNEL: u8>(key: &SockAffinityKey, svc: &ServiceValue) -> Option<(Addr, u8)> {
     let entry = AFFINITY.get_ptr_mut(key)?;
     // SAFETY: `entry` is the value pointer of an AFFINITY element, valid
     // for the run (RCU; LRU elements are preallocated and never freed while
@@ -507,7 +514,12 @@ fn record(ctx: &SockAddrContext, proto: u8, service_id: u32, backend: &Addr, fro
 
 /// Records that this socket reaches `frontend` at `backend`, for the
 /// reverse path: unconnected UDP (sendmsg), and connect() when `SOCK_REC`
-/// is full (see `record`).
+/// is full (see `record`). Returns whether this is a translation the socket
+/// had not made before (a new flow, for `count_connection`): its storage
+/// was created now, or it differed and had not spilled yet (a socket that
+/// alternates between several frontends counts its second one once; its
+/// further ones, which `SOCK_REVNAT` keeps, are not told apart from
+/// repeats without another lookup per datagram).
 ///
 /// In the socket's own storage (`SOCK_PEER`), TCP and UDP alike. The
 /// element is created with its final contents in one step
@@ -533,7 +545,7 @@ fn record(ctx: &SockAddrContext, proto: u8, service_id: u32, backend: &Addr, fro
 /// space for UDP sockets (sock_diag reports it for TCP only:
 /// `inet_sk_diag_fill` stops before it without a connection sock).
 #[inline(always)]
-fn remember(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, frontend: &Addr, connect: bool) {
+fn remember(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, frontend: &Addr, connect: bool) -> bool {
     let family = backend.family;
     let mut first = SockPeerValue {
         backend_ip_be: backend.ip_be,
@@ -544,13 +556,22 @@ fn remember(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, front
         spilled: 0,
         _pad: [0; 2],
     };
+    // The lookup alone first: on every datagram after a socket's first it
+    // finds the element, as the creating call would, and tells a new
+    // translation from a repeated one.
     // SAFETY: aya reads the socket from `ctx.sock_addr->sk`, which the
     // kernel sets for every sock_addr program to the full socket the
-    // call is made on (the verifier types it PTR_TO_SOCKET, non-null).
-    // The helper copies `first`, a value of the map's value type on our
-    // stack, into a new element and returns this socket's element or
-    // null.
-    let mut peer = unsafe { SOCK_PEER.get_or_insert_ptr_mut(ctx, Some(&mut first)) };
+    // call is made on (the verifier types it PTR_TO_SOCKET, non-null);
+    // the helper only looks up.
+    let mut peer = unsafe { SOCK_PEER.get_ptr_mut(ctx) };
+    let mut new = false;
+    if peer.is_null() {
+        new = true;
+        // SAFETY: as above. The helper copies `first`, a value of the
+        // map's value type on our stack, into a new element and returns
+        // this socket's element or null.
+        peer = unsafe { SOCK_PEER.get_or_insert_ptr_mut(ctx, Some(&mut first)) };
+    }
     if peer.is_null() {
         // Either another thread created the element between the
         // helper's lookup and its insert (the insert then fails with
@@ -577,9 +598,10 @@ fn remember(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, front
             && p.frontend_port_be == frontend.port_be
         {
             if proto == PROTO_TCP || !connect {
-                return;
+                return new;
             }
         } else {
+            new = p.spilled == 0;
             p.spilled = 1;
         }
     }
@@ -593,6 +615,7 @@ fn remember(ctx: &SockAddrContext, proto: u8, cookie: u64, backend: &Addr, front
         // connection still works, only getpeername/recvmsg show the backend.
         count(counter::REVNAT_UPDATE_FAILED);
     }
+    new
 }
 
 /// getpeername() (`GETPEERNAME`) or recvmsg(): reports the frontend instead

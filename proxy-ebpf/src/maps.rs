@@ -18,7 +18,8 @@ use aya_ebpf::{
 use proxy_common::{
     AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, DEFAULT_MAX_AFFINITY, DEFAULT_MAX_BACKENDS,
     DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCK_REVNAT, NodeNetns, SOCK_PORTS_ENTRIES, ServiceKey, ServiceValue, SlotKey,
-    SlotValue, SockAffinityKey, SockConfig, SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, counter,
+    SlotValue, SockAffinityKey, SockConfig, SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, SvcConnValue,
+    SvcTopoValue, counter, svc_conn_index,
 };
 
 // The capacity is part of the type (a const generic the BTF records as an
@@ -96,6 +97,44 @@ pub static NODE_NETNS: Array<NodeNetns, 1> = Array::new();
 /// port's bit before it writes the first frontend on it.
 #[btf_map(name = "SOCK_PORTS")]
 pub static SOCK_PORTS: Array<u64, { SOCK_PORTS_ENTRIES as usize }> = Array::new();
+
+/// New connections and unconnected-UDP flows per frontend and topology
+/// tier (see `SvcConnValue`), indexed by `svc_conn_index(service_id)`.
+/// Per-CPU: the connect hit path adds to its own CPU's copy without an
+/// atomic or a shared cache line. The agent sizes it like `SERVICES` and
+/// hands out service ids that fit.
+#[btf_map(name = "SVC_CONN")]
+pub static SVC_CONN: PerCpuArray<SvcConnValue, { DEFAULT_MAX_SERVICES as usize }> = PerCpuArray::new();
+
+/// The agent's per-frontend figure added with each count (see
+/// `SvcTopoValue`), indexed as `SVC_CONN`.
+#[btf_map(name = "SVC_TOPO")]
+pub static SVC_TOPO: Array<SvcTopoValue, { DEFAULT_MAX_SERVICES as usize }> = Array::new();
+
+/// Counts one new connection (or unconnected-UDP flow) to frontend `svc`
+/// through a backend of topology tier `backend_tier` (`BackendValue::tier`),
+/// in the frontend's `SVC_CONN` slot: two array lookups (which the
+/// verifier inlines as address arithmetic for array maps), two adds. A
+/// frontend without a slot (a service id an older build gave out) is
+/// counted by reason instead. As `count`, an increment may be lost to a
+/// preempting program on the same CPU, never corrupted.
+#[inline(always)]
+pub fn count_connection(svc: &ServiceValue, backend_tier: u8) {
+    let index = svc_conn_index(svc.service_id);
+    let Some(slot) = SVC_CONN.get_ptr_mut(index) else {
+        count(counter::TOPO_UNCOUNTED);
+        return;
+    };
+    let share = SVC_TOPO.get(index).map_or(0, |t| t.blind_remote_share_fp);
+    // SAFETY: the lookup bounds-checked `index` and returned this CPU's
+    // copy of an array element, never freed while the map exists; plain
+    // integers, valid for any bits.
+    let slot = unsafe { &mut *slot };
+    if let Some(n) = slot.tiers.get_mut(svc.counted_tier(backend_tier)) {
+        *n += 1;
+    }
+    slot.blind_remote_fp += u64::from(share);
+}
 
 #[btf_map(name = "COUNTERS")]
 pub static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();

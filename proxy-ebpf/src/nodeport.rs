@@ -36,14 +36,14 @@ use proxy_common::{
     CT_DIR_REPLY_SNAT, CT_DIR_SNAT, CT_FLAG_CLOSING, CT_FLAG_REPLIED, CT_FLAG_SNAT, CT_REFRESH_S, CT_TIMEOUT_OTHER_S,
     CT_TIMEOUT_TCP_CLOSING_S, CT_TIMEOUT_TCP_S, CT_TIMEOUT_TCP_SYN_S, CtKey, CtValue, FAMILY_V4, MaglevKey, NP_FLAG_POLICY_LOCAL,
     NpAffinityKey, PROTO_TCP, SOURCE_RANGE_FIXED_BITS, SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRangeKey,
-    affinity_expired, ct_dir_from_client, ct_flags_after, flow_hash, maglev_hash, np_counter, np_fast_counter, np_port_bit,
+    affinity_expired, ct_dir_from_client, ct_flags_after, flow_hash, maglev_hash, np_counter, np_fast_counter, np_port_bit, svc_conn_index,
 };
 
 use crate::kernel;
 use crate::maglev_maps::NP_MAGLEV;
 use crate::nodeport_maps::{
     NP_AFFINITY, NP_AFFINITY_MATCH, NP_BACKENDS, NP_CONFIG, NP_CT, NP_FLAGS, NP_LOCAL, NP_PORTS, NP_SCRATCH, NP_SERVICES, NP_SLOTS,
-    NP_SOURCE_RANGES, NpScratch, np_count,
+    NP_SOURCE_RANGES, NP_SVC_TOPO, NpScratch, np_count, np_count_flow,
 };
 use crate::packet::{Parsed, Pkt, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, addr_copy, parse, rewrite};
 use crate::tc_fast;
@@ -522,6 +522,11 @@ fn pick_backend<const KERNEL: u8>(p: &Pkt) -> Result<i32, u32> {
     // Egress, backend -> client: the reply's source becomes the frontend.
     s.rev = CtValue { saddr_be: p.daddr, daddr_be: p.saddr, sport_be: p.dport_be, dport_be: p.sport_be, flags: 0, backend_id, seen_s: now };
     s.hash = hash;
+    s.service_id = svc.service_id;
+    s.tier = svc.counted_tier(b.tier) as u32;
+    // Read here, with the frontend: the count itself comes only once the
+    // flow is tracked (`commit_flow`).
+    s.share_fp = NP_SVC_TOPO.get(svc_conn_index(svc.service_id)).map_or(0, |t| t.blind_remote_share_fp);
     Ok(PICKED)
 }
 
@@ -655,6 +660,7 @@ fn commit_flow<const KERNEL: u8>(p: &Pkt, fwd_key: &CtKey) -> Result<i32, u32> {
         return Err(np_counter::CT_UPDATE_FAILED);
     }
     np_count(np_counter::NEW_FLOW);
+    np_count_flow(s);
     Ok(TRANSLATE)
 }
 

@@ -13,7 +13,8 @@ use aya_ebpf::{
 use proxy_common::{
     AddrKey, AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, CtKey, CtValue, DEFAULT_MAX_AFFINITY,
     DEFAULT_MAX_BACKENDS, DEFAULT_MAX_NP_CT, DEFAULT_MAX_NP_LOCAL, DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, NP_PORTS_ENTRIES,
-    NpAffinityKey, NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SourceRangeKey, np_counter,
+    NpAffinityKey, NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SourceRangeKey, SvcConnValue, SvcTopoValue,
+    np_counter, svc_conn_index,
 };
 
 // Frontend maps are not preallocated: the kernel allocates an element per
@@ -106,6 +107,39 @@ pub struct NpScratch {
     pub affinity_val: AffinityValue,
     /// The new flow's hash, from the backend pick to the SNAT port choice.
     pub hash: u32,
+    /// The new flow's frontend and the tier it counts in
+    /// (`ServiceValue::counted_tier`), from the backend pick to the count
+    /// once the flow is tracked.
+    pub service_id: u32,
+    pub tier: u32,
+    pub share_fp: u32,
+}
+
+/// The TC datapath's per-frontend topology counts and the agent's figure
+/// added with each (see `proxy_common::SvcConnValue`), indexed by
+/// `svc_conn_index` of an `NP_SERVICES` service id.
+#[map(name = "NP_SVC_CONN")]
+pub static NP_SVC_CONN: PerCpuArray<SvcConnValue> = PerCpuArray::with_max_entries(DEFAULT_MAX_SERVICES, 0);
+
+#[map(name = "NP_SVC_TOPO")]
+pub static NP_SVC_TOPO: Array<SvcTopoValue> = Array::with_max_entries(DEFAULT_MAX_SERVICES, 0);
+
+/// Counts one new flow of the frontend `pick_backend` left in `s`, in its
+/// tier (see `maps::count_connection` for the socket programs' twin).
+#[inline(always)]
+pub fn np_count_flow(s: &NpScratch) {
+    let Some(slot) = NP_SVC_CONN.get_ptr_mut(svc_conn_index(s.service_id)) else {
+        np_count(np_counter::TOPO_UNCOUNTED);
+        return;
+    };
+    // SAFETY: this CPU's copy of a bounds-checked array element, never
+    // freed while the map exists; no other reference to it is live (TC and
+    // XDP programs run with bottom halves disabled, one per CPU at a time).
+    let slot = unsafe { &mut *slot };
+    if let Some(n) = slot.tiers.get_mut(s.tier as usize) {
+        *n += 1;
+    }
+    slot.blind_remote_fp += u64::from(s.share_fp);
 }
 
 #[map(name = "NP_SCRATCH")]

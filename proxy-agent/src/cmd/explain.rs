@@ -2,17 +2,28 @@
 //! The manifests go through the same conversion, model and sync pass as
 //! `run`'s (against in-memory maps), so the decisions and the warnings,
 //! address clashes included, are the ones `run` would act on.
+//!
+//! With `--live`, it also reads a running agent's pinned counting maps
+//! (read-only, like `dump`) and shows next to each decision the
+//! connections its frontends counted by topology tier since they were
+//! first written (issue #34).
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use std::collections::BTreeMap;
+
+use anyhow::Context;
 use clap::{Args, ValueEnum};
+use proxy_agent::DEFAULT_BPFFS;
+use proxy_agent::datapath::{dump, maps};
 use proxy_agent::decide::decision::PortDecision;
-use proxy_agent::model::Backend;
 use proxy_agent::model::store::{Changes, Model};
+use proxy_agent::model::{Backend, Frontend};
 use proxy_agent::source::manifest_watch;
 use proxy_agent::sync::pass::{CachedSync, MemoryMaps};
+use proxy_common::{SHARE_ONE, SvcConnValue, tier};
 use serde_json::json;
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -31,6 +42,62 @@ pub(crate) struct ExplainArgs {
     manifests: Vec<PathBuf>,
     #[arg(long, value_enum, default_value_t = Output::Table)]
     output: Output,
+    /// Also show the connections each decision's frontends counted by
+    /// topology tier, read from a running agent's pinned maps (`--bpffs`).
+    #[arg(long)]
+    live: bool,
+    /// The pin directory of the agent `--live` reads.
+    #[arg(long, default_value = DEFAULT_BPFFS)]
+    bpffs: PathBuf,
+}
+
+/// The counted connections per frontend of both datapaths.
+struct Live {
+    socket: BTreeMap<Frontend, SvcConnValue>,
+    tc: BTreeMap<Frontend, SvcConnValue>,
+}
+
+impl Live {
+    fn read(pin_dir: &std::path::Path) -> anyhow::Result<Live> {
+        let ctx = || format!("reading the counting maps pinned in {}", pin_dir.display());
+        Ok(Live {
+            socket: dump::frontend_conn_counts(pin_dir, &maps::SERVICES, &maps::SVC_CONN).with_context(ctx)?,
+            tc: dump::frontend_conn_counts(pin_dir, &maps::NP_SERVICES, &maps::NP_SVC_CONN).with_context(ctx)?,
+        })
+    }
+
+    /// The counts of every frontend of `d`: its ClusterIPs, and its
+    /// NodePort (on any node address, loopback included) and external IPs
+    /// in both datapaths.
+    fn of(&self, d: &PortDecision) -> SvcConnValue {
+        let protocol = d.port.protocol;
+        let external: Vec<Frontend> = d.external_frontends(&[]);
+        let mine = |fe: &Frontend| {
+            d.frontends.contains(fe) || external.contains(fe) || (fe.protocol == protocol && Some(fe.port) == d.port.node_port)
+        };
+        let values: Vec<SvcConnValue> = self.socket.iter().chain(&self.tc).filter(|(fe, _)| mine(fe)).map(|(_, v)| *v).collect();
+        dump::sum_conn(values.iter())
+    }
+}
+
+/// The tier every connection of the port counts in, for the reader.
+fn counted_label(d: &PortDecision) -> String {
+    match d.internal_tier() {
+        Some(t) => format!("{} (the domain its topology chose)", tier::NAMES[usize::from(t)]),
+        None => "each backend's own tier (no topology chose one)".into(),
+    }
+}
+
+fn counts_label(v: &SvcConnValue) -> String {
+    let tiers: Vec<String> = tier::NAMES.iter().zip(v.tiers).map(|(n, c)| format!("{n} {c}")).collect();
+    format!("{}; blind remote {:.2}", tiers.join(", "), v.blind_remote_fp as f64 / f64::from(SHARE_ONE))
+}
+
+fn counts_json(v: &SvcConnValue) -> serde_json::Value {
+    let mut o: serde_json::Map<String, serde_json::Value> =
+        tier::NAMES.iter().zip(v.tiers).map(|(n, c)| ((*n).to_string(), json!(c))).collect();
+    o.insert("blindRemote".into(), json!(v.blind_remote_fp as f64 / f64::from(SHARE_ONE)));
+    serde_json::Value::Object(o)
 }
 
 pub(crate) fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
@@ -41,6 +108,7 @@ pub(crate) fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
     let mut maps = MemoryMaps::default();
     let outcome = pass.pass(&mut maps, None, &model.cluster, &Changes { all: true, ..Changes::default() }, true);
     let decisions: Vec<&PortDecision> = pass.decisions().collect();
+    let live = if args.live { Some(Live::read(&args.bpffs)?) } else { None };
     let mut warnings: Vec<String> = read.errors.iter().map(ToString::to_string).collect();
     warnings.extend(model.problems().map(|p| p.error.to_string()));
     warnings.extend(outcome.problems);
@@ -51,7 +119,13 @@ pub(crate) fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
         Output::Json => {
             let doc = json!({
                 "node": args.node,
-                "services": decisions.iter().map(|d| to_json(d)).collect::<Vec<_>>(),
+                "services": decisions.iter().map(|d| {
+                    let mut v = to_json(d);
+                    if let (Some(o), Some(live)) = (v.as_object_mut(), &live) {
+                        o.insert("connections".into(), counts_json(&live.of(d)));
+                    }
+                    v
+                }).collect::<Vec<_>>(),
                 "warnings": warnings,
             });
             writeln!(out, "{}", serde_json::to_string_pretty(&doc)?)?;
@@ -72,6 +146,10 @@ pub(crate) fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
                 writeln!(out, "  cluster:   {}", used(d.uses_cluster_endpoints(), &d.cluster))?;
                 writeln!(out, "  local:     {}", used(d.uses_local_endpoints(), &d.local))?;
                 writeln!(out, "  affinity:  {}", affinity_label(d))?;
+                writeln!(out, "  counts in: {}", counted_label(d))?;
+                if let Some(live) = &live {
+                    writeln!(out, "  counted:   {}", counts_label(&live.of(d)))?;
+                }
                 if let Some(ranges) = &d.source_ranges {
                     writeln!(out, "  sources:   {} ({})", ranges_label(ranges), filtered_label(d))?;
                 }
@@ -157,5 +235,9 @@ fn to_json(d: &PortDecision) -> serde_json::Value {
         // null: no filter; []: no range parsed, nobody from outside gets in.
         "loadBalancerSourceRanges": d.source_ranges.as_ref().map(|r| r.iter().map(ToString::to_string).collect::<Vec<_>>()),
         "sourceRangeFrontends": d.source_ranges.as_ref().map(|_| d.load_balancer_ips.iter().map(|ip| sockaddr(*ip, d.port.port)).collect::<Vec<_>>()),
+        // Issue #34: the tier every ClusterIP connection counts in (null:
+        // each backend's own), and the blind-remote share per connection.
+        "countedTier": d.internal_tier().map(|t| tier::NAMES[usize::from(t)]),
+        "blindRemoteShare": f64::from(d.blind_remote_share) / f64::from(SHARE_ONE),
     })
 }

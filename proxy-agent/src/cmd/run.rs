@@ -14,20 +14,21 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use kube::config::{KubeConfigOptions, Kubeconfig};
-use proxy_agent::datapath::dump::{np_counter_sums, np_fast_counter_sums, socket_counter_sums};
+use proxy_agent::datapath::dump::{np_counter_sums, np_fast_counter_sums, service_conn_sums, socket_counter_sums};
 use proxy_agent::datapath::kernel_features::KernelFeatures;
-use proxy_agent::datapath::map_migration;
 use proxy_agent::datapath::map_writer::MapWriter;
 use proxy_agent::datapath::pin_guard::{self, PinGuard};
 use proxy_agent::datapath::sizing::{self, Needs};
 use proxy_agent::datapath::sock_destroy::{self, Terminator};
 use proxy_agent::datapath::{conntrack_gc, socket_loader};
+use proxy_agent::datapath::{map_migration, maps};
 use proxy_agent::decide::departures::TcpTermination;
 use proxy_agent::external::node_addresses;
 use proxy_agent::external::nodeport::ExternalDatapath;
 use proxy_agent::model::store::Kind;
 use proxy_agent::observe::health_server::{self, DEFAULT_STALE_AFTER, Health};
 use proxy_agent::observe::metrics::Metrics;
+use proxy_agent::observe::service_connections::{self, Mode};
 use proxy_agent::source::feed::{Signal, Stores};
 use proxy_agent::source::{api_versions, kube_watch, manifest_watch};
 use proxy_agent::sync::events::{self, EventReporter};
@@ -90,8 +91,36 @@ pub(crate) struct RunArgs {
     /// not serving whatever this says, as kube-proxy does.
     #[arg(long, value_enum, default_value_t = TerminateTcp::Gone)]
     terminate_tcp: TerminateTcp,
+    /// Which Service ports' connection counts by topology tier
+    /// (`topoproxy_service_connections_total` and
+    /// `..._blind_remote_total`) are exported one by one: `topology`, the
+    /// Services with a topology setting (topologyKeys, the topology
+    /// annotations, hints, trafficDistribution, internalTrafficPolicy
+    /// Local), every other port summed into one series per tier with empty
+    /// namespace, service and port labels; `all`, every port (a series per
+    /// port and tier: mind the cardinality); `none`, neither family.
+    #[arg(long, value_enum, default_value_t = ServiceMetrics::Topology)]
+    service_metrics: ServiceMetrics,
     #[command(flatten)]
     datapath: DatapathArgs,
+}
+
+/// `--service-metrics` (`observe::service_connections::Mode`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub(crate) enum ServiceMetrics {
+    Topology,
+    All,
+    None,
+}
+
+impl From<ServiceMetrics> for Mode {
+    fn from(m: ServiceMetrics) -> Mode {
+        match m {
+            ServiceMetrics::Topology => Mode::Topology,
+            ServiceMetrics::All => Mode::All,
+            ServiceMetrics::None => Mode::None,
+        }
+    }
 }
 
 /// `--terminate-tcp` (`decide::departures::TcpTermination`).
@@ -357,6 +386,9 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
         tracing::warn!("{w}");
     }
     let mut writer = MapWriter::open(&pin_dir).context("opening the pinned maps")?;
+    // Issue #34: the writers publish who owns each counted frontend.
+    metrics.service_connections().set_mode(args.service_metrics.into());
+    writer.set_counter_owners(metrics.service_connections().owners());
     writer.set_maglev_size(args.datapath.maglev_table_size);
     writer.set_maglev_budget(maglev_budget.clone());
     external_cfg.maglev_budget = Some(maglev_budget);
@@ -370,8 +402,11 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
 
     // External traffic: TC programs on --devices, NodePorts on the node's
     // addresses, health check node ports.
-    let (external, external_warnings) =
+    let (mut external, external_warnings) =
         ExternalDatapath::install(&pin_dir, &external_cfg).context("installing the external-traffic datapath")?;
+    if let Some(w) = external.service_writer() {
+        w.set_counter_owners(metrics.service_connections().owners());
+    }
     for w in external_warnings {
         tracing::warn!("{w}");
     }
@@ -396,6 +431,11 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     metrics.export_tc_fast_counters(Box::new(move || np_fast_counter_sums(&counters_dir).map_err(|e| e.to_string())));
     let counters_dir = pin_dir.clone();
     metrics.export_socket_counters(Box::new(move || socket_counter_sums(&counters_dir).map_err(|e| e.to_string())));
+    let counters_dir = pin_dir.clone();
+    metrics.service_connections().export(Box::new(move |datapath, ids| {
+        let spec = if datapath == service_connections::TC { &maps::NP_SVC_CONN } else { &maps::SVC_CONN };
+        service_conn_sums(&counters_dir, spec, ids).map_err(|e| e.to_string())
+    }));
     let _conntrack_gc = conntrack_gc::spawn(pin_dir.clone(), args.datapath.conntrack.gc_config(), metrics.clone());
     // Pins removed under us are put back (the maps themselves live on in
     // the programs; see pin_guard).

@@ -32,6 +32,7 @@ use proxy_common as pc;
 use proxy_common::{
     AddrKey, AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, CtKey, CtValue, NpAffinityKey, NpConfig,
     NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SockAffinityKey, SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    SvcConnValue,
 };
 use serde::Serialize;
 
@@ -234,6 +235,54 @@ fn counter_sums(pin_dir: &Path, spec: &'static MapSpec, maps: &mut Vec<MapUsage>
     }
     maps.push(MapUsage { name: spec.name, entries: u64::from(max), max_entries: max });
     Ok(sums)
+}
+
+/// The topology counts (issue #34) of service ids `ids` of one datapath
+/// (`SVC_CONN` or `NP_SVC_CONN`, by `spec`), summed over CPUs; ids without
+/// a slot (an older build's) are left out. Read-only; used by `/metrics`
+/// and `explain --live`.
+pub fn service_conn_sums(pin_dir: &Path, spec: &'static MapSpec, ids: &[u32]) -> Result<Vec<(u32, SvcConnValue)>, DumpError> {
+    let (map, max) = open(pin_dir, spec)?;
+    let arr =
+        PerCpuArray::<MapData, SvcConnValue>::try_from(map).map_err(|error| DumpError::Kind { path: pin_dir.join(spec.name), error })?;
+    let mut out = Vec::with_capacity(ids.len());
+    for &id in ids {
+        let index = pc::svc_conn_index(id);
+        if index >= max {
+            continue;
+        }
+        let per_cpu = arr.get(&index, 0).map_err(|error| DumpError::Read { map: spec.name, error })?;
+        out.push((id, sum_conn(per_cpu.iter())));
+    }
+    Ok(out)
+}
+
+/// Per-CPU topology counts added up.
+pub fn sum_conn<'a>(values: impl Iterator<Item = &'a SvcConnValue>) -> SvcConnValue {
+    values.fold(SvcConnValue::default(), |mut a, v| {
+        for (x, y) in a.tiers.iter_mut().zip(v.tiers) {
+            *x = x.wrapping_add(y);
+        }
+        a.blind_remote_fp = a.blind_remote_fp.wrapping_add(v.blind_remote_fp);
+        a
+    })
+}
+
+/// The topology counts of every frontend of one datapath (`services` the
+/// frontend map, `conn` its counting array), by frontend; nothing when the
+/// counting array is not pinned (a datapath of an older build).
+pub fn frontend_conn_counts(
+    pin_dir: &Path,
+    services: &'static MapSpec,
+    conn: &'static MapSpec,
+) -> Result<BTreeMap<crate::model::Frontend, SvcConnValue>, DumpError> {
+    if !pin_dir.join(conn.name).exists() {
+        return Ok(BTreeMap::new());
+    }
+    let entries: Vec<(ServiceKey, ServiceValue)> = hash_entries(pin_dir, services, &mut Vec::new())?;
+    let ids: Vec<u32> = entries.iter().map(|(_, v)| v.service_id).collect();
+    let counts: BTreeMap<u32, SvcConnValue> = service_conn_sums(pin_dir, conn, &ids)?.into_iter().collect();
+    Ok(entries.iter().filter_map(|(k, v)| Some((crate::datapath::keys::frontend_of(k)?, *counts.get(&v.service_id)?))).collect())
 }
 
 /// Reads every map under `pin_dir`.
@@ -1061,7 +1110,7 @@ fn protocol_name(proto: u8) -> String {
 }
 
 fn endpoint(ip_be: [u32; 4], port_be: u16, family: u8) -> String {
-    match backend_of(&BackendValue { ip_be, port_be, family, _pad: 0 }) {
+    match backend_of(&BackendValue { ip_be, port_be, family, tier: 0 }) {
         Some(b) => b.to_string(),
         None => format!("family {family} {ip_be:08x?}:{}", u16::from_be(port_be)),
     }

@@ -38,9 +38,16 @@ pub fn frontend_of(key: &ServiceKey) -> Option<Frontend> {
     Some(Frontend { ip: ip_of(key.ip_be, key.family)?, port: u16::from_be(key.port_be), protocol })
 }
 
+/// Encodes a backend's address (tier `other`, for the address alone).
 pub fn backend_value(b: &Backend) -> BackendValue {
+    tiered_backend_value(b, proxy_common::tier::OTHER)
+}
+
+/// Encodes a backend with its topology tier (a `proxy_common::tier` code,
+/// `decide::topology::tier`), as the map writer stores it.
+pub fn tiered_backend_value(b: &Backend, tier: u8) -> BackendValue {
     let (ip_be, family) = ip_words(&b.ip);
-    BackendValue { ip_be, port_be: b.port.to_be(), family, _pad: 0 }
+    BackendValue { ip_be, port_be: b.port.to_be(), family, tier }
 }
 
 /// Decodes a backend; `None` for an address family this agent never writes.
@@ -117,6 +124,8 @@ mod tests {
         assert_eq!(frontend_of(&k6), Some(fe6));
         let b = Backend { ip: "fd00::1".parse().unwrap(), port: 8080 };
         assert_eq!(backend_of(&backend_value(&b)), Some(b));
+        assert_eq!(backend_of(&tiered_backend_value(&b, pc::tier::ZONE)), Some(b));
+        assert_eq!(tiered_backend_value(&b, pc::tier::ZONE).tier, pc::tier::ZONE);
         assert_eq!(frontend_of(&ServiceKey { proto: 1, ..k }), None);
     }
 

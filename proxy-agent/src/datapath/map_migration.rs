@@ -18,6 +18,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 
 use aya::maps::{Map, MapData, MapInfo, MapType, PerCpuArray, PerCpuValues};
+use proxy_common::SvcConnValue;
 
 use crate::datapath::bpf_batch::{self, BPF_MAP_GET_NEXT_KEY, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM};
 use crate::datapath::maps::{self, Capacities, MapSpec};
@@ -108,7 +109,15 @@ pub fn copy(pin_dir: &Path, m: &Migration, only_missing: bool) -> Result<u64, Mi
     if m.spec.map_type == MapType::PerCpuArray {
         // Counters are added once, after the swap (`add_counters`): a copy
         // before it would miss what the old programs count until then.
-        return if only_missing { add_counters(open(pin_dir.join(name))?, open(staged_pin(pin_dir, name))?, m) } else { Ok(0) };
+        if !only_missing {
+            return Ok(0);
+        }
+        let (old, new) = (open(pin_dir.join(name))?, open(staged_pin(pin_dir, name))?);
+        return if m.spec.value_size == size_of::<SvcConnValue>() {
+            add_counters::<SvcConnValue>(old, new, m)
+        } else {
+            add_counters::<u64>(old, new, m)
+        };
     }
     let old = open(pin_dir.join(name))?;
     let new = open(staged_pin(pin_dir, name))?;
@@ -124,24 +133,47 @@ pub fn copy(pin_dir: &Path, m: &Migration, only_missing: bool) -> Result<u64, Mi
 /// lost (the programs themselves increment without atomics, per CPU), a
 /// window of one syscall per index at start-up. Returns how many indices
 /// carried a count.
-fn add_counters(old: MapData, new: MapData, m: &Migration) -> Result<u64, MigrationError> {
+fn add_counters<V: Counts>(old: MapData, new: MapData, m: &Migration) -> Result<u64, MigrationError> {
     let name = m.spec.name;
     let err = |e: aya::maps::MapError| MigrationError::Copy { map: name, source: io::Error::other(e) };
-    let old: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(old)).map_err(err)?;
-    let mut new: PerCpuArray<MapData, u64> = PerCpuArray::try_from(Map::PerCpuArray(new)).map_err(err)?;
+    let old: PerCpuArray<MapData, V> = PerCpuArray::try_from(Map::PerCpuArray(old)).map_err(err)?;
+    let mut new: PerCpuArray<MapData, V> = PerCpuArray::try_from(Map::PerCpuArray(new)).map_err(err)?;
     let mut carried = 0;
     for i in 0..m.from.min(m.to) {
         let before = old.get(&i, 0).map_err(err)?;
-        if before.iter().all(|v| *v == 0) {
+        if before.iter().all(|v| *v == V::default()) {
             continue;
         }
         let now = new.get(&i, 0).map_err(err)?;
-        let sum: Vec<u64> = before.iter().zip(now.iter()).map(|(a, b)| a.wrapping_add(*b)).collect();
+        let sum: Vec<V> = before.iter().zip(now.iter()).map(|(a, b)| a.plus(b)).collect();
         let values = PerCpuValues::try_from(sum).map_err(|e| MigrationError::Copy { map: name, source: e })?;
         new.set(i, values, 0).map_err(err)?;
         carried += 1;
     }
     Ok(carried)
+}
+
+/// A per-CPU array element whose counts add up: the reason counters
+/// (`u64`) and the topology counts (`SvcConnValue`).
+trait Counts: aya::Pod + Default + PartialEq {
+    fn plus(&self, other: &Self) -> Self;
+}
+
+impl Counts for u64 {
+    fn plus(&self, other: &Self) -> Self {
+        self.wrapping_add(*other)
+    }
+}
+
+impl Counts for SvcConnValue {
+    fn plus(&self, other: &Self) -> Self {
+        let mut out = *self;
+        for (a, b) in out.tiers.iter_mut().zip(other.tiers) {
+            *a = a.wrapping_add(b);
+        }
+        out.blind_remote_fp = out.blind_remote_fp.wrapping_add(other.blind_remote_fp);
+        out
+    }
 }
 
 /// Renames the staged copy over the old pin.

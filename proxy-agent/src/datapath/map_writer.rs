@@ -59,10 +59,11 @@ use proxy_common::{
 };
 
 use crate::datapath::bpf_batch::{self, BatchError};
-use crate::datapath::keys::{backend_of, backend_value, cidr_of, frontend_of, service_key, source_range_key};
+use crate::datapath::keys::{backend_of, cidr_of, frontend_of, service_key, source_range_key, tiered_backend_value};
 use crate::datapath::maglev_tables::{self, MaglevTables};
 use crate::datapath::maps::{Datapath, MapSpec, NP_MAGLEV, SOCK_MAGLEV, SOCKET_SERVICE_MAPS, ServiceMaps};
 use crate::datapath::port_bits::{Bitmap, PortBits, PortBitsError, PortSet};
+use crate::datapath::service_topo::{SharedTiers, TopoMaps};
 use crate::decide::maglev::{self, TableSize};
 use crate::decide::plan::{FrontendPolicy, Plan, Policies, SourceRanges, State};
 use crate::model::{Backend, Frontend};
@@ -168,6 +169,9 @@ pub struct MapWriter {
     /// `SOCK_PORTS`, for the socket datapath (`None` for the TC one, whose
     /// `NP_PORTS` the NodePort writer claims).
     ports: Option<PortBits>,
+    /// The topology counting's maps and records (issue #34,
+    /// `service_topo`); `None` when the datapath has no counting maps.
+    topo: Option<TopoMaps>,
 }
 
 fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, spec: &'static MapSpec) -> Result<(HashMap<MapData, K, V>, u32), WriteError> {
@@ -216,6 +220,7 @@ impl MapWriter {
             ),
             Datapath::Tc => None,
         };
+        let topo = TopoMaps::open(pin_dir, maps).map_err(|source| WriteError::Open { map: maps.topo.name, source })?;
         let mut w = MapWriter {
             maps,
             services,
@@ -244,6 +249,7 @@ impl MapWriter {
             maglev_refused: BTreeSet::new(),
             maglev_sizes: BTreeMap::new(),
             ports,
+            topo,
         };
         w.read_back()?;
         // The loader filled the bitmap from these entries before it
@@ -353,6 +359,9 @@ impl MapWriter {
             }
         }
         self.backend_id_set = self.backend_ids.ids().collect();
+        if let Some(t) = &mut self.topo {
+            t.stored = Some(self.backend_ids.entries().filter_map(|(b, id)| Some((id, b, backend_table.get(&id)?.tier))).collect());
+        }
         let orphans: Vec<BackendKey> =
             backend_table.keys().filter(|id| !self.backend_id_set.contains(**id)).map(|id| BackendKey { backend_id: *id }).collect();
         let _ = delete_keys(&mut self.backends, &orphans);
@@ -362,7 +371,11 @@ impl MapWriter {
             let missing = t.read_back(&live).map_err(|source| WriteError::Read { map, source })?;
             self.maglev_stale.extend(live_tables.iter().filter(|(k, _, _)| missing.contains(k)).map(|(_, _, fe)| *fe));
         }
+        // Ids from 1 to the counting arrays' size (see `stage`).
         self.next_service_id = max_sid.wrapping_add(1).max(1);
+        if self.next_service_id > self.service_id_limit() {
+            self.next_service_id = 1;
+        }
         self.next_backend_id = backend_table.keys().max().copied().unwrap_or(0).wrapping_add(1).max(1);
         Ok(())
     }
@@ -647,8 +660,14 @@ impl MapWriter {
         let service_id = if let Some(p) = old {
             p.value.service_id
         } else {
-            let set = &self.service_id_set;
-            Self::alloc_id(&mut self.next_service_id, |id| set.contains(id), "service")?
+            // Service ids stay within 1..=the counting arrays' size, which
+            // is the services capacity: the counts are indexed by id.
+            let (set, limit) = (&self.service_id_set, self.service_id_limit());
+            let id = Self::alloc_id(&mut self.next_service_id, |id| set.contains(id) || id > limit, "service")?;
+            if self.next_service_id > limit {
+                self.next_service_id = 1;
+            }
+            id
         };
         let generation = old.map_or(1, |p| p.value.generation.wrapping_add(1));
         let created_before = chunk.created.len();
@@ -697,7 +716,8 @@ impl MapWriter {
             // Asks for no table now (the annotation went, or no backends).
             self.maglev_refused.remove(fe);
         }
-        let flags = policy_flags(policy) | maglev.map_or(0, maglev_tables::flags_of);
+        let tier = self.topo.as_ref().map_or(0, |t| t.tier_bits_of(fe));
+        let flags = policy_flags(policy) | maglev.map_or(0, maglev_tables::flags_of) | tier;
         chunk.service_values.push(ServiceValue { service_id, backend_count: n, generation, flags });
         chunk.staged.push(Staged {
             maglev,
@@ -812,7 +832,9 @@ impl MapWriter {
     /// failure), and the call that stopped the rest.
     fn write_chunk(&mut self, c: &mut Chunk) -> (usize, Option<(&'static str, BatchError)>) {
         let backend_keys: Vec<BackendKey> = c.created.iter().map(|(_, id)| BackendKey { backend_id: *id }).collect();
-        let backend_values: Vec<BackendValue> = c.created.iter().map(|(b, _)| backend_value(b)).collect();
+        let topo = &self.topo;
+        let backend_values: Vec<BackendValue> =
+            c.created.iter().map(|(b, _)| tiered_backend_value(b, topo.as_ref().map_or(pc::tier::OTHER, |t| t.backend_tier(b)))).collect();
         if let Err(e) = bpf_batch::update(&mut self.backends, &backend_keys, &backend_values) {
             return (0, Some((self.maps.backends.name, e)));
         }
@@ -830,6 +852,15 @@ impl MapWriter {
             }
         }
         self.link_tables(c);
+        // The shares before the entries: a frontend's first connections
+        // already add its own.
+        if let Some(t) = &mut self.topo {
+            for (st, value) in c.staged.iter().zip(&c.service_values) {
+                if let Err(e) = t.write_share(&st.frontend, value.service_id) {
+                    tracing::debug!(frontend = %st.frontend, error = %e, "writing the blind-remote share failed");
+                }
+            }
+        }
         match bpf_batch::update(&mut self.services, &c.service_keys, &c.service_values) {
             Ok(()) => (c.staged.len(), None),
             Err(e) => (e.applied.min(c.staged.len()), Some((self.maps.services.name, e))),
@@ -913,6 +944,9 @@ impl MapWriter {
             self.maglev_refused.remove(fe);
             if let Some(old) = self.programmed.remove(fe) {
                 self.service_id_set.remove(old.value.service_id);
+                if let Some(t) = &mut self.topo {
+                    t.forget(fe, old.value.service_id);
+                }
                 if old.policy().affinity_timeout_s.is_some() {
                     self.affinity_gone.insert(old.value.affinity_scope());
                 }
@@ -1027,6 +1061,79 @@ impl MapWriter {
         self.slots_used as usize
     }
 
+    /// The largest service id the counting arrays hold (their size, the
+    /// services capacity); without them, any.
+    fn service_id_limit(&self) -> u32 {
+        self.topo.as_ref().map_or(u32::MAX, |t| t.capacity().max(1))
+    }
+
+    /// Follows the endpoint tier table (issue #34): backends whose
+    /// physical tier is not what they carry are rewritten in place, an
+    /// unchanged address with another tier, which readers see whole.
+    pub fn set_tiers(&mut self, tiers: &SharedTiers) {
+        let Some(t) = &mut self.topo else { return };
+        let Some(check) = t.set_tiers(tiers) else { return };
+        let (mut keys, mut values) = (Vec::new(), Vec::new());
+        match (t.stored.take(), check) {
+            (Some(stored), _) => {
+                for (id, b, was) in stored {
+                    let now = t.backend_tier(&b);
+                    if now != was && self.backend_ids.get(&b).is_some_and(|(i, _)| *i == id) {
+                        keys.push(BackendKey { backend_id: id });
+                        values.push(tiered_backend_value(&b, now));
+                    }
+                }
+            }
+            (None, moved) => {
+                let moved: Option<FastHashSet<std::net::IpAddr>> = moved.map(|m| m.into_iter().collect());
+                for (b, id) in self.backend_ids.entries() {
+                    if moved.as_ref().is_none_or(|m| m.contains(&b.ip)) {
+                        keys.push(BackendKey { backend_id: id });
+                        values.push(tiered_backend_value(&b, t.backend_tier(&b)));
+                    }
+                }
+            }
+        }
+        if let Err(e) = bpf_batch::update(&mut self.backends, &keys, &values) {
+            tracing::warn!(map = self.maps.backends.name, error = %e, "writing backends' topology tiers failed; their connections count in their old tier");
+        }
+    }
+
+    /// Publishes the owner (Service port) of each counted frontend's
+    /// service id in `owners` (for `/metrics`), under `datapath`'s code.
+    pub fn set_counter_owners(&mut self, owners: crate::observe::service_connections::Owners) {
+        let code = match self.maps.datapath() {
+            Datapath::Socket => crate::observe::service_connections::SOCKET,
+            Datapath::Tc => crate::observe::service_connections::TC,
+        };
+        if let Some(t) = &mut self.topo {
+            t.set_owners(code, owners);
+        }
+    }
+
+    /// Sets how the frontends in `frontends` count their connections (their
+    /// chosen tier and blind-remote share, issue #34). A programmed
+    /// frontend whose tier changed gets its service entry rewritten in
+    /// place (same generation and backends, other flags), and its share;
+    /// the others get theirs when they are written.
+    pub fn set_topology(&mut self, frontends: &[(Frontend, crate::decide::decision::FrontendTopo)]) {
+        let Some(t) = &mut self.topo else { return };
+        for fe in t.set_topology(frontends) {
+            let Some(p) = self.programmed.get_mut(&fe) else { continue };
+            let flags = (p.value.flags & !pc::SVC_TIER_MASK) | t.tier_bits_of(&fe);
+            if flags != p.value.flags {
+                let value = ServiceValue { flags, ..p.value };
+                match self.services.insert(service_key(&fe), value, 0) {
+                    Ok(()) => p.value = value,
+                    Err(e) => tracing::warn!(frontend = %fe, error = %e, "rewriting the frontend's topology tier failed"),
+                }
+            }
+            if let Err(e) = t.write_share(&fe, p.value.service_id) {
+                tracing::debug!(frontend = %fe, error = %e, "writing the blind-remote share failed");
+            }
+        }
+    }
+
     /// (map, entries in use, capacity) per map, for metrics and `dump`.
     pub fn occupancy(&self) -> [(&'static str, u32, u32); 5] {
         [
@@ -1137,6 +1244,15 @@ impl BackendIds {
 
     fn ids(&self) -> impl Iterator<Item = u32> + '_ {
         self.v4.values().chain(self.v6.values()).map(|(id, _)| *id)
+    }
+
+    /// Every backend with its id.
+    fn entries(&self) -> impl Iterator<Item = (Backend, u32)> + '_ {
+        let v4 = self.v4.iter().map(|(k, (id, _))| {
+            let ip = std::net::Ipv4Addr::from((k >> 16) as u32);
+            (Backend { ip: std::net::IpAddr::V4(ip), port: *k as u16 }, *id)
+        });
+        v4.chain(self.v6.iter().map(|(b, (id, _))| (*b, *id)))
     }
 
     /// Room for those of `backends` not known yet, at most `room` in all.

@@ -14,7 +14,7 @@ use proxy_common as pc;
 use proxy_common::{
     AddrKey, AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, CtKey, CtValue, MaglevKey, NodeNetns,
     NpAffinityKey, NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SockAffinityKey, SockConfig, SockPeerValue,
-    SockRecValue, SockRevNatKey, SockRevNatValue, SourceRangeKey,
+    SockRecValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, SvcConnValue, SvcTopoValue,
 };
 
 /// Which programs use a map.
@@ -193,6 +193,19 @@ pub static NP_MAGLEV: MapSpec = MapSpec::new::<MaglevKey, u32>(pc::NP_MAGLEV_MAP
 pub static SOCK_MAGLEV: MapSpec =
     MapSpec::new::<MaglevKey, u32>(pc::SOCK_MAGLEV_MAP, Socket, MapType::HashOfMaps, Some(Capacity::Services));
 
+/// Connections per frontend and topology tier (issue #34), indexed by
+/// service id less one: per-CPU, sized like `SERVICES` (the writers hand
+/// out ids up to that capacity). A capacity change carries the counts over
+/// (`map_migration`).
+pub static SVC_CONN: MapSpec = MapSpec::new::<u32, SvcConnValue>(pc::SVC_CONN_MAP, Socket, MapType::PerCpuArray, Some(Capacity::Services));
+/// The blind-remote share the socket programs add per counted connection,
+/// written by the agent per frontend.
+pub static SVC_TOPO: MapSpec = MapSpec::new::<u32, SvcTopoValue>(pc::SVC_TOPO_MAP, Socket, MapType::Array, Some(Capacity::Services));
+/// The TC datapath's `SVC_CONN` and `SVC_TOPO`, by its own service ids.
+pub static NP_SVC_CONN: MapSpec =
+    MapSpec::new::<u32, SvcConnValue>(pc::NP_SVC_CONN_MAP, Tc, MapType::PerCpuArray, Some(Capacity::Services));
+pub static NP_SVC_TOPO: MapSpec = MapSpec::new::<u32, SvcTopoValue>(pc::NP_SVC_TOPO_MAP, Tc, MapType::Array, Some(Capacity::Services));
+
 /// The TC programs' port bitmap (see `port_bits`): 16 KiB, fixed size.
 pub static NP_PORTS: MapSpec = MapSpec::new::<u32, u64>(pc::NP_PORTS_MAP, Tc, MapType::Array, None);
 /// The socket programs' port bitmap (see `port_bits`): 8 KiB, fixed size.
@@ -200,7 +213,7 @@ pub static SOCK_PORTS: MapSpec = MapSpec::new::<u32, u64>(pc::SOCK_PORTS_MAP, So
 
 /// Every pinned map. Maps of the object that are not listed (per-CPU
 /// scratch space) are private to each load.
-pub static MAPS: [&MapSpec; 28] = [
+pub static MAPS: [&MapSpec; 32] = [
     &SERVICES,
     &SLOTS,
     &BACKENDS,
@@ -229,6 +242,10 @@ pub static MAPS: [&MapSpec; 28] = [
     &SOCK_MAGLEV,
     &NP_PORTS,
     &SOCK_PORTS,
+    &SVC_CONN,
+    &SVC_TOPO,
+    &NP_SVC_CONN,
+    &NP_SVC_TOPO,
 ];
 
 /// The maps that hold one datapath's services: frontend to service entry,
@@ -246,6 +263,10 @@ pub struct ServiceMaps {
     pub affinity: &'static MapSpec,
     pub affinity_match: &'static MapSpec,
     pub source_ranges: &'static MapSpec,
+    /// The per-frontend topology counts and the agent's share per
+    /// frontend (`SvcConnValue`, `SvcTopoValue`).
+    pub conn: &'static MapSpec,
+    pub topo: &'static MapSpec,
 }
 
 impl ServiceMaps {
@@ -261,6 +282,8 @@ pub static SOCKET_SERVICE_MAPS: ServiceMaps = ServiceMaps {
     affinity: &AFFINITY,
     affinity_match: &AFFINITY_MATCH,
     source_ranges: &SOURCE_RANGES,
+    conn: &SVC_CONN,
+    topo: &SVC_TOPO,
 };
 pub static TC_SERVICE_MAPS: ServiceMaps = ServiceMaps {
     services: &NP_SERVICES,
@@ -269,6 +292,8 @@ pub static TC_SERVICE_MAPS: ServiceMaps = ServiceMaps {
     affinity: &NP_AFFINITY,
     affinity_match: &NP_AFFINITY_MATCH,
     source_ranges: &NP_SOURCE_RANGES,
+    conn: &NP_SVC_CONN,
+    topo: &NP_SVC_TOPO,
 };
 
 #[cfg(test)]
@@ -309,6 +334,10 @@ mod tests {
             pc::SOCK_MAGLEV_MAP,
             pc::NP_PORTS_MAP,
             pc::SOCK_PORTS_MAP,
+            pc::SVC_CONN_MAP,
+            pc::SVC_TOPO_MAP,
+            pc::NP_SVC_CONN_MAP,
+            pc::NP_SVC_TOPO_MAP,
         ] {
             assert!(names.contains(&name), "{name} is not in MAPS");
         }
@@ -326,6 +355,8 @@ mod tests {
                 (set.backends, &BACKENDS),
                 (set.affinity_match, &AFFINITY_MATCH),
                 (set.source_ranges, &SOURCE_RANGES),
+                (set.conn, &SVC_CONN),
+                (set.topo, &SVC_TOPO),
             ] {
                 assert_eq!(
                     (m.map_type, m.key_size, m.value_size),

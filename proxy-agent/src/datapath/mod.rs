@@ -22,6 +22,7 @@ pub mod netns;
 pub mod object;
 pub mod pin_guard;
 pub mod port_bits;
+pub mod service_topo;
 pub mod sizing;
 pub mod sock_destroy;
 pub mod sock_diag;

@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use crate::decide::plan::{FrontendPolicy, Policies, SourceRanges};
 use crate::decide::topology::{self, NodeContext};
 use crate::model::{Backend, Cidr, Cluster, Endpoint, EndpointSlice, Family, Frontend, ObjectRef, Service, ServicePort};
+pub use crate::observe::service_connections::PortLabel;
 
 /// The outcome for one Service port on this node.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -53,6 +54,19 @@ pub struct PortDecision {
     /// The Maglev table size of the external frontends, when the Service's
     /// annotation sets a valid one (`None`: the agent's default).
     pub maglev_size: Option<crate::decide::maglev::TableSize>,
+    /// The `proxy_common::tier` every connection to `cluster` counts in,
+    /// when the topology chose it by one domain; `None`: each backend's own
+    /// (`topology::tier`).
+    pub tier: Option<u8>,
+    /// The share of the port's usable endpoints outside this node's zone,
+    /// in `proxy_common::SHARE_ONE`ths: what the datapath adds per counted
+    /// connection for `topoproxy_service_connections_blind_remote_total`.
+    pub blind_remote_share: u32,
+    /// Whether the Service has a topology setting (topologyKeys, either
+    /// topology annotation, hints on its endpoints, trafficDistribution,
+    /// internalTrafficPolicy Local): its connection counts are exported one
+    /// by one under `--service-metrics topology`.
+    pub has_topology: bool,
 }
 
 impl PortDecision {
@@ -77,6 +91,66 @@ impl PortDecision {
     /// The backends ClusterIP traffic from this node may use.
     pub fn internal_backends(&self) -> &[Backend] {
         if self.internal_local { &self.local } else { &self.cluster }
+    }
+
+    /// The tier ClusterIP connections count in (see [`PortDecision::tier`]):
+    /// the node's for internalTrafficPolicy Local, whose backends are all
+    /// on this node.
+    pub fn internal_tier(&self) -> Option<u8> {
+        if self.internal_local { Some(proxy_common::tier::NODE) } else { self.tier }
+    }
+
+    /// The tier connections from outside to an external frontend count in.
+    pub fn external_tier(&self) -> Option<u8> {
+        if self.external_local { Some(proxy_common::tier::NODE) } else { self.tier }
+    }
+
+    /// What the datapath needs to count this port's connections through
+    /// frontend counting in `tier`.
+    fn topo(&self, tier: Option<u8>, label: &std::sync::Arc<PortLabel>) -> FrontendTopo {
+        FrontendTopo { tier, blind_remote_share: self.blind_remote_share, port: label.clone() }
+    }
+
+    /// The label of this port's connection counts.
+    pub fn port_label(&self) -> PortLabel {
+        PortLabel {
+            namespace: self.service.namespace.clone(),
+            service: self.service.name.clone(),
+            port: if self.port.name.is_empty() { self.port.port.to_string() } else { self.port.name.clone() },
+            topology: self.has_topology,
+        }
+    }
+
+    /// The counting of every frontend of this port on a node with
+    /// addresses `node_addrs`: the socket datapath's (ClusterIPs, and the
+    /// external frontends as the node's own processes reach them, which
+    /// use the cluster-wide set) into `socket`, the TC datapath's (traffic
+    /// from outside) into `tc`. A frontend another port claims gets the
+    /// first claimant's, as the maps do (later entries win here; the
+    /// writer keeps one per frontend).
+    pub fn frontend_topology(
+        &self,
+        node_addrs: &[std::net::IpAddr],
+        socket: &mut Vec<(Frontend, FrontendTopo)>,
+        tc: &mut Vec<(Frontend, FrontendTopo)>,
+    ) {
+        let label = std::sync::Arc::new(self.port_label());
+        let internal = self.topo(self.internal_tier(), &label);
+        socket.extend(self.frontends.iter().map(|fe| (*fe, internal.clone())));
+        if !has_external(self) {
+            return;
+        }
+        let external = self.external_frontends(node_addrs);
+        let from_node = self.topo(self.tier, &label);
+        socket.extend(external.iter().map(|fe| (*fe, from_node.clone())));
+        if let Some(np) = self.port.node_port {
+            use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+            for ip in [IpAddr::V4(Ipv4Addr::LOCALHOST), IpAddr::V6(Ipv6Addr::LOCALHOST)] {
+                socket.push((Frontend { ip, port: np, protocol: self.port.protocol }, from_node.clone()));
+            }
+        }
+        let outside = self.topo(self.external_tier(), &label);
+        tc.extend(external.into_iter().map(|fe| (fe, outside.clone())));
     }
 
     /// What frontend `fe` of this port needs besides its backends, on a
@@ -182,6 +256,16 @@ impl PortDecision {
     }
 }
 
+/// How the datapath counts one frontend's connections (issue #34).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FrontendTopo {
+    /// The tier every connection counts in, or `None`: its backend's.
+    pub tier: Option<u8>,
+    /// Added per counted connection, in `proxy_common::SHARE_ONE`ths.
+    pub blind_remote_share: u32,
+    pub port: std::sync::Arc<PortLabel>,
+}
+
 /// Decides every Service port of the cluster for node `node`.
 pub fn decide(cluster: &Cluster, node: &str) -> Vec<PortDecision> {
     let ctx = NodeContext { name: node, nodes: &cluster.nodes };
@@ -234,6 +318,11 @@ pub fn decide_service(svc: &Service, slices: &[&EndpointSlice], ctx: NodeContext
             }
         }
         let ranking = topology::rank(svc, &endpoints, ctx);
+        let has_topology = svc.topology_keys.is_some()
+            || svc.annotations.keys().any(|k| topology::TOPOLOGY_ANNOTATIONS.contains(&k.as_str()))
+            || svc.traffic_distribution.is_some()
+            || svc.internal_policy_local
+            || endpoints.iter().any(|e| e.hint_zones().is_some() || e.hint_nodes().is_some());
         let to_backends = |idx: &[usize]| -> Vec<Backend> {
             let mut v: Vec<Backend> =
                 idx.iter().filter_map(|&i| Some(Backend { ip: endpoints.get(i)?.address, port: *ports.get(i)? })).collect();
@@ -259,6 +348,9 @@ pub fn decide_service(svc: &Service, slices: &[&EndpointSlice], ctx: NodeContext
             source_ranges: svc.load_balancer_source_ranges.clone(),
             problems: ranking.problems.into_iter().chain(maglev_problem.clone()).collect(),
             maglev_size,
+            tier: ranking.tier,
+            blind_remote_share: ranking.blind_remote_share,
+            has_topology,
         });
     }
 }

@@ -271,6 +271,13 @@ impl ExternalDatapath {
         self.tc_fast_on
     }
 
+    /// The TC datapath's service map writer, for the topology counting
+    /// (issue #34: tiers, shares, counter labels); `None` without TC
+    /// programs.
+    pub fn service_writer(&mut self) -> Option<&mut MapWriter> {
+        self.tc.as_mut().map(|t| &mut t.writer)
+    }
+
     /// Attaches the TC programs (unless `--devices none`) and opens the
     /// maps. `socket_loader::install` must have run on `pin_dir` first.
     pub fn install(pin_dir: &Path, cfg: &ExternalConfig) -> anyhow::Result<(ExternalDatapath, Vec<String>)> {

@@ -230,6 +230,7 @@ pub struct Metrics {
     nodeport_counters: std::sync::Arc<KernelCounters>,
     tc_fast_counters: std::sync::Arc<KernelCounters>,
     socket_counters: std::sync::Arc<KernelCounters>,
+    service_connections: std::sync::Arc<crate::observe::service_connections::ServiceConnections>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -396,6 +397,8 @@ impl Metrics {
             &proxy_common::counter::NAMES,
         ));
         registry.register_collector(Box::new(socket_counters.clone()));
+        let service_connections = std::sync::Arc::new(crate::observe::service_connections::ServiceConnections::default());
+        registry.register_collector(Box::new(service_connections.clone()));
         let kube_proxy = KubeProxy::register(root.sub_registry_with_prefix("kubeproxy"));
         Metrics {
             registry: root,
@@ -433,7 +436,16 @@ impl Metrics {
             nodeport_counters,
             tc_fast_counters,
             socket_counters,
+            service_connections,
         }
+    }
+
+    /// `topoproxy_service_connections_total` and
+    /// `topoproxy_service_connections_blind_remote_total` (issue #34): the
+    /// mode (`--service-metrics`), the owners the map writers publish, and
+    /// the reader of the pinned counts.
+    pub fn service_connections(&self) -> &crate::observe::service_connections::ServiceConnections {
+        &self.service_connections
     }
 
     /// Exports the TC programs' `NP_COUNTERS`, as `read` returns them, from

@@ -4,3 +4,4 @@
 
 pub mod health_server;
 pub mod metrics;
+pub mod service_connections;

@@ -10,8 +10,9 @@ use std::time::Instant;
 
 use crate::datapath::map_writer::{ApplyError, MapWriter, WriteError};
 use crate::datapath::maps;
+use crate::datapath::service_topo::SharedTiers;
 use crate::decide::cache::DecisionCache;
-use crate::decide::decision::{self, PortDecision};
+use crate::decide::decision::{self, FrontendTopo, PortDecision};
 use crate::decide::departures::{self, Departure, EndpointState, Step, TcpTermination, Watch};
 use crate::decide::plan::{self, FrontendPolicy, Plan, Policies};
 use crate::external::nodeport::ExternalDatapath;
@@ -27,6 +28,11 @@ pub trait SocketMaps {
     fn state_entries(&self) -> impl Iterator<Item = (Frontend, &[Backend])>;
     /// The backends programmed for `fe`, in slot order.
     fn backends_of(&self, fe: &Frontend) -> Option<&[Backend]>;
+    /// Follows the endpoint tier table and sets how frontends count their
+    /// connections (issue #34, `datapath::service_topo`); the in-memory
+    /// maps count nothing.
+    fn set_tiers(&mut self, _tiers: &SharedTiers) {}
+    fn set_topology(&mut self, _frontends: &[(Frontend, FrontendTopo)]) {}
     /// The programmed frontends whose policy is not the default.
     fn policies(&self) -> Policies;
     /// The policy `fe` is programmed with.
@@ -75,6 +81,12 @@ impl SocketMaps for MapWriter {
     }
     fn apply(&mut self, plan: &Plan) -> Vec<ApplyError> {
         MapWriter::apply(self, plan)
+    }
+    fn set_tiers(&mut self, tiers: &SharedTiers) {
+        MapWriter::set_tiers(self, tiers);
+    }
+    fn set_topology(&mut self, frontends: &[(Frontend, FrontendTopo)]) {
+        MapWriter::set_topology(self, frontends);
     }
     fn apply_owned(&mut self, plan: Plan) -> Vec<ApplyError> {
         MapWriter::apply_owned(self, plan)
@@ -255,6 +267,9 @@ pub struct CachedSync {
     /// Nodes, metadata only, just while this is not empty.
     /// with the Nodes its endpoints run on (`endpoint_nodes`).
     label_needs: BTreeMap<ObjectRef, (BTreeSet<String>, BTreeSet<String>)>,
+    /// The physical tier of every endpoint address, which the writers put
+    /// with each backend (issue #34).
+    tiers: SharedTiers,
 }
 
 impl CachedSync {
@@ -277,6 +292,7 @@ impl CachedSync {
             seeded_tc: false,
             tcp: TcpTermination::default(),
             label_needs: BTreeMap::new(),
+            tiers: std::sync::Arc::new(std::sync::RwLock::new(crate::decide::topology::tier::EndpointTiers::new(node))),
         }
     }
 
@@ -423,7 +439,7 @@ impl CachedSync {
     pub fn pass_at(
         &mut self,
         writer: &mut impl SocketMaps,
-        external: Option<&mut ExternalDatapath>,
+        mut external: Option<&mut ExternalDatapath>,
         cluster: &Cluster,
         changes: &Changes,
         full: bool,
@@ -455,6 +471,7 @@ impl CachedSync {
             self.track_external(update.services.iter().cloned());
         }
         self.follow_local_endpoints(external.as_deref().is_some_and(ExternalDatapath::uses_local_endpoints));
+        self.count_topology(writer, external.as_deref_mut(), cluster, changes, &update.services, full);
         let ext = external.as_deref().map(|e| {
             let cache = &self.cache;
             let decisions = self.external_services.iter().flat_map(|id| cache.decisions_of(id));
@@ -586,6 +603,35 @@ impl CachedSync {
             departures,
             tc_departures,
             recheck_at,
+        }
+    }
+
+    /// Issue #34: follows the endpoints' tiers and hands both datapaths'
+    /// writers how the frontends of the re-decided Services (all in a full
+    /// pass) count their connections, before the plan is written.
+    fn count_topology(
+        &self,
+        writer: &mut impl SocketMaps,
+        external: Option<&mut ExternalDatapath>,
+        cluster: &Cluster,
+        changes: &Changes,
+        services: &BTreeSet<ObjectRef>,
+        full: bool,
+    ) {
+        self.tiers.write().unwrap_or_else(std::sync::PoisonError::into_inner).update(cluster, changes.all, &changes.slices);
+        let node_addrs = external.as_deref().map(|e| e.node_addrs.clone()).unwrap_or_default();
+        let (mut socket, mut tc) = (Vec::new(), Vec::new());
+        let ids: Vec<&ObjectRef> = if full || changes.all { self.cache.service_ids().collect() } else { services.iter().collect() };
+        for id in ids {
+            for d in self.cache.decisions_of(id) {
+                d.frontend_topology(&node_addrs, &mut socket, &mut tc);
+            }
+        }
+        writer.set_tiers(&self.tiers);
+        writer.set_topology(&socket);
+        if let Some(w) = external.and_then(ExternalDatapath::service_writer) {
+            w.set_tiers(&self.tiers);
+            w.set_topology(&tc);
         }
     }
 

@@ -33,6 +33,7 @@
 
 mod hints;
 mod openyurt;
+pub(crate) mod tier;
 mod topology_keys;
 mod traffic_distribution;
 
@@ -54,6 +55,9 @@ pub(crate) const LABEL_HOSTNAME: &str = crate::model::LABEL_HOSTNAME;
 /// Well-known node label carrying the node's zone; kube-proxy reads the
 /// node's zone from it (`v1.LabelTopologyZone`).
 pub(crate) const LABEL_ZONE: &str = crate::model::LABEL_ZONE;
+/// The annotations that give a Service topology (this project's key list
+/// and OpenYurt's).
+pub(crate) const TOPOLOGY_ANNOTATIONS: [&str; 2] = [ANNOTATION_TOPOLOGY_KEYS, ANNOTATION_OPENYURT_TOPOLOGY_KEYS];
 /// The catch-all topology key (`v1.TopologyKeyAny`), also accepted in
 /// older OpenYurt annotation lists.
 pub(crate) const TOPOLOGY_KEY_ANY: &str = "*";
@@ -132,6 +136,13 @@ pub(crate) struct Ranking {
     /// Problems with the Service's topology configuration (reported with the
     /// Service's name by the caller; the ranking still falls back sensibly).
     pub problems: Vec<String>,
+    /// The `proxy_common::tier` every connection to `cluster` counts in,
+    /// when the topology chose it by one domain ([`tier::chosen`]); `None`:
+    /// each backend's own physical tier.
+    pub tier: Option<u8>,
+    /// The share of the port's usable endpoints outside this node's zone,
+    /// in `proxy_common::SHARE_ONE`ths ([`tier::blind_remote_share`]).
+    pub blind_remote_share: u32,
 }
 
 /// What the ranking needs to know about where it runs.
@@ -149,17 +160,20 @@ pub(crate) fn rank(svc: &Service, endpoints: &[&Endpoint], node: NodeContext<'_>
     let mut problems = Vec::new();
     let mut notes = Vec::new();
 
-    let (model, cluster, decision) = match constraint(svc, &mut problems, &mut notes) {
+    let found = constraint(svc, &mut problems, &mut notes);
+    let (model, cluster, decision) = match &found {
         Some(Constraint::Keys { source, keys }) => {
-            let (cluster, decision) = topology_keys::rank_by_keys(&view, &source, &keys);
+            let (cluster, decision) = topology_keys::rank_by_keys(&view, source, keys);
             (Model::TopologyKeys, cluster, decision)
         }
         Some(Constraint::OpenYurt(yurt)) => {
-            let (cluster, decision) = openyurt::rank_openyurt(&view, &yurt);
+            let (cluster, decision) = openyurt::rank_openyurt(&view, yurt);
             (Model::OpenYurt, cluster, decision)
         }
         None => rank_by_preference(svc, &view, &mut problems),
     };
+    let cluster = sorted_unique(cluster);
+    let chosen = tier::chosen(&view, model, found.as_ref(), &cluster);
 
     // kube-proxy computes the Local-policy set from node-local endpoints
     // only, ignoring topology ("topology ignored for Local endpoints" in
@@ -172,7 +186,8 @@ pub(crate) fn rank(svc: &Service, endpoints: &[&Endpoint], node: NodeContext<'_>
         parts.push(format!("local: {}", local.describe_on(view.node_name)));
     }
 
-    Ranking { model, cluster: sorted_unique(cluster), local: local.indices, decision: parts.join("; "), problems }
+    let blind_remote_share = tier::blind_remote_share(&view);
+    Ranking { model, cluster, local: local.indices, decision: parts.join("; "), problems, tier: chosen, blind_remote_share }
 }
 
 /// The labels of other Nodes that ranking `svc` reads and that its

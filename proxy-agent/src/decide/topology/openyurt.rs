@@ -34,6 +34,11 @@ impl YurtTopology {
     pub(super) fn reads_pools(&self) -> bool {
         self.pool
     }
+
+    /// The domains the annotation ranks by: (same node, same node pool).
+    pub(super) fn domains(&self) -> (bool, bool) {
+        (self.node, self.pool)
+    }
 }
 
 /// Parses OpenYurt's annotation. Current OpenYurt
