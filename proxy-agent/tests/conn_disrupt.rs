@@ -277,6 +277,10 @@ impl World {
             .arg(self.pins.path())
             .args(["--devices", "n-c", "--metrics-address", "127.0.0.1:0"])
             .args(["--max-services", &MAX_SERVICES.to_string()]);
+        // A finer log for chasing a failure, e.g. `proxy_agent=debug,kube_runtime=debug`.
+        if let Ok(level) = std::env::var("TOPOPROXY_TEST_AGENT_LOG") {
+            cmd.args(["--log-level", &level]);
+        }
         match self.source {
             Source::Kube => cmd.arg("--kubeconfig").arg(self.dir.0.join("kubeconfig")),
             Source::Manifests => cmd.arg("--manifests").arg(self.manifests()).args(["--poll-interval-ms", "50"]),
@@ -407,6 +411,12 @@ impl Drop for World {
         self.kill_agent();
         if std::thread::panicking() {
             let all = fs::read_to_string(&self.log).unwrap_or_default();
+            // The whole log outlives the temporary directory, for a failure
+            // that its last lines do not explain.
+            let kept = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("conn-disrupt-agent-{}.log", std::process::id()));
+            if fs::write(&kept, &all).is_ok() {
+                eprintln!("the whole agent log is kept in {}", kept.display());
+            }
             let tail: Vec<&str> = all.lines().rev().take(150).collect();
             eprintln!("--- last lines of the agent log ---");
             for l in tail.iter().rev() {
