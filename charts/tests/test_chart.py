@@ -683,9 +683,10 @@ def test_the_cleanup_steps_flags_exist_in_the_agent():
 
 
 def readme_guide_commands() -> list[str]:
-    """The commands of the README's migration guide (the ```sh blocks after
-    `<!-- migration-guide -->`), continuation lines joined."""
-    lines = (CHART.parent.parent / "README.md").read_text().splitlines()
+    """The commands of the migration guide (docs/src/user-guide/migration.md:
+    the ```sh blocks after `<!-- migration-guide -->`), continuation lines
+    joined."""
+    lines = (CHART.parent.parent / "docs/src/user-guide/migration.md").read_text().splitlines()
     out, cmd, inside = [], "", False
     for prev, line in zip([""] + lines, lines):
         if line.strip() == "```sh" and prev.strip() == "<!-- migration-guide -->":

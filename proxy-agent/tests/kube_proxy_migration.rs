@@ -1,9 +1,9 @@
-//! The move from kube-proxy to the agent, run as the README's "Switching
-//! from kube-proxy" guide says, on a simulated node that holds kube-proxy's
-//! rules for the same Services: iptables-nft, iptables-legacy and nftables,
-//! one test each.
+//! The move from kube-proxy to the agent, run as the book's "Switching
+//! from kube-proxy" guide (`docs/src/user-guide/migration.md`) says, on a
+//! simulated node that holds kube-proxy's rules for the same Services:
+//! iptables-nft, iptables-legacy and nftables, one test each.
 //!
-//! The guide's commands are read from the README (the fenced blocks after a
+//! The guide's commands are read from that page (the fenced blocks after a
 //! `<!-- migration-guide -->` marker) and run in order. Node commands
 //! (`proxy-agent ...`, `conntrack ...`) run as written inside the node's
 //! namespace; cluster commands (`helm`, `kubectl`), which need a cluster,
@@ -393,12 +393,13 @@ impl Connection {
 }
 
 /// The guide's commands: the lines of each fenced block after a
-/// `<!-- migration-guide -->` marker in the README, continuation lines
-/// joined, comments skipped.
+/// `<!-- migration-guide -->` marker in the guide's page of the book,
+/// continuation lines joined, comments skipped.
 fn guide_commands() -> Vec<String> {
-    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("../README.md")).expect("README.md");
+    let page = Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/src/user-guide/migration.md");
+    let guide = std::fs::read_to_string(&page).unwrap_or_else(|e| panic!("reading {}: {e}", page.display()));
     let mut out = Vec::new();
-    let mut lines = readme.lines();
+    let mut lines = guide.lines();
     while let Some(l) = lines.next() {
         if l.trim() != "<!-- migration-guide -->" {
             continue;

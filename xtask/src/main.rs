@@ -9,6 +9,10 @@
 //!   fails naming each check that failed.
 //! - `test`: `lint`, then every test, including the privileged datapath
 //!   tests (root) and `vmtest`.
+//! - `docs`: the book in docs/ (mdBook): the pages generated from the
+//!   agent written, the book built into target/book/ and checked (links,
+//!   commands shown, reference pages against the code); `--check` writes
+//!   nothing (`test` runs it after `lint`).
 //! - `demo`: a simulated 3-node cluster on this machine.
 //! - `bench`: the benchmark report, next to iptables and nftables.
 //! - `fuzz`: the cargo-fuzz targets (`fuzz/`) for a while each, and with
@@ -30,6 +34,7 @@ mod build_ebpf;
 mod chart_env;
 mod compiler_cache;
 mod demo;
+mod docs;
 mod fuzz;
 mod image;
 mod k8s;
@@ -67,6 +72,15 @@ enum Command {
     /// run out; `-p NAME` leaves out both the lint step and the VM run.
     /// Other arguments go to `cargo test`.
     Test {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Write the book's pages generated from the agent (each subcommand's
+    /// usage, the outputs marked as checked), then build the book in docs/
+    /// into target/book/ with mdBook and check it: links and anchors, the
+    /// commands it shows, the maps and Helm values pages against the code.
+    /// `--check` only builds and checks (what `test` runs after `lint`).
+    Docs {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
@@ -132,6 +146,7 @@ fn main() -> std::process::ExitCode {
         Command::BuildEbpf => build_ebpf::run(),
         Command::Lint => lint::run(),
         Command::Test { args } => test::run(&args),
+        Command::Docs { args } => docs::run(&args),
         Command::Demo { args } => demo::run(&args),
         Command::Bench { args } => bench::run(&args),
         Command::Fuzz { args } => fuzz::run(&args),

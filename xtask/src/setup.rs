@@ -62,6 +62,7 @@ pub(crate) fn ensure() -> Result<()> {
     debian_packages()?;
     bpf_linker()?;
     cargo_fuzz()?;
+    mdbook()?;
     crate::chart_env::ensure()?;
     Ok(())
 }
@@ -236,6 +237,50 @@ fn cargo_fuzz() -> Result<()> {
         bail!("cargo-fuzz was installed but `{} --version` fails", bin.display());
     }
     Ok(())
+}
+
+/// mdBook release the book (`docs/`) is built with: `cargo xtask docs`
+/// and the docs step of `cargo xtask test` (`docs.rs`). Pinned: a newer
+/// release may render heading ids, and so the anchors the link check
+/// resolves, differently.
+pub(crate) const MDBOOK_VERSION: &str = "0.5.4";
+
+/// Where `cargo install` puts mdBook.
+pub(crate) fn mdbook_bin() -> PathBuf {
+    util::cargo_home().join("bin/mdbook")
+}
+
+/// mdBook at [`MDBOOK_VERSION`], from crates.io; another version present
+/// is replaced. Without the `serve` and `watch` features (a web server and
+/// a file watcher the build never uses), which halves the install.
+fn mdbook() -> Result<()> {
+    let bin = mdbook_bin();
+    // "mdbook v0.5.4"
+    let version = || {
+        util::output(util::cmd(&bin).arg("--version"))
+            .and_then(|o| o.split_whitespace().nth(1).map(|v| v.trim_start_matches('v').to_string()))
+    };
+    let found = version();
+    if found.as_deref() == Some(MDBOOK_VERSION) {
+        println!("ok: mdbook {MDBOOK_VERSION} present");
+        return Ok(());
+    }
+    match &found {
+        Some(v) => println!("installing: mdbook {MDBOOK_VERSION} (found {v}; cargo install mdbook --locked; about two minutes)"),
+        None => println!("installing: mdbook {MDBOOK_VERSION} (cargo install mdbook --locked; about two minutes)"),
+    }
+    let mut c = util::cmd("cargo");
+    c.args(["install", "mdbook", "--version", MDBOOK_VERSION, "--locked", "--force"])
+        .args(["--no-default-features", "--features", "search"])
+        // Our own build's settings must not leak into the install.
+        .env_remove("CARGO_TARGET_DIR")
+        .env_remove("RUSTFLAGS")
+        .env_remove("RUSTUP_TOOLCHAIN");
+    util::run(&mut c)?;
+    match version() {
+        Some(v) if v == MDBOOK_VERSION => Ok(()),
+        other => bail!("mdbook was installed but `{} --version` reports {other:?}", bin.display()),
+    }
 }
 
 fn bpf_linker_version(bin: &Path) -> Option<String> {

@@ -38,7 +38,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 use crate::libtest::Totals;
-use crate::{fuzz, image, k8s, lint, setup, util, vmtest};
+use crate::{docs, fuzz, image, k8s, lint, setup, util, vmtest};
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     if !util::is_root() {
@@ -69,6 +69,12 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         let started = Instant::now();
         let compiled = lint::check().context("tests not run")?;
         steps.done_compiled("lint (clippy compiles)", started, compiled);
+        // The book (docs.rs): built, its links and commands and reference
+        // pages checked. Seconds, and like lint a reason not to start the
+        // long steps.
+        let started = Instant::now();
+        docs::check().context("tests not run")?;
+        steps.done("docs (mdbook build, links, reference pages)", started);
     }
     // The real control plane of the real-API-server tests, built from
     // tools/k8s when missing (k8s.rs); the tests find it through the env.
