@@ -46,6 +46,7 @@ SERVED_SINCE_1_17 = {
     ("rbac.authorization.k8s.io/v1", "ClusterRole"),
     ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("v1", "ConfigMap"),
 }
 # Objects of CRDs have no schema in kubernetes-validate; they are checked by
 # hand below.
@@ -78,6 +79,7 @@ NON_DEFAULT = {
         "bindAddress": "127.0.0.1",
         "service": {"enabled": True, "annotations": {"example.com/scrape": "true"}},
         "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}},
+        "grafanaDashboard": {"enabled": True, "namespace": "monitoring", "annotations": {"grafana_folder": "Network"}},
     },
     "resources": {"requests": {"cpu": "50m", "memory": "300Mi"}, "limits": {"memory": "1Gi"}},
     "terminationGracePeriodSeconds": 5,
@@ -609,6 +611,51 @@ def test_service_monitor_only_when_enabled(default_objects, custom_objects):
     assert sm["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
     [endpoint] = sm["spec"]["endpoints"]
     assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
+    # The connection counts' own namespace/service labels survive the scrape.
+    assert endpoint["honorLabels"] is True
+
+
+def test_service_monitor_auto_follows_the_clusters_apis():
+    # Offline, Helm's capabilities hold only the built-in APIs: "auto"
+    # renders nothing (the real API server test installs the CRD).
+    auto = render({"metrics": {"serviceMonitor": {"enabled": "auto"}}})
+    assert by_kind(auto, "ServiceMonitor") == [] and by_kind(auto, "Service") == []
+
+
+DASHBOARD = CHART / "dashboards" / "topoproxy.json"
+
+
+def test_grafana_dashboard_only_when_enabled(default_objects, custom_objects):
+    assert by_kind(default_objects, "ConfigMap") == []
+    cm = one(custom_objects, "ConfigMap")
+    # The sidecar convention: the label, in the namespace it watches.
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert cm["metadata"]["namespace"] == "monitoring"
+    assert cm["metadata"]["annotations"] == {"grafana_folder": "Network"}
+    # The file, unchanged, as the ConfigMap's one key.
+    assert json.loads(cm["data"]["topoproxy.json"]) == json.loads(DASHBOARD.read_text())
+    own = one(render({"metrics": {"grafanaDashboard": {"enabled": True, "label": "dash", "labelValue": "yes"}}}), "ConfigMap")
+    assert own["metadata"]["labels"]["dash"] == "yes" and "grafana_dashboard" not in own["metadata"]["labels"]
+    assert own["metadata"]["namespace"] == NAMESPACE
+
+
+def test_dashboard_has_the_panels_an_operator_needs():
+    dash = json.loads(DASHBOARD.read_text())
+    titles = [p["title"] for p in dash["panels"]]
+    for want in ["tier", "kept in zone", "Programming latency", "terminated", "Map occupancy", "drops"]:
+        assert any(want.lower() in t.lower() for t in titles), f"no panel about {want!r} in {titles}"
+    for panel in dash["panels"]:
+        assert panel["targets"], panel["title"]
+        for t in panel["targets"]:
+            assert t["expr"].strip() and t["refId"], panel["title"]
+    # Panels do not overlap on Grafana's 24-column grid.
+    cells = set()
+    for panel in dash["panels"]:
+        g = panel["gridPos"]
+        assert g["x"] + g["w"] <= 24, panel["title"]
+        mine = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & mine, f"{panel['title']} overlaps another panel"
+        cells |= mine
 
 
 def test_rbac_and_service_account_can_be_turned_off():

@@ -376,3 +376,72 @@ fn metric_names_are_read_with_their_boundaries() {
     assert!(exported("topoproxy_sync_duration_seconds_count", &families));
     assert!(!exported("topoproxy_sync_duration", &families));
 }
+
+/// The Grafana dashboard the chart ships (`charts/topoproxy/dashboards/`,
+/// rendered into a ConfigMap by `metrics.grafanaDashboard`) is valid JSON,
+/// and every query in it names only metrics the agent exports and, where
+/// it selects reasons, only reasons those metrics report: a renamed metric
+/// or reason must not leave an empty panel behind.
+#[test]
+fn the_grafana_dashboard_queries_only_what_the_agent_exports() {
+    let path = workspace().join("charts/topoproxy/dashboards/topoproxy.json");
+    let dash: serde_json::Value = serde_json::from_str(&read(&path)).unwrap_or_else(|e| panic!("{} is not JSON: {e}", path.display()));
+    let (families, mut reasons) = registry();
+    reasons.entry("topoproxy_errors_total".to_string()).or_default().extend(error_reasons());
+    let mut known = families.clone();
+    for stem in registered_stems() {
+        let names = candidates(&stem);
+        if !names.iter().any(|n| families.contains(n)) {
+            known.extend(names);
+        }
+    }
+    let mut queries: Vec<(String, String)> = Vec::new();
+    for panel in dash["panels"].as_array().expect("the dashboard has panels") {
+        let title = panel["title"].as_str().unwrap_or("?").to_string();
+        let targets = panel["targets"].as_array().filter(|t| !t.is_empty());
+        for t in targets.unwrap_or_else(|| panic!("panel {title:?} has no query")) {
+            queries.push((title.clone(), t["expr"].as_str().unwrap_or_default().to_string()));
+        }
+    }
+    for var in dash["templating"]["list"].as_array().into_iter().flatten() {
+        if let Some(q) = var["definition"].as_str() {
+            queries.push((format!("variable {}", var["name"]), q.to_string()));
+        }
+    }
+    assert!(queries.len() >= 6, "read only {queries:?}");
+    let mut problems = Vec::new();
+    for (title, expr) in &queries {
+        let names = metric_names(expr);
+        if names.is_empty() && !title.starts_with("variable") {
+            problems.push(format!("{title}: {expr:?} names no topoproxy metric"));
+        }
+        for name in &names {
+            if !exported(name, &known) {
+                problems.push(format!("{title}: {name} is not a metric the agent exports"));
+            }
+        }
+        // `metric{..., reason=~"a|b"}` or `reason="a"`: each reason must be
+        // one the metric reports.
+        for (at, _) in expr.match_indices("reason") {
+            let rest = &expr[at + "reason".len()..];
+            let Some(values) = rest.strip_prefix("=~\"").or_else(|| rest.strip_prefix("=\"")).and_then(|r| r.split('"').next()) else {
+                continue;
+            };
+            // The selector belongs to the metric named last before it.
+            let before = &expr[..at];
+            let Some((_, metric)) = names.iter().filter_map(|n| before.rfind(n.as_str()).map(|i| (i, n))).max() else {
+                continue;
+            };
+            let Some(have) = reasons.get(metric) else {
+                problems.push(format!("{title}: {metric} reports no reasons, yet the query selects {values:?}"));
+                continue;
+            };
+            for v in values.split('|') {
+                if !have.contains(v) {
+                    problems.push(format!("{title}: {metric} has no reason {v:?} (it has {have:?})"));
+                }
+            }
+        }
+    }
+    assert!(problems.is_empty(), "{}:\n{}", path.display(), problems.join("\n"));
+}

@@ -103,12 +103,45 @@ fn demo(names: &[&str]) -> (PodNetwork, Vec<Node>) {
         for file in ["nodes.yaml", "services.yaml", "endpointslices.yaml"] {
             n.write_manifest(file, &std::fs::read_to_string(dir.join(file)).expect("demo manifest"));
         }
-        n.start_agent();
+        // A metrics port of its own: the test scrapes every node.
+        n.start_agent_with(&["--metrics-address", "127.0.0.1:0"]);
     }
     for n in &nodes {
         wait_reachable(&net, n);
     }
     (net, nodes)
+}
+
+/// Each node's /metrics, written to `<target>/tmp/dashboard/<node>.prom`,
+/// and the dashboard's picture drawn from them by the book's script
+/// (`docs/scripts/render_dashboard.py`, which `cargo xtask docs
+/// --dashboard` runs to make the guide's image): its panels from these
+/// real counts. The script needs matplotlib, which `cargo xtask setup`
+/// installs into `<target>/chart-venv`.
+fn scrape_and_draw(nodes: &[Node]) {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("dashboard");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scrape directory");
+    let mut files = Vec::new();
+    for n in nodes {
+        let (code, body) = proxy_test_support::http::http_get(n.metrics_address(), "/metrics").expect("scrape /metrics");
+        assert_eq!(code, 200, "{body}");
+        assert!(body.contains("topoproxy_service_connections_total{"), "{} exports no connection counts:\n{body}", n.name);
+        let file = dir.join(format!("{}.prom", n.name));
+        std::fs::write(&file, body).expect("write scrape");
+        files.push(file);
+    }
+    let python = std::path::Path::new(env!("CARGO_BIN_EXE_proxy-agent"))
+        .ancestors()
+        .map(|d| d.join("chart-venv/bin/python"))
+        .find(|p| p.exists())
+        .expect("<target>/chart-venv (cargo xtask setup)");
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs/scripts/render_dashboard.py");
+    let png = dir.join("dashboard.png");
+    let out = std::process::Command::new(python).arg(script).arg(&png).args(&files).output().expect("run render_dashboard.py");
+    assert!(out.status.success(), "render_dashboard.py: {}", String::from_utf8_lossy(&out.stderr));
+    let bytes = std::fs::read(&png).expect("the picture");
+    assert!(bytes.starts_with(b"\x89PNG") && bytes.len() > 10_000, "not a picture: {} bytes", bytes.len());
 }
 
 fn wait_reachable(net: &PodNetwork, n: &Node) {
@@ -165,6 +198,7 @@ fn each_services_tier_counts_equal_the_connections_made_tier_by_tier() {
     // from every node on more than one tier (40 connections over four pods
     // in at least two tiers).
     assert!(spread.values().all(|tiers| *tiers >= 2), "{spread:?}");
+    scrape_and_draw(&nodes);
 }
 
 /// An upgrade from the previous build's pins: no counting maps, backends

@@ -1,7 +1,8 @@
 //! The Python environment of the Helm chart tests (`charts/tests`): a venv
 //! in `<target>/chart-venv` with the pinned packages of
 //! `charts/tests/requirements.txt` (Helm's engine as a library, the
-//! Kubernetes schemas, pytest).
+//! Kubernetes schemas, pytest, and matplotlib for the picture of the
+//! chart's Grafana dashboard that `docs/scripts/render_dashboard.py` draws).
 //!
 //! A copy of the requirements file is kept inside the venv once pip has
 //! succeeded; when it matches, nothing runs, so this step is a fast no-op

@@ -5,7 +5,9 @@
 //! running `proxy-agent/tests/docs.rs` with `TOPOPROXY_DOCS_BLESS=1`, then
 //! builds the book into `target/book/` and checks it. `--check` (the docs
 //! step of `cargo xtask test`) builds and checks, and writes nothing into
-//! `docs/`.
+//! `docs/`. `--dashboard` first redraws the guide's picture of the chart's
+//! Grafana dashboard from a run of the demo's nodes (see
+//! [`draw_dashboard`]).
 //!
 //! The checks here need no build of the project: mdBook must build without
 //! an error or a warning; every relative link and `#anchor` of the book and
@@ -39,14 +41,21 @@ const HELM_SCHEMA: &str = "charts/topoproxy/values.schema.json";
 /// What makes the agent's docs test write instead of compare.
 const BLESS_ENV: &str = "TOPOPROXY_DOCS_BLESS";
 
-/// `cargo xtask docs [--check]`.
+/// The dashboard's picture in the book, from [`SRC`].
+const DASHBOARD_PNG: &str = "images/dashboard.png";
+
+/// `cargo xtask docs [--check | --dashboard]`.
 pub(crate) fn run(args: &[String]) -> Result<()> {
-    let check_only = match args {
-        [] => false,
-        [a] if a == "--check" => true,
-        _ => bail!("usage: cargo xtask docs [--check]"),
+    let (check_only, dashboard) = match args {
+        [] => (false, false),
+        [a] if a == "--check" => (true, false),
+        [a] if a == "--dashboard" => (false, true),
+        _ => bail!("usage: cargo xtask docs [--check | --dashboard]"),
     };
     setup::ensure()?;
+    if dashboard {
+        draw_dashboard()?;
+    }
     if !check_only {
         generate()?;
     }
@@ -61,6 +70,30 @@ fn generate() -> Result<()> {
     c.args(["test", "-p", "proxy-agent", "--test", "docs"]).env(BLESS_ENV, "1");
     println!("generating: {}", util::describe(&c));
     util::run(&mut c)
+}
+
+/// The guide's picture of the Grafana dashboard, drawn from real counts:
+/// `proxy-agent/tests/service_connections.rs` runs the demo's three nodes,
+/// makes connections from each, scrapes their /metrics and draws the
+/// dashboard's panels from the scrapes with `docs/scripts/render_dashboard.py`
+/// (a step of that test in every `cargo xtask test`); this copies its
+/// picture into the book. Needs root, as the test does.
+fn draw_dashboard() -> Result<()> {
+    if !util::is_root() {
+        bail!("--dashboard runs the demo's nodes (eBPF programs, cgroups, namespaces): run it as root");
+    }
+    let mut c = util::cargo();
+    c.args(["test", "-p", "proxy-agent", "--test", "service_connections", "each_services_tier_counts"]);
+    println!("drawing the dashboard from real counts: {}", util::describe(&c));
+    util::run(&mut c)?;
+    let drawn = util::target_dir().join("tmp/dashboard/dashboard.png");
+    let dest = util::workspace_root().join(SRC).join(DASHBOARD_PNG);
+    if let Some(dir) = dest.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
+    std::fs::copy(&drawn, &dest).with_context(|| format!("copying {} to {}", drawn.display(), dest.display()))?;
+    println!("wrote {}", dest.display());
+    Ok(())
 }
 
 fn book_dir() -> PathBuf {

@@ -79,7 +79,9 @@ enum Command {
     /// usage, the outputs marked as checked), then build the book in docs/
     /// into target/book/ with mdBook and check it: links and anchors, the
     /// commands it shows, the maps and Helm values pages against the code.
-    /// `--check` only builds and checks (what `test` runs after `lint`).
+    /// `--check` only builds and checks (what `test` runs after `lint`);
+    /// `--dashboard` first redraws the guide's picture of the Grafana
+    /// dashboard from a run of the demo's nodes (root).
     Docs {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,

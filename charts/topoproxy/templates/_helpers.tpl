@@ -73,9 +73,22 @@ of its own, so that it is never confused with the container's own
 /run/topoproxy/cgroup
 {{- end -}}
 
+{{/*
+Whether the ServiceMonitor is rendered: `enabled: true` always, "auto"
+where the cluster serves the API (the CRD is installed), false never.
+*/}}
+{{- define "topoproxy.serviceMonitor" -}}
+{{- $on := .Values.metrics.serviceMonitor.enabled -}}
+{{- if eq (toString $on) "true" -}}
+true
+{{- else if and (eq (toString $on) "auto") (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/ServiceMonitor") -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{/* Whether the metrics Service is rendered. */}}
 {{- define "topoproxy.metricsService" -}}
-{{- if or .Values.metrics.service.enabled .Values.metrics.serviceMonitor.enabled -}}
+{{- if or .Values.metrics.service.enabled (include "topoproxy.serviceMonitor" .) -}}
 true
 {{- end -}}
 {{- end -}}
