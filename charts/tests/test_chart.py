@@ -72,6 +72,7 @@ NON_DEFAULT = {
     "tcMode": "netlink",
     "tcFastPath": "off",
     "terminateTcp": "never",
+    "serviceMetrics": "all",
     "xdp": "native",
     "maglev": {"tableSize": 65521},
     "metrics": {
@@ -291,6 +292,7 @@ def test_agent_arguments_environment_and_probes(default_objects):
         "--tc-mode": "auto",
         "--tc-fast-path": "auto",
         "--terminate-tcp": "gone",
+        "--service-metrics": "topology",
         "--xdp": "off",
         "--maglev-table-size": "16381",
     }
@@ -414,6 +416,7 @@ def test_values_reach_the_agent(custom_objects):
         "--tc-mode": "netlink",
         "--tc-fast-path": "off",
         "--terminate-tcp": "never",
+        "--service-metrics": "all",
         "--xdp": "native",
         "--maglev-table-size": "65521",
         "--poll-interval-ms": "500",
@@ -488,6 +491,13 @@ def test_terminate_tcp_value_becomes_the_flag(value, flag):
     assert args_of(one(render({"terminateTcp": value}), "DaemonSet"))["--terminate-tcp"] == flag
 
 
+# Per-Service connection counts: Services with topology one by one unless
+# told otherwise.
+@pytest.mark.parametrize("value, flag", [("topology", "topology"), ("all", "all"), ("none", "none"), (None, "topology")])
+def test_service_metrics_value_becomes_the_flag(value, flag):
+    assert args_of(one(render({"serviceMetrics": value}), "DaemonSet"))["--service-metrics"] == flag
+
+
 # `false` is what YAML makes of a bare `off` in a values file (YAML 1.1
 # booleans, which Helm's parser follows); the chart takes it as off.
 @pytest.mark.parametrize(
@@ -544,6 +554,7 @@ def test_xdp_and_maglev_as_users_write_them(values, flags):
         ({"xdp": ""}, "/xdp", "'off', 'auto', 'native'"),
         ({"tcMode": "clsact"}, "/tcMode", "'auto', 'tcx', 'netlink'"),
         ({"terminateTcp": "always"}, "/terminateTcp", "'gone', 'never'"),
+        ({"serviceMetrics": "some"}, "/serviceMetrics", "'topology', 'all', 'none'"),
         ({"maglev": {"tableSize": 1234}}, "/maglev/tableSize", "16381, 65521"),
         ({"maglev": {"tableSize": "1234"}}, "/maglev/tableSize", "16381, 65521"),
         ({"maglev": {"tableSize": 16383}}, "/maglev/tableSize", "16381, 65521"),

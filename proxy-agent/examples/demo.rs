@@ -34,6 +34,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
+use proxy_agent::datapath::{dump, maps};
+use proxy_agent::model::{Frontend, Protocol};
+use proxy_common::tier;
 use proxy_test_support::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in};
 use proxy_test_support::scenario::{NodeSpec, PodSpec, ServiceSpec, Tally, print_table, read_scenario, tally};
 use serde_json::Value;
@@ -392,6 +395,7 @@ fn exercise(
     for s in services {
         println!("      {:<26} {:<16} {}", s.name, s.frontend, s.topology);
     }
+    let counted_before = tier_counts(cluster, services);
     let mut results: Vec<(String, Vec<Tally>)> = Vec::new();
     for n in &cluster.nodes {
         let mut row = Vec::new();
@@ -405,6 +409,8 @@ fn exercise(
 
     println!();
     print_table(services, &results);
+    println!();
+    print_tier_counts(cluster, services, &counted_before, &tier_counts(cluster, services));
     println!();
     let mut placement: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
     for p in pods {
@@ -444,6 +450,54 @@ fn exercise(
         }
     }
     Ok(())
+}
+
+/// Per node (in `cluster.nodes` order) and Service, the connections its
+/// datapath counted by topology tier so far (`SVC_CONN`, read from the
+/// node's pins as `explain --live` does); a node whose maps cannot be read
+/// counts nothing.
+fn tier_counts(cluster: &Cluster, services: &[ServiceSpec]) -> Vec<Vec<[u64; tier::COUNT]>> {
+    cluster
+        .pins
+        .iter()
+        .map(|pin| {
+            let counts = dump::frontend_conn_counts(pin.path(), &maps::SERVICES, &maps::SVC_CONN).unwrap_or_default();
+            services
+                .iter()
+                .map(|s| {
+                    let protocol = if s.udp { Protocol::Udp } else { Protocol::Tcp };
+                    let fe = Frontend { ip: s.frontend.ip(), port: s.frontend.port(), protocol };
+                    counts.get(&fe).map_or([0; tier::COUNT], |v| v.tiers)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// The tiers the requests above were counted in, node by node: what
+/// `topoproxy_service_connections_total` exports.
+fn print_tier_counts(cluster: &Cluster, services: &[ServiceSpec], before: &[Vec<[u64; tier::COUNT]>], after: &[Vec<[u64; tier::COUNT]>]) {
+    println!("Counted by topology tier in each node's datapath (topoproxy_service_connections_total, explain --live):");
+    let width = services.iter().map(|s| s.name.len()).max().unwrap_or(0).max(28);
+    print!("      {:<26}", "");
+    for s in services {
+        print!(" {:<width$}", s.name);
+    }
+    println!();
+    for (i, n) in cluster.nodes.iter().enumerate() {
+        print!("      {:<26}", n.spec.label());
+        for j in 0..services.len() {
+            let (b, a) = (before.get(i).and_then(|r| r.get(j)), after.get(i).and_then(|r| r.get(j)));
+            let cell: Vec<String> = (0..tier::COUNT)
+                .filter_map(|t| {
+                    let d = a.map_or(0, |a| a[t]).saturating_sub(b.map_or(0, |b| b[t]));
+                    (d > 0).then(|| format!("{} {d}", tier::NAMES[t]))
+                })
+                .collect();
+            print!(" {:<width$}", if cell.is_empty() { "-".to_string() } else { cell.join(", ") });
+        }
+        println!();
+    }
 }
 
 /// Waits for the agents, and notices one that exits early.

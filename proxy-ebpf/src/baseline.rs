@@ -10,7 +10,7 @@
 //! * `bench_empty_connect4`: a cgroup/connect4 program that lets every call
 //!   through. The kernel's run-time statistics (`bpf_stats_enabled`) of our
 //!   `connect4` are compared with its figure under the same connect() load.
-//! * `bench_step{1..7}_connect4`: our connect4's work cut off after each of
+//! * `bench_step{1..8}_connect4`: our connect4's work cut off after each of
 //!   its steps (see `probe`), for a cost breakdown by difference: the
 //!   benchmark attaches one at a time in a child of the bench cgroup, so it
 //!   runs right before our `connect4` on the same connect() calls and sees
@@ -86,13 +86,19 @@ pub fn bench_step7_connect4(ctx: SockAddrContext) -> i32 {
     probe::<7>(&ctx)
 }
 
+#[cgroup_sock_addr(connect4)]
+pub fn bench_step8_connect4(ctx: SockAddrContext) -> i32 {
+    probe::<8>(&ctx)
+}
+
 /// The steps of `connect4` on a plain Service (no affinity, no source
 /// ranges) up to and including step `STEPS`, never rewriting the address:
 /// 1 the context reads (protocol, address, port); 2 the `SERVICES` lookup;
 /// 3 the random pick and the `SLOTS` lookup; 4 the `BACKENDS` lookup; 5 the
 /// socket cookie; 6 the per-socket record (an insert into a preallocated
 /// hash with `SOCK_REC`'s key, value and capacity); 7 the `TRANSLATED`
-/// counter. `ALT_STORAGE` and `ALT_CILIUM` replace step 6 with the
+/// counter; 8 the per-Service tier count (`SVC_CONN`, `SVC_TOPO`).
+/// `ALT_STORAGE` and `ALT_CILIUM` replace step 6 with the
 /// previous build's record and Cilium's.
 /// `connect4` itself adds the address stores to step 7. Every probe lets
 /// the call through unchanged; the compiler keeps each step all the same
@@ -127,7 +133,7 @@ fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
     if STEPS < 4 {
         return 1;
     }
-    let Some((backend, _)) = crate::backend_addr(id) else {
+    let Some((backend, tier)) = crate::backend_addr(id) else {
         return 1;
     };
     if STEPS < 5 {
@@ -182,6 +188,12 @@ fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
     let _ = BENCH_SOCK_REC.insert(cookie, rec, 0);
     if STEPS >= 7 {
         count(counter::TRANSLATED);
+    }
+    if STEPS >= 8 {
+        // The per-Service tier count of this build (issue #34), into the
+        // agent's own arrays: the bench reads no counts, and the element
+        // is the one our connect4 then adds to, as on the real path.
+        crate::maps::count_connection(&svc, tier);
     }
     1
 }

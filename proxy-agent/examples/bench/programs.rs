@@ -69,7 +69,7 @@ fn prog_stats(id: u32) -> Result<(u64, u64)> {
 /// The step probes of `proxy-ebpf/src/baseline.rs` (`probe`): each one is
 /// our connect4's work on a plain Service cut off after one more step, and
 /// what that step adds; then the whole path with the other records.
-const STEPS: [(&str, &str); 9] = [
+const STEPS: [(&str, &str); 10] = [
     ("bench_step1_connect4", "context reads (protocol, address, port)"),
     ("bench_step2_connect4", "+ SERVICES lookup"),
     ("bench_step3_connect4", "+ random pick and SLOTS lookup"),
@@ -79,6 +79,7 @@ const STEPS: [(&str, &str); 9] = [
     ("bench_step7_connect4", "+ TRANSLATED counter = whole hit path, record in SOCK_REC"),
     ("bench_alt_storage_connect4", "whole hit path, record in socket storage (previous build)"),
     ("bench_alt_cilium_connect4", "whole hit path, Cilium-shaped (shared-list LRU insert keyed by {cookie, backend})"),
+    ("bench_step8_connect4", "+ per-Service tier count (SVC_CONN, SVC_TOPO; issue #34), after the counter"),
 ];
 
 /// The `sock_release` probes (proxy-ebpf/src/baseline.rs,
@@ -99,6 +100,9 @@ const BENCH_COOKIE_SLOTS: &str = "BENCH_COOKIE_SLOTS";
 const WHOLE_SOCK_REC: usize = 6;
 const WHOLE_STORAGE: usize = 7;
 const WHOLE_CILIUM: usize = 8;
+/// Index into `STEPS` of the per-Service tier count, on top of the whole
+/// SOCK_REC path.
+const TIER_COUNT: usize = 9;
 
 /// The probe each step of `STEPS` is measured against: the one before it,
 /// but for the whole-path variants, which replace the record and the
@@ -108,6 +112,7 @@ fn base_step(i: usize) -> Option<usize> {
     match i {
         0 => None,
         WHOLE_STORAGE | WHOLE_CILIUM => Some(4),
+        TIER_COUNT => Some(WHOLE_SOCK_REC),
         _ => Some(i - 1),
     }
 }

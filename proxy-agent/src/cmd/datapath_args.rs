@@ -172,7 +172,9 @@ impl DatapathArgs {
     pub(crate) fn capacities(&self, needs: Option<Needs>) -> anyhow::Result<Sizing> {
         let explicit = self.explicit_capacities()?;
         anyhow::ensure!(self.map_memory_budget > 0, "--map-memory-budget must be at least 1 (MiB)");
-        Ok(sizing::size(needs, &explicit, self.map_memory_budget.saturating_mul(1 << 20)))
+        // The topology counting arrays are per CPU (sizing::counting_bytes_per_service).
+        let cpus = aya::util::nr_cpus().map_or(1, |n| u32::try_from(n).unwrap_or(u32::MAX));
+        Ok(sizing::size_on(needs, &explicit, self.map_memory_budget.saturating_mul(1 << 20), cpus))
     }
 }
 

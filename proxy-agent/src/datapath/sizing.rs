@@ -157,9 +157,34 @@ pub struct Sizing {
     pub over_budget: bool,
 }
 
-/// The worst-case kernel memory of `caps`, bytes.
+/// Kernel memory per entry of the services capacity that the topology
+/// counting arrays take on a machine with `cpus` possible CPUs (issue #34):
+/// `SVC_CONN` and `NP_SVC_CONN` hold a 48-byte `SvcConnValue` per CPU per
+/// entry (kernel/bpf/arraymap.c allocates a per-CPU array's values for
+/// every possible CPU), `SVC_TOPO` and `NP_SVC_TOPO` an element rounded up
+/// to 8 bytes.
+pub const fn counting_bytes_per_service(cpus: u32) -> u64 {
+    2 * (48 * cpus as u64 + 8)
+}
+
+/// [`bytes_per_entry`] with the counting arrays of `cpus` CPUs.
+const fn bytes_per_entry_on(c: Capacity, cpus: u32) -> u64 {
+    match c {
+        Capacity::Services => bytes_per_entry(c) + counting_bytes_per_service(cpus),
+        _ => bytes_per_entry(c),
+    }
+}
+
+/// The worst-case kernel memory of `caps`, bytes, on one CPU (see
+/// [`worst_case_bytes_on`]).
 pub fn worst_case_bytes(caps: &Capacities) -> u64 {
-    Capacity::ALL.iter().map(|&c| u64::from(caps.get(c)) * bytes_per_entry(c)).sum()
+    worst_case_bytes_on(caps, 1)
+}
+
+/// The worst-case kernel memory of `caps` on a machine with `cpus`
+/// possible CPUs, bytes.
+pub fn worst_case_bytes_on(caps: &Capacities, cpus: u32) -> u64 {
+    Capacity::ALL.iter().map(|&c| u64::from(caps.get(c)) * bytes_per_entry_on(c, cpus)).sum()
 }
 
 /// Sizes every capacity not given explicitly: the service maps to the
@@ -172,6 +197,14 @@ pub fn worst_case_bytes(caps: &Capacities) -> u64 {
 /// [`MAGLEV_FLOOR_BYTES`], at most what the maps' own needs leave of the
 /// budget; what the grown maps leave is added.
 pub fn size(needs: Option<Needs>, explicit: &[Option<u32>; 6], budget_bytes: u64) -> Sizing {
+    size_on(needs, explicit, budget_bytes, 1)
+}
+
+/// [`size`] on a machine with `cpus` possible CPUs: the per-CPU topology
+/// counting arrays grow with them ([`counting_bytes_per_service`]).
+pub fn size_on(needs: Option<Needs>, explicit: &[Option<u32>; 6], budget_bytes: u64, cpus: u32) -> Sizing {
+    let worst_case_bytes = |caps: &Capacities| worst_case_bytes_on(caps, cpus);
+    let bytes_per_entry = |c: Capacity| bytes_per_entry_on(c, cpus);
     let needs = needs.unwrap_or_default();
     let mut caps = Capacities::default();
     let mut free = [false; 6];
@@ -449,5 +482,19 @@ mod tests {
             eprintln!("{}: {s:?}", case.what);
             (case.check)(&s);
         }
+    }
+
+    /// The per-CPU topology counting arrays are charged per CPU: on a
+    /// 64-CPU machine the same budget holds fewer Services slots, and the
+    /// worst case stays within it.
+    #[test]
+    fn counting_arrays_are_charged_per_cpu() {
+        let small = needs(300, 600, 600);
+        let one = size_on(Some(small), &NONE, DEFAULT_BUDGET_MIB * MIB, 1);
+        let many = size_on(Some(small), &NONE, DEFAULT_BUDGET_MIB * MIB, 64);
+        assert!(many.caps.services < one.caps.services, "{one:?} vs {many:?}");
+        assert!(many.worst_case_bytes <= DEFAULT_BUDGET_MIB * MIB, "{many:?}");
+        assert_eq!(size(Some(small), &NONE, DEFAULT_BUDGET_MIB * MIB), one);
+        assert_eq!(counting_bytes_per_service(2), 2 * (96 + 8));
     }
 }
