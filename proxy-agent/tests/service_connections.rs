@@ -258,3 +258,46 @@ fn an_upgrade_from_the_previous_pin_layout_counts_every_connection_in_its_tier()
     assert!(n.agent_log().contains(&resized), "{}", n.agent_log());
     connect_and_check(&net, n);
 }
+
+/// UDP: an unconnected socket counts one new flow for its first datagram
+/// to a frontend, not one per datagram (sendmsg runs per datagram); a
+/// connected one counts its connect(). Each in the tier of the pod that
+/// answered (a Service without topology, from node-2).
+#[test]
+fn udp_flows_count_once_per_socket() {
+    let (net, nodes) = demo(&["node-2"]);
+    let n = &nodes[0];
+    let endpoints: String = PODS
+        .iter()
+        .map(|(pod, ip, node)| {
+            let zone = if *node == "node-1" { "zone-a" } else { "zone-b" };
+            format!("  - addresses: [\"{ip}\"]\n    nodeName: {node}\n    zone: {zone}\n    targetRef: {{kind: Pod, name: {pod}}}\n")
+        })
+        .collect();
+    n.write_manifest(
+        "udp.yaml",
+        &format!(
+            "apiVersion: v1\nkind: Service\nmetadata: {{name: dns, namespace: default}}\nspec:\n  clusterIP: 10.96.0.14\n  ports: [{{port: 53, protocol: UDP, targetPort: 9376}}]\n---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: dns-1, namespace: default, labels: {{kubernetes.io/service-name: dns}}}}\naddressType: IPv4\nports: [{{port: 9376, protocol: UDP}}]\nendpoints:\n{endpoints}"
+        ),
+    );
+    let all: Vec<&str> = PODS.iter().map(|p| p.0).collect();
+    wait_for_backends(n, &net, "10.96.0.14:53", &["--udp"], &all);
+    for connected in [false, true] {
+        let before = live_counts(n);
+        let mut args = vec!["--to", "10.96.0.14:53", "--udp", "--per-socket", "5", "--count", "10"];
+        if connected {
+            args.push("--connected");
+        }
+        let r = n.probe(&net, &args);
+        let mut want: BTreeMap<&str, u64> = BTreeMap::new();
+        for socket in &r {
+            assert_eq!(socket["ok"], true, "{socket}");
+            assert_eq!(socket["sameBackend"], true, "{socket}");
+            *want.entry(physical_tier("node-2", socket["reply"].as_str().expect("reply"))).or_default() += 1;
+        }
+        let after = live_counts(n);
+        let got: BTreeMap<&str, u64> =
+            TIERS.iter().map(|t| (*t, after["dns"].0[*t] - before["dns"].0[*t])).filter(|(_, d)| *d > 0).collect();
+        assert_eq!(got, want, "10 sockets of 5 datagrams each, connected: {connected}");
+    }
+}
