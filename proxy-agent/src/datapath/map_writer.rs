@@ -360,7 +360,8 @@ impl MapWriter {
         }
         self.backend_id_set = self.backend_ids.ids().collect();
         if let Some(t) = &mut self.topo {
-            t.stored = Some(self.backend_ids.entries().filter_map(|(b, id)| Some((id, b, backend_table.get(&id)?.tier))).collect());
+            t.stored = Some(backend_table.iter().filter(|(_, v)| v.tier != pc::tier::OTHER).map(|(id, v)| (*id, v.tier)).collect());
+            t.adopt(self.programmed.values().map(|p| p.value.service_id));
         }
         let orphans: Vec<BackendKey> =
             backend_table.keys().filter(|id| !self.backend_id_set.contains(**id)).map(|id| BackendKey { backend_id: *id }).collect();
@@ -1076,9 +1077,9 @@ impl MapWriter {
         let (mut keys, mut values) = (Vec::new(), Vec::new());
         match (t.stored.take(), check) {
             (Some(stored), _) => {
-                for (id, b, was) in stored {
+                for (b, id) in self.backend_ids.entries() {
                     let now = t.backend_tier(&b);
-                    if now != was && self.backend_ids.get(&b).is_some_and(|(i, _)| *i == id) {
+                    if now != stored.get(&id).copied().unwrap_or(pc::tier::OTHER) {
                         keys.push(BackendKey { backend_id: id });
                         values.push(tiered_backend_value(&b, now));
                     }

@@ -46,14 +46,20 @@ pub struct TopoMaps {
     /// Where the owners of the counted service ids are published for
     /// `/metrics`, and this datapath's code there.
     owners: Option<(u8, Owners)>,
-    /// The share written per service id.
+    /// The share written per service id. An id not listed holds 0 (a new
+    /// map is zero, and `forget` zeroes an id it takes back), unless it was
+    /// programmed when the writer opened the maps (`adopted`): a cold start
+    /// writes only the shares that are not 0.
     written: HashMap<u32, u32>,
+    adopted: std::collections::HashSet<u32>,
     tiers: Option<SharedTiers>,
     /// The table version the backends were last checked against.
     tiers_seen: Option<u64>,
-    /// The tiers the backends carried when the writer opened the maps,
-    /// checked against the table once it is known.
-    pub(crate) stored: Option<Vec<(u32, Backend, u8)>>,
+    /// The tiers other than `other` the backends carried when the writer
+    /// opened the maps, by backend id, checked against the table once it
+    /// is known (a backend not listed carried `other`, which is all of
+    /// them in pins of a build before the counts).
+    pub(crate) stored: Option<HashMap<u32, u8>>,
 }
 
 impl TopoMaps {
@@ -73,6 +79,7 @@ impl TopoMaps {
             want: HashMap::new(),
             owners: None,
             written: HashMap::new(),
+            adopted: std::collections::HashSet::new(),
             tiers: None,
             tiers_seen: None,
             stored: None,
@@ -147,7 +154,8 @@ impl TopoMaps {
     pub fn write_share(&mut self, fe: &Frontend, service_id: u32) -> Result<(), MapError> {
         let share = self.want.get(fe).map_or(0, |w| w.1);
         self.publish(service_id, self.want.get(fe).map(|w| w.2.clone()));
-        if self.written.get(&service_id) == Some(&share) {
+        let held = self.written.get(&service_id).copied().or_else(|| (!self.adopted.contains(&service_id)).then_some(0));
+        if held == Some(share) {
             return Ok(());
         }
         let index = pc::svc_conn_index(service_id);
@@ -159,11 +167,18 @@ impl TopoMaps {
         Ok(())
     }
 
+    /// The service ids programmed when the maps were opened, whose shares
+    /// are not known.
+    pub fn adopt(&mut self, ids: impl IntoIterator<Item = u32>) {
+        self.adopted.extend(ids);
+    }
+
     /// `fe` went away: its counts and share start from zero for the next
     /// frontend given `service_id`.
     pub fn forget(&mut self, fe: &Frontend, service_id: u32) {
         self.want.remove(fe);
         self.written.remove(&service_id);
+        self.adopted.remove(&service_id);
         self.publish(service_id, None);
         let index = pc::svc_conn_index(service_id);
         if index >= self.capacity() {
