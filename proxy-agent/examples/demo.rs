@@ -479,13 +479,13 @@ fn tier_counts(cluster: &Cluster, services: &[ServiceSpec]) -> Vec<Vec<[u64; tie
 fn print_tier_counts(cluster: &Cluster, services: &[ServiceSpec], before: &[Vec<[u64; tier::COUNT]>], after: &[Vec<[u64; tier::COUNT]>]) {
     println!("Counted by topology tier in each node's datapath (topoproxy_service_connections_total, explain --live):");
     let width = services.iter().map(|s| s.name.len()).max().unwrap_or(0).max(28);
-    print!("      {:<26}", "");
+    let mut line = format!("      {:<26}", "");
     for s in services {
-        print!(" {:<width$}", s.name);
+        line.push_str(&format!(" {:<width$}", s.name));
     }
-    println!();
+    println!("{}", line.trim_end());
     for (i, n) in cluster.nodes.iter().enumerate() {
-        print!("      {:<26}", n.spec.label());
+        let mut line = format!("      {:<26}", n.spec.label());
         for j in 0..services.len() {
             let (b, a) = (before.get(i).and_then(|r| r.get(j)), after.get(i).and_then(|r| r.get(j)));
             let cell: Vec<String> = (0..tier::COUNT)
@@ -494,9 +494,9 @@ fn print_tier_counts(cluster: &Cluster, services: &[ServiceSpec], before: &[Vec<
                     (d > 0).then(|| format!("{} {d}", tier::NAMES[t]))
                 })
                 .collect();
-            print!(" {:<width$}", if cell.is_empty() { "-".to_string() } else { cell.join(", ") });
+            line.push_str(&format!(" {:<width$}", if cell.is_empty() { "-".to_string() } else { cell.join(", ") }));
         }
-        println!();
+        println!("{}", line.trim_end());
     }
 }
 
