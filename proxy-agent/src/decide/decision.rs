@@ -949,4 +949,60 @@ endpoints: [{{addresses: [10.244.0.1], nodeName: a}}]
             assert_eq!(ext.tc.len(), 2, "{value:?}: the frontends are served whatever the annotation says");
         }
     }
+
+    /// How each frontend of a port counts its connections (issue #34):
+    /// (Service spec, want: ClusterIP tier, socket-side external tier, TC
+    /// tier, has a topology setting).
+    #[test]
+    fn each_frontend_counts_in_the_tier_its_traffic_policy_and_topology_give() {
+        use proxy_common::tier;
+        let yaml = |spec: &str, ann: &str| {
+            format!(
+                "apiVersion: v1\nkind: Node\nmetadata: {{name: a, labels: {{topology.kubernetes.io/zone: z1}}}}\n---\n\
+                 apiVersion: v1\nkind: Service\nmetadata: {{name: web, annotations: {{{ann}}}}}\n\
+                 spec:\n  type: NodePort\n  clusterIP: 10.96.0.10\n{spec}  ports: [{{name: http, port: 80, nodePort: 30080}}]\n---\n\
+                 apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: web-1, labels: {{kubernetes.io/service-name: web}}}}\n\
+                 addressType: IPv4\nports: [{{name: http, port: 8080}}]\nendpoints:\n\
+                 - addresses: [10.244.0.1]\n  nodeName: a\n  zone: z1\n\
+                 - addresses: [10.244.0.2]\n  nodeName: b\n  zone: z1\n\
+                 - addresses: [10.244.0.3]\n  nodeName: c\n  zone: z2\n"
+            )
+        };
+        let zone_keys = "topoproxy.io/topology-keys: \"topology.kubernetes.io/zone, *\"";
+        let (node, zone) = (Some(tier::NODE), Some(tier::ZONE));
+        let cases: Vec<(&str, String, (Option<u8>, Option<u8>, Option<u8>, bool))> = vec![
+            ("no topology: each backend's own", yaml("", ""), (None, None, None, false)),
+            ("zone keys", yaml("", zone_keys), (zone, zone, zone, true)),
+            (
+                "internalTrafficPolicy Local: ClusterIPs on this node",
+                yaml("  internalTrafficPolicy: Local\n", ""),
+                (node, None, None, true),
+            ),
+            // Topology keys are invalid beside externalTrafficPolicy Local
+            // (the API server refused them): ignored, each backend's own.
+            (
+                "externalTrafficPolicy Local: traffic from outside",
+                yaml("  externalTrafficPolicy: Local\n", zone_keys),
+                (None, None, node, true),
+            ),
+        ];
+        let addrs = ["192.0.2.1".parse().expect("address")];
+        for (name, y, (clusterip, from_node, tc_want, topology)) in cases {
+            let d = decide(&cluster(&y), "a");
+            assert_eq!(d.len(), 1, "{name}");
+            let (mut socket, mut tc) = (Vec::new(), Vec::new());
+            d[0].frontend_topology(&addrs, &mut socket, &mut tc);
+            let tier_of = |list: &[(Frontend, FrontendTopo)], ip: &str, port: u16| {
+                list.iter().find(|(fe, _)| fe.ip.to_string() == ip && fe.port == port).map(|(_, t)| t.tier)
+            };
+            assert_eq!(tier_of(&socket, "10.96.0.10", 80), Some(clusterip), "{name}: ClusterIP");
+            assert_eq!(tier_of(&socket, "192.0.2.1", 30080), Some(from_node), "{name}: NodePort from the node");
+            assert_eq!(tier_of(&socket, "127.0.0.1", 30080), Some(from_node), "{name}: NodePort on loopback");
+            assert_eq!(tier_of(&tc, "192.0.2.1", 30080), Some(tc_want), "{name}: NodePort from outside");
+            assert_eq!(d[0].has_topology, topology, "{name}");
+            // One endpoint of three outside zone z1.
+            assert!(socket.iter().chain(&tc).all(|(_, t)| t.blind_remote_share == crate::decide::topology::tier::share_fp(1, 3)), "{name}");
+            assert!(socket.iter().all(|(_, t)| t.port.service.as_ref() == "web" && t.port.port == "http"), "{name}");
+        }
+    }
 }
