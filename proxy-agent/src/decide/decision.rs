@@ -970,7 +970,9 @@ endpoints: [{{addresses: [10.244.0.1], nodeName: a}}]
         };
         let zone_keys = "topoproxy.io/topology-keys: \"topology.kubernetes.io/zone, *\"";
         let (node, zone) = (Some(tier::NODE), Some(tier::ZONE));
-        let cases: Vec<(&str, String, (Option<u8>, Option<u8>, Option<u8>, bool))> = vec![
+        /// ClusterIP, socket-side external and TC tiers, has topology.
+        type Want = (Option<u8>, Option<u8>, Option<u8>, bool);
+        let cases: Vec<(&str, String, Want)> = vec![
             ("no topology: each backend's own", yaml("", ""), (None, None, None, false)),
             ("zone keys", yaml("", zone_keys), (zone, zone, zone, true)),
             (
