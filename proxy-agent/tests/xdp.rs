@@ -44,15 +44,17 @@ use proxy_test_support::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in, ec
 use proxy_test_support::wait::eventually;
 use support::*;
 
-/// The node's client-facing and the backend's address, of one family.
+/// The node's client-facing and the backend's address, of one family, and
+/// the local pod's (`World::with_local`).
 #[derive(Clone, Copy, Debug)]
 struct Family {
     node: &'static str,
     backend: &'static str,
+    local: &'static str,
 }
 
-const V4: Family = Family { node: "10.0.1.2", backend: "10.0.3.2" };
-const V6: Family = Family { node: "fd00:1::2", backend: "fd00:3::2" };
+const V4: Family = Family { node: "10.0.1.2", backend: "10.0.3.2", local: "10.0.4.2" };
+const V6: Family = Family { node: "fd00:1::2", backend: "fd00:3::2", local: "fd00:4::2" };
 
 /// `ip:port` as a socket address string (`[ip]:port` for IPv6).
 fn at(ip: &str, port: u16) -> String {
@@ -69,10 +71,35 @@ struct World {
     log: PathBuf,
     agent: Option<Guarded>,
     _backend_proc: Guarded,
+    /// `with_local`'s backends (processes first: dropped before their
+    /// namespaces).
+    local_procs: Vec<Guarded>,
+    local_ns: Vec<Netns>,
 }
 
 impl World {
     fn new() -> World {
+        World::build(false)
+    }
+
+    /// `new`, plus backends on the node itself (node `node-a`), for the
+    /// TC fast path's local delivery:
+    ///
+    /// ```text
+    ///   node n-l 10.0.4.1 fd00:4::1 ---- eth0 10.0.4.2 fd00:4::2   pod-l (a pod behind its veth)
+    ///   node br-l 10.0.5.1 [n-q] ------- eth0 10.0.5.2             pod-q (a pod behind a bridge)
+    ///   node 10.0.1.2:7070                                         host-a (a host-network endpoint)
+    /// ```
+    ///
+    /// Service `local` (NodePorts 30081 TCP, 30054 UDP) has pod-l as its
+    /// only endpoint, `bridged` (30083) pod-q, `hostnet` (30082) host-a.
+    /// n-l and n-q are not in `--devices`: the TC programs do not run on
+    /// them.
+    fn with_local() -> World {
+        World::build(true)
+    }
+
+    fn build(local: bool) -> World {
         require_root();
         let client = Netns::new("txdp").expect("client netns");
         let node = Netns::new("txdp").expect("node netns");
@@ -110,7 +137,7 @@ impl World {
         let backend_proc = spawn_backend(&agent_bin(), &backend, "pod-b", &listen).expect("backend");
         let manifests = TempDir::new("txdp-manifests");
         let log = manifests.0.join("agent.log.txt");
-        let w = World {
+        let mut w = World {
             client,
             node,
             backend,
@@ -120,13 +147,21 @@ impl World {
             log,
             agent: None,
             _backend_proc: backend_proc,
+            local_procs: Vec::new(),
+            local_ns: Vec::new(),
         };
+        if local {
+            (w.local_procs, w.local_ns) = local_backends(&w.node);
+        }
         let mut yaml = "---\napiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: default}\nspec:\n  type: NodePort\n  clusterIP: 10.96.0.10\n  clusterIPs: [10.96.0.10, \"fd00:96::10\"]\n  ipFamilies: [IPv4, IPv6]\n  ipFamilyPolicy: RequireDualStack\n  externalTrafficPolicy: Cluster\n  ports:\n  - {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30080}\n  - {name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 30053}\n  - {name: echo, port: 90, protocol: TCP, targetPort: 9090, nodePort: 30090}\n".to_string();
         for (fam, ip) in [("IPv4", V4.backend), ("IPv6", V6.backend)] {
             yaml.push_str(&format!(
                 "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata:\n  name: web-{}\n  namespace: default\n  labels: {{kubernetes.io/service-name: web}}\naddressType: {fam}\nports:\n- {{name: http, port: 8080, protocol: TCP}}\n- {{name: dns, port: 5353, protocol: UDP}}\n- {{name: echo, port: 9090, protocol: TCP}}\nendpoints:\n- addresses: [\"{ip}\"]\n  conditions: {{ready: true}}\n  nodeName: node-b\n",
                 fam.to_lowercase()
             ));
+        }
+        if local {
+            yaml.push_str(LOCAL_MANIFEST);
         }
         std::fs::write(w.manifests.0.join("cluster.yaml"), yaml).expect("write manifest");
         w
@@ -213,6 +248,19 @@ impl World {
         }
     }
 
+    /// `forward_counter_rule` for the packets to `fam`'s local pod only
+    /// (the client's way in; the pod's replies enter from its veth, where
+    /// no program of ours runs, and the stack forwards them).
+    fn forward_to_local_rule(&self, fam: Family) {
+        let tool = if fam.node.contains(':') { "ip6tables" } else { "iptables" };
+        let st = command_in(tool, Some(&self.node), None)
+            .expect("iptables")
+            .args(["-w", "-I", "FORWARD", "1", "-d", fam.local, "-m", "comment", "--comment", "topoproxy-test-local"])
+            .status()
+            .expect("run iptables");
+        assert!(st.success(), "{tool} -I FORWARD -d {} failed", fam.local);
+    }
+
     fn xdp_devices(&self) -> Vec<String> {
         proxy_agent::datapath::xdp_loader::attached_devices(self.pins.path())
     }
@@ -229,11 +277,16 @@ impl World {
 
     /// Waits until `to` answers from the client, every probe of a round.
     fn wait_answers(&self, to: &str, extra: &[&str]) {
-        eventually(&format!("{to} {extra:?} to answer from pod-b"), || {
+        self.wait_answers_from(to, extra, "pod-b");
+    }
+
+    /// `wait_answers` from the backend named `name`.
+    fn wait_answers_from(&self, to: &str, extra: &[&str], name: &str) {
+        eventually(&format!("{to} {extra:?} to answer from {name}"), || {
             let mut args = vec!["--to", to, "--count", "8", "--timeout-ms", "1000"];
             args.extend_from_slice(extra);
             let r = self.probe(&args);
-            if replies(&r) == set(&["pod-b"]) && r.iter().all(|x| x["ok"] == true) { Ok(()) } else { Err(r) }
+            if replies(&r) == set(&[name]) && r.iter().all(|x| x["ok"] == true) { Ok(()) } else { Err(r) }
         });
     }
 
@@ -273,7 +326,118 @@ impl Drop for World {
         // The pins (XDP link included) go with `pins`, the devices with the
         // namespaces.
         let _ = &self.backend;
+        // The local backends' processes end before their namespaces go
+        // (field order), after the agent.
+        let _ = (&self.local_procs, &self.local_ns);
     }
+}
+
+/// `World::with_local`'s Services: each with one endpoint on `node-a`.
+const LOCAL_MANIFEST: &str = "---
+apiVersion: v1
+kind: Service
+metadata: {name: local, namespace: default}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.11
+  clusterIPs: [10.96.0.11, \"fd00:96::11\"]
+  ipFamilies: [IPv4, IPv6]
+  ipFamilyPolicy: RequireDualStack
+  ports:
+  - {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30081}
+  - {name: dns, port: 53, protocol: UDP, targetPort: 5353, nodePort: 30054}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: local-ipv4, namespace: default, labels: {kubernetes.io/service-name: local}}
+addressType: IPv4
+ports:
+- {name: http, port: 8080, protocol: TCP}
+- {name: dns, port: 5353, protocol: UDP}
+endpoints:
+- {addresses: [\"10.0.4.2\"], conditions: {ready: true}, nodeName: node-a}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: local-ipv6, namespace: default, labels: {kubernetes.io/service-name: local}}
+addressType: IPv6
+ports:
+- {name: http, port: 8080, protocol: TCP}
+- {name: dns, port: 5353, protocol: UDP}
+endpoints:
+- {addresses: [\"fd00:4::2\"], conditions: {ready: true}, nodeName: node-a}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: hostnet, namespace: default}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.12
+  ports:
+  - {name: http, port: 80, protocol: TCP, targetPort: 7070, nodePort: 30082}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: hostnet-ipv4, namespace: default, labels: {kubernetes.io/service-name: hostnet}}
+addressType: IPv4
+ports:
+- {name: http, port: 7070, protocol: TCP}
+endpoints:
+- {addresses: [\"10.0.1.2\"], conditions: {ready: true}, nodeName: node-a}
+---
+apiVersion: v1
+kind: Service
+metadata: {name: bridged, namespace: default}
+spec:
+  type: NodePort
+  clusterIP: 10.96.0.13
+  ports:
+  - {name: http, port: 80, protocol: TCP, targetPort: 8080, nodePort: 30083}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: bridged-ipv4, namespace: default, labels: {kubernetes.io/service-name: bridged}}
+addressType: IPv4
+ports:
+- {name: http, port: 8080, protocol: TCP}
+endpoints:
+- {addresses: [\"10.0.5.2\"], conditions: {ready: true}, nodeName: node-a}
+";
+
+/// The local backends of `World::with_local` around `node`: their
+/// processes and namespaces.
+fn local_backends(node: &Netns) -> (Vec<Guarded>, Vec<Netns>) {
+    let pod = Netns::new("txdp").expect("pod-l netns");
+    let bridged = Netns::new("txdp").expect("pod-q netns");
+    node.veth("n-l", &pod, "eth0").expect("veth node-pod");
+    node.veth("n-q", &bridged, "eth0").expect("veth node-bridged");
+    node.ip(&["link", "add", "br-l", "type", "bridge"]).expect("bridge");
+    node.ip(&["link", "set", "n-q", "master", "br-l"]).expect("enslave n-q");
+    node.ip(&["link", "set", "br-l", "up"]).expect("bridge up");
+    for (ns, cidr, dev) in [
+        (node, "10.0.4.1/24", "n-l"),
+        (node, "fd00:4::1/64", "n-l"),
+        (&pod, "10.0.4.2/24", "eth0"),
+        (&pod, "fd00:4::2/64", "eth0"),
+        (node, "10.0.5.1/24", "br-l"),
+        (&bridged, "10.0.5.2/24", "eth0"),
+    ] {
+        let mut args = vec!["addr", "add", cidr, "dev", dev];
+        if cidr.contains(':') {
+            args.push("nodad");
+        }
+        ns.ip(&args).unwrap_or_else(|e| panic!("{cidr} on {dev}: {e}"));
+    }
+    pod.ip(&["route", "add", "default", "via", "10.0.4.1"]).expect("pod-l route");
+    pod.ip(&["-6", "route", "add", "default", "via", "fd00:4::1"]).expect("pod-l route6");
+    bridged.ip(&["route", "add", "default", "via", "10.0.5.1"]).expect("pod-q route");
+    let listen: Vec<String> = [V4, V6].iter().flat_map(|f| [at(f.local, 8080), at(f.local, 5353)]).collect();
+    let procs = vec![
+        spawn_backend(&agent_bin(), &pod, "pod-l", &listen).expect("pod-l"),
+        spawn_backend(&agent_bin(), &bridged, "pod-q", &[at("10.0.5.2", 8080)]).expect("pod-q"),
+        spawn_backend(&agent_bin(), node, "host-a", &[at(V4.node, 7070)]).expect("host-a"),
+    ];
+    (procs, vec![pod, bridged])
 }
 
 const ETHTOOL_STXCSUM: u32 = 0x17;
@@ -482,6 +646,124 @@ fn tc_fast_path_bypasses_forward(fam: Family) {
     assert!(w.forward_packets(fam) > fwd, "with --tc-fast-path off the FORWARD chain saw nothing");
     assert_eq!(w.fast_counter("tc_fast_forwarded"), fast, "--tc-fast-path off still sent packets the fast way");
     assert_eq!(w.fast_counter("tc_fast_reply_forwarded"), reply, "--tc-fast-path off still sent replies the fast way");
+    w.stop_agent();
+}
+
+#[test]
+fn tc_fast_path_delivers_to_a_local_pod_with_redirect_peer_and_off_restores_the_stack() {
+    tc_fast_path_delivers_locally(V4);
+}
+
+#[test]
+fn tc_fast_path_delivers_to_a_local_pod_over_ipv6_with_redirect_peer_and_off_restores_the_stack() {
+    tc_fast_path_delivers_locally(V6);
+}
+
+/// One family, TCP and UDP to a pod on this node behind its veth, XDP off:
+/// with the fast path the client's packets go into the pod's namespace
+/// with `bpf_redirect_peer` (`tc_fast_local_forwarded`) and the FORWARD
+/// chain never sees them; with `off` it does again.
+fn tc_fast_path_delivers_locally(fam: Family) {
+    let mut w = World::with_local();
+    w.forward_to_local_rule(fam);
+    w.start_agent("");
+    w.wait_attached(1, true);
+    let (http, dns) = (at(fam.node, 30081), at(fam.node, 30054));
+    // The first flows resolve the pod's neighbour through the stack.
+    w.wait_answers_from(&http, &[], "pod-l");
+    w.wait_answers_from(&dns, &["--udp"], "pod-l");
+    let (fwd, fast) = (w.forward_packets(fam), w.fast_counter("tc_fast_local_forwarded"));
+    w.wait_answers_from(&http, &[], "pod-l");
+    w.wait_answers_from(&dns, &["--udp"], "pod-l");
+    assert_eq!(w.forward_packets(fam), fwd, "the stack forwarded packets to the local pod the fast path should have delivered");
+    assert!(w.fast_counter("tc_fast_local_forwarded") > fast, "nothing went the fast way into the local pod");
+    assert_eq!(w.counter("rewrite_failed"), 0);
+    let (text, json) = w.dump();
+    assert!(json["nodeport"]["fastPath"]["tc_fast_local_forwarded"].as_u64().is_some_and(|n| n > 0), "{json}");
+    // The agent listed the pod's veth (and the node's other veths, whose
+    // peers are in the client's and the backend's namespaces), not the
+    // bridge.
+    let index = |dev: &'static str| in_netns(&w.node, move || proxy_agent::external::node_addresses::ifindex(dev)).expect("netns");
+    let peers: Vec<u64> =
+        json["nodeport"]["peerDevices"].as_array().map(|a| a.iter().filter_map(serde_json::Value::as_u64).collect()).unwrap_or_default();
+    assert!(peers.contains(&u64::from(index("n-l"))), "n-l is not in NP_PEER_DEVS: {peers:?}");
+    assert!(!peers.contains(&u64::from(index("br-l"))), "the bridge is in NP_PEER_DEVS: {peers:?}");
+    assert!(text.contains("tc fast path peer devices (ifindex): "), "{text}");
+
+    // `off`: the stack forwards to the pod again.
+    w.stop_agent();
+    w.start_agent_with("", &["--tc-fast-path", "off"]);
+    w.wait_attached(2, false);
+    w.wait_answers_from(&http, &[], "pod-l");
+    let (fwd, fast) = (w.forward_packets(fam), w.fast_counter("tc_fast_local_forwarded"));
+    w.wait_answers_from(&http, &[], "pod-l");
+    w.wait_answers_from(&dns, &["--udp"], "pod-l");
+    assert!(w.forward_packets(fam) > fwd, "with --tc-fast-path off the FORWARD chain saw nothing for the local pod");
+    assert_eq!(w.fast_counter("tc_fast_local_forwarded"), fast, "--tc-fast-path off still delivered into the pod the fast way");
+    w.stop_agent();
+}
+
+/// Local backends the fast path must not hand to `bpf_redirect_peer`: a
+/// host-network endpoint (the node's own address: the lookup says "not
+/// forwarded", `tc_stack_local_backend`) and a pod behind a bridge (the
+/// route's device is no veth, `tc_stack_local_not_peer`). Both are
+/// answered through the stack.
+#[test]
+fn tc_fast_path_leaves_host_network_and_bridged_local_backends_to_the_stack() {
+    let mut w = World::with_local();
+    w.start_agent("");
+    w.wait_attached(1, true);
+    let (hostnet, bridged) = (at(V4.node, 30082), at(V4.node, 30083));
+    w.wait_answers_from(&hostnet, &[], "host-a");
+    w.wait_answers_from(&bridged, &[], "pod-q");
+    let peer = w.fast_counter("tc_fast_local_forwarded");
+    let host = w.fast_counter("tc_stack_local_backend");
+    w.wait_answers_from(&hostnet, &[], "host-a");
+    assert!(w.fast_counter("tc_stack_local_backend") > host, "the host-network endpoint's packets were not counted as left to the stack");
+    eventually("the bridged pod's packets to be counted as left to the stack", || {
+        let before = w.fast_counter("tc_stack_local_not_peer");
+        w.wait_answers_from(&bridged, &[], "pod-q");
+        let after = w.fast_counter("tc_stack_local_not_peer");
+        if after > before { Ok(()) } else { Err(format!("{before}->{after}")) }
+    });
+    assert_eq!(w.fast_counter("tc_fast_local_forwarded"), peer, "a local backend not behind a pod's veth went the redirect_peer way");
+    assert_eq!(w.counter("rewrite_failed"), 0);
+    w.stop_agent();
+}
+
+/// An agent upgraded over pins of a build with fewer fast-path reasons
+/// (8, before the local ones): its `NP_FAST_COUNTERS` is recreated at this
+/// build's size (`map_migration::plan`), so the local reasons count
+/// without a `proxy-agent reset`.
+#[test]
+fn an_older_builds_fast_path_counter_array_is_migrated_and_local_deliveries_count() {
+    let mut w = World::with_local();
+    w.start_agent("");
+    w.wait_attached(1, true);
+    let http = at(V4.node, 30081);
+    w.wait_answers_from(&http, &[], "pod-l");
+    w.stop_agent();
+    // The pin gets the old size, as `bpftool` (no BTF) makes it; the
+    // running programs keep their own array.
+    let path = w.pins.path().join(proxy_common::NP_FAST_COUNTERS_MAP);
+    std::fs::remove_file(&path).expect("remove NP_FAST_COUNTERS");
+    let out = std::process::Command::new("bpftool")
+        .args(["map", "create"])
+        .arg(&path)
+        .args(["type", "percpu_array", "key", "4", "value", "8", "entries", "8", "name", "NP_FAST_COUNTERS"])
+        .output()
+        .expect("run bpftool");
+    assert!(out.status.success(), "bpftool map create: {}", String::from_utf8_lossy(&out.stderr));
+    w.start_agent("");
+    w.wait_attached(2, true);
+    let log = std::fs::read_to_string(&w.log).unwrap_or_default();
+    let resized = format!("map NP_FAST_COUNTERS resized from 8 to {}", proxy_common::np_fast_counter::COUNT);
+    assert!(log.contains(&resized), "{log}");
+    eventually("a local delivery to be counted in the migrated array", || {
+        w.wait_answers_from(&http, &[], "pod-l");
+        let n = w.fast_counter("tc_fast_local_forwarded");
+        if n > 0 { Ok(()) } else { Err(n) }
+    });
     w.stop_agent();
 }
 

@@ -1544,6 +1544,21 @@ pub const NP_FAST_COUNTERS_MAP: &str = "NP_FAST_COUNTERS";
 /// constant the verifier prunes.
 pub const TC_FAST_PATH_GLOBAL: &str = "TC_FAST_PATH";
 
+/// Hash of interface index (u32, host order) to flags (u32,
+/// `NP_PEER_DEV_*`): the devices of this namespace a local backend's
+/// packet may be handed to with `bpf_redirect_peer`, veths whose peer lives
+/// in another network namespace (a pod's). The agent writes it from the
+/// kernel's link list (`IFLA_INFO_KIND` "veth" with `IFLA_LINK_NETNSID`).
+/// `bpf_redirect_peer` drops a packet whose device has no peer or whose
+/// peer is in the same namespace (`skb_do_redirect`, net/core/filter.c),
+/// which the program cannot tell cheaply, hence the list.
+pub const NP_PEER_DEVS_MAP: &str = "NP_PEER_DEVS";
+/// Capacity of `NP_PEER_DEVS`: veths on one node, one per local pod
+/// (kubelet's default is 110 pods, large nodes run a few hundred).
+pub const NP_PEER_DEVS_ENTRIES: u32 = 4096;
+/// `NP_PEER_DEVS` flag: a veth whose peer is in another namespace.
+pub const NP_PEER_DEV_VETH: u32 = 1;
+
 /// Indexes into `NP_FAST_COUNTERS`.
 pub mod np_fast_counter {
     /// A client's packet, after DNAT and SNAT, redirected to the remote
@@ -1552,8 +1567,9 @@ pub mod np_fast_counter {
     /// A remote backend's reply, translated back, redirected towards the
     /// client's next hop.
     pub const REPLY_FORWARDED: u32 = 1;
-    /// To the stack: the backend is on this node (a pod or the host
-    /// network), which the stack delivers.
+    /// To the stack: the backend is this node itself (a host-network
+    /// endpoint: `bpf_fib_lookup` answers `BPF_FIB_LKUP_RET_NOT_FWDED` for
+    /// a local route), which only the stack delivers.
     pub const STACK_LOCAL_BACKEND: u32 = 2;
     /// To the stack: the packet is longer than the route's MTU
     /// (`BPF_FIB_LKUP_RET_FRAG_NEEDED`): the stack fragments it or answers
@@ -1573,7 +1589,16 @@ pub mod np_fast_counter {
     /// which a router must process (`ip_forward_options`, hop-by-hop
     /// options in `ip6_forward`).
     pub const STACK_IP_OPTIONS: u32 = 7;
-    pub const COUNT: u32 = 8;
+    /// A client's packet to a backend on this node, DNAT'ed, delivered
+    /// with `bpf_redirect_peer` into the backend's namespace (the route's
+    /// device is a veth in `NP_PEER_DEVS`).
+    pub const LOCAL_FORWARDED: u32 = 8;
+    /// To the stack: the backend is on this node, but the route to it
+    /// leaves through a device not in `NP_PEER_DEVS` (a bridge, a veth
+    /// whose peer is in this namespace, a device the agent has not listed
+    /// yet), where `bpf_redirect_peer` would drop the packet.
+    pub const STACK_LOCAL_NOT_PEER: u32 = 9;
+    pub const COUNT: u32 = 10;
     pub const NAMES: [&str; COUNT as usize] = [
         "tc_fast_forwarded",
         "tc_fast_reply_forwarded",
@@ -1583,6 +1608,8 @@ pub mod np_fast_counter {
         "tc_stack_ttl",
         "tc_stack_no_entry",
         "tc_stack_ip_options",
+        "tc_fast_local_forwarded",
+        "tc_stack_local_not_peer",
     ];
 }
 

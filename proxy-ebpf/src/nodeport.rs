@@ -681,13 +681,15 @@ fn ct_key(p: &Pkt, dir: u8) -> CtKey {
 /// The fast path for a client's packet of a tracked flow whose forward
 /// entry is `fwd` (`key` is its key, reused for the SNAT leg's): for a
 /// remote backend, DNAT and SNAT at once to the `CT_DIR_SNAT` entry's
-/// tuple, and out to the next hop (tc_fast.rs). A local backend (a pod or
-/// the host network) is delivered by the stack, as without the fast path.
+/// tuple, and out to the next hop (tc_fast.rs). A local backend (no SNAT:
+/// the client's address is kept) gets the DNAT'ed packet in its own
+/// namespace with `bpf_redirect_peer` where its route's device allows it;
+/// otherwise (the host network, a bridge) the stack delivers it, as
+/// without the fast path.
 #[inline(always)]
 fn fast_forward<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, fwd: &CtValue, key: &mut CtKey) -> Result<i32, u32> {
     if fwd.flags & CT_FLAG_SNAT == 0 {
-        tc_fast::count(np_fast_counter::STACK_LOCAL_BACKEND);
-        return apply(ctx, p, fwd);
+        return fast_send::<KERNEL>(ctx, p, fwd, fwd, np_fast_counter::LOCAL_FORWARDED, true);
     }
     key.daddr_be = addr_copy(&fwd.daddr_be);
     key.dport_be = fwd.dport_be;
@@ -701,7 +703,7 @@ fn fast_forward<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, fwd: &CtValue, key: 
     let snat = unsafe { &mut *snat };
     // What `np_egress` would have done with the packet after routing.
     touch::<KERNEL>(p, snat, CT_DIR_SNAT);
-    fast_send::<KERNEL>(ctx, p, snat, fwd, np_fast_counter::FORWARDED)
+    fast_send::<KERNEL>(ctx, p, snat, fwd, np_fast_counter::FORWARDED, false)
 }
 
 /// The fast path for a remote backend's reply to our SNAT port, whose
@@ -725,15 +727,17 @@ fn fast_reply<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, rs: &CtValue, key: &mu
     let rev = unsafe { &mut *rev };
     // What `np_egress` would have done with the reply after routing.
     touch::<KERNEL>(p, rev, CT_DIR_REPLY);
-    fast_send::<KERNEL>(ctx, p, rev, rs, np_fast_counter::REPLY_FORWARDED)
+    fast_send::<KERNEL>(ctx, p, rev, rs, np_fast_counter::REPLY_FORWARDED, false)
 }
 
 /// Rewrites `p` to `to` and redirects it to the next hop `tc_fast::route`
 /// finds; when there is none usable, translates it to `stack` instead (the
-/// first leg, as without the fast path) and passes it to the stack.
+/// first leg, as without the fast path) and passes it to the stack. With
+/// `peer` (a local backend) it goes to the route's veth's peer, in the
+/// backend's namespace.
 #[inline(always)]
-fn fast_send<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, to: &CtValue, stack: &CtValue, counter: u32) -> Result<i32, u32> {
-    let rc = tc_fast::route(ctx, p, to, now_s::<KERNEL>());
+fn fast_send<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, to: &CtValue, stack: &CtValue, counter: u32, peer: bool) -> Result<i32, u32> {
+    let rc = tc_fast::route(ctx, p, to, now_s::<KERNEL>(), peer);
     if rc == tc_fast::TO_STACK {
         return apply(ctx, p, stack);
     }
@@ -746,7 +750,7 @@ fn fast_send<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, to: &CtValue, stack: &C
     // Translated, as `apply` counts it, and sent by the fast path.
     np_count(np_counter::TRACKED);
     tc_fast::count(counter);
-    Ok(tc_fast::redirect(rc as u32))
+    Ok(if peer { tc_fast::redirect_peer(rc as u32) } else { tc_fast::redirect(rc as u32) })
 }
 
 #[inline(always)]

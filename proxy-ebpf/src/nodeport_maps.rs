@@ -12,9 +12,9 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AddrKey, AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, CtKey, CtValue, DEFAULT_MAX_AFFINITY,
-    DEFAULT_MAX_BACKENDS, DEFAULT_MAX_NP_CT, DEFAULT_MAX_NP_LOCAL, DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, NP_PORTS_ENTRIES,
-    NpAffinityKey, NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SourceRangeKey, SvcConnValue, SvcTopoValue,
-    np_counter, svc_conn_index,
+    DEFAULT_MAX_BACKENDS, DEFAULT_MAX_NP_CT, DEFAULT_MAX_NP_LOCAL, DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, NP_PEER_DEVS_ENTRIES,
+    NP_PORTS_ENTRIES, NpAffinityKey, NpConfig, NpFlagsValue, ServiceKey, ServiceValue, SlotKey, SlotValue, SourceRangeKey, SvcConnValue,
+    SvcTopoValue, np_counter, svc_conn_index,
 };
 
 // Frontend maps are not preallocated: the kernel allocates an element per
@@ -40,6 +40,13 @@ pub static NP_FLAGS: HashMap<ServiceKey, NpFlagsValue> = HashMap::with_max_entri
 
 #[map(name = "NP_LOCAL")]
 pub static NP_LOCAL: HashMap<AddrKey, u32> = HashMap::with_max_entries(DEFAULT_MAX_NP_LOCAL, BPF_F_NO_PREALLOC);
+
+/// The devices the TC fast path may hand a local backend's packet to with
+/// `bpf_redirect_peer` (see `proxy_common::NP_PEER_DEVS_MAP`); written by
+/// the agent as pods' veths come and go. Preallocated: looked up per
+/// packet of a local flow, written rarely.
+#[map(name = "NP_PEER_DEVS")]
+pub static NP_PEER_DEVS: HashMap<u32, u32> = HashMap::with_max_entries(NP_PEER_DEVS_ENTRIES, 0);
 
 /// LRU: the agent's conntrack GC deletes flows past their timeout, but a
 /// burst of new flows between two sweeps (or while no agent runs) must not

@@ -29,18 +29,33 @@
 //! handles them correctly, so one helper set serves every kernel from the
 //! 5.10 floor (`bpf_fib_lookup` 4.18, `bpf_redirect` 4.4).
 //!
+//! A backend on this node (a pod) gets its packets with
+//! `bpf_redirect_peer` (Linux 5.10, TC ingress only): the skb moves to the
+//! ingress of the route's veth's peer, inside the pod's namespace, without
+//! the host's forwarding, the veth's transmit and the backlog queue
+//! (`skb_do_redirect` with `BPF_F_PEER`, net/core/filter.c). The helper
+//! drops the packet when the device has no peer or the peer is in this
+//! namespace, which the program cannot tell from the device index: the
+//! agent lists the devices where it works in `NP_PEER_DEVS` (veths whose
+//! peer is in another namespace), and a local backend routed through any
+//! other device (a bridge, the node itself for a host-network endpoint)
+//! goes to the stack. Only the forward direction: the pod's reply enters
+//! through its veth, where no program of ours runs, and the stack forwards
+//! it (`np_egress` turns its source back, as without the fast path).
+//!
 //! Fails open: every packet it cannot send is translated as before and
 //! passed to the stack, counted by reason in `NP_FAST_COUNTERS`.
 
 use aya_ebpf::{
-    bindings::{BPF_FIB_LKUP_RET_FRAG_NEEDED, bpf_fib_lookup as FibParams},
-    helpers::{bpf_fib_lookup, bpf_redirect},
+    bindings::{BPF_FIB_LKUP_RET_FRAG_NEEDED, BPF_FIB_LKUP_RET_NOT_FWDED, bpf_fib_lookup as FibParams},
+    helpers::{bpf_fib_lookup, bpf_redirect, bpf_redirect_peer},
     macros::map,
     maps::PerCpuArray,
     programs::TcContext,
 };
 use proxy_common::{CtValue, FAMILY_V4, XdpNextHopKey, XdpNextHopValue, np_fast_counter, xdp_nexthop_usable};
 
+use crate::nodeport_maps::NP_PEER_DEVS;
 use crate::packet::{Pkt, addr_copy};
 use crate::xdp::{AF_INET, AF_INET6, FIB_SUCCESS, XDP_NEXTHOP, fib_params_for, remember_next_hop};
 
@@ -55,6 +70,9 @@ static NP_FAST_COUNTERS: PerCpuArray<u64> = PerCpuArray::with_max_entries(np_fas
 
 /// `BPF_FIB_LKUP_RET_FRAG_NEEDED` (include/uapi/linux/bpf.h).
 const FIB_FRAG_NEEDED: i64 = BPF_FIB_LKUP_RET_FRAG_NEEDED as i64;
+/// `BPF_FIB_LKUP_RET_NOT_FWDED`: the destination is this node (a local
+/// route), not something to forward.
+const FIB_NOT_FWDED: i64 = BPF_FIB_LKUP_RET_NOT_FWDED as i64;
 
 /// `route`'s answer when the packet must go to the stack as it is (the
 /// reason has been counted).
@@ -87,17 +105,28 @@ pub fn redirect(ifindex: u32) -> i32 {
     unsafe { bpf_redirect(ifindex, 0) as i32 }
 }
 
+/// Hands the packet to the ingress of the peer of the veth `ifindex` (what
+/// `route` returned for a local backend, checked against `NP_PEER_DEVS`),
+/// after the caller rewrote it.
+#[inline(always)]
+pub fn redirect_peer(ifindex: u32) -> i32 {
+    // SAFETY: no memory is passed; the helper records the target for this
+    // CPU and returns TC_ACT_REDIRECT (flags must be 0).
+    unsafe { bpf_redirect_peer(ifindex, 0) as i32 }
+}
+
 /// Prepares the packet `p`, which is about to be rewritten to `to` (the
 /// flow's packet as it leaves), for its next hop: checks the TTL or hop
 /// limit, finds the route (cache or `bpf_fib_lookup`), then decrements the
 /// TTL or hop limit and writes the MACs. Returns the output device's index,
 /// `TO_STACK` (nothing written, reason counted) or another negative value
 /// when a store failed (the packet may be half written: the caller drops
-/// it). Its own subprogram: the key and the next hop stay out of the
-/// caller's frame.
+/// it). With `peer` (a backend on this node, for `redirect_peer`), the
+/// output device must be in `NP_PEER_DEVS`. Its own subprogram: the key and
+/// the next hop stay out of the caller's frame.
 #[inline(never)]
-pub fn route(ctx: &TcContext, p: &Pkt, to: &CtValue, now_s: u32) -> i64 {
-    match route_inner(ctx, p, to, now_s) {
+pub fn route(ctx: &TcContext, p: &Pkt, to: &CtValue, now_s: u32, peer: bool) -> i64 {
+    match route_inner(ctx, p, to, now_s, peer) {
         Ok(ifindex) => i64::from(ifindex),
         Err(TO_STACK) => TO_STACK,
         // A helper's error (negative errno) is never `TO_STACK` (-EPERM
@@ -107,7 +136,7 @@ pub fn route(ctx: &TcContext, p: &Pkt, to: &CtValue, now_s: u32) -> i64 {
 }
 
 #[inline(always)]
-fn route_inner(ctx: &TcContext, p: &Pkt, to: &CtValue, now_s: u32) -> Result<u32, i64> {
+fn route_inner(ctx: &TcContext, p: &Pkt, to: &CtValue, now_s: u32, peer: bool) -> Result<u32, i64> {
     let v4 = p.family == FAMILY_V4;
     // IPv4 options and IPv6 extension headers: the stack processes what a
     // router must (record route and timestamps, `ip_forward_options`;
@@ -154,12 +183,27 @@ fn route_inner(ctx: &TcContext, p: &Pkt, to: &CtValue, now_s: u32) -> Result<u32
         stale => {
             let rc = next_hop(ctx, p, &key, &mut looked_up, stale);
             if rc != FIB_SUCCESS {
-                count(if rc == FIB_FRAG_NEEDED { np_fast_counter::STACK_MTU } else { np_fast_counter::STACK_NO_ROUTE });
+                count(if rc == FIB_FRAG_NEEDED {
+                    np_fast_counter::STACK_MTU
+                } else if peer && rc == FIB_NOT_FWDED {
+                    // A host-network endpoint: the node is the backend.
+                    np_fast_counter::STACK_LOCAL_BACKEND
+                } else {
+                    np_fast_counter::STACK_NO_ROUTE
+                });
                 return Err(TO_STACK);
             }
             &looked_up
         }
     };
+    // A local backend's device must take `bpf_redirect_peer` (see the
+    // module comment); checked before anything is written. The cached
+    // next hop is the route's answer, and the list only says what kind of
+    // device that is, so one lookup per packet of a local flow.
+    if peer && NP_PEER_DEVS.get_ptr(&hop.ifindex).is_none() {
+        count(np_fast_counter::STACK_LOCAL_NOT_PEER);
+        return Err(TO_STACK);
+    }
     // From here the packet is ours to send. TTL or hop limit first, as
     // `ip_forward`/`ip6_forward` do it.
     if v4 {

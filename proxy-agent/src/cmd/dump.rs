@@ -277,6 +277,8 @@ fn nodeport_table(out: &mut impl Write, np: &NodePortReport) -> std::io::Result<
     if !np.fast_path.is_empty() {
         let fast: Vec<String> = np.fast_path.iter().filter(|(k, _)| !k.starts_with("reserved")).map(|(k, v)| format!("{k}={v}")).collect();
         writeln!(out, "  tc fast path: {}", fast.join(" "))?;
+        let peers: Vec<String> = np.peer_devices.iter().map(u32::to_string).collect();
+        writeln!(out, "  tc fast path peer devices (ifindex): {}", if peers.is_empty() { "none".to_string() } else { peers.join(" ") })?;
     }
     Ok(())
 }

@@ -119,6 +119,9 @@ pub struct NpSnapshot {
     /// `NP_FAST_COUNTERS` summed over CPUs (empty when not pinned: pins of
     /// an agent version without the TC fast path).
     pub fast_counters: Vec<u64>,
+    /// `NP_PEER_DEVS`: interface indexes of the veths the fast path hands
+    /// local backends' packets to (empty when not pinned).
+    pub peer_devices: Vec<u32>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
@@ -400,6 +403,9 @@ fn read_nodeport(pin_dir: &Path, usage: &mut Vec<MapUsage>) -> Result<NpSnapshot
     np.counters = counter_sums(pin_dir, &maps::NP_COUNTERS, usage)?;
     if pin_dir.join(maps::NP_FAST_COUNTERS.name).exists() {
         np.fast_counters = counter_sums(pin_dir, &maps::NP_FAST_COUNTERS, usage)?;
+    }
+    if pin_dir.join(maps::NP_PEER_DEVS.name).exists() {
+        np.peer_devices = sorted_entries::<u32, u32>(pin_dir, &maps::NP_PEER_DEVS, usage)?.into_iter().map(|(i, _)| i).collect();
     }
     np.ports = read_ports(pin_dir, &maps::NP_PORTS, Bitmap::Tc)?;
     np.maglev_table_bytes = maglev_usage(pin_dir, &maps::NP_MAGLEV, usage)?;
@@ -1047,6 +1053,10 @@ pub struct NodePortReport {
     /// (`tc_stack_*`). Fragments and ICMP errors never reach it: they are
     /// `pass_fragment` and `icmp_translated` in `counters`.
     pub fast_path: BTreeMap<String, u64>,
+    /// NP_PEER_DEVS: the interface indexes of this namespace's veths whose
+    /// peer is in another namespace (a pod's), where the fast path
+    /// delivers local backends' packets with `bpf_redirect_peer`.
+    pub peer_devices: Vec<u32>,
 }
 
 /// One flow's cached next hop (`XDP_NEXTHOP`).
@@ -1292,6 +1302,7 @@ pub fn check_nodeport(np: &NpSnapshot) -> (NodePortReport, Vec<Finding>) {
         xdp_devices: Vec::new(),
         xdp_next_hops: Vec::new(),
         fast_path: named(&np.fast_counters, &pc::np_fast_counter::NAMES),
+        peer_devices: np.peer_devices.clone(),
     };
     (report, findings)
 }
@@ -1623,6 +1634,7 @@ mod tests {
                 ct(pc::CT_DIR_REPLY, ("10.244.1.2", 8080), ("10.0.0.1", 40000), (("10.96.0.10", 80), ("10.0.0.1", 40000)), 10),
             ],
             fast_counters: Vec::new(),
+            peer_devices: Vec::new(),
             config: Some(NpConfig {
                 snat_v4_be: u32::from_ne_bytes([10, 0, 3, 1]),
                 snat_port_min: 61000,

@@ -71,14 +71,19 @@ pub fn pinned_capacities(pin_dir: &Path) -> [Option<u32>; 6] {
 pub fn plan(pin_dir: &Path, caps: &Capacities) -> (Vec<Migration>, Vec<String>) {
     let mut out = Vec::new();
     let mut warnings = Vec::new();
-    // The socket hooks' counter array grows as reasons are added
-    // (`counter::COUNT`); one pinned by an older build is recreated at the
-    // new size, its counts carried over (see `add_counters`), so that the
-    // new reasons count without a `proxy-agent reset`.
-    if let Ok(info) = MapInfo::from_pin(pin_dir.join(maps::COUNTERS.name))
-        && info.max_entries() < proxy_common::counter::COUNT
+    // The socket hooks' and the TC fast path's counter arrays grow as
+    // reasons are added (`counter::COUNT`, `np_fast_counter::COUNT`); one
+    // pinned by an older build is recreated at the new size, its counts
+    // carried over (see `add_counters`), so that the new reasons count
+    // without a `proxy-agent reset`. (NP_COUNTERS keeps its size: see
+    // socket_loader's `check_pinned_maps`.)
+    for (spec, count) in [(&maps::COUNTERS, proxy_common::counter::COUNT), (&maps::NP_FAST_COUNTERS, proxy_common::np_fast_counter::COUNT)]
     {
-        out.push(Migration { spec: &maps::COUNTERS, from: info.max_entries(), to: proxy_common::counter::COUNT });
+        if let Ok(info) = MapInfo::from_pin(pin_dir.join(spec.name))
+            && info.max_entries() < count
+        {
+            out.push(Migration { spec, from: info.max_entries(), to: count });
+        }
     }
     for m in maps::MAPS {
         let Some(c) = m.capacity else { continue };

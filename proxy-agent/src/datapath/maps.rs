@@ -172,6 +172,9 @@ pub static NP_BACKENDS: MapSpec =
     MapSpec::new::<BackendKey, BackendValue>(pc::NP_BACKENDS_MAP, Tc, MapType::Hash, Some(Capacity::Backends));
 pub static NP_FLAGS: MapSpec = MapSpec::new::<ServiceKey, NpFlagsValue>(pc::NP_FLAGS_MAP, Tc, MapType::Hash, Some(Capacity::Services));
 pub static NP_LOCAL: MapSpec = MapSpec::new::<AddrKey, u32>(pc::NP_LOCAL_MAP, Tc, MapType::Hash, None);
+/// Devices a local backend's packet may be handed to with
+/// `bpf_redirect_peer` (`external::peer_devices` writes it); fixed size.
+pub static NP_PEER_DEVS: MapSpec = MapSpec::new::<u32, u32>(pc::NP_PEER_DEVS_MAP, Tc, MapType::Hash, None);
 pub static NP_CT: MapSpec = MapSpec::new::<CtKey, CtValue>(pc::NP_CT_MAP, Tc, MapType::LruHash, Some(Capacity::NpConntrack));
 pub static NP_CONFIG: MapSpec = MapSpec::new::<u32, NpConfig>(pc::NP_CONFIG_MAP, Tc, MapType::Array, None);
 pub static NP_COUNTERS: MapSpec = MapSpec::new::<u32, u64>(pc::NP_COUNTERS_MAP, Tc, MapType::PerCpuArray, None);
@@ -213,7 +216,7 @@ pub static SOCK_PORTS: MapSpec = MapSpec::new::<u32, u64>(pc::SOCK_PORTS_MAP, So
 
 /// Every pinned map. Maps of the object that are not listed (per-CPU
 /// scratch space) are private to each load.
-pub static MAPS: [&MapSpec; 32] = [
+pub static MAPS: [&MapSpec; 33] = [
     &SERVICES,
     &SLOTS,
     &BACKENDS,
@@ -231,6 +234,7 @@ pub static MAPS: [&MapSpec; 32] = [
     &NP_BACKENDS,
     &NP_FLAGS,
     &NP_LOCAL,
+    &NP_PEER_DEVS,
     &NP_CT,
     &NP_CONFIG,
     &NP_COUNTERS,
@@ -319,6 +323,7 @@ mod tests {
             pc::NP_BACKENDS_MAP,
             pc::NP_FLAGS_MAP,
             pc::NP_LOCAL_MAP,
+            pc::NP_PEER_DEVS_MAP,
             pc::NP_CT_MAP,
             pc::NP_CONFIG_MAP,
             pc::NP_COUNTERS_MAP,

@@ -76,8 +76,10 @@ pub enum TcError {
 }
 
 /// `--tc-fast-path`: whether the TC programs send translated packets of
-/// flows to remote backends straight to their next hop (proxy-ebpf's
-/// tc_fast.rs), bypassing the stack's forwarding path.
+/// flows to remote backends straight to their next hop, and a client's
+/// packets to a local pod straight into its namespace (proxy-ebpf's
+/// tc_fast.rs; the pods' veths are listed by `external::peer_devices`),
+/// bypassing the stack's forwarding path.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum TcFastPath {
     /// On where the kernel loads it (every kernel from the 5.10 floor has

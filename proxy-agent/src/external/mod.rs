@@ -5,3 +5,4 @@
 pub(crate) mod health_check;
 pub mod node_addresses;
 pub mod nodeport;
+pub mod peer_devices;

@@ -194,7 +194,8 @@ pub struct ExternalConfig {
     /// `--xdp`: the XDP program in front of the TC programs.
     pub xdp: crate::datapath::xdp_loader::XdpMode,
     /// `--tc-fast-path`: translated packets of flows to remote backends
-    /// leave from TC ingress to their next hop, without the stack.
+    /// leave from TC ingress to their next hop, and those to local pods go
+    /// into the pod's namespace, without the stack.
     pub tc_fast: crate::datapath::tc_loader::TcFastPath,
     /// `--maglev-table-size`: the size of the frontends' Maglev tables
     /// unless their Service's annotation says otherwise.
@@ -225,6 +226,8 @@ pub struct ExternalDatapath {
     /// poll would only repeat the error).
     failed_attach: Option<Vec<(String, u32)>>,
     tc: Option<NodePortWriter>,
+    /// `NP_PEER_DEVS`, listed again on every pass (with the TC programs).
+    peers: Option<crate::external::peer_devices::PeerDevices>,
     health: crate::external::health_check::HealthServers,
     /// Whether the attached TC programs run the fast path.
     tc_fast_on: bool,
@@ -287,6 +290,7 @@ impl ExternalDatapath {
         let mut warnings = Vec::new();
         let mut attached = Vec::new();
         let mut tc_fast_on = false;
+        let mut peers = None;
         let tc = if cfg.devices.enabled() {
             if resolved.devices.is_empty() {
                 // Possible with `auto` on a node whose network is not up
@@ -296,6 +300,12 @@ impl ExternalDatapath {
                     "--devices auto found no interface with an address yet; the TC programs are attached when one appears".to_string(),
                 );
             }
+            // The peer devices first, so that the programs find local
+            // pods' veths from their first packet (the socket loader has
+            // pinned the map).
+            let mut p = crate::external::peer_devices::PeerDevices::open(pin_dir).context("opening NP_PEER_DEVS")?;
+            p.sync();
+            peers = Some(p);
             let (fast, notes) = install_programs(pin_dir, &resolved.devices, cfg)?;
             tc_fast_on = fast;
             warnings.extend(notes);
@@ -326,6 +336,7 @@ impl ExternalDatapath {
                 attached,
                 failed_attach: None,
                 tc,
+                peers,
                 health: crate::external::health_check::HealthServers::new(),
                 tc_fast_on,
             },
@@ -420,6 +431,11 @@ impl ExternalDatapath {
     /// run inside a tokio runtime (the health servers are tasks).
     pub fn apply(&mut self, ext: &ExternalState) -> (NodePortOutcome, Vec<String>) {
         let mut problems = Vec::new();
+        // Before the backends: a pod's veth exists before its endpoint
+        // can be ready.
+        if let Some(p) = &mut self.peers {
+            p.sync();
+        }
         let outcome = match &mut self.tc {
             Some(w) => w.sync(ext),
             None => NodePortOutcome::default(),

@@ -387,7 +387,7 @@ impl Metrics {
         registry.register_collector(Box::new(nodeport_counters.clone()));
         let tc_fast_counters = std::sync::Arc::new(KernelCounters::new(
             "tc_fast_path_packets",
-            "Translated external packets of flows to remote backends the TC fast path sent to their next hop (tc_fast_*), or left to the stack, by reason (tc_stack_*) (NP_FAST_COUNTERS, summed over CPUs)",
+            "Translated external packets the TC fast path sent to a remote backend's or the client's next hop or into a local pod (tc_fast_*), or left to the stack, by reason (tc_stack_*) (NP_FAST_COUNTERS, summed over CPUs)",
             &proxy_common::np_fast_counter::NAMES,
         ));
         registry.register_collector(Box::new(tc_fast_counters.clone()));
