@@ -650,19 +650,20 @@ fn tc_fast_path_bypasses_forward(fam: Family) {
 }
 
 #[test]
-fn tc_fast_path_delivers_to_a_local_pod_with_redirect_peer_and_off_restores_the_stack() {
+fn tc_fast_path_delivers_to_a_local_pod_with_redirect_peer_and_remote_or_off_restore_the_stack() {
     tc_fast_path_delivers_locally(V4);
 }
 
 #[test]
-fn tc_fast_path_delivers_to_a_local_pod_over_ipv6_with_redirect_peer_and_off_restores_the_stack() {
+fn tc_fast_path_delivers_to_a_local_pod_over_ipv6_with_redirect_peer_and_remote_or_off_restore_the_stack() {
     tc_fast_path_delivers_locally(V6);
 }
 
 /// One family, TCP and UDP to a pod on this node behind its veth, XDP off:
 /// with the fast path the client's packets go into the pod's namespace
 /// with `bpf_redirect_peer` (`tc_fast_local_forwarded`) and the FORWARD
-/// chain never sees them; with `off` it does again.
+/// chain never sees them; with `remote` (remote backends only) and with
+/// `off` it does again.
 fn tc_fast_path_delivers_locally(fam: Family) {
     let mut w = World::with_local();
     w.forward_to_local_rule(fam);
@@ -690,10 +691,26 @@ fn tc_fast_path_delivers_locally(fam: Family) {
     assert!(!peers.contains(&u64::from(index("br-l"))), "the bridge is in NP_PEER_DEVS: {peers:?}");
     assert!(text.contains("tc fast path peer devices (ifindex): "), "{text}");
 
+    // `remote`: the fast path stays on (for remote backends), but no device
+    // is listed, so the local pod's packets go through the stack.
+    w.stop_agent();
+    w.start_agent_with("", &["--tc-fast-path", "remote"]);
+    w.wait_attached(2, true);
+    w.wait_answers_from(&http, &[], "pod-l");
+    let (fwd, fast, not_peer) =
+        (w.forward_packets(fam), w.fast_counter("tc_fast_local_forwarded"), w.fast_counter("tc_stack_local_not_peer"));
+    w.wait_answers_from(&http, &[], "pod-l");
+    w.wait_answers_from(&dns, &["--udp"], "pod-l");
+    assert!(w.forward_packets(fam) > fwd, "with --tc-fast-path remote the FORWARD chain saw nothing for the local pod");
+    assert_eq!(w.fast_counter("tc_fast_local_forwarded"), fast, "--tc-fast-path remote delivered into the local pod the fast way");
+    assert!(w.fast_counter("tc_stack_local_not_peer") > not_peer, "the local pod's packets were not counted as left to the stack");
+    let (_, json) = w.dump();
+    assert_eq!(json["nodeport"]["peerDevices"].as_array().map(Vec::len), Some(0), "remote left devices listed: {json}");
+
     // `off`: the stack forwards to the pod again.
     w.stop_agent();
     w.start_agent_with("", &["--tc-fast-path", "off"]);
-    w.wait_attached(2, false);
+    w.wait_attached(3, false);
     w.wait_answers_from(&http, &[], "pod-l");
     let (fwd, fast) = (w.forward_packets(fam), w.fast_counter("tc_fast_local_forwarded"));
     w.wait_answers_from(&http, &[], "pod-l");

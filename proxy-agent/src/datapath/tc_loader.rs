@@ -83,21 +83,36 @@ pub enum TcError {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum TcFastPath {
     /// On where the kernel loads it (every kernel from the 5.10 floor has
-    /// its helpers; a refusal is logged and the stack path used).
+    /// its helpers; a refusal is logged and the stack path used): remote
+    /// backends, and local pods behind their veths.
     #[default]
     Auto,
+    /// Remote backends only; a local pod's packets go through this node's
+    /// stack. Delivering into a local pod straight from TC skips the
+    /// FORWARD chain and the egress hook of the pod's host-side veth,
+    /// where CNIs such as Calico (iptables mode), kube-router (FORWARD) and
+    /// Calico's eBPF mode (the veth hook) enforce the pod's ingress
+    /// NetworkPolicy; for a remote backend that node's stack still does.
+    Remote,
     /// The stack forwards every translated packet, as before the fast path.
     Off,
 }
 
 impl TcFastPath {
-    /// Parses `auto` or `off`.
+    /// Parses `auto`, `remote` or `off`.
     pub fn parse(s: &str) -> Option<TcFastPath> {
         match s {
             "auto" => Some(TcFastPath::Auto),
+            "remote" => Some(TcFastPath::Remote),
             "off" => Some(TcFastPath::Off),
             _ => None,
         }
+    }
+
+    /// Whether local pods get packets straight from TC (`NP_PEER_DEVS`
+    /// filled); the programs deliver only to the devices listed there.
+    pub fn local(self) -> bool {
+        self == TcFastPath::Auto
     }
 }
 
@@ -115,7 +130,7 @@ pub struct Installed {
 /// or XDP (`xdp`) uses it. With `auto`, a kernel that refuses the fast
 /// path's programs gets them without it (noted).
 pub fn install_external(pin_dir: &Path, devices: &[String], mode: TcMode, fast: TcFastPath, xdp: bool) -> Result<Installed, TcError> {
-    let want = fast == TcFastPath::Auto;
+    let want = fast != TcFastPath::Off;
     let mut notes = Vec::new();
     let (mut ebpf, fast) = match load_external(pin_dir, want, want || xdp) {
         Ok(e) => (e, want),

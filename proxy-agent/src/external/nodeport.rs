@@ -304,8 +304,14 @@ impl ExternalDatapath {
             // pods' veths from their first packet (the socket loader has
             // pinned the map).
             let mut p = crate::external::peer_devices::PeerDevices::open(pin_dir).context("opening NP_PEER_DEVS")?;
-            p.sync();
-            peers = Some(p);
+            if cfg.tc_fast.local() {
+                p.sync();
+                peers = Some(p);
+            } else {
+                // `remote` or `off`: no device listed, so no local pod gets
+                // packets from TC (an earlier run's list is emptied).
+                p.clear();
+            }
             let (fast, notes) = install_programs(pin_dir, &resolved.devices, cfg)?;
             tc_fast_on = fast;
             warnings.extend(notes);

@@ -232,6 +232,14 @@ impl PeerDevices {
         changed
     }
 
+    /// Empties the map: every local backend's packets go through the
+    /// stack (`--tc-fast-path remote` or `off`).
+    pub fn clear(&mut self) {
+        for i in std::mem::take(&mut self.written) {
+            let _ = self.map.remove(&i);
+        }
+    }
+
     fn warn(&mut self, msg: String) {
         if self.last_error.as_ref() != Some(&msg) {
             tracing::warn!("{msg}");
