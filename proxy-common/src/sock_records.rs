@@ -1,0 +1,133 @@
+//! What the socket programs remember about a translated socket, so that
+//! getpeername()/recvmsg() can translate back and the agent can tell its
+//! sockets apart when it terminates them.
+
+// SOCK_REVNAT: BPF_MAP_TYPE_LRU_HASH, SockRevNatKey -> SockRevNatValue.
+// Written by the connect/sendmsg programs for a socket's translations
+// beyond its first (and by older builds for every one); read by
+// getpeername/recvmsg, the socket iterators and the agent's sweep.
+pub const SOCK_REVNAT_MAP: &str = "SOCK_REVNAT";
+// SOCK_PEER: BPF_MAP_TYPE_SK_STORAGE, socket -> SockPeerValue. Written by
+// connect/sendmsg on a socket's first translation; read by
+// getpeername/recvmsg, the socket iterators, and the agent (sock_diag).
+pub const SOCK_PEER_MAP: &str = "SOCK_PEER";
+// SOCK_REC: BPF_MAP_TYPE_HASH (preallocated), socket cookie (u64) ->
+// SockRecValue. Written by connect, deleted by the sock_release program;
+// read by getpeername/recvmsg, the iterators and the agent.
+/// The connect hook's per-socket record, keyed by socket cookie (u64 ->
+/// [`SockRecValue`]), a preallocated hash.
+pub const SOCK_REC_MAP: &str = "SOCK_REC";
+
+pub const DEFAULT_MAX_SOCK_REVNAT: u32 = 262_144;
+
+/// Reverse translation for one socket: which frontend a socket meant when
+/// the kernel now reports the backend as its peer (getpeername, recvmsg).
+/// Keyed by the socket cookie (`bpf_get_socket_cookie`) so that two sockets
+/// talking to the same backend through different frontends stay apart.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct SockRevNatKey {
+    pub cookie: u64,
+    pub ip_be: [u32; 4],
+    pub port_be: u16,
+    pub family: u8,
+    /// Two fields, see [`NpAffinityKey::_pad0`](crate::NpAffinityKey::_pad0): `connect4` builds this key
+    /// on every translated connect.
+    pub _pad0: u8,
+    pub _pad1: u32,
+}
+
+impl SockRevNatKey {
+    #[inline(always)]
+    pub fn new(cookie: u64, ip_be: [u32; 4], port_be: u16, family: u8) -> Self {
+        Self { cookie, ip_be, port_be, family, _pad0: 0, _pad1: 0 }
+    }
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockRevNatValue {
+    pub ip_be: [u32; 4],
+    pub port_be: u16,
+    pub family: u8,
+    pub _pad: u8,
+}
+
+/// Socket-local storage (`SOCK_PEER`, `BPF_MAP_TYPE_SK_STORAGE`) of a
+/// translated socket, TCP or UDP: the first translation it went through.
+/// The kernel keeps it on the socket itself (`sk->sk_bpf_storage`) and
+/// frees it with the socket, so nothing needs to age out, and recvmsg() on
+/// a UDP socket the datapath never translated (most UDP traffic in a pod)
+/// answers "not ours" without a table lookup. A socket that later reaches
+/// a different frontend or backend (unconnected UDP talking to several
+/// Services, a retried TCP connect()) writes those further translations to
+/// `SOCK_REVNAT` and sets `spilled`, so the reverse path and the socket
+/// termination know to look there too. The agent reads a TCP socket's
+/// value through sock_diag (`INET_DIAG_REQ_SK_BPF_STORAGES`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockPeerValue {
+    pub backend_ip_be: [u32; 4],
+    pub frontend_ip_be: [u32; 4],
+    pub backend_port_be: u16,
+    pub frontend_port_be: u16,
+    /// 0 while unset (a fresh storage element is zeroed by the kernel).
+    pub family: u8,
+    /// 1 when `SOCK_REVNAT` also holds entries for this socket.
+    pub spilled: u8,
+    pub _pad: [u8; 2],
+}
+
+/// `SOCK_REC` value: what one translated connect() did, keyed by the
+/// socket's cookie (`bpf_get_socket_cookie`, unique for the kernel's
+/// lifetime, so a key is never reused by another socket). The connect
+/// hooks write it (overwriting on a reconnect), getpeername/recvmsg read it
+/// and translate only while the socket's peer is still `backend`, the
+/// `cgroup/sock_release` program deletes it when the socket is freed, and
+/// the agent reads it by cookie to prove a socket ours before it
+/// terminates it. A preallocated hash rather than socket storage: its
+/// insert takes an element from a per-CPU free list and a bucket lock, no
+/// allocation (measured by `cargo xtask bench --only connect4`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockRecValue {
+    pub backend_ip_be: [u32; 4],
+    pub frontend_ip_be: [u32; 4],
+    /// The frontend's `ServiceValue::service_id` at connect() time.
+    pub service_id: u32,
+    pub backend_port_be: u16,
+    pub frontend_port_be: u16,
+    /// `FAMILY_V4` or `FAMILY_V6`, of backend and frontend alike (a mapped
+    /// IPv4 destination is recorded in IPv4 form).
+    pub family: u8,
+    /// `PROTO_TCP` or `PROTO_UDP`.
+    pub proto: u8,
+    pub _pad: [u8; 2],
+}
+
+const _: () = {
+    assert!(core::mem::size_of::<SockRevNatKey>() == 32);
+    assert!(core::mem::size_of::<SockRevNatValue>() == 20);
+    assert!(core::mem::size_of::<SockPeerValue>() == 40);
+    assert!(core::mem::size_of::<SockRecValue>() == 44);
+};
+
+#[cfg(feature = "user")]
+mod pod {
+    //! `aya::Pod` for the types above: each is `#[repr(C)]`, holds only
+    //! integers and integer arrays (padding spelled out as `_pad` fields),
+    //! and its fields add up to the size asserted above, so every byte is
+    //! initialised and every bit pattern is a valid value (see the crate's
+    //! `lib.rs`).
+
+    use super::{SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue};
+
+    // SAFETY: repr(C) integers only; 16 + 16 + 4 + 2 + 2 + 1 + 1 + 2 (`_pad`) = 44 bytes, no padding.
+    unsafe impl aya::Pod for SockRecValue {}
+    // SAFETY: repr(C) integers only; 8 + 16 + 2 + 1 + 5 (`_pad`) = 32 bytes, no padding.
+    unsafe impl aya::Pod for SockRevNatKey {}
+    // SAFETY: repr(C) integers only; 16 + 2 + 1 + 1 (`_pad`) = 20 bytes, no padding.
+    unsafe impl aya::Pod for SockRevNatValue {}
+    // SAFETY: repr(C) integers only; 16 + 16 + 2 + 2 + 1 + 1 + 2 (`_pad`) = 40 bytes, no padding.
+    unsafe impl aya::Pod for SockPeerValue {}
+}
