@@ -571,7 +571,7 @@ fn remote_backend_through_xdp(fam: Family) {
 }
 
 // ---------------------------------------------------------------------------
-// The TC fast path (`--tc-fast-path`, proxy-ebpf/src/tc_fast.rs), XDP off:
+// The TC fast path (`--tc-fast-path`, proxy-ebpf/src/programs/tc_fast.rs), XDP off:
 // the same topology, the node's FORWARD chain counted by iptables.
 // ---------------------------------------------------------------------------
 

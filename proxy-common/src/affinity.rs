@@ -107,7 +107,7 @@ pub struct AffinityMatchValue {
 
 /// The programs rewrite an affinity entry's `last_used_ns` only when it is
 /// at least this old, not on every connect() or datagram: a store takes the
-/// entry's cache line exclusive (see `touch` in `proxy-ebpf/src/nodeport.rs`
+/// entry's cache line exclusive (see `touch` in `proxy-ebpf/src/programs/nodeport.rs`
 /// for the same reasoning). Timeouts are whole seconds (at least 1), so an
 /// entry may expire up to this much early.
 pub const AFFINITY_REFRESH_NS: u64 = 100_000_000;

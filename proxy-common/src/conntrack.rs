@@ -66,7 +66,7 @@ pub const CT_FLAG_REPLIED: u32 = 16;
 
 /// The TC programs write a tracked entry's `seen_s` only when the stored
 /// value is at least this many seconds old, not on every packet (see
-/// `proxy-ebpf/src/nodeport.rs`, `touch`). Timeouts are therefore exact to
+/// `proxy-ebpf/src/programs/nodeport.rs`, `touch`). Timeouts are therefore exact to
 /// this much.
 pub const CT_REFRESH_S: u32 = 1;
 

@@ -109,7 +109,7 @@ impl Pkt {
 pub enum Parsed {
     L4(Pkt),
     /// ICMP/ICMPv6: errors about tracked flows are translated (icmp.rs).
-    Icmp(crate::icmp::IcmpPkt),
+    Icmp(crate::programs::icmp::IcmpPkt),
     Other(u32),
     /// Not IP at all (ARP, LLDP, ...): not even worth a counter.
     NotIp,
@@ -186,7 +186,7 @@ pub fn parse(ctx: &TcContext) -> Parsed {
         return Parsed::NotIp;
     }
     if (family == FAMILY_V4 && proto == IPPROTO_ICMP) || (family == FAMILY_V6 && proto == IPPROTO_ICMPV6) {
-        return Parsed::Icmp(crate::icmp::IcmpPkt { family, l3, l4, saddr, daddr });
+        return Parsed::Icmp(crate::programs::icmp::IcmpPkt { family, l3, l4, saddr, daddr });
     }
     if proto != PROTO_TCP && proto != PROTO_UDP {
         return Parsed::Other(np_counter::PASS_UNPARSED);

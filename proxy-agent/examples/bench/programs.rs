@@ -1,5 +1,5 @@
 //! What our BPF programs cost by themselves, next to reference programs of
-//! the same type from the same object (`proxy-ebpf/src/baseline.rs`):
+//! the same type from the same object (`proxy-ebpf/src/programs/baseline.rs`):
 //!
 //! * connect4 under the connect() workload, from the kernel's per-program
 //!   run-time statistics (`bpf_prog_info.run_time_ns / run_cnt`), to a
@@ -31,7 +31,7 @@ use crate::workload::{self, Proto};
 const EMPTY_CONNECT4: &str = "bench_empty_connect4";
 const EMPTY_RELEASE: &str = "bench_empty_sock_release";
 const EMPTY_RECVMSG4: &str = "bench_empty_recvmsg4";
-/// The probes' own record maps (proxy-ebpf/src/baseline.rs), sized here
+/// The probes' own record maps (proxy-ebpf/src/programs/baseline.rs), sized here
 /// like the agent's `SOCK_REC` and `SOCK_REVNAT`.
 const BENCH_SOCK_REC: &str = "BENCH_SOCK_REC";
 const BENCH_LRU_SHARED: &str = "BENCH_LRU_SHARED";
@@ -66,7 +66,7 @@ fn prog_stats(id: u32) -> Result<(u64, u64)> {
         .with_context(|| format!("program id {id} is gone"))
 }
 
-/// The step probes of `proxy-ebpf/src/baseline.rs` (`probe`): each one is
+/// The step probes of `proxy-ebpf/src/programs/baseline.rs` (`probe`): each one is
 /// our connect4's work on a plain Service cut off after one more step, and
 /// what that step adds; then the whole path with the other records.
 const STEPS: [(&str, &str); 10] = [
@@ -82,7 +82,7 @@ const STEPS: [(&str, &str); 10] = [
     ("bench_step8_connect4", "+ per-Service tier count (SVC_CONN, SVC_TOPO; issue #34), after the counter"),
 ];
 
-/// The `sock_release` probes (proxy-ebpf/src/baseline.rs,
+/// The `sock_release` probes (proxy-ebpf/src/programs/baseline.rs,
 /// `release_probe`), measured on the closes of the miss runs.
 const RELEASE_STEPS: [(&str, &str); 4] = [
     ("bench_release_step1", "sock_release: protocol load"),
@@ -568,7 +568,7 @@ Kernel run-time statistics (`run_time_ns / run_cnt`, `BPF_ENABLE_STATS` on for t
             "
 ### Step breakdown (hit path) and the records compared
 
-Each probe (`bench_step<N>_connect4` and `bench_alt_*_connect4` in `proxy-ebpf/src/baseline.rs`) does our connect4's work on a plain Service up to one more step and lets the call through unchanged. It is attached alone to a child of the bench cgroup, so it runs right before our connect4 on the same calls (a descendant's programs run first) and sees the Service address; the probes take turns with the cases above. The probes record in maps of their own with the capacity of the agent's (`BENCH_SOCK_REC` like `SOCK_REC`, `BENCH_LRU_SHARED` like `SOCK_REVNAT`), emptied after each run as the release programs keep them. \"step adds\" is, per repeat, a probe's figure less the one before it (the first: less the empty program on the same calls; the whole-path variants: less the probe through the socket cookie, so it is their record and counter), median (min–max) over repeats; our connect4 adds only the two address stores to the SOCK_REC whole path.
+Each probe (`bench_step<N>_connect4` and `bench_alt_*_connect4` in `proxy-ebpf/src/programs/baseline.rs`) does our connect4's work on a plain Service up to one more step and lets the call through unchanged. It is attached alone to a child of the bench cgroup, so it runs right before our connect4 on the same calls (a descendant's programs run first) and sees the Service address; the probes take turns with the cases above. The probes record in maps of their own with the capacity of the agent's (`BENCH_SOCK_REC` like `SOCK_REC`, `BENCH_LRU_SHARED` like `SOCK_REVNAT`), emptied after each run as the release programs keep them. \"step adds\" is, per repeat, a probe's figure less the one before it (the first: less the empty program on the same calls; the whole-path variants: less the probe through the socket cookie, so it is their record and counter), median (min–max) over repeats; our connect4 adds only the two address stores to the SOCK_REC whole path.
 
 | Services | step | probe ns/run | empty ns/run | vs empty | step adds |
 |---|---|---|---|---|---|

@@ -115,7 +115,7 @@ impl PortSet {
     /// The ports every datapath needs: port 0 at egress, the source of the
     /// node's own refusal of a flow to a frontend without backends (the
     /// programs DNAT it to port 0 of the node, see `no_backend` in
-    /// proxy-ebpf/src/nodeport.rs, and translate the answer back).
+    /// proxy-ebpf/src/programs/nodeport.rs, and translate the answer back).
     pub fn base() -> PortSet {
         let mut s = PortSet::default();
         s.insert(0, true);
@@ -164,7 +164,7 @@ impl PortSet {
     }
 
     /// The ports the programs look an `NP_CT` entry up by, in the direction
-    /// they look it up (see `port_in_use` in proxy-ebpf/src/nodeport.rs).
+    /// they look it up (see `port_in_use` in proxy-ebpf/src/programs/nodeport.rs).
     /// SNAT reply entries are found through the SNAT range, not the bitmap.
     pub fn insert_conntrack(&mut self, k: &CtKey) {
         match k.dir {

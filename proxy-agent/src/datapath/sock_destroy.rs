@@ -581,7 +581,7 @@ fn sweep_namespace(inode: u64, targets: &Targets, maps: &ProofMaps) -> NsOutcome
             // is better retried elsewhere at once. Not CLOSE_WAIT: the
             // backend's FIN arrived, nothing hangs, and an abort would
             // throw away what the socket received and has not read yet
-            // (as in the iterators, proxy-ebpf/src/sock_iter.rs).
+            // (as in the iterators, proxy-ebpf/src/programs/sock_iter.rs).
             Protocol::Tcp => sock_diag::state_bit(sock_diag::TCP_ESTABLISHED) | sock_diag::state_bit(sock_diag::TCP_SYN_SENT),
             // connect() puts a UDP socket in TCP_ESTABLISHED; unconnected
             // sockets are re-translated per datagram and need nothing.
@@ -626,7 +626,7 @@ fn sweep_namespace(inode: u64, targets: &Targets, maps: &ProofMaps) -> NsOutcome
                         "socket terminated"
                     );
                     // As the iterator program does after its abort
-                    // (proxy-ebpf/src/sock_iter.rs): the socket stays open
+                    // (proxy-ebpf/src/programs/sock_iter.rs): the socket stays open
                     // until its owner closes it, and its record is of no
                     // further use.
                     if let Some(m) = maps.rec_delete.as_ref() {

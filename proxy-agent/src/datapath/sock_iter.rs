@@ -1,4 +1,4 @@
-//! The BPF socket iterators (`proxy-ebpf/src/sock_iter.rs`): loading them
+//! The BPF socket iterators (`proxy-ebpf/src/programs/sock_iter.rs`): loading them
 //! on a kernel with the `bpf_sock_destroy` kfunc, and running them once
 //! per network namespace for a batch of frontend-backend pairs.
 //!

@@ -1,5 +1,5 @@
 //! Installing the XDP program for NodePort and LoadBalancer ingress
-//! (`xdp_nodeport`, proxy-ebpf/src/xdp.rs) on the node's devices, in front
+//! (`xdp_nodeport`, proxy-ebpf/src/programs/xdp.rs) on the node's devices, in front
 //! of the TC programs, which stay attached and handle everything XDP
 //! passes on.
 //!

@@ -127,13 +127,13 @@ fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
     }
     // SAFETY: the helper takes no arguments and touches no memory of ours.
     let hash = unsafe { bpf_get_prandom_u32() };
-    let Some(id) = crate::slot_backend_id(&svc, hash) else {
+    let Some(id) = super::sock::slot_backend_id(&svc, hash) else {
         return 1;
     };
     if STEPS < 4 {
         return 1;
     }
-    let Some((backend, tier)) = crate::backend_addr(id) else {
+    let Some((backend, tier)) = super::sock::backend_addr(id) else {
         return 1;
     };
     if STEPS < 5 {

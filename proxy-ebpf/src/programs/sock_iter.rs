@@ -34,8 +34,8 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use proxy_common::{
-    FAMILY_V4, FAMILY_V6, MAX_SOCK_TERMINATE, PROTO_TCP, PROTO_UDP, SKC_DADDR_OFF, SKC_DPORT_OFF, SKC_FAMILY_OFF, SKC_STATE_OFF,
-    SKC_V6_DADDR_OFF, SOCK_DESTROY_KFUNC_INSN, SockPeerValue, SockRevNatKey, SockTerminateKey, SockTerminateValue,
+    FAMILY_V4, FAMILY_V6, MAX_SOCK_TERMINATE, PROTO_TCP, SKC_DADDR_OFF, SKC_DPORT_OFF, SKC_FAMILY_OFF, SKC_STATE_OFF, SKC_V6_DADDR_OFF,
+    SOCK_DESTROY_KFUNC_INSN, SockPeerValue, SockRevNatKey, SockTerminateKey, SockTerminateValue,
 };
 
 use crate::maps::{SOCK_PEER, SOCK_REC, SOCK_REVNAT};
@@ -57,24 +57,10 @@ pub struct IterSockCtx {
     sk: *mut c_void,
 }
 
-#[unsafe(link_section = "iter/tcp")]
-#[unsafe(no_mangle)]
-pub fn sock_terminate_tcp(ctx: *mut IterSockCtx) -> i32 {
-    try_terminate(ctx, PROTO_TCP);
-    0
-}
-
-#[unsafe(link_section = "iter/udp")]
-#[unsafe(no_mangle)]
-pub fn sock_terminate_udp(ctx: *mut IterSockCtx) -> i32 {
-    try_terminate(ctx, PROTO_UDP);
-    0
-}
-
 /// Aborts the context's socket if it is ours and its peer left; anything
 /// else (a failed read, an unlisted socket) leaves it as it is.
 #[inline(always)]
-fn try_terminate(ctx: *mut IterSockCtx, proto: u8) -> Option<()> {
+pub(crate) fn try_terminate(ctx: *mut IterSockCtx, proto: u8) -> Option<()> {
     // SAFETY: `ctx` is the iterator context the kernel passes; reading its
     // socket pointer is one 8-byte context load (`btf_ctx_access`).
     let sk = unsafe { (*ctx).sk };

@@ -55,9 +55,9 @@ use aya_ebpf::{
 };
 use proxy_common::{CtValue, FAMILY_V4, XdpNextHopKey, XdpNextHopValue, np_fast_counter, xdp_nexthop_usable};
 
+use super::xdp::{AF_INET, AF_INET6, FIB_SUCCESS, XDP_NEXTHOP, fib_params_for, remember_next_hop};
 use crate::nodeport_maps::NP_PEER_DEVS;
 use crate::packet::{Pkt, addr_copy};
-use crate::xdp::{AF_INET, AF_INET6, FIB_SUCCESS, XDP_NEXTHOP, fib_params_for, remember_next_hop};
 
 /// 1 when the loader turned the fast path on (`TC_FAST_PATH_GLOBAL`). In
 /// `.rodata`, frozen at load (aya freezes read-only data maps), so the

@@ -28,7 +28,6 @@
 
 use aya_ebpf::{
     bindings::{BPF_NOEXIST, TC_ACT_SHOT, TC_ACT_UNSPEC},
-    macros::classifier,
     programs::TcContext,
 };
 use proxy_common::{
@@ -39,6 +38,7 @@ use proxy_common::{
     affinity_expired, ct_dir_from_client, ct_flags_after, flow_hash, maglev_hash, np_counter, np_fast_counter, np_port_bit, svc_conn_index,
 };
 
+use super::tc_fast;
 use crate::kernel;
 use crate::maglev_maps::NP_MAGLEV;
 use crate::nodeport_maps::{
@@ -46,7 +46,6 @@ use crate::nodeport_maps::{
     NP_SOURCE_RANGES, NP_SVC_TOPO, NpScratch, np_count, np_count_flow,
 };
 use crate::packet::{Parsed, Pkt, TCP_ACK, TCP_FIN, TCP_RST, TCP_SYN, addr_copy, parse, rewrite};
-use crate::tc_fast;
 
 /// Let the packet continue (see the module comment).
 const PASS: i32 = TC_ACT_UNSPEC;
@@ -54,31 +53,10 @@ const PASS: i32 = TC_ACT_UNSPEC;
 /// How many SNAT ports a new flow tries before giving up.
 const SNAT_TRIES: u32 = 8;
 
-#[classifier]
-pub fn np_ingress(ctx: TcContext) -> i32 {
-    tc_verdict(try_nodeport::<{ kernel::FULL }>(&ctx, true))
-}
-
-#[classifier]
-pub fn np_egress(ctx: TcContext) -> i32 {
-    tc_verdict(try_nodeport::<{ kernel::FULL }>(&ctx, false))
-}
-
-// The same two for kernels without the coarse clock (see `kernel`).
-#[classifier]
-pub fn np_ingress_compat(ctx: TcContext) -> i32 {
-    tc_verdict(try_nodeport::<{ kernel::COMPAT }>(&ctx, true))
-}
-
-#[classifier]
-pub fn np_egress_compat(ctx: TcContext) -> i32 {
-    tc_verdict(try_nodeport::<{ kernel::COMPAT }>(&ctx, false))
-}
-
 /// `Err` carries a counter id: count it and let the packet through as it is
 /// (fail open: a bug of ours must not black-hole unrelated traffic).
 #[inline(always)]
-fn tc_verdict(r: Result<i32, u32>) -> i32 {
+pub(crate) fn tc_verdict(r: Result<i32, u32>) -> i32 {
     match r {
         Ok(v) => v,
         Err(reason) => {
@@ -89,10 +67,10 @@ fn tc_verdict(r: Result<i32, u32>) -> i32 {
 }
 
 #[inline(always)]
-fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
+pub(crate) fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> Result<i32, u32> {
     let p = match parse(ctx) {
         Parsed::L4(p) => p,
-        Parsed::Icmp(i) => return Ok(crate::icmp::handle(ctx, &i, ingress)),
+        Parsed::Icmp(i) => return Ok(super::icmp::handle(ctx, &i, ingress)),
         Parsed::Other(reason) => return Err(reason),
         Parsed::NotIp => return Ok(PASS),
     };

@@ -52,7 +52,6 @@ use aya_ebpf::{
         xdp_action::{XDP_PASS, XDP_TX},
     },
     helpers::{bpf_fib_lookup, bpf_redirect},
-    macros::xdp,
     programs::XdpContext,
 };
 use aya_ebpf::{macros::map, maps::LruHashMap};
@@ -61,8 +60,8 @@ use proxy_common::{
     XdpNextHopValue, np_counter, np_port_bit, xdp_nexthop_usable,
 };
 
+use super::nodeport::{NEW_FLOW_ERR, TRANSLATE, keeps_backend, new_flow};
 use crate::kernel;
-use crate::nodeport::{NEW_FLOW_ERR, TRANSLATE, keeps_backend, new_flow};
 use crate::nodeport_maps::{NP_CT, NP_PORTS, np_count};
 use crate::packet::{
     self, ETH_HLEN, ETH_P_IP, ETH_P_IPV6, Pkt, TCP_FIN, TCP_RST, addr_copy, csum_replace2, csum_replace4, l4_pkt, read_at,
@@ -93,21 +92,10 @@ const L4_MIN: usize = 20;
 /// checked before" (cannot happen: nothing moves XDP frame data here).
 const OUT_OF_BOUNDS: i64 = -1;
 
-#[xdp]
-pub fn xdp_nodeport(ctx: XdpContext) -> u32 {
-    xdp_verdict(try_xdp::<{ kernel::FULL }>(&ctx))
-}
-
-/// For kernels without the coarse clock (see `kernel`).
-#[xdp]
-pub fn xdp_nodeport_compat(ctx: XdpContext) -> u32 {
-    xdp_verdict(try_xdp::<{ kernel::COMPAT }>(&ctx))
-}
-
 /// `Err` carries a counter id: count it and pass the packet unchanged to
 /// the TC program (fail open: XDP never drops what it does not handle).
 #[inline(always)]
-fn xdp_verdict(r: Result<u32, u32>) -> u32 {
+pub(crate) fn xdp_verdict(r: Result<u32, u32>) -> u32 {
     match r {
         Ok(v) => v,
         Err(reason) => {
@@ -206,7 +194,7 @@ pub(crate) fn remember_next_hop(fib: &FibParams, key: &XdpNextHopKey, hop: &mut 
 }
 
 #[inline(always)]
-fn try_xdp<const KERNEL: u8>(ctx: &XdpContext) -> Result<u32, u32> {
+pub(crate) fn try_xdp<const KERNEL: u8>(ctx: &XdpContext) -> Result<u32, u32> {
     let Some(p) = parse(ctx) else {
         return Ok(XDP_PASS);
     };
