@@ -26,10 +26,10 @@ use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::tc::{self, SchedClassifierLink, TcAttachOptions};
 use aya::programs::{LinkOrder, SchedClassifier, TcAttachType};
 
-use crate::datapath::kernel_features::{self, KernelFeatures};
-use crate::datapath::mounts;
-use crate::datapath::object::{self, EBPF_OBJECT, LINKS_DIR};
-use crate::datapath::port_bits;
+use crate::datapath::loader::kernel_features::{self, KernelFeatures};
+use crate::datapath::loader::mounts;
+use crate::datapath::loader::object::{self, EBPF_OBJECT, LINKS_DIR};
+use crate::datapath::maps::port_bits;
 use crate::util::error_chain::error_chain;
 
 pub const INGRESS_PROGRAM: &str = "np_ingress";

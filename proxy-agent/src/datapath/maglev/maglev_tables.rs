@@ -23,7 +23,7 @@ use proxy_common as pc;
 use proxy_common::{MaglevKey, ServiceValue};
 
 use crate::datapath::bpf_batch::{self, BPF_MAP_DELETE_ELEM, BPF_MAP_UPDATE_ELEM};
-use crate::datapath::maglev_budget::{MaglevBudget, OverBudget};
+use crate::datapath::maglev::maglev_budget::{MaglevBudget, OverBudget};
 use crate::datapath::maps::MapSpec;
 use crate::decide::maglev::{Table, TableSize};
 use crate::model::Backend;

@@ -24,10 +24,13 @@ use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::{CgroupAttachMode, CgroupSock, CgroupSockAddr};
 use proxy_common as pc;
 
-use crate::datapath::kernel_features::{self, KernelFeatures};
+use crate::datapath::bpf_batch;
+use crate::datapath::loader::kernel_features::{self, KernelFeatures};
+use crate::datapath::loader::object::{self, EBPF_OBJECT, LINKS_DIR};
+use crate::datapath::loader::{mounts, tc_loader};
 use crate::datapath::maps::{self, Capacities};
-use crate::datapath::object::{self, EBPF_OBJECT, LINKS_DIR};
-use crate::datapath::{bpf_batch, map_migration, mounts, port_bits, sock_rec_sweep, tc_loader};
+use crate::datapath::maps::{map_migration, port_bits};
+use crate::datapath::sockets::sock_rec_sweep;
 use crate::util::error_chain::error_chain;
 
 /// Socket programs, by function name in the object.

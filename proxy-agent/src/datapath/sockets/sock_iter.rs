@@ -27,9 +27,9 @@ use aya::programs::Iter;
 use proxy_common as pc;
 use proxy_common::{SockTerminateKey, SockTerminateValue};
 
-use crate::datapath::kernel_btf::{BtfError, KernelBtf};
-use crate::datapath::netns::{self, Namespace};
-use crate::datapath::object::{self, EBPF_OBJECT};
+use crate::datapath::loader::kernel_btf::{BtfError, KernelBtf};
+use crate::datapath::loader::object::{self, EBPF_OBJECT};
+use crate::datapath::sockets::netns::{self, Namespace};
 use crate::util::error_chain::error_chain;
 
 /// The programs, by the iterator target each attaches to.

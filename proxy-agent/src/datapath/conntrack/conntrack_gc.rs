@@ -43,7 +43,7 @@ use proxy_common as pc;
 use proxy_common::{BackendKey, BackendValue, CtKey, CtValue};
 
 use crate::datapath::bpf_batch::{is_not_found, read_all};
-use crate::datapath::port_bits::{PortBits, PortSet};
+use crate::datapath::maps::port_bits::{PortBits, PortSet};
 use crate::observe::metrics::{GcFigures, Metrics};
 
 /// How long a flow may stay idle, by state (seconds).

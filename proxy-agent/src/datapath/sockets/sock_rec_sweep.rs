@@ -42,8 +42,9 @@ use aya::maps::{HashMap, Map, MapData, MapError};
 use proxy_common as pc;
 use proxy_common::SockRecValue;
 
-use crate::datapath::sock_diag::DiagSocket;
-use crate::datapath::{bpf_batch, netns};
+use crate::datapath::bpf_batch;
+use crate::datapath::sockets::netns;
+use crate::datapath::sockets::sock_diag::DiagSocket;
 
 /// What one sweep did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

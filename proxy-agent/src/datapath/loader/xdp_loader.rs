@@ -34,8 +34,8 @@ use aya::programs::{Xdp, XdpMode as AttachMode};
 
 use proxy_common as pc;
 
-use crate::datapath::kernel_features::KernelFeatures;
-use crate::datapath::object::{self, EBPF_OBJECT, LINKS_DIR};
+use crate::datapath::loader::kernel_features::KernelFeatures;
+use crate::datapath::loader::object::{self, EBPF_OBJECT, LINKS_DIR};
 use crate::util::error_chain::error_chain;
 
 pub const XDP_PROGRAM: &str = "xdp_nodeport";

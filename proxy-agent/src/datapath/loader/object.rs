@@ -7,7 +7,7 @@ use std::path::Path;
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use proxy_common as pc;
 
-use crate::datapath::map_migration;
+use crate::datapath::maps::map_migration;
 use crate::datapath::maps::{self, Capacities};
 
 /// The eBPF object, built by build.rs from the `proxy-ebpf` crate.

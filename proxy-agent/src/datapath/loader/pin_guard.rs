@@ -31,9 +31,9 @@ use std::time::Duration;
 
 use aya::maps::{MapData, MapError};
 
+use crate::datapath::loader::object::LINKS_DIR;
+use crate::datapath::loader::{mounts, socket_loader};
 use crate::datapath::maps::{self, Capacities};
-use crate::datapath::object::LINKS_DIR;
-use crate::datapath::{mounts, socket_loader};
 use crate::observe::metrics::{Metrics, reason};
 use crate::util::error_chain::error_chain;
 
