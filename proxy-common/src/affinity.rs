@@ -36,9 +36,11 @@ pub const DEFAULT_MAX_AFFINITY: u32 = 65_536;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SockAffinityKey {
+    /// The client: the cookie of the socket's network namespace (`bpf_get_netns_cookie`).
     pub netns_cookie: u64,
     /// [`ServiceValue::affinity_scope`](crate::ServiceValue::affinity_scope): the Service port, not the frontend.
     pub scope_id: u32,
+    /// Padding, always zero.
     pub _pad: u32,
 }
 
@@ -47,9 +49,11 @@ pub struct SockAffinityKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct NpAffinityKey {
+    /// The client's source address, network byte order (IPv4 in the first word).
     pub client_be: [u32; 4],
     /// [`ServiceValue::affinity_scope`](crate::ServiceValue::affinity_scope): the Service port, not the frontend.
     pub scope_id: u32,
+    /// `FAMILY_V4` or `FAMILY_V6`.
     pub family: u8,
     /// Two fields rather than `[u8; 3]`: a zeroed byte array becomes a
     /// `memset` call in the eBPF object (bpf-linker expands only `memcpy`
@@ -58,10 +62,12 @@ pub struct NpAffinityKey {
     /// the deepest call chain (kernel/bpf/verifier.c,
     /// `check_max_stack_depth`). Build keys with `new`.
     pub _pad0: u8,
+    /// The rest of the padding (see `_pad0`).
     pub _pad1: u16,
 }
 
 impl NpAffinityKey {
+    /// A key with its padding zeroed.
     #[inline(always)]
     pub fn new(client_be: [u32; 4], scope_id: u32, family: u8) -> Self {
         Self { client_be, scope_id, family, _pad0: 0, _pad1: 0 }
@@ -76,7 +82,9 @@ pub struct AffinityValue {
     /// `bpf_ktime_get_coarse_ns` (CLOCK_MONOTONIC) of the last use,
     /// refreshed at most every [`AFFINITY_REFRESH_NS`].
     pub last_used_ns: u64,
+    /// The backend the client was sent to (a `BACKENDS`/`NP_BACKENDS` id).
     pub backend_id: u32,
+    /// Padding, always zero.
     pub _pad: u32,
 }
 
@@ -92,11 +100,15 @@ pub struct AffinityValue {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct AffinityMatchKey {
+    /// The frontend's service id.
     pub service_id: u32,
+    /// The generation of its slot set the backend belongs to.
     pub generation: u32,
+    /// A backend of that generation.
     pub backend_id: u32,
 }
 
+/// `AFFINITY_MATCH` / `NP_AFFINITY_MATCH` value: the frontend's affinity timeout.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AffinityMatchValue {

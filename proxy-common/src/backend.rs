@@ -5,13 +5,17 @@
 // the node's topology changes); read by the socket programs after the slot
 // pick, and by the agent's dump. The TC datapath's `NP_BACKENDS` has the
 // same layout.
+/// The socket datapath's backend addresses: [`BackendKey`] -> [`BackendValue`].
 pub const BACKENDS_MAP: &str = "BACKENDS";
 
+/// Default capacity of `BACKENDS` and `NP_BACKENDS`: distinct backend addresses.
 pub const DEFAULT_MAX_BACKENDS: u32 = 262_144;
 
+/// `BACKENDS` / `NP_BACKENDS` key: a backend id the agent hands out.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BackendKey {
+    /// The id a `SlotValue` names.
     pub backend_id: u32,
 }
 
@@ -19,8 +23,11 @@ pub struct BackendKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct BackendValue {
+    /// The backend's address, network byte order (IPv4 in the first word).
     pub ip_be: [u32; 4],
+    /// The backend's port, network byte order.
     pub port_be: u16,
+    /// `FAMILY_V4` or `FAMILY_V6`.
     pub family: u8,
     /// Where the backend runs relative to this node (a [`tier`](crate::tier) code), for
     /// the per-Service connection counts. It was padding (0, [`tier::OTHER`](crate::tier::OTHER))

@@ -4,6 +4,7 @@
 // SOCK_CONFIG: BPF_MAP_TYPE_ARRAY, one element, u32 0 -> SockConfig.
 // Written by the agent when it adopts a datapath; read by
 // getpeername/recvmsg.
+/// One-element array holding [`SockConfig`], the socket programs' settings.
 pub const SOCK_CONFIG_MAP: &str = "SOCK_CONFIG";
 // NODE_NETNS: BPF_MAP_TYPE_ARRAY, one element, u32 0 -> NodeNetns. Written
 // by the agent at install; read by connect/sendmsg (source ranges and
@@ -51,18 +52,24 @@ pub struct NpConfig {
     /// reply comes back through this node. Zero: such flows are passed
     /// untranslated (and counted).
     pub snat_v4_be: u32,
+    /// Padding, always zero.
     pub _pad0: u32,
+    /// The IPv6 SNAT source address, network byte order; zero as for `snat_v4_be`.
     pub snat_v6_be: [u32; 4],
     /// SNAT source ports are taken from `snat_port_min..=snat_port_max`
     /// (host order); the default range lies above Linux's ephemeral range
     /// (net.ipv4.ip_local_port_range 32768-60999) so that it never collides
     /// with the node's own connections.
     pub snat_port_min: u16,
+    /// The last SNAT source port (host order), inclusive.
     pub snat_port_max: u16,
+    /// Padding, always zero.
     pub _pad1: u32,
 }
 
+/// The first SNAT source port by default.
 pub const DEFAULT_SNAT_PORT_MIN: u16 = 61_000;
+/// The last SNAT source port by default.
 pub const DEFAULT_SNAT_PORT_MAX: u16 = 65_535;
 
 const _: () = {

@@ -8,6 +8,7 @@
 /// Connection tracking ([`CtKey`] -> [`CtValue`]), LRU.
 pub const NP_CT_MAP: &str = "NP_CT";
 
+/// Default capacity of `NP_CT`: tracked entries (each flow takes two or four).
 pub const DEFAULT_MAX_NP_CT: u32 = 262_144;
 
 // `CtKey.dir`: which hook and which leg of a flow an entry is for. A flow
@@ -33,14 +34,21 @@ pub const CT_DIR_REPLY_SNAT: u8 = 3;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CtKey {
+    /// Source address, network byte order (IPv4 in the first word).
     pub saddr_be: [u32; 4],
+    /// Destination address, network byte order.
     pub daddr_be: [u32; 4],
+    /// Source port, network byte order.
     pub sport_be: u16,
+    /// Destination port, network byte order.
     pub dport_be: u16,
+    /// `PROTO_TCP` or `PROTO_UDP`.
     pub proto: u8,
+    /// `FAMILY_V4` or `FAMILY_V6`.
     pub family: u8,
     /// `CT_DIR_FORWARD` or `CT_DIR_REPLY`.
     pub dir: u8,
+    /// Padding, always zero.
     pub _pad: u8,
 }
 
@@ -74,9 +82,11 @@ pub const CT_REFRESH_S: u32 = 1;
 /// The values follow Cilium's conntrack defaults: established TCP 6 h,
 /// closing TCP 10 s, unanswered TCP 60 s, everything else 60 s.
 pub const CT_TIMEOUT_TCP_S: u32 = 21_600;
+/// A closing TCP flow (`CT_FLAG_CLOSING`).
 pub const CT_TIMEOUT_TCP_CLOSING_S: u32 = 10;
 /// TCP that never saw a packet from the backend (Cilium's SYN timeout).
 pub const CT_TIMEOUT_TCP_SYN_S: u32 = 60;
+/// UDP.
 pub const CT_TIMEOUT_OTHER_S: u32 = 60;
 
 /// What a tracked packet becomes: every matching packet gets exactly this
@@ -85,10 +95,15 @@ pub const CT_TIMEOUT_OTHER_S: u32 = 60;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct CtValue {
+    /// The source address the packet gets, network byte order.
     pub saddr_be: [u32; 4],
+    /// The destination address the packet gets, network byte order.
     pub daddr_be: [u32; 4],
+    /// The source port the packet gets, network byte order.
     pub sport_be: u16,
+    /// The destination port the packet gets, network byte order.
     pub dport_be: u16,
+    /// `CT_FLAG_*` bits.
     pub flags: u32,
     /// `NP_BACKENDS` id the flow was sent to (forward entries only).
     pub backend_id: u32,
@@ -102,6 +117,7 @@ pub struct CtValue {
 
 /// TCP header flag bits (`tcphdr` byte 13).
 pub const TCP_FLAG_FIN: u8 = 0x01;
+/// RST.
 pub const TCP_FLAG_RST: u8 = 0x04;
 
 /// A tracked entry's flags after a TCP segment with `tcp_flags` went by,

@@ -4,6 +4,7 @@
 // COUNTERS: BPF_MAP_TYPE_PERCPU_ARRAY, counter::* -> u64. Written by the
 // socket programs (and, for the `ENDED_*` entries, the agent's termination
 // worker); read by the agent (metrics, dump).
+/// Per-CPU array of `u64`, indexed by [`counter`]: the socket programs' reason counts.
 pub const COUNTERS_MAP: &str = "COUNTERS";
 
 /// Indexes into the per-CPU `COUNTERS` array. The programs count by reason
@@ -91,6 +92,7 @@ pub mod counter {
 
 // NP_COUNTERS: BPF_MAP_TYPE_PERCPU_ARRAY, np_counter::* -> u64. Written by
 // the TC and XDP programs; read by the agent.
+/// Per-CPU array of `u64`, indexed by [`np_counter`]: the TC and XDP programs' reason counts.
 pub const NP_COUNTERS_MAP: &str = "NP_COUNTERS";
 
 /// Indexes into the per-CPU `NP_COUNTERS` array.
@@ -166,6 +168,7 @@ pub mod np_counter {
     /// upgrades (`reservedN` entries are not exported).
     pub const COUNT: u32 = 24;
 
+    /// Names for display and metrics, indexed by counter id.
     pub const NAMES: [&str; COUNT as usize] = [
         "new_flow",
         "tracked",
@@ -239,7 +242,9 @@ pub mod np_fast_counter {
     /// whose peer is in this namespace, a device the agent has not listed
     /// yet), where `bpf_redirect_peer` would drop the packet.
     pub const STACK_LOCAL_NOT_PEER: u32 = 9;
+    /// The size of the array.
     pub const COUNT: u32 = 10;
+    /// Names for display and metrics, indexed by counter id.
     pub const NAMES: [&str; COUNT as usize] = [
         "tc_fast_forwarded",
         "tc_fast_reply_forwarded",

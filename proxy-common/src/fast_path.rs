@@ -36,13 +36,21 @@ pub const XDP_NEXTHOP_TTL_S: u32 = 1;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct XdpNextHopKey {
+    /// Source address as the packet leaves, network byte order (IPv4 in the first word).
     pub saddr_be: [u32; 4],
+    /// Destination address as the packet leaves, network byte order.
     pub daddr_be: [u32; 4],
+    /// Source port as the packet leaves, network byte order.
     pub sport_be: u16,
+    /// Destination port as the packet leaves, network byte order.
     pub dport_be: u16,
+    /// The device the packet came in on.
     pub ingress_ifindex: u32,
+    /// `PROTO_TCP` or `PROTO_UDP`.
     pub proto: u8,
+    /// `FAMILY_V4` or `FAMILY_V6`.
     pub family: u8,
+    /// Padding, always zero.
     pub _pad: [u8; 2],
 }
 
@@ -54,11 +62,17 @@ pub struct XdpNextHopKey {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct XdpNextHopValue {
+    /// The output device.
     pub ifindex: u32,
+    /// When the helper answered: seconds of the coarse monotonic clock.
     pub checked_s: u32,
+    /// The next hop's MAC address.
     pub dmac: [u8; 6],
+    /// The output device's MAC address.
     pub smac: [u8; 6],
+    /// The longest packet (`tot_len`, host order) checked against the route's MTU.
     pub max_len_host: u16,
+    /// Padding, always zero.
     pub _pad: u16,
 }
 

@@ -36,6 +36,7 @@
 //! next to it, so the compiler inserted no padding of its own.
 
 #![no_std]
+#![deny(missing_docs)]
 
 mod affinity;
 mod backend;

@@ -48,7 +48,9 @@ pub const SVC_FLAG_MAGLEV_LARGE: u32 = 16;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct MaglevKey {
+    /// The frontend's service id.
     pub service_id: u32,
+    /// The generation of its backend set the table was computed for.
     pub generation: u32,
 }
 

@@ -14,8 +14,11 @@ use crate::fmix32;
 // ServiceValue; NP_SLOTS: BPF_MAP_TYPE_HASH, SlotKey -> SlotValue;
 // NP_BACKENDS: BPF_MAP_TYPE_HASH, BackendKey -> BackendValue. Written by
 // the agent (map writer); read by the TC and XDP programs.
+/// The TC datapath's frontends: [`ServiceKey`](crate::ServiceKey) -> [`ServiceValue`](crate::ServiceValue).
 pub const NP_SERVICES_MAP: &str = "NP_SERVICES";
+/// The TC datapath's slots: [`SlotKey`](crate::SlotKey) -> [`SlotValue`](crate::SlotValue).
 pub const NP_SLOTS_MAP: &str = "NP_SLOTS";
+/// The TC datapath's backends: [`BackendKey`](crate::BackendKey) -> [`BackendValue`](crate::BackendValue).
 pub const NP_BACKENDS_MAP: &str = "NP_BACKENDS";
 // NP_FLAGS: BPF_MAP_TYPE_HASH (BPF_F_NO_PREALLOC), ServiceKey ->
 // NpFlagsValue. Written by the agent; read by the TC programs.
@@ -26,6 +29,7 @@ pub const NP_FLAGS_MAP: &str = "NP_FLAGS";
 /// Addresses of endpoints that live on this node ([`AddrKey`] -> u32).
 pub const NP_LOCAL_MAP: &str = "NP_LOCAL";
 
+/// Default capacity of `NP_LOCAL`: endpoint addresses on this node.
 pub const DEFAULT_MAX_NP_LOCAL: u32 = 65_536;
 
 /// `NpFlagsValue.flags`: the frontend follows `externalTrafficPolicy:
@@ -33,9 +37,11 @@ pub const DEFAULT_MAX_NP_LOCAL: u32 = 65_536;
 /// them too) instead of rejected.
 pub const NP_FLAG_POLICY_LOCAL: u32 = 1;
 
+/// `NP_FLAGS` value: what a TC frontend needs besides its backends.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct NpFlagsValue {
+    /// `NP_FLAG_*` bits.
     pub flags: u32,
 }
 
@@ -43,14 +49,18 @@ pub struct NpFlagsValue {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct AddrKey {
+    /// The address, network byte order (IPv4 in the first word).
     pub ip_be: [u32; 4],
+    /// `FAMILY_V4` or `FAMILY_V6`.
     pub family: u8,
     /// Two fields, see [`NpAffinityKey::_pad0`](crate::NpAffinityKey::_pad0).
     pub _pad0: u8,
+    /// The rest of the padding (see `_pad0`).
     pub _pad1: u16,
 }
 
 impl AddrKey {
+    /// A key with its padding zeroed.
     #[inline(always)]
     pub fn new(ip_be: [u32; 4], family: u8) -> Self {
         Self { ip_be, family, _pad0: 0, _pad1: 0 }

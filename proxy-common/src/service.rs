@@ -11,15 +11,18 @@ use crate::tier;
 // SERVICES: BPF_MAP_TYPE_HASH (BPF_F_NO_PREALLOC), ServiceKey -> ServiceValue.
 // Written by the agent (map writer, one entry per frontend); read by the
 // socket programs (connect, sendmsg) to find a frontend's slot set.
+/// The socket datapath's frontends: [`ServiceKey`] -> [`ServiceValue`].
 pub const SERVICES_MAP: &str = "SERVICES";
 // SLOTS: BPF_MAP_TYPE_HASH, SlotKey -> SlotValue. Written by the agent
 // (a generation's slots before the frontend switches to it, the old
 // generation's deleted after); read by the socket programs to pick a
 // backend id.
+/// The socket datapath's slots: [`SlotKey`] -> [`SlotValue`].
 pub const SLOTS_MAP: &str = "SLOTS";
 
 /// Default capacities; the agent can override each at load time.
 pub const DEFAULT_MAX_SERVICES: u32 = 65_536;
+/// Default capacity of `SLOTS` and `NP_SLOTS`: backend slots over all frontends and generations.
 pub const DEFAULT_MAX_SLOTS: u32 = 1_048_576;
 
 /// A frontend: what a client dials. IPv4 addresses live in `ip_be[0]`, the
@@ -28,7 +31,9 @@ pub const DEFAULT_MAX_SLOTS: u32 = 1_048_576;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct ServiceKey {
+    /// The frontend's address, network byte order (IPv4 in the first word).
     pub ip_be: [u32; 4],
+    /// The frontend's port, network byte order.
     pub port_be: u16,
     /// `PROTO_TCP` or `PROTO_UDP`: the same port over TCP and UDP are
     /// different Services in Kubernetes, so the protocol is part of the key.
@@ -132,14 +137,19 @@ impl ServiceValue {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SlotKey {
+    /// The frontend's service id.
     pub service_id: u32,
+    /// The generation of its slot set.
     pub generation: u32,
+    /// The slot's index, `0..backend_count`.
     pub slot: u32,
 }
 
+/// `SLOTS` / `NP_SLOTS` value: the backend in a slot.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SlotValue {
+    /// A `BACKENDS` / `NP_BACKENDS` id.
     pub backend_id: u32,
 }
 

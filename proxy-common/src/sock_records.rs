@@ -6,10 +6,12 @@
 // Written by the connect/sendmsg programs for a socket's translations
 // beyond its first (and by older builds for every one); read by
 // getpeername/recvmsg, the socket iterators and the agent's sweep.
+/// Reverse translations beyond a socket's first: [`SockRevNatKey`] -> [`SockRevNatValue`], LRU.
 pub const SOCK_REVNAT_MAP: &str = "SOCK_REVNAT";
 // SOCK_PEER: BPF_MAP_TYPE_SK_STORAGE, socket -> SockPeerValue. Written by
 // connect/sendmsg on a socket's first translation; read by
 // getpeername/recvmsg, the socket iterators, and the agent (sock_diag).
+/// Socket storage of a translated socket: [`SockPeerValue`].
 pub const SOCK_PEER_MAP: &str = "SOCK_PEER";
 // SOCK_REC: BPF_MAP_TYPE_HASH (preallocated), socket cookie (u64) ->
 // SockRecValue. Written by connect, deleted by the sock_release program;
@@ -18,6 +20,7 @@ pub const SOCK_PEER_MAP: &str = "SOCK_PEER";
 /// [`SockRecValue`]), a preallocated hash.
 pub const SOCK_REC_MAP: &str = "SOCK_REC";
 
+/// Default capacity of `SOCK_REVNAT` and `SOCK_REC`: translated sockets at once.
 pub const DEFAULT_MAX_SOCK_REVNAT: u32 = 262_144;
 
 /// Reverse translation for one socket: which frontend a socket meant when
@@ -27,29 +30,40 @@ pub const DEFAULT_MAX_SOCK_REVNAT: u32 = 262_144;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct SockRevNatKey {
+    /// The socket's cookie (`bpf_get_socket_cookie`).
     pub cookie: u64,
+    /// The backend the socket was sent to, network byte order (IPv4 in the first word).
     pub ip_be: [u32; 4],
+    /// The backend's port, network byte order.
     pub port_be: u16,
+    /// `FAMILY_V4` or `FAMILY_V6`.
     pub family: u8,
     /// Two fields, see [`NpAffinityKey::_pad0`](crate::NpAffinityKey::_pad0): `connect4` builds this key
     /// on every translated connect.
     pub _pad0: u8,
+    /// The rest of the padding (see `_pad0`).
     pub _pad1: u32,
 }
 
 impl SockRevNatKey {
+    /// A key with its padding zeroed.
     #[inline(always)]
     pub fn new(cookie: u64, ip_be: [u32; 4], port_be: u16, family: u8) -> Self {
         Self { cookie, ip_be, port_be, family, _pad0: 0, _pad1: 0 }
     }
 }
 
+/// `SOCK_REVNAT` value: the frontend the socket dialled.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SockRevNatValue {
+    /// The frontend's address, network byte order (IPv4 in the first word).
     pub ip_be: [u32; 4],
+    /// The frontend's port, network byte order.
     pub port_be: u16,
+    /// `FAMILY_V4` or `FAMILY_V6`.
     pub family: u8,
+    /// Padding, always zero.
     pub _pad: u8,
 }
 
@@ -67,14 +81,19 @@ pub struct SockRevNatValue {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SockPeerValue {
+    /// The backend, network byte order (IPv4 in the first word).
     pub backend_ip_be: [u32; 4],
+    /// The frontend the socket dialled, network byte order.
     pub frontend_ip_be: [u32; 4],
+    /// The backend's port, network byte order.
     pub backend_port_be: u16,
+    /// The frontend's port, network byte order.
     pub frontend_port_be: u16,
     /// 0 while unset (a fresh storage element is zeroed by the kernel).
     pub family: u8,
     /// 1 when `SOCK_REVNAT` also holds entries for this socket.
     pub spilled: u8,
+    /// Padding, always zero.
     pub _pad: [u8; 2],
 }
 
@@ -91,17 +110,22 @@ pub struct SockPeerValue {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SockRecValue {
+    /// The backend, network byte order (IPv4 in the first word).
     pub backend_ip_be: [u32; 4],
+    /// The frontend the socket dialled, network byte order.
     pub frontend_ip_be: [u32; 4],
     /// The frontend's `ServiceValue::service_id` at connect() time.
     pub service_id: u32,
+    /// The backend's port, network byte order.
     pub backend_port_be: u16,
+    /// The frontend's port, network byte order.
     pub frontend_port_be: u16,
     /// `FAMILY_V4` or `FAMILY_V6`, of backend and frontend alike (a mapped
     /// IPv4 destination is recorded in IPv4 form).
     pub family: u8,
     /// `PROTO_TCP` or `PROTO_UDP`.
     pub proto: u8,
+    /// Padding, always zero.
     pub _pad: [u8; 2],
 }
 

@@ -19,12 +19,19 @@ pub const MAX_SOCK_TERMINATE: u32 = 4_096;
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SockTerminateKey {
+    /// The frontend, network byte order (IPv4 in the first word).
     pub frontend_ip_be: [u32; 4],
+    /// The backend that left it, network byte order.
     pub backend_ip_be: [u32; 4],
+    /// The frontend's port, network byte order.
     pub frontend_port_be: u16,
+    /// The backend's port, network byte order.
     pub backend_port_be: u16,
+    /// `FAMILY_V4` or `FAMILY_V6`.
     pub family: u8,
+    /// `PROTO_TCP` or `PROTO_UDP`.
     pub proto: u8,
+    /// Padding, always zero.
     pub _pad: [u8; 2],
 }
 
@@ -45,9 +52,13 @@ pub struct SockTerminateValue {
 /// with network namespaces; the agent checks these against the running
 /// kernel's BTF before it loads the iterators, and uses netlink otherwise.
 pub const SKC_DADDR_OFF: usize = 0;
+/// `skc_dport`: the peer's port, network byte order.
 pub const SKC_DPORT_OFF: usize = 12;
+/// `skc_family`.
 pub const SKC_FAMILY_OFF: usize = 16;
+/// `skc_state` (`include/net/tcp_states.h`).
 pub const SKC_STATE_OFF: usize = 18;
+/// `skc_v6_daddr`: the peer's IPv6 address.
 pub const SKC_V6_DADDR_OFF: usize = 56;
 
 /// The `imm` of the iterators' `bpf_sock_destroy` call as compiled: aya

@@ -23,16 +23,22 @@ pub const NP_SOURCE_RANGES_MAP: &str = "NP_SOURCE_RANGES";
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SourceRangeKey {
+    /// The frontend's service id.
     pub service_id: u32,
+    /// The generation of its slot set the ranges belong to.
     pub generation: u32,
+    /// `FAMILY_V4` or `FAMILY_V6`.
     pub family: u8,
     /// Two fields, see [`NpAffinityKey::_pad0`](crate::NpAffinityKey::_pad0).
     pub _pad0: u8,
+    /// The rest of the padding (see `_pad0`).
     pub _pad1: u16,
+    /// The range's address (a lookup: the client's), network byte order.
     pub addr_be: [u32; 4],
 }
 
 impl SourceRangeKey {
+    /// A key with its padding zeroed.
     #[inline(always)]
     pub fn new(service_id: u32, generation: u32, family: u8, addr_be: [u32; 4]) -> Self {
         Self { service_id, generation, family, _pad0: 0, _pad1: 0, addr_be }

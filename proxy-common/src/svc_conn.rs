@@ -16,6 +16,7 @@ pub mod tier {
     pub const REGION: u8 = 3;
     /// The same OpenYurt node pool (`apps.openyurt.io/nodepool`).
     pub const POOL: u8 = 4;
+    /// The number of tiers.
     pub const COUNT: usize = 5;
     /// Names for display and metric labels, indexed by code.
     pub const NAMES: [&str; COUNT] = ["other", "node", "zone", "region", "pool"];
