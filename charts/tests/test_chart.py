@@ -479,7 +479,7 @@ def test_tc_mode_value_becomes_the_flag(mode, flag):
 
 
 # The TC fast path is on unless told off; a bare off in YAML is false.
-@pytest.mark.parametrize("value, flag", [("auto", "auto"), ("remote", "remote"), ("off", "off"), (False, "off"), (None, "auto")])
+@pytest.mark.parametrize("value, flag", [("auto", "auto"), ("all", "all"), ("off", "off"), (False, "off"), (None, "auto")])
 def test_tc_fast_path_value_becomes_the_flag(value, flag):
     assert args_of(one(render({"tcFastPath": value}), "DaemonSet"))["--tc-fast-path"] == flag
 

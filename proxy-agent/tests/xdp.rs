@@ -650,24 +650,24 @@ fn tc_fast_path_bypasses_forward(fam: Family) {
 }
 
 #[test]
-fn tc_fast_path_delivers_to_a_local_pod_with_redirect_peer_and_remote_or_off_restore_the_stack() {
+fn tc_fast_path_all_delivers_to_a_local_pod_with_redirect_peer_and_auto_or_off_restore_the_stack() {
     tc_fast_path_delivers_locally(V4);
 }
 
 #[test]
-fn tc_fast_path_delivers_to_a_local_pod_over_ipv6_with_redirect_peer_and_remote_or_off_restore_the_stack() {
+fn tc_fast_path_all_delivers_to_a_local_pod_over_ipv6_with_redirect_peer_and_auto_or_off_restore_the_stack() {
     tc_fast_path_delivers_locally(V6);
 }
 
 /// One family, TCP and UDP to a pod on this node behind its veth, XDP off:
 /// with the fast path the client's packets go into the pod's namespace
-/// with `bpf_redirect_peer` (`tc_fast_local_forwarded`) and the FORWARD
-/// chain never sees them; with `remote` (remote backends only) and with
-/// `off` it does again.
+/// with `all`, with `bpf_redirect_peer` (`tc_fast_local_forwarded`), and
+/// the FORWARD chain never sees them; with `auto` (remote backends only,
+/// the default) and with `off` it does again.
 fn tc_fast_path_delivers_locally(fam: Family) {
     let mut w = World::with_local();
     w.forward_to_local_rule(fam);
-    w.start_agent("");
+    w.start_agent_with("", &["--tc-fast-path", "all"]);
     w.wait_attached(1, true);
     let (http, dns) = (at(fam.node, 30081), at(fam.node, 30054));
     // The first flows resolve the pod's neighbour through the stack.
@@ -691,21 +691,21 @@ fn tc_fast_path_delivers_locally(fam: Family) {
     assert!(!peers.contains(&u64::from(index("br-l"))), "the bridge is in NP_PEER_DEVS: {peers:?}");
     assert!(text.contains("tc fast path peer devices (ifindex): "), "{text}");
 
-    // `remote`: the fast path stays on (for remote backends), but no device
+    // `auto`: the fast path stays on (for remote backends), but no device
     // is listed, so the local pod's packets go through the stack.
     w.stop_agent();
-    w.start_agent_with("", &["--tc-fast-path", "remote"]);
+    w.start_agent_with("", &["--tc-fast-path", "auto"]);
     w.wait_attached(2, true);
     w.wait_answers_from(&http, &[], "pod-l");
     let (fwd, fast, not_peer) =
         (w.forward_packets(fam), w.fast_counter("tc_fast_local_forwarded"), w.fast_counter("tc_stack_local_not_peer"));
     w.wait_answers_from(&http, &[], "pod-l");
     w.wait_answers_from(&dns, &["--udp"], "pod-l");
-    assert!(w.forward_packets(fam) > fwd, "with --tc-fast-path remote the FORWARD chain saw nothing for the local pod");
-    assert_eq!(w.fast_counter("tc_fast_local_forwarded"), fast, "--tc-fast-path remote delivered into the local pod the fast way");
+    assert!(w.forward_packets(fam) > fwd, "with --tc-fast-path auto the FORWARD chain saw nothing for the local pod");
+    assert_eq!(w.fast_counter("tc_fast_local_forwarded"), fast, "--tc-fast-path auto delivered into the local pod the fast way");
     assert!(w.fast_counter("tc_stack_local_not_peer") > not_peer, "the local pod's packets were not counted as left to the stack");
     let (_, json) = w.dump();
-    assert_eq!(json["nodeport"]["peerDevices"].as_array().map(Vec::len), Some(0), "remote left devices listed: {json}");
+    assert_eq!(json["nodeport"]["peerDevices"].as_array().map(Vec::len), Some(0), "auto left devices listed: {json}");
 
     // `off`: the stack forwards to the pod again.
     w.stop_agent();
@@ -728,7 +728,8 @@ fn tc_fast_path_delivers_locally(fam: Family) {
 #[test]
 fn tc_fast_path_leaves_host_network_and_bridged_local_backends_to_the_stack() {
     let mut w = World::with_local();
-    w.start_agent("");
+    // `all`, the mode that delivers to local pods: not to these.
+    w.start_agent_with("", &["--tc-fast-path", "all"]);
     w.wait_attached(1, true);
     let (hostnet, bridged) = (at(V4.node, 30082), at(V4.node, 30083));
     w.wait_answers_from(&hostnet, &[], "host-a");
@@ -755,7 +756,7 @@ fn tc_fast_path_leaves_host_network_and_bridged_local_backends_to_the_stack() {
 #[test]
 fn an_older_builds_fast_path_counter_array_is_migrated_and_local_deliveries_count() {
     let mut w = World::with_local();
-    w.start_agent("");
+    w.start_agent_with("", &["--tc-fast-path", "all"]);
     w.wait_attached(1, true);
     let http = at(V4.node, 30081);
     w.wait_answers_from(&http, &[], "pod-l");
@@ -771,7 +772,7 @@ fn an_older_builds_fast_path_counter_array_is_migrated_and_local_deliveries_coun
         .output()
         .expect("run bpftool");
     assert!(out.status.success(), "bpftool map create: {}", String::from_utf8_lossy(&out.stderr));
-    w.start_agent("");
+    w.start_agent_with("", &["--tc-fast-path", "all"]);
     w.wait_attached(2, true);
     let log = std::fs::read_to_string(&w.log).unwrap_or_default();
     let resized = format!("map NP_FAST_COUNTERS resized from 8 to {}", proxy_common::np_fast_counter::COUNT);

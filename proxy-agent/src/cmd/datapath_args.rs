@@ -87,16 +87,17 @@ pub(crate) struct DatapathArgs {
     #[arg(long, default_value = "off", value_parser = ["off", "auto", "native"])]
     pub xdp: String,
     /// The TC fast path for NodePort/LoadBalancer/externalIP flows: `auto`
-    /// (default) sends a translated packet to a remote backend, and the
-    /// backend's reply, from TC ingress straight to its next hop
-    /// (`bpf_fib_lookup` + `bpf_redirect`), and a client's packet to a pod
-    /// on this node into the pod's namespace (`bpf_redirect_peer`), so it
-    /// bypasses the FORWARD and POSTROUTING chains, conntrack and a host
-    /// firewall's rules; `remote` does so for remote backends only (use it
-    /// where the CNI enforces pods' ingress NetworkPolicy in FORWARD or at
-    /// the pod's veth: Calico, kube-router); `off` hands every translated
-    /// packet to the stack (see the guide's external traffic page).
-    #[arg(long, default_value = "auto", value_parser = ["auto", "remote", "off"])]
+    /// (default) sends a translated packet of a flow to a remote backend,
+    /// and the backend's reply, from TC ingress straight to its next hop
+    /// (`bpf_fib_lookup` + `bpf_redirect`), so those packets bypass this
+    /// node's FORWARD and POSTROUTING chains, conntrack and a host
+    /// firewall's rules; `all` also sends a client's packets to a pod on
+    /// this node straight into its namespace (`bpf_redirect_peer`), where
+    /// nothing drops the pod's replies as conntrack-INVALID and no
+    /// NetworkPolicy is enforced in FORWARD or at the pod's veth; `off`
+    /// hands every translated packet to the stack (see the guide's
+    /// external traffic page).
+    #[arg(long, default_value = "auto", value_parser = ["auto", "all", "off"])]
     pub tc_fast_path: String,
     /// Maglev consistent hashing for NodePort/LoadBalancer flows and
     /// unconnected UDP: the entries of every such frontend's table, a

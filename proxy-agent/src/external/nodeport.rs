@@ -308,7 +308,7 @@ impl ExternalDatapath {
                 p.sync();
                 peers = Some(p);
             } else {
-                // `remote` or `off`: no device listed, so no local pod gets
+                // `auto` or `off`: no device listed, so no local pod gets
                 // packets from TC (an earlier run's list is emptied).
                 p.clear();
             }

@@ -233,7 +233,7 @@ impl PeerDevices {
     }
 
     /// Empties the map: every local backend's packets go through the
-    /// stack (`--tc-fast-path remote` or `off`).
+    /// stack (`--tc-fast-path auto` or `off`).
     pub fn clear(&mut self) {
         for i in std::mem::take(&mut self.written) {
             let _ = self.map.remove(&i);

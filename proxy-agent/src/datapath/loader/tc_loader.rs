@@ -83,27 +83,34 @@ pub enum TcError {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum TcFastPath {
     /// On where the kernel loads it (every kernel from the 5.10 floor has
-    /// its helpers; a refusal is logged and the stack path used): remote
-    /// backends, and local pods behind their veths.
+    /// its helpers; a refusal is logged and the stack path used), for
+    /// flows to remote backends, both ways: this node's stack sees none of
+    /// their packets, and the node that hosts the pod forwards them
+    /// through its own stack, which enforces the pod's policy. A local
+    /// pod's packets go through this node's stack.
     #[default]
     Auto,
-    /// Remote backends only; a local pod's packets go through this node's
-    /// stack. Delivering into a local pod straight from TC skips the
-    /// FORWARD chain and the egress hook of the pod's host-side veth,
-    /// where CNIs such as Calico (iptables mode), kube-router (FORWARD) and
-    /// Calico's eBPF mode (the veth hook) enforce the pod's ingress
-    /// NetworkPolicy; for a remote backend that node's stack still does.
-    Remote,
+    /// `Auto`, and a client's packets to a pod on this node go straight
+    /// into the pod's namespace (`bpf_redirect_peer`). Not the default:
+    /// the pod's replies still go through the stack, whose conntrack then
+    /// sees a reply (a SYN-ACK) of a flow it never saw start and calls it
+    /// INVALID, which kube-proxy's own `KUBE-FORWARD ... --ctstate INVALID
+    /// -j DROP` and many host firewalls drop (the kube-proxy migration
+    /// test saw every NodePort connect to a local pod time out); and the
+    /// client's packets skip the FORWARD chain and the egress hook of the
+    /// pod's host-side veth, where Calico (iptables and eBPF modes) and
+    /// kube-router enforce the pod's ingress NetworkPolicy.
+    All,
     /// The stack forwards every translated packet, as before the fast path.
     Off,
 }
 
 impl TcFastPath {
-    /// Parses `auto`, `remote` or `off`.
+    /// Parses `auto`, `all` or `off`.
     pub fn parse(s: &str) -> Option<TcFastPath> {
         match s {
             "auto" => Some(TcFastPath::Auto),
-            "remote" => Some(TcFastPath::Remote),
+            "all" => Some(TcFastPath::All),
             "off" => Some(TcFastPath::Off),
             _ => None,
         }
@@ -112,7 +119,7 @@ impl TcFastPath {
     /// Whether local pods get packets straight from TC (`NP_PEER_DEVS`
     /// filled); the programs deliver only to the devices listed there.
     pub fn local(self) -> bool {
-        self == TcFastPath::Auto
+        self == TcFastPath::All
     }
 }
 
