@@ -111,7 +111,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     // The VM run starts now, in a thread beside the host's tests: its test
     // binaries are the debug ones just built, and the host's tests leave
     // most of the two cores idle while they wait on agents and servers.
-    // One guest at a time until cargo test ends, then two; its report
+    // One guest at a time until the image step ends, then two; its report
     // follows the image step. It runs even when a test fails, so that one
     // run shows every failure.
     let vm = if no_vm {
@@ -134,19 +134,26 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     let mut child = c.spawn().with_context(|| format!("cannot run {}", util::describe(&c)))?;
     let mut totals = Totals::default();
     let stdout = child.stdout.take().context("no stdout")?;
-    let mut out = std::io::stdout().lock();
+    // stdout is locked per line, never across the loop: the VM thread
+    // prints its "booting" lines and each guest's console (one write per
+    // guest) to the same stdout, and a lock held here for the whole run
+    // kept its first line, and so every guest, waiting until cargo test
+    // ended (CI log of f96db84: no guest had booted when the fuzz step
+    // began).
     for line in BufReader::new(stdout).lines() {
         let line = line?;
         totals.add(&line);
+        let mut out = std::io::stdout().lock();
         writeln!(out, "{line}")?;
         out.flush()?;
     }
     let status = child.wait()?;
-    drop(out);
     steps.done_compiled("cargo test", started, test_build);
-    if let Some(vm) = &vm {
-        vm.open_all_lanes();
-    }
+    // The second guest lane stays closed through the fuzz and image steps:
+    // their builds keep both cores busy, and each guest under TCG takes
+    // up to a core from them, while the guests' own work is the same
+    // whenever it runs. It opens in `BackgroundVm::finish`, when the host
+    // has nothing else to run.
     // The fuzz targets, briefly (fuzz.rs); they follow even when a test
     // failed, like the VM run.
     let fuzz_failed = if selects {
