@@ -129,6 +129,7 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// Every reason, for parsing a label and for going through them all.
     pub const ALL: [Reason; 4] = [Reason::Deleted, Reason::NotServing, Reason::Topology, Reason::GoneAfterTerminating];
 
     /// The metric label (`reason`) and the log's and `dump`'s rule name.
@@ -161,11 +162,14 @@ impl fmt::Display for Reason {
 /// One backend whose connections through one frontend are to end.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Departure {
+    /// The frontend the connections went to.
     pub frontend: Frontend,
+    /// The backend they were sent to.
     pub backend: Backend,
     /// The Service the frontend belongs to, for logs; `None` when no
     /// decision claims the frontend any more.
     pub service: Option<ObjectRef>,
+    /// Why they end now.
     pub reason: Reason,
 }
 
@@ -206,9 +210,14 @@ pub struct Watch {
 /// What one pass does about a watched backend.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Step {
-    /// Keep watching, remembering this; with `recheck_at`, a pass is owed
-    /// at that moment even if nothing changes (a gone endpoint settling).
-    Watch { watch: Watch, recheck_at: Option<Instant> },
+    /// Keep watching.
+    Watch {
+        /// What to remember.
+        watch: Watch,
+        /// A pass is owed at that moment even if nothing changes (a gone
+        /// endpoint settling).
+        recheck_at: Option<Instant>,
+    },
     /// Its connections end now, for this reason; it is not watched any more.
     End(Reason),
     /// Nothing more to do: back in the set, its frontend is gone, no

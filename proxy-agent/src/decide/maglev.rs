@@ -44,6 +44,7 @@ pub enum TableSize {
 }
 
 impl TableSize {
+    /// Both sizes, smallest first.
     pub const ALL: [TableSize; 2] = [TableSize::Default, TableSize::Large];
 
     /// M, the number of entries.
@@ -72,6 +73,7 @@ impl fmt::Display for TableSize {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid Maglev table size {value:?}: must be {} or {}", proxy_common::MAGLEV_SIZE_DEFAULT, proxy_common::MAGLEV_SIZE_LARGE)]
 pub struct TableSizeError {
+    /// The value given.
     pub value: String,
 }
 
@@ -95,7 +97,9 @@ pub fn annotated_size(annotations: &BTreeMap<String, String>) -> Result<Option<T
 /// Weight 0 leaves the backend out of the table.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct Weighted {
+    /// The backend.
     pub backend: Backend,
+    /// Its weight (entries per round).
     pub weight: u32,
 }
 
@@ -103,7 +107,9 @@ pub struct Weighted {
 /// sorted by identity (address, then port) with zero weights dropped.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Table {
+    /// The backends the entries index, sorted, without zero weights.
     pub backends: Vec<Backend>,
+    /// M entries, each an index into `backends`.
     pub entries: Vec<u32>,
 }
 

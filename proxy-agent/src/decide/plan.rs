@@ -5,6 +5,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::model::{Backend, Cidr, Frontend};
 
+/// Each frontend's backend set: what the maps hold, or should hold.
 pub type State = BTreeMap<Frontend, BTreeSet<Backend>>;
 
 /// What a frontend needs besides its backends. The default (no affinity,
@@ -23,6 +24,7 @@ pub struct FrontendPolicy {
 }
 
 impl FrontendPolicy {
+    /// Whether the frontend has no affinity and no source filter, so nothing but its backends is written.
     pub fn is_default(&self) -> bool {
         *self == FrontendPolicy::default()
     }
@@ -58,6 +60,7 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// Whether nothing changes.
     pub fn is_empty(&self) -> bool {
         self.upserts.is_empty() && self.deletes.is_empty()
     }

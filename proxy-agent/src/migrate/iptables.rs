@@ -31,19 +31,24 @@ use super::ParseError;
 /// One table of an `iptables-save` dump.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Table {
+    /// `nat`, `filter`, `mangle`, ...
     pub name: String,
     /// In the order of the dump.
     pub chains: Vec<Chain>,
 }
 
+/// One chain of a table, with its rules.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Chain {
+    /// `KUBE-SERVICES`, `PREROUTING`, ...
     pub name: String,
     /// A built-in chain (it has a policy): PREROUTING, INPUT, ...
     pub builtin: bool,
+    /// In the order of the dump.
     pub rules: Vec<Rule>,
 }
 
+/// One `-A` line of a chain.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Rule {
     /// The rule as `iptables-save` printed it, `-A CHAIN ...` included;
@@ -245,6 +250,7 @@ fn is_kube_proxy_jump(table: &str, rule: &Rule) -> bool {
 /// What happens to one table.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct TablePlan {
+    /// The table's name.
     pub table: String,
     /// kube-proxy's jumps out of built-in chains, as `-A ...` lines.
     pub delete_rules: Vec<String>,
@@ -256,6 +262,7 @@ pub struct TablePlan {
 }
 
 impl TablePlan {
+    /// Whether nothing in this table is kube-proxy's.
     pub fn is_empty(&self) -> bool {
         self.delete_rules.is_empty() && self.remove_chains.is_empty()
     }
@@ -287,11 +294,14 @@ impl TablePlan {
 /// match on (an ipset in use cannot be destroyed).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Plan {
+    /// One per table of the dump, in its order.
     pub tables: Vec<TablePlan>,
+    /// The ipsets that rules staying behind match on (`-m set --match-set`); `ipvs::is_kube_proxy_ipset` names are destroyed only when not among them.
     pub sets_in_use: BTreeSet<String>,
 }
 
 impl Plan {
+    /// Whether no table has anything of kube-proxy's.
     pub fn is_empty(&self) -> bool {
         self.tables.iter().all(TablePlan::is_empty)
     }

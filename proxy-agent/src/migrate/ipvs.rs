@@ -86,8 +86,11 @@ pub fn parse_addresses(json: &str) -> Result<Vec<(String, String, Option<IpAddr>
 /// What happens to `kube-ipvs0`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Device {
+    /// No such device: nothing to do.
     Absent,
+    /// A dummy device of that name, which kube-proxy made: deleted.
     Remove,
+    /// A device of that name of another kind, kept, and why.
     Keep(String),
 }
 
@@ -106,7 +109,9 @@ pub fn dummy_device(addrs: &[(String, String, Option<IpAddr>)]) -> Device {
 /// The virtual servers to delete, and the others with why they stay.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Plan {
+    /// kube-proxy's virtual servers: on an address of `kube-ipvs0`, or on a node address at a port in the NodePort range.
     pub remove: Vec<VirtualServer>,
+    /// The others, and why they stay.
     pub kept: Vec<(VirtualServer, String)>,
 }
 
@@ -118,6 +123,7 @@ impl Plan {
     }
 }
 
+/// Which virtual servers are kube-proxy's, from the node's addresses (`(device, kind, address)`) and the NodePort range: only those it can have made go.
 pub fn plan_virtual_servers(
     servers: &[VirtualServer],
     addrs: &[(String, String, Option<IpAddr>)],
@@ -173,6 +179,7 @@ const IPSET_NAMES: [&str; 23] = [
     "SERVICE-ACCESS",
 ];
 
+/// Whether an ipset has a name kube-proxy's IPVS mode gives its sets (`KUBE-` or `KUBE-6-` and one of its set names).
 pub fn is_kube_proxy_ipset(name: &str) -> bool {
     let rest = name.strip_prefix("KUBE-6-").or_else(|| name.strip_prefix("KUBE-"));
     rest.is_some_and(|r| IPSET_NAMES.contains(&r))

@@ -29,7 +29,9 @@ pub mod nftables;
 pub struct ParseError {
     /// 1-based line of the tool's output (0: the output as a whole).
     pub line: usize,
+    /// What is wrong with the line.
     pub reason: String,
+    /// The line as the tool printed it.
     pub text: String,
 }
 

@@ -12,7 +12,9 @@ use super::ParseError;
 /// One table of `nft -j list tables`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NftTable {
+    /// `ip`, `ip6`, `inet`, ...
     pub family: String,
+    /// The table's name.
     pub name: String,
 }
 
@@ -44,12 +46,14 @@ pub fn parse_tables(json: &str) -> Result<Vec<NftTable>, ParseError> {
 /// What happens to the tables found.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Plan {
+    /// kube-proxy's `kube-proxy` tables, in the `ip` and `ip6` families.
     pub remove: Vec<NftTable>,
     /// Tables named like kube-proxy's in a family it never uses, and why
     /// they stay.
     pub kept: Vec<(NftTable, String)>,
 }
 
+/// Which tables are kube-proxy's nftables mode's: `kube-proxy` in the `ip` and `ip6` families, where it makes them.
 pub fn plan(tables: &[NftTable]) -> Plan {
     let mut p = Plan::default();
     for t in tables.iter().filter(|t| t.name == KUBE_PROXY_TABLE) {
@@ -73,8 +77,11 @@ impl Plan {
 /// hooked in.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NatChain {
+    /// The chain's family.
     pub family: String,
+    /// The chain's table.
     pub table: String,
+    /// Its hook (`prerouting`, `output`, ...).
     pub hook: String,
 }
 

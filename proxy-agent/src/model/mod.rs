@@ -18,11 +18,14 @@ use std::sync::Arc;
 /// skipped when objects are converted.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Protocol {
+    /// TCP.
     Tcp,
+    /// UDP.
     Udp,
 }
 
 impl Protocol {
+    /// The protocol as Kubernetes spells it (`TCP`, `UDP`), for logs, Events and metric labels.
     pub fn as_str(self) -> &'static str {
         match self {
             Protocol::Tcp => "TCP",
@@ -40,11 +43,14 @@ impl fmt::Display for Protocol {
 /// IP family of an address or of an EndpointSlice (`addressType`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Family {
+    /// IPv4.
     V4,
+    /// IPv6.
     V6,
 }
 
 impl Family {
+    /// The family of an address.
     pub fn of(ip: &IpAddr) -> Family {
         match ip {
             IpAddr::V4(_) => Family::V4,
@@ -60,7 +66,9 @@ impl Family {
 /// A clone costs no allocation; sources intern the namespace.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ObjectRef {
+    /// `metadata.namespace`.
     pub namespace: Arc<str>,
+    /// `metadata.name`.
     pub name: Arc<str>,
 }
 
@@ -83,6 +91,7 @@ impl PartialOrd for ObjectRef {
 }
 
 impl ObjectRef {
+    /// An id from a namespace and a name.
     pub fn new(namespace: impl Into<Arc<str>>, name: impl Into<Arc<str>>) -> Self {
         ObjectRef { namespace: namespace.into(), name: name.into() }
     }
@@ -98,32 +107,44 @@ impl fmt::Display for ObjectRef {
 /// the model (they have nothing to translate).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ServiceType {
+    /// `ClusterIP`: a virtual address for clients in the cluster (and any `spec.externalIPs`).
     ClusterIp,
+    /// `NodePort`: also reachable on the node's addresses at `nodePort`.
     NodePort,
+    /// `LoadBalancer`: a NodePort whose load balancer addresses are translated too.
     LoadBalancer,
 }
 
+/// One entry of a Service's `spec.ports`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServicePort {
     /// Port name; empty for a Service's single unnamed port. EndpointSlice
     /// ports are matched to Service ports by this name.
     pub name: String,
+    /// `port`: the port the frontends listen on.
     pub port: u16,
+    /// `protocol`.
     pub protocol: Protocol,
+    /// `nodePort`, for NodePort and LoadBalancer Services (absent with `allocateLoadBalancerNodePorts: false`).
     pub node_port: Option<u16>,
 }
 
+/// A Service, reduced to what the datapath translates.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Service {
+    /// Namespace and name.
     pub id: ObjectRef,
+    /// `spec.type`.
     pub service_type: ServiceType,
     /// `spec.clusterIPs` (or `spec.clusterIP`), primary family first.
     pub cluster_ips: Vec<IpAddr>,
+    /// `spec.ports` whose protocol the datapath translates.
     pub ports: Vec<ServicePort>,
     /// `spec.topologyKeys` exactly as the object carried it (the field
     /// existed from 1.17 to 1.21 and is gone from today's typed clients, so
     /// it is read from the raw object). `None` when absent.
     pub topology_keys: Option<Vec<String>>,
+    /// `metadata.annotations`, for the topology models that read one (e.g. `service.kubernetes.io/topology-mode`).
     pub annotations: BTreeMap<String, String>,
     /// `spec.internalTrafficPolicy == Local`.
     pub internal_policy_local: bool,
@@ -132,12 +153,14 @@ pub struct Service {
     pub external_policy_local: bool,
     /// `spec.trafficDistribution`, verbatim.
     pub traffic_distribution: Option<String>,
-    /// `spec.externalIPs` and `status.loadBalancer.ingress[].ip`. An
-    /// ingress IP with `ipMode: Proxy` is not among them: the cloud's load
-    /// balancer proxies such traffic to the node itself, so the address must
-    /// reach it untranslated (KEP-1860).
+    /// `spec.externalIPs`.
     pub external_ips: Vec<IpAddr>,
+    /// `status.loadBalancer.ingress[].ip`. An ingress IP with `ipMode:
+    /// Proxy` is not among them: the cloud's load balancer proxies such
+    /// traffic to the node itself, so the address must reach it
+    /// untranslated (KEP-1860).
     pub load_balancer_ips: Vec<IpAddr>,
+    /// `spec.healthCheckNodePort`: the port of kube-proxy's health check for `externalTrafficPolicy: Local`, served by the agent.
     pub health_check_node_port: Option<u16>,
     /// `spec.sessionAffinity: ClientIP`, with its timeout in seconds
     /// (`sessionAffinityConfig.clientIP.timeoutSeconds`, 10800 unless set).
@@ -152,7 +175,9 @@ pub struct Service {
 /// An address range, `addr/prefix_len`, with the host bits cleared.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Cidr {
+    /// The first address of the range, host bits cleared.
     pub addr: IpAddr,
+    /// The prefix length, at most 32 (IPv4) or 128 (IPv6).
     pub prefix_len: u8,
 }
 
@@ -199,11 +224,14 @@ impl fmt::Display for Cidr {
     }
 }
 
+/// One entry of an EndpointSlice's `ports`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SlicePort {
     /// Empty when the Service port is unnamed.
     pub name: String,
+    /// The port on the endpoints.
     pub port: u16,
+    /// `protocol`.
     pub protocol: Protocol,
 }
 
@@ -216,12 +244,16 @@ pub struct Endpoint {
     /// Kubernetes allows several addresses but consumers use only the
     /// first (the API documents them as fungible); the model keeps the first.
     pub address: IpAddr,
+    /// `conditions.ready` (defaults to true).
     pub ready: bool,
+    /// `conditions.serving` (defaults to `ready`): still answering, also while terminating (KEP-1669).
     pub serving: bool,
+    /// `conditions.terminating` (defaults to false).
     pub terminating: bool,
     /// Node names, zones and hints repeat across endpoints: each is one
     /// shared copy (`intern`).
     pub node_name: Option<Arc<str>>,
+    /// `zone` (the node's `topology.kubernetes.io/zone` as the EndpointSlice controller copied it).
     pub zone: Option<Arc<str>>,
     /// Hints and reported node labels, which most endpoints do not carry:
     /// kept apart (`None` when the endpoint has none of them), so that an
@@ -312,18 +344,25 @@ impl OtherNodes {
 
 const _: () = assert!(std::mem::size_of::<Endpoint>() <= 64);
 
+/// An EndpointSlice of a Service, reduced to what routing needs.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EndpointSlice {
+    /// Namespace and name.
     pub id: ObjectRef,
     /// The owning Service's name from the `kubernetes.io/service-name` label.
     pub service_name: String,
+    /// `addressType`: IPv4 or IPv6 (FQDN slices are skipped).
     pub family: Family,
+    /// `ports`.
     pub ports: Vec<SlicePort>,
+    /// `endpoints`.
     pub endpoints: Vec<Endpoint>,
 }
 
+/// A Node: its name and labels, and whether it is going away.
 #[derive(Clone, Debug, PartialEq, Eq, Default)]
 pub struct Node {
+    /// `metadata.name`.
     pub name: String,
     /// Its labels, each key and value one shared copy (`intern`). This
     /// node's Node has every label; other Nodes, watched metadata-only and
@@ -341,8 +380,11 @@ pub struct Node {
 /// Everything one agent knows, keyed for deterministic iteration.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Cluster {
+    /// Services by namespace and name.
     pub services: BTreeMap<ObjectRef, Service>,
+    /// EndpointSlices by namespace and name.
     pub slices: BTreeMap<ObjectRef, EndpointSlice>,
+    /// Nodes by name: this node, and others while a Service's topology needs their labels.
     pub nodes: BTreeMap<String, Node>,
 }
 
@@ -356,8 +398,11 @@ impl Cluster {
 /// What a client dials: one (address, port, protocol) of a Service.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Frontend {
+    /// The address (a ClusterIP, external IP, load balancer IP or node address).
     pub ip: IpAddr,
+    /// The port.
     pub port: u16,
+    /// The protocol.
     pub protocol: Protocol,
 }
 
@@ -370,7 +415,9 @@ impl fmt::Display for Frontend {
 /// Where a connection is sent: an endpoint address and the slice's port.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Backend {
+    /// The endpoint's address.
     pub ip: IpAddr,
+    /// The slice's port for the Service port.
     pub port: u16,
 }
 

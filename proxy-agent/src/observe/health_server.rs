@@ -35,10 +35,13 @@ use crate::observe::metrics::Metrics;
 /// A change not synced within this long makes `/healthz` fail.
 pub const DEFAULT_STALE_AFTER: Duration = Duration::from_mins(1);
 
+/// The health and metrics port could not be bound (`--metrics-address`).
 #[derive(Debug, thiserror::Error)]
 #[error("cannot listen on {addr} for /healthz, /readyz and /metrics: {source}")]
 pub struct BindError {
+    /// The address asked for.
     pub addr: SocketAddr,
+    /// Why bind(2) failed.
     pub source: std::io::Error,
 }
 
@@ -69,6 +72,7 @@ pub struct Health {
 }
 
 impl Health {
+    /// Not ready until the first sync; `/healthz` and `/livez` fail when a change waits longer than `stale_after` for a sync.
     pub fn new(stale_after: Duration) -> Health {
         Health {
             state: Mutex::new(State {
@@ -109,6 +113,7 @@ impl Health {
         s.pending_since = None;
     }
 
+    /// Whether a sync has completed (`/readyz`).
     pub fn is_ready(&self) -> bool {
         self.lock().ready
     }

@@ -37,6 +37,7 @@ pub mod reason {
     pub const INVALID_SERVICE: &str = "invalid_service";
     /// An EndpointSlice, or one of its endpoints or ports, was rejected.
     pub const INVALID_ENDPOINT_SLICE: &str = "invalid_endpoint_slice";
+    /// A Node could not be converted (its name or labels).
     pub const INVALID_NODE: &str = "invalid_node";
     /// A Service's topology configuration (topologyKeys, annotations,
     /// trafficDistribution) is invalid and was ignored.
@@ -194,6 +195,7 @@ fn network_programming_buckets() -> Vec<f64> {
     b
 }
 
+/// The agent's Prometheus registry (`topoproxy_*` and kube-proxy's `kubeproxy_*` names) and the handles it updates.
 pub struct Metrics {
     registry: Registry,
     kube_proxy: KubeProxy,
@@ -246,6 +248,7 @@ impl Default for Metrics {
 }
 
 impl Metrics {
+    /// Every metric registered, at zero.
     pub fn new() -> Metrics {
         let mut root = Registry::default();
         let registry = root.sub_registry_with_prefix("topoproxy");
@@ -528,20 +531,24 @@ impl Metrics {
         out
     }
 
+    /// Counts one error of `reason` (`topoproxy_errors_total{reason}`; see [`reason`]).
     pub fn error(&self, reason: &str) {
         self.errors.get_or_create(&vec![("reason", reason.to_string())]).inc();
     }
 
+    /// Counts `n` errors of `reason` at once.
     pub fn errors_by(&self, reason: &str, n: usize) {
         if n > 0 {
             self.errors.get_or_create(&vec![("reason", reason.to_string())]).inc_by(n as u64);
         }
     }
 
+    /// Counts one watch event of `kind` (Service, EndpointSlice, Node).
     pub fn watch_event(&self, kind: &str) {
         self.watch_events.get_or_create(&vec![("kind", kind.to_string())]).inc();
     }
 
+    /// Counts one Kubernetes Event posted.
     pub fn event_posted(&self) {
         self.events_posted.inc();
     }
@@ -571,6 +578,7 @@ impl Metrics {
         }
     }
 
+    /// Sets how many objects of `kind` the store holds.
     pub fn set_objects(&self, kind: &str, n: usize) {
         self.objects.get_or_create(&vec![("kind", kind.to_string())]).set(n as i64);
     }
@@ -654,6 +662,7 @@ impl Metrics {
 pub struct GcFigures<'a> {
     /// Entries in `NP_CT` when the sweep read it, and its capacity.
     pub entries: usize,
+    /// `NP_CT`'s capacity.
     pub capacity: u32,
     /// (reason, flows deleted, entries deleted) per reason.
     pub deleted: &'a [(&'static str, usize, usize)],
@@ -662,20 +671,25 @@ pub struct GcFigures<'a> {
 /// One sync, as [`Metrics::record_sync`] records it.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SyncFigures<'a> {
+    /// How long the sync took.
     pub took: Duration,
     /// Frontends, backends (slots) and Services with a frontend in the maps.
     pub frontends: usize,
+    /// Endpoints (backend slots) written.
     pub endpoints: usize,
+    /// Services with a frontend in the maps.
     pub services: usize,
     /// (map, entries in use, capacity).
     pub occupancy: &'a [(&'static str, u32, u32)],
     /// Frontends not written because a map was full, or for another reason.
     pub map_full: usize,
+    /// Frontends whose write failed for another reason than a full map.
     pub write_failed: usize,
     /// Service ports with endpoints somewhere whose internal (external)
     /// traffic policy is Local and that have none on this node: kube-proxy's
     /// `sync_proxy_rules_no_local_endpoints_total{traffic_policy}`.
     pub no_local_internal: usize,
+    /// The same for the external traffic policy.
     pub no_local_external: usize,
 }
 

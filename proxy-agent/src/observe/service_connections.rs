@@ -31,7 +31,9 @@ use proxy_common::{SHARE_ONE, SvcConnValue, tier};
 /// Who a frontend's counts belong to: a Service port.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct PortLabel {
+    /// The Service's namespace.
     pub namespace: Arc<str>,
+    /// The Service's name.
     pub service: Arc<str>,
     /// The port's name, or its number when it has none.
     pub port: String,
@@ -46,11 +48,14 @@ pub enum Mode {
     /// Services with a topology setting one by one, the rest summed.
     #[default]
     Topology,
+    /// Every Service one by one (a series per Service port and tier).
     All,
+    /// No per-Service counts.
     None,
 }
 
 impl Mode {
+    /// Parses `topology`, `all` or `none`.
     pub fn parse(s: &str) -> Option<Mode> {
         match s {
             "topology" => Some(Mode::Topology),
@@ -76,6 +81,7 @@ impl Mode {
 /// Which datapath's ids: the socket programs' (`SVC_CONN`) or the TC
 /// programs' (`NP_SVC_CONN`).
 pub const SOCKET: u8 = 0;
+/// The TC programs' ids (`NP_SVC_CONN`).
 pub const TC: u8 = 1;
 
 /// The owner of every counted frontend, by (datapath, service id); the
@@ -113,10 +119,12 @@ impl Default for ServiceConnections {
 }
 
 impl ServiceConnections {
+    /// The current `--service-metrics` mode.
     pub fn mode(&self) -> Mode {
         Mode::of(self.mode.load(Ordering::Relaxed))
     }
 
+    /// Sets the mode (`--service-metrics`, at start).
     pub fn set_mode(&self, mode: Mode) {
         self.mode.store(mode.code(), Ordering::Relaxed);
     }

@@ -37,11 +37,14 @@ pub const EVENTS_GROUP: &str = "events.k8s.io";
 /// A version of a group: v1, or the v1beta1 before it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Version {
+    /// The group's GA version.
     V1,
+    /// The beta before it (EndpointSlices before 1.21, Events before 1.19).
     V1beta1,
 }
 
 impl Version {
+    /// `v1` or `v1beta1`, as in an API path.
     pub fn as_str(self) -> &'static str {
         match self {
             Version::V1 => "v1",
@@ -55,7 +58,9 @@ impl Version {
 /// `--runtime-config`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct ApiVersions {
+    /// `discovery.k8s.io`'s version.
     pub endpoint_slices: Option<Version>,
+    /// `events.k8s.io`'s version.
     pub events: Option<Version>,
 }
 

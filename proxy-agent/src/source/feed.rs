@@ -13,22 +13,39 @@ use crate::model::store::{Delta, Kind};
 /// only say that something changed and when.
 #[derive(Debug)]
 pub enum Signal {
-    /// An object was added, changed or deleted while watching. `trigger`
-    /// is when the change happened, as far as the agent can tell; `stamped`
-    /// says it is the EndpointSlice controller's own
-    /// `endpoints.kubernetes.io/last-change-trigger-time`, the only start
-    /// kube-proxy's network programming latency counts from.
-    Changed { kind: Kind, trigger: SystemTime, stamped: bool },
+    /// An object was added, changed or deleted while watching.
+    Changed {
+        /// The object's kind.
+        kind: Kind,
+        /// When the change happened, as far as the agent can tell.
+        trigger: SystemTime,
+        /// `trigger` is the EndpointSlice controller's own
+        /// `endpoints.kubernetes.io/last-change-trigger-time`, the only
+        /// start kube-proxy's network programming latency counts from.
+        stamped: bool,
+    },
     /// A complete (re)list landed in the store.
-    Listed { kind: Kind },
+    Listed {
+        /// The kind listed.
+        kind: Kind,
+    },
     /// A list or watch failed; the watcher retries with backoff.
-    /// `expired` marks an expired resourceVersion (410 Gone or "too large
-    /// resource version"), after which a relist follows.
-    Failed { kind: Kind, expired: bool, message: String },
+    Failed {
+        /// The kind whose list or watch failed.
+        kind: Kind,
+        /// The resourceVersion expired (410 Gone or "too large resource
+        /// version"): a relist follows.
+        expired: bool,
+        /// The error, for the log.
+        message: String,
+    },
     /// Something outside the API server that the sync depends on changed
     /// (e.g. the node's addresses, which NodePorts are served on): sync
     /// again.
-    Resync { reason: &'static str },
+    Resync {
+        /// What changed, for the log.
+        reason: &'static str,
+    },
 }
 
 /// What the watchers have converted and not yet handed to the sync loop,

@@ -40,8 +40,11 @@ pub const REPORTING_CONTROLLER: &str = "topoproxy";
 
 /// Event reasons (CamelCase, as Kubernetes components use).
 pub const REASON_INVALID_SERVICE: &str = "InvalidService";
+/// A Service's EndpointSlice, or an endpoint or port of it, was rejected.
 pub const REASON_INVALID_ENDPOINT_SLICE: &str = "InvalidEndpointSlice";
+/// A Service's `topologyKeys` are invalid and were ignored.
 pub const REASON_INVALID_TOPOLOGY_KEYS: &str = "InvalidTopologyKeys";
+/// A Service's other topology settings (annotations, `trafficDistribution`) are invalid and were ignored.
 pub const REASON_INVALID_TOPOLOGY: &str = "InvalidTopologyConfiguration";
 
 /// The API server rejects Event notes longer than this (events.k8s.io/v1
@@ -63,11 +66,14 @@ fn truncate(s: &str, max: usize) -> &str {
 /// be reported in an Event.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ServiceProblem {
+    /// The Service the Event is about.
     pub service: ObjectRef,
     /// The Service's metadata.uid when known; Events refer to it so that a
     /// recreated Service does not inherit its predecessor's Events.
     pub uid: Option<String>,
+    /// The Event's reason (one of the `REASON_*`).
     pub reason: &'static str,
+    /// The Event's note.
     pub message: String,
 }
 
@@ -167,6 +173,7 @@ impl EventReporter {
         EventReporter { tx }
     }
 
+    /// Hands over every problem the latest sync found (the whole set: only the newest is kept); the poster posts an Event for each one not already reported.
     pub fn publish(&self, problems: Vec<ServiceProblem>) {
         let _ = self.tx.send(Arc::new(problems));
     }

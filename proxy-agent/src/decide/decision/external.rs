@@ -11,7 +11,9 @@ use crate::model::{Backend, Family, Frontend, ObjectRef};
 /// A health check node port to serve (externalTrafficPolicy: Local).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HealthCheck {
+    /// The `healthCheckNodePort` to listen on.
     pub port: u16,
+    /// The Service it reports on.
     pub service: ObjectRef,
     /// Usable endpoints of the Service on this node (distinct addresses of
     /// one family, the largest count over its ports and families).
@@ -33,6 +35,7 @@ pub struct ExternalState {
     /// The policies of the `socket` and `tc` frontends that have one
     /// (session affinity, source ranges).
     pub socket_policies: Policies,
+    /// The same for the `tc` frontends.
     pub tc_policies: Policies,
     /// The Maglev table sizes of `tc` frontends whose Service's annotation
     /// sets one (the others get the agent's default).
@@ -42,10 +45,13 @@ pub struct ExternalState {
     pub policy_local: BTreeSet<Frontend>,
     /// Endpoint addresses on this node: traffic to them needs no SNAT.
     pub local_endpoints: BTreeSet<std::net::IpAddr>,
+    /// The health check node ports of externalTrafficPolicy: Local Services, which cloud load balancers probe to find the nodes with a local endpoint.
     pub health_checks: Vec<HealthCheck>,
+    /// External frontends left out, for the log: one claimed by two Services keeps the first.
     pub problems: Vec<String>,
 }
 
+/// What the external frontends call for, from every port's decision: ClusterIP frontends keep the socket map's entries when an external address clashes with one.
 pub fn external_state<'a, I>(decisions: I, node_addrs: &[std::net::IpAddr]) -> ExternalState
 where
     I: IntoIterator<Item = &'a PortDecision> + Clone,

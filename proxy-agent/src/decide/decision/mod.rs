@@ -15,7 +15,9 @@ pub use external::{ExternalState, HealthCheck, external_state, external_state_of
 /// The outcome for one Service port on this node.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PortDecision {
+    /// The Service.
     pub service: ObjectRef,
+    /// Its port.
     pub port: ServicePort,
     /// ClusterIP frontends, primary family first.
     pub frontends: Vec<Frontend>,
@@ -266,6 +268,7 @@ pub struct FrontendTopo {
     pub tier: Option<u8>,
     /// Added per counted connection, in `proxy_common::SHARE_ONE`ths.
     pub blind_remote_share: u32,
+    /// The Service port the counts are reported under (`/metrics`).
     pub port: std::sync::Arc<PortLabel>,
 }
 
