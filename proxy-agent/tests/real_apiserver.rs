@@ -631,6 +631,90 @@ fn the_charts_rbac_is_all_the_agent_needs_to_program_services_and_post_events() 
     assert!(denied.is_empty(), "the chart's RBAC denied the agent something: {denied:#?}");
 }
 
+/// The chart as `helm install --dry-run=server` renders it against the real
+/// API server with `values` (Helm reads the API groups the server serves
+/// into `.Capabilities`, as a real install does; an offline render has
+/// only the built-in ones), as JSON objects.
+fn chart_installed_dry_run(kubeconfig: &std::path::Path, home: &std::path::Path, values: &Value) -> Vec<Value> {
+    const INSTALL: &str = "
+import json, pathlib, sys
+import helm_python as helm
+import yaml
+config = helm.Config(kubeconfig_path=sys.argv[3], namespace=sys.argv[2], storage_driver='memory')
+with helm.Chart.load(pathlib.Path(sys.argv[1])) as chart:
+    release = config.install(chart, 'tp', values=json.loads(sys.argv[4]), namespace=sys.argv[2], dry_run='server')
+print(json.dumps([d for d in yaml.safe_load_all(release['manifest']) if d]))
+";
+    let chart = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../charts/topoproxy");
+    let out = Command::new(venv_python())
+        .args(["-c", INSTALL])
+        .arg(&chart)
+        .arg(CHART_NS)
+        .arg(kubeconfig)
+        .arg(values.to_string())
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        // Helm's discovery cache goes under the test's own directory.
+        .env("HOME", home)
+        .env("XDG_CACHE_HOME", home.join("cache"))
+        .output()
+        .expect("run the chart venv's python");
+    assert!(out.status.success(), "helm install --dry-run=server failed: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("rendered objects as JSON")
+}
+
+/// `metrics.serviceMonitor.enabled: auto` against a real API server: no
+/// ServiceMonitor (and no metrics Service) while the server does not serve
+/// monitoring.coreos.com/v1; once Prometheus Operator's own ServiceMonitor
+/// CRD is installed, the chart renders one, and the server stores it as
+/// rendered: the operator's schema prunes none of its fields.
+#[test]
+fn the_auto_service_monitor_appears_once_the_server_serves_prometheus_operators_api() {
+    let crd = proxy_test_support::real_cluster::service_monitor_crd().expect("the ServiceMonitor CRD (cargo xtask k8s)");
+    let cluster = RealCluster::start("chart-servicemonitor").expect("start the real cluster");
+    let home = TempDir::new("tpt-helm");
+    let values = json!({"metrics": {"serviceMonitor": {"enabled": "auto"}}});
+    let kinds = |objects: &[Value]| objects.iter().filter_map(|o| o["kind"].as_str().map(str::to_string)).collect::<BTreeSet<_>>();
+    let before = chart_installed_dry_run(cluster.admin_kubeconfig(), &home.0, &values);
+    assert!(!kinds(&before).contains("ServiceMonitor"), "no ServiceMonitor without its API: {:?}", kinds(&before));
+    assert!(!before.iter().any(|o| o["kind"] == "Service"), "no metrics Service either");
+    let yaml = std::fs::read_to_string(&crd).expect("read the CRD");
+    cluster.apply(&yaml).expect("install Prometheus Operator's ServiceMonitor CRD");
+    cluster
+        .kubectl(&["wait", "--for=condition=Established", "--timeout=60s", "crd/servicemonitors.monitoring.coreos.com"])
+        .expect("the CRD is established");
+    let after = chart_installed_dry_run(cluster.admin_kubeconfig(), &home.0, &values);
+    let monitors: Vec<&Value> = after.iter().filter(|o| o["kind"] == "ServiceMonitor").collect();
+    assert_eq!(monitors.len(), 1, "one ServiceMonitor once the API is served: {:?}", kinds(&after));
+    assert!(after.iter().any(|o| o["kind"] == "Service"), "the ServiceMonitor's Service comes with it");
+    let monitor = monitors[0].clone();
+    assert_eq!(monitor["spec"]["endpoints"][0]["honorLabels"], true, "{monitor}");
+    // Stored as rendered: a field the operator's schema did not know would
+    // have been pruned by the server (which adds its defaults, such as a
+    // relabeling's `action: replace`).
+    cluster.apply(&monitor.to_string()).expect("the server accepts the ServiceMonitor");
+    let name = monitor["metadata"]["name"].as_str().expect("name");
+    let stored: Value =
+        serde_json::from_str(&cluster.kubectl(&["-n", CHART_NS, "get", "servicemonitor", name, "-o", "json"]).expect("get it"))
+            .expect("ServiceMonitor as JSON");
+    assert!(
+        kept(&monitor["spec"], &stored["spec"]),
+        "the server pruned or changed part of the spec:\n{}\n{}",
+        monitor["spec"],
+        stored["spec"]
+    );
+    assert_eq!(stored["metadata"]["labels"], monitor["metadata"]["labels"]);
+}
+
+/// Whether everything of `sent` is in `stored` unchanged; `stored` may hold
+/// more (the server's defaults).
+fn kept(sent: &Value, stored: &Value) -> bool {
+    match (sent, stored) {
+        (Value::Object(a), Value::Object(b)) => a.iter().all(|(k, v)| b.get(k).is_some_and(|w| kept(v, w))),
+        (Value::Array(a), Value::Array(b)) => a.len() == b.len() && a.iter().zip(b).all(|(v, w)| kept(v, w)),
+        _ => sent == stored,
+    }
+}
+
 /// The chart's ClusterRole without `nodes`: the agent cannot list its Node,
 /// says so (403), and never becomes ready.
 #[test]

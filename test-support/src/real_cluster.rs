@@ -98,6 +98,17 @@ pub fn bin_dir() -> io::Result<PathBuf> {
     check_bin_dir(dir)
 }
 
+/// Prometheus Operator's ServiceMonitor CustomResourceDefinition, which
+/// `cargo xtask k8s` keeps beside the binaries: the chart's `auto`
+/// ServiceMonitor is rendered once a real API server serves it.
+pub fn service_monitor_crd() -> io::Result<PathBuf> {
+    let crd = bin_dir()?.join("monitoring.coreos.com_servicemonitors.yaml");
+    if !crd.is_file() {
+        return Err(other(format!("{} is missing: `cargo xtask k8s` fetches it from Prometheus Operator's Go module", crd.display())));
+    }
+    Ok(crd)
+}
+
 /// `dir` when it holds every binary of [`BINARIES`].
 fn check_bin_dir(dir: PathBuf) -> io::Result<PathBuf> {
     let missing: Vec<&str> = BINARIES.iter().copied().filter(|b| !dir.join(b).is_file()).collect();

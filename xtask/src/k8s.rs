@@ -39,6 +39,15 @@ const BINARIES: [(&str, &str, &str); 4] = [
 const KUBERNETES_MODULE: &str = "k8s.io/kubernetes";
 const ETCD_MODULE: &str = "go.etcd.io/etcd/server/v3";
 
+/// Prometheus Operator's module, whose `example/prometheus-operator-crd/`
+/// holds the CustomResourceDefinitions it installs. The chart test that
+/// renders `metrics.serviceMonitor.enabled: auto` against the real API
+/// server installs its ServiceMonitor CRD, so that the object the chart
+/// renders is checked against the operator's own schema.
+const PROMETHEUS_OPERATOR: (&str, &str) = ("github.com/prometheus-operator/prometheus-operator", "v0.85.0");
+/// Where that CRD is kept, in the binaries' directory.
+pub(crate) const SERVICE_MONITOR_CRD: &str = "monitoring.coreos.com_servicemonitors.yaml";
+
 /// Where Go's official tarball installs itself, for a machine whose PATH
 /// does not have it.
 const GO_FALLBACK: &str = "/usr/local/go/bin/go";
@@ -76,10 +85,17 @@ pub(crate) fn ensure_binaries(root: &Path) -> Result<PathBuf> {
             missing.push((bin, package, shown));
         }
     }
-    if missing.is_empty() {
+    let crd = out.join(SERVICE_MONITOR_CRD);
+    if missing.is_empty() && crd.is_file() {
         return Ok(out);
     }
     let go = go_binary(&go_mod)?;
+    if !crd.is_file() {
+        fetch_service_monitor_crd(&go, &out)?;
+    }
+    if missing.is_empty() {
+        return Ok(out);
+    }
     download_modules(&go, &module)?;
     let ldflags = ldflags(&version)?;
     for (bin, package, shown) in missing {
@@ -156,6 +172,22 @@ fn go_binary(go_mod: &str) -> Result<PathBuf> {
 /// not a number (`1.27rc1` -> [1]).
 fn version_numbers(v: &str) -> Vec<u64> {
     v.split('.').map_while(|p| p.parse().ok()).collect()
+}
+
+/// Copies [`SERVICE_MONITOR_CRD`] out of Prometheus Operator's module
+/// (`go mod download`, about 4 MB, into Go's module cache) into `out`.
+/// Run outside tools/k8s, so that its go.mod and go.sum stay as committed.
+fn fetch_service_monitor_crd(go: &Path, out: &Path) -> Result<()> {
+    let (module, version) = PROMETHEUS_OPERATOR;
+    let mut c = util::cmd(go);
+    c.current_dir(out).env("GO111MODULE", "on").args(["mod", "download", "-json", &format!("{module}@{version}")]);
+    let listing = util::output(&mut c).with_context(|| format!("the Go module proxy failed: `go mod download {module}@{version}`"))?;
+    let info: serde_json::Value = serde_json::from_str(&listing).with_context(|| format!("reading `go mod download -json`: {listing}"))?;
+    let dir = info["Dir"].as_str().with_context(|| format!("`go mod download -json` names no Dir: {listing}"))?;
+    let from = Path::new(dir).join("example/prometheus-operator-crd").join(SERVICE_MONITOR_CRD);
+    std::fs::copy(&from, out.join(SERVICE_MONITOR_CRD)).with_context(|| format!("copying {}", from.display()))?;
+    println!("k8s: ServiceMonitor CRD of Prometheus Operator {version} in {}", out.display());
+    Ok(())
 }
 
 /// `go mod download`: fetches every module go.mod lists (a no-op when the
