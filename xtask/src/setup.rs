@@ -50,6 +50,22 @@ pub(crate) fn run() -> Result<()> {
 pub(crate) fn ensure() -> Result<()> {
     crate::compiler_cache::ensure();
     crate::compiler_cache::enable();
+    // cargo-fuzz and mdBook are built from crates.io with the stable
+    // toolchain and need nothing that the steps below install, so on a
+    // fresh machine they build beside them: the nightly download and the
+    // pip installs wait on the network, and each cargo install ends in a
+    // crate or a link that keeps one core busy (a fresh machine's setup
+    // took 362 s one after another, 5 minutes of it these installs). On a
+    // machine that has them both are a version check.
+    let tools = std::thread::spawn(|| cargo_fuzz().and_then(|()| mdbook()));
+    let rest = ensure_toolchain_and_packages();
+    let tools = tools.join().unwrap_or_else(|_| Err(anyhow::anyhow!("the cargo-fuzz/mdbook install thread panicked")));
+    rest.and(tools)
+}
+
+/// What [`ensure`] installs besides cargo-fuzz and mdBook, in order: each
+/// step needs the ones before it (bpf-linker links against Debian's LLVM).
+fn ensure_toolchain_and_packages() -> Result<()> {
     nightly()?;
     rust_src()?;
     // The lint step's tools (`lint.rs`). The toolchain that runs xtask
@@ -61,8 +77,6 @@ pub(crate) fn ensure() -> Result<()> {
     rust_components(Some(&nightly_channel()?), &["rustfmt", "clippy"])?;
     debian_packages()?;
     bpf_linker()?;
-    cargo_fuzz()?;
-    mdbook()?;
     crate::chart_env::ensure()?;
     Ok(())
 }

@@ -59,6 +59,20 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     // `-p NAME` narrows the run; otherwise the whole workspace is tested.
     let cargo_args: Vec<&String> = args.iter().take_while(|a| *a != "--").collect();
     let selects = selects_packages(&cargo_args);
+    // The real control plane of the real-API-server tests, built from
+    // tools/k8s when missing (k8s.rs); the tests find it through the env.
+    // Only proxy-agent's tests use it. It builds beside the lint and docs
+    // steps: on a fresh machine its module downloads wait on the network
+    // and each binary ends in a link on one core, while clippy ends in
+    // proxy-agent alone on one core; on a warm machine it is a check.
+    let k8s_build = (!selects || selects_package(&cargo_args, "proxy-agent")).then(|| {
+        let root = util::workspace_root();
+        let started = Instant::now();
+        std::thread::spawn(move || (k8s::ensure_binaries(&root), started.elapsed()))
+    });
+    let k8s_bin = |k8s_build: Option<std::thread::JoinHandle<(Result<std::path::PathBuf>, Duration)>>| {
+        k8s_build.map(|h| h.join().unwrap_or_else(|_| (Err(anyhow::anyhow!("the kubernetes build thread panicked")), Duration::ZERO)))
+    };
     // The lint step checks the whole workspace, so a run narrowed with `-p`
     // leaves it out, like the VM run. Otherwise it comes before any test:
     // a tree that fails a check is not worth the minutes of the datapath and
@@ -67,24 +81,33 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         println!("lint not run: packages were selected with -p (`cargo xtask lint` runs it alone)");
     } else {
         let started = Instant::now();
-        let compiled = lint::check().context("tests not run")?;
+        // A failed check waits for the Go build, so that none of its
+        // processes outlives the run.
+        let compiled = match lint::check() {
+            Ok(compiled) => compiled,
+            Err(e) => {
+                k8s_bin(k8s_build);
+                return Err(e.context("tests not run"));
+            }
+        };
         steps.done_compiled("lint (clippy compiles)", started, compiled);
         // The book (docs.rs): built, its links and commands and reference
         // pages checked. Seconds, and like lint a reason not to start the
         // long steps.
         let started = Instant::now();
-        docs::check().context("tests not run")?;
+        if let Err(e) = docs::check() {
+            k8s_bin(k8s_build);
+            return Err(e.context("tests not run"));
+        }
         steps.done("docs (mdbook build, links, reference pages)", started);
     }
-    // The real control plane of the real-API-server tests, built from
-    // tools/k8s when missing (k8s.rs); the tests find it through the env.
-    // Only proxy-agent's tests use it.
     let mut c = util::cargo();
-    if !selects || selects_package(&cargo_args, "proxy-agent") {
-        let started = Instant::now();
-        let k8s_bin = k8s::ensure_binaries(&util::workspace_root()).context("tests not run")?;
-        steps.done("kubernetes binaries (tools/k8s)", started);
-        c.env(k8s::BIN_ENV, &k8s_bin);
+    let waited = Instant::now();
+    if let Some((built, took)) = k8s_bin(k8s_build) {
+        let dir = built.context("tests not run")?;
+        steps.done("kubernetes binaries (tools/k8s), the rest after docs", waited);
+        steps.beside("kubernetes binaries (tools/k8s, beside lint and docs)", took);
+        c.env(k8s::BIN_ENV, &dir);
     }
     util::print_disk("the tests");
     let started = Instant::now();
