@@ -34,5 +34,6 @@ pub mod source;
 pub mod sync;
 pub(crate) mod util;
 
-/// Default pin directory under the BPF filesystem.
-pub const DEFAULT_BPFFS: &str = "/sys/fs/bpf/topoproxy";
+/// Default pin directory under the BPF filesystem (`--bpffs`); the layout
+/// under it is [`datapath::pins`]'s.
+pub use datapath::loader::pins::DEFAULT_PIN_DIR as DEFAULT_BPFFS;

@@ -1036,15 +1036,15 @@ fn removed_link_pins_are_installed_again() {
     );
     node.start_agent();
     wait_for_backends(&node, &net, "10.96.2.10:80", &[], &["pod-1"]);
-    let links = node.pins.path().join("links");
+    let link = |p: &str| proxy_agent::datapath::pins::socket_link(node.pins.path(), p);
     for p in PROGRAMS {
-        fs::remove_file(links.join(p)).unwrap_or_else(|e| panic!("remove link {p}: {e}"));
+        fs::remove_file(link(p)).unwrap_or_else(|e| panic!("remove link {p}: {e}"));
     }
     // The guard notices within its poll interval; traffic never depended
     // on the pins (the agent holds every link open), so wait for the pins
     // themselves, then check that traffic still flows.
     proxy_test_support::wait::eventually("every link pinned again", || {
-        let missing: Vec<&str> = PROGRAMS.iter().copied().filter(|p| !links.join(p).exists()).collect();
+        let missing: Vec<&str> = PROGRAMS.iter().copied().filter(|p| !link(p).exists()).collect();
         if missing.is_empty() { Ok(()) } else { Err(missing) }
     });
     wait_for_backends(&node, &net, "10.96.2.10:80", &[], &["pod-1"]);

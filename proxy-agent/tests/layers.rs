@@ -29,14 +29,16 @@ const RANKS: [(&str, u8); 10] = [
 
 /// The datapath's folders from the bottom up (`datapath/mod.rs`), by
 /// module path prefix, the longest that matches. `loader/` spans three
-/// ranks: what the kernel offers and its mounts are below everything, the
+/// ranks: what the kernel offers, its mounts and the pin directory's layout
+/// (`pins`, which every folder that opens a pin uses) are below everything, the
 /// eBPF object is below what loads programs from it (the socket
 /// iterators), and the attach loaders are above the sockets they sweep at
 /// install. Two groups of the same rank may not use each other.
-const DATAPATH_RANKS: [(&str, u8); 10] = [
+const DATAPATH_RANKS: [(&str, u8); 11] = [
     ("datapath::loader::kernel_features", 0),
     ("datapath::loader::kernel_btf", 0),
     ("datapath::loader::mounts", 0),
+    ("datapath::loader::pins", 0),
     ("datapath::maps", 1),
     ("datapath::loader::object", 2),
     ("datapath::conntrack", 3),

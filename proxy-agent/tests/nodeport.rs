@@ -35,6 +35,7 @@ use std::process::Stdio;
 use std::sync::mpsc;
 use std::time::Duration;
 
+use proxy_agent::datapath::pins;
 use proxy_test_support::sandbox::{Cgroup, Guarded, Netns, PinDir, command_in, echo_server, in_netns, spawn_backend, spawn_in_netns};
 use proxy_test_support::wait::{eventually, wait_limit};
 use support::*;
@@ -768,11 +769,9 @@ fn node_address_changes_are_followed_without_a_restart() {
     b.ip(&["addr", "add", "10.0.4.2/24", "dev", "b-x"]).expect("node address");
     w.wait_for("10.0.4.2:30080", &[], &["pod-a", "pod-b"]);
     w.wait_for("10.0.4.2:30053", &["--udp"], &["pod-a", "pod-b"]);
-    let links = w.nodes[1].pins.path().join("links");
-    let attached =
-        || std::fs::read_dir(&links).is_ok_and(|rd| rd.flatten().any(|e| e.file_name().to_string_lossy().starts_with("tc-b-x-")));
+    let attached = || ["ingress", "egress"].iter().any(|hook| pins::tc_link(w.nodes[1].pins.path(), "b-x", hook).exists());
     let legacy_marked = || {
-        std::fs::read_dir(w.nodes[1].pins.path().join("tc-legacy"))
+        std::fs::read_dir(pins::tc_legacy(w.nodes[1].pins.path()))
             .is_ok_and(|rd| rd.flatten().any(|e| e.file_name().to_string_lossy().starts_with("b-x-")))
     };
     assert!(attached() || legacy_marked(), "no TC attachment recorded for b-x");

@@ -85,7 +85,10 @@ fn pinned_maps_and_links_are_out_of_reach_of_other_users() {
     assert_eq!(meta.uid(), 0);
     let paths = walk(&pins);
     assert!(paths.iter().any(|p| p.ends_with("SERVICES")), "the maps are pinned: {paths:?}");
-    assert!(paths.iter().any(|p| p.components().any(|c| c.as_os_str() == "links")), "the links are pinned: {paths:?}");
+    assert!(
+        paths.iter().any(|p| p.components().any(|c| c.as_os_str() == proxy_agent::datapath::pins::LINKS_DIR)),
+        "the links are pinned: {paths:?}"
+    );
     for p in &paths {
         let m = fs::symlink_metadata(p).expect("stat");
         // Below the 0700 directory nothing is reachable anyway; pins also

@@ -23,6 +23,8 @@ use std::process::{Command, Stdio};
 
 use aya::maps::{HashMap, Map, MapData};
 use proxy_agent::datapath::dump::socket_counter_sums;
+use proxy_agent::datapath::pins;
+use proxy_agent::datapath::socket_loader::RELEASE_PROGRAM;
 use proxy_common::{SOCK_PEER_MAP, SOCK_REC_MAP, SockRecValue, counter};
 use proxy_test_support::sandbox::{Guarded, command_in, echo_server};
 use proxy_test_support::wait::eventually;
@@ -88,6 +90,11 @@ fn run_child(node: &Node, net: &PodNetwork, scenario: &str) -> Vec<Value> {
 /// the test runs, so the first one shares its line.
 fn json_line(line: &str) -> Option<Value> {
     serde_json::from_str(&line[line.find('{')?..]).ok()
+}
+
+/// The pin of the release program's link.
+fn release_link(node: &Node) -> std::path::PathBuf {
+    pins::socket_link(node.pins.path(), RELEASE_PROGRAM)
 }
 
 fn records(node: &Node) -> Vec<(u64, SockRecValue)> {
@@ -215,13 +222,13 @@ fn a_full_map_falls_back_to_socket_storage_and_an_upgrade_keeps_those_sockets() 
     // the held ones are.
     node.stop_agent();
     std::fs::remove_file(node.pins.path().join(SOCK_REC_MAP)).expect("remove SOCK_REC pin");
-    std::fs::remove_file(node.pins.path().join("links").join("sock_release")).expect("remove release link");
+    std::fs::remove_file(release_link(&node)).expect("remove release link");
     assert!(node.pins.path().join(SOCK_PEER_MAP).exists());
     node.start_agent_with(&["--max-sock-revnat", "1024"]);
     // The old programs keep translating until the new ones replace them:
     // wait for the new datapath (SOCK_REC pinned again, the release link).
     eventually("the upgraded agent installed SOCK_REC and its release program", || {
-        let ready = path_exists(&node.pins.path().join(SOCK_REC_MAP)) && path_exists(&node.pins.path().join("links").join("sock_release"));
+        let ready = path_exists(&node.pins.path().join(SOCK_REC_MAP)) && path_exists(&release_link(&node));
         if ready { Ok(()) } else { Err("not yet".to_string()) }
     });
     wait_for_backends(&node, &net, "10.96.0.30:80", &[], &["pod-c"]);
@@ -381,7 +388,7 @@ fn records_of_sockets_gone_before_the_release_program_are_swept() {
     // release program may still have run for them: their records, read
     // before, are written back as a release that did not run leaves them.
     node.stop_agent();
-    std::fs::remove_file(node.pins.path().join("links").join("sock_release")).expect("remove release link");
+    std::fs::remove_file(release_link(&node)).expect("remove release link");
     let before: Vec<(u64, SockRecValue)> = records(&node).into_iter().filter(|(c, _)| gone_cookies.contains(c)).collect();
     assert_eq!(before.len(), 4, "{before:?}");
     gone.exit();
@@ -397,7 +404,7 @@ fn records_of_sockets_gone_before_the_release_program_are_swept() {
     node.start_agent_with(&["--max-sock-revnat", "1024"]);
     eventually("the release link back and the records of closed sockets swept", || {
         let now = recorded(&node);
-        let released = path_exists(&node.pins.path().join("links").join("sock_release"));
+        let released = path_exists(&release_link(&node));
         if released && !gone_cookies.iter().chain(&fakes).any(|c| now.contains(c)) { Ok(()) } else { Err(now) }
     });
     let now = recorded(&node);

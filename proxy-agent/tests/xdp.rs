@@ -539,7 +539,7 @@ fn remote_backend_through_xdp(fam: Family) {
 
     // Restart with XDP on: the pinned link is adopted (same pin, program
     // swapped in place), the connection goes on.
-    let pin = w.pins.path().join("links").join("xdp-n-c");
+    let pin = proxy_agent::datapath::pins::xdp_link(w.pins.path(), "n-c");
     let ino = || std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&pin).expect("xdp link pin"));
     let ino_before = ino();
     w.stop_agent();

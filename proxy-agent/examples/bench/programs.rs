@@ -18,6 +18,7 @@ use anyhow::{Context, Result, bail};
 use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::{CgroupAttachMode, CgroupSock, CgroupSockAddr, SchedClassifier};
 use aya::sys::{Stats, enable_stats};
+use proxy_agent::datapath::pins;
 use proxy_agent::decide::decision::ExternalState;
 use proxy_agent::external::nodeport::NodePortWriter;
 use proxy_agent::model::{Backend, Frontend, Protocol};
@@ -172,8 +173,7 @@ pub(crate) struct ConnectRuntime {
 impl ConnectRuntime {
     pub(crate) fn prepare(pin_dir: &Path, cg: &Cgroup) -> Result<ConnectRuntime> {
         let link_id = |name: &str| -> Result<u32> {
-            let link = PinnedLink::from_pin(pin_dir.join(proxy_agent::datapath::object::LINKS_DIR).join(name))
-                .with_context(|| format!("opening the pinned {name} link"))?;
+            let link = PinnedLink::from_pin(pins::socket_link(pin_dir, name)).with_context(|| format!("opening the pinned {name} link"))?;
             let link: FdLink = link.into();
             Ok(link.info().with_context(|| format!("{name} link info"))?.program_id())
         };
@@ -187,12 +187,12 @@ impl ConnectRuntime {
         // for like; in the object they are tiny, as the agent creates them
         // too.
         let capacity = |name: &str| -> Result<u32> {
-            let m = aya::maps::MapData::from_pin(pin_dir.join(name)).with_context(|| format!("opening {name}"))?;
+            let m = aya::maps::MapData::from_pin(pins::map(pin_dir, name)).with_context(|| format!("opening {name}"))?;
             Ok(m.info().with_context(|| format!("{name} info"))?.max_entries())
         };
         let mut loader = aya::EbpfLoader::new();
         for m in proxy_agent::datapath::maps::MAPS {
-            loader.map_pin_path(m.name, pin_dir.join(m.name));
+            loader.map_pin_path(m.name, pins::map(pin_dir, m.name));
         }
         loader.map_max_entries(BENCH_SOCK_REC, capacity(proxy_common::SOCK_REC_MAP)?);
         loader.map_max_entries(BENCH_LRU_SHARED, capacity(proxy_common::SOCK_REVNAT_MAP)?);
@@ -899,7 +899,7 @@ struct PickSwitch {
 
 impl PickSwitch {
     fn open(pin_dir: &Path, port: u16) -> Result<PickSwitch> {
-        let data = aya::maps::MapData::from_pin(pin_dir.join(proxy_common::NP_SERVICES_MAP))?;
+        let data = aya::maps::MapData::from_pin(pins::map(pin_dir, proxy_common::NP_SERVICES_MAP))?;
         let services: aya::maps::HashMap<_, proxy_common::ServiceKey, proxy_common::ServiceValue> =
             aya::maps::HashMap::try_from(aya::maps::Map::HashMap(data))?;
         let key = proxy_common::ServiceKey {

@@ -467,7 +467,7 @@ impl Generator {
     /// with `pd0` when the namespace does, or with the pin directory.
     fn attach_sink(&mut self, backend: &Netns, variant: &str) -> Result<()> {
         // In the links directory, which the pin directory's reset unpins.
-        let links = self.pins.path().join(proxy_agent::datapath::object::LINKS_DIR);
+        let links = proxy_agent::datapath::pins::links(self.pins.path());
         std::fs::create_dir_all(&links)?;
         let link_pin = links.join(format!("bench-sink-{variant}"));
         let ns = std::fs::File::open(backend.path())?;

@@ -9,7 +9,9 @@
 //!   backends are encoded in them (`keys`), their sizes, their migration
 //!   across agent versions, the port bitmaps and the topology counts'
 //!   figures;
-//! - `loader/`: the kernel's features and BTF, the bpffs and cgroup mounts,
+//! - `loader/`: the kernel's features and BTF, the bpffs and cgroup mounts
+//!   and the pin directory's layout (`pins`, which every folder that opens
+//!   a pin uses: these three are below `maps/`),
 //!   the eBPF object (`object`, below everything else in the folder), and
 //!   above it the attach loaders (socket, TC, XDP) and the pin guard;
 //! - `conntrack/`: the TC datapath's conntrack GC;
@@ -35,7 +37,7 @@ pub mod maps;
 pub mod sockets;
 
 pub use conntrack::conntrack_gc;
-pub use loader::{kernel_btf, kernel_features, mounts, object, pin_guard, socket_loader, tc_loader, xdp_loader};
+pub use loader::{kernel_btf, kernel_features, mounts, object, pin_guard, pins, socket_loader, tc_loader, xdp_loader};
 pub use maglev::{maglev_budget, maglev_tables};
 pub use maps::{keys, map_migration, port_bits, service_topo, sizing};
 pub use sockets::{netns, sock_destroy, sock_diag, sock_iter, sock_rec_sweep};

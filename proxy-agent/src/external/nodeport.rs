@@ -14,6 +14,7 @@ use proxy_common::{AddrKey, NpConfig, NpFlagsValue, ServiceKey};
 
 use crate::datapath::bpf_batch::read_all;
 use crate::datapath::keys::{addr_key, frontend_of, service_key};
+use crate::datapath::loader::pins;
 use crate::datapath::map_writer::{ApplyError, MapWriter, WriteError};
 use crate::datapath::maps::TC_SERVICE_MAPS;
 use crate::datapath::port_bits::{PortBits, PortBitsError, PortSet};
@@ -23,7 +24,7 @@ use crate::external::node_addresses::{self, Devices, Resolved};
 use crate::model::{Backend, Frontend};
 
 fn open_map(pin_dir: &Path, name: &'static str) -> Result<MapData, WriteError> {
-    MapData::from_pin(pin_dir.join(name)).map_err(|source| WriteError::Open { map: name, source })
+    MapData::from_pin(pins::map(pin_dir, name)).map_err(|source| WriteError::Open { map: name, source })
 }
 
 /// The TC datapath's maps, as the agent writes them.

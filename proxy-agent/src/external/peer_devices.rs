@@ -26,6 +26,7 @@ use std::path::Path;
 use aya::maps::{HashMap, Map, MapData};
 use proxy_common as pc;
 
+use crate::datapath::loader::pins;
 use crate::datapath::map_writer::WriteError;
 
 /// `RTM_GETLINK`, `RTM_NEWLINK` (include/uapi/linux/rtnetlink.h).
@@ -193,7 +194,7 @@ impl PeerDevices {
     /// keeps the entries until its first pass has listed the devices).
     pub fn open(pin_dir: &Path) -> Result<PeerDevices, WriteError> {
         let name = pc::NP_PEER_DEVS_MAP;
-        let data = MapData::from_pin(pin_dir.join(name)).map_err(|source| WriteError::Open { map: name, source })?;
+        let data = MapData::from_pin(pins::map(pin_dir, name)).map_err(|source| WriteError::Open { map: name, source })?;
         let map: HashMap<MapData, u32, u32> =
             HashMap::try_from(Map::HashMap(data)).map_err(|source| WriteError::Open { map: name, source })?;
         let written = map.keys().filter_map(Result::ok).collect();

@@ -43,6 +43,7 @@ use proxy_common as pc;
 use proxy_common::{BackendKey, BackendValue, CtKey, CtValue};
 
 use crate::datapath::bpf_batch::{is_not_found, read_all};
+use crate::datapath::loader::pins;
 use crate::datapath::maps::port_bits::{PortBits, PortSet};
 use crate::observe::metrics::{GcFigures, Metrics};
 
@@ -343,7 +344,7 @@ pub struct SweepStats {
 }
 
 fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str) -> Result<(HashMap<MapData, K, V>, u32), GcError> {
-    let path = pin_dir.join(name);
+    let path = pins::map(pin_dir, name);
     let open_err = |source| GcError::Open { path: path.clone(), source };
     let data = MapData::from_pin(&path).map_err(open_err)?;
     let capacity = data.info().map_err(open_err)?.max_entries();

@@ -9,6 +9,7 @@ use aya::maps::{MapData, PerCpuArray};
 use proxy_common as pc;
 use proxy_common::{ServiceKey, ServiceValue, SvcConnValue};
 
+use crate::datapath::loader::pins;
 use crate::datapath::maps::{self, MapSpec};
 
 use super::read::{DumpError, counter_sums, hash_entries, open};
@@ -19,8 +20,8 @@ use super::read::{DumpError, counter_sums, hash_entries, open};
 /// and `explain --live`.
 pub fn service_conn_sums(pin_dir: &Path, spec: &'static MapSpec, ids: &[u32]) -> Result<Vec<(u32, SvcConnValue)>, DumpError> {
     let (map, max) = open(pin_dir, spec)?;
-    let arr =
-        PerCpuArray::<MapData, SvcConnValue>::try_from(map).map_err(|error| DumpError::Kind { path: pin_dir.join(spec.name), error })?;
+    let arr = PerCpuArray::<MapData, SvcConnValue>::try_from(map)
+        .map_err(|error| DumpError::Kind { path: pins::map(pin_dir, spec.name), error })?;
     let mut out = Vec::with_capacity(ids.len());
     for &id in ids {
         let index = pc::svc_conn_index(id);
@@ -52,7 +53,7 @@ pub fn frontend_conn_counts(
     services: &'static MapSpec,
     conn: &'static MapSpec,
 ) -> Result<BTreeMap<crate::model::Frontend, SvcConnValue>, DumpError> {
-    if !pin_dir.join(conn.name).exists() {
+    if !pins::map(pin_dir, conn.name).exists() {
         return Ok(BTreeMap::new());
     }
     let entries: Vec<(ServiceKey, ServiceValue)> = hash_entries(pin_dir, services, &mut Vec::new())?;

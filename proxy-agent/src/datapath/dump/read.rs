@@ -20,6 +20,7 @@ use serde::Serialize;
 
 use crate::datapath::bpf_batch::read_all;
 use crate::datapath::conntrack::conntrack_gc::monotonic_now_s;
+use crate::datapath::loader::pins;
 use crate::datapath::maps::keys::ip_of;
 use crate::datapath::maps::port_bits::{Bitmap, PortSet};
 use crate::datapath::maps::{self, MapSpec, SOCKET_SERVICE_MAPS, ServiceMaps, TC_SERVICE_MAPS};
@@ -146,7 +147,7 @@ fn open_read_only(path: &Path) -> io::Result<OwnedFd> {
 }
 
 pub(super) fn open(pin_dir: &Path, spec: &MapSpec) -> Result<(Map, u32), DumpError> {
-    let path = pin_dir.join(spec.name);
+    let path = pins::map(pin_dir, spec.name);
     let fd = open_read_only(&path).map_err(|error| DumpError::Open { path: path.clone(), error })?;
     let kind = |error| DumpError::Kind { path: path.clone(), error };
     let data = MapData::from_fd(fd).map_err(kind)?;
@@ -163,7 +164,8 @@ pub(super) fn hash_entries<K: Pod + Eq + Hash, V: Pod>(
     maps: &mut Vec<MapUsage>,
 ) -> Result<Vec<(K, V)>, DumpError> {
     let (map, max) = open(pin_dir, spec)?;
-    let hash: HashMap<MapData, K, V> = HashMap::try_from(map).map_err(|error| DumpError::Kind { path: pin_dir.join(spec.name), error })?;
+    let hash: HashMap<MapData, K, V> =
+        HashMap::try_from(map).map_err(|error| DumpError::Kind { path: pins::map(pin_dir, spec.name), error })?;
     let out = read_all(&hash).map_err(|error| DumpError::Read { map: spec.name, error })?;
     maps.push(MapUsage { name: spec.name, entries: out.len() as u64, max_entries: max });
     Ok(out)
@@ -186,12 +188,12 @@ fn sorted_entries<K: Pod + Ord + Hash, V: Pod>(
 /// backends share one). Nothing when it is not pinned (a datapath
 /// installed by an agent without tables).
 fn maglev_usage(pin_dir: &Path, spec: &'static MapSpec, maps: &mut Vec<MapUsage>) -> Result<u64, DumpError> {
-    if !pin_dir.join(spec.name).exists() {
+    if !pins::map(pin_dir, spec.name).exists() {
         return Ok(0);
     }
     let (map, max) = open(pin_dir, spec)?;
     let outer: HashOfMaps<MapData, pc::MaglevKey, MapData> =
-        HashOfMaps::try_from(map).map_err(|error| DumpError::Kind { path: pin_dir.join(spec.name), error })?;
+        HashOfMaps::try_from(map).map_err(|error| DumpError::Kind { path: pins::map(pin_dir, spec.name), error })?;
     // Bounded: a table linked in while the keys are listed must not keep
     // the dump going.
     let keys: Vec<pc::MaglevKey> = outer.keys().take(max as usize).flatten().collect();
@@ -212,7 +214,7 @@ fn maglev_usage(pin_dir: &Path, spec: &'static MapSpec, maps: &mut Vec<MapUsage>
 /// Records the map's usage.
 pub(super) fn counter_sums(pin_dir: &Path, spec: &'static MapSpec, maps: &mut Vec<MapUsage>) -> Result<Vec<u64>, DumpError> {
     let (map, max) = open(pin_dir, spec)?;
-    let arr = PerCpuArray::<MapData, u64>::try_from(map).map_err(|error| DumpError::Kind { path: pin_dir.join(spec.name), error })?;
+    let arr = PerCpuArray::<MapData, u64>::try_from(map).map_err(|error| DumpError::Kind { path: pins::map(pin_dir, spec.name), error })?;
     let mut sums = Vec::with_capacity(max as usize);
     for i in 0..max {
         let per_cpu = arr.get(&i, 0).map_err(|error| DumpError::Read { map: spec.name, error })?;
@@ -231,7 +233,7 @@ pub fn read(pin_dir: &Path) -> Result<Snapshot, DumpError> {
     snap.backends = sorted_entries(pin_dir, &maps::BACKENDS, usage)?;
     // Only the size of the reverse-translation table is interesting here.
     hash_entries::<SockRevNatKey, SockRevNatValue>(pin_dir, &maps::SOCK_REVNAT, usage)?;
-    if pin_dir.join(maps::SOCK_REC.name).exists() {
+    if pins::map(pin_dir, maps::SOCK_REC.name).exists() {
         snap.socket_records = sorted_entries(pin_dir, &maps::SOCK_REC, usage)?;
     }
     snap.counters = counter_sums(pin_dir, &maps::COUNTERS, usage)?;
@@ -239,7 +241,7 @@ pub fn read(pin_dir: &Path) -> Result<Snapshot, DumpError> {
     snap.socket_ports = read_ports(pin_dir, &maps::SOCK_PORTS, Bitmap::Socket)?;
     snap.policy =
         read_policy::<SockAffinityKey>(pin_dir, &SOCKET_SERVICE_MAPS, usage, |k| (k.scope_id, format!("netns {}", k.netns_cookie)))?;
-    if pin_dir.join(maps::NP_SERVICES.name).exists() {
+    if pins::map(pin_dir, maps::NP_SERVICES.name).exists() {
         snap.nodeport = Some(read_nodeport(pin_dir, usage)?);
     }
     Ok(snap)
@@ -253,12 +255,12 @@ fn read_policy<K: Pod + Eq + Hash>(
     usage: &mut Vec<MapUsage>,
     client: impl Fn(&K) -> (u32, String),
 ) -> Result<PolicySnapshot, DumpError> {
-    if !pin_dir.join(names.affinity_match.name).exists() {
+    if !pins::map(pin_dir, names.affinity_match.name).exists() {
         return Ok(PolicySnapshot::default());
     }
     let matches = sorted_entries(pin_dir, names.affinity_match, usage)?;
     let (map, max) = open(pin_dir, names.source_ranges)?;
-    let path = pin_dir.join(names.source_ranges.name);
+    let path = pins::map(pin_dir, names.source_ranges.name);
     let trie: LpmTrie<MapData, SourceRangeKey, u32> = LpmTrie::try_from(map).map_err(|error| DumpError::Kind { path, error })?;
     let mut ranges = Vec::new();
     for k in trie.keys() {
@@ -302,15 +304,15 @@ fn read_nodeport(pin_dir: &Path, usage: &mut Vec<MapUsage>) -> Result<NpSnapshot
     };
     np.now_s = monotonic_now_s().ok();
     let (map, max) = open(pin_dir, &maps::NP_CONFIG)?;
-    let config =
-        Array::<MapData, NpConfig>::try_from(map).map_err(|error| DumpError::Kind { path: pin_dir.join(pc::NP_CONFIG_MAP), error })?;
+    let config = Array::<MapData, NpConfig>::try_from(map)
+        .map_err(|error| DumpError::Kind { path: pins::map(pin_dir, pc::NP_CONFIG_MAP), error })?;
     np.config = Some(config.get(&0, 0).map_err(|error| DumpError::Read { map: pc::NP_CONFIG_MAP, error })?);
     usage.push(MapUsage { name: pc::NP_CONFIG_MAP, entries: u64::from(max), max_entries: max });
     np.counters = counter_sums(pin_dir, &maps::NP_COUNTERS, usage)?;
-    if pin_dir.join(maps::NP_FAST_COUNTERS.name).exists() {
+    if pins::map(pin_dir, maps::NP_FAST_COUNTERS.name).exists() {
         np.fast_counters = counter_sums(pin_dir, &maps::NP_FAST_COUNTERS, usage)?;
     }
-    if pin_dir.join(maps::NP_PEER_DEVS.name).exists() {
+    if pins::map(pin_dir, maps::NP_PEER_DEVS.name).exists() {
         np.peer_devices = sorted_entries::<u32, u32>(pin_dir, &maps::NP_PEER_DEVS, usage)?.into_iter().map(|(i, _)| i).collect();
     }
     np.ports = read_ports(pin_dir, &maps::NP_PORTS, Bitmap::Tc)?;
@@ -324,7 +326,7 @@ fn read_nodeport(pin_dir: &Path, usage: &mut Vec<MapUsage>) -> Result<NpSnapshot
 /// A port bitmap (`NP_PORTS` or `SOCK_PORTS`) as a set, or `None` when it
 /// is not pinned.
 fn read_ports(pin_dir: &Path, spec: &'static MapSpec, bitmap: Bitmap) -> Result<Option<PortSet>, DumpError> {
-    let path = pin_dir.join(spec.name);
+    let path = pins::map(pin_dir, spec.name);
     if !path.exists() {
         return Ok(None);
     }

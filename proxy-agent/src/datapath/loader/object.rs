@@ -1,20 +1,17 @@
 //! The eBPF object both loaders load, and its place under the pin
-//! directory: every map of the [`maps::MAPS`] table pinned by its name,
-//! program links in [`LINKS_DIR`].
+//! directory: every map of the [`maps::MAPS`] table pinned by its name
+//! (the layout is `pins`'s).
 
 use std::path::Path;
 
 use aya::{Ebpf, EbpfError, EbpfLoader};
 use proxy_common as pc;
 
-use crate::datapath::maps::map_migration;
+use crate::datapath::loader::pins;
 use crate::datapath::maps::{self, Capacities};
 
 /// The eBPF object, built by build.rs from the `proxy-ebpf` crate.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
-
-/// Sub-directory of the pin directory that holds the program links.
-pub const LINKS_DIR: &str = "links";
 
 /// Loads `object` (no program yet) with every pinned map at its pin under
 /// `pin_dir`: aya reuses a map pinned there instead of creating one, and
@@ -26,7 +23,7 @@ pub fn load(object: &[u8], pin_dir: &Path, caps: Option<&Capacities>) -> Result<
 }
 
 /// [`load`], with the maps named in `staged` at their staged pins
-/// (`map_migration::staged_pin`): created there, with `caps`, when none is
+/// ([`pins::staged_map`]): created there, with `caps`, when none is
 /// pinned there yet. For a capacity change (see `map_migration`).
 pub fn load_staged(object: &[u8], pin_dir: &Path, caps: Option<&Capacities>, staged: &[&str]) -> Result<Ebpf, EbpfError> {
     load_with(object, pin_dir, caps, staged, |_| {})
@@ -71,7 +68,7 @@ fn load_with(
     let mut loader = EbpfLoader::new();
     private(&mut loader);
     for m in maps::MAPS {
-        let pin = if staged.contains(&m.name) { map_migration::staged_pin(pin_dir, m.name) } else { pin_dir.join(m.name) };
+        let pin = if staged.contains(&m.name) { pins::staged_map(pin_dir, m.name) } else { pins::map(pin_dir, m.name) };
         loader.map_pin_path(m.name, pin);
         if let (Some(caps), Some(c)) = (caps, m.capacity) {
             loader.map_max_entries(m.name, caps.get(c));

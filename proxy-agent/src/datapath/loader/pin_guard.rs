@@ -31,8 +31,7 @@ use std::time::Duration;
 
 use aya::maps::{MapData, MapError};
 
-use crate::datapath::loader::object::LINKS_DIR;
-use crate::datapath::loader::{mounts, socket_loader};
+use crate::datapath::loader::{mounts, pins, socket_loader};
 use crate::datapath::maps::{self, Capacities};
 use crate::observe::metrics::{Metrics, reason};
 use crate::util::error_chain::error_chain;
@@ -83,7 +82,7 @@ impl PinGuard {
     pub fn open(pin_dir: &Path, cgroup: &Path, caps: Capacities) -> Result<PinGuard, GuardError> {
         let mut held = Vec::with_capacity(maps::MAPS.len());
         for m in maps::MAPS {
-            let path = pin_dir.join(m.name);
+            let path = pins::map(pin_dir, m.name);
             let data = MapData::from_pin(&path).map_err(|source| GuardError::Open { path, source })?;
             held.push((m.name, data));
         }
@@ -97,7 +96,7 @@ impl PinGuard {
             mounts::ensure_pin_dir(&self.pin_dir)?;
         }
         for (name, map) in &self.maps {
-            let path = self.pin_dir.join(name);
+            let path = pins::map(&self.pin_dir, name);
             if path.exists() {
                 continue;
             }
@@ -110,8 +109,7 @@ impl PinGuard {
             }
             restored.maps.push(name);
         }
-        let links = self.pin_dir.join(LINKS_DIR);
-        if socket_loader::PROGRAMS.iter().chain([&socket_loader::RELEASE_PROGRAM]).any(|p| !links.join(p).exists()) {
+        if socket_loader::PROGRAMS.iter().chain([&socket_loader::RELEASE_PROGRAM]).any(|p| !pins::socket_link(&self.pin_dir, p).exists()) {
             let warnings = socket_loader::install(&self.cgroup, &self.pin_dir, self.caps).map_err(|e| GuardError::Install(Box::new(e)))?;
             restored.links = Some(warnings);
         }

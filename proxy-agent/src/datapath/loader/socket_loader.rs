@@ -26,8 +26,8 @@ use proxy_common as pc;
 
 use crate::datapath::bpf_batch;
 use crate::datapath::loader::kernel_features::{self, KernelFeatures};
-use crate::datapath::loader::object::{self, EBPF_OBJECT, LINKS_DIR};
-use crate::datapath::loader::{mounts, tc_loader};
+use crate::datapath::loader::object::{self, EBPF_OBJECT};
+use crate::datapath::loader::{mounts, pins, tc_loader};
 use crate::datapath::maps::{self, Capacities};
 use crate::datapath::maps::{map_migration, port_bits};
 use crate::datapath::sockets::sock_rec_sweep;
@@ -97,7 +97,7 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
     let mut warnings = check_pinned_maps(pin_dir)?;
     // A datapath pinned by an agent version without SOCK_PEER has reverse
     // entries only in SOCK_REVNAT (see `SockConfig`).
-    let legacy_revnat = pin_dir.join(pc::SOCK_REVNAT_MAP).exists() && !pin_dir.join(pc::SOCK_PEER_MAP).exists();
+    let legacy_revnat = pins::map(pin_dir, pc::SOCK_REVNAT_MAP).exists() && !pins::map(pin_dir, pc::SOCK_PEER_MAP).exists();
 
     // Maps whose capacity changes are created anew beside their pins and
     // filled from the old ones before any new program runs (see
@@ -106,7 +106,7 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
     warnings.extend(kept);
     for m in &migrations {
         // Left over by an agent killed mid-migration: never adopted.
-        remove(&map_migration::staged_pin(pin_dir, m.spec.name))?;
+        remove(&pins::staged_map(pin_dir, m.spec.name))?;
     }
     let staged: Vec<&str> = migrations.iter().map(|m| m.spec.name).collect();
     // Every map of both datapaths, so that the TC loader (tc_loader.rs)
@@ -126,7 +126,7 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
     tracing::debug!(ports, "SOCK_PORTS covers the pinned frontends");
 
     let cg = fs::File::open(cgroup).map_err(|source| LoadError::Cgroup { path: cgroup.into(), source })?;
-    let links = pin_dir.join(LINKS_DIR);
+    let links = pins::links(pin_dir);
     fs::create_dir_all(&links).map_err(|source| mounts::MountError::Create { path: links.clone(), source })?;
 
     // The release program first: every socket that gets a SOCK_REC record
@@ -145,7 +145,7 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
         let id = prog.attach(&cg, CgroupAttachMode::default()).map_err(|source| LoadError::Program { program, source })?;
         let link = prog.take_link(id).map_err(|source| LoadError::Program { program, source })?;
         let link: FdLink = link.try_into().map_err(|source| LoadError::Link { program, source })?;
-        pin_link(link, &links, program)?;
+        pin_link(link, pin_dir, program)?;
         tracing::debug!("release program attached");
     }
     for program in PROGRAMS {
@@ -166,7 +166,7 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
         let id = prog.attach(&cg, CgroupAttachMode::default()).map_err(|source| LoadError::Program { program, source })?;
         let link = prog.take_link(id).map_err(|source| LoadError::Program { program, source })?;
         let link: FdLink = link.try_into().map_err(|source| LoadError::Link { program, source })?;
-        pin_link(link, &links, program)?;
+        pin_link(link, pin_dir, program)?;
     }
     // The old socket programs are detached: what they wrote into the LRU
     // maps since the first copy is added, then the new maps take the
@@ -216,12 +216,11 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
     Ok(warnings)
 }
 
-/// Pins `link` as `links/<program>`, replacing an older agent's link of
-/// that name, which detaches it.
-fn pin_link(link: FdLink, links: &Path, program: &'static str) -> Result<(), LoadError> {
-    let final_path = links.join(program);
-    // bpffs refuses names with a dot (kernel/bpf/inode.c:bpf_lookup).
-    let staging = links.join(format!("{program}-next"));
+/// Pins `link` at [`pins::socket_link`], replacing an older agent's link
+/// of that name, which detaches it.
+fn pin_link(link: FdLink, pin_dir: &Path, program: &'static str) -> Result<(), LoadError> {
+    let final_path = pins::socket_link(pin_dir, program);
+    let staging = pins::staged_socket_link(pin_dir, program);
     let _ = fs::remove_file(&staging); // left over by an agent killed mid-install
     let pin_err = |reason: String| LoadError::Pin { program, path: final_path.clone(), reason };
     let pinned = link.pin(&staging).map_err(|e| pin_err(error_chain(&e)))?;
@@ -279,7 +278,7 @@ pub fn socket_cookie(socket: BorrowedFd<'_>) -> io::Result<u64> {
 fn check_pinned_maps(pin_dir: &Path) -> Result<Vec<String>, LoadError> {
     let mut warnings = Vec::new();
     for m in maps::MAPS {
-        let path = pin_dir.join(m.name);
+        let path = pins::map(pin_dir, m.name);
         if !path.exists() {
             continue;
         }
@@ -324,7 +323,7 @@ fn check_pinned_maps(pin_dir: &Path) -> Result<Vec<String>, LoadError> {
 /// (`tc_loader::reset`), then every map of the [`maps::MAPS`] table.
 /// Missing pieces are fine, so reset is idempotent.
 pub fn reset(pin_dir: &Path) -> Result<(), LoadError> {
-    let links = pin_dir.join(LINKS_DIR);
+    let links = pins::links(pin_dir);
     if let Ok(rd) = fs::read_dir(&links) {
         for entry in rd.flatten() {
             let path = entry.path();
@@ -340,8 +339,8 @@ pub fn reset(pin_dir: &Path) -> Result<(), LoadError> {
     }
     tc_loader::reset(pin_dir).map_err(|(path, source)| LoadError::Remove { path, source })?;
     for m in maps::MAPS {
-        remove(&pin_dir.join(m.name))?;
-        remove(&map_migration::staged_pin(pin_dir, m.name))?;
+        remove(&pins::map(pin_dir, m.name))?;
+        remove(&pins::staged_map(pin_dir, m.name))?;
     }
     remove_dir(pin_dir)
 }

@@ -28,21 +28,17 @@ use aya::programs::{LinkOrder, SchedClassifier, TcAttachType};
 
 use crate::datapath::loader::kernel_features::{self, KernelFeatures};
 use crate::datapath::loader::mounts;
-use crate::datapath::loader::object::{self, EBPF_OBJECT, LINKS_DIR};
+use crate::datapath::loader::object::{self, EBPF_OBJECT};
+use crate::datapath::loader::pins;
 use crate::datapath::maps::port_bits;
 use crate::util::error_chain::error_chain;
 
 pub const INGRESS_PROGRAM: &str = "np_ingress";
 pub const EGRESS_PROGRAM: &str = "np_egress";
 
-/// Prefix of the TC link pins in the links directory.
-const LINK_PREFIX: &str = "tc-";
-
-/// Directory (under the pin directory) that records the devices holding a
-/// legacy cls_bpf filter of ours, one empty directory `<device>-<hook>` each
-/// (bpffs holds no regular files), so that a later run or `reset` can find
-/// and remove them.
-const LEGACY_DIR: &str = "tc-legacy";
+// The devices holding a legacy cls_bpf filter of ours are recorded in
+// `pins::tc_legacy`, one empty directory per filter (see `legacy_record`),
+// so that a later run or `reset` can find and remove them.
 /// Our cls_bpf filters' priority and handle on the clsact hooks: fixed, so
 /// that a restarted agent replaces its own filter instead of adding one.
 const LEGACY_PRIORITY: u16 = 0x4e50;
@@ -171,7 +167,7 @@ fn attach_loaded(pin_dir: &Path, ebpf: &mut Ebpf, devices: &[String], mode: TcMo
     // created over the pins of an agent version without it.
     let (ingress_ports, egress_ports) = port_bits::fill_from_maps(pin_dir)?;
     tracing::debug!(ingress_ports, egress_ports, "NP_PORTS covers the pinned frontends, backends and flows");
-    let links = pin_dir.join(LINKS_DIR);
+    let links = pins::links(pin_dir);
     fs::create_dir_all(&links).map_err(|source| TcError::Io { path: links.clone(), source })?;
     // tcx (NET_XGRESS) arrived in Linux 6.6; probed, not read off the
     // version (see `KernelFeatures`).
@@ -180,7 +176,7 @@ fn attach_loaded(pin_dir: &Path, ebpf: &mut Ebpf, devices: &[String], mode: TcMo
         TcMode::Tcx => true,
         TcMode::Netlink => false,
     };
-    let legacy = pin_dir.join(LEGACY_DIR);
+    let legacy = pins::tc_legacy(pin_dir);
     let netns = current_netns();
 
     for (program, attach_type, dir) in
@@ -188,7 +184,7 @@ fn attach_loaded(pin_dir: &Path, ebpf: &mut Ebpf, devices: &[String], mode: TcMo
     {
         let prog = classifier(ebpf, program)?;
         for device in devices {
-            let pin = links.join(format!("{LINK_PREFIX}{device}-{dir}"));
+            let pin = pins::tc_link(pin_dir, device, dir);
             let err = |what: &'static str, reason: String| TcError::Attach { device: device.clone(), what, reason };
             if tcx {
                 attach_tcx(prog, device, attach_type, &pin).map_err(|(what, reason)| err(what, reason))?;
@@ -237,14 +233,14 @@ pub fn detach_all(pin_dir: &Path) -> Vec<String> {
 /// Detaches pinned links and recorded filters of devices not in `devices`
 /// (all recorded filters when `tcx`: the programs then live in links).
 fn detach_unlisted(pin_dir: &Path, devices: &[String], tcx: bool, warnings: &mut Vec<String>) {
-    let links = pin_dir.join(LINKS_DIR);
-    let legacy = pin_dir.join(LEGACY_DIR);
+    let links = pins::links(pin_dir);
+    let legacy = pins::tc_legacy(pin_dir);
     let netns = current_netns();
     // Devices that were attached by an earlier run but are not listed now.
     if let Ok(rd) = fs::read_dir(&links) {
         for e in rd.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            let Some(rest) = name.strip_prefix(LINK_PREFIX) else { continue };
+            let Some(rest) = pins::tc_link_target(&name) else { continue };
             let listed = devices.iter().any(|d| rest == format!("{d}-ingress") || rest == format!("{d}-egress"));
             if !listed {
                 if let Ok(link) = PinnedLink::from_pin(e.path()) {
@@ -314,7 +310,7 @@ fn detach_legacy(entry: &str) -> bool {
 /// `socket_loader::reset`, which removes the tcx link pins (in the links
 /// directory) and the maps itself.
 pub fn reset(pin_dir: &Path) -> Result<(), (PathBuf, io::Error)> {
-    let legacy = pin_dir.join(LEGACY_DIR);
+    let legacy = pins::tc_legacy(pin_dir);
     if let Ok(rd) = fs::read_dir(&legacy) {
         for e in rd.flatten() {
             detach_legacy(&e.file_name().to_string_lossy());

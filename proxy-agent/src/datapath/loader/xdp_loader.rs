@@ -35,13 +35,11 @@ use aya::programs::{Xdp, XdpMode as AttachMode};
 use proxy_common as pc;
 
 use crate::datapath::loader::kernel_features::KernelFeatures;
-use crate::datapath::loader::object::{self, EBPF_OBJECT, LINKS_DIR};
+use crate::datapath::loader::object::{self, EBPF_OBJECT};
+use crate::datapath::loader::pins;
 use crate::util::error_chain::error_chain;
 
 pub const XDP_PROGRAM: &str = "xdp_nodeport";
-
-/// Prefix of the XDP link pins in the links directory.
-const LINK_PREFIX: &str = "xdp-";
 
 /// `--xdp`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -135,11 +133,11 @@ fn attach_loaded(
     mut notes: Vec<String>,
 ) -> Result<Vec<String>, XdpError> {
     let prog = program(ebpf)?;
-    let links = pin_dir.join(LINKS_DIR);
+    let links = pins::links(pin_dir);
     fs::create_dir_all(&links).map_err(|source| XdpError::Io { path: links.clone(), source })?;
     let mut on = Vec::new();
     for device in devices {
-        let pin = links.join(format!("{LINK_PREFIX}{device}"));
+        let pin = pins::xdp_link(pin_dir, device);
         match attach(prog, device, &pin) {
             Ok(()) => on.push(device.clone()),
             Err(reason) if mode == XdpMode::Auto => {
@@ -164,11 +162,11 @@ pub fn detach_all(pin_dir: &Path) -> Vec<String> {
 /// The devices the XDP program is attached to through this pin directory
 /// (a pinned link each), for `dump` and `/metrics`.
 pub fn attached_devices(pin_dir: &Path) -> Vec<String> {
-    let mut out: Vec<String> = fs::read_dir(pin_dir.join(LINKS_DIR))
+    let mut out: Vec<String> = fs::read_dir(pins::links(pin_dir))
         .into_iter()
         .flatten()
         .flatten()
-        .filter_map(|e| e.file_name().to_string_lossy().strip_prefix(LINK_PREFIX).map(str::to_string))
+        .filter_map(|e| pins::xdp_link_device(&e.file_name().to_string_lossy()).map(str::to_string))
         .collect();
     out.sort();
     out
@@ -181,7 +179,7 @@ pub fn attached_devices(pin_dir: &Path) -> Vec<String> {
 /// its maps. Empty when XDP is off.
 pub fn next_hops(pin_dir: &Path) -> Result<Vec<(pc::XdpNextHopKey, pc::XdpNextHopValue)>, XdpError> {
     let Some(device) = attached_devices(pin_dir).into_iter().next() else { return Ok(Vec::new()) };
-    let pin = pin_dir.join(LINKS_DIR).join(format!("{LINK_PREFIX}{device}"));
+    let pin = pins::xdp_link(pin_dir, &device);
     let not_found = |what: String| XdpError::Io { path: pin.clone(), source: io::Error::new(io::ErrorKind::NotFound, what) };
     let link: FdLink = PinnedLink::from_pin(&pin).map_err(|e| not_found(error_chain(&e)))?.into();
     let prog_id = link.info().map_err(|e| not_found(error_chain(&e)))?.program_id();
@@ -204,10 +202,10 @@ pub fn next_hops(pin_dir: &Path) -> Result<Vec<(pc::XdpNextHopKey, pc::XdpNextHo
 }
 
 fn detach_unlisted(pin_dir: &Path, keep: &[String], notes: &mut Vec<String>) {
-    let Ok(rd) = fs::read_dir(pin_dir.join(LINKS_DIR)) else { return };
+    let Ok(rd) = fs::read_dir(pins::links(pin_dir)) else { return };
     for e in rd.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        let Some(device) = name.strip_prefix(LINK_PREFIX) else { continue };
+        let Some(device) = pins::xdp_link_device(&name) else { continue };
         if keep.iter().any(|d| d == device) {
             continue;
         }

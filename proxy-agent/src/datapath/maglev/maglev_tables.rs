@@ -23,6 +23,7 @@ use proxy_common as pc;
 use proxy_common::{MaglevKey, ServiceValue};
 
 use crate::datapath::bpf_batch::{self, BPF_MAP_DELETE_ELEM, BPF_MAP_UPDATE_ELEM};
+use crate::datapath::loader::pins;
 use crate::datapath::maglev::maglev_budget::{MaglevBudget, OverBudget};
 use crate::datapath::maps::MapSpec;
 use crate::decide::maglev::{Table, TableSize};
@@ -101,7 +102,7 @@ impl MaglevTables {
     /// by an agent without tables and not reloaded since): its programs
     /// pick by slot, and so the writer writes no tables.
     pub(crate) fn open(pin_dir: &Path, spec: &'static MapSpec) -> Result<Option<MaglevTables>, MapError> {
-        let path = pin_dir.join(spec.name);
+        let path = pins::map(pin_dir, spec.name);
         if !path.exists() {
             return Ok(None);
         }

@@ -1,7 +1,7 @@
 //! Changing a pinned map's capacity without a gap: the kernel cannot resize
 //! a map (`max_entries` is fixed at BPF_MAP_CREATE), and programs hold
 //! their maps by fd from load time on. So a map whose capacity changes is
-//! created anew beside its pin (at [`staged_pin`]), the old entries are
+//! created anew beside its pin (at [`pins::staged_map`]), the old entries are
 //! copied in, new programs are loaded against it and swapped in for the old
 //! ones (socket_loader replaces the pinned cgroup links, tc_loader the tcx
 //! links or cls_bpf filters), and only then is the new map's pin renamed
@@ -21,6 +21,7 @@ use aya::maps::{Map, MapData, MapInfo, MapType, PerCpuArray, PerCpuValues};
 use proxy_common::SvcConnValue;
 
 use crate::datapath::bpf_batch::{self, BPF_MAP_GET_NEXT_KEY, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM};
+use crate::datapath::loader::pins;
 use crate::datapath::maps::{self, Capacities, MapSpec};
 
 /// A map to be recreated with another capacity.
@@ -41,12 +42,6 @@ pub enum MigrationError {
     Rename { map: &'static str, path: PathBuf, source: io::Error },
 }
 
-/// Where the new copy of map `name` is pinned until it replaces the old
-/// one (bpffs refuses names with a dot, kernel/bpf/inode.c:bpf_lookup).
-pub fn staged_pin(pin_dir: &Path, name: &str) -> PathBuf {
-    pin_dir.join(format!("{name}-next"))
-}
-
 /// The capacity of every pinned map a capacity flag sizes, in
 /// [`maps::Capacity::ALL`] order (the first pinned map of each wins; the
 /// maps a capacity sizes are created together).
@@ -56,7 +51,7 @@ pub fn pinned_capacities(pin_dir: &Path) -> [Option<u32>; 6] {
         let Some(c) = m.capacity else { continue };
         let i = maps::Capacity::ALL.iter().position(|&x| x == c).unwrap_or(0);
         if out[i].is_none()
-            && let Ok(info) = MapInfo::from_pin(pin_dir.join(m.name))
+            && let Ok(info) = MapInfo::from_pin(pins::map(pin_dir, m.name))
         {
             out[i] = Some(info.max_entries());
         }
@@ -79,7 +74,7 @@ pub fn plan(pin_dir: &Path, caps: &Capacities) -> (Vec<Migration>, Vec<String>) 
     // socket_loader's `check_pinned_maps`.)
     for (spec, count) in [(&maps::COUNTERS, proxy_common::counter::COUNT), (&maps::NP_FAST_COUNTERS, proxy_common::np_fast_counter::COUNT)]
     {
-        if let Ok(info) = MapInfo::from_pin(pin_dir.join(spec.name))
+        if let Ok(info) = MapInfo::from_pin(pins::map(pin_dir, spec.name))
             && info.max_entries() < count
         {
             out.push(Migration { spec, from: info.max_entries(), to: count });
@@ -87,7 +82,7 @@ pub fn plan(pin_dir: &Path, caps: &Capacities) -> (Vec<Migration>, Vec<String>) 
     }
     for m in maps::MAPS {
         let Some(c) = m.capacity else { continue };
-        let path = pin_dir.join(m.name);
+        let path = pins::map(pin_dir, m.name);
         let Ok(info) = MapInfo::from_pin(&path) else { continue };
         let (from, to) = (info.max_entries(), caps.get(c));
         if from == to {
@@ -117,15 +112,15 @@ pub fn copy(pin_dir: &Path, m: &Migration, only_missing: bool) -> Result<u64, Mi
         if !only_missing {
             return Ok(0);
         }
-        let (old, new) = (open(pin_dir.join(name))?, open(staged_pin(pin_dir, name))?);
+        let (old, new) = (open(pins::map(pin_dir, name))?, open(pins::staged_map(pin_dir, name))?);
         return if m.spec.value_size == size_of::<SvcConnValue>() {
             add_counters::<SvcConnValue>(old, new, m)
         } else {
             add_counters::<u64>(old, new, m)
         };
     }
-    let old = open(pin_dir.join(name))?;
-    let new = open(staged_pin(pin_dir, name))?;
+    let old = open(pins::map(pin_dir, name))?;
+    let new = open(pins::staged_map(pin_dir, name))?;
     copy_entries(old.fd().as_fd(), new.fd().as_fd(), m.spec, u64::from(m.from), only_missing)
         .map_err(|source| MigrationError::Copy { map: name, source })
 }
@@ -183,8 +178,12 @@ impl Counts for SvcConnValue {
 
 /// Renames the staged copy over the old pin.
 pub fn commit(pin_dir: &Path, m: &Migration) -> Result<(), MigrationError> {
-    let path = pin_dir.join(m.spec.name);
-    std::fs::rename(staged_pin(pin_dir, m.spec.name), &path).map_err(|source| MigrationError::Rename { map: m.spec.name, path, source })
+    let path = pins::map(pin_dir, m.spec.name);
+    std::fs::rename(pins::staged_map(pin_dir, m.spec.name), &path).map_err(|source| MigrationError::Rename {
+        map: m.spec.name,
+        path,
+        source,
+    })
 }
 
 const BPF_NOEXIST: u64 = 1;

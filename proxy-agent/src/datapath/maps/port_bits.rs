@@ -47,6 +47,7 @@ use proxy_common as pc;
 use proxy_common::{BackendKey, BackendValue, CtKey, CtValue, ServiceKey, ServiceValue};
 
 use crate::datapath::bpf_batch::read_all;
+use crate::datapath::loader::pins;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PortBitsError {
@@ -254,7 +255,7 @@ impl PortBits {
     }
 
     pub fn open_bitmap(pin_dir: &Path, bitmap: Bitmap) -> Result<PortBits, MapError> {
-        let data = MapData::from_pin(pin_dir.join(bitmap.map_name()))?;
+        let data = MapData::from_pin(pins::map(pin_dir, bitmap.map_name()))?;
         let id = data.info()?.id();
         let map = Array::try_from(Map::Array(data))?;
         let shared = REGISTRY.lock().unwrap_or_else(PoisonError::into_inner).entry(id).or_default().clone();
@@ -374,7 +375,7 @@ impl PortBits {
 }
 
 fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str, lru: bool) -> Result<HashMap<MapData, K, V>, PortBitsError> {
-    let path = pin_dir.join(name);
+    let path = pins::map(pin_dir, name);
     let err = |source| PortBitsError::Open { path: path.clone(), source };
     let data = MapData::from_pin(&path).map_err(err)?;
     let map = if lru { Map::LruHashMap(data) } else { Map::HashMap(data) };
@@ -397,7 +398,7 @@ fn in_maps(pin_dir: &Path) -> Result<PortSet, PortBitsError> {
 }
 
 fn open_bits(pin_dir: &Path, bitmap: Bitmap) -> Result<PortBits, PortBitsError> {
-    PortBits::open_bitmap(pin_dir, bitmap).map_err(|source| PortBitsError::Open { path: pin_dir.join(bitmap.map_name()), source })
+    PortBits::open_bitmap(pin_dir, bitmap).map_err(|source| PortBitsError::Open { path: pins::map(pin_dir, bitmap.map_name()), source })
 }
 
 /// Sets the bit of every port the pinned TC maps use: frontends, backends

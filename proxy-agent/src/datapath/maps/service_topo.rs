@@ -23,6 +23,7 @@ use aya::maps::{Array, Map, MapData, MapError, PerCpuArray, PerCpuValues};
 use proxy_common as pc;
 use proxy_common::{SvcConnValue, SvcTopoValue};
 
+use crate::datapath::loader::pins;
 use crate::datapath::maps::ServiceMaps;
 use crate::decide::decision::FrontendTopo;
 use crate::decide::topology::tier::EndpointTiers;
@@ -67,7 +68,7 @@ impl TopoMaps {
     /// not pinned (a datapath installed by a build without them, before the
     /// loader adds them): nothing is counted.
     pub fn open(pin_dir: &Path, maps: &ServiceMaps) -> Result<Option<TopoMaps>, MapError> {
-        let (conn_path, topo_path) = (pin_dir.join(maps.conn.name), pin_dir.join(maps.topo.name));
+        let (conn_path, topo_path) = (pins::map(pin_dir, maps.conn.name), pins::map(pin_dir, maps.topo.name));
         if !conn_path.exists() || !topo_path.exists() {
             return Ok(None);
         }

@@ -53,6 +53,7 @@ use proxy_common::{SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue, 
 use crate::datapath::bpf_batch;
 use crate::datapath::conntrack::conntrack_gc::{self, FlowEnds};
 use crate::datapath::loader::kernel_features;
+use crate::datapath::loader::pins;
 use crate::datapath::maps::keys::{backend_value, ip_of};
 use crate::datapath::sockets::netns;
 use crate::datapath::sockets::sock_diag::{self, DiagSock, DiagSocket};
@@ -303,10 +304,10 @@ struct ProofMaps {
 
 impl ProofMaps {
     fn open(pin_dir: &Path) -> Result<ProofMaps, aya::maps::MapError> {
-        let data = MapData::from_pin(pin_dir.join(pc::SOCK_REVNAT_MAP))?;
-        let peer = MapData::from_pin(pin_dir.join(pc::SOCK_PEER_MAP)).ok();
-        let rec = MapData::from_pin(pin_dir.join(pc::SOCK_REC_MAP)).ok().and_then(|d| HashMap::try_from(Map::HashMap(d)).ok());
-        let rec_delete = MapData::from_pin(pin_dir.join(pc::SOCK_REC_MAP)).ok();
+        let data = MapData::from_pin(pins::map(pin_dir, pc::SOCK_REVNAT_MAP))?;
+        let peer = MapData::from_pin(pins::map(pin_dir, pc::SOCK_PEER_MAP)).ok();
+        let rec = MapData::from_pin(pins::map(pin_dir, pc::SOCK_REC_MAP)).ok().and_then(|d| HashMap::try_from(Map::HashMap(d)).ok());
+        let rec_delete = MapData::from_pin(pins::map(pin_dir, pc::SOCK_REC_MAP)).ok();
         Ok(ProofMaps { revnat: HashMap::try_from(Map::LruHashMap(data))?, rec, rec_delete, peer })
     }
 }
@@ -539,7 +540,7 @@ fn record_ended(pin_dir: &Path, per_reason: &BTreeMap<(Protocol, Reason), usize>
     if per_reason.values().all(|n| *n == 0) {
         return Ok(());
     }
-    let data = MapData::from_pin(pin_dir.join(pc::COUNTERS_MAP)).map_err(|e| e.to_string())?;
+    let data = MapData::from_pin(pins::map(pin_dir, pc::COUNTERS_MAP)).map_err(|e| e.to_string())?;
     let mut counters = PerCpuArray::<MapData, u64>::try_from(Map::PerCpuArray(data)).map_err(|e| e.to_string())?;
     for ((protocol, reason), n) in per_reason {
         let index = ended_counter(*protocol, *reason);

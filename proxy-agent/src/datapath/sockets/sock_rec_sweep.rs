@@ -43,6 +43,7 @@ use proxy_common as pc;
 use proxy_common::SockRecValue;
 
 use crate::datapath::bpf_batch;
+use crate::datapath::loader::pins;
 use crate::datapath::sockets::netns;
 use crate::datapath::sockets::sock_diag::DiagSocket;
 
@@ -87,7 +88,7 @@ const UDP_STATES: u32 = (1 << 1) | (1 << 7);
 /// Deletes the records of `SOCK_REC` (pinned under `pin_dir`) whose
 /// socket no longer exists. A datapath without the map has nothing to do.
 pub fn sweep(pin_dir: &Path) -> Result<Swept, SweepError> {
-    let path = pin_dir.join(pc::SOCK_REC_MAP);
+    let path = pins::map(pin_dir, pc::SOCK_REC_MAP);
     if !path.exists() {
         return Ok(Swept::default());
     }
