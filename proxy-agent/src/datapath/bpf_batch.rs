@@ -66,7 +66,9 @@ const BPF_MAP_DELETE_BATCH: libc::c_long = 27;
 #[derive(Debug, thiserror::Error)]
 #[error("{source} after {applied} elements")]
 pub struct BatchError {
+    /// How many elements the kernel applied before the error (`count` of the batch attribute).
     pub applied: usize,
+    /// The error of the call that stopped.
     pub source: io::Error,
 }
 

@@ -37,14 +37,26 @@ pub enum Devices {
     List(Vec<String>),
 }
 
+/// A `--devices` value that cannot be used.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum DevicesError {
+    /// Nothing was given.
     #[error("no device named; give interface names (eth0,eth1), `auto` or `none`")]
     Empty,
+    /// `auto` or `none` among interface names.
     #[error("`{word}` cannot be combined with interface names ({names}); give either `{word}` alone or a list of interfaces")]
-    Mixed { word: &'static str, names: String },
+    Mixed {
+        /// `auto` or `none`.
+        word: &'static str,
+        /// The interface names given with it.
+        names: String,
+    },
+    /// A name the kernel would refuse for an interface.
     #[error("{name:?} is not an interface name (at most 15 bytes, no '/', whitespace or ':')")]
-    BadName { name: String },
+    BadName {
+        /// The name given.
+        name: String,
+    },
 }
 
 impl Devices {
@@ -90,7 +102,9 @@ impl Devices {
 /// One address of an interface.
 #[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub struct IfAddr {
+    /// The interface.
     pub device: String,
+    /// The address.
     pub ip: IpAddr,
 }
 
@@ -208,6 +222,7 @@ pub struct Resolved {
     pub node_addrs: Vec<IpAddr>,
     /// SNAT source per family for flows to backends on other nodes.
     pub snat_v4: Option<Ipv4Addr>,
+    /// The IPv6 SNAT source.
     pub snat_v6: Option<Ipv6Addr>,
 }
 

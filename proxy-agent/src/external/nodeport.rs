@@ -39,8 +39,11 @@ pub struct NodePortWriter {
 /// What one pass over the TC maps did.
 #[derive(Debug, Default)]
 pub struct NodePortOutcome {
+    /// Frontends written.
     pub upserts: usize,
+    /// Frontends deleted.
     pub deletes: usize,
+    /// Frontends whose write failed; the next pass tries them again.
     pub failures: Vec<ApplyError>,
     /// Per frontend written, the backends it lost that clients could
     /// leave for others (`departures::left`): their conntrack flows may
@@ -49,6 +52,8 @@ pub struct NodePortOutcome {
 }
 
 impl NodePortWriter {
+    /// Opens the TC datapath's pinned maps and reads back what they hold (the loaders must have
+    /// pinned them).
     pub fn open(pin_dir: &Path) -> Result<NodePortWriter, WriteError> {
         let writer = MapWriter::open_maps(pin_dir, &TC_SERVICE_MAPS)?;
         let err = |map: &'static str| move |source| WriteError::Open { map, source };
@@ -59,6 +64,7 @@ impl NodePortWriter {
         Ok(NodePortWriter { writer, flags, local, config, ports })
     }
 
+    /// Frontends in the TC maps.
     pub fn frontends(&self) -> usize {
         self.writer.frontends()
     }
@@ -85,6 +91,8 @@ impl NodePortWriter {
         self.writer.maglev_usage()
     }
 
+    /// Writes `NP_CONFIG`: the SNAT source per family (`None`: such flows pass untranslated and are
+    /// counted) and the SNAT port range.
     pub fn set_config(&mut self, snat_v4: Option<Ipv4Addr>, snat_v6: Option<Ipv6Addr>, ports: (u16, u16)) -> Result<(), WriteError> {
         let v4 = snat_v4.map_or(0, |a| u32::from_ne_bytes(a.octets()));
         let v6 = snat_v6.map_or([0; 4], |a| addr_key(&IpAddr::V6(a)).ip_be);
@@ -190,7 +198,9 @@ pub struct ExternalConfig {
     pub devices: Devices,
     /// `--node-ip`: fixed SNAT addresses (one per family), also served.
     pub node_ips: Vec<IpAddr>,
+    /// `--snat-port-range`: the SNAT source ports, inclusive.
     pub snat_ports: (u16, u16),
+    /// `--tc-mode`: tcx links or legacy cls_bpf filters.
     pub tc_mode: crate::datapath::tc_loader::TcMode,
     /// `--xdp`: the XDP program in front of the TC programs.
     pub xdp: crate::datapath::xdp_loader::XdpMode,

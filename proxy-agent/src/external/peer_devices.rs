@@ -49,6 +49,7 @@ const IFINFOMSG_LEN: usize = 16;
 /// One device of the dump, as far as `NP_PEER_DEVS` cares.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Link {
+    /// The device's index.
     pub ifindex: u32,
     /// `IFLA_INFO_KIND`, empty for a device without one (a NIC).
     pub kind: String,

@@ -33,10 +33,13 @@ struct Type {
     members: Vec<(String, u32, u32)>,
 }
 
+/// The kernel's BTF could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum BtfError {
+    /// The file could not be read (no BTF: `CONFIG_DEBUG_INFO_BTF` is off).
     #[error("reading /sys/kernel/btf/vmlinux: {0}")]
     Read(#[from] std::io::Error),
+    /// The file is not BTF as this parser knows it.
     #[error("kernel BTF: {0}")]
     Malformed(&'static str),
 }
@@ -52,10 +55,12 @@ fn u32_at(b: &[u8], at: usize) -> Option<u32> {
 }
 
 impl KernelBtf {
+    /// Reads and parses the running kernel's BTF.
     pub fn from_sys_fs() -> Result<KernelBtf, BtfError> {
         Self::parse(&std::fs::read("/sys/kernel/btf/vmlinux")?)
     }
 
+    /// Parses a BTF blob (the header, the string section and the types this crate looks up).
     pub fn parse(data: &[u8]) -> Result<KernelBtf, BtfError> {
         let bad = BtfError::Malformed;
         if data.len() < 24 || u16::from_ne_bytes([data[0], data[1]]) != BTF_MAGIC {

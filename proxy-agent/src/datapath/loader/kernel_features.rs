@@ -37,6 +37,7 @@ pub struct Feature {
     /// Short name, as `/metrics` (`topoproxy_kernel_feature{name}`) and
     /// `dump` show it.
     pub name: &'static str,
+    /// Whether the running kernel has it (and [`HIDE_ENV`] does not hide it).
     pub present: bool,
     /// What the agent does without it: the fallback, or "required".
     pub without: &'static str,
@@ -49,6 +50,7 @@ pub struct KernelFeatures {
     pub release: String,
     /// Below [`FLOOR`] by the kernel's own version.
     pub below_floor: bool,
+    /// Every feature probed, in a fixed order.
     pub features: Vec<Feature>,
 }
 
@@ -71,6 +73,7 @@ impl Variant {
         }
     }
 
+    /// `full` or `compat`, for `/metrics` and `dump`.
     pub fn label(self) -> &'static str {
         match self {
             Variant::Full => "full",
@@ -79,13 +82,22 @@ impl Variant {
     }
 }
 
+/// `bpf_set_retval` in the socket programs (Linux 5.18): a refused connect() gets ECONNREFUSED.
 pub const SET_RETVAL: &str = "set_retval";
+/// `bpf_ktime_get_coarse_ns` (Linux 5.11): the cheaper clock for affinity and conntrack times.
 pub const COARSE_CLOCK: &str = "coarse_clock";
+/// `bpf_get_netns_cookie` in the socket programs: tells clients apart for session affinity.
 pub const NETNS_COOKIE: &str = "netns_cookie";
+/// `bpf_sk_storage_get` in the socket programs: UDP reverse translation state on the socket.
 pub const SK_STORAGE: &str = "sk_storage";
+/// The `SO_NETNS_COOKIE` socket option (Linux 5.14): the agent's own namespace's cookie.
 pub const SO_NETNS_COOKIE: &str = "so_netns_cookie";
+/// tcx links for TC programs (`BPF_TCX_INGRESS`/`EGRESS`, Linux 6.6).
 pub const TCX: &str = "tcx";
+/// bpf_link for cgroup programs (Linux 5.7): pinned links keep the socket programs attached across
+/// restarts.
 pub const BPF_LINK: &str = "bpf_link";
+/// Batched map operations (`BPF_MAP_*_BATCH`, Linux 5.6).
 pub const BATCH_OPS: &str = "batch_ops";
 
 /// Features named here (comma-separated) are reported absent.
@@ -167,6 +179,7 @@ impl KernelFeatures {
         }
     }
 
+    /// Whether feature `name` (one of the constants above) is present.
     pub fn has(&self, name: &str) -> bool {
         self.features.iter().any(|f| f.name == name && f.present)
     }

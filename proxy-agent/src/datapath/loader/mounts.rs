@@ -14,24 +14,58 @@ use std::path::{Path, PathBuf};
 /// `BPF_FS_MAGIC` from include/uapi/linux/magic.h.
 const BPF_FS_MAGIC: i64 = 0xcafe_4a11;
 
+/// The bpffs or the cgroup2 filesystem is not usable.
 #[derive(Debug, thiserror::Error)]
 pub enum MountError {
+    /// No cgroup2 mount to attach the socket programs to.
     #[error("no cgroup2 filesystem is mounted (checked /proc/self/mountinfo); pass --cgroup")]
     NoCgroup2,
+    /// `/proc/self/mountinfo` could not be read.
     #[error("cannot read /proc/self/mountinfo: {0}")]
     MountInfo(io::Error),
+    /// A bpffs could not be mounted where the pin directory needs one.
     #[error("cannot mount bpffs at {path}: {source}")]
-    MountBpffs { path: PathBuf, source: io::Error },
+    MountBpffs {
+        /// Where the mount was tried.
+        path: PathBuf,
+        /// Why mount(2) failed.
+        source: io::Error,
+    },
+    /// A directory could not be made.
     #[error("cannot create {path}: {source}")]
-    Create { path: PathBuf, source: io::Error },
+    Create {
+        /// The directory.
+        path: PathBuf,
+        /// Why mkdir failed.
+        source: io::Error,
+    },
+    /// The pin directory is not on a bpffs, the only filesystem the kernel pins objects on
+    /// (kernel/bpf/inode.c, `bpf_obj_do_pin`).
     #[error("{path} is not on a BPF filesystem (bpffs); pins there would not survive")]
-    NotBpffs { path: PathBuf },
+    NotBpffs {
+        /// The pin directory.
+        path: PathBuf,
+    },
+    /// The pin directory belongs to another user, who could replace what the agent pins there.
     #[error(
         "refusing pin directory {path}: it is owned by uid {owner}, not by this agent's uid {ours}; another user could have placed or could replace maps and links there. Remove it (or chown it to uid {ours}) if it is yours"
     )]
-    ForeignOwner { path: PathBuf, owner: u32, ours: u32 },
+    ForeignOwner {
+        /// The pin directory.
+        path: PathBuf,
+        /// Its owner's uid.
+        owner: u32,
+        /// The agent's uid.
+        ours: u32,
+    },
+    /// The pin directory's mode could not be set to 0700.
     #[error("cannot make pin directory {path} private (mode 0700): {source}")]
-    Permissions { path: PathBuf, source: io::Error },
+    Permissions {
+        /// The pin directory.
+        path: PathBuf,
+        /// Why chmod failed.
+        source: io::Error,
+    },
 }
 
 /// The mount point of the first cgroup2 filesystem in `mountinfo` text.
@@ -72,6 +106,8 @@ fn unescape(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// Where the cgroup2 filesystem is mounted (`/sys/fs/cgroup` or, on hybrid hosts,
+/// `/sys/fs/cgroup/unified`), from `/proc/self/mountinfo`.
 pub fn cgroup2_root() -> Result<PathBuf, MountError> {
     let text = fs::read_to_string("/proc/self/mountinfo").map_err(MountError::MountInfo)?;
     cgroup2_root_from(&text).ok_or(MountError::NoCgroup2)
@@ -90,6 +126,7 @@ fn statfs_type(path: &Path) -> io::Result<i64> {
     Ok(st.f_type as i64)
 }
 
+/// Whether `path` lies on a bpffs (statfs(2) `f_type` is `BPF_FS_MAGIC`).
 pub fn is_bpffs(path: &Path) -> bool {
     statfs_type(path).is_ok_and(|t| t == BPF_FS_MAGIC)
 }

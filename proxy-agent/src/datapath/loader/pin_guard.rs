@@ -39,14 +39,31 @@ use crate::util::error_chain::error_chain;
 /// How often the pin directory is looked at: a few dozen `stat` calls.
 pub const CHECK_INTERVAL: Duration = Duration::from_secs(1);
 
+/// A pin could not be put back.
 #[derive(Debug, thiserror::Error)]
 pub enum GuardError {
+    /// A pinned map could not be opened at start-up.
     #[error("cannot open pinned map {path}: {source}")]
-    Open { path: PathBuf, source: MapError },
+    Open {
+        /// The pin.
+        path: PathBuf,
+        /// Why it could not be opened.
+        source: MapError,
+    },
+    /// A removed map pin could not be pinned again.
     #[error("pinned map {map} was removed from {dir} and cannot be pinned again: {reason}")]
-    Pin { map: &'static str, dir: PathBuf, reason: String },
+    Pin {
+        /// The map.
+        map: &'static str,
+        /// The pin directory.
+        dir: PathBuf,
+        /// Why pinning failed.
+        reason: String,
+    },
+    /// The pin directory is gone and could not be made again.
     #[error("the pin directory was removed and cannot be made again: {0}")]
     Mount(#[from] mounts::MountError),
+    /// The socket programs' links were gone and installing them again failed.
     #[error("the socket programs' link pins were removed (the programs are detached) and installing them again failed: {0}")]
     Install(Box<socket_loader::LoadError>),
 }
@@ -68,6 +85,8 @@ impl Restored {
     }
 }
 
+/// Holds every pinned map open and puts back pins removed under the running agent (see the module's
+/// documentation).
 pub struct PinGuard {
     pin_dir: PathBuf,
     cgroup: PathBuf,

@@ -44,40 +44,102 @@ pub const RELEASE_PROGRAM: &str = "sock_release";
 /// the ones that refuse calls and read the clock.
 const VARIANT_PROGRAMS: [&str; 4] = ["connect4", "connect6", "sendmsg4", "sendmsg6"];
 
+/// Why the socket datapath could not be installed (or reset).
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
+    /// The pin directory or the cgroup is not usable.
     #[error(transparent)]
     Mount(#[from] mounts::MountError),
+    /// A map pinned under the map's name has another type or key/value size: an incompatible agent
+    /// version made it.
     #[error(
         "pinned map {path} does not match this agent ({what}); it was made by an incompatible version. Run `proxy-agent reset` with the same --bpffs to remove it (traffic to Services stops until the agent programs the maps again)"
     )]
-    IncompatiblePin { path: PathBuf, what: String },
+    IncompatiblePin {
+        /// The pin.
+        path: PathBuf,
+        /// What differs.
+        what: String,
+    },
+    /// A pinned map's info could not be read.
     #[error("cannot inspect pinned map {path}: {source}")]
-    Inspect { path: PathBuf, source: aya::maps::MapError },
+    Inspect {
+        /// The pin.
+        path: PathBuf,
+        /// The error.
+        source: aya::maps::MapError,
+    },
+    /// The object could not be loaded (a verifier rejection shows here).
     #[error("loading the eBPF object failed: {0}")]
     Object(#[from] aya::EbpfError),
+    /// The object lacks a program this agent expects (a build mismatch).
     #[error("program {program} is missing from the eBPF object")]
-    MissingProgram { program: &'static str },
+    MissingProgram {
+        /// The program.
+        program: &'static str,
+    },
+    /// A program could not be loaded or attached.
     #[error("program {program}: {source}. See the README's kernel requirements")]
-    Program { program: &'static str, source: aya::programs::ProgramError },
+    Program {
+        /// The program.
+        program: &'static str,
+        /// The error.
+        source: aya::programs::ProgramError,
+    },
+    /// The kernel is below the floor or lacks a required feature ([`KernelFeatures::unsupported`]).
     #[error("{0}; nothing was installed")]
     Kernel(String),
+    /// The program's attachment is not a bpf_link, which is what keeps it attached after the agent
+    /// exits.
     #[error("program {program}: cannot use a bpf_link ({source}); Linux >= 5.7 is required for pinned cgroup links")]
-    Link { program: &'static str, source: aya::programs::links::LinkError },
+    Link {
+        /// The program.
+        program: &'static str,
+        /// The error.
+        source: aya::programs::links::LinkError,
+    },
+    /// A link could not be pinned or moved over the old one.
     #[error("program {program}: cannot pin its link at {path}: {reason}")]
-    Pin { program: &'static str, path: PathBuf, reason: String },
+    Pin {
+        /// The program.
+        program: &'static str,
+        /// The link's pin.
+        path: PathBuf,
+        /// The error.
+        reason: String,
+    },
+    /// The object lacks a map this agent expects (a build mismatch).
     #[error("map {map} is missing from the eBPF object")]
-    MissingMap { map: &'static str },
+    MissingMap {
+        /// The map.
+        map: &'static str,
+    },
+    /// `SOCK_CONFIG` could not be written for the sockets an older version translated.
     #[error("cannot record the sockets an older agent version translated (SOCK_CONFIG): {0}")]
     LegacyConfig(io::Error),
+    /// `NODE_NETNS` could not be written.
     #[error("cannot record the node's network namespace (NODE_NETNS): {0}")]
     NodeNetns(io::Error),
+    /// The cgroup to attach to could not be opened (`--cgroup`).
     #[error("cannot open cgroup {path}: {source}")]
-    Cgroup { path: PathBuf, source: io::Error },
+    Cgroup {
+        /// The cgroup.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+    /// A pin could not be removed (reset, or a staged pin left over).
     #[error("cannot remove {path}: {source}")]
-    Remove { path: PathBuf, source: io::Error },
+    Remove {
+        /// The pin.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+    /// A map's capacity could not be changed.
     #[error(transparent)]
     Migration(#[from] map_migration::MigrationError),
+    /// `SOCK_PORTS` could not be filled.
     #[error(transparent)]
     PortBits(#[from] port_bits::PortBitsError),
 }

@@ -33,7 +33,11 @@ use crate::datapath::loader::pins;
 use crate::datapath::maps::port_bits;
 use crate::util::error_chain::error_chain;
 
+/// The TC program at the devices' ingress: DNAT of new flows to external frontends, and replies'
+/// destinations back to the client.
 pub const INGRESS_PROGRAM: &str = "np_ingress";
+/// The TC program at the devices' egress: source rewrites (SNAT to a remote backend, the frontend
+/// on replies), which IPv4 would drop at ingress (`fib_validate_source`).
 pub const EGRESS_PROGRAM: &str = "np_egress";
 
 // The devices holding a legacy cls_bpf filter of ours are recorded in
@@ -50,23 +54,51 @@ pub enum TcMode {
     /// tcx on Linux >= 6.6, clsact + netlink before.
     #[default]
     Auto,
+    /// tcx links, failing where the kernel has none.
     Tcx,
     /// clsact + cls_bpf over netlink, also where tcx exists.
     Netlink,
 }
 
+/// Why the TC programs could not be installed.
 #[derive(Debug, thiserror::Error)]
 pub enum TcError {
+    /// The object could not be loaded (a verifier rejection shows here).
     #[error("loading the eBPF object failed: {0}")]
     Object(#[from] aya::EbpfError),
+    /// The object lacks a program this agent expects (a build mismatch).
     #[error("program {program} is missing from the eBPF object")]
-    MissingProgram { program: &'static str },
+    MissingProgram {
+        /// The program.
+        program: &'static str,
+    },
+    /// A program could not be loaded.
     #[error("program {program}: {source}")]
-    Program { program: &'static str, source: aya::programs::ProgramError },
+    Program {
+        /// The program.
+        program: &'static str,
+        /// The error.
+        source: aya::programs::ProgramError,
+    },
+    /// A program could not be attached to a device.
     #[error("device {device}: {what}: {reason}")]
-    Attach { device: String, what: &'static str, reason: String },
+    Attach {
+        /// The device.
+        device: String,
+        /// The step that failed (tcx attach, netlink attach, ...).
+        what: &'static str,
+        /// The error.
+        reason: String,
+    },
+    /// A file under the pin directory could not be made.
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: io::Error },
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
+    /// `NP_PORTS` could not be filled.
     #[error(transparent)]
     PortBits(#[from] port_bits::PortBitsError),
 }
@@ -123,8 +155,11 @@ impl TcFastPath {
 /// from it, so that both share the next-hop cache), whether the fast path
 /// is on, and notes for the log.
 pub struct Installed {
+    /// The loaded object.
     pub ebpf: Ebpf,
+    /// Whether the fast path is on (`TC_FAST_PATH`).
     pub fast: bool,
+    /// Notes for the log (devices detached, fast path limits).
     pub notes: Vec<String>,
 }
 

@@ -39,6 +39,7 @@ use crate::datapath::loader::object::{self, EBPF_OBJECT};
 use crate::datapath::loader::pins;
 use crate::util::error_chain::error_chain;
 
+/// The XDP program: external traffic translated at the driver, before an skb exists.
 pub const XDP_PROGRAM: &str = "xdp_nodeport";
 
 /// `--xdp`.
@@ -65,18 +66,34 @@ impl XdpMode {
     }
 }
 
+/// Why the XDP program could not be installed.
 #[derive(Debug, thiserror::Error)]
 pub enum XdpError {
+    /// The object could not be loaded (a verifier rejection shows here).
     #[error("loading the eBPF object failed: {0}")]
     Object(#[from] aya::EbpfError),
+    /// The object lacks the XDP program (a build mismatch).
     #[error("program {XDP_PROGRAM} is missing from the eBPF object")]
     MissingProgram,
+    /// The program could not be loaded.
     #[error("program {XDP_PROGRAM}: {0}")]
     Program(aya::programs::ProgramError),
+    /// A device refused native XDP (`--xdp native`; `auto` leaves it to TC).
     #[error("device {device}: native XDP: {reason}")]
-    Attach { device: String, reason: String },
+    Attach {
+        /// The device.
+        device: String,
+        /// The error.
+        reason: String,
+    },
+    /// A file under the pin directory could not be made or read.
     #[error("{path}: {source}")]
-    Io { path: PathBuf, source: io::Error },
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
 }
 
 /// Attaches (or upgrades in place) the XDP program on `devices` as `mode`

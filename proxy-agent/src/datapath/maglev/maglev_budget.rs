@@ -16,8 +16,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 #[derive(Debug, thiserror::Error)]
 #[error("a table of {wanted} bytes would take the Maglev tables past their share of --map-memory-budget ({used} of {cap} bytes in use)")]
 pub struct OverBudget {
+    /// Bytes the table would take.
     pub wanted: u64,
+    /// Bytes of tables in use.
     pub used: u64,
+    /// The tables' share of `--map-memory-budget`, in bytes.
     pub cap: u64,
 }
 
@@ -29,6 +32,7 @@ pub struct MaglevBudget {
 }
 
 impl MaglevBudget {
+    /// A budget of `cap_bytes`, nothing in use.
     pub fn new(cap_bytes: u64) -> MaglevBudget {
         MaglevBudget { cap: cap_bytes, used: AtomicU64::new(0) }
     }
@@ -38,10 +42,12 @@ impl MaglevBudget {
         MaglevBudget::new(u64::MAX)
     }
 
+    /// The cap, in bytes.
     pub fn cap(&self) -> u64 {
         self.cap
     }
 
+    /// Bytes of tables in use.
     pub fn used(&self) -> u64 {
         self.used.load(Ordering::Relaxed)
     }

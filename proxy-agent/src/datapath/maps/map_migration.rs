@@ -27,19 +27,45 @@ use crate::datapath::maps::{self, Capacities, MapSpec};
 /// A map to be recreated with another capacity.
 #[derive(Debug)]
 pub struct Migration {
+    /// The map's entry in the table.
     pub spec: &'static MapSpec,
+    /// Its capacity now.
     pub from: u32,
+    /// The capacity it gets.
     pub to: u32,
 }
 
+/// Why a map's capacity could not be changed; the old map stays in place and in use.
 #[derive(Debug, thiserror::Error)]
 pub enum MigrationError {
+    /// A pin could not be opened.
     #[error("map {map}: cannot open {path}: {source}")]
-    Open { map: &'static str, path: PathBuf, source: aya::maps::MapError },
+    Open {
+        /// The map.
+        map: &'static str,
+        /// The pin.
+        path: PathBuf,
+        /// The error.
+        source: aya::maps::MapError,
+    },
+    /// The entries could not be copied.
     #[error("map {map}: copying its entries into the new map failed: {source}")]
-    Copy { map: &'static str, source: io::Error },
+    Copy {
+        /// The map.
+        map: &'static str,
+        /// The error.
+        source: io::Error,
+    },
+    /// The new map's pin could not be renamed over the old one.
     #[error("map {map}: cannot move the new map's pin over the old one at {path}: {source}")]
-    Rename { map: &'static str, path: PathBuf, source: io::Error },
+    Rename {
+        /// The map.
+        map: &'static str,
+        /// The old pin.
+        path: PathBuf,
+        /// The error.
+        source: io::Error,
+    },
 }
 
 /// The capacity of every pinned map a capacity flag sizes, in

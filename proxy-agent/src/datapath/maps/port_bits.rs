@@ -49,14 +49,35 @@ use proxy_common::{BackendKey, BackendValue, CtKey, CtValue, ServiceKey, Service
 use crate::datapath::bpf_batch::read_all;
 use crate::datapath::loader::pins;
 
+/// Why a port bitmap could not be filled or written.
 #[derive(Debug, thiserror::Error)]
 pub enum PortBitsError {
+    /// The bitmap's pin could not be opened.
     #[error("port bitmap: cannot open pinned map {path}: {source}")]
-    Open { path: PathBuf, source: MapError },
+    Open {
+        /// The pin.
+        path: PathBuf,
+        /// The error.
+        source: MapError,
+    },
+    /// A map the ports are gathered from could not be read.
     #[error("port bitmap: reading {map}: {source}")]
-    Read { map: &'static str, source: MapError },
+    Read {
+        /// The map.
+        map: &'static str,
+        /// The error.
+        source: MapError,
+    },
+    /// A word of the bitmap could not be written.
     #[error("port bitmap: writing word {word} of {map}: {source}")]
-    Write { map: &'static str, word: u32, source: MapError },
+    Write {
+        /// The bitmap.
+        map: &'static str,
+        /// The word's index.
+        word: u32,
+        /// The error.
+        source: MapError,
+    },
 }
 
 /// Which programs' port bitmap.
@@ -70,6 +91,7 @@ pub enum Bitmap {
 }
 
 impl Bitmap {
+    /// The bitmap's map name (its pin under the pin directory).
     pub const fn map_name(self) -> &'static str {
         match self {
             Bitmap::Tc => pc::NP_PORTS_MAP,
@@ -133,6 +155,7 @@ impl PortSet {
         }
     }
 
+    /// Whether the set holds a port (host byte order) for one direction.
     pub fn contains(&self, port: u16, egress: bool) -> bool {
         let (word, mask) = pc::np_port_bit(port, egress);
         self.words.get(word as usize).is_some_and(|w| w & mask != 0)
@@ -147,6 +170,7 @@ impl PortSet {
         }
     }
 
+    /// Whether the set, laid out as `SOCK_PORTS` is, holds a socket frontend's port.
     pub fn contains_socket(&self, port_host: u16) -> bool {
         let (word, mask) = pc::sock_port_bit(port_host);
         self.words.get(word as usize).is_some_and(|w| w & mask != 0)
@@ -193,6 +217,7 @@ impl PortSet {
         self.words.iter().zip(&other.words).all(|(a, b)| b & !a == 0)
     }
 
+    /// Adds every port of `other`.
     pub fn union_with(&mut self, other: &PortSet) {
         for (a, b) in self.words.iter_mut().zip(&other.words) {
             *a |= b;
@@ -254,6 +279,7 @@ impl PortBits {
         Self::open_bitmap(pin_dir, Bitmap::Tc)
     }
 
+    /// Opens one of the bitmaps pinned under `pin_dir`.
     pub fn open_bitmap(pin_dir: &Path, bitmap: Bitmap) -> Result<PortBits, MapError> {
         let data = MapData::from_pin(pins::map(pin_dir, bitmap.map_name()))?;
         let id = data.info()?.id();

@@ -39,6 +39,8 @@ pub fn tier_bits(tier: Option<u8>) -> u32 {
     tier.map_or(0, |t| ((u32::from(t) + 1) << pc::SVC_TIER_SHIFT) & pc::SVC_TIER_MASK)
 }
 
+/// One datapath's topology counting maps (`SVC_CONN`/`SVC_TOPO` or their `NP_` twins), with what
+/// was written to them.
 pub struct TopoMaps {
     conn: PerCpuArray<MapData, SvcConnValue>,
     topo: Array<MapData, SvcTopoValue>,

@@ -41,15 +41,22 @@ impl Datapath {
 /// sets it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Capacity {
+    /// `--max-services`: frontends (and the per-frontend maps sized like them).
     Services,
+    /// `--max-slots`: backend slots over every frontend and generation.
     Slots,
+    /// `--max-backends`: distinct backend addresses.
     Backends,
+    /// `--max-sock-revnat`: sockets remembered for reverse translation.
     SockRevNat,
+    /// `--max-np-conntrack`: flows the TC datapath tracks.
     NpConntrack,
+    /// `--max-affinity`: clients remembered for session affinity.
     Affinity,
 }
 
 impl Capacity {
+    /// Every capacity (`map_migration::pinned_capacities` reports them in this order).
     pub const ALL: [Capacity; 6] =
         [Capacity::Services, Capacity::Slots, Capacity::Backends, Capacity::SockRevNat, Capacity::NpConntrack, Capacity::Affinity];
 
@@ -71,9 +78,13 @@ impl Capacity {
 /// `map_migration`). `sizing` picks the ones no flag sets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Capacities {
+    /// `SERVICES`, `NP_SERVICES` and the maps sized like them.
     pub services: u32,
+    /// `SLOTS`, `NP_SLOTS` and the affinity match maps.
     pub slots: u32,
+    /// `BACKENDS` and `NP_BACKENDS`.
     pub backends: u32,
+    /// `SOCK_REVNAT` and `SOCK_REC`.
     pub sock_revnat: u32,
     /// `NP_CT`, the TC datapath's connection tracking (LRU).
     pub np_conntrack: u32,
@@ -96,6 +107,7 @@ impl Default for Capacities {
 }
 
 impl Capacities {
+    /// The capacity `c` names.
     pub fn get(&self, c: Capacity) -> u32 {
         match c {
             Capacity::Services => self.services,
@@ -113,8 +125,11 @@ impl Capacities {
 pub struct MapSpec {
     /// The name in the object file and of the pin under the pin directory.
     pub name: &'static str,
+    /// Which programs use it.
     pub datapath: Datapath,
+    /// The kernel map type a pinned copy must have.
     pub map_type: MapType,
+    /// Key size in bytes.
     pub key_size: usize,
     /// Per element; per CPU for the per-CPU types.
     pub value_size: usize,
@@ -133,9 +148,14 @@ impl MapSpec {
     }
 }
 
+/// The socket datapath's frontends: (address, port, protocol) to service entry.
 pub static SERVICES: MapSpec = MapSpec::new::<ServiceKey, ServiceValue>(pc::SERVICES_MAP, Socket, MapType::Hash, Some(Capacity::Services));
+/// The socket datapath's backend slots per service id and generation.
 pub static SLOTS: MapSpec = MapSpec::new::<SlotKey, SlotValue>(pc::SLOTS_MAP, Socket, MapType::Hash, Some(Capacity::Slots));
+/// The socket datapath's backend addresses by id.
 pub static BACKENDS: MapSpec = MapSpec::new::<BackendKey, BackendValue>(pc::BACKENDS_MAP, Socket, MapType::Hash, Some(Capacity::Backends));
+/// A socket's reverse translations beyond its first (LRU): what getpeername/recvmsg rewrite back to
+/// the frontend.
 pub static SOCK_REVNAT: MapSpec =
     MapSpec::new::<SockRevNatKey, SockRevNatValue>(pc::SOCK_REVNAT_MAP, Socket, MapType::LruHash, Some(Capacity::SockRevNat));
 /// The connect hooks' per-socket record, keyed by cookie (see
@@ -143,14 +163,19 @@ pub static SOCK_REVNAT: MapSpec =
 /// creation; `--max-sock-revnat` sizes it with `SOCK_REVNAT` (both count
 /// sockets remembered for the reverse path), and `sizing` charges both.
 pub static SOCK_REC: MapSpec = MapSpec::new::<u64, SockRecValue>(pc::SOCK_REC_MAP, Socket, MapType::Hash, Some(Capacity::SockRevNat));
+/// The socket programs' per-CPU counters by reason (`proxy_common::counter`).
 pub static COUNTERS: MapSpec = MapSpec::new::<u32, u64>(pc::COUNTERS_MAP, Socket, MapType::PerCpuArray, None);
 /// Socket-local storage: its elements live on the sockets, so the pinned
 /// map must survive restarts for sockets opened before one to keep their
 /// reverse translation. The kernel requires max_entries 0 for it, and its
 /// key is a socket descriptor (an int).
 pub static SOCK_PEER: MapSpec = MapSpec::new::<i32, SockPeerValue>(pc::SOCK_PEER_MAP, Socket, MapType::SkStorage, None);
+/// The socket programs' settings (one element).
 pub static SOCK_CONFIG: MapSpec = MapSpec::new::<u32, SockConfig>(pc::SOCK_CONFIG_MAP, Socket, MapType::Array, None);
+/// The agent's own network namespace cookie (one element): the node's own sockets for source-range
+/// checks.
 pub static NODE_NETNS: MapSpec = MapSpec::new::<u32, NodeNetns>(pc::NODE_NETNS_MAP, Socket, MapType::Array, None);
+/// The socket datapath's session affinity entries: the backend each client took (LRU).
 pub static AFFINITY: MapSpec =
     MapSpec::new::<SockAffinityKey, AffinityValue>(pc::AFFINITY_MAP, Socket, MapType::LruHash, Some(Capacity::Affinity));
 /// Not preallocated (entries only for affine frontends); bounded like the
@@ -165,26 +190,37 @@ pub static SOURCE_RANGES: MapSpec =
 // The TC datapath's copies of the service maps follow the socket ones'
 // capacities. NP_SLOTS and NP_BACKENDS are preallocated, so unused
 // capacity costs memory (see `sizing`); the frontend maps are not.
+/// The TC datapath's frontends: NodePorts, LoadBalancer and external IPs.
 pub static NP_SERVICES: MapSpec =
     MapSpec::new::<ServiceKey, ServiceValue>(pc::NP_SERVICES_MAP, Tc, MapType::Hash, Some(Capacity::Services));
+/// The TC datapath's backend slots.
 pub static NP_SLOTS: MapSpec = MapSpec::new::<SlotKey, SlotValue>(pc::NP_SLOTS_MAP, Tc, MapType::Hash, Some(Capacity::Slots));
+/// The TC datapath's backend addresses.
 pub static NP_BACKENDS: MapSpec =
     MapSpec::new::<BackendKey, BackendValue>(pc::NP_BACKENDS_MAP, Tc, MapType::Hash, Some(Capacity::Backends));
+/// The TC datapath's per-frontend flags (externalTrafficPolicy: Local, ...).
 pub static NP_FLAGS: MapSpec = MapSpec::new::<ServiceKey, NpFlagsValue>(pc::NP_FLAGS_MAP, Tc, MapType::Hash, Some(Capacity::Services));
+/// Endpoint addresses on this node: their flows need no SNAT.
 pub static NP_LOCAL: MapSpec = MapSpec::new::<AddrKey, u32>(pc::NP_LOCAL_MAP, Tc, MapType::Hash, None);
 /// Devices a local backend's packet may be handed to with
 /// `bpf_redirect_peer` (`external::peer_devices` writes it); fixed size.
 pub static NP_PEER_DEVS: MapSpec = MapSpec::new::<u32, u32>(pc::NP_PEER_DEVS_MAP, Tc, MapType::Hash, None);
+/// The TC datapath's connection tracking (LRU): carries every flow to its backend and back.
 pub static NP_CT: MapSpec = MapSpec::new::<CtKey, CtValue>(pc::NP_CT_MAP, Tc, MapType::LruHash, Some(Capacity::NpConntrack));
+/// The TC programs' settings: SNAT addresses and port range (one element).
 pub static NP_CONFIG: MapSpec = MapSpec::new::<u32, NpConfig>(pc::NP_CONFIG_MAP, Tc, MapType::Array, None);
+/// The TC programs' per-CPU counters by reason (`proxy_common::np_counter`).
 pub static NP_COUNTERS: MapSpec = MapSpec::new::<u32, u64>(pc::NP_COUNTERS_MAP, Tc, MapType::PerCpuArray, None);
 /// The TC fast path's counters (`proxy_common::np_fast_counter`): an own
 /// array, so that `NP_COUNTERS` keeps the size older agents pinned.
 pub static NP_FAST_COUNTERS: MapSpec = MapSpec::new::<u32, u64>(pc::NP_FAST_COUNTERS_MAP, Tc, MapType::PerCpuArray, None);
+/// The TC datapath's session affinity entries (LRU), keyed by client address.
 pub static NP_AFFINITY: MapSpec =
     MapSpec::new::<NpAffinityKey, AffinityValue>(pc::NP_AFFINITY_MAP, Tc, MapType::LruHash, Some(Capacity::Affinity));
+/// The TC datapath's affine frontends' backends, as `AFFINITY_MATCH`.
 pub static NP_AFFINITY_MATCH: MapSpec =
     MapSpec::new::<AffinityMatchKey, AffinityMatchValue>(pc::NP_AFFINITY_MATCH_MAP, Tc, MapType::Hash, Some(Capacity::Slots));
+/// The TC datapath's `loadBalancerSourceRanges`, as `SOURCE_RANGES`.
 pub static NP_SOURCE_RANGES: MapSpec =
     MapSpec::new::<Key<SourceRangeKey>, u32>(pc::NP_SOURCE_RANGES_MAP, Tc, MapType::LpmTrie, Some(Capacity::Services));
 /// Maglev tables: (service id, generation) to an inner array of backend
@@ -207,6 +243,7 @@ pub static SVC_TOPO: MapSpec = MapSpec::new::<u32, SvcTopoValue>(pc::SVC_TOPO_MA
 /// The TC datapath's `SVC_CONN` and `SVC_TOPO`, by its own service ids.
 pub static NP_SVC_CONN: MapSpec =
     MapSpec::new::<u32, SvcConnValue>(pc::NP_SVC_CONN_MAP, Tc, MapType::PerCpuArray, Some(Capacity::Services));
+/// The TC datapath's `SVC_TOPO`.
 pub static NP_SVC_TOPO: MapSpec = MapSpec::new::<u32, SvcTopoValue>(pc::NP_SVC_TOPO_MAP, Tc, MapType::Array, Some(Capacity::Services));
 
 /// The TC programs' port bitmap (see `port_bits`): 16 KiB, fixed size.
@@ -259,26 +296,34 @@ pub static MAPS: [&MapSpec; 33] = [
 /// both.
 #[derive(Debug)]
 pub struct ServiceMaps {
+    /// Frontend to service entry.
     pub services: &'static MapSpec,
+    /// Slots of each generation.
     pub slots: &'static MapSpec,
+    /// Backend addresses.
     pub backends: &'static MapSpec,
     /// The clients' affinity entries (the programs write them; the agent
     /// deletes those of frontends that drop affinity or go away).
     pub affinity: &'static MapSpec,
+    /// The backends of each affine frontend's generation, with its timeout.
     pub affinity_match: &'static MapSpec,
+    /// `loadBalancerSourceRanges` per frontend.
     pub source_ranges: &'static MapSpec,
     /// The per-frontend topology counts and the agent's share per
     /// frontend (`SvcConnValue`, `SvcTopoValue`).
     pub conn: &'static MapSpec,
+    /// The agent's blind-remote share per frontend (`SvcTopoValue`).
     pub topo: &'static MapSpec,
 }
 
 impl ServiceMaps {
+    /// The datapath whose maps these are.
     pub fn datapath(&self) -> Datapath {
         self.services.datapath
     }
 }
 
+/// The socket programs' service maps.
 pub static SOCKET_SERVICE_MAPS: ServiceMaps = ServiceMaps {
     services: &SERVICES,
     slots: &SLOTS,
@@ -289,6 +334,7 @@ pub static SOCKET_SERVICE_MAPS: ServiceMaps = ServiceMaps {
     conn: &SVC_CONN,
     topo: &SVC_TOPO,
 };
+/// The TC programs' service maps.
 pub static TC_SERVICE_MAPS: ServiceMaps = ServiceMaps {
     services: &NP_SERVICES,
     slots: &NP_SLOTS,

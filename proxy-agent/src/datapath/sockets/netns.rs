@@ -17,7 +17,9 @@ use std::path::{Path, PathBuf};
 /// One network namespace: an open handle, and its nsfs inode for logs.
 #[derive(Debug)]
 pub struct Namespace {
+    /// Its nsfs inode.
     pub inode: u64,
+    /// An open `/proc/<pid>/ns/net`, to setns(2) into.
     pub file: File,
 }
 

@@ -65,12 +65,18 @@ use crate::observe::metrics::{Metrics, reason};
 /// How this kernel lets the agent terminate sockets.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Mechanism {
+    /// BPF socket iterators calling `bpf_sock_destroy` (Linux 6.5): sockets found by their own
+    /// cookie, in every namespace.
     Iterators,
+    /// sock_diag `SOCK_DESTROY` over netlink, one namespace at a time (needs
+    /// `CONFIG_INET_DIAG_DESTROY`).
     Netlink,
+    /// Neither: sockets to departed backends are left to time out.
     None,
 }
 
 impl Mechanism {
+    /// Every mechanism, for the metric's labels.
     pub const ALL: [Mechanism; 3] = [Mechanism::Iterators, Mechanism::Netlink, Mechanism::None];
 
     /// The metric label and log name.
@@ -86,14 +92,18 @@ impl Mechanism {
 /// What start-up found: the mechanism, and why.
 #[derive(Clone, Debug)]
 pub struct Detection {
+    /// The mechanism in use.
     pub mechanism: Mechanism,
+    /// Why this one (what the others lacked), for the log.
     pub detail: String,
 }
 
 /// [`detect`]'s result: the mechanism, and the iterators when they are it.
 #[derive(Debug)]
 pub struct Detected {
+    /// What was found.
     pub detection: Detection,
+    /// The loaded iterators, when they are the mechanism.
     pub iterators: Option<SockIterators>,
 }
 
@@ -152,6 +162,7 @@ pub struct Batch {
 }
 
 impl Batch {
+    /// Whether there is nothing to end.
     pub fn is_empty(&self) -> bool {
         self.sockets.is_empty() && self.conntrack.is_empty()
     }

@@ -51,8 +51,10 @@ const SK_DIAG_BPF_STORAGE_MAP_VALUE: u16 = 3;
 
 /// TCP states (include/net/tcp_states.h) as bits of `idiag_states`.
 pub const TCP_ESTABLISHED: u32 = 1;
+/// `TCP_SYN_SENT`: a connect() in progress.
 pub const TCP_SYN_SENT: u32 = 2;
 
+/// The `idiag_states` bit of TCP state `state`.
 pub fn state_bit(state: u32) -> u32 {
     1 << state
 }
@@ -63,9 +65,13 @@ pub struct DiagSock {
     /// `AF_INET` or `AF_INET6` (the socket's own family: an IPv6 socket
     /// talking to an IPv4 peer shows `::ffff:a.b.c.d`).
     pub family: u8,
+    /// `IPPROTO_TCP` or `IPPROTO_UDP`.
     pub protocol: u8,
+    /// The TCP state (`TCP_ESTABLISHED`, ...), 7 (`TCP_CLOSE`) for unconnected UDP.
     pub state: u8,
+    /// The local address.
     pub src: SocketAddr,
+    /// The peer's address.
     pub dst: SocketAddr,
     /// The socket cookie (`sock_gen_cookie`, the value
     /// `bpf_get_socket_cookie` returns).
@@ -93,6 +99,7 @@ fn check(rc: libc::c_int) -> io::Result<()> {
 }
 
 impl DiagSocket {
+    /// Opens a sock_diag socket in the calling thread's network namespace.
     pub fn open() -> io::Result<DiagSocket> {
         // SAFETY: socket(2) returns a new descriptor or -1.
         let fd = unsafe { libc::socket(libc::AF_NETLINK, libc::SOCK_RAW | libc::SOCK_CLOEXEC, NETLINK_SOCK_DIAG) };

@@ -64,44 +64,76 @@ pub fn patch_kfunc_calls(object: &[u8], btf_id: u32) -> (Vec<u8>, usize) {
     (out, n)
 }
 
+/// Why the socket iterators could not be loaded (the agent then falls back to netlink).
 #[derive(Debug, thiserror::Error)]
 pub enum IterError {
+    /// The kernel's BTF could not be read.
     #[error(transparent)]
     Btf(#[from] BtfError),
+    /// The kernel has no `bpf_sock_destroy` kfunc.
     #[error("no bpf_sock_destroy kfunc in this kernel (Linux < 6.5)")]
     NoKfunc,
+    /// The kernel's BTF lacks `struct sock_common`.
     #[error("no struct sock_common in the kernel's BTF")]
     NoSockCommon,
+    /// A field of `struct sock_common` is not where the iterators read it.
     #[error("struct sock_common has {field} at {found:?}, the iterators read it at {expected}")]
-    Layout { field: &'static str, found: Option<usize>, expected: usize },
+    Layout {
+        /// The field.
+        field: &'static str,
+        /// Its offset in the kernel's BTF, `None` when missing.
+        found: Option<usize>,
+        /// The offset the programs read.
+        expected: usize,
+    },
+    /// The object does not hold the number of kfunc calls expected (a build mismatch).
     #[error("the eBPF object has {found} bpf_sock_destroy calls to patch, expected {expected}")]
-    Patch { found: usize, expected: usize },
+    Patch {
+        /// Calls found.
+        found: usize,
+        /// Calls expected.
+        expected: usize,
+    },
+    /// The object could not be loaded.
     #[error("loading the eBPF object")]
     Object(#[source] aya::EbpfError),
+    /// aya could not read the kernel's BTF.
     #[error("reading the kernel's BTF for aya")]
     KernelBtf(#[source] aya::BtfError),
+    /// The object lacks an iterator program.
     #[error("no program {0} in the eBPF object")]
     NoProgram(&'static str),
+    /// A program could not be loaded.
     #[error("{name}")]
     Program {
+        /// The program.
         name: &'static str,
+        /// The error.
         #[source]
         source: aya::programs::ProgramError,
     },
+    /// An iterator could not be created.
     #[error("{name}: creating the iterator")]
     Link {
+        /// The program.
         name: &'static str,
+        /// The error.
         #[source]
         source: aya::programs::links::LinkError,
     },
+    /// An iterator could not be read.
     #[error("{name}: reading the iterator")]
     Read {
+        /// The program.
         name: &'static str,
+        /// The error.
         #[source]
         source: std::io::Error,
     },
+    /// The object lacks `SOCK_TERMINATE`.
     #[error("no {} map in the eBPF object", pc::SOCK_TERMINATE_MAP)]
     NoMap,
+    /// `SOCK_TERMINATE` could not be opened.
     #[error("{}", pc::SOCK_TERMINATE_MAP)]
     Map(#[source] aya::maps::MapError),
 }

@@ -56,14 +56,25 @@ pub struct Swept {
     pub deleted: usize,
 }
 
+/// Why a sweep of `SOCK_REC` did not run; nothing is deleted then.
 #[derive(Debug, thiserror::Error)]
 pub enum SweepError {
+    /// The map could not be opened.
     #[error("cannot open SOCK_REC: {0}")]
     Open(MapError),
+    /// The map could not be read.
     #[error("cannot read SOCK_REC: {0}")]
     Read(MapError),
+    /// The sockets of a namespace could not be listed, so a record may be a live socket's.
     #[error("cannot list the sockets of network namespace {inode}: {reason}; no record was deleted")]
-    Namespace { inode: u64, reason: String },
+    Namespace {
+        /// The namespace's nsfs inode.
+        inode: u64,
+        /// The error.
+        reason: String,
+    },
+    /// The agent sees only its own PID namespace's processes and therefore not every network
+    /// namespace.
     #[error(
         "the agent is not in the host's PID namespace (hostPID), so the pods' network namespaces are hidden from it and their sockets cannot be listed; no record was deleted"
     )]
