@@ -50,10 +50,13 @@ use crate::observe::metrics::{GcFigures, Metrics};
 /// How long a flow may stay idle, by state (seconds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Timeouts {
+    /// Established TCP.
     pub tcp_s: u32,
+    /// Closing TCP: an RST, or a FIN from both sides (`CT_FLAG_CLOSING`).
     pub tcp_closing_s: u32,
     /// TCP that never got a packet from the backend (`CT_FLAG_REPLIED`).
     pub tcp_syn_s: u32,
+    /// UDP and every other protocol.
     pub other_s: u32,
 }
 
@@ -125,6 +128,7 @@ pub fn flow_of(k: &CtKey, v: &CtValue) -> CtKey {
     }
 }
 
+/// Why the GC deletes a flow (the metric's `reason` label).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Reason {
     /// Idle for longer than its timeout.
@@ -134,6 +138,7 @@ pub enum Reason {
 }
 
 impl Reason {
+    /// The label (`/metrics`, logs).
     pub fn label(self) -> &'static str {
         match self {
             Reason::Expired => "expired",
@@ -145,7 +150,9 @@ impl Reason {
 /// One flow to delete: every entry of it.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Doomed {
+    /// Why.
     pub reason: Reason,
+    /// Every `NP_CT` entry of the flow (forward, reply and SNAT directions).
     pub keys: Vec<CtKey>,
 }
 
@@ -203,11 +210,17 @@ pub fn plan(entries: &[(CtKey, CtValue)], now_s: u32, t: &Timeouts, mut backend_
 /// in network byte order, as `CtKey`/`CtValue` keep them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct FlowEnds {
+    /// `IPPROTO_TCP` or `IPPROTO_UDP`.
     pub proto: u8,
+    /// `FAMILY_V4` or `FAMILY_V6`.
     pub family: u8,
+    /// The frontend's address.
     pub frontend_be: [u32; 4],
+    /// The frontend's port.
     pub frontend_port_be: u16,
+    /// The backend's address.
     pub backend_be: [u32; 4],
+    /// The backend's port.
     pub backend_port_be: u16,
 }
 
@@ -258,7 +271,9 @@ pub fn plan_flush<L: Copy>(entries: &[(CtKey, CtValue)], mut target: impl FnMut(
 /// What one [`flush`] deleted under one label.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Flushed {
+    /// Flows deleted.
     pub flows: usize,
+    /// `NP_CT` entries deleted (a flow has two or more).
     pub entries: usize,
 }
 
@@ -305,14 +320,34 @@ pub fn monotonic_now_s() -> std::io::Result<u32> {
     Ok(ts.tv_sec as u32)
 }
 
+/// Why a sweep or flush failed; the next sweep tries again.
 #[derive(Debug, thiserror::Error)]
 pub enum GcError {
+    /// `NP_CT` or another map could not be opened.
     #[error("conntrack GC: cannot open pinned map {path}: {source}")]
-    Open { path: PathBuf, source: MapError },
+    Open {
+        /// The pin.
+        path: PathBuf,
+        /// The error.
+        source: MapError,
+    },
+    /// A map could not be read.
     #[error("conntrack GC: reading {map}: {source}")]
-    Read { map: &'static str, source: MapError },
+    Read {
+        /// The map.
+        map: &'static str,
+        /// The error.
+        source: MapError,
+    },
+    /// An entry could not be deleted.
     #[error("conntrack GC: deleting from {map}: {source}")]
-    Delete { map: &'static str, source: MapError },
+    Delete {
+        /// The map.
+        map: &'static str,
+        /// The error.
+        source: MapError,
+    },
+    /// The clock the programs stamp entries with could not be read.
     #[error("conntrack GC: reading CLOCK_MONOTONIC: {0}")]
     Clock(std::io::Error),
 }
@@ -324,10 +359,13 @@ pub struct SweepStats {
     pub entries: usize,
     /// `NP_CT`'s capacity.
     pub capacity: u32,
+    /// Flows idle past their timeout.
     pub expired_flows: usize,
+    /// UDP flows whose backend is gone from `NP_BACKENDS`.
     pub stale_flows: usize,
     /// Entries deleted, by reason.
     pub deleted_expired: usize,
+    /// Entries deleted as stale.
     pub deleted_stale: usize,
     /// Flows left alone because a packet refreshed them during the sweep.
     pub revived_flows: usize,
@@ -434,7 +472,9 @@ pub fn sweep(pin_dir: &Path, t: &Timeouts) -> Result<SweepStats, GcError> {
 /// `--conntrack-*` flags resolved.
 #[derive(Clone, Copy, Debug)]
 pub struct GcConfig {
+    /// Time between sweeps; zero turns them off (entries then leave by LRU eviction alone).
     pub interval: Duration,
+    /// The idle timeouts.
     pub timeouts: Timeouts,
 }
 

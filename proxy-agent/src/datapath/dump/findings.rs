@@ -5,6 +5,7 @@ use serde::Serialize;
 
 use crate::datapath::maps::Datapath;
 
+/// How much a finding matters.
 #[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq, PartialOrd, Ord)]
 #[serde(rename_all = "lowercase")]
 pub enum Severity {
@@ -15,6 +16,7 @@ pub enum Severity {
     Error,
 }
 
+/// What a consistency rule found.
 #[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq, PartialOrd, Ord)]
 #[serde(rename_all = "kebab-case")]
 pub enum FindingKind {
@@ -56,6 +58,7 @@ pub enum FindingKind {
 }
 
 impl FindingKind {
+    /// Whether the datapath still serves what the agent meant (warning) or not (error).
     pub fn severity(self) -> Severity {
         match self {
             FindingKind::OrphanSlots
@@ -70,22 +73,31 @@ impl FindingKind {
 
 /// Which datapath's maps a finding is about.
 pub const DATAPATH_SOCKET: &str = Datapath::Socket.label();
+/// The TC datapath's maps (the `NP_*` family).
 pub const DATAPATH_TC: &str = Datapath::Tc.label();
 
+/// One inconsistency between the maps, with where it lies.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct Finding {
+    /// How much it matters.
     pub severity: Severity,
+    /// Which rule found it.
     pub kind: FindingKind,
     /// `socket` (SERVICES, SLOTS, BACKENDS) or `tc` (the NP_* maps).
     pub datapath: &'static str,
+    /// What is wrong, in words.
     pub message: String,
+    /// The service id concerned, when one is.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub service_id: Option<u32>,
+    /// The generation concerned, when one is.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub generation: Option<u32>,
+    /// The slot concerned, when one is.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub slot: Option<u32>,
+    /// The backend id concerned, when one is.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub backend_id: Option<u32>,
 }

@@ -59,12 +59,17 @@ pub use sockets::{SocketRecordView, SocketsView};
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct Report {
+    /// The pin directory read.
     pub pin_dir: String,
     /// No findings at all.
     pub consistent: bool,
+    /// Each map's entries and capacity.
     pub maps: Vec<MapUsage>,
+    /// SERVICES with their slots.
     pub services: Vec<ServiceView>,
+    /// BACKENDS, with how many live slots name each.
     pub backends: Vec<BackendView>,
+    /// COUNTERS by name, summed over CPUs.
     pub counters: BTreeMap<String, u64>,
     /// AFFINITY: each client's backend per affine frontend.
     pub affinity: Vec<AffinityView>,
@@ -89,6 +94,7 @@ pub struct Report {
     pub sockets: SocketsView,
 }
 
+/// Decodes and checks a snapshot into what `dump` prints.
 pub fn report(pin_dir: &Path, snap: &Snapshot) -> Report {
     let a = check(&snap.services, &snap.slots, &snap.backends);
     let mut findings = a.findings;

@@ -31,6 +31,7 @@ pub struct CtView {
     pub tuple: String,
     /// What the packet becomes.
     pub translated: String,
+    /// The backend the flow was sent to (an `NP_BACKENDS` id).
     pub backend_id: u32,
     /// `snat`, `closing`, `fin-client`, `fin-backend`.
     pub flags: Vec<&'static str>,
@@ -41,12 +42,17 @@ pub struct CtView {
     pub age_seconds: Option<u32>,
 }
 
+/// `NP_CONFIG`, decoded.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct NpConfigView {
+    /// The IPv4 SNAT source; `None`: flows to remote IPv4 backends pass untranslated.
     pub snat_v4: Option<String>,
+    /// The IPv6 SNAT source, as `snat_v4`.
     pub snat_v6: Option<String>,
+    /// The first SNAT source port.
     pub snat_port_min: u16,
+    /// The last SNAT source port.
     pub snat_port_max: u16,
 }
 
@@ -54,13 +60,17 @@ pub struct NpConfigView {
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct NodePortReport {
+    /// `NP_CONFIG`; `None` when it cannot be read.
     pub config: Option<NpConfigView>,
     /// NP_SERVICES with their slots (NP_SLOTS) and policy (NP_FLAGS).
     pub services: Vec<ServiceView>,
+    /// NP_BACKENDS, with how many live slots name each.
     pub backends: Vec<BackendView>,
     /// NP_LOCAL: endpoint addresses on this node (never SNAT'ed).
     pub local_endpoints: Vec<String>,
+    /// NP_CT, one line per entry.
     pub conntrack: Vec<CtView>,
+    /// NP_COUNTERS by name, summed over CPUs.
     pub counters: BTreeMap<String, u64>,
     /// NP_AFFINITY: each client's backend per affine frontend.
     pub affinity: Vec<AffinityView>,
@@ -91,10 +101,13 @@ pub struct NodePortReport {
 pub struct NextHopView {
     /// `TCP`/`UDP` and the packet as it leaves: `SNAT source -> backend`.
     pub flow: String,
+    /// The device the flow arrives on.
     pub ingress_ifindex: u32,
     /// The device the flow's packets leave by, and the MACs written.
     pub ifindex: u32,
+    /// The destination MAC written (the next hop's).
     pub dmac: String,
+    /// The source MAC written (the leaving device's).
     pub smac: String,
     /// The longest packet (IP length) checked against the route's MTU.
     pub max_len: u16,
@@ -129,10 +142,13 @@ pub fn next_hop_views(entries: &[(pc::XdpNextHopKey, pc::XdpNextHopValue)]) -> V
     out
 }
 
+/// How many ports `NP_PORTS` marks.
 #[derive(Clone, Copy, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct PortBitsView {
+    /// Ports marked for ingress (frontends' destination ports).
     pub ingress_ports: usize,
+    /// Ports marked for egress (backends' ports).
     pub egress_ports: usize,
 }
 

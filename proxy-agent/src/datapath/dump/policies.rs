@@ -27,6 +27,7 @@ pub struct AffinityView {
     pub frontend: String,
     /// `netns N` (socket datapath) or the client's address (TC).
     pub client: String,
+    /// The backend the client was sent to.
     pub backend_id: u32,
     /// `None` when the backend is gone or undecodable.
     pub backend: Option<String>,

@@ -27,24 +27,47 @@ use crate::datapath::maps::{self, MapSpec, SOCKET_SERVICE_MAPS, ServiceMaps, TC_
 
 // The cause is part of each message and deliberately not a `source`:
 // `main` prints error chains, which would repeat it.
+/// Why the maps could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum DumpError {
+    /// A pin could not be opened.
     #[error("cannot open pinned map {path}: {error}. Is the agent installed with this --bpffs, and do we have CAP_BPF?")]
-    Open { path: PathBuf, error: io::Error },
+    Open {
+        /// The pin.
+        path: PathBuf,
+        /// The error.
+        error: io::Error,
+    },
+    /// A pin holds a map of another kind than expected.
     #[error("pinned map {path} is not what this agent expects: {error}")]
-    Kind { path: PathBuf, error: MapError },
+    Kind {
+        /// The pin.
+        path: PathBuf,
+        /// The error.
+        error: MapError,
+    },
+    /// A map could not be read.
     #[error("reading map {map}: {error}")]
-    Read { map: &'static str, error: MapError },
+    Read {
+        /// The map.
+        map: &'static str,
+        /// The error.
+        error: MapError,
+    },
 }
 
 /// Everything the maps hold, as raw entries.
 #[derive(Clone, Debug, Default)]
 pub struct Snapshot {
+    /// SERVICES.
     pub services: Vec<(ServiceKey, ServiceValue)>,
+    /// SLOTS.
     pub slots: Vec<(SlotKey, SlotValue)>,
+    /// BACKENDS.
     pub backends: Vec<(BackendKey, BackendValue)>,
     /// Per-CPU values summed, indexed by counter id.
     pub counters: Vec<u64>,
+    /// Each map's entries and capacity.
     pub maps: Vec<MapUsage>,
     /// `AFFINITY_MATCH`, `SOURCE_RANGES` and `AFFINITY`.
     pub policy: PolicySnapshot,
@@ -65,6 +88,7 @@ pub struct Snapshot {
 /// pinned (a datapath installed by an agent version without them).
 #[derive(Clone, Debug, Default)]
 pub struct PolicySnapshot {
+    /// The affinity match entries.
     pub matches: Vec<(AffinityMatchKey, AffinityMatchValue)>,
     /// Each source range entry: (prefix length in bits, key).
     pub ranges: Vec<(u32, SourceRangeKey)>,
@@ -80,12 +104,19 @@ pub struct PolicySnapshot {
 /// Everything the `NP_*` maps hold, as raw entries.
 #[derive(Clone, Debug, Default)]
 pub struct NpSnapshot {
+    /// NP_SERVICES.
     pub services: Vec<(ServiceKey, ServiceValue)>,
+    /// NP_SLOTS.
     pub slots: Vec<(SlotKey, SlotValue)>,
+    /// NP_BACKENDS.
     pub backends: Vec<(BackendKey, BackendValue)>,
+    /// NP_FLAGS.
     pub flags: Vec<(ServiceKey, NpFlagsValue)>,
+    /// NP_LOCAL.
     pub local: Vec<(AddrKey, u32)>,
+    /// NP_CT.
     pub conntrack: Vec<(CtKey, CtValue)>,
+    /// NP_CONFIG's one element.
     pub config: Option<NpConfig>,
     /// `NP_COUNTERS` summed over CPUs, indexed by counter id.
     pub counters: Vec<u64>,
@@ -107,11 +138,15 @@ pub struct NpSnapshot {
     pub peer_devices: Vec<u32>,
 }
 
+/// One map's use against its capacity.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct MapUsage {
+    /// The map's name (its pin's name).
     pub name: &'static str,
+    /// Entries it holds.
     pub entries: u64,
+    /// Its capacity (`max_entries`).
     pub max_entries: u32,
 }
 

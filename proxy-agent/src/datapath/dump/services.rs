@@ -19,9 +19,13 @@ pub struct ServiceView {
     /// `10.96.0.10:80/TCP`, `[fd00::10]:53/UDP`; for an undecodable key the
     /// raw fields.
     pub frontend: String,
+    /// The frontend's service id (the key of its slots).
     pub service_id: u32,
+    /// The generation its slots are at.
     pub generation: u32,
+    /// Slots of that generation.
     pub backend_count: u32,
+    /// Those slots, by index.
     pub slots: Vec<SlotView>,
     /// TC frontends only: `Local` or `Cluster` (from `NP_FLAGS`).
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -52,9 +56,11 @@ pub struct ServiceView {
     pub maglev_table_bytes: Option<u64>,
 }
 
+/// One slot of a frontend's current generation.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct SlotView {
+    /// Its index.
     pub slot: u32,
     /// `None` when the slot is missing.
     pub backend_id: Option<u32>,
@@ -62,9 +68,11 @@ pub struct SlotView {
     pub backend: Option<String>,
 }
 
+/// One BACKENDS (or NP_BACKENDS) entry.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct BackendView {
+    /// Its id.
     pub backend_id: u32,
     /// `None` for an undecodable value.
     pub address: Option<String>,
@@ -72,10 +80,14 @@ pub struct BackendView {
     pub slots: u32,
 }
 
+/// One datapath's service maps, decoded and checked.
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
 pub struct Analysis {
+    /// Each frontend with its slots.
     pub services: Vec<ServiceView>,
+    /// Each backend with how many live slots name it.
     pub backends: Vec<BackendView>,
+    /// What the checks found.
     pub findings: Vec<Finding>,
 }
 

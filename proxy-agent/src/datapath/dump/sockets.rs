@@ -17,19 +17,26 @@ use super::services::raw_key;
 #[derive(Clone, Debug, Default, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct SocketsView {
+    /// One per `SOCK_REC` record.
     pub records: Vec<SocketRecordView>,
     /// Connects recorded in socket storage because `SOCK_REC` was full
     /// (the `sock_record_full` counter).
     pub socket_storage_fallbacks: u64,
 }
 
+/// One socket's record.
 #[derive(Clone, Debug, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "camelCase")]
 pub struct SocketRecordView {
+    /// The socket's cookie.
     pub cookie: u64,
+    /// `TCP` or `UDP`.
     pub protocol: String,
+    /// The frontend it connected to.
     pub frontend: String,
+    /// The backend it was sent to.
     pub backend: String,
+    /// The frontend's service id.
     pub service_id: u32,
     /// `sock_rec`: the record is in `SOCK_REC`.
     pub path: &'static str,
