@@ -4,7 +4,7 @@
 //! The files are watched with inotify (the `notify` crate), with a slow
 //! poll as a safety net for what inotify does not see (network file
 //! systems, a lost event queue, a watch that could not be added). Either
-//! only starts a refresh of the [`ManifestSet`]: a stat of every file, and
+//! only starts a refresh of the `ManifestSet`: a stat of every file, and
 //! a read of those that changed, so nothing is read while no file changes.
 //!
 //! A file written in place is read once its writer closes it (inotify's

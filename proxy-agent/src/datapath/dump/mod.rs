@@ -18,7 +18,7 @@
 //! not yet deleted) and report orphans that vanish a moment later; the
 //! errors, by contrast, are states the writer never produces.
 //!
-//! One file per map family: [`read`](self::read) reads the raw entries,
+//! One file per map family: [`read`] reads the raw entries,
 //! `services`, `policies`, `nodeport` and `sockets` decode and check their
 //! maps, `counters` sums the counting arrays, `findings` is what the checks
 //! report. Their public items are re-exported here.

@@ -42,7 +42,7 @@ pub struct AffinityView {
 }
 
 /// Decodes a datapath's policy maps onto its frontends (`views`, as
-/// [`check_maps`] made them from `services`): each affine frontend's
+/// [`check_maps`](super::services::check_maps) made them from `services`): each affine frontend's
 /// timeout, each filtered frontend's ranges, and every client's affinity
 /// entry. Finds affine frontends whose backends lack a match entry, and
 /// match entries or ranges that belong to no current generation.
