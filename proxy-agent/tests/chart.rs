@@ -18,6 +18,18 @@ fn venv_python() -> Option<PathBuf> {
     Path::new(env!("CARGO_BIN_EXE_proxy-agent")).ancestors().map(|dir| dir.join("chart-venv/bin/python")).find(|p| p.exists())
 }
 
+/// The chart's default pin directory (`bpf.root`/`bpf.pinDir`) is the
+/// agent's (`datapath::pins`), so that `proxy-agent dump` and `reset`
+/// without `--bpffs` find what the chart's agent pinned.
+#[test]
+fn the_charts_pin_directory_is_the_agents_default() {
+    let path = workspace().join("charts/topoproxy/values.yaml");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let values: serde_yaml::Value = serde_yaml::from_str(&text).expect("values.yaml parses");
+    let field = |k: &str| values["bpf"][k].as_str().unwrap_or_else(|| panic!("bpf.{k} is not a string")).to_string();
+    assert_eq!(format!("{}/{}", field("root").trim_end_matches('/'), field("pinDir")), proxy_agent::DEFAULT_BPFFS);
+}
+
 #[test]
 fn helm_chart_renders_and_validates() {
     let Some(python) = venv_python() else {

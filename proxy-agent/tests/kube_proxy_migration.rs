@@ -56,8 +56,9 @@ const CLUSTER_IP: &str = "10.96.0.10";
 const EXTERNAL_IP: &str = "192.0.2.10";
 const LB_IP: &str = "198.51.100.7";
 
-/// The pin directory the chart uses, as the guide names it.
-const GUIDE_PINS: &str = "/sys/fs/bpf/topoproxy";
+/// The pin directory the chart uses, as the guide names it: the agent's
+/// default (`datapath::pins`).
+const GUIDE_PINS: &str = proxy_agent::DEFAULT_BPFFS;
 
 const WEB: ServicePort = ServicePort {
     namespace: "default",
