@@ -12,6 +12,7 @@ use std::process::{Command, Output};
 use aya::maps::{HashMap, Map, MapData};
 use proxy_agent::datapath::map_writer::MapWriter;
 use proxy_agent::datapath::maps::Capacities;
+use proxy_agent::datapath::pins as pin_layout;
 use proxy_agent::datapath::socket_loader;
 use proxy_agent::decide::plan::Plan;
 use proxy_agent::model::{Backend, Frontend, Protocol};
@@ -106,10 +107,10 @@ fn dump_shows_the_programmed_state_and_flags_corruption() {
     // Corrupt the maps behind the agent's back: drop a backend that a slot
     // names, and leave a slot that no service owns.
     let victim = web_view["slots"][0]["backendId"].as_u64().and_then(|id| u32::try_from(id).ok()).expect("backend id");
-    let data = MapData::from_pin(pins.path().join("BACKENDS")).expect("open BACKENDS");
+    let data = MapData::from_pin(pin_layout::map(pins.path(), proxy_common::BACKENDS_MAP)).expect("open BACKENDS");
     let mut backends: HashMap<MapData, BackendKey, BackendValue> = HashMap::try_from(Map::HashMap(data)).expect("hash map");
     backends.remove(&BackendKey { backend_id: victim }).expect("delete backend");
-    let data = MapData::from_pin(pins.path().join("SLOTS")).expect("open SLOTS");
+    let data = MapData::from_pin(pin_layout::map(pins.path(), proxy_common::SLOTS_MAP)).expect("open SLOTS");
     let mut slots: HashMap<MapData, SlotKey, SlotValue> = HashMap::try_from(Map::HashMap(data)).expect("hash map");
     slots.insert(SlotKey { service_id: 999, generation: 1, slot: 0 }, SlotValue { backend_id: victim }, 0).expect("stray slot");
 
@@ -227,7 +228,7 @@ fn dump_decodes_the_tc_maps_and_flags_their_inconsistencies() {
         backend_id,
         seen_s,
     };
-    let data = MapData::from_pin(pins.path().join("NP_CT")).expect("open NP_CT");
+    let data = MapData::from_pin(pin_layout::map(pins.path(), proxy_common::NP_CT_MAP)).expect("open NP_CT");
     let mut ct: HashMap<MapData, CtKey, CtValue> = HashMap::try_from(Map::LruHashMap(data)).expect("LRU hash");
     ct.insert(key("10.0.1.1", 40000, "10.0.1.2", 30080, pc::CT_DIR_FORWARD), value("10.0.1.1", 40000, "10.244.1.1", 8080), 0)
         .expect("forward entry");
@@ -300,7 +301,7 @@ fn dump_decodes_the_tc_maps_and_flags_their_inconsistencies() {
 
     // Corrupt: remove the local backend behind the agent's back. Its slots
     // now name nothing, and the tracked flow's backend is gone.
-    let data = MapData::from_pin(pins.path().join("NP_BACKENDS")).expect("open NP_BACKENDS");
+    let data = MapData::from_pin(pin_layout::map(pins.path(), proxy_common::NP_BACKENDS_MAP)).expect("open NP_BACKENDS");
     let mut backends: HashMap<MapData, BackendKey, BackendValue> = HashMap::try_from(Map::HashMap(data)).expect("hash map");
     backends.remove(&BackendKey { backend_id }).expect("delete backend");
     let (code, doc) = dump_json(pins.path());

@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use proxy_agent::datapath::pins as pin_layout;
 use proxy_test_support::http::http_get;
 use proxy_test_support::wait::eventually;
 use support::{Node, ServiceSpec};
@@ -84,11 +85,8 @@ fn pinned_maps_and_links_are_out_of_reach_of_other_users() {
     assert_eq!(meta.mode() & 0o7777, 0o700, "the pin directory is its owner's only");
     assert_eq!(meta.uid(), 0);
     let paths = walk(&pins);
-    assert!(paths.iter().any(|p| p.ends_with("SERVICES")), "the maps are pinned: {paths:?}");
-    assert!(
-        paths.iter().any(|p| p.components().any(|c| c.as_os_str() == proxy_agent::datapath::pins::LINKS_DIR)),
-        "the links are pinned: {paths:?}"
-    );
+    assert!(paths.iter().any(|p| p.ends_with(proxy_common::SERVICES_MAP)), "the maps are pinned: {paths:?}");
+    assert!(paths.iter().any(|p| p.components().any(|c| c.as_os_str() == pin_layout::LINKS_DIR)), "the links are pinned: {paths:?}");
     for p in &paths {
         let m = fs::symlink_metadata(p).expect("stat");
         // Below the 0700 directory nothing is reachable anyway; pins also
@@ -99,7 +97,7 @@ fn pinned_maps_and_links_are_out_of_reach_of_other_users() {
         }
     }
     // As another user: nothing can be listed, read or removed.
-    let services = pins.join("SERVICES");
+    let services = pin_layout::map(&pins, proxy_common::SERVICES_MAP);
     assert!(!as_nobody("ls", &[&pins]), "nobody may list the pin directory");
     assert!(!as_nobody("cat", &[&services]), "nobody may open a pinned map");
     assert!(!as_nobody("rm", &[&services]), "nobody may unpin a map");
@@ -129,7 +127,7 @@ fn a_pin_directory_owned_by_another_user_is_refused() {
         log.contains(&format!("refusing pin directory {}: it is owned by uid {NOBODY}", pins.display())),
         "no clear error in the log:\n{log}"
     );
-    assert!(!pins.join("SERVICES").exists(), "nothing was pinned there");
+    assert!(!pin_layout::map(&pins, proxy_common::SERVICES_MAP).exists(), "nothing was pinned there");
     // Nor a symlink another user put where the pin directory goes.
     let link = pins.with_file_name(format!("{}-link", pins.file_name().and_then(|n| n.to_str()).unwrap_or("tp")));
     std::os::unix::fs::symlink(&pins, &link).expect("symlink");
@@ -152,7 +150,7 @@ fn a_pin_directory_owned_by_another_user_is_refused() {
     std::os::unix::fs::chown(&pins, Some(0), Some(0)).expect("chown back");
     node.start_agent_with(&["--metrics-address", "127.0.0.1:0"]);
     wait_ready(&node);
-    assert!(pins.join("SERVICES").exists());
+    assert!(pin_layout::map(&pins, proxy_common::SERVICES_MAP).exists());
     assert_eq!(fs::metadata(&pins).expect("pin directory").mode() & 0o7777, 0o700);
 }
 
