@@ -4,8 +4,10 @@
 //! the map is full, adoption of a socket-storage datapath, every way a
 //! socket closes leaving the map empty (an abort by the agent's
 //! termination included, through both mechanisms), the start-up sweep of
-//! records whose socket is gone, and the counter array of an older build
-//! migrated to the new size.
+//! records whose socket is gone, the counter array of an older build
+//! migrated to the new size, and the record counts (`SOCK_REC_COUNT`) in
+//! front of the map: back at 0 once every socket is gone, and covering
+//! the records of a build without them.
 //!
 //! The socket work runs in a child: this test binary run again in the
 //! node's cgroup and the pods' namespace (`command_in`), with
@@ -21,11 +23,13 @@ use std::net::{IpAddr, SocketAddr, TcpStream, UdpSocket};
 use std::os::fd::RawFd;
 use std::process::{Command, Stdio};
 
-use aya::maps::{HashMap, Map, MapData};
+use aya::maps::{Array, HashMap, Map, MapData};
 use proxy_agent::datapath::dump::socket_counter_sums;
 use proxy_agent::datapath::pins;
 use proxy_agent::datapath::socket_loader::RELEASE_PROGRAM;
-use proxy_common::{SOCK_PEER_MAP, SOCK_REC_MAP, SockRecValue, counter};
+use proxy_common::{
+    SOCK_PEER_MAP, SOCK_REC_COUNT_MAP, SOCK_REC_COUNT_SLOTS, SOCK_REC_MAP, SOCK_REC_UNCOUNTED, SockRecValue, counter, sock_rec_count_slot,
+};
 use proxy_test_support::sandbox::{Guarded, command_in, echo_server};
 use proxy_test_support::wait::eventually;
 use serde_json::{Value, json};
@@ -103,6 +107,13 @@ fn records(node: &Node) -> Vec<(u64, SockRecValue)> {
     map.iter().filter_map(Result::ok).collect()
 }
 
+/// Every slot of `SOCK_REC_COUNT` that is not 0, with its count.
+fn counted_slots(node: &Node) -> Vec<(u32, u64)> {
+    let data = MapData::from_pin(node.pins.path().join(SOCK_REC_COUNT_MAP)).expect("open SOCK_REC_COUNT");
+    let counts: Array<_, u64> = Array::try_from(Map::Array(data)).expect("SOCK_REC_COUNT");
+    (0..SOCK_REC_COUNT_SLOTS).filter_map(|i| counts.get(&i, 0).ok().filter(|&c| c != 0).map(|c| (i, c))).collect()
+}
+
 /// `proxy-agent dump --output json` of the node's pins. Exit status 2
 /// (findings) still prints the report.
 fn dump_json(node: &Node) -> Value {
@@ -167,6 +178,7 @@ fn every_way_a_socket_closes_removes_its_record() {
     // and AF_UNSPEC then close, v4 and v6.
     run_child(&node, &net, "closes");
     assert_eq!(records(&node), Vec::new(), "every way of closing releases the record");
+    assert_eq!(counted_slots(&node), Vec::new(), "every record's count is taken back with it");
 }
 
 #[test]
@@ -178,6 +190,61 @@ fn a_million_connect_close_cycles_leave_the_map_empty() {
     assert_eq!(n, 1_000_000);
     assert!(counter_value(&node, counter::TRANSLATED) - before >= n, "every cycle was translated");
     assert_eq!(records(&node), Vec::new(), "a million sockets later, the map is empty");
+    assert_eq!(counted_slots(&node), Vec::new(), "and every slot of its counts is back at 0");
+}
+
+/// An upgrade from a build without `SOCK_REC_COUNT`: its records carry no
+/// `counted` mark and its pins no count map, so the new programs would
+/// find their slots at 0. The agent raises those slots before and after
+/// it swaps the programs in, so the sockets keep their getpeername and
+/// recvmsg, and their release deletes the records.
+#[test]
+fn records_of_a_build_without_counts_keep_getpeername_and_are_released() {
+    let (net, mut node) = setup(&[]);
+    let mut cmd = child(&node, &net, "held-peers");
+    cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+    let mut held = Guarded::spawn(&mut cmd).expect("start child");
+    let mut stdin = held.0.stdin.take().expect("stdin");
+    let mut out = BufReader::new(held.0.stdout.take().expect("stdout")).lines();
+    let mut next = || loop {
+        let line = out.next().expect("child line").expect("read");
+        if let Some(v) = json_line(&line) {
+            break v;
+        }
+    };
+    let first = next();
+    assert_eq!(first["ok"], true, "{first}");
+    let held_records = records(&node);
+    assert_eq!(held_records.len(), 4, "{held_records:?}");
+    assert!(held_records.iter().all(|(_, r)| r.counted == proxy_common::SOCK_REC_COUNTED), "{held_records:?}");
+
+    // What the older build's pins hold: the same records, unmarked, and
+    // no count map. Its programs keep running until the new ones replace
+    // them.
+    node.stop_agent();
+    let data = MapData::from_pin(node.pins.path().join(SOCK_REC_MAP)).expect("open SOCK_REC");
+    let mut map: HashMap<_, u64, SockRecValue> = HashMap::try_from(Map::HashMap(data)).expect("SOCK_REC");
+    for (k, v) in &held_records {
+        map.insert(k, SockRecValue { counted: 0, ..*v }, 0).expect("unmark a record");
+    }
+    drop(map);
+    std::fs::remove_file(node.pins.path().join(SOCK_REC_COUNT_MAP)).expect("remove SOCK_REC_COUNT pin");
+    node.start_agent_with(&[]);
+    eventually("the upgraded agent covered the records' slots", || {
+        if !path_exists(&node.pins.path().join(SOCK_REC_COUNT_MAP)) {
+            return Err("no SOCK_REC_COUNT yet".to_string());
+        }
+        let slots = counted_slots(&node);
+        let covered = held_records.iter().all(|(k, _)| slots.iter().any(|&(i, c)| i == sock_rec_count_slot(*k) && c >= SOCK_REC_UNCOUNTED));
+        if covered { Ok(()) } else { Err(format!("slots {slots:?}")) }
+    });
+    wait_for_backends(&node, &net, "10.96.0.30:80", &[], &["pod-c"]);
+    writeln!(stdin, "peers").expect("ask child");
+    let after = next();
+    assert_eq!(after["ok"], true, "sockets recorded by the older build keep their getpeername and recvmsg: {after}");
+    writeln!(stdin, "exit").expect("tell child");
+    assert!(held.0.wait().expect("child exit").success());
+    assert_eq!(records(&node), Vec::new(), "their release deletes the uncounted records");
 }
 
 #[test]

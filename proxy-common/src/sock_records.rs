@@ -23,6 +23,52 @@ pub const SOCK_REC_MAP: &str = "SOCK_REC";
 /// Default capacity of `SOCK_REVNAT` and `SOCK_REC`: translated sockets at once.
 pub const DEFAULT_MAX_SOCK_REVNAT: u32 = 262_144;
 
+// SOCK_REC_COUNT: BPF_MAP_TYPE_ARRAY of u64, SOCK_REC_COUNT_SLOTS entries.
+// Written by connect (+1 per record it creates) and sock_release (-1 per
+// such record it deletes), both atomically; read by sock_release and
+// getpeername/recvmsg before they look a cookie up in SOCK_REC; the agent
+// raises the slots of records no program counted (see `SOCK_REC_UNCOUNTED`).
+/// How many `SOCK_REC` records each slot of cookies holds (see [`sock_rec_count_slot`]).
+pub const SOCK_REC_COUNT_MAP: &str = "SOCK_REC_COUNT";
+
+/// Slots of `SOCK_REC_COUNT` (a power of two): 512 KiB of u64 counts (the
+/// eBPF target has atomics of 64 bits only).
+///
+/// Why a count in front of the hash: `sock_release` runs for every socket
+/// of the cgroup, and most never had a record. A `SOCK_REC` miss reads a
+/// bucket the cookie's hash puts anywhere in the table (4 MiB of buckets at
+/// the default capacity), which is a cache and TLB miss. The kernel hands
+/// out cookies from a counter (`sock_gen_cookie`; per-CPU batches since
+/// Linux 5.12, `include/linux/cookie.h`), so a fresh socket's cookie sits
+/// next to the last ones in this array, on a line the CPU just used; a
+/// count of 0 proves there is no record without touching the hash. More
+/// live records than slots only make zero slots rarer: a non-zero slot
+/// costs the lookup it saves otherwise, never a wrong answer.
+pub const SOCK_REC_COUNT_SLOTS: u32 = 65_536;
+
+/// The `SOCK_REC_COUNT` index of a cookie: its low bits.
+#[inline(always)]
+pub const fn sock_rec_count_slot(cookie: u64) -> u32 {
+    (cookie & (SOCK_REC_COUNT_SLOTS as u64 - 1)) as u32
+}
+
+/// `SockRecValue::counted` of a record the connect program counted in
+/// `SOCK_REC_COUNT`; the release program that deletes it takes the count
+/// back. Any other value (0: a build without the count wrote it, or a
+/// capacity migration copied it) was never counted.
+pub const SOCK_REC_COUNTED: u8 = 1;
+
+/// What the agent raises the slot of an uncounted record to (when it
+/// adopts the pins of a build without `SOCK_REC_COUNT`, or after it copied
+/// `SOCK_REC` into a resized map). No release subtracts for such a record,
+/// and a release subtracts only what a connect added, at most one per
+/// record of the slot (far fewer than 2^40: a billion records would take
+/// over 100 GiB of kernel memory), so the slot never comes back to 0 and each such
+/// record is still looked up and deleted at its release. The agent
+/// writes it with a plain map update that may overwrite a concurrent
+/// increment, which is harmless for the same reason.
+pub const SOCK_REC_UNCOUNTED: u64 = 1 << 40;
+
 /// Reverse translation for one socket: which frontend a socket meant when
 /// the kernel now reports the backend as its peer (getpeername, recvmsg).
 /// Keyed by the socket cookie (`bpf_get_socket_cookie`) so that two sockets
@@ -125,8 +171,12 @@ pub struct SockRecValue {
     pub family: u8,
     /// `PROTO_TCP` or `PROTO_UDP`.
     pub proto: u8,
+    /// [`SOCK_REC_COUNTED`] when the connect program that wrote the record
+    /// counted it in `SOCK_REC_COUNT`; 0 otherwise (an older build's
+    /// padding, or a copy made by a capacity migration).
+    pub counted: u8,
     /// Padding, always zero.
-    pub _pad: [u8; 2],
+    pub _pad: u8,
 }
 
 const _: () = {
@@ -134,7 +184,13 @@ const _: () = {
     assert!(core::mem::size_of::<SockRevNatValue>() == 20);
     assert!(core::mem::size_of::<SockPeerValue>() == 40);
     assert!(core::mem::size_of::<SockRecValue>() == 44);
+    assert!(core::mem::offset_of!(SockRecValue, counted) == SOCK_REC_COUNTED_OFFSET);
+    assert!(SOCK_REC_COUNT_SLOTS.is_power_of_two());
 };
+
+/// Where `SockRecValue::counted` sits in the value's bytes (a capacity
+/// migration clears it in the copies it makes).
+pub const SOCK_REC_COUNTED_OFFSET: usize = 42;
 
 #[cfg(feature = "user")]
 mod pod {
@@ -146,7 +202,7 @@ mod pod {
 
     use super::{SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue};
 
-    // SAFETY: repr(C) integers only; 16 + 16 + 4 + 2 + 2 + 1 + 1 + 2 (`_pad`) = 44 bytes, no padding.
+    // SAFETY: repr(C) integers only; 16 + 16 + 4 + 2 + 2 + 1 + 1 + 1 + 1 (`_pad`) = 44 bytes, no padding.
     unsafe impl aya::Pod for SockRecValue {}
     // SAFETY: repr(C) integers only; 8 + 16 + 2 + 1 + 5 (`_pad`) = 32 bytes, no padding.
     unsafe impl aya::Pod for SockRevNatKey {}

@@ -17,9 +17,9 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, DEFAULT_MAX_AFFINITY, DEFAULT_MAX_BACKENDS,
-    DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCK_REVNAT, NodeNetns, SOCK_PORTS_ENTRIES, ServiceKey, ServiceValue, SlotKey,
-    SlotValue, SockAffinityKey, SockConfig, SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, SvcConnValue,
-    SvcTopoValue, counter, svc_conn_index,
+    DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCK_REVNAT, NodeNetns, SOCK_PORTS_ENTRIES, SOCK_REC_COUNT_SLOTS, ServiceKey,
+    ServiceValue, SlotKey, SlotValue, SockAffinityKey, SockConfig, SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue,
+    SourceRangeKey, SvcConnValue, SvcTopoValue, counter, svc_conn_index,
 };
 
 // The capacity is part of the type (a const generic the BTF records as an
@@ -58,6 +58,13 @@ pub static SOCK_REVNAT: LruHashMap<SockRevNatKey, SockRevNatValue, { DEFAULT_MAX
 /// `SOCK_PEER` instead. Sized like `SOCK_REVNAT` by the agent.
 #[btf_map(name = "SOCK_REC")]
 pub static SOCK_REC: HashMap<u64, SockRecValue, { DEFAULT_MAX_SOCK_REVNAT as usize }> = HashMap::new();
+
+/// How many `SOCK_REC` records each slot of cookies holds (see
+/// `SOCK_REC_COUNT_SLOTS`): the release and reverse hooks read a cookie's
+/// slot before they look it up in `SOCK_REC`, and stop at a 0. A fixed
+/// 512 KiB array; the verifier inlines its lookups as address arithmetic.
+#[btf_map(name = "SOCK_REC_COUNT")]
+pub static SOCK_REC_COUNT: Array<u64, { SOCK_REC_COUNT_SLOTS as usize }> = Array::new();
 
 /// Per-socket storage of the first translation (see `SockPeerValue`).
 #[btf_map(name = "SOCK_PEER")]

@@ -76,7 +76,7 @@ const STEPS: [(&str, &str); 10] = [
     ("bench_step3_connect4", "+ random pick and SLOTS lookup"),
     ("bench_step4_connect4", "+ BACKENDS lookup"),
     ("bench_step5_connect4", "+ socket cookie"),
-    ("bench_step6_connect4", "+ per-socket record (SOCK_REC: preallocated hash insert)"),
+    ("bench_step6_connect4", "+ per-socket record (SOCK_REC: preallocated hash insert, and its SOCK_REC_COUNT slot)"),
     ("bench_step7_connect4", "+ TRANSLATED counter = whole hit path, record in SOCK_REC"),
     ("bench_alt_storage_connect4", "whole hit path, record in socket storage (previous build)"),
     ("bench_alt_cilium_connect4", "whole hit path, Cilium-shaped (shared-list LRU insert keyed by {cookie, backend})"),
@@ -88,14 +88,16 @@ const STEPS: [(&str, &str); 10] = [
 const RELEASE_STEPS: [(&str, &str); 4] = [
     ("bench_release_step1", "sock_release: protocol load"),
     ("bench_release_step2", "sock_release: + socket cookie"),
-    ("bench_release_step3", "sock_release: + SOCK_REC lookup (our miss path)"),
-    ("bench_release_alt_slot", "sock_release alternative: + one load from a direct-mapped cookie array instead of the lookup"),
+    ("bench_release_step3", "sock_release: + the cookie's SOCK_REC_COUNT slot, 0 (our miss path)"),
+    ("bench_release_alt_lookup", "sock_release alternative: + SOCK_REC lookup instead of the slot (the previous build's miss path)"),
 ];
 
 /// The release program that empties the connect4 probes' record maps as
 /// sockets close, attached beside the probes.
 const RELEASE_PROBE_MAPS: &str = "bench_release_probe_maps";
-const BENCH_COOKIE_SLOTS: &str = "BENCH_COOKIE_SLOTS";
+/// The probes' own `SOCK_REC_COUNT`, sized like the agent's. What the
+/// probes count there is never read, so the benchmark leaves it as it is.
+const BENCH_SOCK_REC_COUNT: &str = "BENCH_SOCK_REC_COUNT";
 
 /// Indices into `STEPS` of the three whole-path variants.
 const WHOLE_SOCK_REC: usize = 6;
@@ -196,7 +198,7 @@ impl ConnectRuntime {
         }
         loader.map_max_entries(BENCH_SOCK_REC, capacity(proxy_common::SOCK_REC_MAP)?);
         loader.map_max_entries(BENCH_LRU_SHARED, capacity(proxy_common::SOCK_REVNAT_MAP)?);
-        loader.map_max_entries(BENCH_COOKIE_SLOTS, 1 << 16);
+        loader.map_max_entries(BENCH_SOCK_REC_COUNT, proxy_common::SOCK_REC_COUNT_SLOTS);
         let mut ebpf = loader.load(proxy_agent::datapath::object::EBPF_OBJECT).context("loading the eBPF object")?;
         let mut load_addr = |name: &str| -> Result<u32> {
             let prog: &mut CgroupSockAddr =
@@ -628,7 +630,7 @@ Each probe (`bench_step<N>_connect4` and `bench_alt_*_connect4` in `proxy-ebpf/s
             step_rows.push(json!({"services": size, "step": RELEASE_STEPS[*j].1, "probe": RELEASE_STEPS[*j].0, "probe_ns": o.json(), "empty_ns": e.json()}));
         }
         md.push_str(
-            "\nThe record: `SOCK_REC` is a preallocated hash keyed by the socket cookie, so its insert takes an element from a per-CPU free list and one bucket lock (`alloc_htab_elem` with prealloc, kernel/bpf/hashtab.c) and allocates nothing; the release program gives the element back at close. Socket storage (the previous build) allocates its element and links it to the socket on every translated connect (`bpf_sk_storage_alloc`, net/core/bpf_sk_storage.c). The Cilium-shaped record pops from a shared-list LRU (`prealloc_lru_pop`), which, once the per-CPU free list is empty, takes the global LRU lock and moves elements between lists (kernel/bpf/bpf_lru_list.c). The miss paths: connect4 pays the context reads and one array lookup; `sock_release` one protocol load, the cookie and one hash lookup; `recvmsg4` on an untranslated UDP socket the cookie, one hash lookup and one socket storage lookup.\n\n",
+            "\nThe record: `SOCK_REC` is a preallocated hash keyed by the socket cookie, so its insert takes an element from a per-CPU free list and one bucket lock (`alloc_htab_elem` with prealloc, kernel/bpf/hashtab.c) and allocates nothing; the release program gives the element back at close. Socket storage (the previous build) allocates its element and links it to the socket on every translated connect (`bpf_sk_storage_alloc`, net/core/bpf_sk_storage.c). The Cilium-shaped record pops from a shared-list LRU (`prealloc_lru_pop`), which, once the per-CPU free list is empty, takes the global LRU lock and moves elements between lists (kernel/bpf/bpf_lru_list.c). The miss paths: connect4 pays the context reads and one array lookup; `sock_release` one protocol load, the cookie and the cookie's slot in `SOCK_REC_COUNT` (an array of counts indexed by the cookie's low bits, which the connect program adds to for every record it creates and the release program takes back: fresh cookies are consecutive, so the slot is on a line the CPU just used, where the `SOCK_REC` bucket of the cookie is anywhere in the table); `recvmsg4` on an untranslated UDP socket the cookie, the same slot and one socket storage lookup.\n\n",
         );
         let mut targets = Vec::new();
         let mut ratio_target = |name: String, goal: f64, found: Option<&(f64, usize)>, what: &str| {

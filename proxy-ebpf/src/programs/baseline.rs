@@ -32,13 +32,16 @@
 
 use aya_ebpf::{
     EbpfContext,
-    bindings::{TC_ACT_OK, TC_ACT_UNSPEC},
+    bindings::{BPF_NOEXIST, TC_ACT_OK, TC_ACT_UNSPEC},
     btf_maps::{Array, HashMap, LruHashMap, SkStorage},
     helpers::{bpf_get_prandom_u32, bpf_get_socket_cookie},
     macros::{btf_map, cgroup_sock, cgroup_sock_addr, classifier},
     programs::{SockAddrContext, SockContext, TcContext},
 };
-use proxy_common::{FAMILY_V4, PROTO_TCP, PROTO_UDP, ServiceKey, SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue, counter};
+use proxy_common::{
+    FAMILY_V4, PROTO_TCP, PROTO_UDP, SOCK_REC_COUNTED, ServiceKey, SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue, counter,
+    sock_rec_count_slot,
+};
 
 use core::ptr::{addr_of, read_volatile};
 
@@ -171,10 +174,11 @@ fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
         count(counter::TRANSLATED);
         return 1;
     }
-    // `connect4`'s record (`record` in main.rs), in a map of its own with
-    // SOCK_REC's type and capacity, so that `connect4` then records in
-    // SOCK_REC as it would without the probe; the benchmark empties it
-    // after each run, as the release program keeps SOCK_REC.
+    // `connect4`'s record (`record` in sock.rs), in maps of its own with
+    // SOCK_REC's and SOCK_REC_COUNT's types and sizes, so that `connect4`
+    // then records in SOCK_REC as it would without the probe; the
+    // benchmark empties them after each run, as the release program
+    // keeps SOCK_REC.
     let rec = SockRecValue {
         backend_ip_be: backend.ip_be,
         frontend_ip_be: dst.ip_be,
@@ -183,9 +187,12 @@ fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
         frontend_port_be: dst.port_be,
         family: backend.family,
         proto,
-        _pad: [0; 2],
+        counted: SOCK_REC_COUNTED,
+        _pad: 0,
     };
-    let _ = BENCH_SOCK_REC.insert(cookie, rec, 0);
+    if BENCH_SOCK_REC.insert(cookie, rec, u64::from(BPF_NOEXIST)).is_ok() {
+        bench_count_add(cookie, 1);
+    }
     if STEPS >= 7 {
         count(counter::TRANSLATED);
     }
@@ -207,6 +214,20 @@ static BENCH_SOCK_REC: HashMap<u64, SockRecValue, 1> = HashMap::new();
 
 #[btf_map(name = "BENCH_LRU_SHARED")]
 static BENCH_LRU_SHARED: LruHashMap<SockRevNatKey, SockRevNatValue, 1> = LruHashMap::new();
+
+/// The probes' `SOCK_REC_COUNT` (the benchmark gives it as many slots).
+#[btf_map(name = "BENCH_SOCK_REC_COUNT")]
+static BENCH_SOCK_REC_COUNT: Array<u64, 1> = Array::new();
+
+/// `add_to_record_count` (sock.rs) on the probes' count.
+#[inline(always)]
+fn bench_count_add(cookie: u64, delta: u64) {
+    if let Some(c) = BENCH_SOCK_REC_COUNT.get_ptr_mut(sock_rec_count_slot(cookie)) {
+        // SAFETY: an aligned u64 of an array element, valid for the run,
+        // updated only atomically.
+        unsafe { super::sock::atomic_add(c, delta) };
+    }
+}
 
 #[btf_map(name = "BENCH_SK_STORAGE")]
 static BENCH_SK_STORAGE: SkStorage<SockPeerValue> = SkStorage::new();
@@ -245,7 +266,9 @@ pub fn bench_empty_sock_release(_ctx: SockContext) -> i32 {
 pub fn bench_release_probe_maps(ctx: SockContext) -> i32 {
     // SAFETY: the helper gets this program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let _ = BENCH_SOCK_REC.remove(cookie);
+    if BENCH_SOCK_REC.remove(cookie).is_ok() {
+        bench_count_add(cookie, u64::MAX);
+    }
     // SAFETY: `ctx.sock` is the kernel's `bpf_sock` context; the verifier
     // rewrites these loads into reads of the socket.
     let (ip, port) = unsafe { (read_volatile(addr_of!((*ctx.sock).dst_ip4)), read_volatile(addr_of!((*ctx.sock).dst_port))) };
@@ -254,11 +277,11 @@ pub fn bench_release_probe_maps(ctx: SockContext) -> i32 {
 }
 
 /// `sock_release`'s work cut off after each step, for its breakdown on a
-/// miss: 1 the protocol load; 2 the socket cookie; 3 the `SOCK_REC`
-/// lookup (our whole miss path). `RELEASE_ALT_SLOT` replaces the lookup
-/// with a measured alternative: one load from a direct-mapped array
-/// indexed by the cookie's low bits (`BENCH_COOKIE_SLOTS`), which
-/// consecutive cookies share cache lines of.
+/// miss: 1 the protocol load; 2 the socket cookie; 3 the cookie's
+/// `SOCK_REC_COUNT` slot (our whole miss path: the slot is 0).
+/// `RELEASE_ALT_LOOKUP` replaces the slot read with the `SOCK_REC` lookup
+/// the previous build made on every release, the alternative the count
+/// saves.
 #[inline(always)]
 fn release_probe<const STEPS: u8>(ctx: &SockContext) -> i32 {
     // SAFETY: as in `try_release`.
@@ -268,29 +291,22 @@ fn release_probe<const STEPS: u8>(ctx: &SockContext) -> i32 {
     }
     // SAFETY: the helper gets this program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    if STEPS == RELEASE_ALT_SLOT {
-        let slot = (cookie & (COOKIE_SLOTS - 1)) as u32;
-        if let Some(c) = BENCH_COOKIE_SLOTS.get(slot) {
-            // SAFETY: a map value, valid for the run; the volatile load
-            // keeps the compiler from dropping a read nobody uses.
-            let _ = unsafe { read_volatile(c) };
-        }
+    if STEPS == RELEASE_ALT_LOOKUP {
+        let _ = crate::maps::SOCK_REC.get_ptr(cookie);
         return 1;
     }
     if STEPS < 3 {
         return 1;
     }
-    let _ = crate::maps::SOCK_REC.get_ptr(cookie);
+    if super::sock::may_have_record(cookie) {
+        // Never on the benchmark's miss runs; there so that the compiler
+        // keeps the slot read.
+        let _ = crate::maps::SOCK_REC.get_ptr(cookie);
+    }
     1
 }
 
-const RELEASE_ALT_SLOT: u8 = 100;
-/// The slots the benchmark gives `BENCH_COOKIE_SLOTS` (one in the object,
-/// so the agent's loads create no more).
-const COOKIE_SLOTS: u64 = 1 << 16;
-
-#[btf_map(name = "BENCH_COOKIE_SLOTS")]
-static BENCH_COOKIE_SLOTS: Array<u64, 1> = Array::new();
+const RELEASE_ALT_LOOKUP: u8 = 100;
 
 #[cgroup_sock(sock_release)]
 pub fn bench_release_step1(ctx: SockContext) -> i32 {
@@ -308,8 +324,8 @@ pub fn bench_release_step3(ctx: SockContext) -> i32 {
 }
 
 #[cgroup_sock(sock_release)]
-pub fn bench_release_alt_slot(ctx: SockContext) -> i32 {
-    release_probe::<{ RELEASE_ALT_SLOT }>(&ctx)
+pub fn bench_release_alt_lookup(ctx: SockContext) -> i32 {
+    release_probe::<{ RELEASE_ALT_LOOKUP }>(&ctx)
 }
 
 /// The reference for `recvmsg4` on a UDP socket we never translated.
@@ -358,13 +374,22 @@ pub fn bench_minimal_xdp(_ctx: aya_ebpf::programs::XdpContext) -> u32 {
 }
 
 /// The receiving end of the XDP forwarding bench, on the backend's veth:
-/// drops every frame, so that what the benchmark compares is the node's
-/// forwarding and not the backend's stack (the veth counts a frame as
-/// received before its XDP program runs, drivers/net/veth.c
-/// `veth_xdp_rcv`).
+/// drops every IPv4 UDP frame (the floods), so that what the benchmark
+/// compares is the node's forwarding and not the backend's stack (the veth
+/// counts a frame as received before its XDP program runs,
+/// drivers/net/veth.c `veth_xdp_rcv`). Everything else (the TCP requests
+/// measured through the same node, ARP) passes to the backend's stack.
 #[aya_ebpf::macros::xdp]
-pub fn bench_drop_xdp(_ctx: aya_ebpf::programs::XdpContext) -> u32 {
-    aya_ebpf::bindings::xdp_action::XDP_DROP
+pub fn bench_drop_xdp(ctx: aya_ebpf::programs::XdpContext) -> u32 {
+    use aya_ebpf::bindings::xdp_action::{XDP_DROP, XDP_PASS};
+    let (data, end) = (ctx.data(), ctx.data_end());
+    // Ethernet type at 12, IPv4's protocol at 14 + 9.
+    if data + 24 > end {
+        return XDP_PASS;
+    }
+    // SAFETY: both bytes lie inside the frame (checked above).
+    let (ty, proto) = unsafe { (*((data + 12) as *const [u8; 2]), *((data + 23) as *const u8)) };
+    if ty == [0x08, 0x00] && proto == 17 { XDP_DROP } else { XDP_PASS }
 }
 
 /// The frame `bench_tx_xdp` sends, written by the benchmark: 64 bytes.

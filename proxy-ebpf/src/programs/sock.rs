@@ -22,21 +22,23 @@ use core::ptr::{addr_of, read_volatile};
 
 use aya_ebpf::{
     EbpfContext,
+    bindings::{BPF_EXIST, BPF_NOEXIST},
     btf_maps::lpm_trie::Key,
     helpers::{bpf_get_netns_cookie, bpf_get_prandom_u32, bpf_get_socket_cookie, bpf_set_retval},
     programs::{SockAddrContext, SockContext},
 };
 use proxy_common::{
-    AFFINITY_REFRESH_NS, AffinityMatchKey, AffinityValue, BackendKey, FAMILY_V4, MaglevKey, PROTO_TCP, PROTO_UDP, SOURCE_RANGE_FIXED_BITS,
-    SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, SVC_FLAG_SOURCE_RANGES_NODE, ServiceKey, ServiceValue, SockAffinityKey, SockPeerValue,
-    SockRecValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, affinity_expired, counter, sock_port_bit, socket_hash,
+    AFFINITY_REFRESH_NS, AffinityMatchKey, AffinityValue, BackendKey, FAMILY_V4, MaglevKey, PROTO_TCP, PROTO_UDP, SOCK_REC_COUNTED,
+    SOURCE_RANGE_FIXED_BITS, SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, SVC_FLAG_SOURCE_RANGES_NODE, ServiceKey, ServiceValue,
+    SockAffinityKey, SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue, SourceRangeKey, affinity_expired, counter, sock_port_bit,
+    sock_rec_count_slot, socket_hash,
 };
 
 use crate::kernel;
 use crate::maglev_maps::SOCK_MAGLEV;
 use crate::maps::{
-    AFFINITY, AFFINITY_MATCH, BACKENDS, NODE_NETNS, SERVICES, SLOTS, SOCK_CONFIG, SOCK_PEER, SOCK_PORTS, SOCK_REC, SOCK_REVNAT,
-    SOURCE_RANGES, count, count_connection,
+    AFFINITY, AFFINITY_MATCH, BACKENDS, NODE_NETNS, SERVICES, SLOTS, SOCK_CONFIG, SOCK_PEER, SOCK_PORTS, SOCK_REC, SOCK_REC_COUNT,
+    SOCK_REVNAT, SOURCE_RANGES, count, count_connection,
 };
 use crate::sockaddr::{Addr, bound_source, read_peer, write_peer};
 
@@ -70,10 +72,71 @@ pub(crate) fn try_release(ctx: &SockContext) {
     // SAFETY: the sock variant of the helper (`bpf_get_socket_cookie_sock`,
     // ARG_PTR_TO_CTX) gets this program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    if SOCK_REC.get_ptr(cookie).is_some() {
-        // Fails only if another release of the same cookie won the race,
-        // which cannot happen (a socket is released once); nothing to count.
-        let _ = SOCK_REC.remove(cookie);
+    // Most sockets released here never had a record (listeners, DNS,
+    // connections to anything but a frontend): their slot's count is 0,
+    // read from a line of cookies this CPU just used, and the hash (whose
+    // bucket for this cookie is a cache and TLB miss) is never touched.
+    if !may_have_record(cookie) {
+        return;
+    }
+    // SAFETY: a value of a preallocated element, valid for the run (RCU);
+    // the one byte is read before the delete below, and no one else
+    // writes this cookie's record (its socket is being released).
+    let Some(counted) = SOCK_REC.get_ptr(cookie).map(|r| unsafe { (*r).counted }) else {
+        return;
+    };
+    // Fails only if another release of the same cookie won the race,
+    // which cannot happen (a socket is released once); nothing to count.
+    // The count is taken back only for a record the connect program
+    // counted, and only once the record is gone.
+    if SOCK_REC.remove(cookie).is_ok() && counted == SOCK_REC_COUNTED {
+        add_to_record_count(cookie, u64::MAX);
+    }
+}
+
+/// Whether `SOCK_REC` may hold a record for `cookie`: its slot in
+/// `SOCK_REC_COUNT` is not 0 (see `SOCK_REC_COUNT_SLOTS`). A slot that
+/// cannot be read (impossible: every cookie's slot is an index of the
+/// array) answers yes, so the hash decides.
+#[inline(always)]
+pub(crate) fn may_have_record(cookie: u64) -> bool {
+    // SAFETY: an array element, never freed while the map exists, read as
+    // one aligned u64 load; a concurrent atomic update leaves it either
+    // value.
+    SOCK_REC_COUNT.get_ptr(sock_rec_count_slot(cookie)).is_none_or(|c| unsafe { read_volatile(c) } != 0)
+}
+
+/// Adds `delta` (1, or u64::MAX for -1) to the count of `cookie`'s slot,
+/// atomically: connects and releases of sockets whose cookies share the
+/// slot run on every CPU at once.
+#[inline(always)]
+fn add_to_record_count(cookie: u64, delta: u64) {
+    if let Some(c) = SOCK_REC_COUNT.get_ptr_mut(sock_rec_count_slot(cookie)) {
+        // SAFETY: an aligned u64 of an array element, valid for the run;
+        // every writer (these programs) updates it atomically, and the
+        // agent's plain writes only raise it (`SOCK_REC_UNCOUNTED`).
+        unsafe { atomic_add(c, delta) };
+    }
+}
+
+/// `*p += delta` as one atomic instruction. The eBPF target offers Rust
+/// no atomic read-modify-write, so it is written out: `BPF_STX |
+/// BPF_ATOMIC | BPF_DW` with `BPF_ADD` and no `BPF_FETCH` (the former
+/// `BPF_XADD`), which every supported kernel has (Linux 5.10; the fetch
+/// forms came in 5.12) and the verifier accepts on map values.
+///
+/// # Safety
+/// `p` must point at an aligned u64 of a map value, valid for the run.
+#[inline(always)]
+pub(crate) unsafe fn atomic_add(p: *mut u64, delta: u64) {
+    // SAFETY: as the caller vouches; the instruction writes only `*p`.
+    unsafe {
+        core::arch::asm!(
+            "lock *(u64 *)({p} + 0) += {v}",
+            p = in(reg) p,
+            v = in(reg) delta,
+            options(nostack),
+        );
     }
 }
 
@@ -382,17 +445,22 @@ fn affinity_key(ctx: &SockAddrContext, scope_id: u32) -> SockAffinityKey {
 }
 
 /// Records a translated connect() in `SOCK_REC` under the socket's
-/// cookie, overwriting the record of an earlier connect() of the same
-/// socket (BPF_ANY), so the record always names the last translation. When
-/// the insert fails (the map full: E2BIG from the preallocated free list;
-/// or its bucket busy) the connection is translated all the same and its
-/// record goes to socket storage (`remember`), counted as
-/// `SOCK_RECORD_FULL`: getpeername and termination then find it there.
+/// cookie, replacing the record of an earlier connect() of the same
+/// socket, so the record always names the last translation. A new record
+/// is counted in its cookie's `SOCK_REC_COUNT` slot (after the insert: the
+/// reverse hooks of this socket, which read the slot first, run under the
+/// socket lock this connect() holds, and its release comes after it); a
+/// replaced one keeps the `counted` mark, and with it the count, of the
+/// record it replaces. When the insert fails (the map full: E2BIG from the
+/// preallocated free list; or its bucket busy) the connection is
+/// translated all the same and its record goes to socket storage
+/// (`remember`), counted as `SOCK_RECORD_FULL`: getpeername and
+/// termination then find it there.
 #[inline(always)]
 fn record(ctx: &SockAddrContext, proto: u8, service_id: u32, backend: &Addr, frontend: &Addr) {
     // SAFETY: the helper gets this program's own context, as it requires.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    let rec = SockRecValue {
+    let mut rec = SockRecValue {
         backend_ip_be: backend.ip_be,
         frontend_ip_be: frontend.ip_be,
         service_id,
@@ -400,10 +468,22 @@ fn record(ctx: &SockAddrContext, proto: u8, service_id: u32, backend: &Addr, fro
         frontend_port_be: frontend.port_be,
         family: backend.family,
         proto,
-        _pad: [0; 2],
+        counted: SOCK_REC_COUNTED,
+        _pad: 0,
     };
-    if SOCK_REC.insert(cookie, rec, 0).is_ok() {
+    // BPF_NOEXIST tells a new record (counted here) from a reconnect's.
+    if SOCK_REC.insert(cookie, rec, u64::from(BPF_NOEXIST)).is_ok() {
+        add_to_record_count(cookie, 1);
         return;
+    }
+    // SAFETY: a value of a preallocated element, valid for the run; one
+    // byte copied out at once. Only connect() writes a socket's record,
+    // under the socket lock, so it is not replaced meanwhile.
+    if let Some(old) = SOCK_REC.get_ptr(cookie).map(|r| unsafe { (*r).counted }) {
+        rec.counted = old;
+        if SOCK_REC.insert(cookie, rec, u64::from(BPF_EXIST)).is_ok() {
+            return;
+        }
     }
     count(counter::SOCK_RECORD_FULL);
     remember(ctx, proto, cookie, backend, frontend, true);
@@ -536,11 +616,16 @@ pub(crate) fn try_reverse<const FAMILY: u8, const GETPEERNAME: bool>(ctx: &SockA
     // AF_UNSPEC, reports its peer as it is).
     // SAFETY: the helper gets this program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
-    // SAFETY: valid value memory for the run (RCU, preallocated elements
-    // are not freed while the map exists), copied out at once; an element
-    // deleted and reused meanwhile gives a stale but valid record, which
-    // the peer comparison below then rejects or accepts as any record.
-    if let Some(r) = (unsafe { SOCK_REC.get(cookie) }).copied()
+    // The count first (see `try_release`): a socket never translated
+    // (every datagram of every untranslated UDP socket comes here) skips
+    // the hash.
+    if may_have_record(cookie)
+        // SAFETY: valid value memory for the run (RCU, preallocated
+        // elements are not freed while the map exists), copied out at
+        // once; an element deleted and reused meanwhile gives a stale but
+        // valid record, which the peer comparison below then rejects or
+        // accepts as any record.
+        && let Some(r) = (unsafe { SOCK_REC.get(cookie) }).copied()
         && r.family == family
         && r.backend_ip_be == peer.ip_be
         && r.backend_port_be == peer.port_be

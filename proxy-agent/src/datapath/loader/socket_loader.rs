@@ -30,7 +30,7 @@ use crate::datapath::loader::object::{self, EBPF_OBJECT};
 use crate::datapath::loader::{mounts, pins, tc_loader};
 use crate::datapath::maps::{self, Capacities};
 use crate::datapath::maps::{map_migration, port_bits};
-use crate::datapath::sockets::sock_rec_sweep;
+use crate::datapath::sockets::{sock_rec_count, sock_rec_sweep};
 use crate::util::error_chain::error_chain;
 
 /// Socket programs, by function name in the object.
@@ -186,6 +186,10 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
     // use: same keys.)
     let ports = port_bits::fill_socket_from_services(pin_dir)?;
     tracing::debug!(ports, "SOCK_PORTS covers the pinned frontends");
+    // Likewise SOCK_REC_COUNT must cover every record the pins hold before
+    // the new release program runs, also when it was just created beside
+    // the SOCK_REC of a build without it (see `sock_rec_count`).
+    cover_uncounted(pin_dir, &mut warnings);
 
     let cg = fs::File::open(cgroup).map_err(|source| LoadError::Cgroup { path: cgroup.into(), source })?;
     let links = pins::links(pin_dir);
@@ -266,6 +270,9 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
         let mut config: Array<_, pc::SockConfig> = Array::try_from(map).map_err(|e| LoadError::LegacyConfig(io::Error::other(e)))?;
         config.set(0, pc::SockConfig { legacy_revnat_cookie_below: below }, 0).map_err(|e| LoadError::LegacyConfig(io::Error::other(e)))?;
     }
+    // Again, now that the old programs are detached: the records they
+    // wrote meanwhile, and the migrated copies, which the pins now hold.
+    cover_uncounted(pin_dir, &mut warnings);
     tracing::debug!("socket programs attached; sweeping SOCK_REC");
     // The release program runs now, and the migrated maps hold their pins:
     // records of sockets released before either are deleted (see
@@ -276,6 +283,17 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<St
         Err(e) => warnings.push(format!("sweeping SOCK_REC: {e}")),
     }
     Ok(warnings)
+}
+
+/// `sock_rec_count::cover_uncounted`, logged; a failure is a warning: the
+/// records it could not cover are found by the sweep once their socket
+/// is gone.
+fn cover_uncounted(pin_dir: &Path, warnings: &mut Vec<String>) {
+    match sock_rec_count::cover_uncounted(pin_dir) {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(slots = n, "SOCK_REC_COUNT: slots of records no program counted raised"),
+        Err(e) => warnings.push(format!("covering SOCK_REC's records in SOCK_REC_COUNT: {e}")),
+    }
 }
 
 /// Pins `link` at [`pins::socket_link`], replacing an older agent's link

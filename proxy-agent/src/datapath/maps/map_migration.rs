@@ -291,6 +291,13 @@ fn copy_entries(old: BorrowedFd<'_>, new: BorrowedFd<'_>, spec: &MapSpec, capaci
         // an fd of it (kernel/bpf/map_in_map.c: bpf_map_fd_get_ptr and
         // bpf_map_fd_sys_lookup_elem).
         let inner = if outer { Some(map_fd_by_id(u32::from_ne_bytes([value[0], value[1], value[2], value[3]]))?) } else { None };
+        // A copied record was not counted in SOCK_REC_COUNT by a program
+        // of the new map: the old release program may take back its
+        // original's count while both run. Unmarked, no release takes it
+        // back again, and `sock_rec_count` covers its slot.
+        if spec.name == proxy_common::SOCK_REC_MAP {
+            value[proxy_common::SOCK_REC_COUNTED_OFFSET] = 0;
+        }
         let mut fd_value;
         let value_ptr = match &inner {
             Some(fd) => {

@@ -163,6 +163,10 @@ pub static SOCK_REVNAT: MapSpec =
 /// creation; `--max-sock-revnat` sizes it with `SOCK_REVNAT` (both count
 /// sockets remembered for the reverse path), and `sizing` charges both.
 pub static SOCK_REC: MapSpec = MapSpec::new::<u64, SockRecValue>(pc::SOCK_REC_MAP, Socket, MapType::Hash, Some(Capacity::SockRevNat));
+/// How many `SOCK_REC` records each slot of cookies holds
+/// (`proxy_common::SOCK_REC_COUNT_SLOTS`): 512 KiB, fixed size. Not
+/// resized with `SOCK_REC`, so a migration of that map keeps it.
+pub static SOCK_REC_COUNT: MapSpec = MapSpec::new::<u32, u64>(pc::SOCK_REC_COUNT_MAP, Socket, MapType::Array, None);
 /// The socket programs' per-CPU counters by reason (`proxy_common::counter`).
 pub static COUNTERS: MapSpec = MapSpec::new::<u32, u64>(pc::COUNTERS_MAP, Socket, MapType::PerCpuArray, None);
 /// Socket-local storage: its elements live on the sockets, so the pinned
@@ -253,12 +257,13 @@ pub static SOCK_PORTS: MapSpec = MapSpec::new::<u32, u64>(pc::SOCK_PORTS_MAP, So
 
 /// Every pinned map. Maps of the object that are not listed (per-CPU
 /// scratch space) are private to each load.
-pub static MAPS: [&MapSpec; 33] = [
+pub static MAPS: [&MapSpec; 34] = [
     &SERVICES,
     &SLOTS,
     &BACKENDS,
     &SOCK_REVNAT,
     &SOCK_REC,
+    &SOCK_REC_COUNT,
     &COUNTERS,
     &SOCK_PEER,
     &SOCK_CONFIG,

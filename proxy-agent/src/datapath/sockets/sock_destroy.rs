@@ -768,7 +768,8 @@ mod tests {
                 frontend_port_be: 80u16.to_be(),
                 family: v.family,
                 proto,
-                _pad: [0; 2],
+                counted: pc::SOCK_REC_COUNTED,
+                _pad: 0,
             })
         };
         let none = |_: &SockRevNatKey| None;
