@@ -110,7 +110,7 @@ pub(crate) fn may_have_record(cookie: u64) -> bool {
 /// atomically: connects and releases of sockets whose cookies share the
 /// slot run on every CPU at once.
 #[inline(always)]
-fn add_to_record_count(cookie: u64, delta: u64) {
+pub(crate) fn add_to_record_count(cookie: u64, delta: u64) {
     if let Some(c) = SOCK_REC_COUNT.get_ptr_mut(sock_rec_count_slot(cookie)) {
         // SAFETY: an aligned u64 of an array element, valid for the run;
         // every writer (these programs) updates it atomically, and the

@@ -35,9 +35,10 @@ use aya_ebpf::{
 };
 use proxy_common::{
     FAMILY_V4, FAMILY_V6, MAX_SOCK_TERMINATE, PROTO_TCP, SKC_DADDR_OFF, SKC_DPORT_OFF, SKC_FAMILY_OFF, SKC_STATE_OFF, SKC_V6_DADDR_OFF,
-    SOCK_DESTROY_KFUNC_INSN, SockPeerValue, SockRevNatKey, SockTerminateKey, SockTerminateValue,
+    SOCK_DESTROY_KFUNC_INSN, SOCK_REC_COUNTED, SockPeerValue, SockRevNatKey, SockTerminateKey, SockTerminateValue,
 };
 
+use super::sock::add_to_record_count;
 use crate::maps::{SOCK_PEER, SOCK_REC, SOCK_REVNAT};
 
 #[btf_map(name = "SOCK_TERMINATE")]
@@ -170,8 +171,11 @@ pub(crate) fn try_terminate(ctx: *mut IterSockCtx, proto: u8) -> Option<()> {
         // report this peer: its record goes now, so that an application
         // slow to close, or leaking, the socket holds no slot of the
         // preallocated map. A record the socket gets by connecting again
-        // is written afresh by the connect hook.
-        let _ = SOCK_REC.remove(cookie);
+        // is written afresh by the connect hook. Its count goes with it
+        // (see `try_release`), so that the slot can come back to 0.
+        if SOCK_REC.remove(cookie).is_ok() && rec.is_some_and(|r| r.counted == SOCK_REC_COUNTED) {
+            add_to_record_count(cookie, u64::MAX);
+        }
     }
     Some(())
 }

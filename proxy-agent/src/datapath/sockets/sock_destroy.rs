@@ -641,7 +641,11 @@ fn sweep_namespace(inode: u64, targets: &Targets, maps: &ProofMaps) -> NsOutcome
                     // As the iterator program does after its abort
                     // (proxy-ebpf/src/programs/sock_iter.rs): the socket stays open
                     // until its owner closes it, and its record is of no
-                    // further use.
+                    // further use. Its count in SOCK_REC_COUNT stays
+                    // (user space has no atomic add to take it back with):
+                    // the slot only answers "look up" for good, the
+                    // harmless side (see `sock_rec_count`). This is the
+                    // fallback for kernels without `bpf_sock_destroy`.
                     if let Some(m) = maps.rec_delete.as_ref() {
                         let _ = bpf_batch::delete_elem(m.fd().as_fd(), &s.cookie);
                     }
