@@ -9,7 +9,7 @@ use std::net::{IpAddr, Ipv4Addr};
 use std::path::Path;
 
 use aya::maps::{HashMap, Map, MapData};
-use proxy_agent::datapath::keys::service_key;
+use proxy_agent::datapath::keys::{backend_value, service_key};
 use proxy_agent::datapath::map_writer::{MapWriter, WriteError};
 use proxy_agent::datapath::maps::Capacities;
 use proxy_agent::datapath::socket_loader;
@@ -160,6 +160,43 @@ fn a_batch_the_kernel_refuses_falls_back_and_names_the_frontend() {
     assert!(got.contains_key(&service_key(&fe(0))) && got.contains_key(&service_key(&fe(1))));
     assert_eq!(counts(dp.pins.path()), (2, 30, 10));
     assert_eq!(w.state().len(), 2);
+}
+
+/// A cold write of many frontends, each with backends of its own: each
+/// chunk writes its backends and its slots side by side (two threads).
+/// When the backends' batch fails part way, nothing of the chunk is
+/// switched, the slots written beside it go, and the frontends are
+/// written one at a time, the ones that do not fit named.
+#[test]
+fn backends_and_slots_written_side_by_side_fail_together() {
+    let own = |i: u32| -> BTreeSet<Backend> { (i * 10..i * 10 + 10).map(be).collect() };
+    // 5,000 frontends x 10 backends of their own: 50,000 of each, two
+    // chunks of them written side by side.
+    let dp = datapath(Capacities::default());
+    let mut w = MapWriter::open(dp.pins.path()).expect("open");
+    let want: State = (0..5000).map(|i| (fe(i), own(i))).collect();
+    let errors = w.apply(&plan::diff(&w.state(), &want));
+    assert!(errors.is_empty(), "{:?}", errors.first());
+    assert_maps_hold(dp.pins.path(), &want);
+
+    // Room for 6,000 backends, 2,000 of them taken behind the writer's
+    // back: a chunk of 500 frontends (5,000 backends, 5,000 slots) fails
+    // in its backends' batch after 4,000.
+    let dp = datapath(Capacities { backends: 6000, ..Capacities::default() });
+    let mut w = MapWriter::open(dp.pins.path()).expect("open");
+    let mut taken: HashMap<MapData, BackendKey, BackendValue> = open(dp.pins.path(), "BACKENDS");
+    for id in 0..2000 {
+        taken.insert(BackendKey { backend_id: 900_000 + id }, backend_value(&be(1_000_000 + id)), 0).expect("insert");
+    }
+    let want: State = (0..500).map(|i| (fe(i), own(i))).collect();
+    let errors = w.apply(&plan::diff(&w.state(), &want));
+    let failed: Vec<Frontend> = errors.iter().map(|e| e.frontend).collect();
+    assert_eq!(failed, (400..500).map(fe).collect::<Vec<_>>(), "written one at a time, the first 400 fit");
+    assert!(errors.iter().all(|e| matches!(e.error, WriteError::Syscall { map: "BACKENDS", .. })), "{}", errors[0]);
+    // The first 400 complete; nothing else of the chunk left behind (the
+    // foreign 2,000 backends stay).
+    assert_eq!(counts(dp.pins.path()), (400, 4000, 6000));
+    assert_eq!(w.state().len(), 400);
 }
 
 #[test]

@@ -349,6 +349,13 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     } else {
         initial_needs(rx, &stores, &health, INITIAL_LIST_WAIT, args.datapath.maglev_table_size).await
     };
+    // The first list goes into the model, and every Service is decided,
+    // while the datapath installs, on the other core: after it, they were
+    // on the cold start's path.
+    let first_list = tokio::task::spawn_blocking({
+        let (stores, keep_uids, node) = (stores.clone(), events.is_some(), args.node.clone());
+        move || proxy_agent::sync::sync_loop::apply_first_list(&stores, keep_uids, &node)
+    });
     let sizing = args.datapath.capacities(needs)?;
     let explicit = args.datapath.explicit_capacities()?;
     let caps = sizing::keep_pinned(&sizing.caps, needs, &explicit, &map_migration::pinned_capacities(&args.datapath.bpffs));
@@ -466,7 +473,8 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
             _ = int.recv() => {}
         }
     };
-    let mut sync = SyncLoop::new(config, writer, stores, metrics, health, events);
+    let first_list = first_list.await.context("applying the first list")?;
+    let mut sync = SyncLoop::new(config, writer, stores, metrics, health, events).with_first_list(first_list);
     if !standalone {
         sync = sync.with_node_label_needs(node_labels_tx);
     }

@@ -33,7 +33,7 @@ use std::mem::size_of;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 
 use aya::Pod;
-use aya::maps::{HashMap, IterableMap, MapData, MapError, MapType};
+use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, MapType};
 
 use crate::datapath::kernel_features::{self, KernelFeatures};
 
@@ -76,8 +76,9 @@ pub struct BatchError {
 const MAX_PER_CALL: usize = 1 << 20;
 
 /// A map descriptor the kernel confirmed to be a plain or LRU hash map
-/// with keys of exactly `size_of::<K>()` and values of exactly
-/// `size_of::<V>()` bytes. Only [`checked`] makes one.
+/// (or, from [`checked_array`], a plain array) with keys of exactly
+/// `size_of::<K>()` and values of exactly `size_of::<V>()` bytes. Only
+/// [`checked`] and [`checked_array`] make one.
 struct Checked<'a, K, V> {
     fd: BorrowedFd<'a>,
     _kv: PhantomData<(K, V)>,
@@ -96,6 +97,21 @@ fn checked<T: Borrow<MapData>, K: Pod, V: Pod>(map: &HashMap<T, K, V>) -> io::Re
                 size_of::<K>(),
                 size_of::<V>()
             ),
+        ));
+    }
+    Ok(Checked { fd: data.fd().as_fd(), _kv: PhantomData })
+}
+
+/// [`checked`] for a plain array map, whose keys are `u32` indices.
+fn checked_array<T: Borrow<MapData>, V: Pod>(map: &Array<T, V>) -> io::Result<Checked<'_, u32, V>> {
+    let data = map.map();
+    let info = data.info().map_err(io::Error::other)?;
+    let map_type = info.map_type().map_err(io::Error::other)?;
+    let (key_size, value_size) = (info.key_size() as usize, info.value_size() as usize);
+    if !matches!(map_type, MapType::Array) || key_size != size_of::<u32>() || value_size != size_of::<V>() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("map is a {map_type:?} with {key_size}/{value_size}-byte keys/values, not an array of {}-byte values", size_of::<V>()),
         ));
     }
     Ok(Checked { fd: data.fd().as_fd(), _kv: PhantomData })
@@ -125,6 +141,16 @@ pub fn update<T: BorrowMut<MapData>, K: Pod, V: Pod>(map: &mut HashMap<T, K, V>,
     assert_eq!(keys.len(), values.len(), "one value per key");
     let map = checked(map).map_err(|source| BatchError { applied: 0, source })?;
     in_order(BPF_MAP_UPDATE_BATCH, map, keys, Some(values), false)
+}
+
+/// Writes `values[i]` at `indices[i]` of an array map, in order, in one
+/// call where the kernel takes batches (array maps have taken
+/// `BPF_MAP_UPDATE_BATCH` since the hash maps did, kernel/bpf/arraymap.c:
+/// `generic_map_update_batch`). Same prefix semantics as [`update`].
+pub fn update_array<T: BorrowMut<MapData>, V: Pod>(map: &mut Array<T, V>, indices: &[u32], values: &[V]) -> Result<(), BatchError> {
+    assert_eq!(indices.len(), values.len(), "one value per index");
+    let map = checked_array(map).map_err(|source| BatchError { applied: 0, source })?;
+    in_order(BPF_MAP_UPDATE_BATCH, map, indices, Some(values), false)
 }
 
 /// Deletes `keys` in order. A key that is not in the map is skipped (the
@@ -160,7 +186,7 @@ fn in_order<K: Pod, V: Pod>(
             map_fd: map.fd.as_raw_fd() as u32,
             ..Default::default()
         };
-        // SAFETY: `map` was checked to be a hash map of `K` keys and `V`
+        // SAFETY: `map` was checked to be a map (hash or array) of `K` keys and `V`
         // values; `keys[done..]` (and `values[done..]`, as long as `keys`)
         // hold at least `n` of them and outlive the call, which only reads
         // them. Deletes pass no values and the kernel reads none.
@@ -189,7 +215,7 @@ fn one_by_one<K: Pod, V: Pod>(
     let elem_cmd = if cmd == BPF_MAP_UPDATE_BATCH { BPF_MAP_UPDATE_ELEM } else { BPF_MAP_DELETE_ELEM };
     for (i, key) in keys.iter().enumerate() {
         let value = values.map_or(std::ptr::null_mut(), |v| std::ptr::from_ref(&v[i]).cast_mut().cast::<u8>());
-        // SAFETY: `map` was checked to be a hash map of `K` keys and `V`
+        // SAFETY: `map` was checked to be a map (hash or array) of `K` keys and `V`
         // values; `key` and `value` point at one of each (no value for a
         // delete), alive across the call, which only reads them.
         if let Err(source) = unsafe { elem(elem_cmd, map.fd.as_fd(), std::ptr::from_ref(key).cast::<u8>(), value, 0) } {

@@ -13,11 +13,16 @@
 //! Frontends are written in chunks, each step of a chunk in one batch
 //! syscall (`bpf_batch`): every new backend and slot of the chunk, then
 //! every service entry, then the old generations. Each frontend still goes
-//! through (1)..(5) in that order. Room is checked in one place, when a
-//! frontend joins a chunk, against what the maps physically hold (old
-//! generations of the chunk included); a frontend that does not fit beside
-//! the chunk is retried after writing it, so a frontend is reported full
-//! exactly when writing frontends one at a time would have reported it.
+//! through (1)..(5) in that order, except that (1) and (2) may land in
+//! either order: no program reads a new backend or slot before (3) points
+//! it at their generation, so a large chunk (a cold sync) writes its new
+//! backends on a thread of their own while its slots are written, and
+//! that thread has finished before (3) starts. Room is checked in one
+//! place, when a frontend joins a chunk, against what the maps physically
+//! hold (old generations of the chunk included); a frontend that does not
+//! fit beside the chunk is retried after writing it, so a frontend is
+//! reported full exactly when writing frontends one at a time would have
+//! reported it.
 //! When a batch call fails, the frontends whose service entry it did not
 //! write are written again in chunks of their own, so that a failure names
 //! the frontend, map and reason.
@@ -68,6 +73,7 @@ use crate::decide::maglev::{self, TableSize};
 use crate::decide::plan::{FrontendPolicy, Plan, Policies, SourceRanges, State};
 use crate::model::{Backend, Frontend};
 use crate::util::btree::repack_after;
+use crate::util::u64_map::U64Map;
 
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
@@ -139,6 +145,15 @@ pub struct MapWriter {
     matches_used: u32,
     ranges_used: u32,
     programmed: BTreeMap<Frontend, Programmed>,
+    /// During an `apply`, the frontends it wrote whose address is beyond
+    /// every one in `programmed`, in order: joined to it at the end, in
+    /// bulk when they are many (a cold sync writes every frontend in
+    /// order, and a B-tree filled in order has its nodes half full, 7 MiB
+    /// more at 100k Services, at the agent's memory peak). Empty between
+    /// applies.
+    appended: Vec<(Frontend, Programmed)>,
+    /// Entries `programmed` gained one by one in the current `apply`.
+    grown: usize,
     /// Backend address to (id, number of frontends using it).
     backend_ids: BackendIds,
     /// Slots in use across all frontends (current generations only).
@@ -172,6 +187,13 @@ pub struct MapWriter {
     /// The topology counting's maps and records (issue #34,
     /// `service_topo`); `None` when the datapath has no counting maps.
     topo: Option<TopoMaps>,
+    /// The endpoint tier table `topo` reads (`set_tiers`): new backends
+    /// take their tier from it, once per chunk (`write_chunk`).
+    tier_table: Option<SharedTiers>,
+    /// A second handle on the backends' map, which `write_chunk` hands to
+    /// the thread that writes a large chunk's new backends (`None` while it
+    /// has it, or when the map could not be opened twice).
+    backends_aside: Option<HashMap<MapData, BackendKey, BackendValue>>,
 }
 
 fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, spec: &'static MapSpec) -> Result<(HashMap<MapData, K, V>, u32), WriteError> {
@@ -237,6 +259,8 @@ impl MapWriter {
             matches_used: 0,
             ranges_used: 0,
             programmed: BTreeMap::new(),
+            appended: Vec::new(),
+            grown: 0,
             backend_ids: BackendIds::default(),
             slots_used: 0,
             service_id_set: IdSet::default(),
@@ -250,6 +274,8 @@ impl MapWriter {
             maglev_sizes: BTreeMap::new(),
             ports,
             topo,
+            tier_table: None,
+            backends_aside: open_hash(pin_dir, maps.backends).ok().map(|(m, _)| m),
         };
         w.read_back()?;
         // The loader filled the bitmap from these entries before it
@@ -499,10 +525,8 @@ impl MapWriter {
     /// the ones that failed are returned and the rest is applied.
     pub fn apply(&mut self, plan: &Plan) -> Vec<ApplyError> {
         self.reserve_backends(plan);
-        let before = self.programmed.len();
         let errors = self.apply_with(plan, |i| plan.upserts[i].1.clone());
-        let grown = self.programmed.len().saturating_sub(before);
-        repack_after(&mut self.programmed, grown);
+        self.settle();
         errors
     }
 
@@ -511,13 +535,67 @@ impl MapWriter {
     /// cold sync at 100k Services x 10 held both, 21 MiB).
     pub fn apply_owned(&mut self, mut plan: Plan) -> Vec<ApplyError> {
         self.reserve_backends(&plan);
-        let before = self.programmed.len();
+        // Held to the end: without the room it grew into (a cold sync's
+        // plan is 100k entries).
+        plan.upserts.shrink_to_fit();
+        // A writer with nothing programmed (a cold sync) appends every
+        // upsert that succeeds (`record`): room for them at once.
+        if self.programmed.is_empty() {
+            self.appended.reserve_exact(plan.upserts.len());
+        }
         let mut lists: Vec<Vec<Backend>> = plan.upserts.iter_mut().map(|(_, b)| std::mem::take(b)).collect();
         let errors = self.apply_with(&plan, |i| std::mem::take(&mut lists[i]));
         drop((lists, plan));
-        let grown = self.programmed.len().saturating_sub(before);
-        repack_after(&mut self.programmed, grown);
+        self.settle();
         errors
+    }
+
+    /// Frontends programmed, during an `apply` too.
+    fn programmed_len(&self) -> usize {
+        self.programmed.len() + self.appended.len()
+    }
+
+    /// Every programmed frontend in order, during an `apply` too (the
+    /// appended ones come after every other).
+    fn programmed_iter(&self) -> impl Iterator<Item = (&Frontend, &Programmed)> {
+        self.programmed.iter().chain(self.appended.iter().map(|(fe, p)| (fe, p)))
+    }
+
+    /// Records what `fe` is programmed with now.
+    fn record(&mut self, fe: Frontend, p: Programmed) {
+        let last = self.appended.last().map(|(k, _)| k).or_else(|| self.programmed.last_key_value().map(|(k, _)| k));
+        if last.is_none_or(|last| fe > *last) {
+            self.appended.push((fe, p));
+            return;
+        }
+        if let Ok(i) = self.appended.binary_search_by(|(k, _)| k.cmp(&fe)) {
+            self.appended[i].1 = p;
+            return;
+        }
+        // Before one of the appended ones: they join the map first, so
+        // that each stays beyond every key in it.
+        self.join_appended();
+        self.grown += usize::from(self.programmed.insert(fe, p).is_none());
+    }
+
+    /// Moves the appended entries into `programmed`: in bulk when they
+    /// are many (the result has full nodes), else one by one.
+    fn join_appended(&mut self) {
+        let appended = std::mem::take(&mut self.appended);
+        if appended.len() >= BULK_JOIN && appended.len() * 4 >= self.programmed.len() {
+            let mut more: BTreeMap<Frontend, Programmed> = appended.into_iter().collect();
+            self.programmed.append(&mut more);
+        } else {
+            self.grown += appended.len();
+            self.programmed.extend(appended);
+        }
+    }
+
+    /// Ends an `apply`: the appended entries join the map, and a map that
+    /// grew by many inserts is rebuilt with full nodes.
+    fn settle(&mut self) {
+        self.join_appended();
+        repack_after(&mut self.programmed, std::mem::take(&mut self.grown));
     }
 
     /// Applies `plan`, whose `i`th upsert's backends `backends(i)` gives
@@ -564,10 +642,12 @@ impl MapWriter {
         // After the deletes: a port goes with the last frontend on it. A
         // service entry that could not be deleted keeps every bit this
         // round (it may be the last on its port).
-        if let Some(bits) = &mut self.ports
+        if self.ports.is_some()
             && !plan.deletes.is_empty()
             && undeleted == 0
-            && let Err(e) = bits.keep_only(&socket_ports(self.programmed.keys()))
+            && let ports = socket_ports(self.programmed_iter().map(|(fe, _)| fe))
+            && let Some(bits) = &mut self.ports
+            && let Err(e) = bits.keep_only(&ports)
         {
             tracing::warn!(map = Bitmap::Socket.map_name(), error = %e, "clearing unused port bits failed; they stay set (slower misses only)");
         }
@@ -575,7 +655,7 @@ impl MapWriter {
         // A scope is shared by the frontends of one Service port: it goes
         // only with the last of them.
         if !gone.is_empty() {
-            for p in self.programmed.values() {
+            for (_, p) in self.programmed_iter() {
                 if let Some(scope) = affinity_scope(&p.value) {
                     gone.remove(&scope);
                 }
@@ -622,7 +702,7 @@ impl MapWriter {
     /// written and nothing changes but the id sets, so an error leaves the
     /// writer (and `backends`) as it was.
     fn stage(&mut self, chunk: &mut Chunk, fe: &Frontend, backends: &mut Vec<Backend>, policy: &FrontendPolicy) -> Result<(), WriteError> {
-        let old = self.programmed.get(fe);
+        let old = programmed_get(&self.programmed, &self.appended, fe);
         let n = u32::try_from(backends.len()).unwrap_or(u32::MAX);
 
         // Room as the maps will hold it while the chunk is written: the
@@ -631,7 +711,7 @@ impl MapWriter {
         // one-at-a-time check: the frontend's own old generation stays
         // until its switch, so its new slots must fit beside it.
         if old.is_none() {
-            let used = self.programmed.len() as u32 + chunk.new_services;
+            let used = self.programmed_len() as u32 + chunk.new_services;
             if used >= self.max_services {
                 return Err(full(self.maps.services, used, self.max_services, 1));
             }
@@ -640,8 +720,11 @@ impl MapWriter {
         if used_slots.saturating_add(n) > self.max_slots {
             return Err(full(self.maps.slots, used_slots, self.max_slots, n));
         }
-        let new_backends =
-            backends.iter().filter(|b| !self.backend_ids.contains_key(b) && !chunk.created_ids.contains_key(b)).count() as u32;
+        // Each backend's id where it has one (in the maps, or new in the
+        // chunk): looked up once, for the room check and the slots.
+        let mut known: Vec<Option<u32>> =
+            backends.iter().map(|b| self.backend_ids.get(b).map(|(id, _)| *id).or_else(|| chunk.created_id(b))).collect();
+        let new_backends = known.iter().filter(|id| id.is_none()).count() as u32;
         let used_backends = (self.backend_ids.len() + chunk.created.len()) as u32;
         if used_backends.saturating_add(new_backends) > self.max_backends {
             return Err(full(self.maps.backends, used_backends, self.max_backends, new_backends));
@@ -672,18 +755,18 @@ impl MapWriter {
         };
         let generation = old.map_or(1, |p| p.value.generation.wrapping_add(1));
         let created_before = chunk.created.len();
-        let mut ids = Vec::with_capacity(backends.len());
-        for b in backends.iter() {
-            let id = if let Some(id) = self.backend_ids.get(b).map(|(id, _)| *id).or_else(|| chunk.created_ids.get(b).copied()) {
-                id
+        for (b, known) in backends.iter().zip(&mut known) {
+            // A backend listed twice was created at its first listing.
+            if let Some(id) = known.or_else(|| chunk.created_id(b)) {
+                *known = Some(id);
             } else {
                 let set = &self.backend_id_set;
                 match Self::alloc_id(&mut self.next_backend_id, |id| set.contains(id), "backend") {
                     Ok(id) => {
                         self.backend_id_set.insert(id);
+                        chunk.created_ids.insert(*b, chunk.created.len());
                         chunk.created.push((*b, id));
-                        chunk.created_ids.insert(*b, id);
-                        id
+                        *known = Some(id);
                     }
                     Err(e) => {
                         for (b, id) in chunk.created.drain(created_before..) {
@@ -693,15 +776,15 @@ impl MapWriter {
                         return Err(e);
                     }
                 }
-            };
-            ids.push(id);
+            }
         }
+        let ids = known.into_iter().flatten();
         if old.is_none() {
             self.service_id_set.insert(service_id);
             chunk.new_services += 1;
         }
         let matches_from = chunk.match_keys.len();
-        for (slot, backend_id) in ids.into_iter().enumerate() {
+        for (slot, backend_id) in ids.enumerate() {
             chunk.slot_keys.push(SlotKey { service_id, generation, slot: slot as u32 });
             chunk.slot_values.push(SlotValue { backend_id });
             if let Some(timeout_s) = policy.affinity_timeout_s {
@@ -743,10 +826,10 @@ impl MapWriter {
     /// did not switch are written again one per chunk; a frontend alone in
     /// its chunk that fails is reported in `errors`.
     fn flush(&mut self, chunk: &mut Chunk, errors: &mut Vec<ApplyError>) {
-        let mut c = std::mem::take(chunk);
-        if c.staged.is_empty() {
+        if chunk.staged.is_empty() {
             return;
         }
+        let mut c = std::mem::take(chunk);
         let (switched, failure) = self.write_chunk(&mut c);
         let alone = c.staged.len() == 1;
         if let Some((map, e)) = &failure
@@ -757,21 +840,32 @@ impl MapWriter {
 
         // Book-keeping for the frontends that switched: references on all
         // the new sets before any old one is dropped, so backends shared
-        // with an old generation are never deleted.
-        for (b, id) in &c.created {
-            self.backend_ids.insert(*b, (*id, 0));
-        }
+        // with an old generation are never deleted. The references to the
+        // chunk's new backends are counted in the chunk's table, and each
+        // enters the writer's (a million entries at 100k Services x 10,
+        // where every access misses the cache) once.
+        let mut created_refs = vec![0u32; c.created.len()];
         for st in &c.staged[..switched] {
             for b in &st.backends {
-                if let Some(e) = self.backend_ids.get_mut(b) {
-                    e.1 += 1;
+                match c.created_ids.get(b) {
+                    Some(i) => created_refs[*i] += 1,
+                    None => {
+                        if let Some(e) = self.backend_ids.get_mut(b) {
+                            e.1 += 1;
+                        }
+                    }
                 }
+            }
+        }
+        for ((b, id), refs) in c.created.iter().zip(&created_refs) {
+            if *refs > 0 {
+                self.backend_ids.insert(*b, (*id, *refs));
             }
         }
         let mut dead = Dead::default();
         let mut retry = Vec::new();
         let mut failure = failure;
-        for (i, (st, value)) in c.staged.into_iter().zip(c.service_values).enumerate() {
+        for (i, (st, value)) in c.staged.drain(..).zip(c.service_values.drain(..)).enumerate() {
             if i < switched {
                 self.slots_used = self.slots_used.saturating_add(value.backend_count);
                 self.matches_used = self.matches_used.saturating_add(st.matches.len() as u32);
@@ -783,7 +877,7 @@ impl MapWriter {
                     }
                 }
                 self.maglev_stale.remove(&st.frontend);
-                self.programmed.insert(st.frontend, Programmed::new(value, st.backends, st.policy));
+                self.record(st.frontend, Programmed::new(value, st.backends, st.policy));
                 continue;
             }
             // Not switched: its new slots, match entries and ranges go (some
@@ -808,15 +902,17 @@ impl MapWriter {
             }
         }
         // Backends created for frontends that did not switch.
-        for (b, id) in &c.created {
-            if self.backend_ids.get(b).is_some_and(|e| e.1 == 0) {
-                self.backend_ids.remove(b);
+        for ((_, id), refs) in c.created.iter().zip(&created_refs) {
+            if *refs == 0 {
                 self.backend_id_set.remove(*id);
                 dead.backends.push(BackendKey { backend_id: *id });
             }
         }
         // (4) and (5). Before the retries: their ids may be reused.
         self.delete_dead(&dead);
+        // The next chunk reuses the buffers (and hash tables) of this one.
+        c.clear();
+        *chunk = c;
 
         for (fe, mut backends, policy) in retry {
             let mut own = Chunk::default();
@@ -833,39 +929,85 @@ impl MapWriter {
     /// failure), and the call that stopped the rest.
     fn write_chunk(&mut self, c: &mut Chunk) -> (usize, Option<(&'static str, BatchError)>) {
         let backend_keys: Vec<BackendKey> = c.created.iter().map(|(_, id)| BackendKey { backend_id: *id }).collect();
-        let topo = &self.topo;
-        let backend_values: Vec<BackendValue> =
-            c.created.iter().map(|(b, _)| tiered_backend_value(b, topo.as_ref().map_or(pc::tier::OTHER, |t| t.backend_tier(b)))).collect();
-        if let Err(e) = bpf_batch::update(&mut self.backends, &backend_keys, &backend_values) {
+        // Each new backend carries its physical tier (issue #34), from the
+        // table the counting maps follow; `other` without them.
+        let tiers = self.topo.as_ref().and(self.tier_table.clone());
+        let values = move |created: &[Backend]| -> Vec<BackendValue> {
+            let table = tiers.as_ref().map(|t| t.read().unwrap_or_else(std::sync::PoisonError::into_inner));
+            created.iter().map(|b| tiered_backend_value(b, table.as_ref().map_or(pc::tier::OTHER, |t| t.tier(&b.ip)))).collect()
+        };
+        // (1) on a thread of its own, beside (2) and the rest of what goes
+        // before (3), when the chunk is large (a cold sync): no program
+        // reads a new backend, slot, match entry, range or table before (3)
+        // switches the service entry to their generation, so they may land
+        // in any order, and hash map updates of two maps on two CPUs take
+        // about half the time of one after the other. A failure stops the
+        // chunk before (3), as when they ran one after the other, and the
+        // first in that order is reported; what was written meanwhile goes
+        // with the frontends not switched (shares stay, as when (3) fails).
+        // Updates stay atomic per Service as the datapath sees them: the
+        // thread is joined, and its result checked, before (3) writes any
+        // service entry, so a frontend becomes visible only once every
+        // backend of its new generation is in the map.
+        let parallel = backend_keys.len().min(c.slot_keys.len()) >= PARALLEL_FROM;
+        let aside = if parallel { self.backends_aside.take() } else { None };
+        let created: Vec<Backend> = c.created.iter().map(|(b, _)| *b).collect();
+        let (written, rest) = if let Some(mut aside) = aside {
+            let (aside, written, rest) = std::thread::scope(|scope| {
+                let written = scope.spawn(move || {
+                    let written = bpf_batch::update(&mut aside, &backend_keys, &values(&created));
+                    (aside, written)
+                });
+                let rest = self.before_switch(c);
+                let (aside, written) = written.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+                (aside, written, rest)
+            });
+            self.backends_aside = Some(aside);
+            (written, rest)
+        } else {
+            match bpf_batch::update(&mut self.backends, &backend_keys, &values(&created)) {
+                Ok(()) => (Ok(()), self.before_switch(c)),
+                Err(e) => (Err(e), None),
+            }
+        };
+        if let Err(e) = written {
             return (0, Some((self.maps.backends.name, e)));
         }
-        if let Err(e) = bpf_batch::update(&mut self.slots, &c.slot_keys, &c.slot_values) {
-            return (0, Some((self.maps.slots.name, e)));
-        }
-        if let Err(e) = bpf_batch::update(&mut self.affinity_match, &c.match_keys, &c.match_values) {
-            return (0, Some((self.maps.affinity_match.name, e)));
-        }
-        // LPM tries take no batch updates (kernel/bpf/lpm_trie.c has no
-        // map_update_batch); a LoadBalancer has a handful of ranges.
-        for (applied, k) in c.range_keys.iter().enumerate() {
-            if let Err(e) = self.source_ranges.insert(k, 0, 0) {
-                return (0, Some((self.maps.source_ranges.name, BatchError { applied, source: std::io::Error::other(e) })));
-            }
-        }
-        self.link_tables(c);
-        // The shares before the entries: a frontend's first connections
-        // already add its own.
-        if let Some(t) = &mut self.topo {
-            for (st, value) in c.staged.iter().zip(&c.service_values) {
-                if let Err(e) = t.write_share(&st.frontend, value.service_id) {
-                    tracing::debug!(frontend = %st.frontend, error = %e, "writing the blind-remote share failed");
-                }
-            }
+        if let Some(failure) = rest {
+            return (0, Some(failure));
         }
         match bpf_batch::update(&mut self.services, &c.service_keys, &c.service_values) {
             Ok(()) => (c.staged.len(), None),
             Err(e) => (e.applied.min(c.staged.len()), Some((self.maps.services.name, e))),
         }
+    }
+
+    /// (2) and the rest of what goes before (3) besides the new backends:
+    /// the slots, match entries, source ranges, Maglev tables and shares of
+    /// a chunk; the call that failed, if one did.
+    fn before_switch(&mut self, c: &mut Chunk) -> Option<(&'static str, BatchError)> {
+        if let Err(e) = bpf_batch::update(&mut self.slots, &c.slot_keys, &c.slot_values) {
+            return Some((self.maps.slots.name, e));
+        }
+        if let Err(e) = bpf_batch::update(&mut self.affinity_match, &c.match_keys, &c.match_values) {
+            return Some((self.maps.affinity_match.name, e));
+        }
+        // LPM tries take no batch updates (kernel/bpf/lpm_trie.c has no
+        // map_update_batch); a LoadBalancer has a handful of ranges.
+        for (applied, k) in c.range_keys.iter().enumerate() {
+            if let Err(e) = self.source_ranges.insert(k, 0, 0) {
+                return Some((self.maps.source_ranges.name, BatchError { applied, source: std::io::Error::other(e) }));
+            }
+        }
+        self.link_tables(c);
+        // The shares before the entries: a frontend's first connections
+        // already add its own.
+        if let Some(t) = &mut self.topo
+            && let Err(e) = t.write_shares(c.staged.iter().zip(&c.service_values).map(|(st, value)| (&st.frontend, value.service_id)))
+        {
+            tracing::debug!(error = %e, "writing the blind-remote shares failed");
+        }
+        None
     }
 
     /// Computes and links in the Maglev table of each staged frontend that
@@ -881,6 +1023,7 @@ impl MapWriter {
         let Some(t) = &mut self.maglev else { return };
         let backend_ids = &self.backend_ids;
         let created_ids = &c.created_ids;
+        let created = &c.created;
         let mut requests = Vec::new();
         let mut which = Vec::new();
         for (i, (st, value)) in c.staged.iter().zip(&c.service_values).enumerate() {
@@ -890,7 +1033,7 @@ impl MapWriter {
             set.dedup();
             // Every backend of a staged frontend has an id (stage reserved
             // the missing ones), so `compute` never comes back empty.
-            let id_of = move |b: &Backend| backend_ids.get(b).map(|(id, _)| *id).or_else(|| created_ids.get(b).copied());
+            let id_of = move |b: &Backend| backend_ids.get(b).map(|(id, _)| *id).or_else(|| created_ids.get(b).map(|i| created[*i].1));
             let computed_from = set.clone();
             let compute = Box::new(move || maglev_tables::table_ids(&maglev::table(&computed_from, size), id_of));
             let key = pc::MaglevKey { service_id: value.service_id, generation: value.generation };
@@ -1073,6 +1216,7 @@ impl MapWriter {
     /// unchanged address with another tier, which readers see whole.
     pub fn set_tiers(&mut self, tiers: &SharedTiers) {
         let Some(t) = &mut self.topo else { return };
+        self.tier_table = Some(tiers.clone());
         let Some(check) = t.set_tiers(tiers) else { return };
         let (mut keys, mut values) = (Vec::new(), Vec::new());
         match (t.stored.take(), check) {
@@ -1147,6 +1291,19 @@ impl MapWriter {
     }
 }
 
+/// The programmed entry of `fe` in `programmed` or, during an `apply`,
+/// among the `appended` ones (`MapWriter::appended`).
+fn programmed_get<'a>(
+    programmed: &'a BTreeMap<Frontend, Programmed>,
+    appended: &'a [(Frontend, Programmed)],
+    fe: &Frontend,
+) -> Option<&'a Programmed> {
+    match appended.binary_search_by(|(k, _)| k.cmp(fe)) {
+        Ok(i) => Some(&appended[i].1),
+        Err(_) => programmed.get(fe),
+    }
+}
+
 /// `ServiceValue.flags` for a policy.
 fn policy_flags(p: &FrontendPolicy) -> u32 {
     let mut flags = 0;
@@ -1181,11 +1338,13 @@ fn sweep<K: aya::Pod + Eq + std::hash::Hash>(
 
 /// Backend address to (id, number of frontends using it). An IPv4
 /// backend's address and port fit in a `u64` key: 16 bytes an entry
-/// instead of 28 with the 20-byte `Backend` (2M slots at 1M backends, the
-/// writer's largest table: 58 MiB before, 34 now).
+/// instead of 28 with the 20-byte `Backend`, in a table sized to its
+/// entries rather than to a power of two (`U64Map`): the writer's largest
+/// table, 58 MiB at 1M backends with `Backend` keys, 34 MiB in a
+/// `HashMap` of `u64` keys, 21 MiB now.
 #[derive(Default)]
 struct BackendIds {
-    v4: FastHashMap<u64, (u32, u32)>,
+    v4: U64Map<(u32, u32)>,
     v6: FastHashMap<Backend, (u32, u32)>,
 }
 
@@ -1200,14 +1359,14 @@ fn v4_key(b: &Backend) -> Option<u64> {
 impl BackendIds {
     fn get(&self, b: &Backend) -> Option<&(u32, u32)> {
         match v4_key(b) {
-            Some(k) => self.v4.get(&k),
+            Some(k) => self.v4.get(k),
             None => self.v6.get(b),
         }
     }
 
     fn get_mut(&mut self, b: &Backend) -> Option<&mut (u32, u32)> {
         match v4_key(b) {
-            Some(k) => self.v4.get_mut(&k),
+            Some(k) => self.v4.get_mut(k),
             None => self.v6.get_mut(b),
         }
     }
@@ -1225,7 +1384,7 @@ impl BackendIds {
 
     fn remove(&mut self, b: &Backend) {
         match v4_key(b) {
-            Some(k) => self.v4.remove(&k),
+            Some(k) => self.v4.remove(k),
             None => self.v6.remove(b),
         };
     }
@@ -1233,7 +1392,7 @@ impl BackendIds {
     /// One more reference to `b`, known under `id` if it is new.
     fn add_reference(&mut self, b: Backend, id: u32) {
         let e = match v4_key(&b) {
-            Some(k) => self.v4.entry(k).or_insert((id, 0)),
+            Some(k) => self.v4.get_or_insert(k, (id, 0)),
             None => self.v6.entry(b).or_insert((id, 0)),
         };
         e.1 += 1;
@@ -1251,7 +1410,7 @@ impl BackendIds {
     fn entries(&self) -> impl Iterator<Item = (Backend, u32)> + '_ {
         let v4 = self.v4.iter().map(|(k, (id, _))| {
             let ip = std::net::Ipv4Addr::from((k >> 16) as u32);
-            (Backend { ip: std::net::IpAddr::V4(ip), port: *k as u16 }, *id)
+            (Backend { ip: std::net::IpAddr::V4(ip), port: k as u16 }, *id)
         });
         v4.chain(self.v6.iter().map(|(b, (id, _))| (*b, *id)))
     }
@@ -1318,11 +1477,35 @@ struct Chunk {
     match_keys: Vec<AffinityMatchKey>,
     match_values: Vec<AffinityMatchValue>,
     range_keys: Vec<RangeKey>,
-    /// Backends the chunk adds, with the ids reserved for them.
+    /// Backends the chunk adds, with the ids reserved for them, and each
+    /// one's place in `created`.
     created: Vec<(Backend, u32)>,
-    created_ids: FastHashMap<Backend, u32>,
+    created_ids: FastHashMap<Backend, usize>,
     /// Frontends of the chunk that are not in the maps yet.
     new_services: u32,
+}
+
+impl Chunk {
+    /// The id reserved for `b`, if the chunk adds it.
+    fn created_id(&self, b: &Backend) -> Option<u32> {
+        self.created_ids.get(b).map(|i| self.created[*i].1)
+    }
+
+    /// Empties the chunk, keeping its buffers.
+    fn clear(&mut self) {
+        self.staged.clear();
+        self.frontends.clear();
+        self.service_keys.clear();
+        self.service_values.clear();
+        self.slot_keys.clear();
+        self.slot_values.clear();
+        self.match_keys.clear();
+        self.match_values.clear();
+        self.range_keys.clear();
+        self.created.clear();
+        self.created_ids.clear();
+        self.new_services = 0;
+    }
 }
 
 struct Staged {
@@ -1355,6 +1538,15 @@ struct Dead {
 /// a batch call of 32k entries costs about what two of 16k do.
 const CHUNK_SLOTS: usize = 32_768;
 const CHUNK_FRONTENDS: usize = 8_192;
+
+/// A chunk that adds at least this many backends and slots writes its new
+/// backends on a thread of their own (`write_chunk`); below it, a thread
+/// costs more than it saves.
+const PARALLEL_FROM: usize = 4_096;
+
+/// Frontends appended by one `apply` from this many on join the map in
+/// bulk (`MapWriter::join_appended`), as a B-tree repacks (`repack_after`).
+const BULK_JOIN: usize = 4096;
 
 /// Deletes `keys` from a map, in one batch call where the kernel takes it
 /// and one at a time from where it did not. A key that is already gone is

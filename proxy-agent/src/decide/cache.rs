@@ -14,7 +14,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::decide::decision::{self, PortDecision};
-use crate::decide::plan::Policies;
+use crate::decide::plan::{FrontendPolicy, Policies};
 use crate::decide::topology::NodeContext;
 use crate::model::store::Changes;
 use crate::model::{Backend, Cluster, EndpointSlice, Family, Frontend, ObjectRef};
@@ -27,6 +27,15 @@ pub(crate) struct Update {
     pub frontends: BTreeSet<Frontend>,
     /// Services decided again, and the owners of `frontends`.
     pub services: BTreeSet<ObjectRef>,
+}
+
+impl Update {
+    /// What `self` and then `later` changed.
+    pub(crate) fn and(mut self, later: Update) -> Update {
+        self.frontends.extend(later.frontends);
+        self.services.extend(later.services);
+        self
+    }
 }
 
 /// A small set kept sorted, a single element inline. Nearly every set here
@@ -110,6 +119,63 @@ impl<T: Ord> SortedVec<T> {
     }
 }
 
+/// Services decided together: on several threads when it is a full batch,
+/// and the decisions a batch holds before they join the cache.
+const DECIDE_BATCH: usize = 4096;
+
+/// The decisions of the Services in `ids`, in order (`None`: not in
+/// `cluster`). Each Service is decided on its own (`decide_service` is
+/// pure), so a batch of many is split between threads, as many as the
+/// process may run on (at most four).
+fn decide_all(
+    cluster: &Cluster,
+    slices_of: &BTreeMap<ObjectRef, SortedVec<ObjectRef>>,
+    ctx: NodeContext<'_>,
+    ids: &[&ObjectRef],
+) -> Vec<Option<Vec<PortDecision>>> {
+    let decide = |id: &ObjectRef| {
+        let svc = cluster.services.get(id)?;
+        let slices: Vec<&EndpointSlice> =
+            slices_of.get(id).into_iter().flat_map(SortedVec::iter).filter_map(|s| cluster.slices.get(s)).collect();
+        let mut out = Vec::with_capacity(svc.ports.len());
+        decision::decide_service(svc, &slices, ctx, &mut out);
+        Some(out)
+    };
+    let threads =
+        if ids.len() >= DECIDE_BATCH / 2 { std::thread::available_parallelism().map_or(1, std::num::NonZero::get).min(4) } else { 1 };
+    if threads < 2 {
+        return ids.iter().map(|id| decide(id)).collect();
+    }
+    let per = ids.len().div_ceil(threads);
+    std::thread::scope(|scope| {
+        let decide = &decide;
+        let others: Vec<_> =
+            ids.chunks(per).skip(1).map(|part| scope.spawn(move || part.iter().map(|id| decide(id)).collect::<Vec<_>>())).collect();
+        let mut out: Vec<Option<Vec<PortDecision>>> = Vec::with_capacity(ids.len());
+        out.extend(ids[..per].iter().map(|id| decide(id)));
+        for other in others {
+            out.extend(other.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic)));
+        }
+        out
+    })
+}
+
+/// The Service a slice belongs to (namespace and service-name label): the
+/// Service's own copy of its id, when it exists, so that the names are one
+/// copy however many maps hold them.
+fn owner_id(cluster: &Cluster, s: &EndpointSlice) -> ObjectRef {
+    let owner = ObjectRef::new(s.id.namespace.clone(), s.service_name.as_str());
+    cluster.services.get_key_value(&owner).map_or(owner, |(k, _)| k.clone())
+}
+
+/// The ClusterIP frontends of a Service's decisions, sorted, each once.
+fn frontends_of(decisions: &[PortDecision]) -> Vec<Frontend> {
+    let mut fes: Vec<Frontend> = decisions.iter().flat_map(|d| d.frontends.iter().copied()).collect();
+    fes.sort_unstable();
+    fes.dedup();
+    fes
+}
+
 #[derive(Default)]
 pub(crate) struct DecisionCache {
     node: String,
@@ -131,6 +197,8 @@ pub(crate) struct DecisionCache {
     clashed: BTreeSet<Frontend>,
     /// Services with a decision that carries problems.
     with_problems: BTreeSet<ObjectRef>,
+    /// What [`Self::prepare`] decided, until a pass takes it.
+    prepared: Option<Update>,
 }
 
 impl DecisionCache {
@@ -143,89 +211,94 @@ impl DecisionCache {
         &self.node
     }
 
+    /// Decides every Service of `cluster` ahead of the first pass (while
+    /// the datapath installs, `sync_loop::apply_first_list`): that pass
+    /// takes it ([`Self::take_prepared`]) with what changed since, instead
+    /// of deciding everything then.
+    pub(crate) fn prepare(&mut self, cluster: &Cluster) {
+        let update = self.rebuild(cluster, &Changes { all: true, ..Changes::default() });
+        self.prepared = Some(update);
+    }
+
+    /// Whether [`Self::prepare`] decided what no pass took yet.
+    pub(crate) fn is_prepared(&self) -> bool {
+        self.prepared.is_some()
+    }
+
+    /// What [`Self::prepare`] decided, once.
+    pub(crate) fn take_prepared(&mut self) -> Option<Update> {
+        self.prepared.take()
+    }
+
     /// Brings the decisions up to `cluster` and returns the ClusterIP
     /// frontends whose desired backends may have changed (added, removed
     /// or updated), and the Services decided again.
     pub(crate) fn update(&mut self, cluster: &Cluster, changes: &Changes) -> Update {
+        if changes.all {
+            return self.rebuild(cluster, changes);
+        }
         let mut affected: BTreeSet<ObjectRef> = changes.services.clone();
         // New entries of the slice index, decisions and claims, to rebuild
         // the maps that grew by many (`repack_after`).
         let (mut new_slices, mut new_decisions, mut new_claims) = (0, 0, 0);
-        if changes.all {
-            self.slices_of.clear();
-            self.owner_of.clear();
-            for s in cluster.slices.values() {
-                self.index_slice(cluster, s);
-            }
-            new_slices = self.owner_of.len();
-            // Collected at once (a bulk build, full nodes): inserted one by
-            // one, in order, the set was twice its size.
-            affected = affected.iter().chain(self.decisions.keys()).chain(cluster.services.keys()).cloned().collect();
-        } else {
-            for id in &changes.slices {
-                match self.owner_of.remove(id) {
-                    Some(old) => {
-                        if let Some(set) = self.slices_of.get_mut(&old) {
-                            set.remove(id);
-                            if set.is_empty() {
-                                self.slices_of.remove(&old);
-                            }
+        for id in &changes.slices {
+            match self.owner_of.remove(id) {
+                Some(old) => {
+                    if let Some(set) = self.slices_of.get_mut(&old) {
+                        set.remove(id);
+                        if set.is_empty() {
+                            self.slices_of.remove(&old);
                         }
-                        affected.insert(old);
                     }
-                    None => new_slices += usize::from(cluster.slices.contains_key(id)),
+                    affected.insert(old);
                 }
-                if let Some(s) = cluster.slices.get(id) {
-                    affected.insert(self.index_slice(cluster, s));
-                }
+                None => new_slices += usize::from(cluster.slices.contains_key(id)),
+            }
+            if let Some(s) = cluster.slices.get(id) {
+                affected.insert(self.index_slice(cluster, s));
             }
         }
 
         let node = self.node.clone();
         let ctx = NodeContext { name: &node, nodes: &cluster.nodes };
         let mut touched = BTreeSet::new();
-        for id in &affected {
-            let new = match cluster.services.get(id) {
-                Some(svc) => {
-                    let slices: Vec<&EndpointSlice> =
-                        self.slices_of.get(id).into_iter().flat_map(SortedVec::iter).filter_map(|s| cluster.slices.get(s)).collect();
-                    let mut out = Vec::with_capacity(svc.ports.len());
-                    decision::decide_service(svc, &slices, ctx, &mut out);
-                    Some(out)
+        let ids: Vec<&ObjectRef> = affected.iter().collect();
+        // Decided a batch at a time (on several threads when large), so
+        // that only one batch of decisions waits beside the cache's.
+        for batch in ids.chunks(DECIDE_BATCH) {
+            for (&id, new) in batch.iter().zip(decide_all(cluster, &self.slices_of, ctx, batch)) {
+                if new.iter().flatten().any(|d| !d.problems.is_empty()) {
+                    self.with_problems.insert(id.clone());
+                } else {
+                    self.with_problems.remove(id);
                 }
-                None => None,
-            };
-            if new.iter().flatten().any(|d| !d.problems.is_empty()) {
-                self.with_problems.insert(id.clone());
-            } else {
-                self.with_problems.remove(id);
-            }
-            let old = match new {
-                Some(d) => {
-                    let old = self.decisions.insert(id.clone(), d);
-                    new_decisions += usize::from(old.is_none());
-                    old
-                }
-                None => self.decisions.remove(id),
-            };
-            let old_fes: BTreeSet<Frontend> = old.iter().flatten().flat_map(|d| d.frontends.iter().copied()).collect();
-            let new_fes: BTreeSet<Frontend> =
-                self.decisions.get(id).into_iter().flatten().flat_map(|d| d.frontends.iter().copied()).collect();
-            for fe in old_fes.difference(&new_fes) {
-                if let Some(set) = self.claims.get_mut(fe) {
-                    set.remove(id);
-                    if set.is_empty() {
-                        self.claims.remove(fe);
+                let new_fes = frontends_of(new.as_deref().unwrap_or_default());
+                let old = match new {
+                    Some(d) => {
+                        let old = self.decisions.insert(id.clone(), d);
+                        new_decisions += usize::from(old.is_none());
+                        old
+                    }
+                    None => self.decisions.remove(id),
+                };
+                let old_fes = frontends_of(old.as_deref().unwrap_or_default());
+                for fe in old_fes.iter().filter(|fe| new_fes.binary_search(fe).is_err()) {
+                    if let Some(set) = self.claims.get_mut(fe) {
+                        set.remove(id);
+                        if set.is_empty() {
+                            self.claims.remove(fe);
+                        }
                     }
                 }
+                for fe in &new_fes {
+                    new_claims += usize::from(!self.claims.contains_key(fe));
+                    self.claims.entry(*fe).or_default().insert(id.clone());
+                }
+                touched.extend(old_fes);
+                touched.extend(new_fes);
             }
-            for fe in &new_fes {
-                new_claims += usize::from(!self.claims.contains_key(fe));
-                self.claims.entry(*fe).or_default().insert(id.clone());
-            }
-            touched.extend(old_fes);
-            touched.extend(new_fes);
         }
+        drop(ids);
         for fe in &touched {
             if self.claims.get(fe).is_some_and(|c| c.len() > 1) {
                 self.clashed.insert(*fe);
@@ -255,6 +328,116 @@ impl DecisionCache {
         Update { frontends: touched, services: affected }
     }
 
+    /// [`Self::update`] that decides every Service (`changes.all`: the
+    /// first sync, a change of Node labels). Everything is built anew, in
+    /// bulk: the decisions from every Service, and the claims, clashes and
+    /// policies from the decisions, sorted by frontend, rather than updated
+    /// one Service at a time (at 100k Services, each update searched and
+    /// inserted into B-trees a dozen times). The result is what the
+    /// incremental path gives for the same changes (tests below): the
+    /// frontends touched are those claimed before or after, and the
+    /// Services decided again are all of them.
+    fn rebuild(&mut self, cluster: &Cluster, changes: &Changes) -> Update {
+        // The slice index: each slice's owner in slice order (the order
+        // of `cluster.slices`), and the slices grouped by owner.
+        // Slices are named after their Service, so in slice order their
+        // owners come nearly in order too: each is looked for a step ahead
+        // of the last one found before a search of every Service.
+        let mut services = cluster.services.keys().peekable();
+        let owners: Vec<(ObjectRef, ObjectRef)> = cluster
+            .slices
+            .values()
+            .map(|s| {
+                let owner = ObjectRef::new(s.id.namespace.clone(), s.service_name.as_str());
+                while services.next_if(|k| **k < owner).is_some() {}
+                let shared = match services.peek() {
+                    Some(k) if **k == owner => Some((*k).clone()),
+                    _ => cluster.services.get_key_value(&owner).map(|(k, _)| k.clone()),
+                };
+                (s.id.clone(), shared.unwrap_or(owner))
+            })
+            .collect();
+        let mut by_owner: Vec<(ObjectRef, ObjectRef)> = owners.iter().map(|(slice, owner)| (owner.clone(), slice.clone())).collect();
+        self.owner_of = owners.into_iter().collect();
+        // Stable: it finds the runs already in order (slices are named
+        // after their Service) and merges them.
+        by_owner.sort();
+        let mut slices_of: Vec<(ObjectRef, SortedVec<ObjectRef>)> = Vec::new();
+        for (owner, slice) in by_owner {
+            match slices_of.last_mut() {
+                Some((last, set)) if *last == owner => set.insert(slice),
+                _ => slices_of.push((owner, SortedVec::One(slice))),
+            }
+        }
+        self.slices_of = slices_of.into_iter().collect();
+        // Collected at once (a bulk build, full nodes): inserted one by
+        // one, in order, the set was twice its size.
+        let affected: BTreeSet<ObjectRef> =
+            changes.services.iter().chain(self.decisions.keys()).chain(cluster.services.keys()).cloned().collect();
+        // The old decisions are not needed: the frontends they claimed
+        // are the claims' keys.
+        self.decisions = BTreeMap::new();
+        let old_claims = std::mem::take(&mut self.claims);
+        self.with_problems.clear();
+
+        let node = self.node.clone();
+        let ctx = NodeContext { name: &node, nodes: &cluster.nodes };
+        let mut decided: Vec<(ObjectRef, Vec<PortDecision>)> = Vec::with_capacity(cluster.services.len());
+        // Each Service's claim on each of its frontends, with the policy
+        // of its first port on it (what it gets if it owns the frontend,
+        // `decision_for`) when not the default.
+        let mut claims: Vec<(Frontend, ObjectRef, Option<Box<FrontendPolicy>>)> = Vec::with_capacity(cluster.services.len());
+        let ids: Vec<&ObjectRef> = affected.iter().collect();
+        for batch in ids.chunks(DECIDE_BATCH) {
+            for (&id, new) in batch.iter().zip(decide_all(cluster, &self.slices_of, ctx, batch)) {
+                let Some(decisions) = new else { continue };
+                if decisions.iter().any(|d| !d.problems.is_empty()) {
+                    self.with_problems.insert(id.clone());
+                }
+                let first = claims.len();
+                for d in &decisions {
+                    for fe in &d.frontends {
+                        if claims[first..].iter().all(|(claimed, _, _)| claimed != fe) {
+                            let policy = Some(d.frontend_policy(fe, &[], false)).filter(|p| !p.is_default()).map(Box::new);
+                            claims.push((*fe, id.clone(), policy));
+                        }
+                    }
+                }
+                decided.push((id.clone(), decisions));
+            }
+        }
+        drop(ids);
+        // In `affected` order: sorted, so collected without a sort.
+        self.decisions = decided.into_iter().collect();
+
+        // Claimants of a frontend in namespace/name order: the first owns it.
+        claims.sort_unstable_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
+        let mut by_frontend: Vec<(Frontend, SortedVec<ObjectRef>)> = Vec::with_capacity(claims.len());
+        let mut policies: Vec<(Frontend, FrontendPolicy)> = Vec::new();
+        let mut clashed: Vec<Frontend> = Vec::new();
+        for (fe, id, policy) in claims {
+            match by_frontend.last_mut() {
+                Some((last, ids)) if *last == fe => {
+                    if ids.len() == 1 {
+                        clashed.push(fe);
+                    }
+                    ids.insert(id);
+                }
+                _ => {
+                    if let Some(p) = policy {
+                        policies.push((fe, *p));
+                    }
+                    by_frontend.push((fe, SortedVec::One(id)));
+                }
+            }
+        }
+        self.claims = by_frontend.into_iter().collect();
+        self.desired_policies = policies.into_iter().collect();
+        self.clashed = clashed.into_iter().collect();
+        let touched = old_claims.into_keys().chain(self.claims.keys().copied()).collect();
+        Update { frontends: touched, services: affected }
+    }
+
     /// The Service that owns a ClusterIP frontend.
     pub(crate) fn owner(&self, fe: &Frontend) -> Option<&ObjectRef> {
         self.claims.get(fe)?.first()
@@ -268,14 +451,20 @@ impl DecisionCache {
 
     /// The ClusterIP frontends `service` owns.
     pub(crate) fn owned_frontends<'a>(&'a self, service: &'a ObjectRef) -> impl Iterator<Item = &'a Frontend> + 'a {
-        self.decisions.get(service).into_iter().flatten().flat_map(|d| d.frontends.iter()).filter(move |fe| self.owner(fe) == Some(service))
+        self.owned_frontends_of(service, self.decisions_of(service))
+    }
+
+    /// [`Self::owned_frontends`] of `service`, whose decisions are at hand.
+    pub(crate) fn owned_frontends_of<'a>(
+        &'a self,
+        service: &'a ObjectRef,
+        decisions: &'a [PortDecision],
+    ) -> impl Iterator<Item = &'a Frontend> + 'a {
+        decisions.iter().flat_map(|d| d.frontends.iter()).filter(move |fe| self.owner(fe) == Some(service))
     }
 
     fn index_slice(&mut self, cluster: &Cluster, s: &EndpointSlice) -> ObjectRef {
-        let owner = ObjectRef::new(s.id.namespace.clone(), s.service_name.as_str());
-        // The Service's own copy of its id, when it exists: one copy of
-        // the names, however many maps hold them.
-        let owner = cluster.services.get_key_value(&owner).map_or(owner, |(k, _)| k.clone());
+        let owner = owner_id(cluster, s);
         self.slices_of.entry(owner.clone()).or_default().insert(s.id.clone());
         self.owner_of.insert(s.id.clone(), owner.clone());
         owner
@@ -302,7 +491,7 @@ impl DecisionCache {
 
     /// The policy of `fe` from its owner (as [`Self::backends_for`]), when
     /// it is not the default.
-    fn policy_for(&self, fe: &Frontend) -> Option<crate::decide::plan::FrontendPolicy> {
+    fn policy_for(&self, fe: &Frontend) -> Option<FrontendPolicy> {
         let d = self.decision_for(fe)?;
         Some(d.frontend_policy(fe, &[], false)).filter(|p| !p.is_default())
     }
@@ -369,6 +558,11 @@ impl DecisionCache {
     /// Every decided Service.
     pub(crate) fn service_ids(&self) -> impl Iterator<Item = &ObjectRef> {
         self.decisions.keys()
+    }
+
+    /// Every decided Service with its decisions, in namespace/name order.
+    pub(crate) fn decisions_by_service(&self) -> impl Iterator<Item = (&ObjectRef, &[PortDecision])> {
+        self.decisions.iter().map(|(id, d)| (id, d.as_slice()))
     }
 }
 
@@ -495,6 +689,9 @@ mod tests {
             ("everything goes", NODES.to_string()),
         ];
         let mut cache = DecisionCache::new("a");
+        // Beside it, a cache that decides everything at every step (the
+        // bulk `rebuild`) from the state the last step left.
+        let mut rebuilt = DecisionCache::new("a");
         let mut prev = Cluster::default();
         for (i, (name, yaml)) in steps.iter().enumerate() {
             let c = cluster(yaml);
@@ -536,8 +733,30 @@ mod tests {
                     assert!(touched.contains(fe), "step {name}: {fe} changed but was not reported");
                 }
             }
+            let rebuilt_before = rebuilt.desired();
+            let all = Changes { all: true, ..changes.clone() };
+            let update = rebuilt.update(&c, &all);
+            assert_same(&rebuilt, &cache, name);
+            let claimed: BTreeSet<Frontend> = rebuilt_before.keys().chain(want.keys()).copied().collect();
+            assert_eq!(update.frontends, claimed, "step {name}: a full update touches every frontend claimed before or now");
+            let every: BTreeSet<ObjectRef> =
+                changes.services.iter().chain(prev.services.keys()).chain(c.services.keys()).cloned().collect();
+            assert_eq!(update.services, every, "step {name}");
             prev = c;
         }
+    }
+
+    /// Two caches hold the same state, index and bookkeeping included.
+    fn assert_same(a: &DecisionCache, b: &DecisionCache, step: &str) {
+        let claims = |c: &DecisionCache| c.claims.iter().map(|(fe, ids)| (*fe, ids.as_slice().to_vec())).collect::<Vec<_>>();
+        let slices = |c: &DecisionCache| c.slices_of.iter().map(|(id, s)| (id.clone(), s.as_slice().to_vec())).collect::<Vec<_>>();
+        assert_eq!(a.decisions, b.decisions, "step {step}: decisions");
+        assert_eq!(claims(a), claims(b), "step {step}: claims");
+        assert_eq!(a.desired_policies, b.desired_policies, "step {step}: policies");
+        assert_eq!(a.clashed, b.clashed, "step {step}: clashes");
+        assert_eq!(a.with_problems, b.with_problems, "step {step}: problems");
+        assert_eq!(slices(a), slices(b), "step {step}: slice index");
+        assert_eq!(a.owner_of, b.owner_of, "step {step}: slice owners");
     }
 
     #[test]

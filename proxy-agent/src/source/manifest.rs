@@ -80,6 +80,19 @@ pub trait Sink {
     fn restart(&mut self);
 }
 
+/// A [`Sink`] that can be filled in parts on several threads and the
+/// parts joined in order: the items of a large JSON `List` are converted
+/// in parallel ([`read_file_in_parts`]).
+pub(crate) trait PartSink: Sink + Default + Send {
+    /// Takes what `later` holds after what `self` holds.
+    fn append(&mut self, later: Self);
+    /// An empty part for about `objects` objects.
+    fn with_room(objects: usize) -> Self {
+        let _ = objects;
+        Self::default()
+    }
+}
+
 const EXTENSIONS: [&str; 3] = ["yaml", "yml", "json"];
 
 /// The manifest files under `paths`, sorted, directories walked
@@ -154,6 +167,37 @@ fn walk(p: &Path, explicit: bool, listing: &mut Listing) {
 /// Reads one file into `sink`. `Err`: the file could not be read or does
 /// not parse; what it handed to `sink` before is not the file's content.
 pub fn read_file(path: &Path, sink: &mut impl Sink) -> Result<(), ManifestError> {
+    read_file_with(path, sink, |source, reader, offset, locate, sink, _| manifest_json::parse(source, reader, offset, locate, sink))
+}
+
+/// JSON files from this size up have their `List` items converted on
+/// several threads: below it, starting them costs more than it saves.
+const PARTS_FROM: u64 = 4 << 20;
+
+/// [`read_file`], converting the items of a large JSON file's `List`s on
+/// as many threads as the agent may run on (at most four), which gives the
+/// sink the same objects in the same order.
+pub(crate) fn read_file_in_parts<S: PartSink>(path: &Path, sink: &mut S) -> Result<(), ManifestError> {
+    read_file_with(path, sink, |source, reader, offset, locate, sink, size| {
+        let workers = if size >= PARTS_FROM { std::thread::available_parallelism().map_or(1, std::num::NonZero::get).min(4) } else { 1 };
+        manifest_json::parse_in_parts(source, reader, offset, locate, sink, workers)
+    })
+}
+
+/// [`read_file`] with `json` parsing a file that starts like JSON:
+/// `(source, reader, offset, locate, sink, file size)`.
+fn read_file_with<S: Sink>(
+    path: &Path,
+    sink: &mut S,
+    json: impl FnOnce(
+        &str,
+        &mut BufReader<fs::File>,
+        u64,
+        &dyn Fn(u64) -> manifest_json::Position,
+        &mut S,
+        u64,
+    ) -> Result<(), manifest_json::Failure>,
+) -> Result<(), ManifestError> {
     let source = path.display().to_string();
     let cannot = |e: std::io::Error| ManifestError { location: source.clone(), reason: format!("cannot read: {e}") };
     let file = fs::File::open(path).map_err(cannot)?;
@@ -167,7 +211,7 @@ pub fn read_file(path: &Path, sink: &mut impl Sink) -> Result<(), ManifestError>
             let _ = fs::File::open(path).and_then(|f| std::io::Read::read_to_end(&mut std::io::Read::take(f, at), &mut head));
             manifest_json::position(&head, at)
         };
-        match manifest_json::parse(&source, &mut reader, offset, &locate, sink) {
+        match json(&source, &mut reader, offset, &locate, sink, size) {
             Ok(()) => return Ok(()),
             // A `.json` file is JSON: YAML, a superset, would take some
             // broken JSON (`nul`, a missing quote) for strings.

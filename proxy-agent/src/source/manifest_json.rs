@@ -17,14 +17,23 @@
 //! Every piece the scanner cuts is checked by serde_json, so the file is
 //! valid JSON exactly when serde_json would say so of the whole, and a
 //! syntax error is reported at its line and column in the file.
+//!
+//! Parsing and converting the items is most of the work (a 140 MB `List`
+//! of 100k EndpointSlices took two thirds of a second on one core), and
+//! the items do not depend on one another: [`parse_in_parts`] cuts them
+//! here and has worker threads convert batches of them into parts of the
+//! sink, which are joined in file order, so the sink ends up with what
+//! [`parse`] gives it, and the first error in the file is the one reported.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::io::BufRead;
+use std::sync::mpsc;
 
 use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 use serde_json::value::RawValue;
 
-use crate::source::manifest::{ManifestError, Object, Sink};
+use crate::source::manifest::{ManifestError, Object, PartSink, Sink};
 
 /// Why a JSON parse stopped.
 pub(crate) enum Failure {
@@ -49,6 +58,48 @@ pub(crate) fn parse(
     locate: &dyn Fn(u64) -> Position,
     sink: &mut impl Sink,
 ) -> Result<(), Failure> {
+    parse_into(source, reader, offset, locate, &mut Out { sink, pool: None })
+}
+
+/// [`parse`], with `List` items converted on `workers` threads (the
+/// caller's thread only cuts them): the sink receives the same objects
+/// and problems in the same order, and the same error.
+pub(crate) fn parse_in_parts<S: PartSink>(
+    source: &str,
+    reader: impl BufRead,
+    offset: u64,
+    locate: &dyn Fn(u64) -> Position,
+    sink: &mut S,
+    workers: usize,
+) -> Result<(), Failure> {
+    if workers < 2 {
+        return parse(source, reader, offset, locate, sink);
+    }
+    std::thread::scope(|scope| {
+        let (done_tx, done) = mpsc::channel();
+        let jobs = (0..workers)
+            .map(|_| {
+                let (tx, rx) = mpsc::sync_channel::<Batch>(QUEUED_BATCHES);
+                let done_tx = done_tx.clone();
+                scope.spawn(move || convert_batches::<S>(&rx, &done_tx));
+                tx
+            })
+            .collect();
+        let mut pool =
+            Workers { jobs, done, sent: 0, merged: 0, arrived: BTreeMap::new(), batch: Batch::default(), spare: Vec::new(), failed: false };
+        parse_into(source, reader, offset, locate, &mut Out { sink, pool: Some(&mut pool) })
+        // Dropping `pool` closes the queues: the workers end, and the
+        // scope waits for them.
+    })
+}
+
+fn parse_into<S: Sink>(
+    source: &str,
+    reader: impl BufRead,
+    offset: u64,
+    locate: &dyn Fn(u64) -> Position,
+    out: &mut Out<'_, S>,
+) -> Result<(), Failure> {
     let mut scanner = Scanner::new(reader, offset);
     let mut n = 0;
     // Documents follow one another (JSON Lines, or objects simply written
@@ -56,9 +107,228 @@ pub(crate) fn parse(
     while scanner.peek().map_err(|e| e.failure(source, locate))?.is_some() {
         n += 1;
         let location = format!("{source}#{n}");
-        document(&mut scanner, &location, sink, 0).map_err(|e| e.failure(&location, locate))?;
+        // Every item of a document is in the sink before the next one is
+        // read, so an error found while cutting is later than any item's.
+        document(&mut scanner, &location, out, 0)
+            .and_then(|()| out.sink().map(drop))
+            .map_err(|e| out.settle(e).failure(&location, locate))?;
     }
     Ok(())
+}
+
+/// Where a document's objects go: into the sink, or for the items of a
+/// `List`, through the worker threads of [`parse_in_parts`].
+struct Out<'a, S> {
+    sink: &'a mut S,
+    pool: Option<&'a mut dyn Pool<S>>,
+}
+
+impl<S: Sink> Out<'_, S> {
+    /// The sink, once every item cut before is in it.
+    fn sink(&mut self) -> Result<&mut S, ScanError> {
+        if let Some(pool) = &mut self.pool {
+            pool.drain(self.sink)?;
+        }
+        Ok(self.sink)
+    }
+
+    /// Item `index` of the `List` at `list` (a location), converted now
+    /// or queued.
+    fn item(&mut self, list: &str, index: usize, bytes: &[u8], at: u64, depth: usize) -> Result<(), ScanError> {
+        match &mut self.pool {
+            Some(pool) => pool.queue(self.sink, list, index, bytes, at, depth),
+            None => item(&format!("{list}[{index}]"), bytes, at, self.sink, depth),
+        }
+    }
+
+    /// The error to report for `e`, found while cutting: the first error
+    /// of an item cut before it, if one has one, else `e`.
+    fn settle(&mut self, e: ScanError) -> ScanError {
+        match &mut self.pool {
+            Some(pool) => pool.settle(self.sink, e),
+            None => e,
+        }
+    }
+}
+
+/// Items converted elsewhere and handed to the sink in order.
+trait Pool<S> {
+    /// Queues an item; an error is that of an item queued before.
+    fn queue(&mut self, sink: &mut S, list: &str, index: usize, bytes: &[u8], at: u64, depth: usize) -> Result<(), ScanError>;
+    /// Waits for every queued item and hands what they held to `sink`.
+    fn drain(&mut self, sink: &mut S) -> Result<(), ScanError>;
+    /// [`Out::settle`].
+    fn settle(&mut self, sink: &mut S, e: ScanError) -> ScanError;
+}
+
+/// Items go to a worker when they reach this many bytes, or this many
+/// items: enough to make a hand-over cheap beside the parsing, small enough
+/// that both workers get work from a file of a few megabytes.
+const BATCH_BYTES: usize = 256 * 1024;
+const BATCH_ITEMS: usize = 512;
+/// A batch's buffer: room for one item more than [`BATCH_BYTES`] (of
+/// usual size). Buffers go back and forth between the threads rather than
+/// being mapped and unmapped for each batch (they are above the agent's
+/// mmap threshold, `cmd::run`).
+const BATCH_BUFFER: usize = BATCH_BYTES + 64 * 1024;
+/// Batches waiting per worker: the bytes cut ahead stay a few megabytes.
+const QUEUED_BATCHES: usize = 2;
+
+/// Consecutive items of one `List`, their bytes end to end.
+#[derive(Default)]
+struct Batch {
+    seq: u64,
+    bytes: Vec<u8>,
+    /// The `List`'s location, and its depth in the document.
+    list: String,
+    depth: usize,
+    /// Each item's index in the `List`, the end of its bytes, and its
+    /// offset in the text.
+    items: Vec<(usize, usize, u64)>,
+}
+
+/// What converting a batch gave: the part of the sink it made and the
+/// first error of its items (the items after it are not converted, as
+/// [`parse`] stops at it), or the panic of a bug, passed on to the caller's
+/// thread as if it had converted the batch itself.
+enum Converted<S> {
+    /// With the batch's buffer, for the next batch.
+    Part(S, Result<(), ScanError>, Vec<u8>),
+    Panicked(Box<dyn std::any::Any + Send>),
+}
+
+fn convert_batches<S: PartSink>(jobs: &mpsc::Receiver<Batch>, done: &mpsc::Sender<(u64, Converted<S>)>) {
+    for mut batch in jobs {
+        let converted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let mut part = S::with_room(batch.items.len());
+            let mut start = 0;
+            for (index, end, at) in &batch.items {
+                let location = format!("{}[{index}]", batch.list);
+                if let Err(e) = item(&location, &batch.bytes[start..*end], *at, &mut part, batch.depth) {
+                    return (part, Err(e));
+                }
+                start = *end;
+            }
+            (part, Ok(()))
+        }));
+        let converted = match converted {
+            Ok((part, result)) => {
+                batch.bytes.clear();
+                Converted::Part(part, result, batch.bytes)
+            }
+            Err(panic) => Converted::Panicked(panic),
+        };
+        if done.send((batch.seq, converted)).is_err() {
+            return;
+        }
+    }
+}
+
+struct Workers<S> {
+    /// Each worker's queue; batch `seq` goes to worker `seq % len`.
+    jobs: Vec<mpsc::SyncSender<Batch>>,
+    done: mpsc::Receiver<(u64, Converted<S>)>,
+    /// Batches sent, and merged into the sink (in order).
+    sent: u64,
+    merged: u64,
+    /// Converted out of order, waiting for the ones before.
+    arrived: BTreeMap<u64, Converted<S>>,
+    /// The batch being filled.
+    batch: Batch,
+    /// Buffers of converted batches, for the next ones.
+    spare: Vec<Vec<u8>>,
+    /// An item failed: its error was returned, nothing after it counts.
+    failed: bool,
+}
+
+impl<S: PartSink> Workers<S> {
+    fn send(&mut self) -> Result<(), ScanError> {
+        if self.batch.items.is_empty() {
+            return Ok(());
+        }
+        let mut batch = std::mem::take(&mut self.batch);
+        batch.seq = self.sent;
+        let worker = &self.jobs[(self.sent % self.jobs.len() as u64) as usize];
+        self.sent += 1;
+        worker.send(batch).map_err(|_| stopped())
+    }
+
+    /// Merges the converted batches that are next in order; waits for
+    /// them until `upto` are merged.
+    fn merge(&mut self, sink: &mut S, upto: u64) -> Result<(), ScanError> {
+        loop {
+            while let Some(converted) = self.arrived.remove(&self.merged) {
+                self.merged += 1;
+                match converted {
+                    Converted::Part(part, result, buffer) => {
+                        self.spare.push(buffer);
+                        sink.append(part);
+                        if let Err(e) = result {
+                            self.failed = true;
+                            return Err(e);
+                        }
+                    }
+                    Converted::Panicked(panic) => std::panic::resume_unwind(panic),
+                }
+            }
+            let next = if self.merged < upto { self.done.recv().ok() } else { self.done.try_recv().ok() };
+            match next {
+                Some((seq, converted)) => {
+                    self.arrived.insert(seq, converted);
+                }
+                None if self.merged < upto => return Err(stopped()),
+                None => return Ok(()),
+            }
+        }
+    }
+}
+
+/// A worker is gone (it cannot be: a panic is caught and passed on).
+fn stopped() -> ScanError {
+    ScanError::Io(std::io::Error::other("a worker converting List items stopped"))
+}
+
+impl<S: PartSink> Pool<S> for Workers<S> {
+    fn queue(&mut self, sink: &mut S, list: &str, index: usize, bytes: &[u8], at: u64, depth: usize) -> Result<(), ScanError> {
+        if !self.batch.items.is_empty() && (self.batch.depth != depth || self.batch.list != list) {
+            self.send()?;
+        }
+        if self.batch.items.is_empty() {
+            self.batch.depth = depth;
+            list.clone_into(&mut self.batch.list);
+            if self.batch.bytes.capacity() == 0 {
+                self.batch.bytes = self.spare.pop().unwrap_or_else(|| Vec::with_capacity(BATCH_BUFFER));
+            }
+        }
+        self.batch.bytes.extend_from_slice(bytes);
+        self.batch.items.push((index, self.batch.bytes.len(), at));
+        if self.batch.bytes.len() >= BATCH_BYTES || self.batch.items.len() >= BATCH_ITEMS {
+            self.send()?;
+            // Whatever is converted meanwhile goes into the sink now.
+            self.merge(sink, 0)?;
+        }
+        Ok(())
+    }
+
+    fn drain(&mut self, sink: &mut S) -> Result<(), ScanError> {
+        self.send()?;
+        self.merge(sink, self.sent)
+    }
+
+    fn settle(&mut self, sink: &mut S, e: ScanError) -> ScanError {
+        if self.failed {
+            // `e` is that item's error: later items do not count.
+            return e;
+        }
+        // The items cut before `e` come first, whatever they hold.
+        if self.send().is_err() {
+            return e;
+        }
+        match self.merge(sink, self.sent) {
+            Err(earlier) if self.failed => earlier,
+            _ => e,
+        }
+    }
 }
 
 /// A place in a text, 1-based as editors show it.
@@ -276,8 +546,8 @@ fn json_type(first: Option<&u8>) -> &'static str {
 }
 
 /// One document, or one `List` item that is itself a `List`.
-fn document<R: BufRead>(sc: &mut Scanner<R>, location: &str, sink: &mut impl Sink, depth: usize) -> Result<(), ScanError> {
-    let problem = |sink: &mut dyn FnMut(ManifestError), reason: String| sink(ManifestError { location: location.to_string(), reason });
+fn document<R: BufRead, S: Sink>(sc: &mut Scanner<R>, location: &str, out: &mut Out<'_, S>, depth: usize) -> Result<(), ScanError> {
+    let problem = |sink: &mut S, reason: String| sink.problem(ManifestError { location: location.to_string(), reason });
     let mut buf = Vec::new();
     if sc.peek()? != Some(b'{') {
         let at = sc.value(&mut buf)?;
@@ -285,7 +555,7 @@ fn document<R: BufRead>(sc: &mut Scanner<R>, location: &str, sink: &mut impl Sin
         match json_type(buf.first()) {
             // `null`, like an empty YAML document, is nothing.
             "null" => {}
-            what => problem(&mut |e| sink.problem(e), format!("expected a Kubernetes object, found {what}")),
+            what => problem(out.sink()?, format!("expected a Kubernetes object, found {what}")),
         }
         return Ok(());
     }
@@ -321,7 +591,7 @@ fn document<R: BufRead>(sc: &mut Scanner<R>, location: &str, sink: &mut impl Sin
                 }
                 buf.clear();
                 let at = sc.value(&mut buf)?;
-                item(&format!("{location}[{j}]"), &buf, at, sink, depth)?;
+                out.item(location, j, &buf, at, depth)?;
                 j += 1;
                 match sc.peek()? {
                     Some(b',') => sc.consume(1),
@@ -364,7 +634,7 @@ fn document<R: BufRead>(sc: &mut Scanner<R>, location: &str, sink: &mut impl Sin
     match items {
         Some(items) if kind.as_deref().is_some_and(is_list) => {
             if items == Items::NotAList {
-                problem(&mut |e| sink.problem(e), format!("{}.items is not a list", kind.unwrap_or_default()));
+                problem(out.sink()?, format!("{}.items is not a list", kind.unwrap_or_default()));
             }
         }
         Some(Items::NotAList | Items::Null) | None => {
@@ -379,11 +649,11 @@ fn document<R: BufRead>(sc: &mut Scanner<R>, location: &str, sink: &mut impl Sin
                 text.push_str(v.get());
             }
             text.push('}');
-            sink.object(location, Object::Json { text: &text, kind, api_version });
+            out.sink()?.object(location, Object::Json { text: &text, kind, api_version });
         }
         Some(Items::List) => {
             let what = kind.map_or_else(|| "has no kind".to_string(), |k| format!("is a {k}, not a List"));
-            problem(&mut |e| sink.problem(e), format!("has `items` but {what}; its items were read as objects"));
+            problem(out.sink()?, format!("has `items` but {what}; its items were read as objects"));
         }
     }
     Ok(())
@@ -411,7 +681,7 @@ fn item(location: &str, bytes: &[u8], at: u64, sink: &mut impl Sink, depth: usiz
                     problem(&mut |e| sink.problem(e), format!("Lists nested more than {MAX_LIST_DEPTH} deep are not read"));
                     return Ok(());
                 }
-                return document(&mut Scanner::new(bytes, at), location, sink, depth + 1);
+                return document(&mut Scanner::new(bytes, at), location, &mut Out { sink, pool: None }, depth + 1);
             }
             sink.object(location, Object::Json { text, kind, api_version });
         }
@@ -549,6 +819,61 @@ mod tests {
             self.problems.push(error.to_string());
         }
         fn restart(&mut self) {}
+    }
+
+    impl PartSink for Collect {
+        fn append(&mut self, later: Self) {
+            self.objects.extend(later.objects);
+            self.problems.extend(later.problems);
+        }
+    }
+
+    fn show(f: Failure) -> String {
+        match f {
+            Failure::NotJson(e) => format!("syntax: {e}"),
+            Failure::Fatal(e) => format!("fatal: {e}"),
+        }
+    }
+
+    /// Items converted on worker threads reach the sink as they do when
+    /// converted in order, with the same first error, wherever it is.
+    #[test]
+    fn items_in_parts_are_the_items_in_order() {
+        let item = |i: usize| match i {
+            900 => "[1]".to_string(),
+            1300 => r#"{"kind":"List","items":[{"kind":"Node","metadata":{"name":"n"}},7]}"#.to_string(),
+            _ => format!(r#"{{"kind":"Service","metadata":{{"name":"s{i}"}},"pad":"{}"}}"#, "x".repeat(i % 700)),
+        };
+        let list = |n: usize, broken: Option<usize>| {
+            let items: Vec<String> =
+                (0..n).map(|i| if Some(i) == broken { r#"{"kind":"Service","a":tru}"#.to_string() } else { item(i) }).collect();
+            format!("{{\"apiVersion\":\"v1\",\"items\":[\n{}\n],\"kind\":\"List\"}}\n{{\"kind\":\"Node\"}}", items.join(",\n"))
+        };
+        let texts = [
+            list(3000, None),
+            list(3000, Some(1700)),
+            list(3000, Some(2)),
+            list(3000, Some(2999)),
+            // Cut inside an item, after many: the scanner's error.
+            list(3000, None)[..200_000].to_string(),
+            // An item error, then the scanner's later on: the item's first.
+            list(3000, Some(1000))[..600_000].to_string(),
+            "{\"kind\":\"List\",\"items\":[]}".to_string(),
+        ];
+        let expect = ["ok", "syntax", "syntax", "syntax", "fatal", "syntax", "ok"];
+        for (text, expect) in texts.iter().zip(expect) {
+            let locate = |at| position(text.as_bytes(), at);
+            let mut serial = Collect::default();
+            let want = parse("t.json", text.as_bytes(), 0, &locate, &mut serial).map_err(show);
+            assert_eq!(want.as_ref().map_or_else(|e| e.split(':').next().unwrap_or_default(), |()| "ok"), expect, "{want:?}");
+            for workers in [2, 3] {
+                let mut parts = Collect::default();
+                let got = parse_in_parts("t.json", text.as_bytes(), 0, &locate, &mut parts, workers).map_err(show);
+                assert_eq!(got, want, "{workers} workers");
+                assert_eq!(parts.objects, serial.objects, "{workers} workers: {want:?}");
+                assert_eq!(parts.problems, serial.problems, "{workers} workers: {want:?}");
+            }
+        }
     }
 
     fn run(text: &str) -> (Collect, Result<(), String>) {

@@ -129,22 +129,42 @@ impl Sink for FileObjects {
     }
 }
 
+impl manifest::PartSink for FileObjects {
+    fn with_room(objects: usize) -> Self {
+        FileObjects { deltas: Vec::with_capacity(objects), problems: Vec::new() }
+    }
+
+    fn append(&mut self, mut later: Self) {
+        if self.deltas.is_empty() {
+            std::mem::swap(&mut self.deltas, &mut later.deltas);
+        } else {
+            self.deltas.append(&mut later.deltas);
+        }
+        self.problems.append(&mut later.problems);
+    }
+}
+
 impl FileObjects {
     /// Keeps the last definition of each object, and reports the
-    /// duplicate on it when both definitions were usable.
+    /// duplicate on it when both definitions were usable. The objects end
+    /// up sorted by kind and id: the model takes a first list of them in
+    /// bulk, in that order (`Model::apply`), without sorting them again.
     pub(crate) fn finish(&mut self) {
         let mut order: Vec<u32> = (0..self.deltas.len() as u32).collect();
+        // Stable: the definitions of one object stay in file order.
         order.sort_by(|a, b| {
             let (a, b) = (&self.deltas[*a as usize], &self.deltas[*b as usize]);
             (a.kind, &a.id).cmp(&(b.kind, &b.id))
         });
+        permute(&mut self.deltas, &order);
+        drop(order);
         let mut drop = vec![false; self.deltas.len()];
         let mut told = Vec::new();
-        for pair in order.windows(2) {
-            let (first, second) = (pair[0] as usize, pair[1] as usize);
+        for second in 1..self.deltas.len() {
+            let first = second - 1;
             let (a, b) = (&self.deltas[first], &self.deltas[second]);
             if (a.kind, &a.id) == (b.kind, &b.id) {
-                // Stable sort: `second` comes later in the file.
+                // `second` comes later in the file.
                 drop[first] = true;
                 if a.object.is_some() && b.object.is_some() {
                     told.push(second);
@@ -165,6 +185,28 @@ impl FileObjects {
     }
 }
 
+/// Puts `items` in `order` (`items[k]` becomes what `items[order[k]]` was,
+/// `order` a permutation), in place: one swap per item moved, by following
+/// each cycle of the permutation once.
+fn permute<T>(items: &mut [T], order: &[u32]) {
+    let mut placed = vec![false; items.len()];
+    for start in 0..items.len() {
+        if placed[start] {
+            continue;
+        }
+        let mut at = start;
+        loop {
+            placed[at] = true;
+            let from = order[at] as usize;
+            if from == start {
+                break;
+            }
+            items.swap(at, from);
+            at = from;
+        }
+    }
+}
+
 fn duplicate(d: &mut Delta, reason: String) {
     let service = (d.kind == Kind::Service).then(|| d.id.clone());
     let object = if d.kind == Kind::Node { d.id.name.to_string() } else { d.id.to_string() };
@@ -174,7 +216,7 @@ fn duplicate(d: &mut Delta, reason: String) {
 /// Reads one file's objects.
 pub(crate) fn read_file(path: &Path) -> Result<FileObjects, ManifestError> {
     let mut objects = FileObjects::default();
-    manifest::read_file(path, &mut objects)?;
+    manifest::read_file_in_parts(path, &mut objects)?;
     objects.finish();
     Ok(objects)
 }
@@ -211,25 +253,15 @@ struct FileState {
     objects: usize,
 }
 
-/// An object's identity in the index: kind, and namespace and name in one
-/// allocation (the index holds one per object of the cluster).
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-struct IndexKey {
-    kind: Kind,
-    namespace_len: u32,
-    text: Box<str>,
-}
+/// An object's identity in the index: its kind and id. The id shares its
+/// strings with the deltas (and so with the model), so the index (one
+/// entry per object of the cluster) holds no copy of them; at 100k
+/// Services a copy per key was 200k allocations on the cold start's path.
+type IndexKey = (Kind, ObjectRef);
 
-impl IndexKey {
-    fn of(kind: Kind, id: &ObjectRef) -> IndexKey {
-        IndexKey { kind, namespace_len: id.namespace.len() as u32, text: format!("{}{}", id.namespace, id.name).into_boxed_str() }
-    }
-
-    fn object_ref(&self) -> ObjectRef {
-        let (ns, name) = self.text.split_at(self.namespace_len as usize);
-        ObjectRef::new(ns, name)
-    }
-}
+/// The index and the maps beside it: keys are ids, hashed often (twice per
+/// object at a cold start).
+type FastMap<K, V> = foldhash::HashMap<K, V>;
 
 /// The files defining one object, in path order: the last one wins.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -273,7 +305,7 @@ pub(crate) struct ManifestSet {
     files: BTreeMap<Arc<Path>, FileState>,
     /// Paths by file number (`None`: a number free for reuse).
     by_id: Vec<Option<Arc<Path>>>,
-    index: HashMap<IndexKey, Owners>,
+    index: FastMap<IndexKey, Owners>,
     /// The listing errors reported last time, so that a path that stays
     /// missing is reported once, not on every refresh.
     listing_errors: Vec<ManifestError>,
@@ -288,14 +320,14 @@ enum Outcome {
 
 impl ManifestSet {
     pub(crate) fn new(paths: Vec<PathBuf>) -> ManifestSet {
-        ManifestSet { paths, files: BTreeMap::new(), by_id: Vec::new(), index: HashMap::new(), listing_errors: Vec::new() }
+        ManifestSet { paths, files: BTreeMap::new(), by_id: Vec::new(), index: FastMap::default(), listing_errors: Vec::new() }
     }
 
     /// Objects of each kind the files hold.
     pub(crate) fn counts(&self) -> BTreeMap<Kind, usize> {
         let mut counts = BTreeMap::new();
-        for key in self.index.keys() {
-            *counts.entry(key.kind).or_default() += 1;
+        for (kind, _) in self.index.keys() {
+            *counts.entry(*kind).or_default() += 1;
         }
         counts
     }
@@ -380,7 +412,7 @@ impl ManifestSet {
     fn apply(&mut self, mut batch: Vec<(FileId, Outcome)>, update: &mut Update) {
         // For every object a file read here defined or defines: the winning
         // file and whether it was a duplicate, before this refresh.
-        let mut before: HashMap<IndexKey, (Option<FileId>, bool)> = HashMap::new();
+        let mut before: FastMap<IndexKey, (Option<FileId>, bool)> = FastMap::default();
         let mut done: HashSet<FileId> = HashSet::new();
         while !batch.is_empty() {
             // The objects the changed files held, by file: one pass over the
@@ -405,6 +437,9 @@ impl ManifestSet {
             }
             // Phase 1: the index as the files now are.
             let mut parsed: Vec<(FileId, Vec<Delta>)> = Vec::new();
+            // Whether every object read here is new to the index: then each
+            // file read wins all it defines (a first read, as a rule).
+            let mut all_new = true;
             for (id, outcome) in batch.drain(..) {
                 done.insert(id);
                 let deltas = match outcome {
@@ -431,15 +466,17 @@ impl ManifestSet {
                         Vec::new()
                     }
                 };
-                let mut new: Vec<IndexKey> = deltas.iter().map(|d| IndexKey::of(d.kind, &d.id)).collect();
-                new.sort_unstable();
-                for key in old.remove(&id).unwrap_or_default() {
-                    if new.binary_search(&key).is_err() {
-                        self.remove_owner(key, id, &mut before, update);
+                let old = old.remove(&id).unwrap_or_default();
+                if !old.is_empty() {
+                    let new: foldhash::HashSet<(Kind, &ObjectRef)> = deltas.iter().map(|d| (d.kind, &d.id)).collect();
+                    for key in old {
+                        if !new.contains(&(key.0, &key.1)) {
+                            self.remove_owner(key, id, &mut before, update);
+                        }
                     }
                 }
-                for key in new {
-                    self.add_owner(key, id, &mut before);
+                for d in &deltas {
+                    all_new &= self.add_owner((d.kind, d.id.clone()), id, &mut before);
                 }
                 parsed.push((id, deltas));
             }
@@ -447,8 +484,12 @@ impl ManifestSet {
             // hands over the objects it wins.
             for (id, mut deltas) in parsed {
                 deltas.retain_mut(|d| {
-                    let key = IndexKey::of(d.kind, &d.id);
-                    let Some(owners) = self.index.get(&key) else { return false };
+                    if all_new {
+                        return true;
+                    }
+                    let Some(owners) = self.index.get(&(d.kind, d.id.clone())) else {
+                        return false;
+                    };
                     if owners.winner() != id {
                         return false;
                     }
@@ -490,7 +531,7 @@ impl ManifestSet {
         }
     }
 
-    fn record_before(&self, key: &IndexKey, before: &mut HashMap<IndexKey, (Option<FileId>, bool)>) {
+    fn record_before(&self, key: &IndexKey, before: &mut FastMap<IndexKey, (Option<FileId>, bool)>) {
         if !before.contains_key(key) {
             let state = self.index.get(key).map_or((None, false), |o| (Some(o.winner()), o.is_duplicate()));
             before.insert(key.clone(), state);
@@ -498,11 +539,11 @@ impl ManifestSet {
     }
 
     /// `id` no longer defines `key`.
-    fn remove_owner(&mut self, key: IndexKey, id: FileId, before: &mut HashMap<IndexKey, (Option<FileId>, bool)>, update: &mut Update) {
+    fn remove_owner(&mut self, key: IndexKey, id: FileId, before: &mut FastMap<IndexKey, (Option<FileId>, bool)>, update: &mut Update) {
         match self.index.get(&key) {
             Some(Owners::One(only)) if *only == id => {
                 self.index.remove(&key);
-                update.deltas.push(Delta::removed(key.kind, key.object_ref()));
+                update.deltas.push(Delta::removed(key.0, key.1));
             }
             Some(Owners::Many(ids)) => {
                 self.record_before(&key, before);
@@ -515,13 +556,14 @@ impl ManifestSet {
     }
 
     /// `id` defines `key`.
-    fn add_owner(&mut self, key: IndexKey, id: FileId, before: &mut HashMap<IndexKey, (Option<FileId>, bool)>) {
+    /// Whether no file defined `key` before.
+    fn add_owner(&mut self, key: IndexKey, id: FileId, before: &mut FastMap<IndexKey, (Option<FileId>, bool)>) -> bool {
         let owners = match self.index.get(&key) {
             None => {
                 self.index.insert(key, Owners::One(id));
-                return;
+                return true;
             }
-            Some(owners) if owners.ids().contains(&id) => return,
+            Some(owners) if owners.ids().contains(&id) => return false,
             Some(owners) => owners.ids().to_vec(),
         };
         self.record_before(&key, before);
@@ -529,6 +571,7 @@ impl ManifestSet {
         ids.push(id);
         ids.sort_by(|a, b| self.path(*a).cmp(&self.path(*b)));
         self.index.insert(key, Owners::Many(ids.into_boxed_slice()));
+        false
     }
 }
 
@@ -550,6 +593,16 @@ fn read(path: &Path) -> Outcome {
 mod tests {
     use super::*;
     use crate::model::store::Object as ModelObject;
+
+    #[test]
+    fn a_permutation_puts_every_item_in_its_place() {
+        for order in [vec![], vec![0], vec![1, 0], vec![2, 0, 1], vec![0, 2, 1, 4, 3], vec![3, 4, 0, 1, 2, 5]] {
+            let mut items: Vec<u32> = (10..10 + order.len() as u32).collect();
+            let want: Vec<u32> = order.iter().map(|i| 10 + i).collect();
+            permute(&mut items, &order);
+            assert_eq!(items, want, "{order:?}");
+        }
+    }
 
     #[test]
     fn json_text_converts_like_a_json_value() {

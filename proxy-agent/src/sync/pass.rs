@@ -15,6 +15,7 @@ use crate::decide::cache::DecisionCache;
 use crate::decide::decision::{self, FrontendTopo, PortDecision};
 use crate::decide::departures::{self, Departure, EndpointState, Step, TcpTermination, Watch};
 use crate::decide::plan::{self, FrontendPolicy, Plan, Policies};
+use crate::decide::topology::tier::EndpointTiers;
 use crate::external::nodeport::ExternalDatapath;
 use crate::model::store::Changes;
 use crate::model::{Backend, Cluster, EndpointSlice, Frontend, ObjectRef, OtherNodes};
@@ -292,8 +293,22 @@ impl CachedSync {
             seeded_tc: false,
             tcp: TcpTermination::default(),
             label_needs: BTreeMap::new(),
-            tiers: std::sync::Arc::new(std::sync::RwLock::new(crate::decide::topology::tier::EndpointTiers::new(node))),
+            tiers: std::sync::Arc::new(std::sync::RwLock::new(EndpointTiers::new(node))),
         }
+    }
+
+    /// Takes `cache`, which decided every Service for this node ahead of
+    /// the first pass (`DecisionCache::prepare`), and `tiers`, which
+    /// followed the same cluster (`EndpointTiers::update`).
+    pub(crate) fn use_decided(&mut self, cache: DecisionCache, tiers: EndpointTiers) {
+        debug_assert_eq!(cache.node(), self.cache.node());
+        self.cache = cache;
+        *self.tiers.write().unwrap_or_else(std::sync::PoisonError::into_inner) = tiers;
+    }
+
+    /// Whether every Service was decided ahead of the next pass.
+    pub(crate) fn decided_ahead(&self) -> bool {
+        self.cache.is_prepared()
     }
 
     /// What the source must watch of other Nodes for the Services'
@@ -312,21 +327,10 @@ impl CachedSync {
     /// they were decided again.
     fn track_label_needs<'a>(&mut self, cluster: &Cluster, ids: impl IntoIterator<Item = &'a ObjectRef>) {
         for id in ids {
-            let needs = match cluster.services.get(id) {
-                Some(svc) => {
-                    let endpoints: Vec<&crate::model::Endpoint> =
-                        self.cache.slices_of(cluster, id).flat_map(|s| s.endpoints.iter()).collect();
-                    let labels = crate::decide::topology::other_node_labels(svc, &endpoints);
-                    let nodes = if labels.is_empty() { BTreeSet::new() } else { crate::decide::topology::endpoint_nodes(&endpoints) };
-                    (labels, nodes)
-                }
-                None => (BTreeSet::new(), BTreeSet::new()),
+            match cluster.services.get(id).and_then(|svc| label_needs(&self.cache, cluster, id, svc)) {
+                Some(needs) => self.label_needs.insert(id.clone(), needs),
+                None => self.label_needs.remove(id),
             };
-            if needs.0.is_empty() {
-                self.label_needs.remove(id);
-            } else {
-                self.label_needs.insert(id.clone(), needs);
-            }
         }
     }
 
@@ -346,12 +350,7 @@ impl CachedSync {
     /// after they were decided again.
     fn track_no_local<'a>(&mut self, ids: impl IntoIterator<Item = &'a ObjectRef>) {
         for id in ids {
-            let mut now = (0, 0);
-            for d in self.cache.decisions_of(id) {
-                let (internal, external) = d.no_local_endpoints();
-                now.0 += usize::from(internal);
-                now.1 += usize::from(external);
-            }
+            let now = no_local_count(self.cache.decisions_of(id));
             let before = if now == (0, 0) { self.no_local_of.remove(id) } else { self.no_local_of.insert(id.clone(), now) };
             let before = before.unwrap_or_default();
             self.no_local = (self.no_local.0 + now.0 - before.0, self.no_local.1 + now.1 - before.1);
@@ -384,6 +383,45 @@ impl CachedSync {
         }
     }
 
+    /// [`Self::track_external`] of every Service, after a full update: the
+    /// sets are built anew from the decisions, in order, rather than looked
+    /// up and updated one Service at a time.
+    fn rebuild_external(&mut self) {
+        self.external_services = self
+            .cache
+            .decisions_by_service()
+            .filter(|(_, decisions)| decisions.iter().any(decision::has_external))
+            .map(|(id, _)| id.clone())
+            .collect();
+        if self.tracking_local {
+            self.local_of.clear();
+            self.local_refs.clear();
+            for (id, decisions) in self.cache.decisions_by_service() {
+                add_local(&mut self.local_of, &mut self.local_refs, id, decisions);
+            }
+        }
+    }
+
+    /// [`Self::track_no_local`] of every Service, after a full update.
+    fn rebuild_no_local(&mut self) {
+        self.no_local_of = self
+            .cache
+            .decisions_by_service()
+            .filter_map(|(id, decisions)| {
+                let now = no_local_count(decisions);
+                (now != (0, 0)).then(|| (id.clone(), now))
+            })
+            .collect();
+        self.no_local = self.no_local_of.values().fold((0, 0), |sum, n| (sum.0 + n.0, sum.1 + n.1));
+    }
+
+    /// [`Self::track_label_needs`] of every Service, after a full update.
+    fn rebuild_label_needs(&mut self, cluster: &Cluster) {
+        let cache = &self.cache;
+        self.label_needs =
+            cluster.services.iter().filter_map(|(id, svc)| Some((id.clone(), label_needs(cache, cluster, id, svc)?))).collect();
+    }
+
     /// Starts or stops following the local endpoints of every Service, as
     /// the external datapath starts or stops reading them.
     fn follow_local_endpoints(&mut self, wanted: bool) {
@@ -403,10 +441,6 @@ impl CachedSync {
 
     /// Recounts the local endpoint addresses of the Service `id`.
     fn track_local(&mut self, id: ObjectRef) {
-        let decisions = self.cache.decisions_of(&id);
-        let mut local: Vec<IpAddr> = decisions.iter().flat_map(|d| d.local.iter().map(|b| b.ip)).collect();
-        local.sort();
-        local.dedup();
         for ip in self.local_of.remove(&id).unwrap_or_default() {
             if let Some(n) = self.local_refs.get_mut(&ip) {
                 *n -= 1;
@@ -415,12 +449,7 @@ impl CachedSync {
                 }
             }
         }
-        for ip in &local {
-            *self.local_refs.entry(*ip).or_default() += 1;
-        }
-        if !local.is_empty() {
-            self.local_of.insert(id, local);
-        }
+        add_local(&mut self.local_of, &mut self.local_refs, &id, self.cache.decisions_of(&id));
     }
 
     pub fn pass(
@@ -445,33 +474,35 @@ impl CachedSync {
         full: bool,
         now: Instant,
     ) -> SyncOutcome {
+        // Every Service decided ahead (`use_decided`): this pass takes
+        // that, with what changed since, as a pass that decided everything.
+        let prepared = self.cache.take_prepared();
         let update = self.cache.update(cluster, changes);
-        let mut touched = update.frontends;
+        let tier_changes = changes;
+        let decided_all;
+        let (update, changes) = match prepared {
+            Some(ahead) => {
+                decided_all = Changes { all: true, ..Changes::default() };
+                (ahead.and(update), &decided_all)
+            }
+            None => (update, changes),
+        };
+        let (mut touched, mut services) = (update.frontends, update.services);
         let retried = std::mem::take(&mut self.retry);
         touched.extend(retried.iter().copied());
+        // Only the external side feeds this pass's plan; the counts of
+        // ports without local endpoints and the labels of other Nodes are
+        // followed once the maps are written (below).
         if changes.all {
-            let all: Vec<ObjectRef> = self
-                .cache
-                .service_ids()
-                .chain(self.local_of.keys())
-                .chain(self.external_services.iter())
-                .chain(self.no_local_of.keys())
-                // A Service deleted in this pass is in none of the above:
-                // without this, one deleted beside a Node label change kept
-                // its needs and the other Nodes' watch never stopped.
-                .chain(self.label_needs.keys())
-                .cloned()
-                .collect();
-            self.track_no_local(&all);
-            self.track_label_needs(cluster, all.iter().chain(cluster.services.keys()));
-            self.track_external(all);
+            self.rebuild_external();
         } else {
-            self.track_no_local(&update.services);
-            self.track_label_needs(cluster, &update.services);
-            self.track_external(update.services.iter().cloned());
+            self.track_external(services.iter().cloned());
         }
         self.follow_local_endpoints(external.as_deref().is_some_and(ExternalDatapath::uses_local_endpoints));
-        self.count_topology(writer, external.as_deref_mut(), cluster, changes, &update.services, full);
+        // The endpoint tiers follow what changed since they were followed
+        // last (ahead, with the decisions, or in the last pass).
+        self.tiers.write().unwrap_or_else(std::sync::PoisonError::into_inner).update(cluster, tier_changes.all, &tier_changes.slices);
+        self.count_topology(writer, external.as_deref_mut(), changes, &services, full);
         let ext = external.as_deref().map(|e| {
             let cache = &self.cache;
             let decisions = self.external_services.iter().flat_map(|id| cache.decisions_of(id));
@@ -531,13 +562,23 @@ impl CachedSync {
         // else those whose Service changed (their endpoint's state) or
         // whose frontend was written (their set).
         let everything = full || changes.all;
-        let written: BTreeSet<Frontend> = plan.upserts.iter().map(|(fe, _)| *fe).chain(plan.deletes.iter().copied()).collect();
+        // What a pass that looks at everything needs no more (100k entries
+        // each at a cold start, beside the maps being written): the
+        // frontends it compared are in the plan, and it looks at every
+        // watched backend and, when it decided every Service, rebuilds
+        // what it keeps per Service.
+        drop(touched);
+        if full && changes.all {
+            services = BTreeSet::new();
+        }
+        let written: BTreeSet<Frontend> =
+            if everything { BTreeSet::new() } else { plan.upserts.iter().map(|(fe, _)| *fe).chain(plan.deletes.iter().copied()).collect() };
         let (mut upserts, mut deletes) = (plan.upserts.len(), plan.deletes.len());
         let mut failures = writer.apply_owned(plan);
         self.retry = failures.iter().map(|f| f.frontend).collect();
         left.retain(|(fe, _)| !self.retry.contains(fe));
         let node_addrs: Vec<IpAddr> = external.as_deref().map(|e| e.node_addrs.clone()).unwrap_or_default();
-        let scope = Scope { everything, services: &update.services, frontends: &written, now };
+        let scope = Scope { everything, services: &services, frontends: &written, now };
         let mut watched = std::mem::take(&mut self.watched);
         if !std::mem::replace(&mut self.seeded, true) {
             self.restart_watch(&mut watched, cluster, &node_addrs, |fe| writer.backends_of(fe).map(<[Backend]>::to_vec));
@@ -547,18 +588,31 @@ impl CachedSync {
         self.watched = watched;
         let mut tc_departures = Vec::new();
 
-        let recheck: Vec<ObjectRef> = if full {
-            self.cache.service_ids().chain(self.programmed.iter()).cloned().collect()
+        if full {
+            // Every decided Service: the set is built anew, in order.
+            let cache = &self.cache;
+            self.programmed = cache
+                .decisions_by_service()
+                .filter(|(id, decisions)| cache.owned_frontends_of(id, decisions).any(|fe| writer.backends_of(fe).is_some()))
+                .map(|(id, _)| id.clone())
+                .collect();
         } else {
             let owners = retried.iter().filter_map(|fe| self.cache.owner(fe).cloned());
-            update.services.iter().cloned().chain(owners).collect()
-        };
-        for id in recheck {
-            if self.cache.owned_frontends(&id).any(|fe| writer.backends_of(fe).is_some()) {
-                self.programmed.insert(id);
-            } else {
-                self.programmed.remove(&id);
+            let recheck: Vec<ObjectRef> = services.iter().cloned().chain(owners).collect();
+            for id in recheck {
+                if self.cache.owned_frontends(&id).any(|fe| writer.backends_of(fe).is_some()) {
+                    self.programmed.insert(id);
+                } else {
+                    self.programmed.remove(&id);
+                }
             }
+        }
+        if changes.all {
+            self.rebuild_no_local();
+            self.rebuild_label_needs(cluster);
+        } else {
+            self.track_no_local(&services);
+            self.track_label_needs(cluster, &services);
         }
 
         let mut external_problems = Vec::new();
@@ -613,18 +667,25 @@ impl CachedSync {
         &self,
         writer: &mut impl SocketMaps,
         external: Option<&mut ExternalDatapath>,
-        cluster: &Cluster,
         changes: &Changes,
         services: &BTreeSet<ObjectRef>,
         full: bool,
     ) {
-        self.tiers.write().unwrap_or_else(std::sync::PoisonError::into_inner).update(cluster, changes.all, &changes.slices);
         let node_addrs = external.as_deref().map(|e| e.node_addrs.clone()).unwrap_or_default();
         let (mut socket, mut tc) = (Vec::new(), Vec::new());
-        let ids: Vec<&ObjectRef> = if full || changes.all { self.cache.service_ids().collect() } else { services.iter().collect() };
-        for id in ids {
-            for d in self.cache.decisions_of(id) {
+        // Every Service's decisions in one walk, or the re-decided ones'.
+        let mut count = |decisions: &[PortDecision]| {
+            for d in decisions {
                 d.frontend_topology(&node_addrs, &mut socket, &mut tc);
+            }
+        };
+        if full || changes.all {
+            for (_, decisions) in self.cache.decisions_by_service() {
+                count(decisions);
+            }
+        } else {
+            for id in services {
+                count(self.cache.decisions_of(id));
             }
         }
         writer.set_tiers(&self.tiers);
@@ -722,9 +783,8 @@ impl CachedSync {
         node_addrs: &[IpAddr],
         current: impl Fn(&Frontend) -> Option<Vec<Backend>>,
     ) {
-        let ids: BTreeSet<&ObjectRef> = self.cache.service_ids().chain(self.external_services.iter()).collect();
-        for id in ids {
-            let decisions = self.cache.decisions_of(id);
+        // Every Service with external frontends is among the decided ones.
+        for (id, decisions) in self.cache.decisions_by_service() {
             let slices: Vec<&EndpointSlice> = self.cache.slices_of(cluster, id).collect();
             if slices.iter().all(|s| !s.endpoints.iter().any(|e| e.terminating)) {
                 continue;
@@ -745,6 +805,55 @@ impl CachedSync {
             }
         }
     }
+}
+
+/// Ports without local endpoints for the internal and the external Local
+/// policy among a Service's `decisions`.
+fn no_local_count(decisions: &[PortDecision]) -> (usize, usize) {
+    let mut now = (0, 0);
+    for d in decisions {
+        let (internal, external) = d.no_local_endpoints();
+        now.0 += usize::from(internal);
+        now.1 += usize::from(external);
+    }
+    now
+}
+
+/// Counts the local endpoint addresses of Service `id` (its `decisions`),
+/// which has none counted.
+fn add_local(
+    local_of: &mut BTreeMap<ObjectRef, Vec<IpAddr>>,
+    local_refs: &mut BTreeMap<IpAddr, usize>,
+    id: &ObjectRef,
+    decisions: &[PortDecision],
+) {
+    let mut local: Vec<IpAddr> = decisions.iter().flat_map(|d| d.local.iter().map(|b| b.ip)).collect();
+    local.sort();
+    local.dedup();
+    for ip in &local {
+        *local_refs.entry(*ip).or_default() += 1;
+    }
+    if !local.is_empty() {
+        local_of.insert(id.clone(), local);
+    }
+}
+
+/// The labels of other Nodes that Service `id`'s topology needs and its
+/// slices do not carry, with the Nodes its endpoints run on; `None` when
+/// it needs none.
+fn label_needs(
+    cache: &DecisionCache,
+    cluster: &Cluster,
+    id: &ObjectRef,
+    svc: &crate::model::Service,
+) -> Option<(BTreeSet<String>, BTreeSet<String>)> {
+    let endpoints: Vec<&crate::model::Endpoint> = cache.slices_of(cluster, id).flat_map(|s| s.endpoints.iter()).collect();
+    let labels = crate::decide::topology::other_node_labels(svc, &endpoints);
+    if labels.is_empty() {
+        return None;
+    }
+    let nodes = crate::decide::topology::endpoint_nodes(&endpoints);
+    Some((labels, nodes))
 }
 
 /// Which watched backends a pass steps ([`CachedSync::departures_of`]),

@@ -33,7 +33,9 @@ use tokio::sync::mpsc::error::TryRecvError;
 
 use crate::datapath::map_writer::WriteError;
 use crate::datapath::sock_destroy::{Batch, Terminator};
+use crate::decide::cache::DecisionCache;
 use crate::decide::departures::TcpTermination;
+use crate::decide::topology::tier::EndpointTiers;
 use crate::external::nodeport::ExternalDatapath;
 use crate::model::OtherNodes;
 use crate::model::store::{Changes, Kind, Model, ObjectProblem};
@@ -84,6 +86,10 @@ pub struct SyncLoop<W: SocketMaps> {
     /// A pass owed at this moment even if nothing changes: the departure
     /// rules wait for a backend's absence from every slice to settle.
     recheck_at: Option<Instant>,
+    /// What the model took in while kinds were still listing, after every
+    /// Service was decided ahead of the first sync (`with_first_list`):
+    /// that sync decides it again.
+    listed_changes: Changes,
     /// Problems already logged, so a bad object is logged (and counted)
     /// when it appears, not on every sync.
     logged: BTreeSet<String>,
@@ -127,6 +133,7 @@ impl<W: SocketMaps> SyncLoop<W> {
             dirty: false,
             last_sync: None,
             recheck_at: None,
+            listed_changes: Changes::default(),
             logged: BTreeSet::new(),
             failing: BTreeMap::new(),
             node_seen: false,
@@ -256,15 +263,21 @@ impl<W: SocketMaps> SyncLoop<W> {
                 // Before the first sync, a listed kind goes into the model
                 // while the others are still listing, instead of on the
                 // first sync's critical path (the cold sync). The
-                // changes it reports are not needed: the first sync
-                // decides every Service anyway (`changes.all`).
+                // changes it reports are not needed, as the first sync
+                // decides every Service, unless that was done ahead
+                // (`with_first_list`): then they wait for it.
                 if !self.all_listed() && !self.health.is_ready() {
-                    self.apply_queued();
+                    let changes = self.apply_queued();
+                    if self.cached.decided_ahead() {
+                        self.listed_changes.absorb(changes);
+                    }
                     // The source holds the Nodes' listing back until it
                     // knows whether other Nodes are needed, and lists
                     // them first if they are: the first sync then decides
                     // with every label it needs.
-                    if self.listed.contains(&Kind::Service) && self.listed.contains(&Kind::EndpointSlice) {
+                    // (Only when someone follows it: manifests hold whole
+                    // Nodes, and this walks every Service.)
+                    if self.node_labels.is_some() && self.listed.contains(&Kind::Service) && self.listed.contains(&Kind::EndpointSlice) {
                         self.publish_node_labels(crate::decide::topology::node_labels_needed(&self.model.cluster, &self.config.node));
                     }
                 }
@@ -313,18 +326,21 @@ impl<W: SocketMaps> SyncLoop<W> {
     /// manifest relist or a duplicated event that changes nothing counts
     /// nothing) and follows this node's Node.
     fn apply_queued(&mut self) -> Changes {
-        let mut deltas = self.stores.drain();
-        if self.events.is_none() {
-            // Services' uids serve only Events (manifest mode posts none):
-            // not kept, 10 MiB at 100k Services.
-            for d in &mut deltas {
-                d.uid = None;
-            }
-        }
-        let changes = self.model.apply(deltas);
+        let changes = apply_drained(&mut self.model, &self.stores, self.events.is_some());
         self.metrics.object_changes(changes.services.len(), changes.slices.len());
         self.follow_this_node();
         changes
+    }
+
+    /// Starts from the model `first` made, as if the loop had applied it.
+    pub fn with_first_list(mut self, first: FirstList) -> Self {
+        self.model = first.model;
+        if let Some((decided, tiers)) = first.decided.filter(|(d, _)| d.node() == self.config.node) {
+            self.cached.use_decided(decided, tiers);
+        }
+        self.metrics.object_changes(first.services, first.slices);
+        self.follow_this_node();
+        self
     }
 
     /// Tells the health server whether this node is going away. A Node not
@@ -362,11 +378,14 @@ impl<W: SocketMaps> SyncLoop<W> {
     fn sync_now(&mut self) {
         let started = Instant::now();
         let first = !self.health.is_ready();
-        let mut changes = self.apply_queued();
-        // The first pass decides everything; a pass without pending changes
-        // is the periodic resync (--sync-period), which compares the whole
-        // state with the maps and retries frontends that failed.
-        changes.all |= first;
+        let mut changes = std::mem::take(&mut self.listed_changes);
+        changes.absorb(self.apply_queued());
+        // The first pass decides everything (unless that was done ahead,
+        // `with_first_list`: then it takes what changed since); a pass
+        // without pending changes is the periodic resync (--sync-period),
+        // which compares the whole state with the maps and retries
+        // frontends that failed.
+        changes.all |= first && !self.cached.decided_ahead();
         let full = first || !self.dirty;
         if let Some(external) = &mut self.external {
             // Full passes (the first, then every sync period) re-resolve
@@ -515,6 +534,46 @@ impl<W: SocketMaps> SyncLoop<W> {
     }
 }
 
+/// What the source queued before the loop runs (the first list), applied
+/// to a model of its own: `run` has it made while the datapath installs,
+/// on the other core, rather than by the loop's first step after it.
+pub struct FirstList {
+    model: Model,
+    /// Services and EndpointSlices it changed, for the change counters.
+    services: usize,
+    slices: usize,
+    /// Every Service decided for `node` (`DecisionCache::prepare`), and the
+    /// endpoints' tiers: the first pass takes them rather than working
+    /// them out after the install.
+    decided: Option<(DecisionCache, EndpointTiers)>,
+}
+
+/// Applies what `stores` holds to an empty model, and decides every
+/// Service for `node`. `keep_uids` as for the loop: whether Events are
+/// posted.
+pub fn apply_first_list(stores: &Stores, keep_uids: bool, node: &str) -> FirstList {
+    let mut model = Model::default();
+    let changes = apply_drained(&mut model, stores, keep_uids);
+    let mut decided = DecisionCache::new(node);
+    decided.prepare(&model.cluster);
+    let mut tiers = EndpointTiers::new(node);
+    tiers.update(&model.cluster, true, std::iter::empty());
+    FirstList { model, services: changes.services.len(), slices: changes.slices.len(), decided: Some((decided, tiers)) }
+}
+
+/// Applies the deltas queued in `stores` to `model`.
+fn apply_drained(model: &mut Model, stores: &Stores, keep_uids: bool) -> Changes {
+    let mut deltas = stores.drain();
+    if !keep_uids {
+        // Services' uids serve only Events (manifest mode posts none):
+        // not kept, 10 MiB at 100k Services.
+        for d in &mut deltas {
+            d.uid = None;
+        }
+    }
+    model.apply(deltas)
+}
+
 fn object_reason(p: &ObjectProblem) -> &'static str {
     match p.kind {
         Kind::Service => reason::INVALID_SERVICE,
@@ -623,6 +682,55 @@ endpoints: [{}]
 ",
             eps.join(", ")
         )
+    }
+
+    /// The first list decided ahead (`apply_first_list`, while the
+    /// datapath installs) programs what deciding it in the first pass does,
+    /// with whatever changed in between: an edit, a deletion, a Node's
+    /// labels (which decide everything again).
+    #[test]
+    fn a_first_list_decided_ahead_programs_the_same() {
+        let keys = ", annotations: {topoproxy.io/topology-keys: \"topology.kubernetes.io/zone,*\"}";
+        let first = format!(
+            "{NODES}{}{}{}{}{}",
+            service("web", "10.96.0.10", ""),
+            service("db", "10.96.0.20", keys),
+            service("gone", "10.96.0.30", ""),
+            slice("web", &[("10.244.1.1", "a"), ("10.244.2.1", "b")]),
+            slice("db", &[("10.244.1.2", "a"), ("10.244.2.2", "b")]),
+        );
+        let edited = format!(
+            "{NODES}{}{}{}{}",
+            service("web", "10.96.0.10", ""),
+            service("db", "10.96.0.20", keys),
+            slice("web", &[("10.244.2.1", "b")]),
+            slice("db", &[("10.244.1.2", "a"), ("10.244.2.2", "b")]),
+        );
+        let relabelled = edited.replace("zone: z1", "zone: z2");
+        for (name, then) in
+            [("nothing in between", first.as_str()), ("an edit in between", &edited), ("Node labels in between", &relabelled)]
+        {
+            // Deciding at the first pass what is there then.
+            let mut plain = Harness::new("a", None);
+            plain.read(then);
+            // The first list decided ahead, the rest applied by the pass.
+            let mut ahead = Harness::new("a", None);
+            let read = read_text(&first);
+            ahead.sync.stores.push_all(relist(&mut ahead.known, read.deltas));
+            let listed = apply_first_list(&ahead.sync.stores, false, "a");
+            let Harness { sync, known } = ahead;
+            let mut ahead = Harness { sync: sync.with_first_list(listed), known };
+            assert!(ahead.sync.cached.decided_ahead(), "{name}");
+            ahead.read(then);
+            assert!(!ahead.sync.cached.decided_ahead(), "{name}: the first pass took it");
+            assert_eq!(ahead.sync.writer.programmed, plain.sync.writer.programmed, "{name}");
+            assert_eq!(ahead.sync.writer.policies, plain.sync.writer.policies, "{name}");
+            assert!(ahead.sync.health.is_ready(), "{name}");
+            // And the passes after it follow edits alike.
+            plain.read(&first);
+            ahead.read(&first);
+            assert_eq!(ahead.sync.writer.programmed, plain.sync.writer.programmed, "{name}: the next pass");
+        }
     }
 
     #[test]

@@ -3,3 +3,4 @@
 pub(crate) mod btree;
 pub(crate) mod error_chain;
 pub(crate) mod intern;
+pub(crate) mod u64_map;

@@ -23,6 +23,7 @@ use aya::maps::{Array, Map, MapData, MapError, PerCpuArray, PerCpuValues};
 use proxy_common as pc;
 use proxy_common::{SvcConnValue, SvcTopoValue};
 
+use crate::datapath::bpf_batch::{self, BatchError};
 use crate::datapath::loader::pins;
 use crate::datapath::maps::ServiceMaps;
 use crate::decide::decision::FrontendTopo;
@@ -154,20 +155,41 @@ impl TopoMaps {
     }
 
     /// Writes `fe`'s share at `service_id`'s index when it is not there.
-    pub fn write_share(&mut self, fe: &Frontend, service_id: u32) -> Result<(), MapError> {
-        let share = self.want.get(fe).map_or(0, |w| w.1);
-        self.publish(service_id, self.want.get(fe).map(|w| w.2.clone()));
-        let held = self.written.get(&service_id).copied().or_else(|| (!self.adopted.contains(&service_id)).then_some(0));
-        if held == Some(share) {
+    pub fn write_share(&mut self, fe: &Frontend, service_id: u32) -> Result<(), BatchError> {
+        self.write_shares([(fe, service_id)])
+    }
+
+    /// [`Self::write_share`] of many frontends (frontend, its service id),
+    /// the shares that are not there in one batch call: a cold start at
+    /// 100k Services writes a share for every frontend with endpoints
+    /// outside this node's zone, which one bpf(2) call each made 100k
+    /// calls. On a failure the shares before the one that failed are
+    /// written, and the others are tried again at the next write.
+    pub fn write_shares<'a>(&mut self, frontends: impl IntoIterator<Item = (&'a Frontend, u32)>) -> Result<(), BatchError> {
+        let (mut indices, mut values, mut ids) = (Vec::new(), Vec::new(), Vec::new());
+        let capacity = self.capacity();
+        for (fe, service_id) in frontends {
+            let share = self.want.get(fe).map_or(0, |w| w.1);
+            self.publish(service_id, self.want.get(fe).map(|w| w.2.clone()));
+            let held = self.written.get(&service_id).copied().or_else(|| (!self.adopted.contains(&service_id)).then_some(0));
+            if held == Some(share) {
+                continue;
+            }
+            let index = pc::svc_conn_index(service_id);
+            if index >= capacity {
+                continue; // an older build's id: not counted
+            }
+            indices.push(index);
+            values.push(SvcTopoValue { blind_remote_share_fp: share });
+            ids.push((service_id, share));
+        }
+        if indices.is_empty() {
             return Ok(());
         }
-        let index = pc::svc_conn_index(service_id);
-        if index >= self.capacity() {
-            return Ok(()); // an older build's id: not counted
-        }
-        self.topo.set(index, SvcTopoValue { blind_remote_share_fp: share }, 0)?;
-        self.written.insert(service_id, share);
-        Ok(())
+        let result = bpf_batch::update_array(&mut self.topo, &indices, &values);
+        let applied = result.as_ref().map_or_else(|e| e.applied, |()| ids.len());
+        self.written.extend(ids.into_iter().take(applied));
+        result
     }
 
     /// The service ids programmed when the maps were opened, whose shares
