@@ -177,6 +177,7 @@ fn in_order<K: Pod, V: Pod>(
     }
     let len = keys.len();
     let mut done = 0;
+    let mut pauses = ENOMEM_PAUSES.iter();
     while done < len {
         let n = (len - done).min(MAX_PER_CALL);
         let mut attr = BatchAttr {
@@ -196,11 +197,30 @@ fn in_order<K: Pod, V: Pod>(
         match r {
             Ok(()) => done += n,
             Err(e) if skip_missing && e.kind() == io::ErrorKind::NotFound && applied < n => done += applied + 1,
+            Err(e)
+                if cmd == BPF_MAP_UPDATE_BATCH
+                    && e.raw_os_error() == Some(libc::ENOMEM)
+                    && let Some(pause) = pauses.next() =>
+            {
+                done += applied;
+                std::thread::sleep(*pause);
+            }
             Err(source) => return Err(BatchError { applied: done + applied, source }),
         }
     }
     Ok(())
 }
+
+/// The pauses before an update is tried again after ENOMEM, from the
+/// element the kernel stopped at. A map without preallocation
+/// (`BPF_F_NO_PREALLOC`: SERVICES and the other hashes sized by Services)
+/// takes each new element from a per-CPU cache that an irq_work refills
+/// with GFP_NOWAIT pages (kernel/bpf/memalloc.c); under memory pressure a
+/// refill can fail for a moment and the update gets ENOMEM although the
+/// map has room (seen in CI on a loaded 2-core VM, batch_writer.rs). A
+/// failure that outlasts these pauses is reported as before.
+const ENOMEM_PAUSES: [std::time::Duration; 3] =
+    [std::time::Duration::from_millis(1), std::time::Duration::from_millis(10), std::time::Duration::from_millis(100)];
 
 /// [`in_order`] without the batch commands: the element commands, with the
 /// same prefix semantics (stop at the first failure, report how many took
@@ -213,16 +233,22 @@ fn one_by_one<K: Pod, V: Pod>(
     skip_missing: bool,
 ) -> Result<(), BatchError> {
     let elem_cmd = if cmd == BPF_MAP_UPDATE_BATCH { BPF_MAP_UPDATE_ELEM } else { BPF_MAP_DELETE_ELEM };
+    let mut pauses = ENOMEM_PAUSES.iter();
     for (i, key) in keys.iter().enumerate() {
         let value = values.map_or(std::ptr::null_mut(), |v| std::ptr::from_ref(&v[i]).cast_mut().cast::<u8>());
-        // SAFETY: `map` was checked to be a map (hash or array) of `K` keys and `V`
-        // values; `key` and `value` point at one of each (no value for a
-        // delete), alive across the call, which only reads them.
-        if let Err(source) = unsafe { elem(elem_cmd, map.fd.as_fd(), std::ptr::from_ref(key).cast::<u8>(), value, 0) } {
-            if skip_missing && source.kind() == io::ErrorKind::NotFound {
-                continue;
+        loop {
+            // SAFETY: `map` was checked to be a map (hash or array) of `K` keys and `V`
+            // values; `key` and `value` point at one of each (no value for a
+            // delete), alive across the call, which only reads them.
+            match unsafe { elem(elem_cmd, map.fd.as_fd(), std::ptr::from_ref(key).cast::<u8>(), value, 0) } {
+                Ok(()) => break,
+                Err(source) if skip_missing && source.kind() == io::ErrorKind::NotFound => break,
+                Err(source) if elem_cmd == BPF_MAP_UPDATE_ELEM && source.raw_os_error() == Some(libc::ENOMEM) => match pauses.next() {
+                    Some(pause) => std::thread::sleep(*pause),
+                    None => return Err(BatchError { applied: i, source }),
+                },
+                Err(source) => return Err(BatchError { applied: i, source }),
             }
-            return Err(BatchError { applied: i, source });
         }
     }
     Ok(())
