@@ -21,6 +21,8 @@
 //! `sync` (`tests/layers.rs` checks it). Modules are `pub` only where another
 //! crate (the binary, the tests, the bench, proxy-test-support) uses them.
 
+#![deny(missing_docs)]
+
 pub mod datapath;
 pub mod decide;
 pub mod external;

@@ -65,6 +65,7 @@ use proxy_common::{
 
 use crate::datapath::bpf_batch::{self, BatchError};
 use crate::datapath::keys::{backend_of, cidr_of, frontend_of, service_key, source_range_key, tiered_backend_value};
+use crate::datapath::loader::pins;
 use crate::datapath::maglev_tables::{self, MaglevTables};
 use crate::datapath::maps::{Datapath, MapSpec, NP_MAGLEV, SOCK_MAGLEV, SOCKET_SERVICE_MAPS, ServiceMaps};
 use crate::datapath::port_bits::{Bitmap, PortBits, PortBitsError, PortSet};
@@ -75,25 +76,63 @@ use crate::model::{Backend, Frontend};
 use crate::util::btree::repack_after;
 use crate::util::u64_map::U64Map;
 
+/// Why a frontend could not be written (or the maps opened).
 #[derive(Debug, thiserror::Error)]
 pub enum WriteError {
+    /// A pinned map could not be opened.
     #[error("cannot open pinned map {map}: {source}")]
-    Open { map: &'static str, source: MapError },
+    Open {
+        /// The map.
+        map: &'static str,
+        /// The error.
+        source: MapError,
+    },
+    /// A pinned map could not be read back.
     #[error("cannot read back pinned map {map}: {source}")]
-    Read { map: &'static str, source: MapError },
+    Read {
+        /// The map.
+        map: &'static str,
+        /// The error.
+        source: MapError,
+    },
+    /// A map has no room for what the frontend needs; the frontend is tried again when room is
+    /// freed.
     #[error("map {map} is full ({used} of {max} entries in use, {needed} more needed); raise {flag}")]
-    Full { map: &'static str, used: u32, max: u32, needed: u32, flag: &'static str },
+    Full {
+        /// The map.
+        map: &'static str,
+        /// Entries in use.
+        used: u32,
+        /// Its capacity.
+        max: u32,
+        /// Entries the write needs beyond those.
+        needed: u32,
+        /// The flag that raises the capacity.
+        flag: &'static str,
+    },
+    /// A map update or delete failed.
     #[error("writing map {map} failed: {source}")]
-    Syscall { map: &'static str, source: MapError },
+    Syscall {
+        /// The map.
+        map: &'static str,
+        /// The error.
+        source: MapError,
+    },
+    /// Every id of a kind is taken (service ids are bounded by the counting arrays' size).
     #[error("no free {what} id")]
-    NoId { what: &'static str },
+    NoId {
+        /// `service` or `backend`.
+        what: &'static str,
+    },
 }
 
 /// A frontend that could not be written; it was left exactly as it was.
 #[derive(Debug, thiserror::Error)]
 #[error("{frontend}: {error}")]
 pub struct ApplyError {
+    /// The frontend.
     pub frontend: Frontend,
+    /// Why.
     pub error: WriteError,
 }
 
@@ -126,6 +165,8 @@ enum AffinityTable {
 
 type RangeKey = Key<SourceRangeKey>;
 
+/// Writes plans into one datapath's service maps in an order the programs never see half-done (see
+/// the module's documentation), keeping a copy of what they hold.
 pub struct MapWriter {
     /// The maps this writer owns: the socket datapath's, or the TC
     /// datapath's `NP_*` ones.
@@ -198,7 +239,7 @@ pub struct MapWriter {
 
 fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, spec: &'static MapSpec) -> Result<(HashMap<MapData, K, V>, u32), WriteError> {
     let err = |source| WriteError::Open { map: spec.name, source };
-    let data = MapData::from_pin(pin_dir.join(spec.name)).map_err(err)?;
+    let data = MapData::from_pin(pins::map(pin_dir, spec.name)).map_err(err)?;
     let max = data.info().map_err(err)?.max_entries();
     let map = if spec.map_type == aya::maps::MapType::LruHash { Map::LruHashMap(data) } else { Map::HashMap(data) };
     Ok((HashMap::try_from(map).map_err(err)?, max))
@@ -206,7 +247,7 @@ fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, spec: &'static MapSpec) -
 
 fn open_lpm(pin_dir: &Path, spec: &'static MapSpec) -> Result<(LpmTrie<MapData, SourceRangeKey, u32>, u32), WriteError> {
     let err = |source| WriteError::Open { map: spec.name, source };
-    let data = MapData::from_pin(pin_dir.join(spec.name)).map_err(err)?;
+    let data = MapData::from_pin(pins::map(pin_dir, spec.name)).map_err(err)?;
     let max = data.info().map_err(err)?.max_entries();
     Ok((LpmTrie::try_from(Map::LpmTrie(data)).map_err(err)?, max))
 }

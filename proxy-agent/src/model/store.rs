@@ -18,14 +18,19 @@ use crate::util::btree::repack_after;
 /// The kinds of object the agent reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Kind {
+    /// `v1` Service.
     Service,
+    /// `discovery.k8s.io` EndpointSlice.
     EndpointSlice,
+    /// `v1` Node.
     Node,
 }
 
 impl Kind {
+    /// Every kind.
     pub const ALL: [Kind; 3] = [Kind::Service, Kind::EndpointSlice, Kind::Node];
 
+    /// The kind as Kubernetes spells it, for logs, metrics and Events.
     pub fn as_str(self) -> &'static str {
         match self {
             Kind::Service => "Service",
@@ -38,9 +43,11 @@ impl Kind {
 /// Why an object was left out.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub struct ObjectError {
+    /// The object's kind.
     pub kind: String,
     /// `namespace/name`, or the manifest location when the object has no name.
     pub object: String,
+    /// What is wrong with it.
     pub reason: String,
 }
 
@@ -63,6 +70,7 @@ pub struct Changes {
 }
 
 impl Changes {
+    /// Whether nothing changed.
     pub fn is_empty(&self) -> bool {
         !self.all && self.services.is_empty() && self.slices.is_empty()
     }
@@ -87,7 +95,9 @@ impl Changes {
 /// Event), if any.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ObjectProblem {
+    /// The object's kind.
     pub kind: Kind,
+    /// What was wrong.
     pub error: ObjectError,
     /// The Service the problem belongs to: the Service itself, or the owner
     /// named by an EndpointSlice's `kubernetes.io/service-name` label.
@@ -97,14 +107,18 @@ pub struct ObjectProblem {
 /// One object as converted.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Object {
+    /// A Service.
     Service(Service),
+    /// An EndpointSlice.
     Slice(EndpointSlice),
+    /// A Node.
     Node(Node),
 }
 
 /// What a watcher saw happen to one object.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Delta {
+    /// The object's kind.
     pub kind: Kind,
     /// namespace/name; Nodes have an empty namespace.
     pub id: ObjectRef,
@@ -120,6 +134,7 @@ pub struct Delta {
 }
 
 impl Delta {
+    /// The object `id` of `kind` was deleted.
     pub fn removed(kind: Kind, id: ObjectRef) -> Delta {
         Delta { kind, id, present: false, uid: None, object: None, problems: Vec::new() }
     }
@@ -140,6 +155,7 @@ const BULK_FROM: usize = 1024;
 /// The cluster as the sync loop sees it, with what was left out.
 #[derive(Debug, Default)]
 pub struct Model {
+    /// Every object converted without error.
     pub cluster: Cluster,
     problems: BTreeMap<(Kind, ObjectRef), Vec<ObjectProblem>>,
     /// metadata.uid of every watched Service, valid or not (for Events).

@@ -26,7 +26,9 @@ use crate::source::{manifest_json, manifest_yaml};
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("{location}: {reason}")]
 pub struct ManifestError {
+    /// The file, document and list item (`file.yaml#2`, `file.json#1[41]`).
     pub location: String,
+    /// What is wrong.
     pub reason: String,
 }
 
@@ -36,7 +38,14 @@ pub enum Object<'a> {
     /// The JSON text of one object (a `List` item, or a JSON file's
     /// object): converted straight into the wire shapes, never through a
     /// generic value. `kind` and `api_version` were read ahead.
-    Json { text: &'a str, kind: Option<String>, api_version: Option<String> },
+    Json {
+        /// The object's JSON text.
+        text: &'a str,
+        /// Its `kind`, when it has one.
+        kind: Option<String>,
+        /// Its `apiVersion`, when it has one.
+        api_version: Option<String>,
+    },
     /// One YAML document, or one item of a `List` in one, parsed.
     Value(Value),
 }
@@ -278,7 +287,9 @@ fn starts_like_json(r: &mut impl BufRead) -> std::io::Result<Option<u64>> {
 /// ("file.yaml#2"): for tests and tools that want the objects themselves.
 #[derive(Clone, Debug)]
 pub struct Document {
+    /// Where it came from.
     pub location: String,
+    /// The object.
     pub value: Value,
 }
 

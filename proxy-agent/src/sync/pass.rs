@@ -33,6 +33,8 @@ pub trait SocketMaps {
     /// connections (issue #34, `datapath::service_topo`); the in-memory
     /// maps count nothing.
     fn set_tiers(&mut self, _tiers: &SharedTiers) {}
+    /// Sets how each frontend counts its connections (tier and blind-remote share); the in-memory
+    /// maps count nothing.
     fn set_topology(&mut self, _frontends: &[(Frontend, FrontendTopo)]) {}
     /// The programmed frontends whose policy is not the default.
     fn policies(&self) -> Policies;
@@ -114,9 +116,11 @@ impl SocketMaps for MapWriter {
 /// bounds the frontends like `--max-services` bounds the real map.
 #[derive(Debug, Default)]
 pub struct MemoryMaps {
+    /// Each programmed frontend's backends, in slot order.
     pub programmed: BTreeMap<Frontend, Vec<Backend>>,
     /// The programmed frontends' policies, where not the default.
     pub policies: Policies,
+    /// At most this many frontends; `None`: unbounded.
     pub capacity: Option<u32>,
 }
 
@@ -176,7 +180,9 @@ impl SocketMaps for MemoryMaps {
 /// What one pass did.
 #[derive(Debug, Default)]
 pub struct SyncOutcome {
+    /// Frontends written.
     pub upserts: usize,
+    /// Frontends deleted.
     pub deletes: usize,
     /// Configuration problems found while deciding, each naming its Service
     /// (address clashes and the external datapath's included).
@@ -189,6 +195,7 @@ pub struct SyncOutcome {
     /// their internal / external Local policy
     /// (`PortDecision::no_local_endpoints`), over every Service.
     pub no_local_internal: usize,
+    /// The same for the external traffic policy.
     pub no_local_external: usize,
     /// Backends that left a socket-datapath frontend's set and whose
     /// connections end now by their protocol's rule
@@ -274,6 +281,7 @@ pub struct CachedSync {
 }
 
 impl CachedSync {
+    /// A sync for node `node` that has decided nothing yet.
     pub fn new(node: &str) -> CachedSync {
         CachedSync {
             cache: DecisionCache::new(node),
@@ -452,6 +460,8 @@ impl CachedSync {
         add_local(&mut self.local_of, &mut self.local_refs, &id, self.cache.decisions_of(&id));
     }
 
+    /// Brings the maps to what `cluster` calls for: the Services and slices in `changes` are
+    /// decided again (all of them when `full`), and the difference is written.
     pub fn pass(
         &mut self,
         writer: &mut impl SocketMaps,

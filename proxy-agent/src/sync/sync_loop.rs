@@ -45,8 +45,10 @@ use crate::source::feed::{Signal, Stores};
 use crate::sync::events::{self, EventReporter, ServiceProblem};
 use crate::sync::pass::{CachedSync, SocketMaps};
 
+/// What the sync loop is told at start-up.
 #[derive(Clone, Debug)]
 pub struct SyncConfig {
+    /// This node's name (its Node object's and its endpoints' `nodeName`).
     pub node: String,
     /// Minimum time between two syncs (kube-proxy's --min-sync-period):
     /// changes arriving meanwhile are applied together.
@@ -60,6 +62,8 @@ pub struct SyncConfig {
     pub terminate_tcp: TcpTermination,
 }
 
+/// Applies what the sources queue to the maps, at most once per `min_sync_interval`, and reports it
+/// (metrics, health, Events).
 pub struct SyncLoop<W: SocketMaps> {
     config: SyncConfig,
     writer: W,
@@ -106,6 +110,7 @@ pub struct SyncLoop<W: SocketMaps> {
 }
 
 impl<W: SocketMaps> SyncLoop<W> {
+    /// A loop over the queue `stores`, writing through `writer`.
     pub fn new(
         config: SyncConfig,
         writer: W,

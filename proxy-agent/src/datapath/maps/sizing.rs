@@ -47,7 +47,7 @@ impl Needs {
     /// Counts the deltas of an initial list (oldest first; the last delta of
     /// an object wins). An overestimate where the decision is not known yet
     /// (every endpoint counts, ready or not; every NodePort as
-    /// [`NODE_ADDRESSES_GUESS`] frontends), which only adds headroom.
+    /// `NODE_ADDRESSES_GUESS` frontends), which only adds headroom.
     /// `maglev_default` is `--maglev-table-size`: the tables of Services
     /// without the annotation.
     pub fn of(deltas: &[Delta], maglev_default: Option<TableSize>) -> Needs {
@@ -147,6 +147,7 @@ const GROWTH_ORDER: [Capacity; 6] =
 /// What [`size`] chose.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Sizing {
+    /// The capacities chosen.
     pub caps: Capacities,
     /// Kernel memory of the sized maps when full, bytes, the Maglev
     /// tables' share included.
@@ -192,7 +193,7 @@ pub fn worst_case_bytes_on(caps: &Capacities, cpus: u32) -> u64 {
 /// first model's needs plus half again (a frontend's old and new slot
 /// generations coexist while it is rewritten, and the cluster grows
 /// between restarts), at least their floor; then the spare budget doubles
-/// capacities in [`GROWTH_ORDER`] up to their ceilings. The Maglev
+/// capacities in `GROWTH_ORDER` up to their ceilings. The Maglev
 /// tables' share is set aside before the maps grow: their needs plus half
 /// again (a rewritten frontend's old and new tables coexist), at least
 /// [`MAGLEV_FLOOR_BYTES`], at most what the maps' own needs leave of the
