@@ -27,10 +27,10 @@
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
-    helpers::bpf_csum_diff,
+    helpers::{bpf_csum_diff, bpf_skb_store_bytes},
     programs::TcContext,
 };
-use proxy_common::{CtValue, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, np_counter};
+use proxy_common::{CtValue, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, XdpNextHopValue, np_counter};
 
 /// An address copied word by word. A plain `[u32; 4]` assignment between
 /// two places LLVM cannot prove apart (two map values, say) becomes a call
@@ -210,8 +210,9 @@ pub fn parse(ctx: &TcContext) -> Parsed {
 /// data_end`, and `T` must be an integer type (any bits are a valid value).
 #[inline(always)]
 pub fn read_at<T: Copy>(data: usize, off: usize) -> T {
-    // SAFETY: every caller (`linear_v4`, `l4_pkt` and the XDP program)
-    // reads integers below a bound it checked against `data_end`, so the
+    // SAFETY: every caller (`linear_v4`, `l4_pkt`, `forward_v4`, the TC
+    // fast path's `route` and the XDP program) reads integers below a
+    // bound it checked against `data_end`, so the
     // bytes lie in the packet. The data stays in place until the program
     // calls a helper that may move it (`bpf_skb_*` or `bpf_xdp_adjust_*`),
     // and none runs between a check and its reads. The verifier tracks the
@@ -400,11 +401,7 @@ struct V4Block {
 ///   linear data when the header is there (always, in practice: the stack
 ///   pulls the IP header into the linear area before TC ingress, and at
 ///   egress it was built there), else with `bpf_skb_load_bytes`.
-/// * The L4 checksum goes through `bpf_l4_csum_replace`, one call
-///   per changed field: only the kernel knows whether the skb is
-///   `CHECKSUM_PARTIAL` (then only the pseudo-header part, the addresses,
-///   may change the field) or `CHECKSUM_COMPLETE` (then `skb->csum` follows
-///   pseudo-header changes), see `inet_proto_csum_replace4`.
+/// * The L4 checksum goes through `bpf_l4_csum_replace` (see `l4_csum_v4`).
 #[inline(always)]
 fn rewrite_v4_block(ctx: &TcContext, p: &Pkt, to: &CtValue) -> Result<(), i64> {
     let (s_old, s_new) = (p.saddr[0], to.saddr_be[0]);
@@ -415,27 +412,133 @@ fn rewrite_v4_block(ctx: &TcContext, p: &Pkt, to: &CtValue) -> Result<(), i64> {
     // Read before the helpers below: they may move the packet data, and
     // the verifier invalidates packet pointers across them.
     let mut check = ipv4_check(ctx)?;
-    let csum = p.csum_off();
-    let fl = p.l4_flags();
-    let pseudo = fl | BPF_F_PSEUDO_HDR as u64;
     if s_old != s_new {
-        ctx.l4_csum_replace(csum, u64::from(s_old), u64::from(s_new), 4 | pseudo)?;
         check = csum_replace4(check, s_old, s_new);
     }
     if d_old != d_new {
-        ctx.l4_csum_replace(csum, u64::from(d_old), u64::from(d_new), 4 | pseudo)?;
         check = csum_replace4(check, d_old, d_new);
     }
-    if to.sport_be != p.sport_be {
-        ctx.l4_csum_replace(csum, u64::from(p.sport_be), u64::from(to.sport_be), 2 | fl)?;
-    }
-    if to.dport_be != p.dport_be {
-        ctx.l4_csum_replace(csum, u64::from(p.dport_be), u64::from(to.dport_be), 2 | fl)?;
-    }
+    l4_csum_v4(ctx, p, to)?;
     let block = V4Block { check, saddr_be: s_new, daddr_be: d_new, sport_be: to.sport_be, dport_be: to.dport_be };
     // iphdr.check is at byte 10.
     ctx.store(p.l3 + 10, &block, 0)?;
     Ok(())
+}
+
+/// The TCP/UDP checksum of an IPv4 packet `p` being rewritten to `to`, in at
+/// most two `bpf_l4_csum_replace` calls rather than one per changed field:
+/// the addresses' change as one difference with `BPF_F_PSEUDO_HDR`, the
+/// ports' as another without (size 0: the helper takes `to` as a checksum
+/// difference, `inet_proto_csum_replace_by_diff`). They cannot be one: only
+/// the kernel knows whether the skb is `CHECKSUM_PARTIAL` (then only the
+/// pseudo-header part, the addresses, may change the field, since the
+/// device sums the ports itself) or `CHECKSUM_COMPLETE` (then `skb->csum`
+/// follows pseudo-header changes), see `inet_proto_csum_replace4`. The two
+/// ports are adjacent 16-bit words, so their change is one difference of
+/// the 32-bit word they form (the one's complement sum does not depend on
+/// where a 16-bit word sits, RFC 1071 2(A)).
+#[inline(always)]
+fn l4_csum_v4(ctx: &TcContext, p: &Pkt, to: &CtValue) -> Result<(), i64> {
+    let csum = p.csum_off();
+    let fl = p.l4_flags();
+    let (s_old, s_new) = (p.saddr[0], to.saddr_be[0]);
+    let (d_old, d_new) = (p.daddr[0], to.daddr_be[0]);
+    if s_old != s_new || d_old != d_new {
+        let diff = csum_add(csum_add(!s_old, s_new), csum_add(!d_old, d_new));
+        ctx.l4_csum_replace(csum, 0, u64::from(diff), fl | BPF_F_PSEUDO_HDR as u64)?;
+    }
+    let ports_old = u32::from(p.sport_be) | u32::from(p.dport_be) << 16;
+    let ports_new = u32::from(to.sport_be) | u32::from(to.dport_be) << 16;
+    if ports_old != ports_new {
+        ctx.l4_csum_replace(csum, 0, u64::from(csum_add(!ports_old, ports_new)), fl)?;
+    }
+    Ok(())
+}
+
+/// One's complement addition of two 32-bit partial sums, as the kernel's
+/// `csum_add` (the carry goes around).
+#[inline(always)]
+fn csum_add(a: u32, b: u32) -> u32 {
+    let (s, carry) = a.overflowing_add(b);
+    s.wrapping_add(u32::from(carry))
+}
+
+/// Bytes 22..38 of an Ethernet frame carrying IPv4 without options and TCP
+/// or UDP: the IPv4 header from the TTL on, and the ports, as they sit in
+/// the frame.
+#[repr(C, packed)]
+struct V4Tail {
+    ttl_proto: u16,
+    check: u16,
+    saddr_be: u32,
+    daddr_be: u32,
+    sport_be: u16,
+    dport_be: u16,
+}
+
+/// How much of the frame `forward_v4` needs in the linear data: Ethernet,
+/// IPv4 without options, the ports.
+pub const V4_FRAME_LEN: usize = ETH_HLEN + 20 + 4;
+const V4_TAIL_AT: usize = ETH_HLEN + 8;
+const _: () = assert!(V4_TAIL_AT + core::mem::size_of::<V4Tail>() == V4_FRAME_LEN);
+
+/// The TC fast path's whole write for IPv4 without options (tc_fast.rs),
+/// in two `bpf_skb_store_bytes` and the L4 checksum (`l4_csum_v4`), where
+/// the steps one by one take a dozen helper calls: the next hop's MACs
+/// (`dmac` and `smac` of `hop`, adjacent as in the Ethernet header, one
+/// 12-byte store), then the TTL less one, the translation to `to` and the
+/// IPv4 header checksum for both (one 16-byte store of the header from
+/// the TTL to the ports, the checksum computed here, RFC 1624). The flags
+/// are 0, so `skb->csum` is left alone, which is right: the IPv4 header's
+/// sum does not change (its checksum field takes up every change), and
+/// the MACs lie before the network header, where a received
+/// `CHECKSUM_COMPLETE` sum starts. Returns 0 when written, 1 when the
+/// bytes are not all in the linear data (nothing written: the caller takes
+/// the general path), or a negative error (the packet may be half
+/// written).
+///
+/// The caller checked that the TTL is above 1 and that `p` is IPv4 without
+/// options. A BPF subprogram of its own, with a small frame: it is the third
+/// of a call chain whose stacks the verifier adds up (512 bytes at most).
+#[inline(never)]
+pub fn forward_v4(ctx: &TcContext, p: &Pkt, to: &CtValue, hop: &XdpNextHopValue) -> i64 {
+    match forward_v4_inner(ctx, p, to, hop) {
+        Ok(r) => r,
+        Err(e) => e.min(-1),
+    }
+}
+
+#[inline(always)]
+fn forward_v4_inner(ctx: &TcContext, p: &Pkt, to: &CtValue, hop: &XdpNextHopValue) -> Result<i64, i64> {
+    let (data, end) = (ctx.data(), ctx.data_end());
+    if data + V4_FRAME_LEN > end {
+        return Ok(1);
+    }
+    let ttl_proto: u16 = read_at(data, V4_TAIL_AT);
+    let [ttl, proto] = ttl_proto.to_ne_bytes();
+    let new_ttl_proto = u16::from_ne_bytes([ttl.wrapping_sub(1), proto]);
+    let (s_new, d_new) = (to.saddr_be[0], to.daddr_be[0]);
+    let mut check: u16 = read_at(data, ETH_HLEN + 10);
+    check = csum_replace2(check, ttl_proto, new_ttl_proto);
+    if p.saddr[0] != s_new {
+        check = csum_replace4(check, p.saddr[0], s_new);
+    }
+    if p.daddr[0] != d_new {
+        check = csum_replace4(check, p.daddr[0], d_new);
+    }
+    let tail = V4Tail { ttl_proto: new_ttl_proto, check, saddr_be: s_new, daddr_be: d_new, sport_be: to.sport_be, dport_be: to.dport_be };
+    // The helpers below may move the packet data; nothing above is read
+    // after them.
+    l4_csum_v4(ctx, p, to)?;
+    ctx.store(V4_TAIL_AT, &tail, 0)?;
+    // SAFETY: `dmac` and `smac` are adjacent 6-byte arrays of a `repr(C)`
+    // value that lives for the call (a map value or the caller's local),
+    // the 12 bytes the helper reads; it copies them into the packet.
+    let rc = unsafe { bpf_skb_store_bytes(ctx.skb.skb.cast(), 0, hop.dmac.as_ptr().cast(), 12, 0) };
+    if rc < 0 {
+        return Err(rc);
+    }
+    Ok(0)
 }
 
 /// The IPv4 header checksum field as stored (network byte order), of a

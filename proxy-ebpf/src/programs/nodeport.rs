@@ -75,10 +75,13 @@ pub(crate) fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> 
         Parsed::NotIp => return Ok(PASS),
     };
 
-    // Most packets a device carries are not ours: two array lookups tell,
-    // before any hash lookup (see `port_in_use`).
+    // Most packets a device carries are not ours: array lookups tell,
+    // before any hash lookup (see `port_bit`), which lookup below can
+    // match: at ingress a reply to a SNAT port, or a forward entry or
+    // frontend; at egress a reply entry, or the SNAT leg of a forward flow.
     let snat_reply = ingress && may_be_snat_reply(&p);
-    if !snat_reply && !port_in_use(&p, ingress) {
+    let (egress_reply, egress_snat) = if ingress { (false, false) } else { (port_bit(p.sport_be, true), port_bit(p.dport_be, true)) };
+    if !snat_reply && !egress_reply && !egress_snat && (!ingress || !port_bit(p.dport_be, false)) {
         return Err(np_counter::PASS_NOT_OURS);
     }
 
@@ -86,7 +89,7 @@ pub(crate) fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> 
     // lookup, and values used in place: the verifier allows 512 bytes of
     // stack for the whole call chain.
     let mut key = ct_key(&p, if ingress { CT_DIR_REPLY_SNAT } else { CT_DIR_REPLY });
-    let reply = if ingress && !snat_reply { None } else { NP_CT.get_ptr_mut(&key) };
+    let reply = if snat_reply || egress_reply { NP_CT.get_ptr_mut(&key) } else { None };
     if let Some(v) = reply {
         // SAFETY: `v` is the non-null value pointer of an NP_CT element. The
         // program runs under rcu_read_lock, and the LRU map's elements are
@@ -110,6 +113,9 @@ pub(crate) fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> 
     }
     if !ingress {
         // The forward leg of a flow to a remote backend, after routing.
+        if !egress_snat {
+            return Ok(PASS);
+        }
         key.dir = CT_DIR_SNAT;
         if let Some(v) = NP_CT.get_ptr_mut(&key) {
             // SAFETY: an NP_CT value pointer, valid for the run; races as
@@ -205,27 +211,27 @@ fn may_be_snat_reply(p: &Pkt) -> bool {
     if p.family == FAMILY_V4 { p.daddr[0] == cfg.snat_v4_be } else { p.daddr == cfg.snat_v6_be }
 }
 
-/// Whether a port of the packet has its bit in `NP_PORTS`, i.e. whether a
-/// lookup below can match. Every entry the programs look up here names the
-/// port in the key:
+/// Whether `port_be` has its bit in `NP_PORTS`' ingress or egress half,
+/// i.e. whether a lookup keyed by it can match. Every entry the programs
+/// look up here names the port in the key:
 ///
 /// * ingress, the destination port: forward entries (`CT_DIR_FORWARD`) and
 ///   frontends (`NP_SERVICES`) are keyed by the frontend's port. Replies to
 ///   SNAT ports (`CT_DIR_REPLY_SNAT`) are told by `may_be_snat_reply`.
-/// * egress, the source port: reply entries (`CT_DIR_REPLY`) are keyed by
-///   the backend's port (0 for the node's own refusal, see `no_backend`);
-///   or the destination port: the forward leg of a SNAT'ed flow
-///   (`CT_DIR_SNAT`) goes to the backend's port.
+/// * egress, the source port for reply entries (`CT_DIR_REPLY`, keyed by
+///   the backend's port, 0 for the node's own refusal, see `no_backend`),
+///   the destination port for the forward leg of a SNAT'ed flow
+///   (`CT_DIR_SNAT`, keyed by the backend's port). The agent keeps one
+///   egress set for both (every backend port, and 0), so each lookup is
+///   asked only when its own port has a bit: a packet the TC fast path
+///   already translated (its source port a SNAT port) skips the reply
+///   lookup, a backend's reply to a client port no backend uses skips the
+///   SNAT-leg one.
 ///
 /// The agent sets a port's bit before it writes a frontend or backend that
 /// uses it, and fills the map from the pinned maps before it attaches new
 /// programs, so a clear bit means no such entry exists. Fails open: a
 /// lookup that fails (impossible below `NP_PORTS_ENTRIES`) counts as set.
-#[inline(always)]
-fn port_in_use(p: &Pkt, ingress: bool) -> bool {
-    if ingress { port_bit(p.dport_be, false) } else { port_bit(p.sport_be, true) || port_bit(p.dport_be, true) }
-}
-
 #[inline(always)]
 fn port_bit(port_be: u16, egress: bool) -> bool {
     let (word, mask) = np_port_bit(u16::from_be(port_be), egress);
@@ -721,14 +727,15 @@ fn fast_send<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, to: &CtValue, stack: &C
     }
     // A failed store in `route`, or below, may leave the packet half
     // written: dropped, as `apply` does.
-    if rc < 0 || rewrite(ctx, p, to) != 0 {
+    if rc < 0 || (rc & tc_fast::TRANSLATED == 0 && rewrite(ctx, p, to) != 0) {
         np_count(np_counter::REWRITE_FAILED);
         return Ok(TC_ACT_SHOT);
     }
     // Translated, as `apply` counts it, and sent by the fast path.
     np_count(np_counter::TRACKED);
     tc_fast::count(counter);
-    Ok(if peer { tc_fast::redirect_peer(rc as u32) } else { tc_fast::redirect(rc as u32) })
+    let ifindex = (rc & 0xffff_ffff) as u32;
+    Ok(if peer { tc_fast::redirect_peer(ifindex) } else { tc_fast::redirect(ifindex) })
 }
 
 #[inline(always)]

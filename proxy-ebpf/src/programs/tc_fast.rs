@@ -57,7 +57,7 @@ use proxy_common::{CtValue, FAMILY_V4, XdpNextHopKey, XdpNextHopValue, np_fast_c
 
 use super::xdp::{AF_INET, AF_INET6, FIB_SUCCESS, XDP_NEXTHOP, fib_params_for, remember_next_hop};
 use crate::nodeport_maps::NP_PEER_DEVS;
-use crate::packet::{Pkt, addr_copy};
+use crate::packet::{ETH_HLEN, Pkt, V4_FRAME_LEN, addr_copy, forward_v4, read_at};
 
 /// 1 when the loader turned the fast path on (`TC_FAST_PATH_GLOBAL`). In
 /// `.rodata`, frozen at load (aya freezes read-only data maps), so the
@@ -77,6 +77,11 @@ const FIB_NOT_FWDED: i64 = BPF_FIB_LKUP_RET_NOT_FWDED as i64;
 /// `route`'s answer when the packet must go to the stack as it is (the
 /// reason has been counted).
 pub const TO_STACK: i64 = -1;
+
+/// Set in `route`'s answer (above the device index) when it has also
+/// translated the packet (`packet::forward_v4`); otherwise the caller
+/// still rewrites the addresses and ports.
+pub const TRANSLATED: i64 = 1 << 32;
 
 #[inline(always)]
 pub fn enabled() -> bool {
@@ -118,16 +123,20 @@ pub fn redirect_peer(ifindex: u32) -> i32 {
 /// Prepares the packet `p`, which is about to be rewritten to `to` (the
 /// flow's packet as it leaves), for its next hop: checks the TTL or hop
 /// limit, finds the route (cache or `bpf_fib_lookup`), then decrements the
-/// TTL or hop limit and writes the MACs. Returns the output device's index,
-/// `TO_STACK` (nothing written, reason counted) or another negative value
-/// when a store failed (the packet may be half written: the caller drops
-/// it). With `peer` (a backend on this node, for `redirect_peer`), the
-/// output device must be in `NP_PEER_DEVS`. Its own subprogram: the key and
-/// the next hop stay out of the caller's frame.
+/// TTL or hop limit and writes the MACs. For IPv4 without options whose
+/// headers are in the linear data (nearly every packet) it translates the
+/// packet to `to` in the same writes (`packet::forward_v4`: two stores and
+/// the L4 checksum, where the steps one by one take a dozen helper calls)
+/// and sets `TRANSLATED` in its answer. Returns the output device's index
+/// (with that bit), `TO_STACK` (nothing written, reason counted) or
+/// another negative value when a store failed (the packet may be half
+/// written: the caller drops it). With `peer` (a backend on this node, for
+/// `redirect_peer`), the output device must be in `NP_PEER_DEVS`. Its own
+/// subprogram: the key and the next hop stay out of the caller's frame.
 #[inline(never)]
 pub fn route(ctx: &TcContext, p: &Pkt, to: &CtValue, now_s: u32, peer: bool) -> i64 {
     match route_inner(ctx, p, to, now_s, peer) {
-        Ok(ifindex) => i64::from(ifindex),
+        Ok(answer) => answer,
         Err(TO_STACK) => TO_STACK,
         // A helper's error (negative errno) is never `TO_STACK` (-EPERM
         // is -1): kept apart all the same.
@@ -136,7 +145,7 @@ pub fn route(ctx: &TcContext, p: &Pkt, to: &CtValue, now_s: u32, peer: bool) -> 
 }
 
 #[inline(always)]
-fn route_inner(ctx: &TcContext, p: &Pkt, to: &CtValue, now_s: u32, peer: bool) -> Result<u32, i64> {
+fn route_inner(ctx: &TcContext, p: &Pkt, to: &CtValue, now_s: u32, peer: bool) -> Result<i64, i64> {
     let v4 = p.family == FAMILY_V4;
     // IPv4 options and IPv6 extension headers: the stack processes what a
     // router must (record route and timestamps, `ip_forward_options`;
@@ -151,7 +160,13 @@ fn route_inner(ctx: &TcContext, p: &Pkt, to: &CtValue, now_s: u32, peer: bool) -
     // payload length plus the fixed header. A GRO aggregate carries the
     // aggregate's length (`inet_gro_complete`), so it goes to the stack,
     // which segments it.
-    let (len, hops) = if v4 {
+    // The common case, IPv4 without options with the headers and ports in
+    // the linear data, is read directly (and written whole below).
+    let (data, end) = (ctx.data(), ctx.data_end());
+    let linear_v4 = v4 && p.l3 == ETH_HLEN && data + V4_FRAME_LEN <= end;
+    let (len, hops) = if linear_v4 {
+        (u16::from_be(read_at::<u16>(data, ETH_HLEN + 2)), read_at::<u8>(data, ETH_HLEN + 8))
+    } else if v4 {
         (u16::from_be(ctx.load::<u16>(p.l3 + 2)?), ctx.load::<u8>(p.l3 + 8)?)
     } else {
         (u16::from_be(ctx.load::<u16>(p.l3 + 4)?).saturating_add(40), ctx.load::<u8>(p.l3 + 7)?)
@@ -204,8 +219,20 @@ fn route_inner(ctx: &TcContext, p: &Pkt, to: &CtValue, now_s: u32, peer: bool) -
         count(np_fast_counter::STACK_LOCAL_NOT_PEER);
         return Err(TO_STACK);
     }
-    // From here the packet is ours to send. TTL or hop limit first, as
-    // `ip_forward`/`ip6_forward` do it.
+    // From here the packet is ours to send.
+    if linear_v4 {
+        match forward_v4(ctx, p, to, hop) {
+            0 => {
+                clear_tstamp(ctx);
+                return Ok(i64::from(hop.ifindex) | TRANSLATED);
+            }
+            // The data moved since the check above (it cannot): nothing
+            // written, the steps below do it.
+            1 => {}
+            e => return Err(e),
+        }
+    }
+    // TTL or hop limit first, as `ip_forward`/`ip6_forward` do it.
     if v4 {
         // The TTL shares a 16-bit word with the protocol in the header
         // checksum (RFC 791, 1624).
@@ -218,13 +245,18 @@ fn route_inner(ctx: &TcContext, p: &Pkt, to: &CtValue, now_s: u32, peer: bool) -
     }
     ctx.store(0, &hop.dmac, 0)?;
     ctx.store(6, &hop.smac, 0)?;
-    // A forwarded packet carries no receive timestamp out: the stack clears
-    // it (`skb_clear_tstamp` in `ip_forward`/`ip6_forward`, since "net:
-    // clear skb->tstamp in forwarding paths", Linux 5.3), or the fq qdisc
-    // would take the receive time for a departure time.
+    clear_tstamp(ctx);
+    Ok(i64::from(hop.ifindex))
+}
+
+/// A forwarded packet carries no receive timestamp out: the stack clears
+/// it (`skb_clear_tstamp` in `ip_forward`/`ip6_forward`, since "net: clear
+/// skb->tstamp in forwarding paths", Linux 5.3), or the fq qdisc would take
+/// the receive time for a departure time.
+#[inline(always)]
+fn clear_tstamp(ctx: &TcContext) {
     // SAFETY: a write of a field TC programs may write (`tc_cls_act_is_valid_access`).
     unsafe { (*ctx.skb.skb).tstamp = 0 };
-    Ok(hop.ifindex)
 }
 
 /// `bpf_fib_lookup` for the packet `key` of length `hop.max_len_host`

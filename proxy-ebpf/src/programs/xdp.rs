@@ -198,7 +198,7 @@ pub(crate) fn try_xdp<const KERNEL: u8>(ctx: &XdpContext) -> Result<u32, u32> {
     let Some(p) = parse(ctx) else {
         return Ok(XDP_PASS);
     };
-    // The TC path's first test (nodeport.rs, `port_in_use`): no frontend
+    // The TC path's first test (nodeport.rs, `port_bit`): no frontend
     // or tracked flow uses this destination port, so nothing below can
     // match. Not counted here: TC counts it as `pass_not_ours`.
     let (word, mask) = np_port_bit(u16::from_be(p.dport_be), false);
