@@ -76,6 +76,7 @@ struct Args {
     np_calls: usize,
     np_frontends: usize,
     fwd: forwarding::Options,
+    xdp: xdp::Options,
     /// `SOCK_REVNAT` and `SOCK_REC` capacity (`--max-sock-revnat`) for
     /// `--only connect4` (default: the agent's).
     revnat_capacity: Option<u32>,
@@ -95,6 +96,7 @@ fn parse_args() -> Result<Args> {
         np_calls: 20_000,
         np_frontends: 1_000,
         fwd: forwarding::Options::default(),
+        xdp: xdp::Options::default(),
         revnat_capacity: None,
     };
     let mut it = std::env::args().skip(1);
@@ -112,6 +114,8 @@ fn parse_args() -> Result<Args> {
             "--fwd-services" => a.fwd.services = val()?.parse()?,
             "--revnat-capacity" => a.revnat_capacity = Some(val()?.parse()?),
             "--fwd-udp-ms" => a.fwd.udp = Duration::from_millis(val()?.parse()?),
+            "--xdp-flood-ms" => a.xdp.flood = Duration::from_millis(val()?.parse()?),
+            "--xdp-perf" => a.xdp.perf = Some(PathBuf::from(val()?)),
             cp if cp.starts_with("--cp-") => {
                 let v = val()?;
                 if !control_plane::flag(&mut a.cp, cp, &v)? {
@@ -131,7 +135,7 @@ fn parse_args() -> Result<Args> {
                 }
             }
             other => bail!(
-                "unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 6 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|control-plane-scale|nodeport|cold-start|manifest-input|kernel-memory|connect4|xdp|maglev-sync --np-calls 20000 --np-frontends 1000 --revnat-capacity 262144 --fwd-services 1000 --fwd-udp-ms 1000 {} {} {}",
+                "unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 6 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|control-plane-scale|nodeport|cold-start|manifest-input|kernel-memory|connect4|xdp|maglev-sync --np-calls 20000 --np-frontends 1000 --revnat-capacity 262144 --fwd-services 1000 --fwd-udp-ms 1000 --xdp-flood-ms 1000 --xdp-perf DIR {} {} {}",
                 control_plane::FLAGS_HELP,
                 control_plane_scale::FLAGS_HELP,
                 manifest_input::FLAGS_HELP
@@ -383,7 +387,7 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
         )?);
     }
     if args.only.as_deref() == Some("xdp") {
-        let s = xdp::run(args.repeats)?;
+        let s = xdp::run(args.repeats, args.rounds, &args.xdp)?;
         return Ok(report::write_part(&args.out, "NodePort at XDP", &s.markdown, json!({ s.key: s.json }), &s.targets, &s.svgs)?);
     }
     if args.only.as_deref() == Some("cold-start") {

@@ -23,7 +23,7 @@
 //!   cost no NIC driver has, so this row measures XDP at a disadvantage.
 //!
 //! What the node forwarded is counted at the backend's veth end (`ip -s
-//! link`), where `bench_drop_xdp` drops every frame: the backend's own
+//! link`), where `bench_drop_xdp` drops every UDP frame: the backend's own
 //! stack would otherwise cost as much per packet as the node, the same in
 //! every variant, and hide the difference measured. The whole path (the
 //! generator, the node, the sink) runs on the generator's CPU: veth
@@ -39,10 +39,20 @@
 //! every variant, and `nd0` has GRO on (where no XDP program is there)
 //! during the `xdp-gen` floods only, so that the `af_packet` rows take the
 //! plain `veth_xmit` path.
+//!
+//! After the floods, NodePort TCP requests (connect, one byte echoed,
+//! close) go through the same four nodes to an echo server in the
+//! backend's namespace, for each variant's request p50 and p99. The sink
+//! drops only UDP, so they reach it. `--xdp-flood-ms` sets each flood's
+//! length; `--xdp-perf DIR` keeps a `perf record` profile of every flood of
+//! the first repeat there (`GENERATOR-VARIANT.data`).
 
 use std::fmt::Write as _;
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::os::fd::{AsFd, AsRawFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
@@ -55,7 +65,8 @@ use proxy_common::{XdpNextHopKey, XdpNextHopValue};
 use proxy_test_support::sandbox::{Netns, PinDir, in_netns};
 use serde_json::json;
 
-use crate::report::{Section, Target, spread};
+use crate::report::{Section, Target, percentile, spread};
+use crate::workload::{self, Proto};
 
 const NODE: Ipv4Addr = Ipv4Addr::new(10, 0, 1, 2);
 const BACKEND: Ipv4Addr = Ipv4Addr::new(10, 0, 5, 2);
@@ -66,8 +77,20 @@ const BACKEND_PORT: u16 = 5353;
 /// default), `tc` without it (`off`: the stack forwards).
 const VARIANTS: [&str; 4] = ["xdp", "tc-fast", "tc", "iptables"];
 const GENERATORS: [&str; 2] = ["xdp-gen", "af_packet"];
-/// Seconds of flood per variant and repeat.
-const FLOOD: Duration = Duration::from_secs(1);
+/// What `--only xdp` takes from the command line.
+pub(crate) struct Options {
+    /// Flood per generator, variant and repeat (`--xdp-flood-ms`).
+    pub flood: Duration,
+    /// Where to keep a `perf record` CPU profile of each flood of the first
+    /// repeat (`--xdp-perf DIR`), to see where the forwarding CPU goes.
+    pub perf: Option<PathBuf>,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Options { flood: Duration::from_secs(1), perf: None }
+    }
+}
 /// BPF_PROG_TEST_RUN calls per program and repeat.
 const TEST_RUNS: usize = 20_000;
 
@@ -80,7 +103,7 @@ struct World {
     pins: Option<PinDir>,
 }
 
-fn world(variant: &str, txgen: &mut Generator) -> Result<World> {
+fn world(variant: &str, txgen: &mut Generator, stop: &Arc<AtomicBool>) -> Result<World> {
     let client = Netns::new("tpbx")?;
     let node = Netns::new("tpbx")?;
     let backend = Netns::new("tpbx")?;
@@ -93,7 +116,14 @@ fn world(variant: &str, txgen: &mut Generator) -> Result<World> {
     backend.ip(&["route", "add", "default", "via", "10.0.5.1"])?;
     node.sysctl("net.ipv4.ip_forward", "1")?;
     in_netns(&backend, || ethtool_set("pd0", ETHTOOL_SGRO, 1))?.context("GRO on pd0")?;
+    // The TCP requests' senders fill in their checksums, as a sender
+    // behind a real link does: XDP forwards frames without an skb to say
+    // a checksum is only partial (see xdp.rs in proxy-ebpf).
+    in_netns(&client, || ethtool_set("cl0", ETHTOOL_STXCSUM, 0))?.context("tx checksum off on cl0")?;
+    in_netns(&backend, || ethtool_set("pd0", ETHTOOL_STXCSUM, 0))?.context("tx checksum off on pd0")?;
     txgen.attach_sink(&backend, variant)?;
+    // The TCP requests' server; the sink drops only UDP.
+    workload::start_echo(&backend.path(), &[SocketAddr::new(IpAddr::V4(BACKEND), BACKEND_PORT)], stop.clone())?;
     // The backend's neighbour entry exists before the flood (XDP passes a
     // flow's packets to the stack until it does).
     let mac = mac_of(&backend, "pd0")?;
@@ -132,7 +162,7 @@ fn world(variant: &str, txgen: &mut Generator) -> Result<World> {
         }
         _ => {
             let rules = format!(
-                "*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n-A PREROUTING -d {NODE}/32 -p udp -m udp --dport {NODE_PORT} -j DNAT --to-destination {BACKEND}:{BACKEND_PORT}\n-A POSTROUTING -o nd1 -j MASQUERADE\nCOMMIT\n"
+                "*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n-A PREROUTING -d {NODE}/32 -p udp -m udp --dport {NODE_PORT} -j DNAT --to-destination {BACKEND}:{BACKEND_PORT}\n-A PREROUTING -d {NODE}/32 -p tcp -m tcp --dport {NODE_PORT} -j DNAT --to-destination {BACKEND}:{BACKEND_PORT}\n-A POSTROUTING -o nd1 -j MASQUERADE\nCOMMIT\n"
             );
             let path = std::env::temp_dir().join(format!("tpbx-{}.rules", std::process::id()));
             std::fs::write(&path, rules)?;
@@ -146,11 +176,14 @@ fn world(variant: &str, txgen: &mut Generator) -> Result<World> {
     Ok(World { client, node, backend, pins })
 }
 
-/// One NodePort (UDP) on the node address with the remote backend.
+/// One NodePort, UDP (the floods) and TCP (the requests), on the node
+/// address with the remote backend.
 fn nodeport() -> ExternalState {
     let mut ext = ExternalState::default();
-    let fe = Frontend { ip: IpAddr::V4(NODE), port: NODE_PORT, protocol: Protocol::Udp };
-    ext.tc.insert(fe, [Backend { ip: IpAddr::V4(BACKEND), port: BACKEND_PORT }].into_iter().collect());
+    for protocol in [Protocol::Udp, Protocol::Tcp] {
+        let fe = Frontend { ip: IpAddr::V4(NODE), port: NODE_PORT, protocol };
+        ext.tc.insert(fe, [Backend { ip: IpAddr::V4(BACKEND), port: BACKEND_PORT }].into_iter().collect());
+    }
     ext
 }
 
@@ -259,6 +292,7 @@ fn raw_flood(dev: &str, frame: &[u8], dur: Duration) -> std::io::Result<u64> {
 }
 
 const ETHTOOL_SGRO: u32 = 0x2c;
+const ETHTOOL_STXCSUM: u32 = 0x17;
 
 /// One legacy ethtool "set" command on `dev` through `SIOCETHTOOL`, in the
 /// calling thread's namespace (there is no ethtool binary on the machine).
@@ -414,8 +448,10 @@ fn xdp_gen_flood(gen_fd: i32, frame: &[u8], dur: Duration) -> std::io::Result<u6
 }
 
 /// Forwarded packets per second, counted at the backend's veth end, for
-/// one flood by `generator` in world `w`; and the generator's own rate.
-fn flood(w: &World, generator: &str, txgen: &mut Generator) -> Result<(f64, f64)> {
+/// one flood of `dur` by `generator` in world `w`; and the generator's own
+/// rate. With `perf` (a file name), a system-wide CPU profile with call
+/// graphs of the flood is kept there.
+fn flood(w: &World, generator: &str, txgen: &mut Generator, dur: Duration, perf: Option<&Path>) -> Result<(f64, f64)> {
     let gen_fd = txgen.fd;
     let dst = parse_mac(&mac_of(&w.node, "nd0")?);
     let src = parse_mac(&mac_of(&w.client, "cl0")?);
@@ -431,13 +467,58 @@ fn flood(w: &World, generator: &str, txgen: &mut Generator) -> Result<(f64, f64)
     // Warm-up: the flow's first packet (conntrack set-up).
     send(frame.clone(), Duration::from_millis(50))??;
     std::thread::sleep(Duration::from_millis(50));
+    let profile = perf.map(|out| Profile::start(out, dur)).transpose()?;
     let before = rx_packets(&w.backend, "pd0")?;
     let t = Instant::now();
-    let n = send(frame, FLOOD)??;
+    let n = send(frame, dur)??;
     let secs = t.elapsed().as_secs_f64();
+    if let Some(p) = profile {
+        p.finish()?;
+    }
     std::thread::sleep(Duration::from_millis(100));
     let got = rx_packets(&w.backend, "pd0")? - before;
     Ok((got as f64 / secs, n as f64 / secs))
+}
+
+/// `perf record` of every CPU (the software clock: the VM has no hardware
+/// counters) for the length of one flood, started just before it.
+struct Profile(std::process::Child);
+
+impl Profile {
+    fn start(out: &Path, dur: Duration) -> Result<Profile> {
+        let child = std::process::Command::new("perf")
+            .args(["record", "-q", "-e", "cpu-clock", "-F", "4999", "-a", "-g", "-o"])
+            .arg(out)
+            .args(["--", "sleep", &format!("{:.3}", dur.as_secs_f64())])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .spawn()
+            .context("starting perf record (is perf installed?)")?;
+        // perf needs a moment to open its events on every CPU.
+        std::thread::sleep(Duration::from_millis(300));
+        Ok(Profile(child))
+    }
+
+    fn finish(mut self) -> Result<()> {
+        let st = self.0.wait()?;
+        if !st.success() {
+            bail!("perf record failed: {st}");
+        }
+        Ok(())
+    }
+}
+
+/// `rounds` NodePort TCP requests (connect, one byte there and back,
+/// close; one after the other from one client thread) through world `w`:
+/// each request's latency in ns, sorted, and how many failed. The node's
+/// client-facing veth takes the plain `veth_xmit` path (no GRO), as in
+/// the `af_packet` floods.
+fn tcp_requests(w: &World, rounds: usize) -> Result<(Vec<u64>, usize)> {
+    in_netns(&w.node, || ethtool_set("nd0", ETHTOOL_SGRO, 0))?.context("GRO off on nd0")?;
+    let to = SocketAddr::new(IpAddr::V4(NODE), NODE_PORT);
+    let (mut lat, failed) = workload::measure(&w.client.path(), &[to], Proto::Tcp, rounds)?;
+    lat.sort_unstable();
+    Ok((lat, failed))
 }
 
 /// `bench_tx_xdp`, loaded (not attached), for the live-frames generator;
@@ -504,24 +585,32 @@ impl Generator {
     }
 }
 
-pub(crate) fn run(repeats: usize) -> Result<Section> {
+pub(crate) fn run(repeats: usize, rounds: usize, opts: &Options) -> Result<Section> {
     crate::step("XDP: BPF_PROG_TEST_RUN of xdp_nodeport against bench_minimal_xdp");
     let runs = test_run(repeats)?;
     let (ours, stale, uncached, minimal, verdict) = (&runs.cached, &runs.stale, &runs.uncached, &runs.minimal, runs.verdict);
     crate::step("XDP: building four veth NodePort paths (xdp, tc-fast, tc, iptables)");
     let mut txgen = Generator::load()?;
-    let worlds: Vec<World> = VARIANTS.iter().map(|v| world(v, &mut txgen)).collect::<Result<_>>()?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let worlds: Vec<World> = VARIANTS.iter().map(|v| world(v, &mut txgen, &stop)).collect::<Result<_>>()?;
+    if let Some(dir) = &opts.perf {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    }
     // pps[g][v], sent[g][v]: one sample per repeat. Generators and
     // variants are interleaved within each repeat, so that a slow spell
-    // of the VM hits every cell alike.
+    // of the VM hits every cell alike. p50[v], p99[v]: the TCP requests'.
     let mut pps = vec![vec![Vec::new(); VARIANTS.len()]; GENERATORS.len()];
     let mut sent = pps.clone();
+    let mut p50 = vec![Vec::new(); VARIANTS.len()];
+    let mut p99 = p50.clone();
+    let mut failed = vec![0usize; VARIANTS.len()];
     let r = repeats.max(1);
     for rep in 0..r {
         crate::step(&format!("XDP: flood repeat {}/{r}", rep + 1));
         for (g, generator) in GENERATORS.iter().enumerate() {
             for (i, w) in worlds.iter().enumerate() {
-                let (p, s) = flood(w, generator, &mut txgen)?;
+                let perf = opts.perf.as_ref().filter(|_| rep == 0).map(|d| d.join(format!("{generator}-{}.data", VARIANTS[i])));
+                let (p, s) = flood(w, generator, &mut txgen, opts.flood, perf.as_deref())?;
                 pps[g][i].push(p);
                 sent[g][i].push(s);
             }
@@ -543,9 +632,23 @@ pub(crate) fn run(repeats: usize) -> Result<Section> {
         .map(|(k, v)| format!("{k}={v}"))
         .collect::<Vec<_>>()
         .join(", ");
+    // The TCP requests after the floods (whose fast-path counts are read
+    // above), variants interleaved in each repeat.
+    for rep in 0..r {
+        crate::step(&format!("XDP: TCP requests repeat {}/{r}", rep + 1));
+        for (i, w) in worlds.iter().enumerate() {
+            let (lat, f) = tcp_requests(w, rounds)?;
+            p50[i].push(percentile(&lat, 0.5));
+            p99[i].push(percentile(&lat, 0.99));
+            failed[i] += f;
+        }
+    }
+    // The echo servers' threads end with the flag (the TCP listener's on
+    // its next connection, or with the process).
+    stop.store(true, Ordering::Relaxed);
     let med = |v: &[f64]| spread(v).median;
     let mut md = format!(
-        "## NodePort at XDP\n\nBPF_PROG_TEST_RUN, one run per call, median of {TEST_RUNS} calls per repeat, {r} repeats: `xdp_nodeport` on a tracked UDP flow to a remote backend (forward and SNAT entries, the next hop, rewrite, `bpf_redirect`; verdict {verdict}, 4 = XDP_REDIRECT) {} with the flow's next hop cached (`XDP_NEXTHOP`: every packet but a flow's first of each second), {} with it stale (`bpf_fib_lookup` to a resolved neighbour confirms it, refreshed in place: a flow's first packet of each second), {} without it (the lookup's answer inserted: a flow's first packet, or a changed next hop), `bench_minimal_xdp` (returns XDP_PASS) {}; the differences, {:.0}, {:.0} and {:.0} ns, are the program's own per-packet cost (the stale and absent runs also meet the entry's memory cold, as the syscall that prepared them replaced or freed it).\n\nForwarding through veth, client -> node -> remote backend (DNAT + SNAT), one UDP flow of 64-byte frames for {:.0} s per repeat, counted at the backend's veth end, where an XDP program drops them (the backend's stack would cost as much as the node in every variant); the whole path runs on the generator's CPU. Generators: `xdp-gen` sends each frame with XDP_TX from BPF_PROG_TEST_RUN in live-frames mode, so the node's veth receives `xdp_frame`s as from a NIC (no skb until something needs one); `af_packet` sends skbs from an AF_PACKET socket (`PACKET_QDISC_BYPASS`), which veth must copy into an XDP buffer before an XDP program sees them, a cost no NIC driver has. Variants: `xdp`, our XDP program in front of TC on the node's veths; `tc-fast`, the TC programs alone with the fast path (`--tc-fast-path auto`, the default: translated at ingress, `bpf_fib_lookup` through the shared next-hop cache, `bpf_redirect`); `tc`, the TC programs alone without it (`off`: the stack routes and forwards); `iptables`, one DNAT rule in PREROUTING plus MASQUERADE (iptables-legacy). Median (min–max) over {r} repeats, generators and variants interleaved.\n\n| generator | variant | forwarded (pkt/s) | sent (pkt/s) |\n|---|---|---|---|\n",
+        "## NodePort at XDP\n\nBPF_PROG_TEST_RUN, one run per call, median of {TEST_RUNS} calls per repeat, {r} repeats: `xdp_nodeport` on a tracked UDP flow to a remote backend (forward and SNAT entries, the next hop, rewrite, `bpf_redirect`; verdict {verdict}, 4 = XDP_REDIRECT) {} with the flow's next hop cached (`XDP_NEXTHOP`: every packet but a flow's first of each second), {} with it stale (`bpf_fib_lookup` to a resolved neighbour confirms it, refreshed in place: a flow's first packet of each second), {} without it (the lookup's answer inserted: a flow's first packet, or a changed next hop), `bench_minimal_xdp` (returns XDP_PASS) {}; the differences, {:.0}, {:.0} and {:.0} ns, are the program's own per-packet cost (the stale and absent runs also meet the entry's memory cold, as the syscall that prepared them replaced or freed it).\n\nForwarding through veth, client -> node -> remote backend (DNAT + SNAT), one UDP flow of 64-byte frames for {:.1} s per repeat, counted at the backend's veth end, where an XDP program drops them (the backend's stack would cost as much as the node in every variant); the whole path runs on the generator's CPU. Generators: `xdp-gen` sends each frame with XDP_TX from BPF_PROG_TEST_RUN in live-frames mode, so the node's veth receives `xdp_frame`s as from a NIC (no skb until something needs one); `af_packet` sends skbs from an AF_PACKET socket (`PACKET_QDISC_BYPASS`), which veth must copy into an XDP buffer before an XDP program sees them, a cost no NIC driver has. Variants: `xdp`, our XDP program in front of TC on the node's veths; `tc-fast`, the TC programs alone with the fast path (`--tc-fast-path auto`, the default: translated at ingress, `bpf_fib_lookup` through the shared next-hop cache, `bpf_redirect`); `tc`, the TC programs alone without it (`off`: the stack routes and forwards); `iptables`, one DNAT rule in PREROUTING plus MASQUERADE (iptables-legacy). Median (min–max) over {r} repeats, generators and variants interleaved.\n\n| generator | variant | forwarded (pkt/s) | sent (pkt/s) |\n|---|---|---|---|\n",
         ns_spread(ours),
         ns_spread(stale),
         ns_spread(uncached),
@@ -553,7 +656,7 @@ pub(crate) fn run(repeats: usize) -> Result<Section> {
         med(ours) - med(minimal),
         med(stale) - med(minimal),
         med(uncached) - med(minimal),
-        FLOOD.as_secs_f64(),
+        opts.flood.as_secs_f64(),
     );
     let mut rows = Vec::new();
     for (g, generator) in GENERATORS.iter().enumerate() {
@@ -568,6 +671,19 @@ pub(crate) fn run(repeats: usize) -> Result<Section> {
         }
     }
     let _ = writeln!(md, "\nThe `tc-fast` world's fast-path counters after every flood: {fast_line}.");
+    let _ = writeln!(
+        md,
+        "\nNodePort TCP requests through the same four nodes: connect, one byte to the backend's echo server and back, close, {rounds} one after the other from one client thread per repeat (every request a new flow: its SYN takes each variant's new-flow path). Latency from connect() to the echoed byte; median (min–max) over {r} repeats of each repeat's p50 and p99, variants interleaved.\n\n| variant | p50 | p99 | failed |\n|---|---|---|---|"
+    );
+    let us = |v: &[f64]| {
+        let s = spread(v);
+        format!("{:.1} µs ({:.1}–{:.1})", s.median / 1e3, s.min / 1e3, s.max / 1e3)
+    };
+    let mut tcp_rows = Vec::new();
+    for (i, v) in VARIANTS.iter().enumerate() {
+        let _ = writeln!(md, "| {v} | {} | {} | {} |", us(&p50[i]), us(&p99[i]), failed[i]);
+        tcp_rows.push(json!({"variant": v, "p50_ns": spread(&p50[i]).json(), "p99_ns": spread(&p99[i]).json(), "failed": failed[i]}));
+    }
     let at = |v: &str| VARIANTS.iter().position(|x| *x == v).unwrap_or(0);
     let (xdp, fast, tc, ipt) = (at("xdp"), at("tc-fast"), at("tc"), at("iptables"));
     let ratio = |g: usize, one: usize, other: usize| med(&pps[g][one]) / med(&pps[g][other]);
@@ -608,6 +724,7 @@ pub(crate) fn run(repeats: usize) -> Result<Section> {
     let json = json!({
         "test_run_ns": {"xdp_nodeport": spread(ours).json(), "xdp_nodeport_stale": spread(stale).json(), "xdp_nodeport_uncached": spread(uncached).json(), "bench_minimal_xdp": spread(minimal).json(), "verdict": verdict},
         "veth": rows,
+        "tcp_requests": tcp_rows,
         "ratio_xdp_vs_tc": target,
         "ratio_xdp_vs_tc_af_packet": ratio(1, xdp, tc),
         "ratio_tc_fast_vs_iptables": fast_vs_ipt,
