@@ -103,11 +103,11 @@ pub(crate) fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> 
         let v = unsafe { &mut *v };
         // A reply to our SNAT port (ingress) or a backend's reply towards
         // the client (egress): the flow, and the SNAT port, are in use.
-        touch::<KERNEL>(&p, v, key.dir);
+        let now = touch::<KERNEL>(&p, v, key.dir);
         if ingress && tc_fast::enabled() {
             // A remote backend's reply (only `CT_DIR_REPLY_SNAT` entries
             // are looked up at ingress).
-            return fast_reply::<KERNEL>(ctx, &p, v, &mut key);
+            return fast_reply(ctx, &p, v, &mut key, now);
         }
         return apply(ctx, &p, v);
     }
@@ -135,9 +135,9 @@ pub(crate) fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> 
         // the reply entry above.
         let v = unsafe { &mut *v };
         if keeps_backend(p.proto, v) {
-            touch::<KERNEL>(&p, v, CT_DIR_FORWARD);
+            let now = touch::<KERNEL>(&p, v, CT_DIR_FORWARD);
             if tc_fast::enabled() {
-                return fast_forward::<KERNEL>(ctx, &p, v, &mut key);
+                return fast_forward::<KERNEL>(ctx, &p, v, &mut key, now);
             }
             return apply(ctx, &p, v);
         }
@@ -159,7 +159,7 @@ pub(crate) fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> 
             {
                 // SAFETY: an NP_CT value pointer, valid for the run; races
                 // as for the reply entry above.
-                return fast_forward::<KERNEL>(ctx, &p, unsafe { &mut *v }, &mut key);
+                return fast_forward::<KERNEL>(ctx, &p, unsafe { &mut *v }, &mut key, now_s::<KERNEL>());
             }
             let Some(s) = NP_SCRATCH.get_ptr(0) else {
                 return Err(np_counter::CT_UPDATE_FAILED);
@@ -267,9 +267,19 @@ fn now_s<const KERNEL: u8>() -> u32 {
 /// the same cost for its own reference bit: `bpf_lru_node_set_ref` only
 /// writes when the bit is clear (kernel/bpf/bpf_lru_list.h). Timeouts are
 /// seconds to hours, so one second of slack costs nothing.
+///
+/// Returns the time it read, for the rest of the packet's path: the clock
+/// is a helper call, read once per packet.
 #[inline(always)]
-fn touch<const KERNEL: u8>(p: &Pkt, v: &mut CtValue, dir: u8) {
+fn touch<const KERNEL: u8>(p: &Pkt, v: &mut CtValue, dir: u8) -> u32 {
     let now = now_s::<KERNEL>();
+    touch_at(p, v, dir, now);
+    now
+}
+
+/// `touch` at `now`, a time the caller read.
+#[inline(always)]
+fn touch_at(p: &Pkt, v: &mut CtValue, dir: u8, now: u32) {
     if now.wrapping_sub(v.seen_s) >= CT_REFRESH_S {
         v.seen_s = now;
     }
@@ -671,9 +681,9 @@ fn ct_key(p: &Pkt, dir: u8) -> CtKey {
 /// otherwise (the host network, a bridge) the stack delivers it, as
 /// without the fast path.
 #[inline(always)]
-fn fast_forward<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, fwd: &CtValue, key: &mut CtKey) -> Result<i32, u32> {
+fn fast_forward<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, fwd: &CtValue, key: &mut CtKey, now: u32) -> Result<i32, u32> {
     if fwd.flags & CT_FLAG_SNAT == 0 {
-        return fast_send::<KERNEL>(ctx, p, fwd, fwd, np_fast_counter::LOCAL_FORWARDED, true);
+        return fast_send(ctx, p, fwd, fwd, np_fast_counter::LOCAL_FORWARDED, true, now);
     }
     key.daddr_be = addr_copy(&fwd.daddr_be);
     key.dport_be = fwd.dport_be;
@@ -686,8 +696,8 @@ fn fast_forward<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, fwd: &CtValue, key: 
     // `try_nodeport`.
     let snat = unsafe { &mut *snat };
     // What `np_egress` would have done with the packet after routing.
-    touch::<KERNEL>(p, snat, CT_DIR_SNAT);
-    fast_send::<KERNEL>(ctx, p, snat, fwd, np_fast_counter::FORWARDED, false)
+    touch_at(p, snat, CT_DIR_SNAT, now);
+    fast_send(ctx, p, snat, fwd, np_fast_counter::FORWARDED, false, now)
 }
 
 /// The fast path for a remote backend's reply to our SNAT port, whose
@@ -696,7 +706,7 @@ fn fast_forward<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, fwd: &CtValue, key: 
 /// `CT_DIR_REPLY` entry's frontend -> client tuple, and the packet goes to
 /// the client's next hop.
 #[inline(always)]
-fn fast_reply<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, rs: &CtValue, key: &mut CtKey) -> Result<i32, u32> {
+fn fast_reply(ctx: &TcContext, p: &Pkt, rs: &CtValue, key: &mut CtKey, now: u32) -> Result<i32, u32> {
     key.saddr_be = addr_copy(&rs.saddr_be);
     key.daddr_be = addr_copy(&rs.daddr_be);
     key.sport_be = rs.sport_be;
@@ -710,8 +720,8 @@ fn fast_reply<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, rs: &CtValue, key: &mu
     // `try_nodeport`.
     let rev = unsafe { &mut *rev };
     // What `np_egress` would have done with the reply after routing.
-    touch::<KERNEL>(p, rev, CT_DIR_REPLY);
-    fast_send::<KERNEL>(ctx, p, rev, rs, np_fast_counter::REPLY_FORWARDED, false)
+    touch_at(p, rev, CT_DIR_REPLY, now);
+    fast_send(ctx, p, rev, rs, np_fast_counter::REPLY_FORWARDED, false, now)
 }
 
 /// Rewrites `p` to `to` and redirects it to the next hop `tc_fast::route`
@@ -720,8 +730,9 @@ fn fast_reply<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, rs: &CtValue, key: &mu
 /// `peer` (a local backend) it goes to the route's veth's peer, in the
 /// backend's namespace.
 #[inline(always)]
-fn fast_send<const KERNEL: u8>(ctx: &TcContext, p: &Pkt, to: &CtValue, stack: &CtValue, counter: u32, peer: bool) -> Result<i32, u32> {
-    let rc = tc_fast::route(ctx, p, to, now_s::<KERNEL>(), peer);
+#[allow(clippy::too_many_arguments)]
+fn fast_send(ctx: &TcContext, p: &Pkt, to: &CtValue, stack: &CtValue, counter: u32, peer: bool, now: u32) -> Result<i32, u32> {
+    let rc = tc_fast::route(ctx, p, to, now, peer);
     if rc == tc_fast::TO_STACK {
         return apply(ctx, p, stack);
     }
