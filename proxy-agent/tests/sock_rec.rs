@@ -181,16 +181,47 @@ fn every_way_a_socket_closes_removes_its_record() {
     assert_eq!(counted_slots(&node), Vec::new(), "every record's count is taken back with it");
 }
 
+/// A million translated connects, each closed at once: the release
+/// program deletes every record, but for the rare release it does not
+/// see, which the agent's periodic sweep deletes (`--sock-rec-sweep-interval-secs`,
+/// here 1 s). Such a miss was seen in about one run in five of this test
+/// binary on Linux 6.18, always one UDP socket in the middle of the run,
+/// only while the binary's other tests attached and detached their
+/// agents' programs on their own cgroups; with nothing else running, ten
+/// runs in a row had none. Counting in the programs showed the release
+/// program did not run for that socket (990,000 records inserted for the
+/// UDP backend port, 989,999 releases of a socket with that peer port).
 #[test]
 fn a_million_connect_close_cycles_leave_the_map_empty() {
-    let (net, node) = setup(&[]);
+    let (net, node) = setup(&["--sock-rec-sweep-interval-secs", "1"]);
     let before = counter_value(&node, counter::TRANSLATED);
     let lines = run_child(&node, &net, "churn");
     let n = lines.last().and_then(|l| l["cycles"].as_u64()).expect("cycles");
     assert_eq!(n, 1_000_000);
     assert!(counter_value(&node, counter::TRANSLATED) - before >= n, "every cycle was translated");
-    assert_eq!(records(&node), Vec::new(), "a million sockets later, the map is empty");
-    assert_eq!(counted_slots(&node), Vec::new(), "and every slot of its counts is back at 0");
+    // Placed in the run by their cookies, if any is left.
+    let range = lines.last().map(|l| (l["first_cookie"].clone(), l["last_cookie"].clone()));
+    let left = records(&node);
+    assert!(left.len() <= 2, "the release program deleted all but {} records (the run's cookies: {range:?}): {left:?}", left.len());
+    if !left.is_empty() {
+        eprintln!("records the release program did not delete (the run's cookies {range:?}): {left:?}");
+    }
+    eventually("the periodic sweep deletes what the release program left", || {
+        let now = records(&node);
+        if now.is_empty() { Ok(()) } else { Err(format!("{now:?}")) }
+    });
+    // The sweep deletes from user space, which has no atomic add: the slot
+    // of a record it deleted (during the run or after it) stays raised, a
+    // lookup and never a wrong answer (as after sock_iter's netlink
+    // fallback). Every other slot is back at 0.
+    let swept = node.agent_log().lines().filter(|l| l.contains("releases the program did not see")).count();
+    let slots = counted_slots(&node);
+    if swept == 0 {
+        assert_eq!(slots, Vec::new(), "and every slot of its counts is back at 0");
+    } else {
+        eprintln!("the agent's sweep deleted records of closed sockets {swept} time(s); raised slots: {slots:?}");
+        assert!(slots.len() <= 2 && slots.iter().all(|(_, c)| *c == 1), "only the swept records' slots stay raised: {slots:?}");
+    }
 }
 
 /// An upgrade from a build without `SOCK_REC_COUNT`: its records carry no
@@ -814,24 +845,33 @@ fn churn() {
     let targets = [(false, true, sa("10.96.0.30:53")), (true, true, sa("[fd00:96::30]:53"))];
     let tcp = [(false, sa("10.96.0.30:80")), (true, sa("[fd00:96::30]:80"))];
     let mut n: u64 = 0;
+    // The cookies of the first and last sockets: a record left behind is
+    // placed in the run by its cookie.
+    let (mut first, mut last) = (0, 0);
     while n < 1_000_000 {
-        if n % 100 == 99 {
+        let fd = if n % 100 == 99 {
             let (v6, to) = tcp[(n as usize / 100) % 2];
             let fd = socket(v6, false);
             // SAFETY: our socket; O_NONBLOCK so connect() returns at once.
             unsafe { libc::fcntl(fd, libc::F_SETFL, libc::O_NONBLOCK) };
             let r = connect(fd, to);
             assert!(r.is_ok() || r == Err(libc::EINPROGRESS), "{r:?}");
-            close(fd);
+            fd
         } else {
             let (v6, udp, to) = targets[n as usize % 2];
             let fd = socket(v6, udp);
             connect(fd, to).expect("connect");
-            close(fd);
+            fd
+        };
+        if n == 0 {
+            first = cookie(fd);
+        } else if n == 999_999 {
+            last = cookie(fd);
         }
+        close(fd);
         n += 1;
     }
-    say(json!({"cycles": n}));
+    say(json!({"cycles": n, "first_cookie": first, "last_cookie": last}));
 }
 
 /// Four held sockets; prints whether every getpeername shows the Service,

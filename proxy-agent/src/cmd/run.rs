@@ -20,6 +20,7 @@ use proxy_agent::datapath::map_writer::MapWriter;
 use proxy_agent::datapath::pin_guard::{self, PinGuard};
 use proxy_agent::datapath::sizing::{self, Needs};
 use proxy_agent::datapath::sock_destroy::{self, Terminator};
+use proxy_agent::datapath::sockets::sock_rec_sweep;
 use proxy_agent::datapath::{conntrack_gc, socket_loader};
 use proxy_agent::datapath::{map_migration, maps};
 use proxy_agent::decide::departures::TcpTermination;
@@ -91,6 +92,16 @@ pub(crate) struct RunArgs {
     /// not serving whatever this says, as kube-proxy does.
     #[arg(long, value_enum, default_value_t = TerminateTcp::Gone)]
     terminate_tcp: TerminateTcp,
+    /// Seconds between two sweeps of `SOCK_REC` that delete the records of
+    /// sockets that no longer exist (every TCP and UDP socket of every
+    /// network namespace is listed with sock_diag); 0 sweeps only at
+    /// start. The `sock_release` program deletes a record when its socket
+    /// closes; the sweep takes the rare record whose release it did not
+    /// see (about one in a million sockets while other cgroups' programs
+    /// were attached and detached, on Linux 6.18), which would otherwise
+    /// hold a slot of the preallocated map for good.
+    #[arg(long, default_value_t = 300)]
+    sock_rec_sweep_interval_secs: u64,
     /// Which Service ports' connection counts by topology tier
     /// (`topoproxy_service_connections_total` and
     /// `..._blind_remote_total`) are exported one by one: `topology`, the
@@ -444,6 +455,7 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
         service_conn_sums(&counters_dir, spec, ids).map_err(|e| e.to_string())
     }));
     let _conntrack_gc = conntrack_gc::spawn(pin_dir.clone(), args.datapath.conntrack.gc_config(), metrics.clone());
+    let _sock_rec_sweep = sock_rec_sweep::spawn(pin_dir.clone(), Duration::from_secs(args.sock_rec_sweep_interval_secs));
     // Pins removed under us are put back (the maps themselves live on in
     // the programs; see pin_guard).
     let _pin_guard = match PinGuard::open(&pin_dir, &cgroup, caps) {

@@ -133,6 +133,45 @@ pub fn sweep(pin_dir: &Path) -> Result<Swept, SweepError> {
     Ok(Swept { records: records.len(), deleted })
 }
 
+/// Sweeps every `interval` (the first one interval after start, which
+/// swept once already; see `socket_loader`), on a blocking thread. A zero
+/// interval spawns nothing. A failed sweep deletes nothing and is warned
+/// about once per streak; the next one tries again.
+pub fn spawn(pin_dir: std::path::PathBuf, interval: std::time::Duration) -> Option<tokio::task::JoinHandle<()>> {
+    if interval.is_zero() {
+        return None;
+    }
+    Some(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await;
+        let mut failing = false;
+        loop {
+            tick.tick().await;
+            let dir = pin_dir.clone();
+            match tokio::task::spawn_blocking(move || sweep(&dir)).await {
+                Ok(Ok(s)) => {
+                    failing = false;
+                    if s.deleted > 0 {
+                        tracing::info!(
+                            records = s.records,
+                            deleted = s.deleted,
+                            "SOCK_REC: records of closed sockets deleted (releases the program did not see)"
+                        );
+                    }
+                }
+                Ok(Err(e)) => {
+                    if !failing {
+                        tracing::warn!("SOCK_REC sweep: {e}");
+                    }
+                    failing = true;
+                }
+                Err(e) => tracing::warn!("SOCK_REC sweep: the sweep thread failed: {e}"),
+            }
+        }
+    }))
+}
+
 /// The cookies of every TCP and UDP socket, IPv4 and IPv6, of `namespaces`.
 fn live_cookies(namespaces: &[netns::Namespace]) -> Result<HashSet<u64>, SweepError> {
     let per_ns = netns::in_each(namespaces, |_| -> std::io::Result<Vec<u64>> {
