@@ -596,8 +596,15 @@ fn a_counters_array_of_an_older_build_is_migrated_with_its_values() {
         if n == counter::COUNT { Ok(()) } else { Err(format!("{n} entries")) }
     });
     assert_eq!(counter_value(&node, counter::ENDED_TCP_GONE_AFTER_TERMINATING), 12_345, "the old counts are carried over");
-    wait_for_backends(&node, &net, "10.96.0.30:80", &[], &["pod-c"]);
-    assert!(counter_value(&node, counter::TRANSLATED) > 777, "and the new programs count on top of them");
+    // The old programs stay attached until the new ones replace them, and
+    // they count into the array whose pin the test replaced: probe until
+    // the new programs, attached after the migration, have counted
+    // (a single round of probes once ran before they were, under load).
+    eventually("the new programs count on top of the carried-over counts", || {
+        wait_for_backends(&node, &net, "10.96.0.30:80", &[], &["pod-c"]);
+        let translated = counter_value(&node, counter::TRANSLATED);
+        if translated > 777 { Ok(()) } else { Err(translated) }
+    });
     assert!(!node.agent_log().contains("counters, this agent has"), "no warning about the counter array");
 }
 

@@ -428,6 +428,20 @@ impl Wrk {
         matches!(self.wrk.0.try_wait(), Ok(None))
     }
 
+    /// Ends the run now: wrk stops its connections on SIGINT and prints
+    /// the same report as at the end of its duration. For a load that must
+    /// last as long as something else takes: start it with a generous
+    /// duration, stop it when that is done.
+    pub fn stop(mut self) -> io::Result<(WrkReport, String)> {
+        let pid = libc::pid_t::try_from(self.wrk.0.id()).map_err(io::Error::other)?;
+        // SAFETY: kill(2) on our own child, which has not been waited for.
+        if unsafe { libc::kill(pid, libc::SIGINT) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        self.duration = Duration::ZERO;
+        self.finish()
+    }
+
     /// Waits for the run to end; its report and wrk's whole output.
     pub fn finish(mut self) -> io::Result<(WrkReport, String)> {
         let timeout = self.duration + Duration::from_secs(15);
