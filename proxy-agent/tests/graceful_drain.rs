@@ -357,7 +357,7 @@ fn rolling_replacement(variant: &str, subnet: u8, keep_alive: bool) -> WrkReport
     // wrk runs until the update is done (stopped below), however long a
     // loaded machine takes over it: a fixed 16 s run once ended first
     // while the CI's VM guest ran beside the tests.
-    let mut wrk = Wrk::start(&net.netns, Some(&node.cgroup), &url, 8, Duration::from_secs(300), headers).expect("start wrk");
+    let mut wrk = Wrk::start(&net.netns, Some(&node.cgroup), &url, 8, Duration::from_mins(5), headers).expect("start wrk");
     std::thread::sleep(Duration::from_millis(1500));
     // Longer than the agent takes to apply a change (tens of ms here).
     let settle = Duration::from_millis(500);
