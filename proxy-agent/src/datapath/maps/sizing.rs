@@ -169,6 +169,17 @@ pub const fn counting_bytes_per_service(cpus: u32) -> u64 {
     2 * (48 * cpus as u64 + 8)
 }
 
+/// Kernel memory of the fixed-size maps larger than a page, bytes: no
+/// capacity sizes them, so the budget is charged for them before any
+/// capacity grows. `SOCK_REC_COUNT` holds a u64 per slot (512 KiB), the
+/// port bitmaps `NP_PORTS` and `SOCK_PORTS` a u64 per word (24 KiB); an
+/// array's memlock is its elements rounded up to 8 bytes
+/// (kernel/bpf/arraymap.c: array_map_mem_usage). The one-element and
+/// per-reason maps are left out (a few pages in all).
+pub const FIXED_BYTES: u64 = 8 * (proxy_common::SOCK_REC_COUNT_SLOTS as u64)
+    + 8 * (proxy_common::NP_PORTS_ENTRIES as u64)
+    + 8 * (proxy_common::SOCK_PORTS_ENTRIES as u64);
+
 /// [`bytes_per_entry`] with the counting arrays of `cpus` CPUs.
 const fn bytes_per_entry_on(c: Capacity, cpus: u32) -> u64 {
     match c {
@@ -184,9 +195,9 @@ pub fn worst_case_bytes(caps: &Capacities) -> u64 {
 }
 
 /// The worst-case kernel memory of `caps` on a machine with `cpus`
-/// possible CPUs, bytes.
+/// possible CPUs, bytes, the fixed-size maps ([`FIXED_BYTES`]) included.
 pub fn worst_case_bytes_on(caps: &Capacities, cpus: u32) -> u64 {
-    Capacity::ALL.iter().map(|&c| u64::from(caps.get(c)) * bytes_per_entry_on(c, cpus)).sum()
+    FIXED_BYTES + Capacity::ALL.iter().map(|&c| u64::from(caps.get(c)) * bytes_per_entry_on(c, cpus)).sum::<u64>()
 }
 
 /// Sizes every capacity not given explicitly: the service maps to the
@@ -484,6 +495,21 @@ mod tests {
             eprintln!("{}: {s:?}", case.what);
             (case.check)(&s);
         }
+    }
+
+    /// The fixed-size maps (`SOCK_REC_COUNT`, the port bitmaps) are
+    /// charged before any capacity: a budget that holds the floors' maps
+    /// but not them beside is over.
+    #[test]
+    fn fixed_size_maps_are_charged() {
+        assert_eq!(FIXED_BYTES, 512 * 1024 + 24 * 1024);
+        let floors = size(None, &NONE, 0).caps;
+        let maps: u64 = Capacity::ALL.iter().map(|&c| u64::from(floors.get(c)) * bytes_per_entry_on(c, 1)).sum();
+        assert_eq!(worst_case_bytes(&floors), maps + FIXED_BYTES);
+        assert!(size(None, &NONE, maps + FIXED_BYTES - 1).over_budget);
+        let fits = size(None, &NONE, maps + FIXED_BYTES);
+        assert!(!fits.over_budget, "{fits:?}");
+        assert_eq!(fits.caps, floors);
     }
 
     /// The per-CPU topology counting arrays are charged per CPU: on a
