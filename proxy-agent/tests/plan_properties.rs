@@ -8,7 +8,7 @@
 //!
 //! The second is checked on a model of the three maps (frontend to service
 //! entry, slots per generation, backends) written one element at a time in
-//! the writer's order (datapath/map_writer.rs): deletions first (service
+//! the writer's order (datapath/maps/map_writer/): deletions first (service
 //! entries, then their slots, then backends no frontend uses), then chunks
 //! of upserts, each as new backends, new slots under a fresh generation,
 //! the service entries (the switch), then the old generations' slots and

@@ -6,9 +6,11 @@
 //! order):
 //!
 //! - `maps/`: the table of pinned maps (`specs`), how frontends and
-//!   backends are encoded in them (`keys`), their sizes, their migration
-//!   across agent versions, the port bitmaps and the topology counts'
-//!   figures;
+//!   backends are encoded in them (`keys`), whole-map batch I/O
+//!   (`bpf_batch`), their sizes, their migration across agent versions,
+//!   the port bitmaps, the topology counts' figures, and the writer that
+//!   puts plans into them (`map_writer`, above the Maglev tables it links
+//!   in);
 //! - `loader/`: the kernel's features and BTF, the bpffs and cgroup mounts
 //!   and the pin directory's layout (`pins`, which every folder that opens
 //!   a pin uses: these three are below `maps/`),
@@ -21,23 +23,20 @@
 //!   socket records;
 //! - `dump/`: reading the maps back and checking them, by map family.
 //!
-//! `bpf_batch` (whole-map I/O) and `map_writer` (plans into the maps) stay
-//! at this level for now; they move into `maps/` later. The modules' flat
-//! paths (`datapath::keys`, `datapath::tc_loader`, ...) are re-exported
-//! below for the callers outside the folders (those two files, `sync`,
-//! `cmd`, tests, examples and benches).
+//! The modules' flat paths (`datapath::keys`, `datapath::map_writer`,
+//! `datapath::tc_loader`, ...) are re-exported below for the callers
+//! outside the folders (`sync`, `external`, `cmd`, tests, examples and
+//! benches).
 
-pub mod bpf_batch;
 pub mod conntrack;
 pub mod dump;
 pub mod loader;
 pub mod maglev;
-pub mod map_writer;
 pub mod maps;
 pub mod sockets;
 
 pub use conntrack::conntrack_gc;
 pub use loader::{kernel_btf, kernel_features, mounts, object, pin_guard, pins, socket_loader, tc_loader, xdp_loader};
 pub use maglev::{maglev_budget, maglev_tables};
-pub use maps::{keys, map_migration, port_bits, service_topo, sizing};
+pub use maps::{bpf_batch, keys, map_migration, map_writer, port_bits, service_topo, sizing};
 pub use sockets::{netns, sock_destroy, sock_diag, sock_iter, sock_rec_sweep};

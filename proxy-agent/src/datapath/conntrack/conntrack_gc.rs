@@ -42,8 +42,8 @@ use aya::maps::{HashMap, Map, MapData, MapError};
 use proxy_common as pc;
 use proxy_common::{BackendKey, BackendValue, CtKey, CtValue};
 
-use crate::datapath::bpf_batch::{is_not_found, read_all};
 use crate::datapath::loader::pins;
+use crate::datapath::maps::bpf_batch::{is_not_found, read_all};
 use crate::datapath::maps::port_bits::{PortBits, PortSet};
 use crate::observe::metrics::{GcFigures, Metrics};
 

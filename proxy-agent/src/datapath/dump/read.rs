@@ -18,9 +18,9 @@ use proxy_common::{
 };
 use serde::Serialize;
 
-use crate::datapath::bpf_batch::read_all;
 use crate::datapath::conntrack::conntrack_gc::monotonic_now_s;
 use crate::datapath::loader::pins;
+use crate::datapath::maps::bpf_batch::read_all;
 use crate::datapath::maps::keys::ip_of;
 use crate::datapath::maps::port_bits::{Bitmap, PortSet};
 use crate::datapath::maps::{self, MapSpec, SOCKET_SERVICE_MAPS, ServiceMaps, TC_SERVICE_MAPS};

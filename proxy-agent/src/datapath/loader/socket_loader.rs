@@ -24,10 +24,10 @@ use aya::programs::links::{FdLink, PinnedLink};
 use aya::programs::{CgroupAttachMode, CgroupSock, CgroupSockAddr};
 use proxy_common as pc;
 
-use crate::datapath::bpf_batch;
 use crate::datapath::loader::kernel_features::{self, KernelFeatures};
 use crate::datapath::loader::object::{self, EBPF_OBJECT};
 use crate::datapath::loader::{mounts, pins, tc_loader};
+use crate::datapath::maps::bpf_batch;
 use crate::datapath::maps::{self, Capacities};
 use crate::datapath::maps::{map_migration, port_bits};
 use crate::datapath::sockets::{sock_rec_count, sock_rec_sweep};

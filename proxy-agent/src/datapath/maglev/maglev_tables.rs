@@ -22,10 +22,10 @@ use aya::maps::{Array, HashOfMaps, IterableMap, Map, MapData, MapError};
 use proxy_common as pc;
 use proxy_common::{MaglevKey, ServiceValue};
 
-use crate::datapath::bpf_batch::{self, BPF_MAP_DELETE_ELEM, BPF_MAP_UPDATE_ELEM};
 use crate::datapath::loader::pins;
 use crate::datapath::maglev::maglev_budget::{MaglevBudget, OverBudget};
 use crate::datapath::maps::MapSpec;
+use crate::datapath::maps::bpf_batch::{self, BPF_MAP_DELETE_ELEM, BPF_MAP_UPDATE_ELEM};
 use crate::decide::maglev::{Table, TableSize};
 use crate::model::Backend;
 

@@ -20,8 +20,8 @@ use std::path::{Path, PathBuf};
 use aya::maps::{Map, MapData, MapInfo, MapType, PerCpuArray, PerCpuValues};
 use proxy_common::SvcConnValue;
 
-use crate::datapath::bpf_batch::{self, BPF_MAP_GET_NEXT_KEY, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM};
 use crate::datapath::loader::pins;
+use crate::datapath::maps::bpf_batch::{self, BPF_MAP_GET_NEXT_KEY, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM};
 use crate::datapath::maps::{self, Capacities, MapSpec};
 
 /// A map to be recreated with another capacity.

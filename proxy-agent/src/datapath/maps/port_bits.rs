@@ -46,8 +46,8 @@ use aya::maps::{Array, HashMap, Map, MapData, MapError};
 use proxy_common as pc;
 use proxy_common::{BackendKey, BackendValue, CtKey, CtValue, ServiceKey, ServiceValue};
 
-use crate::datapath::bpf_batch::read_all;
 use crate::datapath::loader::pins;
+use crate::datapath::maps::bpf_batch::read_all;
 
 /// Why a port bitmap could not be filled or written.
 #[derive(Debug, thiserror::Error)]

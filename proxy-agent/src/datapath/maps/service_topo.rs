@@ -23,9 +23,9 @@ use aya::maps::{Array, Map, MapData, MapError, PerCpuArray, PerCpuValues};
 use proxy_common as pc;
 use proxy_common::{SvcConnValue, SvcTopoValue};
 
-use crate::datapath::bpf_batch::{self, BatchError};
 use crate::datapath::loader::pins;
 use crate::datapath::maps::ServiceMaps;
+use crate::datapath::maps::bpf_batch::{self, BatchError};
 use crate::decide::decision::FrontendTopo;
 use crate::decide::topology::tier::EndpointTiers;
 use crate::model::{Backend, Frontend};

@@ -50,10 +50,10 @@ use aya::maps::{HashMap, Map, MapData};
 use proxy_common as pc;
 use proxy_common::{SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue, SockTerminateKey};
 
-use crate::datapath::bpf_batch;
 use crate::datapath::conntrack::conntrack_gc::{self, FlowEnds};
 use crate::datapath::loader::kernel_features;
 use crate::datapath::loader::pins;
+use crate::datapath::maps::bpf_batch;
 use crate::datapath::maps::keys::{backend_value, ip_of};
 use crate::datapath::sockets::netns;
 use crate::datapath::sockets::sock_diag::{self, DiagSock, DiagSocket};

@@ -27,8 +27,8 @@ use aya::maps::{Array, HashMap, Map, MapData, MapError};
 use proxy_common as pc;
 use proxy_common::SockRecValue;
 
-use crate::datapath::bpf_batch;
 use crate::datapath::loader::pins;
+use crate::datapath::maps::bpf_batch;
 
 /// Why the slots could not be covered; the records stay as they are.
 #[derive(Debug, thiserror::Error)]

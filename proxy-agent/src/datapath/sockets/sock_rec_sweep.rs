@@ -42,8 +42,8 @@ use aya::maps::{HashMap, Map, MapData, MapError};
 use proxy_common as pc;
 use proxy_common::SockRecValue;
 
-use crate::datapath::bpf_batch;
 use crate::datapath::loader::pins;
+use crate::datapath::maps::bpf_batch;
 use crate::datapath::sockets::netns;
 use crate::datapath::sockets::sock_diag::DiagSocket;
 

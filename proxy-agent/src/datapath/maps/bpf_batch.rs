@@ -35,7 +35,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use aya::Pod;
 use aya::maps::{Array, HashMap, IterableMap, MapData, MapError, MapType};
 
-use crate::datapath::kernel_features::{self, KernelFeatures};
+use crate::datapath::loader::kernel_features::{self, KernelFeatures};
 
 /// The `batch` member of `union bpf_attr` (include/uapi/linux/bpf.h).
 #[repr(C)]
