@@ -23,7 +23,9 @@
 //!   chart's DaemonSet.
 //! - `k8s`: etcd, kube-apiserver, kube-controller-manager and kubectl from
 //!   the Go modules pinned in tools/k8s, for the real-API-server tests
-//!   (`test` runs it first); the only command that needs Go.
+//!   (`test` runs it first); with `--node`, also the parts of a one-node
+//!   cluster for upstream's e2e tests (issue #36); the only command that
+//!   needs Go.
 //!
 //! Every command but `k8s` runs the `setup` checks first (which do not
 //! install Go). xtask depends on nothing of the project's own, so it
@@ -138,7 +140,14 @@ enum Command {
     /// (Go and its module proxy needed; about 9 minutes cold, skipped for
     /// binaries newer than go.mod and go.sum). The real-API-server tests
     /// run them; `test` does this first.
-    K8s,
+    K8s {
+        /// Also build what a one-node cluster for upstream's e2e tests adds: kubelet,
+        /// kube-scheduler, agnhost, the e2e test binary (tools/k8s-node),
+        /// containerd, its runc shim and ctr (tools/containerd) and CoreDNS
+        /// (tools/coredns).
+        #[arg(long)]
+        node: bool,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -154,7 +163,7 @@ fn main() -> std::process::ExitCode {
         Command::Fuzz { args } => fuzz::run(&args),
         Command::Vmtest { args } => vmtest::run(&args),
         Command::Image { test } => image::run(test),
-        Command::K8s => k8s::run(),
+        Command::K8s { node } => k8s::run(node),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,
