@@ -1269,6 +1269,30 @@ mod test_run {
         assert!(checksums_ok4(&out));
     }
 
+    #[test]
+    fn a_new_flow_finds_the_last_free_snat_port_of_a_small_range() {
+        // 32 ports, a power of two and as many as a new flow tries: the
+        // tries step by an odd number modulo the range, so together they
+        // visit every port, and a flow finds the one port left however the
+        // others were taken (at 8 tries it mostly did not).
+        let l = load_with_ports(&[(fe("10.0.1.2:30080", Protocol::Tcp), &[be("10.244.2.1:8080")])], &[], &[], (61000, 61031));
+        let syn = |sport| with_l4_csum4(ipv4(6, [10, 0, 1, 1], [10, 0, 1, 2], &[], 0, &tcp_syn(sport, 30080)), 16);
+        let mut taken = std::collections::BTreeSet::new();
+        for client in 40000..40032u16 {
+            let (_, out) = run(l.ingress, &syn(client));
+            let (_, out) = run(l.egress, &out);
+            let port = u16::from_be_bytes([out[34], out[35]]);
+            assert!((61000..=61031).contains(&port), "flow {client}: port {port}");
+            assert!(taken.insert(port), "flow {client} was given port {port} twice");
+        }
+        assert_eq!(taken.len(), 32);
+        assert_eq!(proxy_agent::datapath::dump::np_counters(l.pins.path()).unwrap()["snat_failed"], 0);
+        // The 33rd finds none: passed untranslated and counted.
+        let frame = syn(40032);
+        assert_eq!(run(l.ingress, &frame), (PASS, frame.clone()));
+        assert_eq!(proxy_agent::datapath::dump::np_counters(l.pins.path()).unwrap()["snat_failed"], 1);
+    }
+
     fn pseudo6(src: &[u8], dst: &[u8], len: usize, next: u8) -> u32 {
         let mut p = Vec::new();
         p.extend_from_slice(src);

@@ -643,6 +643,18 @@ pub(crate) fn run(repeats: usize, rounds: usize, opts: &Options) -> Result<Secti
             failed[i] += f;
         }
     }
+    // Why a BPF variant's request failed, from its counters: a new flow
+    // that found no free SNAT port in its tries is dropped (`snat_failed`),
+    // and its client's SYN retransmits after a second.
+    let snat_failed: Vec<Option<u64>> = worlds
+        .iter()
+        .map(|w| {
+            w.pins
+                .as_ref()
+                .and_then(|p| proxy_agent::datapath::dump::np_counters(p.path()).ok())
+                .and_then(|c| c.get("snat_failed").copied())
+        })
+        .collect();
     // The echo servers' threads end with the flag (the TCP listener's on
     // its next connection, or with the process).
     stop.store(true, Ordering::Relaxed);
@@ -673,7 +685,7 @@ pub(crate) fn run(repeats: usize, rounds: usize, opts: &Options) -> Result<Secti
     let _ = writeln!(md, "\nThe `tc-fast` world's fast-path counters after every flood: {fast_line}.");
     let _ = writeln!(
         md,
-        "\nNodePort TCP requests through the same four nodes: connect, one byte to the backend's echo server and back, close, {rounds} one after the other from one client thread per repeat (every request a new flow: its SYN takes each variant's new-flow path). Latency from connect() to the echoed byte; median (min–max) over {r} repeats of each repeat's p50 and p99, variants interleaved.\n\n| variant | p50 | p99 | failed |\n|---|---|---|---|"
+        "\nNodePort TCP requests through the same four nodes: connect, one byte to the backend's echo server and back, close, {rounds} one after the other from one client thread per repeat (every request a new flow: its SYN takes each variant's new-flow path). Latency from connect() to the echoed byte; median (min–max) over {r} repeats of each repeat's p50 and p99, variants interleaved.\n\n| variant | p50 | p99 | failed | snat_failed (floods included) |\n|---|---|---|---|---|"
     );
     let us = |v: &[f64]| {
         let s = spread(v);
@@ -681,8 +693,9 @@ pub(crate) fn run(repeats: usize, rounds: usize, opts: &Options) -> Result<Secti
     };
     let mut tcp_rows = Vec::new();
     for (i, v) in VARIANTS.iter().enumerate() {
-        let _ = writeln!(md, "| {v} | {} | {} | {} |", us(&p50[i]), us(&p99[i]), failed[i]);
-        tcp_rows.push(json!({"variant": v, "p50_ns": spread(&p50[i]).json(), "p99_ns": spread(&p99[i]).json(), "failed": failed[i]}));
+        let snat = snat_failed[i].map_or_else(|| "-".to_string(), |n| n.to_string());
+        let _ = writeln!(md, "| {v} | {} | {} | {} | {snat} |", us(&p50[i]), us(&p99[i]), failed[i]);
+        tcp_rows.push(json!({"variant": v, "p50_ns": spread(&p50[i]).json(), "p99_ns": spread(&p99[i]).json(), "failed": failed[i], "snat_failed": snat_failed[i]}));
     }
     let at = |v: &str| VARIANTS.iter().position(|x| *x == v).unwrap_or(0);
     let (xdp, fast, tc, ipt) = (at("xdp"), at("tc-fast"), at("tc"), at("iptables"));
