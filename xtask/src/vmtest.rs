@@ -1051,7 +1051,11 @@ fn boot(k: &Kernel, kernel_dir: &Path, bins: &Binaries, cache: &Path, opts: &Opt
         .arg(&kernel)
         .arg("-initrd")
         .arg(&initrd)
-        .args(["-append", "console=ttyS0 panic=-1 quiet"])
+        // loglevel=5 rather than quiet (4): warnings and the register and
+        // stack dumps that follow a "BUG: soft lockup" or a WARN are
+        // printed at KERN_WARNING/KERN_DEFAULT (level 4), which quiet
+        // hides; a guest that locked up once left only the headline.
+        .args(["-append", "console=ttyS0 panic=-1 loglevel=5"])
         .arg("-virtfs")
         .arg(format!("local,path={},mount_tag=host0,security_model=none,readonly=on", bins.dir.display()))
         .stdout(Stdio::piped())
