@@ -160,19 +160,8 @@ fn every_way_a_socket_closes_removes_its_record() {
     let (net, node) = setup(&[]);
     // A held socket of each kind, then the process exits without closing
     // them: the kernel releases them at exit.
-    let mut cmd = child(&node, &net, "hold");
-    cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-    let mut held = Guarded::spawn(&mut cmd).expect("start child");
-    let mut stdin = held.0.stdin.take().expect("stdin");
-    let mut out = BufReader::new(held.0.stdout.take().expect("stdout")).lines();
-    let first: Value = loop {
-        let line = out.next().expect("child line").expect("read");
-        if let Some(v) = json_line(&line) {
-            break v;
-        }
-    };
-    let cookies: Vec<u64> = first["cookies"].as_array().expect("cookies").iter().filter_map(Value::as_u64).collect();
-    assert_eq!(cookies.len(), 4, "{first}");
+    let held = Holder::start(&node, &net);
+    let cookies = held.cookies.clone();
     let recorded: Vec<u64> = records(&node).iter().map(|r| r.0).collect();
     for c in &cookies {
         assert!(recorded.contains(c), "socket {c} is recorded while open: {recorded:?}");
@@ -183,9 +172,7 @@ fn every_way_a_socket_closes_removes_its_record() {
         let found = report["sockets"]["records"].as_array().expect("records").iter().any(|r| r["cookie"] == *c && r["path"] == "sock_rec");
         assert!(found, "dump lists socket {c} on the sock_rec path: {}", report["sockets"]);
     }
-    writeln!(stdin, "exit").expect("tell child");
-    let status = held.0.wait().expect("child exit");
-    assert!(status.success());
+    held.exit();
     assert_eq!(records(&node), Vec::new(), "process exit releases every socket");
 
     // close, shutdown then close, abort by RST (SO_LINGER 0), UDP close
@@ -248,18 +235,8 @@ fn a_million_connect_close_cycles_leave_the_map_empty() {
 fn records_of_a_build_without_counts_keep_getpeername_and_are_released() {
     let _serial = serial();
     let (net, mut node) = setup(&[]);
-    let mut cmd = child(&node, &net, "held-peers");
-    cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-    let mut held = Guarded::spawn(&mut cmd).expect("start child");
-    let mut stdin = held.0.stdin.take().expect("stdin");
-    let mut out = BufReader::new(held.0.stdout.take().expect("stdout")).lines();
-    let mut next = || loop {
-        let line = out.next().expect("child line").expect("read");
-        if let Some(v) = json_line(&line) {
-            break v;
-        }
-    };
-    let first = next();
+    let mut held = Talker::start(&node, &net, "held-peers");
+    let first = held.next();
     assert_eq!(first["ok"], true, "{first}");
     let held_records = records(&node);
     assert_eq!(held_records.len(), 4, "{held_records:?}");
@@ -286,11 +263,9 @@ fn records_of_a_build_without_counts_keep_getpeername_and_are_released() {
         if covered { Ok(()) } else { Err(format!("slots {slots:?}")) }
     });
     wait_for_backends(&node, &net, "10.96.0.30:80", &[], &["pod-c"]);
-    writeln!(stdin, "peers").expect("ask child");
-    let after = next();
+    let after = held.ask("peers");
     assert_eq!(after["ok"], true, "sockets recorded by the older build keep their getpeername and recvmsg: {after}");
-    writeln!(stdin, "exit").expect("tell child");
-    assert!(held.0.wait().expect("child exit").success());
+    held.exit();
     assert_eq!(records(&node), Vec::new(), "their release deletes the uncounted records");
 }
 
@@ -311,18 +286,8 @@ fn a_full_map_falls_back_to_socket_storage_and_an_upgrade_keeps_those_sockets() 
     assert!(filled.len() >= 1024, "filled {}", filled.len());
     let full_before = counter_value(&node, counter::SOCK_RECORD_FULL);
 
-    let mut cmd = child(&node, &net, "held-peers");
-    cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-    let mut held = Guarded::spawn(&mut cmd).expect("start child");
-    let mut stdin = held.0.stdin.take().expect("stdin");
-    let mut out = BufReader::new(held.0.stdout.take().expect("stdout")).lines();
-    let mut next = || loop {
-        let line = out.next().expect("child line").expect("read");
-        if let Some(v) = json_line(&line) {
-            break v;
-        }
-    };
-    let first = next();
+    let mut held = Talker::start(&node, &net, "held-peers");
+    let first = held.next();
     assert_eq!(first["ok"], true, "connects translate and getpeername shows the ClusterIP with SOCK_REC full: {first}");
     assert!(counter_value(&node, counter::SOCK_RECORD_FULL) - full_before >= 4, "each connect counted sock_record_full");
     let report = dump_json(&node);
@@ -347,45 +312,74 @@ fn a_full_map_falls_back_to_socket_storage_and_an_upgrade_keeps_those_sockets() 
         if ready { Ok(()) } else { Err("not yet".to_string()) }
     });
     wait_for_backends(&node, &net, "10.96.0.30:80", &[], &["pod-c"]);
-    writeln!(stdin, "peers").expect("ask child");
-    let after = next();
+    let after = held.ask("peers");
     assert_eq!(after["ok"], true, "sockets recorded before the upgrade keep their getpeername: {after}");
-    writeln!(stdin, "exit").expect("tell child");
-    assert!(held.0.wait().expect("child exit").success());
+    held.exit();
     assert_eq!(records(&node), Vec::new());
 }
 
-/// A child holding the four sockets of the `hold` scenario (TCP/UDP,
-/// v4/v6, connected to the Service); its cookies, and the handle that
-/// tells it to exit with `exit`.
-struct Holder {
+/// A child running a scenario that answers on stdout, one JSON line per
+/// request read from stdin; killed on drop (`Guarded`) if a test fails
+/// before it is told to exit.
+struct Talker {
     child: Guarded,
     stdin: std::process::ChildStdin,
+    out: std::io::Lines<BufReader<std::process::ChildStdout>>,
+}
+
+impl Talker {
+    fn start(node: &Node, net: &PodNetwork, scenario: &str) -> Talker {
+        let mut cmd = child(node, net, scenario);
+        cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        let mut child = Guarded::spawn(&mut cmd).expect("start child");
+        let stdin = child.0.stdin.take().expect("stdin");
+        let out = BufReader::new(child.0.stdout.take().expect("stdout")).lines();
+        Talker { child, stdin, out }
+    }
+
+    /// The child's next JSON line.
+    fn next(&mut self) -> Value {
+        loop {
+            let line = self.out.next().expect("child line").expect("read");
+            if let Some(v) = json_line(&line) {
+                return v;
+            }
+        }
+    }
+
+    /// Sends `request` and returns the answer.
+    fn ask(&mut self, request: &str) -> Value {
+        writeln!(self.stdin, "{request}").expect("ask child");
+        self.next()
+    }
+
+    /// Tells the child to exit and checks that it did; its sockets are
+    /// released as the process goes.
+    fn exit(mut self) {
+        writeln!(self.stdin, "exit").expect("tell child");
+        assert!(self.child.0.wait().expect("child exit").success());
+    }
+}
+
+/// A child holding the four sockets of the `hold` scenario (TCP/UDP,
+/// v4/v6, connected to the Service), and their cookies.
+struct Holder {
+    talker: Talker,
     cookies: Vec<u64>,
 }
 
 impl Holder {
     fn start(node: &Node, net: &PodNetwork) -> Holder {
-        let mut cmd = child(node, net, "hold");
-        cmd.stdin(Stdio::piped()).stdout(Stdio::piped()).stderr(Stdio::inherit());
-        let mut held = Guarded::spawn(&mut cmd).expect("start child");
-        let stdin = held.0.stdin.take().expect("stdin");
-        let mut out = BufReader::new(held.0.stdout.take().expect("stdout")).lines();
-        let first: Value = loop {
-            let line = out.next().expect("child line").expect("read");
-            if let Some(v) = json_line(&line) {
-                break v;
-            }
-        };
+        let mut talker = Talker::start(node, net, "hold");
+        let first = talker.next();
         let cookies: Vec<u64> = first["cookies"].as_array().expect("cookies").iter().filter_map(Value::as_u64).collect();
         assert_eq!(cookies.len(), 4, "{first}");
-        Holder { child: held, stdin, cookies }
+        Holder { talker, cookies }
     }
 
     /// Exits the child; its sockets are released as the process goes.
-    fn exit(mut self) {
-        writeln!(self.stdin, "exit").expect("tell child");
-        assert!(self.child.0.wait().expect("child exit").success());
+    fn exit(self) {
+        self.talker.exit();
     }
 }
 

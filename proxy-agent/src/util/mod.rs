@@ -3,4 +3,5 @@
 pub(crate) mod btree;
 pub(crate) mod error_chain;
 pub(crate) mod intern;
+pub(crate) mod periodic;
 pub(crate) mod u64_map;

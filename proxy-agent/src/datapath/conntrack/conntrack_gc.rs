@@ -46,6 +46,7 @@ use crate::datapath::loader::pins;
 use crate::datapath::maps::bpf_batch::{is_not_found, read_all};
 use crate::datapath::maps::port_bits::{PortBits, PortSet};
 use crate::observe::metrics::{GcFigures, Metrics};
+use crate::util::periodic::{self, Run};
 
 /// How long a flow may stay idle, by state (seconds).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -487,63 +488,55 @@ pub fn spawn(pin_dir: PathBuf, cfg: GcConfig, metrics: Arc<Metrics>) -> Option<t
         tracing::info!("conntrack GC disabled (--conntrack-gc-interval-secs 0); NP_CT entries age out by LRU eviction only");
         return None;
     }
-    Some(tokio::spawn(async move {
-        let mut tick = tokio::time::interval(cfg.interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        // The first tick completes at once; the first sweep waits one interval
-        // so that start-up (install, first sync) goes first.
-        tick.tick().await;
-        let mut failing = false;
-        let mut ports_failing = false;
-        loop {
-            tick.tick().await;
-            let (dir, timeouts) = (pin_dir.clone(), cfg.timeouts);
-            match tokio::task::spawn_blocking(move || sweep(&dir, &timeouts)).await {
-                Ok(Ok(stats)) => {
-                    failing = false;
-                    if let Some(e) = &stats.ports_error {
-                        // Unused bits only cost unrelated packets a lookup:
-                        // worth a warning (once per streak), not a failed
-                        // sweep.
-                        metrics.error(crate::observe::metrics::reason::CONNTRACK_GC);
-                        if !ports_failing {
-                            tracing::warn!("conntrack GC: {e}; unused NP_PORTS bits stay set");
-                        }
-                    }
-                    ports_failing = stats.ports_error.is_some();
-                    if let Some((ingress, egress)) = stats.ports_set {
-                        metrics.record_port_bits(ingress, egress);
-                    }
-                    if let Some(n) = stats.ports_cleared.filter(|n| *n > 0) {
-                        tracing::debug!(ports = n, "conntrack GC cleared the NP_PORTS bits of ports no longer in use");
-                    }
-                    let deleted = [
-                        (Reason::Expired.label(), stats.expired_flows, stats.deleted_expired),
-                        (Reason::StaleBackend.label(), stats.stale_flows, stats.deleted_stale),
-                    ];
-                    metrics.record_conntrack_gc(&GcFigures { entries: stats.entries, capacity: stats.capacity, deleted: &deleted });
-                    if stats.expired_flows + stats.stale_flows > 0 {
-                        tracing::debug!(
-                            entries = stats.entries,
-                            expired_flows = stats.expired_flows,
-                            stale_flows = stats.stale_flows,
-                            deleted = stats.deleted_expired + stats.deleted_stale,
-                            "conntrack GC"
-                        );
-                    }
-                }
-                Ok(Err(e)) => {
+    // The first sweep waits one interval, so that start-up (install, first
+    // sync) goes first.
+    let mut ports_failing = false;
+    let timeouts = cfg.timeouts;
+    Some(periodic::every(
+        cfg.interval,
+        move || sweep(&pin_dir, &timeouts),
+        move |run| match run {
+            Run::Done(stats) => {
+                if let Some(e) = &stats.ports_error {
+                    // Unused bits only cost unrelated packets a lookup: worth a
+                    // warning (once per streak), not a failed sweep.
                     metrics.error(crate::observe::metrics::reason::CONNTRACK_GC);
-                    // Once per failure streak, not every interval.
-                    if !failing {
-                        tracing::warn!("{e}");
+                    if !ports_failing {
+                        tracing::warn!("conntrack GC: {e}; unused NP_PORTS bits stay set");
                     }
-                    failing = true;
                 }
-                Err(e) => tracing::warn!(error = %e, "conntrack GC task failed"),
+                ports_failing = stats.ports_error.is_some();
+                if let Some((ingress, egress)) = stats.ports_set {
+                    metrics.record_port_bits(ingress, egress);
+                }
+                if let Some(n) = stats.ports_cleared.filter(|n| *n > 0) {
+                    tracing::debug!(ports = n, "conntrack GC cleared the NP_PORTS bits of ports no longer in use");
+                }
+                let deleted = [
+                    (Reason::Expired.label(), stats.expired_flows, stats.deleted_expired),
+                    (Reason::StaleBackend.label(), stats.stale_flows, stats.deleted_stale),
+                ];
+                metrics.record_conntrack_gc(&GcFigures { entries: stats.entries, capacity: stats.capacity, deleted: &deleted });
+                if stats.expired_flows + stats.stale_flows > 0 {
+                    tracing::debug!(
+                        entries = stats.entries,
+                        expired_flows = stats.expired_flows,
+                        stale_flows = stats.stale_flows,
+                        deleted = stats.deleted_expired + stats.deleted_stale,
+                        "conntrack GC"
+                    );
+                }
             }
-        }
-    }))
+            Run::Failed { error, first } => {
+                metrics.error(crate::observe::metrics::reason::CONNTRACK_GC);
+                // Once per failure streak, not every interval.
+                if first {
+                    tracing::warn!("{error}");
+                }
+            }
+            Run::Panicked(e) => tracing::warn!(error = %e, "conntrack GC task failed"),
+        },
+    ))
 }
 
 #[cfg(test)]

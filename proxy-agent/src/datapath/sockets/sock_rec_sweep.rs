@@ -46,6 +46,7 @@ use crate::datapath::loader::pins;
 use crate::datapath::maps::bpf_batch;
 use crate::datapath::sockets::netns;
 use crate::datapath::sockets::sock_diag::DiagSocket;
+use crate::util::periodic::{self, Run};
 
 /// What one sweep did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -141,35 +142,26 @@ pub fn spawn(pin_dir: std::path::PathBuf, interval: std::time::Duration) -> Opti
     if interval.is_zero() {
         return None;
     }
-    Some(tokio::spawn(async move {
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        tick.tick().await;
-        let mut failing = false;
-        loop {
-            tick.tick().await;
-            let dir = pin_dir.clone();
-            match tokio::task::spawn_blocking(move || sweep(&dir)).await {
-                Ok(Ok(s)) => {
-                    failing = false;
-                    if s.deleted > 0 {
-                        tracing::info!(
-                            records = s.records,
-                            deleted = s.deleted,
-                            "SOCK_REC: records of closed sockets deleted (releases the program did not see)"
-                        );
-                    }
-                }
-                Ok(Err(e)) => {
-                    if !failing {
-                        tracing::warn!("SOCK_REC sweep: {e}");
-                    }
-                    failing = true;
-                }
-                Err(e) => tracing::warn!("SOCK_REC sweep: the sweep thread failed: {e}"),
+    Some(periodic::every(
+        interval,
+        move || sweep(&pin_dir),
+        |run| match run {
+            Run::Done(s) if s.deleted > 0 => {
+                tracing::info!(
+                    records = s.records,
+                    deleted = s.deleted,
+                    "SOCK_REC: records of closed sockets deleted (releases the program did not see)"
+                );
             }
-        }
-    }))
+            Run::Done(_) => {}
+            Run::Failed { error, first } => {
+                if first {
+                    tracing::warn!("SOCK_REC sweep: {error}");
+                }
+            }
+            Run::Panicked(e) => tracing::warn!("SOCK_REC sweep: the sweep thread failed: {e}"),
+        },
+    ))
 }
 
 /// The cookies of every TCP and UDP socket, IPv4 and IPv6, of `namespaces`.
