@@ -23,9 +23,10 @@
 //!   chart's DaemonSet.
 //! - `k8s`: etcd, kube-apiserver, kube-controller-manager and kubectl from
 //!   the Go modules pinned in tools/k8s, for the real-API-server tests
-//!   (`test` runs it first); with `--node`, also the parts of a one-node
-//!   cluster for upstream's e2e tests (issue #36); the only command that
-//!   needs Go.
+//!   (`test` runs it first); with `--node`, also the e2e node's parts. The
+//!   only commands that need Go are this one and `e2e`.
+//! - `e2e`: upstream's `[sig-network] Services` e2e tests against the agent
+//!   on a real one-node cluster (not part of `test`).
 //!
 //! Every command but `k8s` runs the `setup` checks first (which do not
 //! install Go). xtask depends on nothing of the project's own, so it
@@ -37,6 +38,7 @@ mod chart_env;
 mod compiler_cache;
 mod demo;
 mod docs;
+mod e2e;
 mod fuzz;
 mod image;
 mod k8s;
@@ -141,12 +143,25 @@ enum Command {
     /// binaries newer than go.mod and go.sum). The real-API-server tests
     /// run them; `test` does this first.
     K8s {
-        /// Also build what a one-node cluster for upstream's e2e tests adds: kubelet,
+        /// Also build what `e2e`'s one-node cluster adds: kubelet,
         /// kube-scheduler, agnhost, the e2e test binary (tools/k8s-node),
         /// containerd, its runc shim and ctr (tools/containerd) and CoreDNS
         /// (tools/coredns).
         #[arg(long)]
         node: bool,
+    },
+    /// Upstream Kubernetes' `[sig-network] Services` e2e tests against the
+    /// agent on a real one-node cluster on this machine (kubelet,
+    /// containerd, CoreDNS, the agent from the chart, no kube-proxy), in
+    /// namespaces of its own; the skip list is tools/k8s-node/e2e-skips.txt,
+    /// the JUnit report goes to target/e2e/. Needs root. Not part of `test`.
+    E2e {
+        /// Another Ginkgo focus (a regular expression over the tests' names).
+        #[arg(long)]
+        focus: Option<String>,
+        /// Only the `[Conformance]` ones among the Services tests.
+        #[arg(long, conflicts_with = "focus")]
+        conformance: bool,
     },
 }
 
@@ -164,6 +179,7 @@ fn main() -> std::process::ExitCode {
         Command::Vmtest { args } => vmtest::run(&args),
         Command::Image { test } => image::run(test),
         Command::K8s { node } => k8s::run(node),
+        Command::E2e { focus, conformance } => e2e::run(focus, conformance),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

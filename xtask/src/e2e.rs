@@ -1,0 +1,228 @@
+//! `cargo xtask e2e`: upstream Kubernetes' own `[sig-network] Services`
+//! tests against the agent, on a real one-node cluster on this machine
+//! (issue #36), with nothing from an image registry:
+//!
+//! 1. The binaries: the control plane of `cargo xtask k8s` and the node's
+//!    parts of `cargo xtask k8s --node` (kubelet, kube-scheduler, agnhost,
+//!    `e2e.test` with only sig-network linked in, containerd, CoreDNS).
+//! 2. The images: the agent's (`cargo xtask image`), and agnhost, pause,
+//!    busybox and CoreDNS (`e2e::images`).
+//! 3. The node (`e2e::node`): etcd, kube-apiserver, kube-controller-manager
+//!    with every default controller, kube-scheduler, containerd and kubelet
+//!    in namespaces and a cgroup of their own; no kube-proxy.
+//! 4. CoreDNS as the cluster DNS (`e2e/coredns.yaml`), and the agent as the
+//!    cluster's proxy: the chart rendered by Helm's engine (the chart
+//!    tests' environment) and applied.
+//! 5. `e2e.test --provider=skeleton --ginkgo.focus=... --ginkgo.skip=...`
+//!    in the node's network namespace and cgroup, with the skip list of
+//!    `tools/k8s-node/e2e-skips.txt`; the JUnit report and the run's log
+//!    in `target/e2e/`, the components' and pods' logs in
+//!    `target/e2e/logs/`.
+//!
+//! Not part of `cargo xtask test`. Needs root.
+
+mod images;
+mod node;
+mod skips;
+
+use std::fs;
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Instant;
+
+use anyhow::{Context, Result, bail};
+use serde_json::json;
+
+use crate::{chart_env, image, k8s, setup, util};
+
+/// The tests `cargo xtask e2e` runs by default.
+const FOCUS: &str = r"\[sig-network\] Services";
+/// `--conformance`: the Conformance ones among them.
+const CONFORMANCE_FOCUS: &str = r"\[sig-network\] Services.*\[Conformance\]";
+/// What the node needs from Debian: runc, the CNI plugins, mmdebstrap
+/// for agnhost's root filesystem, podman for the agent's image, openssl
+/// for the keys.
+const PACKAGES: [&str; 5] = ["runc", "containernetworking-plugins", "mmdebstrap", "podman", "openssl"];
+/// The release and namespace the chart is installed as.
+const RELEASE: &str = "topoproxy";
+const NAMESPACE: &str = "kube-system";
+
+/// `cargo xtask e2e [--focus REGEX | --conformance]`.
+pub(crate) fn run(focus: Option<String>, conformance: bool) -> Result<()> {
+    if !util::is_root() {
+        bail!("the e2e node (namespaces, cgroups, mounts, eBPF) needs root; run as root");
+    }
+    let started = Instant::now();
+    setup::ensure()?;
+    setup::ensure_debian_packages(&PACKAGES, false)?;
+    chart_env::ensure()?;
+    let root = util::workspace_root();
+    let bin = k8s::ensure_binaries(&root)?;
+    k8s::ensure_node_binaries(&root)?;
+    let skip_file = root.join("tools/k8s-node/e2e-skips.txt");
+    let skips = skips::parse(&fs::read_to_string(&skip_file).with_context(|| format!("reading {}", skip_file.display()))?)?;
+    let out = util::target_dir().join("e2e");
+    fs::create_dir_all(&out)?;
+    let agent = image::build()?;
+    let test_images = images::build(&out.join("images"), &bin, node::PAUSE_IMAGE)?;
+    println!("e2e: binaries and images ready after {:.0?}", started.elapsed());
+
+    let node = node::Node::start(&bin, &out.join("logs"))?;
+    node.import_images(&test_images)?;
+    node.import_images(&agent.archive)?;
+    install_coredns(&node)?;
+    install_agent(&node, &agent.local_name)?;
+    node.wait("CoreDNS and the agent to be ready", || {
+        node.kubectl(&["-n", NAMESPACE, "rollout", "status", "deployment/coredns", "--timeout=2s"])?;
+        node.kubectl(&["-n", NAMESPACE, "rollout", "status", &format!("daemonset/{RELEASE}"), "--timeout=2s"]).map(drop)
+    })?;
+    println!("e2e: CoreDNS and the agent ready after {:.0?}", started.elapsed());
+
+    let focus = focus.unwrap_or_else(|| if conformance { CONFORMANCE_FOCUS } else { FOCUS }.to_string());
+    let passed = run_tests(&node, &bin, &out, &focus, &skips::ginkgo_skip(&skips))?;
+    drop(node);
+    println!("e2e: done in {:.0?}", started.elapsed());
+    if !passed {
+        bail!("e2e tests failed (JUnit report and log in {})", out.display());
+    }
+    Ok(())
+}
+
+/// CoreDNS in kube-system behind the `kube-dns` Service at the cluster
+/// DNS address kubelet hands to pods.
+fn install_coredns(node: &node::Node) -> Result<()> {
+    let manifest = include_str!("e2e/coredns.yaml").replace("@IMAGE@", images::COREDNS).replace("@DNS_IP@", node::DNS_IP);
+    node.kubectl_stdin(&["apply", "-f", "-"], Some(&manifest)).map(drop).context("installing CoreDNS")
+}
+
+/// Renders `charts/topoproxy` with Helm's engine and applies it: the
+/// image just built (never pulled), the node's cgroup v2 directory and
+/// bpffs, the API server's address (there is no kube-proxy to reach its
+/// ClusterIP before the agent runs), `node0` as the device.
+fn install_agent(node: &node::Node, local_name: &str) -> Result<()> {
+    let (repository, tag) = local_name.rsplit_once(':').with_context(|| format!("{local_name} has no tag"))?;
+    let values = json!({
+        "image": {"repository": repository, "tag": tag, "pullPolicy": "Never"},
+        "cgroup": {"hostRoot": node.cgroup_v2()},
+        "bpf": {"root": node.bpffs()},
+        "kubernetes": {"apiServerHost": node::NODE_IP, "apiServerPort": node::APISERVER_PORT.to_string()},
+        "devices": ["node0"],
+        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
+    });
+    let python = chart_env::venv_dir().join("bin/python");
+    let mut c = util::cmd(&python);
+    c.arg("-c")
+        .arg(RENDER)
+        .arg(util::workspace_root().join("charts/topoproxy"))
+        .args([RELEASE, NAMESPACE])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = c.spawn().with_context(|| format!("cannot run {}", python.display()))?;
+    if let Some(mut pipe) = child.stdin.take() {
+        std::io::Write::write_all(&mut pipe, values.to_string().as_bytes())?;
+    }
+    let rendered = child.wait_with_output()?;
+    if !rendered.status.success() {
+        bail!("rendering the chart failed: {}", String::from_utf8_lossy(&rendered.stderr).trim());
+    }
+    node.kubectl_stdin(&["apply", "-f", "-"], Some(&String::from_utf8_lossy(&rendered.stdout))).map(drop).context("applying the chart")
+}
+
+/// `helm install`'s rendering with Helm's engine (helm_python, the chart
+/// tests' environment): every manifest as one List.
+const RENDER: &str = r#"
+import json, sys
+import helm_python as helm
+import yaml
+chart_dir, release, namespace = sys.argv[1:4]
+values = json.load(sys.stdin)
+with helm.Chart.load(chart_dir) as chart:
+    manifests = chart.render(values=values, name=release, namespace=namespace, is_install=True)
+docs = [d for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt") for d in yaml.safe_load_all(text) if d]
+json.dump({"apiVersion": "v1", "kind": "List", "items": docs}, sys.stdout)
+"#;
+
+/// Runs e2e.test in the node; its log in `out/e2e.log`, its JUnit report
+/// in `out/junit_01.xml`. Prints the results; returns whether none failed.
+fn run_tests(node: &node::Node, bin: &Path, out: &Path, focus: &str, skip: &str) -> Result<bool> {
+    let _ = fs::remove_file(out.join("junit_01.xml"));
+    let log = out.join("e2e.log");
+    let file = fs::File::create(&log)?;
+    let mut c = node.command(&bin.join("e2e.test"), false);
+    c.arg("--provider=skeleton")
+        .arg(format!("--kubeconfig={}", node.kubeconfig().display()))
+        .arg(format!("--ginkgo.focus={focus}"))
+        .arg(format!("--ginkgo.skip={skip}"))
+        .arg(format!("--report-dir={}", out.display()))
+        .args(["--ginkgo.no-color", "--ginkgo.timeout=3h"])
+        .current_dir(out)
+        .stdout(file.try_clone()?)
+        .stderr(file);
+    println!("e2e: running e2e.test --ginkgo.focus='{focus}' (the skip list: tools/k8s-node/e2e-skips.txt); follow {}", log.display());
+    let started = Instant::now();
+    let status = c.status().context("cannot run e2e.test")?;
+    let junit = fs::read_to_string(out.join("junit_01.xml"))
+        .with_context(|| format!("e2e.test ({status}) wrote no JUnit report; see {}", log.display()))?;
+    let results = junit_results(&junit);
+    for (name, result) in &results {
+        if *result != "skipped" {
+            println!("  {result:7} {name}");
+        }
+    }
+    let count = |r: &str| results.iter().filter(|(_, x)| *x == r).count();
+    println!(
+        "e2e: {} passed, {} failed, {} skipped in {:.0?} (JUnit: {})",
+        count("passed"),
+        count("failed"),
+        count("skipped"),
+        started.elapsed(),
+        out.join("junit_01.xml").display()
+    );
+    Ok(status.success() && count("failed") == 0)
+}
+
+/// (name, passed|failed|skipped) of each `<testcase>` of a JUnit report,
+/// the suite's own set-up and tear-down nodes left out.
+fn junit_results(xml: &str) -> Vec<(String, &'static str)> {
+    let mut results = Vec::new();
+    for case in xml.split("<testcase ").skip(1) {
+        let body = case.split("</testcase>").next().unwrap_or(case);
+        let Some(name) = body.split("name=\"").nth(1).and_then(|r| r.split('"').next()) else { continue };
+        let name = name.replace("&#34;", "\"").replace("&amp;", "&").replace("&lt;", "<").replace("&gt;", ">").replace("&#39;", "'");
+        if name.starts_with("[Synchronized") || name.starts_with("[ReportAfterSuite]") || name.starts_with("[ReportBeforeSuite]") {
+            continue;
+        }
+        let result = if body.contains("<failure") || body.contains("<error") {
+            "failed"
+        } else if body.contains("<skipped") {
+            "skipped"
+        } else {
+            "passed"
+        };
+        results.push((name, result));
+    }
+    results
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn junit_cases_are_counted_by_outcome() {
+        let xml = r#"<testsuite><testcase name="[SynchronizedBeforeSuite]" status="passed"></testcase>
+<testcase name="[sig-network] Services should a &#34;b&#34;" status="passed"><system-err>x</system-err></testcase>
+<testcase name="[sig-network] Services should c" status="failed"><failure message="m">f</failure></testcase>
+<testcase name="[sig-network] Services should d" status="skipped"><skipped message="s"></skipped></testcase></testsuite>"#;
+        let r = junit_results(xml);
+        assert_eq!(
+            r,
+            vec![
+                ("[sig-network] Services should a \"b\"".to_string(), "passed"),
+                ("[sig-network] Services should c".to_string(), "failed"),
+                ("[sig-network] Services should d".to_string(), "skipped"),
+            ]
+        );
+    }
+}
