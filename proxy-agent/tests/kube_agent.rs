@@ -206,6 +206,12 @@ fn services_and_slices_follow_the_api_server() {
         services_watch.contains("labelSelector=%21service.kubernetes.io%2Fservice-proxy-name%2C%21service.kubernetes.io%2Fheadless"),
         "{services_watch}"
     );
+    // EndpointSlices with the same selector, as kube-proxy's informers.
+    let slices_watch = reqs.iter().find(|r| r.contains("/endpointslices?") && r.contains("watch=true")).expect("an EndpointSlice watch");
+    assert!(
+        slices_watch.contains("labelSelector=%21service.kubernetes.io%2Fservice-proxy-name%2C%21service.kubernetes.io%2Fheadless"),
+        "{slices_watch}"
+    );
     // This node's Node is listed and watched whole (its taints are in the
     // spec, which metadata-only objects do not carry), and alone, by a
     // field selector as kube-proxy does; no Service needs other Nodes.

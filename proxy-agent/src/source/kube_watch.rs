@@ -62,10 +62,13 @@ use crate::source::wire_v1beta1::WireSliceV1beta1;
 use crate::util::error_chain::error_chain;
 
 /// Services another proxy implements, and headless Services, are not
-/// watched at all; kube-proxy uses the same selector
-/// (pkg/proxy/apis/config: `!service.kubernetes.io/service-proxy-name`,
-/// `!service.kubernetes.io/headless`). The conversion checks both labels
-/// again, so manifests behave the same.
+/// watched at all, nor EndpointSlices with either label; kube-proxy uses
+/// the same selector for both kinds (pkg/proxy/apis/config:
+/// `!service.kubernetes.io/service-proxy-name`,
+/// `!service.kubernetes.io/headless`; cmd/kube-proxy/app/server.go applies
+/// it to its one informer factory). A slice that gains a label leaves the
+/// watch as a deletion. The conversion checks both labels again, so
+/// manifests behave the same.
 pub const SERVICE_LABEL_SELECTOR: &str = "!service.kubernetes.io/service-proxy-name,!service.kubernetes.io/headless";
 
 /// The EndpointSlice controller stamps this on slices: the time of the
@@ -301,7 +304,7 @@ async fn watch_slices(client: Client, mut versions: Negotiated, stores: Stores, 
         let stopped = match chosen.endpoint_slices {
             Some(Version::V1) => {
                 let w: Watch<WireSlice> = Watch {
-                    open: opener(Api::all(client.clone()), watcher::Config::default()),
+                    open: opener(Api::all(client.clone()), watcher::Config::default().labels(SERVICE_LABEL_SELECTOR)),
                     kind,
                     trigger_of: slice_trigger_time,
                     convert_of: Arc::new(|s| Some(slice_delta(s))),
@@ -310,7 +313,7 @@ async fn watch_slices(client: Client, mut versions: Negotiated, stores: Stores, 
             }
             Some(Version::V1beta1) => {
                 let w: Watch<WireSliceV1beta1> = Watch {
-                    open: opener(Api::all(client.clone()), watcher::Config::default()),
+                    open: opener(Api::all(client.clone()), watcher::Config::default().labels(SERVICE_LABEL_SELECTOR)),
                     kind,
                     trigger_of: slice_trigger_time,
                     convert_of: Arc::new(|s| Some(slice_delta(s.into_v1()))),

@@ -287,6 +287,19 @@ pub(crate) fn slice_from_wire(slice: WireSlice) -> Conversion<EndpointSlice> {
     if name.is_empty() {
         return Err(fail(K, &ns, &name, "metadata.name is missing"));
     }
+    // kube-proxy's informers watch EndpointSlices with the Services'
+    // selector (cmd/kube-proxy/app/server.go: one informer factory with
+    // `!service-proxy-name,!headless`), so a slice carrying either label is
+    // not its to serve even when its Service is (upstream e2e, "should
+    // implement service.kubernetes.io/headless", labels a slice only).
+    if let Some(labels) = slice.metadata.labels.as_ref() {
+        if labels.contains_key(SERVICE_PROXY_NAME_LABEL) {
+            return Ok((Converted::Ignored("served by another proxy"), Vec::new()));
+        }
+        if labels.contains_key(HEADLESS_LABEL) {
+            return Ok((Converted::Ignored("headless"), Vec::new()));
+        }
+    }
     let service_name = slice
         .metadata
         .labels
@@ -500,6 +513,38 @@ metadata: {name: d}
         );
         assert!(e.is_empty(), "{e:?}");
         assert!(c.services.is_empty());
+    }
+
+    #[test]
+    fn ignores_slices_labelled_headless_or_for_other_proxies() {
+        let (c, e) = cluster(
+            r"
+apiVersion: v1
+kind: Service
+metadata: {name: web}
+spec: {clusterIP: 10.96.0.1, ports: [{port: 80}]}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-a, labels: {kubernetes.io/service-name: web}}
+addressType: IPv4
+endpoints: [{addresses: [10.244.0.1]}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-h, labels: {kubernetes.io/service-name: web, service.kubernetes.io/headless: ''}}
+addressType: IPv4
+endpoints: [{addresses: [10.244.0.2]}]
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata: {name: web-o, labels: {kubernetes.io/service-name: web, service.kubernetes.io/service-proxy-name: other}}
+addressType: IPv4
+endpoints: [{addresses: [10.244.0.3]}]
+",
+        );
+        assert!(e.is_empty(), "{e:?}");
+        assert_eq!(c.slices.keys().map(|r| &*r.name).collect::<Vec<_>>(), ["web-a"]);
     }
 
     #[test]
