@@ -19,7 +19,8 @@
 //!    in `target/e2e/`, the components' and pods' logs in
 //!    `target/e2e/logs/`.
 //!
-//! Not part of `cargo xtask test`. Needs root.
+//! `cargo xtask test` runs the `[Conformance]` ones after its image step
+//! ([`ci_step`]), against the image that step built. Needs root.
 
 mod images;
 mod node;
@@ -33,6 +34,7 @@ use std::time::Instant;
 use anyhow::{Context, Result, bail};
 use serde_json::json;
 
+use crate::libtest::Totals;
 use crate::{chart_env, image, k8s, setup, util};
 
 /// The tests `cargo xtask e2e` runs by default.
@@ -55,6 +57,61 @@ pub(crate) fn run(focus: Option<String>, conformance: bool) -> Result<()> {
     let started = Instant::now();
     setup::ensure()?;
     setup::ensure_debian_packages(&PACKAGES, false)?;
+    let agent = image::build()?;
+    let focus = focus.unwrap_or_else(|| if conformance { CONFORMANCE_FOCUS } else { FOCUS }.to_string());
+    let outcome = run_on_node(&agent, &focus)?;
+    println!("e2e: done in {:.0?}", started.elapsed());
+    if !outcome.ok() {
+        bail!("e2e tests failed (JUnit report and log in {})", util::target_dir().join("e2e").display());
+    }
+    Ok(())
+}
+
+/// `cargo xtask test`'s e2e step (issue #36): the `[Conformance]` tests
+/// of `[sig-network] Services` that fit one node, against `agent`, the
+/// image step's build. Their results are added to `totals` (skipped ones
+/// as ignored). Returns why the step failed, `None` when it passed.
+pub(crate) fn ci_step(agent: &image::Built, totals: &mut Totals) -> Option<String> {
+    println!(
+        "
+e2e: upstream's [sig-network] Services [Conformance] tests on a one-node cluster (`cargo xtask e2e --conformance`)"
+    );
+    let outcome = setup::ensure_debian_packages(&PACKAGES, false).and_then(|()| run_on_node(agent, CONFORMANCE_FOCUS));
+    match outcome {
+        Ok(o) => {
+            totals.passed += o.passed;
+            totals.failed += o.failed;
+            totals.ignored += o.skipped;
+            (!o.ok()).then(|| format!("e2e: {} of the Conformance tests failed (JUnit report and log in target/e2e/)", o.failed.max(1)))
+        }
+        Err(e) => {
+            println!("e2e failed: {e:#}");
+            totals.failed += 1;
+            Some(format!("e2e: {e:#}"))
+        }
+    }
+}
+
+/// What one `e2e.test` run reported.
+struct Outcome {
+    passed: u64,
+    failed: u64,
+    skipped: u64,
+    /// e2e.test itself exited with success.
+    exited_ok: bool,
+}
+
+impl Outcome {
+    fn ok(&self) -> bool {
+        self.exited_ok && self.failed == 0
+    }
+}
+
+/// Builds what the node needs, starts it with `agent` as its proxy and
+/// runs the tests `focus` names, less the skip list. The node is removed
+/// before this returns, whatever happened.
+fn run_on_node(agent: &image::Built, focus: &str) -> Result<Outcome> {
+    let started = Instant::now();
     chart_env::ensure()?;
     let root = util::workspace_root();
     let bin = k8s::ensure_binaries(&root)?;
@@ -63,7 +120,6 @@ pub(crate) fn run(focus: Option<String>, conformance: bool) -> Result<()> {
     let skips = skips::parse(&fs::read_to_string(&skip_file).with_context(|| format!("reading {}", skip_file.display()))?)?;
     let out = util::target_dir().join("e2e");
     fs::create_dir_all(&out)?;
-    let agent = image::build()?;
     let test_images = images::build(&out.join("images"), &bin, node::PAUSE_IMAGE)?;
     println!("e2e: binaries and images ready after {:.0?}", started.elapsed());
 
@@ -77,15 +133,7 @@ pub(crate) fn run(focus: Option<String>, conformance: bool) -> Result<()> {
         node.kubectl(&["-n", NAMESPACE, "rollout", "status", &format!("daemonset/{RELEASE}"), "--timeout=2s"]).map(drop)
     })?;
     println!("e2e: CoreDNS and the agent ready after {:.0?}", started.elapsed());
-
-    let focus = focus.unwrap_or_else(|| if conformance { CONFORMANCE_FOCUS } else { FOCUS }.to_string());
-    let passed = run_tests(&node, &bin, &out, &focus, &skips::ginkgo_skip(&skips))?;
-    drop(node);
-    println!("e2e: done in {:.0?}", started.elapsed());
-    if !passed {
-        bail!("e2e tests failed (JUnit report and log in {})", out.display());
-    }
-    Ok(())
+    run_tests(&node, &bin, &out, focus, &skips::ginkgo_skip(&skips))
 }
 
 /// CoreDNS in kube-system behind the `kube-dns` Service at the cluster
@@ -144,8 +192,8 @@ json.dump({"apiVersion": "v1", "kind": "List", "items": docs}, sys.stdout)
 "#;
 
 /// Runs e2e.test in the node; its log in `out/e2e.log`, its JUnit report
-/// in `out/junit_01.xml`. Prints the results; returns whether none failed.
-fn run_tests(node: &node::Node, bin: &Path, out: &Path, focus: &str, skip: &str) -> Result<bool> {
+/// in `out/junit_01.xml`. Prints the results and returns their counts.
+fn run_tests(node: &node::Node, bin: &Path, out: &Path, focus: &str, skip: &str) -> Result<Outcome> {
     let _ = fs::remove_file(out.join("junit_01.xml"));
     let log = out.join("e2e.log");
     let file = fs::File::create(&log)?;
@@ -170,7 +218,7 @@ fn run_tests(node: &node::Node, bin: &Path, out: &Path, focus: &str, skip: &str)
             println!("  {result:7} {name}");
         }
     }
-    let count = |r: &str| results.iter().filter(|(_, x)| *x == r).count();
+    let count = |r: &str| results.iter().filter(|(_, x)| *x == r).count() as u64;
     println!(
         "e2e: {} passed, {} failed, {} skipped in {:.0?} (JUnit: {})",
         count("passed"),
@@ -179,7 +227,7 @@ fn run_tests(node: &node::Node, bin: &Path, out: &Path, focus: &str, skip: &str)
         started.elapsed(),
         out.join("junit_01.xml").display()
     );
-    Ok(status.success() && count("failed") == 0)
+    Ok(Outcome { passed: count("passed"), failed: count("failed"), skipped: count("skipped"), exited_ok: status.success() })
 }
 
 /// (name, passed|failed|skipped) of each `<testcase>` of a JUnit report,

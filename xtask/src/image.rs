@@ -379,14 +379,15 @@ fn local_name(reference: &str) -> String {
 
 /// The image step of `cargo xtask test`: builds the image and runs the
 /// image test, adding its results to `totals`. Returns why it failed, or
-/// `None` when it passed or was skipped (the reason printed).
+/// `None` when it passed or was skipped (the reason printed), and the
+/// image when one was built (the e2e step runs it as the cluster's proxy).
 /// `compiled` is set to the time the agent's build took.
-pub(crate) fn test_step(totals: &mut Totals, compiled: &mut Duration) -> Option<String> {
+pub(crate) fn test_step(totals: &mut Totals, compiled: &mut Duration) -> (Option<String>, Option<Built>) {
     let started = Instant::now();
     println!("\nimage: the agent's container image, built and run as the chart's DaemonSet (`cargo xtask image --test`)");
     let skip = |reason: String| {
         println!("image test skipped: {reason}");
-        None
+        (None, None)
     };
     if let Err(e) = setup::ensure_debian_packages(&ENGINE_PACKAGES, false) {
         return skip(format!("the container engine cannot be installed: {e:#}"));
@@ -400,12 +401,12 @@ pub(crate) fn test_step(totals: &mut Totals, compiled: &mut Duration) -> Option<
         Err(e) => {
             println!("image build failed: {e:#}");
             totals.failed += 1;
-            return Some(format!("image: {e:#}"));
+            return (Some(format!("image: {e:#}")), None);
         }
     };
     let result = run_test(&built, totals);
     println!("image step took {:.0?}", started.elapsed());
-    match result {
+    let failed = match result {
         Ok(true) => None,
         Ok(false) => Some("the image test failed".into()),
         Err(e) => {
@@ -413,7 +414,8 @@ pub(crate) fn test_step(totals: &mut Totals, compiled: &mut Duration) -> Option<
             totals.failed += 1;
             Some(format!("image test: {e:#}"))
         }
-    }
+    };
+    (failed, Some(built))
 }
 
 /// Runs proxy-agent's image test against `built`; adds its results to

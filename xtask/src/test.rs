@@ -30,6 +30,12 @@
 //! builds the agent's container image and runs it as the chart's
 //! DaemonSet; it is left out with `-p`, and skipped with its reason only
 //! where podman cannot be installed or cannot run a container.
+//!
+//! Then the e2e step (`e2e.rs`, also `cargo xtask e2e --conformance`)
+//! runs upstream's `[sig-network] Services ... [Conformance]` tests on a
+//! one-node cluster with that image as the cluster's proxy; its node's
+//! binaries build beside the tests from the cargo test run on. Left out
+//! with `-p`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::Stdio;
@@ -38,7 +44,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 
 use crate::libtest::Totals;
-use crate::{docs, fuzz, image, k8s, lint, setup, util, vmtest};
+use crate::{docs, e2e, fuzz, image, k8s, lint, setup, util, vmtest};
 
 pub(crate) fn run(args: &[String]) -> Result<()> {
     if !util::is_root() {
@@ -109,6 +115,16 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         steps.beside("kubernetes binaries (tools/k8s, beside lint and docs)", took);
         c.env(k8s::BIN_ENV, &dir);
     }
+    // The e2e step's node (kubelet, containerd, CoreDNS, e2e.test; k8s.rs
+    // `--node`) builds beside the host's tests, fuzz and image steps, at
+    // the lowest priority (its Go builds run under nice 19): on a fresh
+    // machine about ten minutes of CPU that those steps leave idle while
+    // they wait on agents, servers and guests; on a warm one a check.
+    let node_build = (!selects).then(|| {
+        let root = util::workspace_root();
+        let started = Instant::now();
+        std::thread::spawn(move || (k8s::ensure_node_binaries(&root).map(drop), started.elapsed()))
+    });
     util::print_disk("the tests");
     let started = Instant::now();
     c.arg("test");
@@ -192,6 +208,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
     };
     // The container image, built and run as the chart's DaemonSet
     // (image.rs); like the VM run, it follows even when a test failed.
+    let mut agent_image = None;
     let image_failed = if selects {
         println!("\nimage test not run: packages were selected with -p (`cargo xtask image --test` runs it alone)");
         None
@@ -199,9 +216,40 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         util::print_disk("the image step");
         let started = Instant::now();
         let mut compiled = Duration::ZERO;
-        let failed = image::test_step(&mut totals, &mut compiled);
+        let (failed, built) = image::test_step(&mut totals, &mut compiled);
         steps.done_compiled("container image", started, compiled);
+        agent_image = built;
         failed
+    };
+    // Upstream's Services conformance tests on a one-node cluster with the
+    // image just built as its proxy (e2e.rs), while one guest lane still
+    // runs: the node's pods and the test's own waits leave a core to it.
+    let e2e_failed = match node_build {
+        None => None,
+        Some(handle) => {
+            let waited = Instant::now();
+            let (node_built, took) =
+                handle.join().unwrap_or_else(|_| (Err(anyhow::anyhow!("the node build thread panicked")), Duration::ZERO));
+            steps.done("node binaries (tools/k8s-node and others), the rest after the image step", waited);
+            steps.beside("node binaries (beside cargo test, fuzz and image)", took);
+            match (node_built, &agent_image) {
+                (Err(e), _) => {
+                    println!("\ne2e not run: building the node failed: {e:#}");
+                    totals.failed += 1;
+                    Some(format!("e2e: building the node: {e:#}"))
+                }
+                (Ok(()), None) => {
+                    println!("\ne2e not run: the image step built no image");
+                    None
+                }
+                (Ok(()), Some(agent)) => {
+                    let started = Instant::now();
+                    let failed = e2e::ci_step(agent, &mut totals);
+                    steps.done("e2e (Services conformance on one node)", started);
+                    failed
+                }
+            }
+        }
     };
     let mut vm_failed = None;
     if let Some(vm) = vm {
@@ -246,6 +294,9 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
         bail!(why);
     }
     if let Some(why) = image_failed {
+        bail!(why);
+    }
+    if let Some(why) = e2e_failed {
         bail!(why);
     }
     Ok(())
