@@ -73,7 +73,7 @@ fn load_with(tc: &[(Frontend, Vec<Backend>)], size: Option<TableSize>, caps: Opt
     require_root();
     let pins = PinDir::new("tmaglev").expect("pins");
     if let Some(caps) = caps {
-        drop(object::load(object::EBPF_OBJECT, pins.path(), Some(&caps)).expect("maps at their capacities"));
+        drop(object::load(object::EBPF_OBJECT, pins.path(), Some(&caps.into())).expect("maps at their capacities"));
     }
     let mut ebpf = tc_loader::load_unattached(pins.path()).expect("load");
     let prog: &mut aya::programs::SchedClassifier =

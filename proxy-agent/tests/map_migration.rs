@@ -8,6 +8,8 @@ mod support;
 use std::time::Duration;
 
 use aya::maps::MapInfo;
+use proxy_agent::datapath::maps::Capacities;
+use proxy_agent::datapath::socket_loader;
 use support::*;
 
 fn web() -> String {
@@ -84,4 +86,47 @@ fn capacity_changes_on_restart_migrate_the_maps_without_a_failed_connect() {
         .filter(|n| proxy_agent::datapath::pins::is_staged(n))
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
+}
+
+/// With `--devices none` (these tests' agents run in the host's network
+/// namespace, so always with it) no TC program runs, and the TC datapath's
+/// maps are created small (their floors) rather than at the sized
+/// capacities. An install at full size (as a start with devices makes)
+/// grows them like any capacity change, and a later start without devices
+/// leaves them as they are: no copy either way.
+#[test]
+fn tc_maps_stay_small_while_no_device_is_attached_and_grow_when_one_is() {
+    let mut net = PodNetwork::new();
+    for i in 1..=2 {
+        net.backend(&format!("pod-{i}"), &format!("10.244.1.{i}"), &[8080]);
+    }
+    let mut node = Node::new("node-a");
+    node.write_manifest("web.yaml", &web());
+    node.start_agent();
+    wait_for_backends(&node, &net, "10.96.0.20:80", &[], &["pod-1", "pod-2"]);
+    // The floors of `sizing` (Services 1024, slots 16,384, backends 8192,
+    // conntrack 16,384).
+    let tc = ["NP_SERVICES", "NP_SLOTS", "NP_BACKENDS", "NP_CT"];
+    assert_eq!(tc.map(|m| capacity(&node, m)), [1024, 16_384, 8192, 16_384]);
+    let socket = ["SERVICES", "SLOTS", "BACKENDS"].map(|m| capacity(&node, m));
+    assert!(socket[1] > 16_384, "the socket maps are sized as before: {socket:?}");
+
+    node.stop_agent();
+    let full = Capacities {
+        services: socket[0],
+        slots: socket[1],
+        backends: socket[2],
+        sock_revnat: capacity(&node, "SOCK_REVNAT"),
+        np_conntrack: 65_536,
+        affinity: capacity(&node, "AFFINITY"),
+    };
+    socket_loader::install(node.cgroup.path(), node.pins.path(), full).expect("install at full size");
+    let grown = [full.services, full.slots, full.backends, full.np_conntrack];
+    assert_eq!(tc.map(|m| capacity(&node, m)), grown);
+
+    node.start_agent();
+    wait_for_backends(&node, &net, "10.96.0.20:80", &[], &["pod-1", "pod-2"]);
+    assert_eq!(tc.map(|m| capacity(&node, m)), grown, "kept as pinned while no device is attached");
+    let log = node.agent_log();
+    assert!(!log.contains("map NP_SLOTS resized"), "{log}");
 }

@@ -17,6 +17,7 @@ use kube::config::{KubeConfigOptions, Kubeconfig};
 use proxy_agent::datapath::dump::{np_counter_sums, np_fast_counter_sums, service_conn_sums, socket_counter_sums};
 use proxy_agent::datapath::kernel_features::KernelFeatures;
 use proxy_agent::datapath::map_writer::MapWriter;
+use proxy_agent::datapath::maps::{Datapath, MapSizes};
 use proxy_agent::datapath::pin_guard::{self, PinGuard};
 use proxy_agent::datapath::sizing::{self, Needs};
 use proxy_agent::datapath::sock_destroy::Terminator;
@@ -369,15 +370,26 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     });
     let sizing = args.datapath.capacities(needs)?;
     let explicit = args.datapath.explicit_capacities()?;
-    let caps = sizing::keep_pinned(&sizing.caps, needs, &explicit, &map_migration::pinned_capacities(&args.datapath.bpffs));
+    let pinned = |datapath| map_migration::pinned_datapath_capacities(&args.datapath.bpffs, datapath);
+    let socket = sizing::keep_pinned(&sizing.caps, needs, &explicit, &pinned(Datapath::Socket));
+    // With `--devices none` no TC program runs and nothing writes the TC
+    // maps: they stay as pinned, or small (see `MapSizes`).
+    let tc_idle = !external_cfg.devices.enabled();
+    let tc = if tc_idle {
+        sizing::idle_tc(&explicit, &pinned(Datapath::Tc))
+    } else {
+        sizing::keep_pinned(&sizing.caps, needs, &explicit, &pinned(Datapath::Tc))
+    };
+    let caps = MapSizes { socket, tc };
     tracing::info!(
         ?needs,
-        services = caps.services,
-        slots = caps.slots,
-        backends = caps.backends,
-        sock_revnat = caps.sock_revnat,
-        np_conntrack = caps.np_conntrack,
-        affinity = caps.affinity,
+        services = socket.services,
+        slots = socket.slots,
+        backends = socket.backends,
+        sock_revnat = socket.sock_revnat,
+        np_conntrack = tc.np_conntrack,
+        affinity = socket.affinity,
+        tc_idle,
         maglev_tables_mib = sizing.maglev_bytes >> 20,
         worst_case_mib = sizing.worst_case_bytes >> 20,
         "map capacities"

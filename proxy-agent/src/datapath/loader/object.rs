@@ -8,7 +8,7 @@ use aya::{Ebpf, EbpfError, EbpfLoader};
 use proxy_common as pc;
 
 use crate::datapath::loader::pins;
-use crate::datapath::maps::{self, Capacities};
+use crate::datapath::maps::{self, MapSizes};
 
 /// The eBPF object, built by build.rs from the `proxy-ebpf` crate.
 pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/proxy-ebpf"));
@@ -18,14 +18,14 @@ pub static EBPF_OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DI
 /// pins the ones it creates (`EbpfLoader::map_pin_path`), so every load of
 /// either datapath shares one copy of each map. With `caps`, a map created
 /// now gets its capacity; a pinned map keeps the size it was created with.
-pub fn load(object: &[u8], pin_dir: &Path, caps: Option<&Capacities>) -> Result<Ebpf, EbpfError> {
+pub fn load(object: &[u8], pin_dir: &Path, caps: Option<&MapSizes>) -> Result<Ebpf, EbpfError> {
     load_staged(object, pin_dir, caps, &[])
 }
 
 /// [`load`], with the maps named in `staged` at their staged pins
 /// ([`pins::staged_map`]): created there, with `caps`, when none is
 /// pinned there yet. For a capacity change (see `map_migration`).
-pub fn load_staged(object: &[u8], pin_dir: &Path, caps: Option<&Capacities>, staged: &[&str]) -> Result<Ebpf, EbpfError> {
+pub fn load_staged(object: &[u8], pin_dir: &Path, caps: Option<&MapSizes>, staged: &[&str]) -> Result<Ebpf, EbpfError> {
     load_with(object, pin_dir, caps, staged, |_| {})
 }
 
@@ -61,7 +61,7 @@ pub fn load_external(object: &[u8], pin_dir: &Path, fast: bool, nexthops: bool) 
 fn load_with(
     object: &[u8],
     pin_dir: &Path,
-    caps: Option<&Capacities>,
+    caps: Option<&MapSizes>,
     staged: &[&str],
     private: impl FnOnce(&mut EbpfLoader<'_>),
 ) -> Result<Ebpf, EbpfError> {
@@ -70,8 +70,8 @@ fn load_with(
     for m in maps::MAPS {
         let pin = if staged.contains(&m.name) { pins::staged_map(pin_dir, m.name) } else { pins::map(pin_dir, m.name) };
         loader.map_pin_path(m.name, pin);
-        if let (Some(caps), Some(c)) = (caps, m.capacity) {
-            loader.map_max_entries(m.name, caps.get(c));
+        if let Some(max) = caps.and_then(|caps| caps.of(m)) {
+            loader.map_max_entries(m.name, max);
         }
     }
     loader.load(object)

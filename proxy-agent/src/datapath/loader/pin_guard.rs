@@ -32,7 +32,7 @@ use std::time::Duration;
 use aya::maps::{MapData, MapError};
 
 use crate::datapath::loader::{mounts, pins, socket_loader};
-use crate::datapath::maps::{self, Capacities};
+use crate::datapath::maps::{self, MapSizes};
 use crate::observe::metrics::{Metrics, reason};
 use crate::util::error_chain::error_chain;
 
@@ -90,7 +90,7 @@ impl Restored {
 pub struct PinGuard {
     pin_dir: PathBuf,
     cgroup: PathBuf,
-    caps: Capacities,
+    caps: MapSizes,
     maps: Vec<(&'static str, MapData)>,
 }
 
@@ -98,7 +98,8 @@ impl PinGuard {
     /// Opens every pinned map of `pin_dir`; `socket_loader::install` must
     /// have pinned them. `cgroup` and `caps` are what the socket programs
     /// are installed with again when their links go.
-    pub fn open(pin_dir: &Path, cgroup: &Path, caps: Capacities) -> Result<PinGuard, GuardError> {
+    pub fn open(pin_dir: &Path, cgroup: &Path, caps: impl Into<MapSizes>) -> Result<PinGuard, GuardError> {
+        let caps = caps.into();
         let mut held = Vec::with_capacity(maps::MAPS.len());
         for m in maps::MAPS {
             let path = pins::map(pin_dir, m.name);

@@ -28,7 +28,7 @@ use crate::datapath::loader::kernel_features::{self, KernelFeatures};
 use crate::datapath::loader::object::{self, EBPF_OBJECT};
 use crate::datapath::loader::{mounts, pins, tc_loader};
 use crate::datapath::maps::bpf_batch;
-use crate::datapath::maps::{self, Capacities};
+use crate::datapath::maps::{self, MapSizes};
 use crate::datapath::maps::{map_migration, port_bits};
 use crate::datapath::sockets::{sock_rec_count, sock_rec_sweep};
 use crate::util::error_chain::error_chain;
@@ -147,7 +147,8 @@ pub enum LoadError {
 /// Installs (or adopts and upgrades) the datapath. Returns warnings that do
 /// not stop the agent, e.g. a pinned map whose capacity differs from the one
 /// requested.
-pub fn install(cgroup: &Path, pin_dir: &Path, caps: Capacities) -> Result<Vec<String>, LoadError> {
+pub fn install(cgroup: &Path, pin_dir: &Path, caps: impl Into<MapSizes>) -> Result<Vec<String>, LoadError> {
+    let caps: MapSizes = caps.into();
     // Before anything is pinned or attached: a kernel below the floor gets
     // one sentence, never half a datapath.
     let kernel = KernelFeatures::get();

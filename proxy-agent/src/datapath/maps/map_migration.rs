@@ -22,7 +22,7 @@ use proxy_common::SvcConnValue;
 
 use crate::datapath::loader::pins;
 use crate::datapath::maps::bpf_batch::{self, BPF_MAP_GET_NEXT_KEY, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM};
-use crate::datapath::maps::{self, Capacities, MapSpec};
+use crate::datapath::maps::{self, MapSizes, MapSpec};
 
 /// A map to be recreated with another capacity.
 #[derive(Debug)]
@@ -72,8 +72,17 @@ pub enum MigrationError {
 /// [`maps::Capacity::ALL`] order (the first pinned map of each wins; the
 /// maps a capacity sizes are created together).
 pub fn pinned_capacities(pin_dir: &Path) -> [Option<u32>; 6] {
+    pinned_capacities_of(pin_dir, None)
+}
+
+/// [`pinned_capacities`] of one datapath's maps only.
+pub fn pinned_datapath_capacities(pin_dir: &Path, datapath: maps::Datapath) -> [Option<u32>; 6] {
+    pinned_capacities_of(pin_dir, Some(datapath))
+}
+
+fn pinned_capacities_of(pin_dir: &Path, datapath: Option<maps::Datapath>) -> [Option<u32>; 6] {
     let mut out = [None; 6];
-    for m in maps::MAPS {
+    for m in maps::MAPS.iter().filter(|m| datapath.is_none_or(|d| m.datapath == d)) {
         let Some(c) = m.capacity else { continue };
         let i = maps::Capacity::ALL.iter().position(|&x| x == c).unwrap_or(0);
         if out[i].is_none()
@@ -89,7 +98,7 @@ pub fn pinned_capacities(pin_dir: &Path) -> [Option<u32>; 6] {
 /// more entries than its new capacity is kept as it is (the copy could not
 /// hold them), with a warning; an LRU map is shrunk anyway, as it would
 /// evict when full.
-pub fn plan(pin_dir: &Path, caps: &Capacities) -> (Vec<Migration>, Vec<String>) {
+pub fn plan(pin_dir: &Path, caps: &MapSizes) -> (Vec<Migration>, Vec<String>) {
     let mut out = Vec::new();
     let mut warnings = Vec::new();
     // The socket hooks' and the TC fast path's counter arrays grow as
@@ -107,10 +116,10 @@ pub fn plan(pin_dir: &Path, caps: &Capacities) -> (Vec<Migration>, Vec<String>) 
         }
     }
     for m in maps::MAPS {
-        let Some(c) = m.capacity else { continue };
+        let Some(to) = caps.of(m) else { continue };
         let path = pins::map(pin_dir, m.name);
         let Ok(info) = MapInfo::from_pin(&path) else { continue };
-        let (from, to) = (info.max_entries(), caps.get(c));
+        let from = info.max_entries();
         if from == to {
             continue;
         }

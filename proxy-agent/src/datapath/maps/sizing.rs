@@ -271,8 +271,9 @@ pub fn size_on(needs: Option<Needs>, explicit: &[Option<u32>; 6], budget_bytes: 
 /// The capacities to use given the pinned maps' (`pinned`, in
 /// [`Capacity::ALL`] order): an explicit flag always wins (a difference is
 /// migrated); a sized capacity keeps the pinned one when that holds what
-/// the first model needs and is at most twice the sized one, so that a
-/// restart into a slightly different cluster does not copy every map.
+/// the first model needs and is within a factor of two of the sized one,
+/// so that a restart into a slightly different cluster does not copy every
+/// map, while one at its idle size (`idle_tc`) grows back.
 pub fn keep_pinned(sized: &Capacities, needs: Option<Needs>, explicit: &[Option<u32>; 6], pinned: &[Option<u32>; 6]) -> Capacities {
     let needs = needs.unwrap_or_default();
     let mut caps = *sized;
@@ -285,10 +286,24 @@ pub fn keep_pinned(sized: &Capacities, needs: Option<Needs>, explicit: &[Option<
         };
         if let (None, Some(p)) = (explicit[i], pinned[i])
             && u64::from(p) >= needed.saturating_add(needed / 4)
+            && 2 * u64::from(p) >= u64::from(sized.get(c))
             && u64::from(p) <= 2 * u64::from(sized.get(c))
         {
             set(&mut caps, c, p);
         }
+    }
+    caps
+}
+
+/// The TC datapath's capacities while no TC program runs (`--devices
+/// none`): nothing writes its maps, so each keeps the size it is pinned
+/// with (`pinned`, the TC maps' own, in [`Capacity::ALL`] order: no copy
+/// now, nor when devices come back at that size) or takes its floor. An
+/// explicit flag still wins, as everywhere.
+pub fn idle_tc(explicit: &[Option<u32>; 6], pinned: &[Option<u32>; 6]) -> Capacities {
+    let mut caps = Capacities::default();
+    for (i, &c) in Capacity::ALL.iter().enumerate() {
+        set(&mut caps, c, explicit[i].or(pinned[i]).unwrap_or(bounds(c).0));
     }
     caps
 }
@@ -361,6 +376,23 @@ mod tests {
         // grown. Backends: more than twice the sized: shrunk. The explicit
         // one is the caller's, untouched here. LRU within 2x: kept.
         assert_eq!(caps, Capacities { services: 1500, slots: 10_000, backends: 5000, sock_revnat: 100, np_conntrack: 150, affinity: 100 });
+    }
+
+    #[test]
+    fn idle_tc_maps_keep_their_pins_or_take_their_floors_and_grow_back() {
+        let pinned = [Some(150_000), None, Some(9000), None, Some(16_384), None];
+        let idle = idle_tc(&NONE, &pinned);
+        assert_eq!(
+            idle,
+            Capacities { services: 150_000, slots: 16_384, backends: 9000, sock_revnat: 16_384, np_conntrack: 16_384, affinity: 4096 }
+        );
+        let flagged = idle_tc(&[None, None, Some(5000), None, None, Some(7)], &pinned);
+        assert_eq!((flagged.backends, flagged.affinity), (5000, 7), "explicit flags win");
+        // Devices back: a TC map left at its floor is less than half the
+        // sized capacity, so it is not kept (it is migrated to the size).
+        let sized = Capacities { np_conntrack: 262_144, ..Capacities::default() };
+        let caps = keep_pinned(&sized, None, &NONE, &[None, None, None, None, Some(16_384), None]);
+        assert_eq!(caps.np_conntrack, 262_144);
     }
 
     #[test]

@@ -120,6 +120,41 @@ impl Capacities {
     }
 }
 
+/// The capacities each datapath's maps are created with. Both follow the
+/// same [`Capacities`], but for the TC datapath's maps when no TC program
+/// runs (`--devices none`): nothing writes them then, so they keep the size
+/// they are pinned with, or take their floor (`sizing::idle_tc`), rather
+/// than cost the kernel memory and the creation time of full-size
+/// preallocated maps (NP_SLOTS, NP_BACKENDS, NP_CT, NP_SVC_CONN: about
+/// 230 MB and 0.2 s at 100k Services x 10 endpoints). A later start with
+/// devices migrates them to the full size like any capacity change.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MapSizes {
+    /// The socket programs' maps.
+    pub socket: Capacities,
+    /// The TC programs' maps.
+    pub tc: Capacities,
+}
+
+impl MapSizes {
+    /// The capacity `spec` is created with; `None` for a map no capacity
+    /// sizes.
+    pub fn of(&self, spec: &MapSpec) -> Option<u32> {
+        let caps = match spec.datapath {
+            Socket => &self.socket,
+            Tc => &self.tc,
+        };
+        spec.capacity.map(|c| caps.get(c))
+    }
+}
+
+impl From<Capacities> for MapSizes {
+    /// Both datapaths at `caps`.
+    fn from(caps: Capacities) -> MapSizes {
+        MapSizes { socket: caps, tc: caps }
+    }
+}
+
 /// One pinned map, as this agent expects to find it.
 #[derive(Debug)]
 pub struct MapSpec {
