@@ -28,7 +28,6 @@ mod skips;
 
 use std::fs;
 use std::path::Path;
-use std::process::Stdio;
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -143,10 +142,12 @@ fn install_coredns(node: &node::Node) -> Result<()> {
     node.kubectl_stdin(&["apply", "-f", "-"], Some(&manifest)).map(drop).context("installing CoreDNS")
 }
 
-/// Renders `charts/topoproxy` with Helm's engine and applies it: the
-/// image just built (never pulled), the node's cgroup v2 directory and
-/// bpffs, the API server's address (there is no kube-proxy to reach its
-/// ClusterIP before the agent runs), `node0` as the device.
+/// `helm install` of `charts/topoproxy` with Helm's own engine (the chart
+/// tests' helm-python environment, in the node's network namespace to
+/// reach its API server): the image just built (never pulled), the node's
+/// cgroup v2 directory and bpffs, the API server's address (there is no
+/// kube-proxy to reach its ClusterIP before the agent runs), `node0` as
+/// the device. The release is recorded as Helm records one (a Secret).
 fn install_agent(node: &node::Node, local_name: &str) -> Result<()> {
     let (repository, tag) = local_name.rsplit_once(':').with_context(|| format!("{local_name} has no tag"))?;
     let values = json!({
@@ -157,38 +158,37 @@ fn install_agent(node: &node::Node, local_name: &str) -> Result<()> {
         "devices": ["node0"],
         "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
     });
-    let python = chart_env::venv_dir().join("bin/python");
-    let mut c = util::cmd(&python);
+    let home = util::target_dir().join("e2e/helm-home");
+    fs::create_dir_all(&home)?;
+    let mut c = node.command(&chart_env::venv_dir().join("bin/python"), false);
     c.arg("-c")
-        .arg(RENDER)
+        .arg(INSTALL)
         .arg(util::workspace_root().join("charts/topoproxy"))
         .args([RELEASE, NAMESPACE])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = c.spawn().with_context(|| format!("cannot run {}", python.display()))?;
-    if let Some(mut pipe) = child.stdin.take() {
-        std::io::Write::write_all(&mut pipe, values.to_string().as_bytes())?;
+        .arg(node.kubeconfig())
+        .arg(values.to_string())
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        // Helm's caches go under target/, not the user's home.
+        .env("HOME", &home)
+        .env("XDG_CACHE_HOME", home.join("cache"));
+    let out = c.output().context("running helm install (helm-python)")?;
+    if !out.status.success() {
+        bail!("helm install of the chart failed: {}", String::from_utf8_lossy(&out.stderr).trim());
     }
-    let rendered = child.wait_with_output()?;
-    if !rendered.status.success() {
-        bail!("rendering the chart failed: {}", String::from_utf8_lossy(&rendered.stderr).trim());
-    }
-    node.kubectl_stdin(&["apply", "-f", "-"], Some(&String::from_utf8_lossy(&rendered.stdout))).map(drop).context("applying the chart")
+    println!("e2e: helm install {RELEASE} charts/topoproxy -n {NAMESPACE}: {}", String::from_utf8_lossy(&out.stdout).trim());
+    Ok(())
 }
 
-/// `helm install`'s rendering with Helm's engine (helm_python, the chart
-/// tests' environment): every manifest as one List.
-const RENDER: &str = r#"
-import json, sys
+/// `helm install` through helm-python (Helm's Go library): the release
+/// stored as a Secret in the namespace, as the helm CLI does.
+const INSTALL: &str = r#"
+import json, pathlib, sys
 import helm_python as helm
-import yaml
-chart_dir, release, namespace = sys.argv[1:4]
-values = json.load(sys.stdin)
-with helm.Chart.load(chart_dir) as chart:
-    manifests = chart.render(values=values, name=release, namespace=namespace, is_install=True)
-docs = [d for path, text in sorted(manifests.items()) if not path.endswith("NOTES.txt") for d in yaml.safe_load_all(text) if d]
-json.dump({"apiVersion": "v1", "kind": "List", "items": docs}, sys.stdout)
+chart_dir, release, namespace, kubeconfig, values = sys.argv[1:6]
+config = helm.Config(kubeconfig_path=kubeconfig, namespace=namespace)
+with helm.Chart.load(pathlib.Path(chart_dir)) as chart:
+    installed = config.install(chart, release, values=json.loads(values), namespace=namespace)
+print(f"release {installed.get('name', release)}, revision {installed.get('version', '?')}")
 "#;
 
 /// Runs e2e.test in the node; its log in `out/e2e.log`, its JUnit report
