@@ -570,8 +570,13 @@ fn health_metrics_and_events() {
     wait_for_backends(&node, &net, "10.96.26.10:80", &[], &["pod-1", "pod-2"]);
     // Invalid topology keys are ignored (reported), the Service still works.
     wait_for_backends(&node, &net, "10.96.26.11:80", &[], &["pod-1"]);
-    let (code, body) = http_get(maddr, "/readyz").expect("readyz");
-    assert_eq!((code, body.trim()), (200, "ok"));
+    // Ready once the first sync is applied and the socket termination
+    // mechanism is known (found beside that sync), which can trail the
+    // first programmed backends.
+    eventually("/readyz to answer ok", || match http_get(maddr, "/readyz") {
+        Ok((200, body)) if body.trim() == "ok" => Ok(()),
+        other => Err(format!("{other:?}")),
+    });
 
     let want = [("web", "InvalidEndpointSlice"), ("keys", "InvalidTopologyKeys"), ("badip", "InvalidService")];
     let summary = |evs: &[Value]| -> Vec<(String, String)> {
@@ -779,8 +784,13 @@ fn manifests_mode_serves_health_and_metrics_when_asked() {
     node.write_manifest("node.yaml", "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\n");
     node.start_agent_with(&["--metrics-address", "127.0.0.1:0"]);
     wait_for_backends(&node, &net, "10.96.28.10:80", &[], &["pod-1"]);
-    let (code, body) = http_get(node.metrics_address(), "/readyz").expect("readyz");
-    assert_eq!((code, body.trim()), (200, "ok"));
+    // Ready once the first sync is applied and the socket termination
+    // mechanism is known (found beside that sync): it can trail the first
+    // programmed backends.
+    eventually("/readyz to answer ok", || match http_get(node.metrics_address(), "/readyz") {
+        Ok((200, body)) if body.trim() == "ok" => Ok(()),
+        other => Err(format!("{other:?}")),
+    });
     wait_metric(&node, "topoproxy_frontends_programmed", |v| v == 1.0);
     wait_metric(&node, "topoproxy_map_entries{map=\"BACKENDS\"}", |v| v == 1.0);
     wait_metric(&node, "kubeproxy_sync_proxy_rules_service_changes_total", |v| v == 1.0);
