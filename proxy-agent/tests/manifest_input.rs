@@ -203,6 +203,13 @@ fn unchanged_files_are_not_read_again() {
     // A fast poll: it must look at the files without reading them.
     let agent = start_agent(&node, 50);
     wait_for_backends(&node, &net, "10.96.0.20:80", &[], &["pod-1"]);
+    // The start-up's own reads end first: the socket termination worker
+    // finds its mechanism (the kernel's BTF, megabytes) beside the first
+    // sync, and says which once it has.
+    proxy_test_support::wait::eventually("the agent to name its socket termination mechanism", || {
+        let log = node.agent_log();
+        if log.contains("sockets translated to a backend that leaves are") { Ok(()) } else { Err(()) }
+    });
     let pid = agent.0.id();
     let rchar = || -> u64 {
         fs::read_to_string(format!("/proc/{pid}/io"))
