@@ -93,8 +93,13 @@ fn a_connected_udp_client_moves_to_the_surviving_backend() {
     node.write_manifest("dns.yaml", &service("dns", "10.96.1.10", "UDP", 53, 53, &both, None));
     node.start_agent_with(&["--metrics-address", "127.0.0.1:0"]);
     wait_for_backends(&node, &net, "10.96.1.10:53", &["--udp"], &["dns-a", "dns-b"]);
+    // The worker names its mechanism beside the first sync, which can
+    // trail the first programmed backends.
     let mechanism = format!("topoproxy_socket_termination_mechanism{{mechanism=\"{}\"}}", expected_mechanism());
-    assert_eq!(metric(&scrape(&node, None), &mechanism), Some(1.0), "{mechanism}");
+    eventually(&mechanism, || match metric(&scrape(&node, None), &mechanism) {
+        Some(v) if v == 1.0 => Ok(()),
+        other => Err(other),
+    });
 
     // A DNS-like client: one connected socket, 1,000 queries, a 200 ms
     // timeout each, reconnecting through the Service when its socket fails.
@@ -634,8 +639,11 @@ fn the_netlink_fallback_terminates_udp_and_tcp_sockets_too() {
     let _agent =
         start_agent_with_env(&node, None, &["--metrics-address", "127.0.0.1:0"], &[("TOPOPROXY_KERNEL_HIDE", "sock_destroy_kfunc")]);
     wait_for_backends(&node, &net, "10.96.8.10:53", &["--udp"], &["nl-a", "nl-b"]);
-    let m = scrape(&node, None);
-    assert_eq!(metric(&m, "topoproxy_socket_termination_mechanism{mechanism=\"netlink\"}"), Some(1.0), "{m}");
+    // Named beside the first sync, which can trail the first backends.
+    let m = eventually("the netlink mechanism to be named", || {
+        let m = scrape(&node, None);
+        if metric(&m, "topoproxy_socket_termination_mechanism{mechanism=\"netlink\"}") == Some(1.0) { Ok(m) } else { Err(m) }
+    });
     assert_eq!(metric(&m, "topoproxy_socket_termination_mechanism{mechanism=\"iterators\"}"), Some(0.0), "{m}");
 
     // A UDP client on nl-a, and TCP connections until both backends hold one.
