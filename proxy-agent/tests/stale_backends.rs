@@ -96,9 +96,9 @@ fn a_connected_udp_client_moves_to_the_surviving_backend() {
     // The worker names its mechanism beside the first sync, which can
     // trail the first programmed backends.
     let mechanism = format!("topoproxy_socket_termination_mechanism{{mechanism=\"{}\"}}", expected_mechanism());
-    eventually(&mechanism, || match metric(&scrape(&node, None), &mechanism) {
-        Some(v) if v == 1.0 => Ok(()),
-        other => Err(other),
+    eventually(&mechanism, || {
+        let got = metric(&scrape(&node, None), &mechanism);
+        if got == Some(1.0) { Ok(()) } else { Err(got) }
     });
 
     // A DNS-like client: one connected socket, 1,000 queries, a 200 ms
