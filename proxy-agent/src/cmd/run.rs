@@ -20,7 +20,7 @@ use proxy_agent::datapath::map_writer::MapWriter;
 use proxy_agent::datapath::maps::{Datapath, MapSizes};
 use proxy_agent::datapath::pin_guard::{self, PinGuard};
 use proxy_agent::datapath::sizing::{self, Needs};
-use proxy_agent::datapath::sock_destroy::Terminator;
+use proxy_agent::datapath::sock_destroy::{self, Terminator};
 use proxy_agent::datapath::sockets::sock_rec_sweep;
 use proxy_agent::datapath::{conntrack_gc, socket_loader};
 use proxy_agent::datapath::{map_migration, maps};
@@ -443,6 +443,12 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     tracing::info!(devices = ?external.devices, node_addresses = ?external.node_addrs, tc_fast_path = external.tc_fast_on(), "external traffic datapath ready");
     metrics.set_xdp_devices(&external.devices, &external.xdp_devices());
 
+    // Sockets translated to a backend that leaves are terminated (and TC
+    // flows to it flushed) by a worker thread; which mechanism this kernel
+    // offers is said once, here.
+    let detected = sock_destroy::detect(&pin_dir);
+    sock_destroy::report(&detected.detection, &metrics);
+    let terminator = Terminator::start(pin_dir.clone(), detected, metrics.clone()).context("starting the socket termination worker")?;
     tracing::info!(
         terminate_tcp = TcpTermination::from(args.terminate_tcp).label(),
         "connections to departed backends: UDP ends when its endpoint is gone or not serving; TCP only when gone after terminating (--terminate-tcp=gone) or never"
@@ -492,12 +498,6 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
         }
     };
     let first_list = first_list.await.context("applying the first list")?;
-    // Sockets translated to a backend that leaves are terminated (and TC
-    // flows to it flushed) by a worker thread; which mechanism this kernel
-    // offers it finds and says once, beside the first sync (see
-    // `Terminator::start`): until the first list is decided both cores
-    // are busy, the first sync leaves one idle between its batch calls.
-    let terminator = Terminator::start(pin_dir.clone(), metrics.clone()).context("starting the socket termination worker")?;
     let mut sync = SyncLoop::new(config, writer, stores, metrics, health, events).with_first_list(first_list);
     if !standalone {
         sync = sync.with_node_label_needs(node_labels_tx);

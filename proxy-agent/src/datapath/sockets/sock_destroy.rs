@@ -172,43 +172,16 @@ impl Batch {
 #[derive(Debug)]
 pub struct Terminator {
     tx: Sender<Batch>,
-    /// Closed once the worker has said which mechanism it uses
-    /// ([`Terminator::wait_reported`]).
-    reported: Option<Receiver<()>>,
 }
 
 impl Terminator {
-    /// Starts the worker for the maps pinned under `pin_dir`. It first
-    /// finds the mechanism ([`detect`]) and says which ([`report`]), then
-    /// takes the batches, which queue meanwhile. Loading the iterators
-    /// (three parses of the kernel's BTF and the whole object) took 0.15 to
-    /// 0.3 s of a cold start at 100k Services when start-up waited for it;
-    /// started with the first sync, it takes the core the sync leaves
-    /// between its batch calls, and the first sync has nothing to
-    /// terminate before its maps are written.
-    pub fn start(pin_dir: PathBuf, metrics: Arc<Metrics>) -> io::Result<Terminator> {
+    /// Starts the worker for the maps pinned under `pin_dir`, with what
+    /// [`detect`] found.
+    pub fn start(pin_dir: PathBuf, detected: Detected, metrics: Arc<Metrics>) -> io::Result<Terminator> {
         let (tx, rx) = std::sync::mpsc::channel();
-        let (reported_tx, reported) = std::sync::mpsc::channel::<()>();
-        std::thread::Builder::new().name("sock-destroy".into()).spawn(move || {
-            let detected = detect(&pin_dir);
-            report(&detected.detection, &metrics);
-            drop(reported_tx);
-            let worker = Worker { pin_dir, mechanism: detected.detection.mechanism, iterators: detected.iterators, metrics, maps: None };
-            worker.run(&rx);
-        })?;
-        Ok(Terminator { tx, reported: Some(reported) })
-    }
-
-    /// Waits until the worker has said which mechanism it uses (in the log
-    /// and in `topoproxy_socket_termination_mechanism`); at once after the
-    /// first time. The sync loop waits before it first reports ready, so
-    /// that a ready agent's metrics name the mechanism, as when start-up
-    /// found it before the first sync.
-    pub fn wait_reported(&mut self) {
-        if let Some(rx) = self.reported.take() {
-            // Err once the worker dropped its end: reported (or gone).
-            let _ = rx.recv();
-        }
+        let worker = Worker { pin_dir, mechanism: detected.detection.mechanism, iterators: detected.iterators, metrics, maps: None };
+        std::thread::Builder::new().name("sock-destroy".into()).spawn(move || worker.run(&rx))?;
+        Ok(Terminator { tx })
     }
 
     /// Hands a batch to the worker; never blocks. The maps must already

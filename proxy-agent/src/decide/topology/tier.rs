@@ -25,6 +25,7 @@
 //! (`other_node_labels`), or from a v1beta1 slice's `topology` map. A
 //! domain that is not known counts as not shared.
 
+use std::collections::HashMap;
 use std::net::IpAddr;
 
 use proxy_common::{SHARE_ONE, tier};
@@ -147,10 +148,7 @@ pub(crate) fn share_fp(part: usize, whole: usize) -> u32 {
 #[derive(Debug, Default)]
 pub struct EndpointTiers {
     node: String,
-    /// Hashed with foldhash, not SipHash: a cold sync at 100k Services
-    /// x 10 looks up every one of its million new backends here, on the
-    /// thread that writes them beside the slots (`map_writer`).
-    of: foldhash::HashMap<IpAddr, u8>,
+    of: HashMap<IpAddr, u8>,
     /// Bumped whenever the tier of an address already in the table (or
     /// removed from it) changed; the writers then look at their backends
     /// again.
@@ -194,7 +192,7 @@ impl EndpointTiers {
             }
         };
         if all {
-            let mut fresh = foldhash::HashMap::with_capacity_and_hasher(self.of.len(), foldhash::fast::RandomState::default());
+            let mut fresh = HashMap::with_capacity(self.of.len());
             for s in cluster.slices.values() {
                 tier_of(s, &mut |ip, t| {
                     if t != tier::OTHER {

@@ -514,11 +514,6 @@ impl<W: SocketMaps> SyncLoop<W> {
         for kind in Kind::ALL {
             self.metrics.set_objects(kind.as_str(), self.stores.len(kind));
         }
-        // The termination worker finds its mechanism beside the first sync
-        // (`Terminator::start`): ready only once /metrics names it.
-        if let Some(t) = &mut self.terminator {
-            t.wait_reported();
-        }
         self.health.synced();
         self.dirty = false;
         self.last_sync = Some(Instant::now());
@@ -565,13 +560,9 @@ pub fn apply_first_list(stores: &Stores, keep_uids: bool, node: &str) -> FirstLi
     let mut model = Model::default();
     let changes = apply_drained(&mut model, stores, keep_uids);
     let mut decided = DecisionCache::new(node);
+    decided.prepare(&model.cluster);
     let mut tiers = EndpointTiers::new(node);
-    // The endpoints' tiers beside the decisions: both only read the model,
-    // and the decisions' last batches leave a core idle.
-    std::thread::scope(|scope| {
-        scope.spawn(|| tiers.update(&model.cluster, true, std::iter::empty()));
-        decided.prepare(&model.cluster);
-    });
+    tiers.update(&model.cluster, true, std::iter::empty());
     FirstList { model, services: changes.services.len(), slices: changes.slices.len(), decided: Some((decided, tiers)) }
 }
 
