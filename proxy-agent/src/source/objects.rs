@@ -107,6 +107,23 @@ fn from_json<'v, W: Deserialize<'v>, T>(kind: &str, v: &'v Value, convert: fn(W)
     convert(wire)
 }
 
+/// Why an object is not this proxy's to serve, if it is not: labelled for
+/// another proxy, or headless. kube-proxy's informers apply the same
+/// selector (`!service-proxy-name,!headless`) to Services and EndpointSlices
+/// alike (cmd/kube-proxy/app/server.go: one informer factory), and so does
+/// the watch here (`kube_watch::SERVICE_LABEL_SELECTOR`); manifests come
+/// through this check only.
+fn left_to_others(meta: &ObjectMeta) -> Option<&'static str> {
+    let labels = meta.labels.as_ref()?;
+    if labels.contains_key(SERVICE_PROXY_NAME_LABEL) {
+        Some("served by another proxy")
+    } else if labels.contains_key(HEADLESS_LABEL) {
+        Some("headless")
+    } else {
+        None
+    }
+}
+
 /// [`service_from_json`] for a Service the watcher deserialized.
 pub(crate) fn service_from_wire(svc: WireService) -> Conversion<Service> {
     const K: &str = "Service";
@@ -114,12 +131,8 @@ pub(crate) fn service_from_wire(svc: WireService) -> Conversion<Service> {
     if name.is_empty() {
         return Err(fail(K, &ns, &name, "metadata.name is missing"));
     }
-    let labels = svc.metadata.labels.clone().unwrap_or_default();
-    if labels.contains_key(SERVICE_PROXY_NAME_LABEL) {
-        return Ok((Converted::Ignored("served by another proxy"), Vec::new()));
-    }
-    if labels.contains_key(HEADLESS_LABEL) {
-        return Ok((Converted::Ignored("headless"), Vec::new()));
+    if let Some(why) = left_to_others(&svc.metadata) {
+        return Ok((Converted::Ignored(why), Vec::new()));
     }
     let mut spec = svc.spec.unwrap_or_default();
     let service_type = match spec.type_.as_deref().unwrap_or("ClusterIP") {
@@ -287,18 +300,11 @@ pub(crate) fn slice_from_wire(slice: WireSlice) -> Conversion<EndpointSlice> {
     if name.is_empty() {
         return Err(fail(K, &ns, &name, "metadata.name is missing"));
     }
-    // kube-proxy's informers watch EndpointSlices with the Services'
-    // selector (cmd/kube-proxy/app/server.go: one informer factory with
-    // `!service-proxy-name,!headless`), so a slice carrying either label is
-    // not its to serve even when its Service is (upstream e2e, "should
-    // implement service.kubernetes.io/headless", labels a slice only).
-    if let Some(labels) = slice.metadata.labels.as_ref() {
-        if labels.contains_key(SERVICE_PROXY_NAME_LABEL) {
-            return Ok((Converted::Ignored("served by another proxy"), Vec::new()));
-        }
-        if labels.contains_key(HEADLESS_LABEL) {
-            return Ok((Converted::Ignored("headless"), Vec::new()));
-        }
+    // A slice carrying either label is not ours to serve even when its
+    // Service is (upstream e2e, "should implement
+    // service.kubernetes.io/headless", labels a slice only).
+    if let Some(why) = left_to_others(&slice.metadata) {
+        return Ok((Converted::Ignored(why), Vec::new()));
     }
     let service_name = slice
         .metadata
