@@ -29,19 +29,25 @@ fn capacity(node: &Node, map: &str) -> u32 {
     MapInfo::from_pin(node.pins.path().join(map)).unwrap_or_else(|e| panic!("{map}: {e}")).max_entries()
 }
 
-const MAPS: [&str; 6] = ["SERVICES", "SLOTS", "BACKENDS", "SOCK_REVNAT", "NP_SERVICES", "AFFINITY"];
-
-#[test]
-fn capacity_changes_on_restart_migrate_the_maps_without_a_failed_connect() {
+/// Two pods behind `web`, and an agent at default flags serving them.
+fn serving_web() -> (PodNetwork, Node) {
     let mut net = PodNetwork::new();
     for i in 1..=2 {
         net.backend(&format!("pod-{i}"), &format!("10.244.1.{i}"), &[8080]);
     }
     let mut node = Node::new("node-a");
     node.write_manifest("web.yaml", &web());
-    // Self-sized first (no --max-* flag).
     node.start_agent();
     wait_for_backends(&node, &net, "10.96.0.20:80", &[], &["pod-1", "pod-2"]);
+    (net, node)
+}
+
+const MAPS: [&str; 6] = ["SERVICES", "SLOTS", "BACKENDS", "SOCK_REVNAT", "NP_SERVICES", "AFFINITY"];
+
+#[test]
+fn capacity_changes_on_restart_migrate_the_maps_without_a_failed_connect() {
+    // Self-sized first (no --max-* flag).
+    let (net, mut node) = serving_web();
     let sized: Vec<u32> = MAPS.iter().map(|m| capacity(&node, m)).collect();
 
     let client = Client::start(&node, &net, "10.96.0.20:80");
@@ -96,14 +102,7 @@ fn capacity_changes_on_restart_migrate_the_maps_without_a_failed_connect() {
 /// leaves them as they are: no copy either way.
 #[test]
 fn tc_maps_stay_small_while_no_device_is_attached_and_grow_when_one_is() {
-    let mut net = PodNetwork::new();
-    for i in 1..=2 {
-        net.backend(&format!("pod-{i}"), &format!("10.244.1.{i}"), &[8080]);
-    }
-    let mut node = Node::new("node-a");
-    node.write_manifest("web.yaml", &web());
-    node.start_agent();
-    wait_for_backends(&node, &net, "10.96.0.20:80", &[], &["pod-1", "pod-2"]);
+    let (net, mut node) = serving_web();
     // The floors of `sizing` (Services 1024, slots 16,384, backends 8192,
     // conntrack 16,384).
     let tc = ["NP_SERVICES", "NP_SLOTS", "NP_BACKENDS", "NP_CT"];

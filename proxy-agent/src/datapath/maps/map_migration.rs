@@ -68,21 +68,13 @@ pub enum MigrationError {
     },
 }
 
-/// The capacity of every pinned map a capacity flag sizes, in
-/// [`maps::Capacity::ALL`] order (the first pinned map of each wins; the
-/// maps a capacity sizes are created together).
-pub fn pinned_capacities(pin_dir: &Path) -> [Option<u32>; 6] {
-    pinned_capacities_of(pin_dir, None)
-}
-
-/// [`pinned_capacities`] of one datapath's maps only.
+/// The capacity of every pinned map of `datapath` that a capacity flag
+/// sizes, in [`maps::Capacity::ALL`] order (the first pinned map of each
+/// wins; a datapath's maps of one capacity are created together, while the
+/// TC datapath's may be sized apart: see `MapSizes`).
 pub fn pinned_datapath_capacities(pin_dir: &Path, datapath: maps::Datapath) -> [Option<u32>; 6] {
-    pinned_capacities_of(pin_dir, Some(datapath))
-}
-
-fn pinned_capacities_of(pin_dir: &Path, datapath: Option<maps::Datapath>) -> [Option<u32>; 6] {
     let mut out = [None; 6];
-    for m in maps::MAPS.iter().filter(|m| datapath.is_none_or(|d| m.datapath == d)) {
+    for m in maps::MAPS.iter().filter(|m| m.datapath == datapath) {
         let Some(c) = m.capacity else { continue };
         let i = maps::Capacity::ALL.iter().position(|&x| x == c).unwrap_or(0);
         if out[i].is_none()

@@ -56,7 +56,7 @@ pub enum Capacity {
 }
 
 impl Capacity {
-    /// Every capacity (`map_migration::pinned_capacities` reports them in this order).
+    /// Every capacity (`map_migration::pinned_datapath_capacities` reports them in this order).
     pub const ALL: [Capacity; 6] =
         [Capacity::Services, Capacity::Slots, Capacity::Backends, Capacity::SockRevNat, Capacity::NpConntrack, Capacity::Affinity];
 
