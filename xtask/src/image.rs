@@ -149,7 +149,7 @@ pub(crate) fn build() -> Result<Built> {
     println!("      {} ({}, {:.0?})", binary.display(), mb(binary_size), started.elapsed());
 
     let step = Instant::now();
-    let tarball = packages_tarball(&dir)?;
+    let tarball = debian_tarball(&dir, "packages", "extract", &RUNTIME_PACKAGES, false)?;
     println!("image [2/4] Debian packages {} from {SUITE}: {} ({:.0?})", RUNTIME_PACKAGES.join(", "), tarball.display(), step.elapsed());
     podman_output(&["import", "--quiet", &tarball.to_string_lossy(), PACKAGES_IMAGE]).context("importing the Debian packages")?;
     let result = engine_runs().and_then(|()| build_image(&dir, &binary, &reference, &local_name));
@@ -222,31 +222,43 @@ fn is_static(elf: &[u8]) -> bool {
     (0..usize::from(count)).all(|i| u32_at(phoff + i * usize::from(entsize)).is_some_and(|t| t != PT_INTERP))
 }
 
-/// The extracted Debian packages as a tarball, made with mmdebstrap when
-/// missing, stale or made from another list.
-fn packages_tarball(dir: &Path) -> Result<PathBuf> {
-    let tarball = dir.join(format!("packages-{SUITE}.tar"));
-    let stamp = dir.join(format!("packages-{SUITE}.stamp"));
-    let wanted = format!("{}\n{}\n", RUNTIME_PACKAGES.join(","), MIRRORS.join("\n"));
+/// Debian `packages` from [`SUITE`] as the tarball `dir/<name>-<SUITE>.tar`,
+/// made by mmdebstrap with `variant` (`extract`: the packages' files only;
+/// `minbase`: a root filesystem) when missing, older than
+/// [`PACKAGES_MAX_AGE`], or made from another list or other mirrors. Its
+/// fetches are tried again after a failure (`util::run_fetching`); `nice`
+/// runs it at the lowest CPU priority. Shared by the agent's image and the
+/// e2e test images.
+pub(crate) fn debian_tarball(dir: &Path, name: &str, variant: &str, packages: &[&str], nice: bool) -> Result<PathBuf> {
+    let tarball = dir.join(format!("{name}-{SUITE}.tar"));
+    let stamp = dir.join(format!("{name}-{SUITE}.stamp"));
+    let wanted = format!("{}\n{}\n", packages.join(","), MIRRORS.join("\n"));
     let fresh = fs::metadata(&tarball)
         .and_then(|m| m.modified())
         .is_ok_and(|t| SystemTime::now().duration_since(t).is_ok_and(|age| age < PACKAGES_MAX_AGE));
     if fresh && fs::read_to_string(&stamp).is_ok_and(|s| s == wanted) {
         return Ok(tarball);
     }
+    println!("{name}: from Debian {SUITE} (mmdebstrap --variant={variant}: {})", packages.join(", "));
     // mmdebstrap picks the output format from the file name: keep `.tar`.
-    let partial = dir.join(format!("packages-{SUITE}.partial.tar"));
+    let partial = dir.join(format!("{name}-{SUITE}.partial.tar"));
     util::run_fetching(|| {
         let _ = fs::remove_file(&partial);
-        let mut c = util::cmd("mmdebstrap");
-        c.args(["--quiet", "--variant=extract"])
-            .arg(format!("--include={}", RUNTIME_PACKAGES.join(",")))
+        let mut c = if nice {
+            let mut c = util::cmd("nice");
+            c.args(["-n", "19", "mmdebstrap"]);
+            c
+        } else {
+            util::cmd("mmdebstrap")
+        };
+        c.args(["--quiet", &format!("--variant={variant}")])
+            .arg(format!("--include={}", packages.join(",")))
             .arg(SUITE)
             .arg(&partial)
             .args(MIRRORS);
         c
     })
-    .context("extracting the runtime's Debian packages")?;
+    .with_context(|| format!("making {name} from Debian's packages {}", packages.join(", ")))?;
     fs::rename(&partial, &tarball)?;
     fs::write(&stamp, wanted)?;
     Ok(tarball)

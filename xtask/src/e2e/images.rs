@@ -24,7 +24,6 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::time::{Duration, SystemTime};
 
 use anyhow::{Context, Result, bail};
 use serde_json::json;
@@ -36,14 +35,6 @@ pub(crate) const COREDNS: &str = "registry.k8s.io/coredns/coredns:v1.15.0";
 /// which Alpine's busybox has and the tests call (`wget -q -O - -T 1`).
 const AGNHOST_PACKAGES: [&str; 10] =
     ["bind9-dnsutils", "curl", "netcat-openbsd", "iproute2", "iperf", "bash", "util-linux", "socat", "ca-certificates", "wget"];
-const SUITE: &str = "bookworm";
-const MIRRORS: [&str; 3] = [
-    "deb http://deb.debian.org/debian bookworm main",
-    "deb http://deb.debian.org/debian bookworm-updates main",
-    "deb http://deb.debian.org/debian-security bookworm-security main",
-];
-/// The root filesystem is made again after this long, for updates.
-const ROOTFS_MAX_AGE: Duration = Duration::from_hours(7 * 24);
 const PATH_ENV: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 
 /// Builds (or reuses) the archive in `dir` from the binaries in `bin`;
@@ -152,36 +143,11 @@ fn image(layout: &Path, name: &str, layer: &Blob, entrypoint: &serde_json::Value
     }))
 }
 
-/// agnhost's Debian root filesystem, made with mmdebstrap (about a minute)
-/// when missing, older than a week or made from another package list.
+/// agnhost's Debian root filesystem, made with mmdebstrap (about a minute,
+/// at the lowest priority) when missing, older than a week or made from
+/// another package list (`image::debian_tarball`).
 fn rootfs(dir: &Path) -> Result<PathBuf> {
-    let tarball = dir.join(format!("agnhost-rootfs-{SUITE}.tar"));
-    let stamp = dir.join(format!("agnhost-rootfs-{SUITE}.stamp"));
-    let wanted = format!("{}\n{}\n", AGNHOST_PACKAGES.join(","), MIRRORS.join("\n"));
-    let fresh = fs::metadata(&tarball)
-        .and_then(|m| m.modified())
-        .is_ok_and(|t| SystemTime::now().duration_since(t).is_ok_and(|age| age < ROOTFS_MAX_AGE));
-    if fresh && fs::read_to_string(&stamp).is_ok_and(|s| s == wanted) {
-        return Ok(tarball);
-    }
-    println!("e2e: agnhost's root filesystem from Debian {SUITE} (mmdebstrap: {})", AGNHOST_PACKAGES.join(", "));
-    // mmdebstrap picks the output format from the file name: keep `.tar`.
-    let partial = dir.join(format!("agnhost-rootfs-{SUITE}.partial.tar"));
-    let _ = fs::remove_file(&partial);
-    let mut c = Command::new("nice");
-    c.args(["-n", "19", "mmdebstrap", "--quiet", "--variant=minbase"])
-        .arg(format!("--include={}", AGNHOST_PACKAGES.join(",")))
-        .arg(SUITE)
-        .arg(&partial)
-        .args(MIRRORS)
-        .stdin(Stdio::null());
-    let status = c.status().context("cannot run mmdebstrap")?;
-    if !status.success() {
-        bail!("mmdebstrap failed ({status})");
-    }
-    fs::rename(&partial, &tarball)?;
-    fs::write(&stamp, wanted)?;
-    Ok(tarball)
+    crate::image::debian_tarball(dir, "agnhost-rootfs", "minbase", &AGNHOST_PACKAGES, true)
 }
 
 /// tar, with what it adds owned by root inside the image, whoever built it.
