@@ -19,9 +19,15 @@
 //!    in `target/e2e/`, the components' and pods' logs in
 //!    `target/e2e/logs/`.
 //!
-//! `cargo xtask test` runs the `[Conformance]` ones after its image step
-//! ([`ci_step`]), against the image that step built. Needs root.
+//! 6. The disruption run (`e2e::disruption`): the connection-disruption
+//!    suite's clients as pods during `kubectl rollout restart` of their
+//!    backend Deployment; its table in `target/e2e/disruption/`.
+//!
+//! `cargo xtask test` runs the `[Conformance]` ones and the disruption run
+//! after its image step ([`ci_step`]), against the image that step built.
+//! Needs root.
 
+mod disruption;
 mod images;
 mod node;
 mod skips;
@@ -48,8 +54,8 @@ const PACKAGES: [&str; 5] = ["runc", "containernetworking-plugins", "mmdebstrap"
 const RELEASE: &str = "topoproxy";
 const NAMESPACE: &str = "kube-system";
 
-/// `cargo xtask e2e [--focus REGEX | --conformance]`.
-pub(crate) fn run(focus: Option<String>, conformance: bool) -> Result<()> {
+/// `cargo xtask e2e [--focus REGEX | --conformance | --disruption-only]`.
+pub(crate) fn run(focus: Option<String>, conformance: bool, disruption_only: bool) -> Result<()> {
     if !util::is_root() {
         bail!("the e2e node (namespaces, cgroups, mounts, eBPF) needs root; run as root");
     }
@@ -58,10 +64,10 @@ pub(crate) fn run(focus: Option<String>, conformance: bool) -> Result<()> {
     setup::ensure_debian_packages(&PACKAGES, false)?;
     let agent = image::build()?;
     let focus = focus.unwrap_or_else(|| if conformance { CONFORMANCE_FOCUS } else { FOCUS }.to_string());
-    let outcome = run_on_node(&agent, &focus)?;
+    let outcome = run_on_node(&agent, (!disruption_only).then_some(focus.as_str()))?;
     println!("e2e: done in {:.0?}", started.elapsed());
     if !outcome.ok() {
-        bail!("e2e tests failed (JUnit report and log in {})", util::target_dir().join("e2e").display());
+        bail!("e2e failed (JUnit report, logs and the disruption table in {})", util::target_dir().join("e2e").display());
     }
     Ok(())
 }
@@ -73,16 +79,23 @@ pub(crate) fn run(focus: Option<String>, conformance: bool) -> Result<()> {
 pub(crate) fn ci_step(agent: &image::Built, totals: &mut Totals) -> Option<String> {
     println!(
         "
-e2e: upstream's [sig-network] Services [Conformance] tests on a one-node cluster (`cargo xtask e2e --conformance`)"
+e2e: upstream's [sig-network] Services [Conformance] tests on a one-node cluster, then the disruption run (`cargo xtask e2e --conformance`)"
     );
-    let outcome = setup::ensure_debian_packages(&PACKAGES, false).and_then(|()| run_on_node(agent, CONFORMANCE_FOCUS));
+    let outcome = setup::ensure_debian_packages(&PACKAGES, false).and_then(|()| run_on_node(agent, Some(CONFORMANCE_FOCUS)));
     match outcome {
         Ok(o) => {
             // Only what ran counts: e2e.test reports every test it links
-            // that the focus leaves out as skipped (about a thousand).
-            totals.passed += o.passed;
-            totals.failed += o.failed;
-            (!o.ok()).then(|| format!("e2e: {} of the Conformance tests failed (JUnit report and log in target/e2e/)", o.failed.max(1)))
+            // that the focus leaves out as skipped (about a thousand). The
+            // disruption run counts as one test.
+            totals.passed += o.passed + u64::from(o.disruption_ok);
+            totals.failed += o.failed + u64::from(!o.disruption_ok);
+            (!o.ok()).then(|| {
+                format!(
+                    "e2e: {} of the Conformance tests failed{} (JUnit report, logs and the disruption table in target/e2e/)",
+                    o.failed,
+                    if o.disruption_ok { "" } else { ", the disruption run failed" }
+                )
+            })
         }
         Err(e) => {
             println!("e2e failed: {e:#}");
@@ -92,24 +105,26 @@ e2e: upstream's [sig-network] Services [Conformance] tests on a one-node cluster
     }
 }
 
-/// What one `e2e.test` run reported.
+/// What one `e2e.test` run and the disruption run reported.
 struct Outcome {
     passed: u64,
     failed: u64,
-    /// e2e.test itself exited with success.
+    /// e2e.test itself exited with success (or did not run).
     exited_ok: bool,
+    /// Nothing in the disruption run failed.
+    disruption_ok: bool,
 }
 
 impl Outcome {
     fn ok(&self) -> bool {
-        self.exited_ok && self.failed == 0
+        self.exited_ok && self.failed == 0 && self.disruption_ok
     }
 }
 
-/// Builds what the node needs, starts it with `agent` as its proxy and
-/// runs the tests `focus` names, less the skip list. The node is removed
-/// before this returns, whatever happened.
-fn run_on_node(agent: &image::Built, focus: &str) -> Result<Outcome> {
+/// Builds what the node needs, starts it with `agent` as its proxy, runs
+/// the tests `focus` names (less the skip list), then the disruption run.
+/// The node is removed before this returns, whatever happened.
+fn run_on_node(agent: &image::Built, focus: Option<&str>) -> Result<Outcome> {
     let started = Instant::now();
     chart_env::ensure()?;
     let root = util::workspace_root();
@@ -132,7 +147,39 @@ fn run_on_node(agent: &image::Built, focus: &str) -> Result<Outcome> {
         node.kubectl(&["-n", NAMESPACE, "rollout", "status", &format!("daemonset/{RELEASE}"), "--timeout=2s"]).map(drop)
     })?;
     println!("e2e: CoreDNS and the agent ready after {:.0?}", started.elapsed());
-    run_tests(&node, &bin, &out, focus, &skips::ginkgo_skip(&skips))
+    let mut outcome = match focus {
+        Some(focus) => run_tests(&node, &bin, &out, focus, &skips::ginkgo_skip(&skips))?,
+        None => Outcome { passed: 0, failed: 0, exited_ok: true, disruption_ok: true },
+    };
+    outcome.disruption_ok = run_disruption(&node, &agent.local_name, &out.join("disruption"));
+    Ok(outcome)
+}
+
+/// The disruption run; prints its table and whatever failed.
+fn run_disruption(node: &node::Node, image: &str, out: &Path) -> bool {
+    println!("e2e: the disruption run: conn-disrupt clients as pods during `kubectl rollout restart` of their backends");
+    let started = Instant::now();
+    match disruption::run(node, image, out) {
+        Ok(report) => {
+            println!("{}", report.table);
+            for p in &report.problems {
+                println!("  FAILED: {p}");
+            }
+            println!(
+                "e2e: disruption run {} in {:.0?}: {} exchanges, {} problems (clients' logs in {})",
+                if report.problems.is_empty() { "passed" } else { "FAILED" },
+                started.elapsed(),
+                report.exchanges,
+                report.problems.len(),
+                out.display()
+            );
+            report.problems.is_empty()
+        }
+        Err(e) => {
+            println!("e2e: the disruption run failed: {e:#}");
+            false
+        }
+    }
 }
 
 /// CoreDNS in kube-system behind the `kube-dns` Service at the cluster
@@ -227,7 +274,7 @@ fn run_tests(node: &node::Node, bin: &Path, out: &Path, focus: &str, skip: &str)
         started.elapsed(),
         out.join("junit_01.xml").display()
     );
-    Ok(Outcome { passed: count("passed"), failed: count("failed"), exited_ok: status.success() })
+    Ok(Outcome { passed: count("passed"), failed: count("failed"), exited_ok: status.success(), disruption_ok: true })
 }
 
 /// (name, passed|failed|skipped) of each `<testcase>` of a JUnit report,

@@ -154,7 +154,9 @@ enum Command {
     /// agent on a real one-node cluster on this machine (kubelet,
     /// containerd, CoreDNS, the agent from the chart, no kube-proxy), in
     /// namespaces of its own; the skip list is tools/k8s-node/e2e-skips.txt,
-    /// the JUnit report goes to target/e2e/. Needs root. Not part of `test`.
+    /// the JUnit report goes to target/e2e/. Then the disruption run:
+    /// conn-disrupt clients as pods during `kubectl rollout restart` of
+    /// their backends. Needs root. `test` runs it with --conformance.
     E2e {
         /// Another Ginkgo focus (a regular expression over the tests' names).
         #[arg(long)]
@@ -162,6 +164,10 @@ enum Command {
         /// Only the `[Conformance]` ones among the Services tests.
         #[arg(long, conflicts_with = "focus")]
         conformance: bool,
+        /// Only the disruption run (conn-disrupt clients as pods during a
+        /// `kubectl rollout restart` of their backends), no e2e.test.
+        #[arg(long, conflicts_with_all = ["focus", "conformance"])]
+        disruption_only: bool,
     },
 }
 
@@ -179,7 +185,7 @@ fn main() -> std::process::ExitCode {
         Command::Vmtest { args } => vmtest::run(&args),
         Command::Image { test } => image::run(test),
         Command::K8s { node } => k8s::run(node),
-        Command::E2e { focus, conformance } => e2e::run(focus, conformance),
+        Command::E2e { focus, conformance, disruption_only } => e2e::run(focus, conformance, disruption_only),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

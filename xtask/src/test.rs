@@ -33,9 +33,10 @@
 //!
 //! Then the e2e step (`e2e.rs`, also `cargo xtask e2e --conformance`)
 //! runs upstream's `[sig-network] Services ... [Conformance]` tests on a
-//! one-node cluster with that image as the cluster's proxy; its node's
-//! binaries build beside the tests from the cargo test run on. Left out
-//! with `-p`.
+//! one-node cluster with that image as the cluster's proxy, then the
+//! disruption run (conn-disrupt clients as pods during a rollout restart
+//! of their backends); its node's binaries build beside the tests from the
+//! cargo test run on. Left out with `-p`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::Stdio;
@@ -245,7 +246,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
                 (Ok(()), Some(agent)) => {
                     let started = Instant::now();
                     let failed = e2e::ci_step(agent, &mut totals);
-                    steps.done("e2e (Services conformance on one node)", started);
+                    steps.done("e2e (Services conformance, disruption run)", started);
                     failed
                 }
             }

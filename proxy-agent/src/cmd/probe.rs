@@ -46,6 +46,13 @@ pub(crate) struct ProbeArgs {
     /// the new socket says `"reconnected": true`.
     #[arg(long, requires = "stream")]
     reconnect: bool,
+    /// With --stream: a reply whose last word is `closing` (a backend
+    /// shutting down gracefully, as `serve-hostname --drain-secs` does,
+    /// like HTTP's `Connection: close`) ends the socket cleanly: its line
+    /// says `"closing": true` and the next exchange opens a new socket
+    /// (`"reconnected": true`).
+    #[arg(long, requires = "stream")]
+    graceful: bool,
     /// With --udp: datagrams per socket (all must reach the same backend).
     #[arg(long, default_value_t = 1)]
     per_socket: u32,
@@ -264,10 +271,14 @@ fn stream(args: &ProbeArgs, timeout: Duration) -> anyhow::Result<ExitCode> {
             line["reconnected"] = json!(true);
         }
         let ok = line.get("ok") == Some(&json!(true));
+        let closing = ok && args.graceful && line["reply"].as_str().is_some_and(|r| r.split_whitespace().last() == Some("closing"));
+        if closing {
+            line["closing"] = json!(true);
+        }
         failed |= !ok;
         print_line(&line)?;
         let timed_out = matches!(line["errno"].as_i64(), Some(e) if e == i64::from(libc::EAGAIN));
-        if !ok && args.reconnect && !timed_out {
+        if closing || (!ok && args.reconnect && !timed_out) {
             match if args.udp { udp_stream(args, timeout) } else { tcp_stream(args, timeout) } {
                 Ok(f) => {
                     exchange = f;
@@ -275,6 +286,7 @@ fn stream(args: &ProbeArgs, timeout: Duration) -> anyhow::Result<ExitCode> {
                 }
                 Err(line) => {
                     print_line(&line)?;
+                    failed = true;
                     break;
                 }
             }
