@@ -59,7 +59,7 @@ use proxy_test_support::apiserver::ApiServer;
 use proxy_test_support::http::http_get;
 use proxy_test_support::sandbox::{Cgroup, Guarded, Netns, command_in, in_netns};
 use proxy_test_support::scenario::{Scenario, Tally, print_table, read_scenario, tally};
-use proxy_test_support::wait::eventually;
+use proxy_test_support::wait::{eventually, eventually_within};
 use serde_json::{Value, json};
 use support::{TempDir, agent_bin, require_root};
 
@@ -524,9 +524,17 @@ impl<'a> Cluster<'a> {
     }
 
     /// Waits until the node's agent container passes its readiness probe.
+    /// A kubelet sets no deadline on readiness (nor does a DaemonSet's
+    /// rollout); what bounds it is the liveness probe, which restarts a
+    /// container that fails it for `initialDelaySeconds + periodSeconds x
+    /// failureThreshold`. So this waits that long: on a loaded machine the
+    /// install (verifying every program) can outlast the tests' usual 30 s.
     fn wait_ready(&self, node: &NodeRuntime) {
         let (addr, path) = node.probe_target("readinessProbe");
-        eventually(&format!("the agent of {} to be ready ({addr}{path})", node.name), || {
+        let live = &node.daemonset["spec"]["template"]["spec"]["containers"][0]["livenessProbe"];
+        let field = |name: &str| live[name].as_u64().unwrap_or(0);
+        let limit = Duration::from_secs(field("initialDelaySeconds") + field("periodSeconds") * field("failureThreshold"));
+        eventually_within(limit, &format!("the agent of {} to be ready ({addr}{path})", node.name), || {
             if let Some(agent) = &node.agent {
                 let status = agent.inspect("{{.State.Status}}");
                 // Its log follows, from the container's drop.

@@ -14,8 +14,15 @@ pub fn wait_limit() -> Duration {
 /// Polls `check` until it returns `Ok`, or panics with `what` and the last
 /// observation after [`wait_limit`]. This waits for the agent to catch up;
 /// it asserts nothing about speed.
-pub fn eventually<T, D: std::fmt::Debug>(what: &str, mut check: impl FnMut() -> Result<T, D>) -> T {
-    let deadline = Instant::now() + wait_limit();
+pub fn eventually<T, D: std::fmt::Debug>(what: &str, check: impl FnMut() -> Result<T, D>) -> T {
+    eventually_within(wait_limit(), what, check)
+}
+
+/// [`eventually`] with a limit of the caller's, for a wait whose bound
+/// comes from what it models (e.g. a pod's probes), never below
+/// [`wait_limit`].
+pub fn eventually_within<T, D: std::fmt::Debug>(limit: Duration, what: &str, mut check: impl FnMut() -> Result<T, D>) -> T {
+    let deadline = Instant::now() + limit.max(wait_limit());
     loop {
         match check() {
             Ok(v) => return v,
