@@ -143,8 +143,9 @@ pub(crate) fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> 
         // SAFETY: an NP_CT value pointer, valid for the run; races as for
         // the reply entry above.
         let v = unsafe { &mut *v };
-        if keeps_backend(p.proto, v) {
-            let now = touch::<KERNEL>(&p, v, CT_DIR_FORWARD);
+        let now = now_s::<KERNEL>();
+        if keeps_backend(p.proto, v, now) {
+            touch_at(&p, v, CT_DIR_FORWARD, now);
             if tc_fast::enabled() {
                 return fast_forward::<KERNEL>(ctx, &p, v, &mut key, now);
             }
@@ -858,9 +859,21 @@ fn affinity_remember(p: &Pkt, scope_id: u32, backend_id: u32, now_ns: u64) {
 /// protocols while the backend still exists (the agent removes a backend
 /// from NP_BACKENDS once no frontend uses it): a UDP flow has no end, so
 /// it moves to a live backend.
+///
+/// The backend is looked up when the flow's `seen_s` is due for its
+/// refresh (`CT_REFRESH_S` old, see `touch`), not per packet: at most once
+/// a second per flow, at the packet that refreshes it. A refresh is only
+/// written after this check passed (and `new_flow` writes `seen_s` after
+/// its pick), so a fresh `seen_s` means the backend existed less than
+/// `CT_REFRESH_S` ago. A UDP flow therefore goes on to a removed backend
+/// for at most `CT_REFRESH_S` (1 s) after the agent removed it, where the
+/// check per packet moved it at once; the agent deletes the flows of a
+/// deleted endpoint itself (`conntrack_gc::flush`), and the conntrack GC those
+/// of a backend gone from NP_BACKENDS. The lookup per packet was one hash
+/// lookup of the fast path's five on a UDP flow's packet (#33).
 #[inline(always)]
-pub(crate) fn keeps_backend(proto: u8, v: &CtValue) -> bool {
-    proto == PROTO_TCP || backend_alive(v)
+pub(crate) fn keeps_backend(proto: u8, v: &CtValue, now: u32) -> bool {
+    proto == PROTO_TCP || now.wrapping_sub(v.seen_s) < CT_REFRESH_S || backend_alive(v)
 }
 
 #[inline(always)]

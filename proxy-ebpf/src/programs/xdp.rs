@@ -245,7 +245,8 @@ pub(crate) fn try_xdp<const KERNEL: u8>(ctx: &XdpContext) -> Result<u32, u32> {
     // fields are loaded and stored, and every bit pattern is a valid
     // `CtValue` (see nodeport.rs, `try_nodeport`).
     let fwd = unsafe { &mut *fwd };
-    if fwd.flags & CT_FLAG_SNAT == 0 || !keeps_backend(p.proto, fwd) {
+    let now = (kernel::now_ns::<KERNEL>() / 1_000_000_000) as u32;
+    if fwd.flags & CT_FLAG_SNAT == 0 || !keeps_backend(p.proto, fwd, now) {
         // A local backend (the stack delivers it), or a UDP flow's backend
         // gone (the TC path picks another).
         return Err(np_counter::XDP_PASS_TO_TC);
@@ -265,7 +266,6 @@ pub(crate) fn try_xdp<const KERNEL: u8>(ctx: &XdpContext) -> Result<u32, u32> {
     // us (an update, a deletion or an eviction returns the old element to
     // the LRU map's free list at once, kernel/bpf/hashtab.c), a window
     // TC's rewrite has too.
-    let now = (kernel::now_ns::<KERNEL>() / 1_000_000_000) as u32;
     let rc = forward(ctx, &p, snat, now);
     if rc == i64::from(XDP_PASS) {
         // No usable route or neighbour, or a TTL/hop limit the stack must
