@@ -34,8 +34,9 @@ use proxy_common::{
     AFFINITY_REFRESH_NS, AddrKey, AffinityMatchKey, AffinityValue, BackendKey, BackendValue, CT_DIR_FORWARD, CT_DIR_REPLY,
     CT_DIR_REPLY_SNAT, CT_DIR_SNAT, CT_FLAG_CLOSING, CT_FLAG_REPLIED, CT_FLAG_SNAT, CT_REFRESH_S, CT_TIMEOUT_OTHER_S,
     CT_TIMEOUT_TCP_CLOSING_S, CT_TIMEOUT_TCP_S, CT_TIMEOUT_TCP_SYN_S, CtKey, CtValue, FAMILY_V4, MaglevKey, NP_FLAG_POLICY_LOCAL,
-    NpAffinityKey, PROTO_TCP, SOURCE_RANGE_FIXED_BITS, SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue, SourceRangeKey,
-    affinity_expired, ct_dir_from_client, ct_flags_after, flow_hash, maglev_hash, np_counter, np_fast_counter, np_port_bit, svc_conn_index,
+    NpAffinityKey, NpConfig, PROTO_TCP, SOURCE_RANGE_FIXED_BITS, SVC_FLAG_AFFINITY, SVC_FLAG_SOURCE_RANGES, ServiceKey, ServiceValue,
+    SourceRangeKey, affinity_expired, ct_dir_from_client, ct_flags_after, flow_hash, maglev_hash, np_counter, np_fast_counter, np_port_bit,
+    svc_conn_index,
 };
 
 use super::tc_fast;
@@ -121,8 +122,10 @@ pub(crate) fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> 
         return apply(ctx, &p, v);
     }
     if !ingress {
-        // The forward leg of a flow to a remote backend, after routing.
-        if !egress_snat {
+        // The forward leg of a flow to a remote backend, after routing. A
+        // packet whose source is already a SNAT tuple (the TC fast path
+        // translated it at ingress and redirected it here) has no such leg.
+        if !egress_snat || is_snat_source(&p) {
             return Ok(PASS);
         }
         key.dir = CT_DIR_SNAT;
@@ -210,15 +213,33 @@ pub(crate) fn try_nodeport<const KERNEL: u8>(ctx: &TcContext, ingress: bool) -> 
 /// entries out).
 #[inline(always)]
 fn may_be_snat_reply(p: &Pkt) -> bool {
-    let Some(cfg) = NP_CONFIG.get(0) else {
-        // Cannot happen (an array element always exists); look it up.
-        return true;
-    };
-    let port = u16::from_be(p.dport_be);
+    // A missing element cannot happen (an array element always exists):
+    // then the lookup is asked.
+    NP_CONFIG.get(0).is_none_or(|cfg| snat_tuple(cfg, &p.daddr, p.dport_be, p.family))
+}
+
+/// Whether an egress packet's source is this node's SNAT address and a
+/// port of its SNAT range, a tuple only `new_flow`'s SNAT hands out: the
+/// packet is the forward leg of a flow already SNAT'ed (by the TC fast
+/// path at ingress, before its redirect), and cannot match a `CT_DIR_SNAT`
+/// entry, whose key is the client's tuple (a client does not send from
+/// this node's address, and the node's own sockets do not take ports of
+/// the SNAT range, see `--snat-port-range`). Without this test each such
+/// packet paid a conntrack lookup that always missed: about 4 % of the
+/// forwarding CPU in the XDP bench's fast-path flood (#33). A missing
+/// `NP_CONFIG` element (impossible) answers no: the lookup is asked.
+#[inline(always)]
+fn is_snat_source(p: &Pkt) -> bool {
+    NP_CONFIG.get(0).is_some_and(|cfg| snat_tuple(cfg, &p.saddr, p.sport_be, p.family))
+}
+
+#[inline(always)]
+fn snat_tuple(cfg: &NpConfig, addr: &[u32; 4], port_be: u16, family: u8) -> bool {
+    let port = u16::from_be(port_be);
     if port < cfg.snat_port_min || port > cfg.snat_port_max {
         return false;
     }
-    if p.family == FAMILY_V4 { p.daddr[0] == cfg.snat_v4_be } else { p.daddr == cfg.snat_v6_be }
+    if family == FAMILY_V4 { addr[0] == cfg.snat_v4_be } else { *addr == cfg.snat_v6_be }
 }
 
 /// Whether `port_be` has its bit in `NP_PORTS`' ingress or egress half,
