@@ -27,7 +27,7 @@
 
 use aya_ebpf::{
     bindings::{BPF_F_MARK_MANGLED_0, BPF_F_PSEUDO_HDR},
-    helpers::{bpf_csum_diff, bpf_skb_store_bytes},
+    helpers::bpf_csum_diff,
     programs::TcContext,
 };
 use proxy_common::{CtValue, FAMILY_V4, FAMILY_V6, PROTO_TCP, PROTO_UDP, XdpNextHopValue, np_counter};
@@ -483,12 +483,12 @@ const V4_TAIL_AT: usize = ETH_HLEN + 8;
 const _: () = assert!(V4_TAIL_AT + core::mem::size_of::<V4Tail>() == V4_FRAME_LEN);
 
 /// The TC fast path's whole write for IPv4 without options (tc_fast.rs),
-/// in two `bpf_skb_store_bytes` and the L4 checksum (`l4_csum_v4`), where
-/// the steps one by one take a dozen helper calls: the next hop's MACs
-/// (`dmac` and `smac` of `hop`, adjacent as in the Ethernet header, one
-/// 12-byte store), then the TTL less one, the translation to `to` and the
-/// IPv4 header checksum for both (one 16-byte store of the header from
-/// the TTL to the ports, the checksum computed here, RFC 1624). The flags
+/// in one `bpf_skb_store_bytes` and the L4 checksum (`l4_csum_v4`), where
+/// the steps one by one take a dozen helper calls: the frame's first 38
+/// bytes, with the next hop's MACs (`dmac` and `smac` of `hop`), the TTL
+/// less one, the translation to `to` and the IPv4 header checksum for
+/// both (computed here, RFC 1624), and the bytes between (the Ethernet
+/// type, the IPv4 header up to the TTL) as they were. The flags
 /// are 0, so `skb->csum` is left alone, which is right: the IPv4 header's
 /// sum does not change (its checksum field takes up every change), and
 /// the MACs lie before the network header, where a received
@@ -526,20 +526,32 @@ fn forward_v4_inner(ctx: &TcContext, p: &Pkt, to: &CtValue, hop: &XdpNextHopValu
     if p.daddr[0] != d_new {
         check = csum_replace4(check, p.daddr[0], d_new);
     }
-    let tail = V4Tail { ttl_proto: new_ttl_proto, check, saddr_be: s_new, daddr_be: d_new, sport_be: to.sport_be, dport_be: to.dport_be };
+    let frame = V4Frame {
+        dmac: hop.dmac,
+        smac: hop.smac,
+        // The Ethernet type and the IPv4 header up to the TTL, written
+        // back as they are.
+        unchanged: read_at(data, ETH_HLEN - 2),
+        tail: V4Tail { ttl_proto: new_ttl_proto, check, saddr_be: s_new, daddr_be: d_new, sport_be: to.sport_be, dport_be: to.dport_be },
+    };
     // The helpers below may move the packet data; nothing above is read
     // after them.
     l4_csum_v4(ctx, p, to)?;
-    ctx.store(V4_TAIL_AT, &tail, 0)?;
-    // SAFETY: `dmac` and `smac` are adjacent 6-byte arrays of a `repr(C)`
-    // value that lives for the call (a map value or the caller's local),
-    // the 12 bytes the helper reads; it copies them into the packet.
-    let rc = unsafe { bpf_skb_store_bytes(ctx.skb.skb.cast(), 0, hop.dmac.as_ptr().cast(), 12, 0) };
-    if rc < 0 {
-        return Err(rc);
-    }
+    ctx.store(0, &frame, 0)?;
     Ok(0)
 }
+
+/// The first `V4_FRAME_LEN` bytes of the frame as `forward_v4` writes them,
+/// in one `bpf_skb_store_bytes` (a helper call less per packet than the
+/// MACs and the rest apart, #33).
+#[repr(C, packed)]
+struct V4Frame {
+    dmac: [u8; 6],
+    smac: [u8; 6],
+    unchanged: [u8; 10],
+    tail: V4Tail,
+}
+const _: () = assert!(core::mem::size_of::<V4Frame>() == V4_FRAME_LEN);
 
 /// The IPv4 header checksum field as stored (network byte order), of a
 /// packet whose IPv4 header starts at `ETH_HLEN` (as `parse` found it).

@@ -125,7 +125,7 @@ pub fn redirect_peer(ifindex: u32) -> i32 {
 /// limit, finds the route (cache or `bpf_fib_lookup`), then decrements the
 /// TTL or hop limit and writes the MACs. For IPv4 without options whose
 /// headers are in the linear data (nearly every packet) it translates the
-/// packet to `to` in the same writes (`packet::forward_v4`: two stores and
+/// packet to `to` in the same writes (`packet::forward_v4`: one store and
 /// the L4 checksum, where the steps one by one take a dozen helper calls)
 /// and sets `TRANSLATED` in its answer. Returns the output device's index
 /// (with that bit), `TO_STACK` (nothing written, reason counted) or
