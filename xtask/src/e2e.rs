@@ -62,6 +62,7 @@ pub(crate) fn run(focus: Option<String>, conformance: bool, disruption_only: boo
     let started = Instant::now();
     setup::ensure()?;
     setup::ensure_debian_packages(&PACKAGES, false)?;
+    warn_if_uncommitted();
     let agent = image::build()?;
     let focus = focus.unwrap_or_else(|| if conformance { CONFORMANCE_FOCUS } else { FOCUS }.to_string());
     let outcome = run_on_node(&agent, (!disruption_only).then_some(focus.as_str()))?;
@@ -70,6 +71,21 @@ pub(crate) fn run(focus: Option<String>, conformance: bool, disruption_only: boo
         bail!("e2e failed (JUnit report, logs and the disruption table in {})", util::target_dir().join("e2e").display());
     }
     Ok(())
+}
+
+/// The image is built from the work tree: say so when what goes into it
+/// has uncommitted changes, so a result is not taken for HEAD's.
+fn warn_if_uncommitted() {
+    let out = std::process::Command::new("git")
+        .current_dir(util::workspace_root())
+        .args(["status", "--porcelain", "--", "proxy-agent", "proxy-ebpf", "proxy-common", "charts"])
+        .output();
+    if let Ok(out) = out {
+        let changed: Vec<String> = String::from_utf8_lossy(&out.stdout).lines().map(|l| l.get(3..).unwrap_or(l).to_string()).collect();
+        if !changed.is_empty() {
+            println!("e2e: note: the agent's image is built from the work tree, which has uncommitted changes: {}", changed.join(", "));
+        }
+    }
 }
 
 /// `cargo xtask test`'s e2e step (issue #36): the `[Conformance]` tests
