@@ -15,8 +15,9 @@
 //!
 //! These are Cilium's conntrack defaults, and `--conntrack-*-timeout-secs`
 //! change them. UDP flows whose backend has left `NP_BACKENDS` are deleted
-//! too: their next packet would pick a new backend anyway (`keeps_backend`
-//! in proxy-ebpf/src/programs/nodeport.rs), and their reply entries would otherwise
+//! too: their next packet would pick a new backend anyway, within a second
+//! of the removal (`keeps_backend` in proxy-ebpf/src/programs/nodeport.rs,
+//! checked once a second per flow), and their reply entries would otherwise
 //! linger. A backend stays in `NP_BACKENDS` while any frontend uses it, so
 //! flows survive backend-set changes that keep their backend. A TCP flow
 //! keeps its backend whatever the sets say, as netfilter's conntrack keeps
