@@ -166,12 +166,30 @@ impl Container<'_> {
     fn inspect(&self, format: &str) -> String {
         self.podman.run(&strings(&["inspect", "--format", format, &self.name])).unwrap_or_default().trim().to_string()
     }
+
+    /// Each thread of the container's main process, with where the kernel
+    /// has it waiting (`wchan`, and its kernel stack): for a failure report,
+    /// so that an agent stuck in a system call shows which.
+    fn threads(&self) -> String {
+        let pid = self.inspect("{{.State.Pid}}");
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            return format!("(no process {pid:?})");
+        };
+        let mut out = String::new();
+        for task in tasks.flatten() {
+            let path = task.path();
+            let read = |name: &str| std::fs::read_to_string(path.join(name)).unwrap_or_default();
+            out.push_str(&format!("{} {} wchan={}\n{}", path.display(), read("comm").trim(), read("wchan").trim(), read("stack")));
+        }
+        out
+    }
 }
 
 impl Drop for Container<'_> {
     fn drop(&mut self) {
         if std::thread::panicking() {
             eprintln!("--- log of container {} ---\n{}", self.name, self.logs());
+            eprintln!("--- threads of container {} ---\n{}", self.name, self.threads());
         }
         let _ = self.podman.run(&strings(&["rm", "--force", "--time", "0", &self.name]));
     }
