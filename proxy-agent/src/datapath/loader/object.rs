@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use aya::{Ebpf, EbpfError, EbpfLoader};
+use aya::{Ebpf, EbpfError, EbpfLoader, VerifierLogLevel};
 use proxy_common as pc;
 
 use crate::datapath::loader::pins;
@@ -66,6 +66,16 @@ fn load_with(
     private: impl FnOnce(&mut EbpfLoader<'_>),
 ) -> Result<Ebpf, EbpfError> {
     let mut loader = EbpfLoader::new();
+    // A refused program is loaded again for the verifier's log (aya's
+    // retry_with_verifier_logs). At aya's default level (1 | STATS) the log
+    // holds every instruction of every path; for our larger programs it
+    // overflows, and each retry (up to ten, the buffer growing tenfold to
+    // 16 MiB) verifies the whole program again while printing it: minutes
+    // of CPU before the error (or the fast path's fallback) is seen. With
+    // STATS alone the kernel still writes the error's own messages
+    // (verbose() logs at any nonzero level, kernel/bpf/verifier.c) but not
+    // the instruction dump, so one retry tells why.
+    loader.verifier_log_level(VerifierLogLevel::STATS);
     private(&mut loader);
     for m in maps::MAPS {
         let pin = if staged.contains(&m.name) { pins::staged_map(pin_dir, m.name) } else { pins::map(pin_dir, m.name) };
