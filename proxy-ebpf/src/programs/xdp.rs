@@ -245,10 +245,14 @@ pub(crate) fn try_xdp<const KERNEL: u8>(ctx: &XdpContext) -> Result<u32, u32> {
     // fields are loaded and stored, and every bit pattern is a valid
     // `CtValue` (see nodeport.rs, `try_nodeport`).
     let fwd = unsafe { &mut *fwd };
+    if fwd.flags & CT_FLAG_SNAT == 0 {
+        // A local backend: the stack delivers it. Decided before the clock
+        // is read, which only the forwarded flows need.
+        return Err(np_counter::XDP_PASS_TO_TC);
+    }
     let now = (kernel::now_ns::<KERNEL>() / 1_000_000_000) as u32;
-    if fwd.flags & CT_FLAG_SNAT == 0 || !keeps_backend(p.proto, fwd, now) {
-        // A local backend (the stack delivers it), or a UDP flow's backend
-        // gone (the TC path picks another).
+    if !keeps_backend(p.proto, fwd, now) {
+        // A UDP flow's backend gone: the TC path picks another.
         return Err(np_counter::XDP_PASS_TO_TC);
     }
     // The SNAT leg: client -> backend.
