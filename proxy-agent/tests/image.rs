@@ -547,15 +547,10 @@ impl<'a> Cluster<'a> {
     /// would restart it: this asserts that the agent gets ready, not how
     /// fast. Under CI load (TCG guests beside) a restarted agent's program
     /// loads were seen to take over 70 s (the main thread in the verifier,
-    /// bpf_check), so the bound is generous: 5 minutes, or the liveness
-    /// window if the chart's is longer.
+    /// bpf_check), so the bound is generous: 5 minutes.
     fn wait_ready(&self, node: &NodeRuntime) {
         let (addr, path) = node.probe_target("readinessProbe");
-        let live = &node.daemonset["spec"]["template"]["spec"]["containers"][0]["livenessProbe"];
-        let field = |name: &str| live[name].as_u64().unwrap_or(0);
-        let window = Duration::from_secs(field("initialDelaySeconds") + field("periodSeconds") * field("failureThreshold"));
-        let limit = window.max(Duration::from_mins(5));
-        eventually_within(limit, &format!("the agent of {} to be ready ({addr}{path})", node.name), || {
+        eventually_within(Duration::from_mins(5), &format!("the agent of {} to be ready ({addr}{path})", node.name), || {
             if let Some(agent) = &node.agent {
                 let status = agent.inspect("{{.State.Status}}");
                 // Its log follows, from the container's drop.
