@@ -1,7 +1,9 @@
 //! NodePort at XDP (`--only xdp`): the XDP program's per-packet cost under
 //! BPF_PROG_TEST_RUN against a minimal XDP program, and packets per second
 //! through a veth NodePort path to a remote backend (DNAT + SNAT) with XDP
-//! in front of TC, TC alone, and iptables DNAT + MASQUERADE.
+//! in front of TC, TC alone (with and without its fast path), and iptables
+//! DNAT + MASQUERADE, beside the floor of any TC path (`tc-floor`: a
+//! program that only redirects, see `bench_redirect_tc`).
 //!
 //! ```text
 //!   client  cl0 10.0.1.1 ---- nd0 10.0.1.2  node  nd1 10.0.5.1 ---- pd0 10.0.5.2  backend
@@ -75,7 +77,9 @@ const BACKEND_PORT: u16 = 5353;
 /// Interleaved in this order in every repeat; `tc-fast` is the TC
 /// programs with the fast path (`--tc-fast-path auto`, the agent's
 /// default), `tc` without it (`off`: the stack forwards).
-const VARIANTS: [&str; 4] = ["xdp", "tc-fast", "tc", "iptables"];
+/// `tc-floor` is no NodePort at all: `bench_redirect_tc` sends every
+/// frame from `nd0`'s ingress to `nd1`, the least a TC path can do.
+const VARIANTS: [&str; 5] = ["xdp", "tc-fast", "tc", "iptables", "tc-floor"];
 const GENERATORS: [&str; 2] = ["xdp-gen", "af_packet"];
 /// What `--only xdp` takes from the command line.
 pub(crate) struct Options {
@@ -160,6 +164,7 @@ fn world(variant: &str, txgen: &mut Generator, stop: &Arc<AtomicBool>) -> Result
             in_netns(&node, move || xdp_loader::install(&dir, &devices, xdp))??;
             pins = Some(p);
         }
+        "tc-floor" => txgen.attach_floor(&node)?,
         _ => {
             let rules = format!(
                 "*nat\n:PREROUTING ACCEPT [0:0]\n:INPUT ACCEPT [0:0]\n:OUTPUT ACCEPT [0:0]\n:POSTROUTING ACCEPT [0:0]\n-A PREROUTING -d {NODE}/32 -p udp -m udp --dport {NODE_PORT} -j DNAT --to-destination {BACKEND}:{BACKEND_PORT}\n-A PREROUTING -d {NODE}/32 -p tcp -m tcp --dport {NODE_PORT} -j DNAT --to-destination {BACKEND}:{BACKEND_PORT}\n-A POSTROUTING -o nd1 -j MASQUERADE\nCOMMIT\n"
@@ -571,6 +576,39 @@ impl Generator {
         .context("the XDP sink on pd0")
     }
 
+    /// Attaches `bench_redirect_tc` to `nd0`'s ingress in `node`, sending
+    /// every frame to `nd1` (the `tc-floor` world), pinned as the sink is.
+    fn attach_floor(&mut self, node: &Netns) -> Result<()> {
+        let links = proxy_agent::datapath::pins::links(self.pins.path());
+        std::fs::create_dir_all(&links)?;
+        let link_pin = links.join("bench-floor");
+        let ns = std::fs::File::open(node.path())?;
+        let to = in_netns(node, || device_index("nd1"))??;
+        let mut m: aya::maps::Array<_, u32> = self.ebpf.map_mut("BENCH_REDIRECT_TO").context("BENCH_REDIRECT_TO missing")?.try_into()?;
+        m.set(0, to, 0)?;
+        let prog: &mut aya::programs::SchedClassifier =
+            self.ebpf.program_mut("bench_redirect_tc").context("bench_redirect_tc missing")?.try_into()?;
+        if prog.fd().is_err() {
+            prog.load()?;
+        }
+        std::thread::scope(|s| {
+            s.spawn(|| -> Result<()> {
+                // SAFETY: a namespace fd, for this thread only; it ends
+                // right after.
+                if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                    return Err(std::io::Error::last_os_error().into());
+                }
+                let id = prog.attach("nd0", aya::programs::TcAttachType::Ingress)?;
+                let fd: aya::programs::links::FdLink = prog.take_link(id)?.try_into()?;
+                fd.pin(&link_pin)?;
+                Ok(())
+            })
+            .join()
+            .map_err(|_| anyhow::anyhow!("the floor's thread panicked"))?
+        })
+        .context("bench_redirect_tc on nd0")
+    }
+
     /// The 64-byte frame the program writes on every run.
     fn set_frame(&mut self, frame: &[u8]) -> Result<()> {
         let mut words = [0u64; 8];
@@ -589,7 +627,7 @@ pub(crate) fn run(repeats: usize, rounds: usize, opts: &Options) -> Result<Secti
     crate::step("XDP: BPF_PROG_TEST_RUN of xdp_nodeport against bench_minimal_xdp");
     let runs = test_run(repeats)?;
     let (ours, stale, uncached, minimal, verdict) = (&runs.cached, &runs.stale, &runs.uncached, &runs.minimal, runs.verdict);
-    crate::step("XDP: building four veth NodePort paths (xdp, tc-fast, tc, iptables)");
+    crate::step("XDP: building five veth paths (xdp, tc-fast, tc, iptables, tc-floor)");
     let mut txgen = Generator::load()?;
     let stop = Arc::new(AtomicBool::new(false));
     let worlds: Vec<World> = VARIANTS.iter().map(|v| world(v, &mut txgen, &stop)).collect::<Result<_>>()?;
@@ -637,6 +675,10 @@ pub(crate) fn run(repeats: usize, rounds: usize, opts: &Options) -> Result<Secti
     for rep in 0..r {
         crate::step(&format!("XDP: TCP requests repeat {}/{r}", rep + 1));
         for (i, w) in worlds.iter().enumerate() {
+            // The floor translates nothing: no request could arrive.
+            if VARIANTS[i] == "tc-floor" {
+                continue;
+            }
             let (lat, f) = tcp_requests(w, rounds)?;
             p50[i].push(percentile(&lat, 0.5));
             p99[i].push(percentile(&lat, 0.99));
@@ -660,7 +702,7 @@ pub(crate) fn run(repeats: usize, rounds: usize, opts: &Options) -> Result<Secti
     stop.store(true, Ordering::Relaxed);
     let med = |v: &[f64]| spread(v).median;
     let mut md = format!(
-        "## NodePort at XDP\n\nBPF_PROG_TEST_RUN, one run per call, median of {TEST_RUNS} calls per repeat, {r} repeats: `xdp_nodeport` on a tracked UDP flow to a remote backend (forward and SNAT entries, the next hop, rewrite, `bpf_redirect`; verdict {verdict}, 4 = XDP_REDIRECT) {} with the flow's next hop cached (`XDP_NEXTHOP`: every packet but a flow's first of each second), {} with it stale (`bpf_fib_lookup` to a resolved neighbour confirms it, refreshed in place: a flow's first packet of each second), {} without it (the lookup's answer inserted: a flow's first packet, or a changed next hop), `bench_minimal_xdp` (returns XDP_PASS) {}; the differences, {:.0}, {:.0} and {:.0} ns, are the program's own per-packet cost (the stale and absent runs also meet the entry's memory cold, as the syscall that prepared them replaced or freed it).\n\nForwarding through veth, client -> node -> remote backend (DNAT + SNAT), one UDP flow of 64-byte frames for {:.1} s per repeat, counted at the backend's veth end, where an XDP program drops them (the backend's stack would cost as much as the node in every variant); the whole path runs on the generator's CPU. Generators: `xdp-gen` sends each frame with XDP_TX from BPF_PROG_TEST_RUN in live-frames mode, so the node's veth receives `xdp_frame`s as from a NIC (no skb until something needs one); `af_packet` sends skbs from an AF_PACKET socket (`PACKET_QDISC_BYPASS`), which veth must copy into an XDP buffer before an XDP program sees them, a cost no NIC driver has. Variants: `xdp`, our XDP program in front of TC on the node's veths; `tc-fast`, the TC programs alone with the fast path (`--tc-fast-path auto`, the default: translated at ingress, `bpf_fib_lookup` through the shared next-hop cache, `bpf_redirect`); `tc`, the TC programs alone without it (`off`: the stack routes and forwards); `iptables`, one DNAT rule in PREROUTING plus MASQUERADE (iptables-legacy). Median (min–max) over {r} repeats, generators and variants interleaved.\n\n| generator | variant | forwarded (pkt/s) | sent (pkt/s) |\n|---|---|---|---|\n",
+        "## NodePort at XDP\n\nBPF_PROG_TEST_RUN, one run per call, median of {TEST_RUNS} calls per repeat, {r} repeats: `xdp_nodeport` on a tracked UDP flow to a remote backend (forward and SNAT entries, the next hop, rewrite, `bpf_redirect`; verdict {verdict}, 4 = XDP_REDIRECT) {} with the flow's next hop cached (`XDP_NEXTHOP`: every packet but a flow's first of each second), {} with it stale (`bpf_fib_lookup` to a resolved neighbour confirms it, refreshed in place: a flow's first packet of each second), {} without it (the lookup's answer inserted: a flow's first packet, or a changed next hop), `bench_minimal_xdp` (returns XDP_PASS) {}; the differences, {:.0}, {:.0} and {:.0} ns, are the program's own per-packet cost (the stale and absent runs also meet the entry's memory cold, as the syscall that prepared them replaced or freed it).\n\nForwarding through veth, client -> node -> remote backend (DNAT + SNAT), one UDP flow of 64-byte frames for {:.1} s per repeat, counted at the backend's veth end, where an XDP program drops them (the backend's stack would cost as much as the node in every variant); the whole path runs on the generator's CPU. Generators: `xdp-gen` sends each frame with XDP_TX from BPF_PROG_TEST_RUN in live-frames mode, so the node's veth receives `xdp_frame`s as from a NIC (no skb until something needs one); `af_packet` sends skbs from an AF_PACKET socket (`PACKET_QDISC_BYPASS`), which veth must copy into an XDP buffer before an XDP program sees them, a cost no NIC driver has. Variants: `xdp`, our XDP program in front of TC on the node's veths; `tc-fast`, the TC programs alone with the fast path (`--tc-fast-path auto`, the default: translated at ingress, `bpf_fib_lookup` through the shared next-hop cache, `bpf_redirect`); `tc`, the TC programs alone without it (`off`: the stack routes and forwards); `iptables`, one DNAT rule in PREROUTING plus MASQUERADE (iptables-legacy); `tc-floor`, no NodePort at all: `bench_redirect_tc` at `nd0`'s ingress sends every frame to `nd1` with `bpf_redirect`, unparsed and untranslated, and no program runs at `nd1`'s egress, the least any TC forwarding path pays (the skb's build, GRO, `dev_queue_xmit`, the veth, the sink). Median (min–max) over {r} repeats, generators and variants interleaved.\n\n| generator | variant | forwarded (pkt/s) | sent (pkt/s) |\n|---|---|---|---|\n",
         ns_spread(ours),
         ns_spread(stale),
         ns_spread(uncached),
@@ -692,17 +734,17 @@ pub(crate) fn run(repeats: usize, rounds: usize, opts: &Options) -> Result<Secti
         format!("{:.1} µs ({:.1}–{:.1})", s.median / 1e3, s.min / 1e3, s.max / 1e3)
     };
     let mut tcp_rows = Vec::new();
-    for (i, v) in VARIANTS.iter().enumerate() {
+    for (i, v) in VARIANTS.iter().enumerate().filter(|(_, v)| **v != "tc-floor") {
         let snat = snat_failed[i].map_or_else(|| "-".to_string(), |n| n.to_string());
         let _ = writeln!(md, "| {v} | {} | {} | {} | {snat} |", us(&p50[i]), us(&p99[i]), failed[i]);
         tcp_rows.push(json!({"variant": v, "p50_ns": spread(&p50[i]).json(), "p99_ns": spread(&p99[i]).json(), "failed": failed[i], "snat_failed": snat_failed[i]}));
     }
     let at = |v: &str| VARIANTS.iter().position(|x| *x == v).unwrap_or(0);
-    let (xdp, fast, tc, ipt) = (at("xdp"), at("tc-fast"), at("tc"), at("iptables"));
+    let (xdp, fast, tc, ipt, floor) = (at("xdp"), at("tc-fast"), at("tc"), at("iptables"), at("tc-floor"));
     let ratio = |g: usize, one: usize, other: usize| med(&pps[g][one]) / med(&pps[g][other]);
     let _ = writeln!(
         md,
-        "\nXDP / TC forwarded: {:.2} with `xdp-gen`, {:.2} with `af_packet`; XDP / iptables: {:.2} and {:.2}; TC fast path / iptables: {:.2} and {:.2}; TC fast path / TC: {:.2} and {:.2}.\n",
+        "\nXDP / TC forwarded: {:.2} with `xdp-gen`, {:.2} with `af_packet`; XDP / iptables: {:.2} and {:.2}; TC fast path / iptables: {:.2} and {:.2}; TC fast path / TC: {:.2} and {:.2}; TC floor / iptables: {:.2} and {:.2}; TC fast path / TC floor: {:.2} and {:.2}. From the `xdp-gen` medians: the floor takes {:.0} ns a packet and the fast path {:.0} ns more; 1.5x iptables means {:.0} ns a packet, which leaves {:.0} ns above the floor for everything the fast path does (parse, conntrack, translation, next hop, the output device's egress program).\n",
         ratio(0, xdp, tc),
         ratio(1, xdp, tc),
         ratio(0, xdp, ipt),
@@ -711,6 +753,14 @@ pub(crate) fn run(repeats: usize, rounds: usize, opts: &Options) -> Result<Secti
         ratio(1, fast, ipt),
         ratio(0, fast, tc),
         ratio(1, fast, tc),
+        ratio(0, floor, ipt),
+        ratio(1, floor, ipt),
+        ratio(0, fast, floor),
+        ratio(1, fast, floor),
+        1e9 / med(&pps[0][floor]),
+        1e9 / med(&pps[0][fast]) - 1e9 / med(&pps[0][floor]),
+        1e9 / (1.5 * med(&pps[0][ipt])),
+        1e9 / (1.5 * med(&pps[0][ipt])) - 1e9 / med(&pps[0][floor]),
     );
     let target = ratio(0, xdp, tc);
     let (fast_vs_ipt, xdp_vs_ipt) = (ratio(0, fast, ipt), ratio(0, xdp, ipt));
@@ -744,6 +794,8 @@ pub(crate) fn run(repeats: usize, rounds: usize, opts: &Options) -> Result<Secti
         "ratio_tc_fast_vs_iptables_af_packet": ratio(1, fast, ipt),
         "ratio_xdp_vs_iptables": xdp_vs_ipt,
         "ratio_tc_fast_vs_tc": ratio(0, fast, tc),
+        "ratio_tc_floor_vs_iptables": ratio(0, floor, ipt),
+        "ratio_tc_fast_vs_tc_floor": ratio(0, fast, floor),
     });
     Ok(Section { key: "xdp", markdown: md, json, svgs: Vec::new(), targets })
 }

@@ -26,6 +26,8 @@
 //! * `bench_empty_tc`: returns at once. Under BPF_PROG_TEST_RUN with one run
 //!   per call, its figure is the harness' own overhead (timer reads, bh
 //!   disable), which the benchmark subtracts from the other two.
+//! * `bench_redirect_tc`: sends every packet to one device with
+//!   `bpf_redirect`, the floor of the forwarding bench's TC rows.
 //! * `bench_minimal_xdp`, `bench_tx_xdp`, `bench_drop_xdp`: an XDP program
 //!   that passes every frame (the reference for `xdp_nodeport`'s own cost),
 //!   and the traffic generator and the sink of the XDP forwarding bench.
@@ -363,6 +365,26 @@ fn try_minimal_tc(ctx: &TcContext) -> i32 {
 #[classifier]
 pub fn bench_empty_tc(_ctx: TcContext) -> i32 {
     TC_ACT_OK
+}
+
+/// The device `bench_redirect_tc` sends every packet to (element 0; 0 =
+/// none), written by the benchmark.
+#[btf_map(name = "BENCH_REDIRECT_TO")]
+static BENCH_REDIRECT_TO: Array<u32, 1> = Array::new();
+
+/// The floor of any TC forwarding path, for the forwarding bench's
+/// `tc-floor` row: every packet goes to the egress of one device with
+/// `bpf_redirect`, unparsed and unwritten (the bench's sink drops the
+/// frames whatever their addresses). What a TC fast path costs above the
+/// skb's own path (building it, GRO, `dev_queue_xmit`, the veth) is the
+/// distance between this row and `tc-fast`.
+#[classifier]
+pub fn bench_redirect_tc(_ctx: TcContext) -> i32 {
+    match BENCH_REDIRECT_TO.get(0) {
+        // SAFETY: no memory is passed; the helper records the target.
+        Some(&ifindex) if ifindex != 0 => unsafe { aya_ebpf::helpers::bpf_redirect(ifindex, 0) as i32 },
+        _ => TC_ACT_OK,
+    }
 }
 
 /// The least an XDP program can do: pass every frame. The reference for
