@@ -593,12 +593,11 @@ fn rbac_setup(name: &str, edit: impl FnOnce(&mut Vec<Value>)) -> (RealCluster, P
     (cluster, net, node, dir)
 }
 
-/// The Events about `service` the agent posted (events.k8s.io/v1), read
-/// as the admin.
-/// The agent's Events (`reportingController: topoproxy`) about `service`.
-/// Others are left out: under load the real EndpointSlice controller posts
-/// its own Warnings about a Service (`FailedToUpdateEndpointSlices` on a
-/// write conflict).
+/// The Events about `service` the agent posted (events.k8s.io/v1,
+/// `reportingController: topoproxy`), read as the admin. Others are left
+/// out: under load the real EndpointSlice controller posts its own
+/// Warnings about a Service (`FailedToUpdateEndpointSlices` on a write
+/// conflict).
 fn events_about(cluster: &RealCluster, service: &str) -> Vec<Value> {
     let out = cluster.kubectl(&["-n", NS, "get", "events.v1.events.k8s.io", "-o", "json"]).expect("list Events");
     let list: Value = serde_json::from_str(&out).expect("Events as JSON");

@@ -546,32 +546,14 @@ impl Generator {
         Ok(Self { ebpf, fd, pins })
     }
 
-    /// Attaches the sink to `pd0` in `backend`. The thread that attaches
-    /// enters the namespace by hand (scoped, to borrow the program):
-    /// `ip -n` cannot attach a pinned program, as it mounts a fresh sysfs
-    /// without bpffs. The link is pinned, named for the world, and goes
-    /// with `pd0` when the namespace does, or with the pin directory.
+    /// Attaches the sink to `pd0` in `backend`, pinned as
+    /// `bench-sink-VARIANT`: it goes with `pd0` when the namespace does, or
+    /// with the pin directory.
     fn attach_sink(&mut self, backend: &Netns, variant: &str) -> Result<()> {
-        // In the links directory, which the pin directory's reset unpins.
-        let links = proxy_agent::datapath::pins::links(self.pins.path());
-        std::fs::create_dir_all(&links)?;
-        let link_pin = links.join(format!("bench-sink-{variant}"));
-        let ns = std::fs::File::open(backend.path())?;
         let sink: &mut aya::programs::Xdp = self.ebpf.program_mut("bench_drop_xdp").context("bench_drop_xdp missing")?.try_into()?;
-        std::thread::scope(|s| {
-            s.spawn(|| -> Result<()> {
-                // SAFETY: a namespace fd, for this thread only; it ends
-                // right after.
-                if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                    return Err(std::io::Error::last_os_error().into());
-                }
-                let id = sink.attach("pd0", aya::programs::XdpMode::Driver)?;
-                let fd: aya::programs::links::FdLink = sink.take_link(id)?.try_into()?;
-                fd.pin(&link_pin)?;
-                Ok(())
-            })
-            .join()
-            .map_err(|_| anyhow::anyhow!("the sink's thread panicked"))?
+        attach_pinned(self.pins.path(), backend, &format!("bench-sink-{variant}"), || {
+            let id = sink.attach("pd0", aya::programs::XdpMode::Driver)?;
+            Ok(sink.take_link(id)?.try_into()?)
         })
         .context("the XDP sink on pd0")
     }
@@ -579,10 +561,6 @@ impl Generator {
     /// Attaches `bench_redirect_tc` to `nd0`'s ingress in `node`, sending
     /// every frame to `nd1` (the `tc-floor` world), pinned as the sink is.
     fn attach_floor(&mut self, node: &Netns) -> Result<()> {
-        let links = proxy_agent::datapath::pins::links(self.pins.path());
-        std::fs::create_dir_all(&links)?;
-        let link_pin = links.join("bench-floor");
-        let ns = std::fs::File::open(node.path())?;
         let to = in_netns(node, || device_index("nd1"))??;
         let mut m: aya::maps::Array<_, u32> = self.ebpf.map_mut("BENCH_REDIRECT_TO").context("BENCH_REDIRECT_TO missing")?.try_into()?;
         m.set(0, to, 0)?;
@@ -591,20 +569,9 @@ impl Generator {
         if prog.fd().is_err() {
             prog.load()?;
         }
-        std::thread::scope(|s| {
-            s.spawn(|| -> Result<()> {
-                // SAFETY: a namespace fd, for this thread only; it ends
-                // right after.
-                if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                    return Err(std::io::Error::last_os_error().into());
-                }
-                let id = prog.attach("nd0", aya::programs::TcAttachType::Ingress)?;
-                let fd: aya::programs::links::FdLink = prog.take_link(id)?.try_into()?;
-                fd.pin(&link_pin)?;
-                Ok(())
-            })
-            .join()
-            .map_err(|_| anyhow::anyhow!("the floor's thread panicked"))?
+        attach_pinned(self.pins.path(), node, "bench-floor", || {
+            let id = prog.attach("nd0", aya::programs::TcAttachType::Ingress)?;
+            Ok(prog.take_link(id)?.try_into()?)
         })
         .context("bench_redirect_tc on nd0")
     }
@@ -621,6 +588,31 @@ impl Generator {
         m.set(0, words, 0)?;
         Ok(())
     }
+}
+
+/// Runs `attach` on a thread that has joined `ns` and pins the link it
+/// returns as `name` in the links directory of `pins` (whose reset unpins
+/// it). The thread enters the namespace by hand, scoped so that `attach`
+/// may borrow a loaded program: `ip -n` cannot attach a pinned program, as
+/// it mounts a fresh sysfs without bpffs.
+fn attach_pinned(pins: &Path, ns: &Netns, name: &str, attach: impl FnOnce() -> Result<aya::programs::links::FdLink> + Send) -> Result<()> {
+    let links = proxy_agent::datapath::pins::links(pins);
+    std::fs::create_dir_all(&links)?;
+    let link_pin = links.join(name);
+    let ns = std::fs::File::open(ns.path())?;
+    std::thread::scope(|s| {
+        s.spawn(|| -> Result<()> {
+            // SAFETY: a namespace fd, for this thread only; it ends right
+            // after.
+            if unsafe { libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                return Err(std::io::Error::last_os_error().into());
+            }
+            attach()?.pin(&link_pin)?;
+            Ok(())
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("the thread attaching {name} panicked"))?
+    })
 }
 
 pub(crate) fn run(repeats: usize, rounds: usize, opts: &Options) -> Result<Section> {
