@@ -3,7 +3,10 @@
 // Package tools pins the Kubernetes control plane that the real-API-server
 // tests (proxy-agent/tests/real_apiserver.rs) run against: etcd,
 // kube-apiserver, kube-controller-manager and kubectl, built from Go modules
-// by `cargo xtask k8s` (xtask/src/k8s.rs) into target/k8s/<version>/.
+// by `cargo xtask k8s` (xtask/src/k8s.rs) into target/k8s/<version>/; and
+// kube-proxy, the differential tests' oracle and the benchmarks' peer
+// (issue #45). Its blank import added only indirect requirements (nftables,
+// knftables, netlink, netns, ipvs, hnslib) and changed no existing version.
 //
 // The version is pinned here, in go.mod: k8s.io/kubernetes v1.37.2 and the
 // etcd server its go.mod requires (go.etcd.io/etcd/server/v3 v3.7.0).
@@ -24,5 +27,6 @@ import (
 	_ "go.etcd.io/etcd/server/v3"
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
 	_ "k8s.io/kubernetes/cmd/kubectl"
 )

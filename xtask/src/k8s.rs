@@ -1,7 +1,7 @@
 //! `cargo xtask k8s`: the real Kubernetes control plane the real-API-server
 //! tests (`proxy-agent/tests/real_apiserver.rs`, through
 //! `proxy_test_support::real_cluster`) start: etcd, kube-apiserver,
-//! kube-controller-manager and kubectl, built from Go modules. With
+//! kube-controller-manager, kubectl and kube-proxy, built from Go modules. With
 //! `--node`, also what the one-node cluster of `cargo xtask e2e` adds
 //! (issue #36): kubelet, kube-scheduler, agnhost, the e2e test binary,
 //! containerd with its runc shim and ctr, and CoreDNS.
@@ -66,11 +66,14 @@ const fn tool(bin: &'static str, dir: &'static str, module: &'static str, packag
 }
 
 /// The control plane, from tools/k8s.
-const CONTROL_PLANE: [Tool; 4] = [
+const CONTROL_PLANE: [Tool; 5] = [
     tool("etcd", "k8s", ETCD_MODULE, ETCD_MODULE, Build::Plain),
     tool("kube-apiserver", "k8s", KUBERNETES_MODULE, "k8s.io/kubernetes/cmd/kube-apiserver", Build::Kubernetes),
     tool("kube-controller-manager", "k8s", KUBERNETES_MODULE, "k8s.io/kubernetes/cmd/kube-controller-manager", Build::Kubernetes),
     tool("kubectl", "k8s", KUBERNETES_MODULE, "k8s.io/kubernetes/cmd/kubectl", Build::Kubernetes),
+    // The oracle of the differential tests and the benchmarks' peer (#45):
+    // real kube-proxy, run only inside network namespaces the tests create.
+    tool("kube-proxy", "k8s", KUBERNETES_MODULE, "k8s.io/kubernetes/cmd/kube-proxy", Build::Kubernetes),
 ];
 
 /// What the e2e node adds (`--node`).
