@@ -75,9 +75,10 @@ NON_DEFAULT = {
     "serviceMetrics": "all",
     "xdp": "native",
     "maglev": {"tableSize": 65521},
+    "healthz": {"port": 10266, "bindAddress": "::"},
     "metrics": {
         "port": 9962,
-        "bindAddress": "127.0.0.1",
+        "bindAddress": "192.0.2.21",
         "service": {"enabled": True, "annotations": {"example.com/scrape": "true"}},
         "serviceMonitor": {"enabled": True, "interval": "15s", "labels": {"release": "prom"}},
         "grafanaDashboard": {"enabled": True, "namespace": "monitoring", "annotations": {"grafana_folder": "Network"}},
@@ -287,7 +288,10 @@ def test_agent_arguments_environment_and_probes(default_objects):
         "--conntrack-tcp-syn-timeout-secs": "60",
         "--conntrack-other-timeout-secs": "60",
         "--log-level": "info",
-        "--metrics-address": "0.0.0.0:10256",
+        # kube-proxy's defaults: health for load balancers on every
+        # address, the metrics (Service names) on loopback.
+        "--healthz-bind-address": "0.0.0.0:10256",
+        "--metrics-bind-address": "127.0.0.1:10249",
         "--devices": "auto",
         "--tc-mode": "auto",
         "--tc-fast-path": "auto",
@@ -297,11 +301,14 @@ def test_agent_arguments_environment_and_probes(default_objects):
         "--maglev-table-size": "16381",
     }
     assert c["env"] == [{"name": "NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]
-    assert c["ports"] == [{"name": "metrics", "containerPort": 10256, "protocol": "TCP"}]
+    assert c["ports"] == [
+        {"name": "healthz", "containerPort": 10256, "protocol": "TCP"},
+        {"name": "metrics", "containerPort": 10249, "protocol": "TCP"},
+    ]
     # Liveness is staleness only: /healthz also fails while the node is
     # being deleted, which must drain load balancers, not restart the agent.
-    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "metrics"}
-    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "healthz"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "healthz"}
     # Map memory is charged to the agent: no memory limit, a request that
     # covers the default maps.
     assert "limits" not in c["resources"] or not c["resources"]["limits"].get("memory")
@@ -409,7 +416,8 @@ def test_values_reach_the_agent(custom_objects):
         "--conntrack-tcp-syn-timeout-secs": "30",
         "--conntrack-other-timeout-secs": "120",
         "--log-level": "proxy_agent=debug,info",
-        "--metrics-address": "127.0.0.1:9962",
+        "--healthz-bind-address": "[::]:10266",
+        "--metrics-bind-address": "192.0.2.21:9962",
         "--devices": "eth0,bond0",
         "--node-ip": "192.0.2.21,2001:db8::21",
         "--snat-port-range": "40000-45000",
@@ -429,7 +437,7 @@ def test_values_reach_the_agent(custom_objects):
         {"name": "KUBERNETES_SERVICE_PORT", "value": "6443"},
         {"name": "RUST_BACKTRACE", "value": "1"},
     ]
-    assert c["ports"][0]["containerPort"] == 9962
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"healthz": 10266, "metrics": 9962}
     assert c["resources"] == NON_DEFAULT["resources"]
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["cgroup"]["hostPath"]["path"] == "/sys/fs/cgroup/unified"
@@ -446,9 +454,9 @@ def test_values_reach_the_agent(custom_objects):
 def test_probe_settings_keep_the_probe_paths():
     values = {"livenessProbe": {"periodSeconds": 20, "failureThreshold": 3}, "readinessProbe": {"periodSeconds": 2}}
     c = agent_container(one(render(values), "DaemonSet"))
-    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "metrics"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "healthz"}
     assert (c["livenessProbe"]["periodSeconds"], c["livenessProbe"]["failureThreshold"]) == (20, 3)
-    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "healthz"}
     assert c["readinessProbe"]["periodSeconds"] == 2
 
 
@@ -574,7 +582,7 @@ def test_bad_tc_mode_xdp_or_maglev_values_are_refused_naming_the_value(values, p
 @pytest.mark.parametrize(
     "group",
     [
-        "image", "kubernetes", "cgroup", "bpf", "maps", "conntrack", "maglev", "metrics",
+        "image", "kubernetes", "cgroup", "bpf", "maps", "conntrack", "maglev", "healthz", "metrics",
         "livenessProbe", "readinessProbe", "kubeProxyCleanup", "serviceAccount", "rbac",
     ],
 )
@@ -624,6 +632,45 @@ def test_service_monitor_only_when_enabled(default_objects, custom_objects):
     assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics" and endpoint["interval"] == "15s"
     # The connection counts' own namespace/service labels survive the scrape.
     assert endpoint["honorLabels"] is True
+
+
+@pytest.mark.parametrize(
+    "metrics, address",
+    [
+        ({}, "127.0.0.1:10249"),
+        ({"service": {"enabled": True}}, "0.0.0.0:10249"),
+        ({"serviceMonitor": {"enabled": True}}, "0.0.0.0:10249"),
+        # Offline "auto" renders no ServiceMonitor, so nothing scrapes.
+        ({"serviceMonitor": {"enabled": "auto"}}, "127.0.0.1:10249"),
+        ({"bindAddress": "::", "port": 9000, "serviceMonitor": {"enabled": True}}, "[::]:9000"),
+        ({"bindAddress": "::1"}, "[::1]:10249"),
+    ],
+    ids=["default", "service", "service-monitor", "auto-offline", "ipv6-any", "ipv6-loopback"],
+)
+def test_metrics_stay_on_loopback_unless_scraped(metrics, address):
+    objects = render({"metrics": metrics})
+    assert args_of(one(objects, "DaemonSet"))["--metrics-bind-address"] == address
+    # The health endpoints do not move with the metrics.
+    assert args_of(one(objects, "DaemonSet"))["--healthz-bind-address"] == "0.0.0.0:10256"
+    for svc in by_kind(objects, "Service"):
+        port = address.rsplit(":", 1)[1]
+        assert svc["spec"]["ports"] == [{"name": "metrics", "port": int(port), "targetPort": "metrics", "protocol": "TCP"}]
+    assert ("on the node only" in notes({"metrics": metrics})) == address.startswith("127.0.0.1:")
+
+
+@pytest.mark.parametrize(
+    "values, complaint",
+    [
+        ({"metrics": {"bindAddress": "127.0.0.1", "serviceMonitor": {"enabled": True}}}, "metrics.bindAddress 127.0.0.1 is loopback"),
+        ({"metrics": {"bindAddress": "::1", "service": {"enabled": True}}}, "metrics.bindAddress ::1 is loopback"),
+        ({"healthz": {"port": 10249}}, "healthz.port and metrics.port are both 10249"),
+    ],
+    ids=["loopback-service-monitor", "loopback-service", "one-port"],
+)
+def test_unscrapable_or_clashing_addresses_are_refused(values, complaint):
+    with pytest.raises(helm.HelmError) as e:
+        render(values)
+    assert complaint in str(e.value), str(e.value)
 
 
 def test_service_monitor_auto_follows_the_clusters_apis():
@@ -689,6 +736,8 @@ def test_rbac_and_service_account_can_be_turned_off():
         ({"conntrack": {"tcpTimeoutSeconds": 0}}, "/conntrack/tcpTimeoutSeconds"),
         ({"conntrack": {"gcIntervalSeconds": -1}}, "/conntrack/gcIntervalSeconds"),
         ({"metrics": {"port": 70000}}, "/metrics/port"),
+        ({"healthz": {"port": 0}}, "/healthz/port"),
+        ({"healthz": {"bindAddress": ""}}, "/healthz/bindAddress"),
         ({"logLevl": "debug"}, "logLevl"),
         ({"bpf": {"root": "relative/path"}}, "/bpf/root"),
         ({"kubeProxyCleanup": {"nodePortRange": "30000"}}, "/kubeProxyCleanup/nodePortRange"),
@@ -868,10 +917,9 @@ def test_rendered_flags_exist_in_the_agent(default_objects, custom_objects):
     if not binary:
         pytest.skip("PROXY_AGENT_BIN is not set (cargo test sets it)")
     flags = agent_flags(binary, "run")
-    if "--metrics-address" not in flags:
-        # The metrics/health server lands with the Kubernetes watcher; until
-        # then the chart is ahead of the binary on purpose.
-        pytest.skip("this agent build has no --metrics-address yet")
+    if "--metrics-bind-address" not in flags:
+        # An agent built before health and metrics listened apart.
+        pytest.skip("this agent build has no --metrics-bind-address yet")
     wanted = set(args_of(one(default_objects, "DaemonSet")))
     wanted |= set(args_of(one(custom_objects, "DaemonSet")))
     assert wanted - flags == set(), f"the chart passes flags `proxy-agent run` does not know: {sorted(wanted - flags)}"

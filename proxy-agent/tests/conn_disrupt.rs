@@ -275,7 +275,7 @@ impl World {
             .arg(self.cgroup.path())
             .arg("--bpffs")
             .arg(self.pins.path())
-            .args(["--devices", "n-c", "--metrics-address", "127.0.0.1:0"])
+            .args(["--devices", "n-c", "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"])
             .args(["--max-services", &MAX_SERVICES.to_string()]);
         // A finer log for chasing a failure, e.g. `proxy_agent=debug,kube_runtime=debug`.
         if let Ok(level) = std::env::var("TOPOPROXY_TEST_AGENT_LOG") {
@@ -309,20 +309,20 @@ impl World {
         all.get(self.log_mark..).unwrap_or_default().to_string()
     }
 
-    /// The running agent's health and metrics address (on the node
-    /// namespace's loopback).
-    fn metrics_address(&self) -> SocketAddr {
-        wait_for("the agent to log its metrics address", Duration::from_secs(30), || {
+    /// The address the running agent logged under `key` (on the node
+    /// namespace's loopback): `healthz_bind_address=` or
+    /// `metrics_bind_address=`.
+    fn logged_address(&self, key: &str) -> SocketAddr {
+        wait_for(&format!("the agent to log its {key}"), Duration::from_secs(30), || {
             let log = self.log();
-            log.rmatch_indices("metrics_address=")
-                .next()
-                .and_then(|(i, _)| log[i + "metrics_address=".len()..].split_whitespace().next()?.parse().ok())
-                .ok_or(())
+            log.rmatch_indices(key).next().and_then(|(i, _)| log[i + key.len()..].split_whitespace().next()?.parse().ok()).ok_or(())
         })
     }
 
+    /// `path` on the listener that serves it: `/metrics` apart from the
+    /// health endpoints, as kube-proxy serves them.
     fn get(&self, path: &'static str) -> Result<(u16, String), String> {
-        let addr = self.metrics_address();
+        let addr = self.logged_address(if path == "/metrics" { "metrics_bind_address=" } else { "healthz_bind_address=" });
         in_netns(&self.node, move || http_get(addr, path)).map_err(|e| e.to_string())?
     }
 

@@ -396,9 +396,9 @@ fn api_server_outage_and_new_history_keep_traffic_flowing() {
     }
     std::thread::sleep(Duration::from_secs(2));
     assert!(node.agent_running(), "the agent must survive an API server outage: {}", node.agent_log());
-    let (code, body) = http_get(node.metrics_address(), "/readyz").expect("readyz");
+    let (code, body) = http_get(node.healthz_address(), "/readyz").expect("readyz");
     assert_eq!(code, 200, "an agent that synced once stays ready through an outage: {body}");
-    let (code, _) = http_get(node.metrics_address(), "/healthz").expect("healthz");
+    let (code, _) = http_get(node.healthz_address(), "/healthz").expect("healthz");
     assert_eq!(code, 200);
     wait_for_backends(&node, &net, "10.96.23.11:80", &[], &["pod-3"]);
 
@@ -430,13 +430,13 @@ fn api_server_outage_and_new_history_keep_traffic_flowing() {
     node.stop_agent();
     node.start_kube_agent(&cluster.kubeconfig(), &[]);
     std::thread::sleep(Duration::from_secs(2));
-    let (code, body) = http_get(node.metrics_address(), "/readyz").expect("readyz");
+    let (code, body) = http_get(node.healthz_address(), "/readyz").expect("readyz");
     assert_eq!(code, 503, "not ready before the first list: {body}");
     assert!(body.contains("waiting for"), "{body}");
     wait_for_backends(&node, &net, "10.96.23.11:80", &[], &["pod-1"]);
     cluster.api = Some(ApiServer::start_on(addr, 1_000_000, moved(objects, "10.244.23.2")));
     wait_for_backends(&node, &net, "10.96.23.11:80", &[], &["pod-2"]);
-    eventually("readiness after the API server returned", || match http_get(node.metrics_address(), "/readyz") {
+    eventually("readiness after the API server returned", || match http_get(node.healthz_address(), "/readyz") {
         Ok((200, _)) => Ok(()),
         other => Err(other),
     });
@@ -536,16 +536,16 @@ fn health_metrics_and_events() {
     let mut node = Node::new("node-a");
     // Frequent periodic syncs, to show they do not repeat Events.
     node.start_kube_agent(&cluster.kubeconfig(), &["--sync-period-secs", "1"]);
-    let maddr = node.metrics_address();
-    eventually("/readyz to say what it waits for", || match http_get(maddr, "/readyz") {
+    let haddr = node.healthz_address();
+    eventually("/readyz to say what it waits for", || match http_get(haddr, "/readyz") {
         Ok((503, body)) if body.contains("waiting for Services, EndpointSlices and Nodes to be listed") => Ok(()),
         other => Err(other),
     });
-    let (code, body) = http_get(maddr, "/healthz").expect("healthz");
+    let (code, body) = http_get(haddr, "/healthz").expect("healthz");
     assert_eq!(code, 200, "an unreachable API server does not make the agent unhealthy: {body}");
     let v: Value = serde_json::from_str(&body).expect("/healthz answers JSON");
     assert_eq!(v["nodeEligible"], true, "eligible until a Node says otherwise: {v}");
-    let (code, _) = http_get(maddr, "/nope").expect("404");
+    let (code, _) = http_get(haddr, "/nope").expect("404");
     assert_eq!(code, 404);
 
     let trigger = "2020-01-01T00:00:00Z";
@@ -573,7 +573,7 @@ fn health_metrics_and_events() {
     // Ready once the first sync is applied and the socket termination
     // mechanism is known (found beside that sync), which can trail the
     // first programmed backends.
-    eventually("/readyz to answer ok", || match http_get(maddr, "/readyz") {
+    eventually("/readyz to answer ok", || match http_get(haddr, "/readyz") {
         Ok((200, body)) if body.trim() == "ok" => Ok(()),
         other => Err(format!("{other:?}")),
     });
@@ -673,9 +673,9 @@ fn healthz_fails_while_this_node_is_going_away() {
     let mut node = Node::new("node-a");
     node.start_kube_agent(&cluster.kubeconfig(), &[]);
     wait_for_backends(&node, &net, "10.96.29.10:80", &[], &["pod-1"]);
-    let maddr = node.metrics_address();
+    let haddr = node.healthz_address();
     let get = |path: &str| -> (u16, Value) {
-        let (code, body) = http_get(maddr, path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        let (code, body) = http_get(haddr, path).unwrap_or_else(|e| panic!("{path}: {e}"));
         (code, serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path} {body:?}: {e}")))
     };
     let healthz_is = |want: u16| {
@@ -782,12 +782,12 @@ fn manifests_mode_serves_health_and_metrics_when_asked() {
         .yaml(),
     );
     node.write_manifest("node.yaml", "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\n");
-    node.start_agent_with(&["--metrics-address", "127.0.0.1:0"]);
+    node.start_agent_with(&["--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"]);
     wait_for_backends(&node, &net, "10.96.28.10:80", &[], &["pod-1"]);
     // Ready once the first sync is applied and the socket termination
     // mechanism is known (found beside that sync): it can trail the first
     // programmed backends.
-    eventually("/readyz to answer ok", || match http_get(node.metrics_address(), "/readyz") {
+    eventually("/readyz to answer ok", || match http_get(node.healthz_address(), "/readyz") {
         Ok((200, body)) if body.trim() == "ok" => Ok(()),
         other => Err(format!("{other:?}")),
     });
@@ -797,9 +797,9 @@ fn manifests_mode_serves_health_and_metrics_when_asked() {
     wait_metric(&node, "kubeproxy_sync_proxy_rules_endpoint_changes_total", |v| v >= 1.0);
 
     // The Node manifest says the node is going away, then that it is not.
-    let maddr = node.metrics_address();
+    let haddr = node.healthz_address();
     let healthz_is = |want: u16, eligible: bool| {
-        eventually(&format!("/healthz {want}"), || match http_get(maddr, "/healthz") {
+        eventually(&format!("/healthz {want}"), || match http_get(haddr, "/healthz") {
             Ok((code, body)) if code == want => {
                 let v: Value = serde_json::from_str(&body).map_err(|e| format!("{body:?}: {e}"))?;
                 if v["nodeEligible"] == eligible { Ok(()) } else { Err(body) }
@@ -811,7 +811,7 @@ fn manifests_mode_serves_health_and_metrics_when_asked() {
     let leaving = "apiVersion: v1\nkind: Node\nmetadata: {name: node-a, deletionTimestamp: \"2024-05-01T10:00:00Z\"}\n";
     node.write_manifest("node.yaml", leaving);
     healthz_is(503, false);
-    let (code, _) = http_get(maddr, "/livez").expect("livez");
+    let (code, _) = http_get(haddr, "/livez").expect("livez");
     assert_eq!(code, 200);
     node.write_manifest("node.yaml", "apiVersion: v1\nkind: Node\nmetadata: {name: node-a}\n");
     healthz_is(200, true);

@@ -121,7 +121,7 @@ fn a_thousand_services_with_ten_endpoints_each() {
     api.apply(json!({"apiVersion": "v1", "kind": "Node", "metadata": {"name": "node-a", "labels": {"topology.kubernetes.io/zone": "z1"}}}));
     let mut node = Node::new("node-a");
     node.start_kube_agent(&kubeconfig, &[]);
-    wait_long("readiness", || match http_get(node.metrics_address(), "/readyz") {
+    wait_long("readiness", || match http_get(node.healthz_address(), "/readyz") {
         Ok((200, _)) => Ok(()),
         other => Err(other),
     });
@@ -163,7 +163,7 @@ fn a_thousand_services_with_ten_endpoints_each() {
     // A restarted agent adopts the 1,000 frontends and then follows the
     // deletion of everything.
     node.start_kube_agent(&kubeconfig, &[]);
-    wait_long("the restarted agent to be ready", || match http_get(node.metrics_address(), "/readyz") {
+    wait_long("the restarted agent to be ready", || match http_get(node.healthz_address(), "/readyz") {
         Ok((200, _)) => Ok(()),
         other => Err(other),
     });

@@ -351,7 +351,14 @@ fn removing_one_of_ten_udp_backends_moves_only_the_sockets_that_used_it() {
     }
     let mut node = support::Node::new("node-a");
     node.write_manifest("udp.yaml", &udp_service(10, None));
-    node.start_agent_with(&["--metrics-address", "127.0.0.1:0", "--maglev-table-size", "16381"]);
+    node.start_agent_with(&[
+        "--healthz-bind-address",
+        "127.0.0.1:0",
+        "--metrics-bind-address",
+        "127.0.0.1:0",
+        "--maglev-table-size",
+        "16381",
+    ]);
     let all: Vec<String> = (1..=10).map(|i| format!("u{i}")).collect();
     let all_refs: Vec<&str> = all.iter().map(String::as_str).collect();
     let to = format!("{UDP_VIP}:53");

@@ -646,7 +646,8 @@ fn port_bit(pins: &std::path::Path, port: u16, egress: bool) -> bool {
 #[test]
 fn an_upgrade_over_pins_without_the_port_bitmap_keeps_an_established_flow() {
     let mut w = World::new();
-    w.nodes[0].extra = vec!["--conntrack-gc-interval-secs", "1", "--metrics-address", "127.0.0.1:0"];
+    w.nodes[0].extra =
+        vec!["--conntrack-gc-interval-secs", "1", "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"];
     // Remote backend only (through node-a: DNAT + SNAT + conntrack).
     let manifest = |peer_node_port: u16, dns_node_port: u16| {
         let extra = format!("  - {{name: peer, port: 81, protocol: TCP, targetPort: 8081, nodePort: {peer_node_port}}}\n");
@@ -723,11 +724,11 @@ fn explain_shows_the_external_frontends_of_the_one_decision_path() {
     assert!(http["clusterEndpoints"].is_array() && http["localEndpoints"].is_array(), "{http}");
 }
 
-/// `/metrics` of a node's agent (started with `--metrics-address`), read in
+/// `/metrics` of a node's agent (started with `--metrics-bind-address`), read in
 /// the node's namespace at the address the agent logged.
 fn metrics_of(node: &SimNode) -> Result<String, String> {
     let log = std::fs::read_to_string(&node.log).unwrap_or_default();
-    let key = "metrics_address=";
+    let key = "metrics_bind_address=";
     let addr: SocketAddr = log
         .rmatch_indices(key)
         .next()
@@ -739,7 +740,7 @@ fn metrics_of(node: &SimNode) -> Result<String, String> {
 #[test]
 fn node_address_changes_are_followed_without_a_restart() {
     let mut w = World::new();
-    w.nodes[1].extra = vec!["--metrics-address", "127.0.0.1:0"];
+    w.nodes[1].extra = vec!["--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"];
     w.publish(&service("web", "Cluster", None, &["node-a", "node-b"], ""));
     w.start();
     w.wait_for(&format!("{NODE_A}:30080"), &[], &["pod-a", "pod-b"]);

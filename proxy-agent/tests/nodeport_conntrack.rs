@@ -412,9 +412,17 @@ fn a_running_agent_sweeps_conntrack_and_exports_the_tc_counters() {
     let mut node = Node::new("node-ct");
     // Node agents run with `--devices none` (tests/support): no TC program
     // is attached anywhere.
-    node.start_agent_with(&["--metrics-address", "127.0.0.1:0", "--conntrack-gc-interval-secs", "1"]);
+    node.start_agent_with(&[
+        "--healthz-bind-address",
+        "127.0.0.1:0",
+        "--metrics-bind-address",
+        "127.0.0.1:0",
+        "--conntrack-gc-interval-secs",
+        "1",
+    ]);
     let addr = node.metrics_address();
-    eventually("the agent to be ready", || match http_get(addr, "/readyz") {
+    let health = node.healthz_address();
+    eventually("the agent to be ready", || match http_get(health, "/readyz") {
         Ok((200, _)) => Ok(()),
         other => Err(other),
     });

@@ -446,7 +446,7 @@ fn programmed(node: &Node, frontend: &str) -> BTreeSet<String> {
 
 /// The agent's /readyz: (status, body).
 fn readyz(node: &Node) -> (u16, String) {
-    http_get(node.metrics_address(), "/readyz").unwrap_or((0, String::new()))
+    http_get(node.healthz_address(), "/readyz").unwrap_or((0, String::new()))
 }
 
 /// The agent's WARN lines.

@@ -66,7 +66,7 @@ fn as_nobody(program: &str, args: &[&Path]) -> bool {
 }
 
 fn wait_ready(node: &Node) -> SocketAddr {
-    let addr = node.metrics_address();
+    let addr = node.healthz_address();
     eventually("the agent to be ready", || match http_get(addr, "/readyz") {
         Ok((200, _)) => Ok(()),
         other => Err(other),
@@ -78,7 +78,7 @@ fn wait_ready(node: &Node) -> SocketAddr {
 fn pinned_maps_and_links_are_out_of_reach_of_other_users() {
     let mut node = Node::new("n1");
     node.write_manifest("web.yaml", &service());
-    node.start_agent_with(&["--metrics-address", "127.0.0.1:0"]);
+    node.start_agent_with(&["--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"]);
     wait_ready(&node);
     let pins = node.pins.path().to_path_buf();
     let meta = fs::metadata(&pins).expect("pin directory");
@@ -148,7 +148,7 @@ fn a_pin_directory_owned_by_another_user_is_refused() {
     assert!(stderr.contains(&format!("refusing pin directory {}: it is owned by uid {NOBODY}", link.display())), "{stderr}");
     // Given back to root, the same directory is taken.
     std::os::unix::fs::chown(&pins, Some(0), Some(0)).expect("chown back");
-    node.start_agent_with(&["--metrics-address", "127.0.0.1:0"]);
+    node.start_agent_with(&["--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"]);
     wait_ready(&node);
     assert!(pin_layout::map(&pins, proxy_common::SERVICES_MAP).exists());
     assert_eq!(fs::metadata(&pins).expect("pin directory").mode() & 0o7777, 0o700);
@@ -167,18 +167,26 @@ fn request(addr: SocketAddr, method: &str, path: &str) -> (u16, String) {
 }
 
 #[test]
-fn the_health_and_metrics_port_serves_no_write_operation() {
+fn the_health_and_metrics_ports_serve_no_write_operation() {
     let mut node = Node::new("n1");
     node.write_manifest("web.yaml", &service());
-    node.start_agent_with(&["--metrics-address", "127.0.0.1:0"]);
+    node.start_agent_with(&["--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"]);
     let addr = wait_ready(&node);
+    let metrics = node.metrics_address();
     for method in ["POST", "PUT", "DELETE", "PATCH"] {
         for path in ["/metrics", "/healthz", "/livez", "/readyz", "/"] {
-            let (code, head) = request(addr, method, path);
-            assert_eq!(code, 405, "{method} {path}: {head}");
-            assert!(head.contains("\r\nallow: get, head"), "{method} {path}: {head}");
+            for a in [addr, metrics] {
+                let (code, head) = request(a, method, path);
+                assert_eq!(code, 405, "{method} {path} on {a}: {head}");
+                assert!(head.contains("\r\nallow: get, head"), "{method} {path} on {a}: {head}");
+            }
         }
     }
+    // Apart, as kube-proxy serves them: the health port does not give
+    // away the metrics (Service names, per-tier counts).
+    assert_eq!(request(addr, "GET", "/metrics").0, 404);
+    assert_eq!(request(metrics, "GET", "/metrics").0, 200);
+    assert_eq!(request(metrics, "GET", "/healthz").0, 404);
     assert_eq!(request(addr, "GET", "/healthz").0, 200);
     assert_eq!(request(addr, "GET", "/readyz").0, 200, "still ready after the refused requests");
     assert!(node.agent_running());

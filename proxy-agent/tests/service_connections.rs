@@ -104,7 +104,7 @@ fn demo(names: &[&str]) -> (PodNetwork, Vec<Node>) {
             n.write_manifest(file, &std::fs::read_to_string(dir.join(file)).expect("demo manifest"));
         }
         // A metrics port of its own: the test scrapes every node.
-        n.start_agent_with(&["--metrics-address", "127.0.0.1:0"]);
+        n.start_agent_with(&["--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"]);
     }
     for n in &nodes {
         wait_reachable(&net, n);

@@ -91,7 +91,7 @@ fn a_connected_udp_client_moves_to_the_surviving_backend() {
     let mut node = Node::new("node-1");
     let both = [("10.244.1.1", READY), ("10.244.1.2", READY)];
     node.write_manifest("dns.yaml", &service("dns", "10.96.1.10", "UDP", 53, 53, &both, None));
-    node.start_agent_with(&["--metrics-address", "127.0.0.1:0"]);
+    node.start_agent_with(&["--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"]);
     wait_for_backends(&node, &net, "10.96.1.10:53", &["--udp"], &["dns-a", "dns-b"]);
     // The worker names its mechanism beside the first sync, which can
     // trail the first programmed backends.
@@ -280,7 +280,7 @@ fn a_same_zone_endpoint_takes_new_connections_and_tcp_to_the_remote_one_stays() 
         y
     };
     node.write_manifest("svc.yaml", &manifests(false));
-    node.start_agent_with(&["--metrics-address", "127.0.0.1:0"]);
+    node.start_agent_with(&["--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"]);
     wait_for_backends(&node, &net, "10.96.13.20:53", &["--udp"], &["remote"]);
     eventually("the TCP Service to answer", || {
         node.probe(&net, &["--to", "10.96.13.10:80"]).first().map(|r| r["ok"] == true).filter(|ok| *ok).ok_or(())
@@ -436,7 +436,7 @@ fn a_client_in_the_host_network_namespace_is_handled_too() {
     let node = Node::new("node-1");
     let both = [("10.244.4.1", READY), ("10.244.4.2", READY)];
     node.write_manifest("dns.yaml", &service("dns", "10.96.4.10", "UDP", 53, 53, &both, None));
-    let _agent = start_agent_in(&node, &host, &["--metrics-address", "127.0.0.1:0"]);
+    let _agent = start_agent_in(&node, &host, &["--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"]);
     let probe = |args: &[&str]| pod_probe(&node, &host, args);
     eventually("the Service to answer from the node's namespace", || {
         let out = probe(&["--to", "10.96.4.10:53", "--udp", "--count", "20", "--timeout-ms", "500"]).output().expect("probe");
@@ -636,8 +636,12 @@ fn the_netlink_fallback_terminates_udp_and_tcp_sockets_too() {
         );
     };
     write(&both);
-    let _agent =
-        start_agent_with_env(&node, None, &["--metrics-address", "127.0.0.1:0"], &[("TOPOPROXY_KERNEL_HIDE", "sock_destroy_kfunc")]);
+    let _agent = start_agent_with_env(
+        &node,
+        None,
+        &["--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"],
+        &[("TOPOPROXY_KERNEL_HIDE", "sock_destroy_kfunc")],
+    );
     wait_for_backends(&node, &net, "10.96.8.10:53", &["--udp"], &["nl-a", "nl-b"]);
     // Named beside the first sync, which can trail the first backends.
     let m = eventually("the netlink mechanism to be named", || {
@@ -783,7 +787,11 @@ fn nodeport_udp_flows_move_to_the_surviving_backend() {
     let both = [("10.244.7.10", READY), ("10.244.7.11", READY)];
     let keep = np("keep", "10.96.7.11", 30054, &both[..1]);
     node.write_manifest("np.yaml", &format!("{}---\n{keep}", np("dns", "10.96.7.10", 30053, &both)));
-    let _agent = start_agent_in(&node, &host, &["--devices", "n-c", "--metrics-address", "127.0.0.1:0"]);
+    let _agent = start_agent_in(
+        &node,
+        &host,
+        &["--devices", "n-c", "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"],
+    );
     let probe = |args: &[&str]| {
         let mut cmd = command_in(agent_bin(), Some(&client), None).expect("probe");
         cmd.arg("probe").args(args);
@@ -843,7 +851,11 @@ fn nodeport_tcp_flows_keep_their_backend_until_it_is_gone_after_terminating() {
     let node = Node::new("node-1");
     let web = |eps: &[(&str, &str)]| service("web", "10.96.9.10", "TCP", 80, 80, eps, Some(30080));
     node.write_manifest("np.yaml", &web(&[("10.244.9.10", READY), ("10.244.9.11", READY)]));
-    let _agent = start_agent_in(&node, &host, &["--devices", "n-c", "--metrics-address", "127.0.0.1:0"]);
+    let _agent = start_agent_in(
+        &node,
+        &host,
+        &["--devices", "n-c", "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"],
+    );
     let probe = |args: &[&str]| {
         let mut cmd = command_in(agent_bin(), Some(&client), None).expect("probe");
         cmd.arg("probe").args(args);

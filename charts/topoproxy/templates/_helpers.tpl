@@ -92,3 +92,25 @@ true
 true
 {{- end -}}
 {{- end -}}
+
+{{/*
+The address /metrics is served on: metrics.bindAddress, or (when empty)
+loopback, as kube-proxy's --metrics-bind-address default, unless the
+metrics Service or the ServiceMonitor needs it reachable from Prometheus.
+*/}}
+{{- define "topoproxy.metricsBindAddress" -}}
+{{- $ip := .Values.metrics.bindAddress | default "" -}}
+{{- $scraped := include "topoproxy.metricsService" . -}}
+{{- if not $ip -}}
+{{- $ip = ternary "0.0.0.0" "127.0.0.1" (eq $scraped "true") -}}
+{{- else if and $scraped (or (hasPrefix "127." $ip) (eq $ip "::1") (eq $ip "localhost")) -}}
+{{- fail (printf "metrics.bindAddress %s is loopback, which the metrics Service and ServiceMonitor cannot reach: leave it empty (0.0.0.0 then) or give an address Prometheus reaches" $ip) -}}
+{{- end -}}
+{{- include "topoproxy.ipPort" (list $ip .Values.metrics.port) -}}
+{{- end -}}
+
+{{/* IP:port, an IPv6 address in brackets, as the agent's flags take it. */}}
+{{- define "topoproxy.ipPort" -}}
+{{- $ip := index . 0 -}}
+{{- if contains ":" $ip -}}[{{ $ip }}]{{- else -}}{{ $ip }}{{- end -}}:{{ int64 (index . 1) }}
+{{- end -}}

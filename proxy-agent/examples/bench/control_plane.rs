@@ -320,7 +320,7 @@ fn one_agent_run(o: &Options, agent: &Path, objects: &[Value], scratch: &Path, r
     let t0 = Instant::now();
     let mut child = Guarded::spawn(
         Command::new(agent)
-            .args(["run", "--node", NODE, "--metrics-address", "127.0.0.1:0"])
+            .args(["run", "--node", NODE, "--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"])
             .arg("--kubeconfig")
             .arg(&kubeconfig)
             .arg("--cgroup")
@@ -361,7 +361,7 @@ fn one_agent_run(o: &Options, agent: &Path, objects: &[Value], scratch: &Path, r
     r.phases.push((installed, listed, sync_ms / 1e3));
 
     let addr = text
-        .rsplit("metrics_address=")
+        .rsplit("metrics_bind_address=")
         .next()
         .and_then(|s| s.split_whitespace().next())
         .context("the agent logged no metrics address")?

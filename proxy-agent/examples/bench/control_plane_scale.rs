@@ -424,7 +424,15 @@ pub(crate) fn spawn_agent(
     let t0 = Instant::now();
     let mut child = Guarded::spawn(
         Command::new(agent)
-            .args(["run", "--node", &realistic_nodes::name(NODE_INDEX), "--metrics-address", "127.0.0.1:0"])
+            .args([
+                "run",
+                "--node",
+                &realistic_nodes::name(NODE_INDEX),
+                "--healthz-bind-address",
+                "127.0.0.1:0",
+                "--metrics-bind-address",
+                "127.0.0.1:0",
+            ])
             .arg("--kubeconfig")
             .arg(kubeconfig)
             .arg("--cgroup")
@@ -632,10 +640,10 @@ pub(crate) fn paced(rate: f64, offset: Duration, stop: &AtomicBool, mut f: impl 
 pub(crate) fn agent_metrics(log: &Path) -> Result<String> {
     let text = fs::read_to_string(log).unwrap_or_default();
     let addr = text
-        .rsplit("metrics_address=")
+        .rsplit("metrics_bind_address=")
         .next()
         .and_then(|s| s.split_whitespace().next())
-        .filter(|_| text.contains("metrics_address="))
+        .filter(|_| text.contains("metrics_bind_address="))
         .context("the agent logged no metrics address")?;
     crate::control_plane::http_get(addr, "/metrics")
 }

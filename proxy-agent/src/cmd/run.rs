@@ -28,7 +28,7 @@ use proxy_agent::decide::departures::TcpTermination;
 use proxy_agent::external::node_addresses;
 use proxy_agent::external::nodeport::ExternalDatapath;
 use proxy_agent::model::store::Kind;
-use proxy_agent::observe::health_server::{self, DEFAULT_STALE_AFTER, Health};
+use proxy_agent::observe::health_server::{self, DEFAULT_STALE_AFTER, Health, Routes};
 use proxy_agent::observe::metrics::Metrics;
 use proxy_agent::observe::service_connections::{self, Mode};
 use proxy_agent::source::feed::{Signal, Stores};
@@ -40,9 +40,15 @@ use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
 
 use super::datapath_args::DatapathArgs;
 
-/// kube-proxy serves /healthz on 10256; the agent replaces kube-proxy, so
-/// it takes the same port and probes written for kube-proxy keep working.
-const DEFAULT_METRICS_ADDRESS: &str = "0.0.0.0:10256";
+/// kube-proxy's `--healthz-bind-address` default: the agent replaces
+/// kube-proxy, so it takes the same port and the probes written for
+/// kube-proxy (cloud load balancers' for `externalTrafficPolicy: Cluster`,
+/// KEP-3836) keep working.
+const DEFAULT_HEALTHZ_BIND_ADDRESS: &str = "0.0.0.0:10256";
+/// kube-proxy's `--metrics-bind-address` default: loopback only, since the
+/// metrics name Services and namespaces; a scraper needs it widened
+/// (the chart does so when its metrics Service or ServiceMonitor is on).
+const DEFAULT_METRICS_BIND_ADDRESS: &str = "127.0.0.1:10249";
 
 #[derive(Args)]
 pub(crate) struct RunArgs {
@@ -66,12 +72,22 @@ pub(crate) struct RunArgs {
     /// KUBERNETES_SERVICE_HOST/PORT, as in a DaemonSet pod).
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
-    /// Address for /healthz, /readyz and /metrics (HTTP). Kubernetes mode
-    /// serves on 0.0.0.0:10256 unless told otherwise; manifests mode only
-    /// when this is given. `off` disables the server; port 0 picks a free
-    /// port (the address is logged).
+    /// IP:port for /healthz, /livez and /readyz (HTTP), as kube-proxy's
+    /// flag of this name. Kubernetes mode serves on 0.0.0.0:10256 unless
+    /// told otherwise; manifests mode only when this is given. `off` or an
+    /// empty value disables it; port 0 picks a free port (the address is
+    /// logged).
     #[arg(long)]
-    metrics_address: Option<String>,
+    healthz_bind_address: Option<String>,
+    /// IP:port for /metrics (HTTP), as kube-proxy's flag of this name.
+    /// Kubernetes mode serves on 127.0.0.1:10249 unless told otherwise
+    /// (0.0.0.0:10249 or [::]:10249 for a scraper on another host);
+    /// manifests mode only when this is given. `off` or an empty value
+    /// disables it; port 0 picks a free port (the address is logged). The
+    /// same address as --healthz-bind-address serves everything on one
+    /// port.
+    #[arg(long)]
+    metrics_bind_address: Option<String>,
     /// Minimum time between two syncs; changes arriving meanwhile are
     /// applied together (like kube-proxy's --min-sync-period). A sync costs
     /// in proportion to what changed (decisions are kept between syncs), so
@@ -194,11 +210,21 @@ fn tune_malloc() {
     }
 }
 
-/// The health/metrics address to serve on, if any.
-fn metrics_address(flag: Option<&str>, default: Option<&str>) -> anyhow::Result<Option<SocketAddr>> {
+/// The address `--<name>` asks to serve on, if any.
+fn bind_address(name: &str, flag: Option<&str>, default: Option<&str>) -> anyhow::Result<Option<SocketAddr>> {
     match flag.or(default) {
         None | Some("off" | "") => Ok(None),
-        Some(a) => a.parse().map(Some).with_context(|| format!("--metrics-address {a:?} is not an IP:port")),
+        Some(a) => a.parse().map(Some).with_context(|| format!("--{name} {a:?} is not an IP:port")),
+    }
+}
+
+/// The listeners to open: the health and metrics addresses, or one for
+/// both when they are equal (port 0 excepted: each asks for its own free
+/// port).
+fn listeners(healthz: Option<SocketAddr>, metrics: Option<SocketAddr>) -> Vec<(SocketAddr, Routes)> {
+    match (healthz, metrics) {
+        (Some(h), Some(m)) if h == m && h.port() != 0 => vec![(h, Routes::ALL)],
+        _ => healthz.map(|h| (h, Routes::HEALTH)).into_iter().chain(metrics.map(|m| (m, Routes::METRICS))).collect(),
     }
 }
 
@@ -322,13 +348,28 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     health.waiting_for("the datapath to be installed");
     // Standalone agents often share a host (tests, demos): they serve
     // health and metrics only when asked to.
-    let default_address = if standalone { None } else { Some(DEFAULT_METRICS_ADDRESS) };
-    if let Some(addr) = metrics_address(args.metrics_address.as_deref(), default_address)? {
-        let (listener, bound) = health_server::bind(addr).await?;
-        // Tests and operators read the bound address from this line when
-        // port 0 was asked for.
-        tracing::info!(metrics_address = %bound, "serving /healthz, /readyz and /metrics");
-        tokio::spawn(health_server::serve(listener, health.clone(), metrics.clone()));
+    let (healthz_default, metrics_default) =
+        if standalone { (None, None) } else { (Some(DEFAULT_HEALTHZ_BIND_ADDRESS), Some(DEFAULT_METRICS_BIND_ADDRESS)) };
+    let healthz_addr = bind_address("healthz-bind-address", args.healthz_bind_address.as_deref(), healthz_default)?;
+    let metrics_addr = bind_address("metrics-bind-address", args.metrics_bind_address.as_deref(), metrics_default)?;
+    // Both are bound before anything starts, so that a taken port is
+    // reported at once.
+    let mut bound = Vec::new();
+    for (addr, routes) in listeners(healthz_addr, metrics_addr) {
+        let (listener, local) = health_server::bind(addr, routes).await?;
+        bound.push((listener, local, routes));
+    }
+    for (listener, local, routes) in bound {
+        // Tests and operators read the bound addresses from these fields
+        // when port 0 was asked for.
+        let (h, m) = (routes.health.then_some(local), routes.metrics.then_some(local));
+        tracing::info!(
+            healthz_bind_address = h.map(tracing::field::display),
+            metrics_bind_address = m.map(tracing::field::display),
+            "serving {}",
+            routes.paths()
+        );
+        tokio::spawn(health_server::serve(listener, routes, health.clone(), metrics.clone()));
     }
 
     // The source starts before the datapath is loaded: the maps are sized
@@ -507,4 +548,32 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
     // next agent adopts them or `proxy-agent reset` removes them.
     tracing::info!("stopping; the pinned datapath keeps serving");
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_and_metrics_listen_apart_unless_given_one_address() {
+        let a = |s: &str| s.parse::<SocketAddr>().expect("address");
+        let (h, m) = (
+            bind_address("healthz-bind-address", None, Some(DEFAULT_HEALTHZ_BIND_ADDRESS)),
+            bind_address("metrics-bind-address", None, Some(DEFAULT_METRICS_BIND_ADDRESS)),
+        );
+        let (h, m) = (h.expect("default"), m.expect("default"));
+        assert_eq!(
+            listeners(h, m),
+            vec![(a("0.0.0.0:10256"), Routes::HEALTH), (a("127.0.0.1:10249"), Routes::METRICS)],
+            "kube-proxy's defaults"
+        );
+        assert_eq!(listeners(Some(a("0.0.0.0:9000")), Some(a("0.0.0.0:9000"))), vec![(a("0.0.0.0:9000"), Routes::ALL)]);
+        assert_eq!(listeners(Some(a("127.0.0.1:0")), Some(a("127.0.0.1:0"))).len(), 2, "port 0 twice: two free ports");
+        assert_eq!(listeners(None, Some(a("[::1]:10249"))), vec![(a("[::1]:10249"), Routes::METRICS)]);
+        for off in ["off", ""] {
+            assert_eq!(bind_address("metrics-bind-address", Some(off), Some(DEFAULT_METRICS_BIND_ADDRESS)).expect("off"), None);
+        }
+        let e = bind_address("metrics-bind-address", Some("127.0.0.1"), None).expect_err("no port");
+        assert!(format!("{e:#}").contains("--metrics-bind-address \"127.0.0.1\""), "{e:#}");
+    }
 }

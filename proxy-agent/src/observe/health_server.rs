@@ -1,5 +1,12 @@
 //! `/healthz`, `/livez`, `/readyz` and `/metrics` over plain HTTP/1.1.
 //!
+//! Two listeners, as kube-proxy has (cmd/kube-proxy/app/server.go): the
+//! health endpoints on `--healthz-bind-address` (0.0.0.0:10256, which load
+//! balancers and kubelets must reach) and `/metrics` on
+//! `--metrics-bind-address` (127.0.0.1:10249: the metrics name Services,
+//! namespaces and per-tier counts, which not everyone who can reach a node
+//! should read). Both flags naming one address share one listener.
+//!
 //! - `/healthz` answers like kube-proxy's health server on port 10256
 //!   (pkg/proxy/healthcheck, KEP-3836): 200 unless the sync loop is stuck
 //!   (a change has waited longer than the staleness limit without a sync)
@@ -35,12 +42,44 @@ use crate::observe::metrics::Metrics;
 /// A change not synced within this long makes `/healthz` fail.
 pub const DEFAULT_STALE_AFTER: Duration = Duration::from_mins(1);
 
-/// The health and metrics port could not be bound (`--metrics-address`).
+/// What one listener answers: the health endpoints, `/metrics`, or both
+/// (when `--healthz-bind-address` and `--metrics-bind-address` are equal).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Routes {
+    /// `/healthz`, `/livez` and `/readyz`.
+    pub health: bool,
+    /// `/metrics`.
+    pub metrics: bool,
+}
+
+impl Routes {
+    /// The health endpoints only (`--healthz-bind-address`).
+    pub const HEALTH: Routes = Routes { health: true, metrics: false };
+    /// `/metrics` only (`--metrics-bind-address`).
+    pub const METRICS: Routes = Routes { health: false, metrics: true };
+    /// Both, on one address.
+    pub const ALL: Routes = Routes { health: true, metrics: true };
+
+    /// The paths served, for errors and logs.
+    pub fn paths(self) -> &'static str {
+        match (self.health, self.metrics) {
+            (true, true) => "/healthz, /livez, /readyz and /metrics",
+            (true, false) => "/healthz, /livez and /readyz",
+            (false, true) => "/metrics",
+            (false, false) => "nothing",
+        }
+    }
+}
+
+/// A health or metrics port could not be bound (`--healthz-bind-address`,
+/// `--metrics-bind-address`).
 #[derive(Debug, thiserror::Error)]
-#[error("cannot listen on {addr} for /healthz, /readyz and /metrics: {source}")]
+#[error("cannot listen on {addr} for {}: {source}", routes.paths())]
 pub struct BindError {
     /// The address asked for.
     pub addr: SocketAddr,
+    /// What it was to serve.
+    pub routes: Routes,
     /// Why bind(2) failed.
     pub source: std::io::Error,
 }
@@ -217,15 +256,15 @@ fn go_time(t: SystemTime) -> String {
 
 /// Binds the listener (so a bad address is reported before anything else
 /// starts) and returns it with the address actually bound (port 0 picks one).
-pub async fn bind(addr: SocketAddr) -> Result<(TcpListener, SocketAddr), BindError> {
-    let l = TcpListener::bind(addr).await.map_err(|source| BindError { addr, source })?;
-    let local = l.local_addr().map_err(|source| BindError { addr, source })?;
+pub async fn bind(addr: SocketAddr, routes: Routes) -> Result<(TcpListener, SocketAddr), BindError> {
+    let l = TcpListener::bind(addr).await.map_err(|source| BindError { addr, routes, source })?;
+    let local = l.local_addr().map_err(|source| BindError { addr, routes, source })?;
     Ok((l, local))
 }
 
-/// Serves until the task is dropped. Connection errors only end that
-/// connection.
-pub async fn serve(listener: TcpListener, health: Arc<Health>, metrics: Arc<Metrics>) {
+/// Serves `routes` until the task is dropped. Connection errors only end
+/// that connection.
+pub async fn serve(listener: TcpListener, routes: Routes, health: Arc<Health>, metrics: Arc<Metrics>) {
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(c) => c,
@@ -240,7 +279,7 @@ pub async fn serve(listener: TcpListener, health: Arc<Health>, metrics: Arc<Metr
         let metrics = metrics.clone();
         tokio::spawn(async move {
             let svc = hyper::service::service_fn(move |req| {
-                let resp = respond(&req, &health, &metrics);
+                let resp = respond(&req, routes, &health, &metrics);
                 async move { Ok::<_, Infallible>(resp) }
             });
             let _ = hyper::server::conn::http1::Builder::new().serve_connection(TokioIo::new(stream), svc).await;
@@ -248,7 +287,7 @@ pub async fn serve(listener: TcpListener, health: Arc<Health>, metrics: Arc<Metr
     }
 }
 
-fn respond(req: &Request<Incoming>, health: &Health, metrics: &Metrics) -> Response<Full<Bytes>> {
+fn respond(req: &Request<Incoming>, routes: Routes, health: &Health, metrics: &Metrics) -> Response<Full<Bytes>> {
     // Nothing here changes state: every other method (POST, PUT, DELETE,
     // PATCH, ...) gets 405 with the methods that are allowed, which RFC 9110
     // (15.5.6) requires in the answer, whatever the path.
@@ -258,22 +297,24 @@ fn respond(req: &Request<Incoming>, health: &Health, metrics: &Metrics) -> Respo
         return r;
     }
     match req.uri().path() {
-        "/healthz" => {
+        "/healthz" if routes.health => {
             let (code, body) = health.healthz();
             metrics.proxy_healthz(code.as_u16());
             reply(code, "application/json", body)
         }
-        "/livez" => {
+        "/livez" if routes.health => {
             let (code, body) = health.livez();
             metrics.proxy_livez(code.as_u16());
             reply(code, "application/json", body)
         }
-        "/readyz" => {
+        "/readyz" if routes.health => {
             let (code, body) = health.readyz();
             reply(code, "text/plain; charset=utf-8", body)
         }
-        "/metrics" => reply(StatusCode::OK, "application/openmetrics-text; version=1.0.0; charset=utf-8", metrics.encode()),
-        _ => reply(StatusCode::NOT_FOUND, "text/plain", "not found; try /healthz, /livez, /readyz or /metrics\n".into()),
+        "/metrics" if routes.metrics => {
+            reply(StatusCode::OK, "application/openmetrics-text; version=1.0.0; charset=utf-8", metrics.encode())
+        }
+        _ => reply(StatusCode::NOT_FOUND, "text/plain", format!("not found; this address serves {}\n", routes.paths())),
     }
 }
 
@@ -351,20 +392,12 @@ mod tests {
     /// and a refused request changes nothing a later GET sees.
     #[tokio::test]
     async fn only_get_and_head_are_served() {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let health = Arc::new(Health::new(Duration::from_mins(1)));
         health.synced();
         let metrics = Arc::new(Metrics::new());
-        let (listener, addr) = bind("127.0.0.1:0".parse().expect("address")).await.expect("bind loopback");
-        let task = tokio::spawn(serve(listener, health, metrics));
-        let request = |method: &'static str, path: &'static str| async move {
-            let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
-            let req = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 4\r\n\r\nbody");
-            s.write_all(req.as_bytes()).await.expect("request");
-            let mut out = String::new();
-            s.read_to_string(&mut out).await.expect("response");
-            out
-        };
+        let (listener, addr) = bind(loopback(), Routes::ALL).await.expect("bind loopback");
+        let task = tokio::spawn(serve(listener, Routes::ALL, health, metrics));
+        let request = |method: &'static str, path: &'static str| request(addr, method, path);
         let before = request("GET", "/metrics").await;
         for method in ["POST", "PUT", "DELETE", "PATCH", "OPTIONS", "TRACE"] {
             for path in ["/metrics", "/healthz", "/livez", "/readyz", "/", "/nope"] {
@@ -380,6 +413,48 @@ mod tests {
             |r: &str| r.lines().filter(|l| l.starts_with("topoproxy_") && !l.contains("healthz")).map(str::to_string).collect::<Vec<_>>();
         assert_eq!(series(&before), series(&after), "refused requests changed the metrics");
         task.abort();
+    }
+
+    fn loopback() -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], 0))
+    }
+
+    async fn request(addr: SocketAddr, method: &str, path: &str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let req = format!("{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nContent-Length: 4\r\n\r\nbody");
+        s.write_all(req.as_bytes()).await.expect("request");
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.expect("response");
+        out
+    }
+
+    /// Split as kube-proxy is: the health listener does not give away the
+    /// metrics (Service names, per-tier counts), the metrics listener
+    /// answers nothing a probe would mistake for health.
+    #[tokio::test]
+    async fn health_and_metrics_listeners_serve_only_their_paths() {
+        let health = Arc::new(Health::new(Duration::from_mins(1)));
+        health.synced();
+        let metrics = Arc::new(Metrics::new());
+        let (hl, haddr) = bind(loopback(), Routes::HEALTH).await.expect("bind loopback");
+        let (ml, maddr) = bind(loopback(), Routes::METRICS).await.expect("bind loopback");
+        let tasks = [
+            tokio::spawn(serve(hl, Routes::HEALTH, health.clone(), metrics.clone())),
+            tokio::spawn(serve(ml, Routes::METRICS, health, metrics)),
+        ];
+        for path in ["/healthz", "/livez", "/readyz"] {
+            assert!(request(haddr, "GET", path).await.starts_with("HTTP/1.1 200 "), "{path} on the health address");
+            let r = request(maddr, "GET", path).await;
+            assert!(r.starts_with("HTTP/1.1 404 ") && r.contains("serves /metrics"), "{path} on the metrics address: {r}");
+        }
+        let r = request(haddr, "GET", "/metrics").await;
+        assert!(r.starts_with("HTTP/1.1 404 ") && !r.contains("topoproxy_"), "/metrics on the health address: {r}");
+        let r = request(maddr, "GET", "/metrics").await;
+        assert!(r.starts_with("HTTP/1.1 200 ") && r.contains("kubeproxy_proxy_healthz_total"), "{r}");
+        for t in tasks {
+            t.abort();
+        }
     }
 
     #[test]

@@ -267,7 +267,8 @@ pub(crate) fn path_exists(p: &Path) -> bool {
 }
 
 /// Kubernetes mode: the agent watches an API server through `kubeconfig`
-/// and serves /healthz, /readyz and /metrics on a free loopback port.
+/// and serves /healthz, /livez and /readyz on one free loopback port and
+/// /metrics on another.
 impl Node {
     pub(crate) fn start_kube_agent(&mut self, kubeconfig: &Path, extra: &[&str]) {
         let log = fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("open log");
@@ -281,7 +282,7 @@ impl Node {
             .arg(self.cgroup.path())
             .arg("--bpffs")
             .arg(self.pins.path())
-            .args(["--metrics-address", "127.0.0.1:0"])
+            .args(["--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"])
             // Host network namespace: never TC on the host's interfaces.
             .args(["--devices", "none"])
             .args(extra)
@@ -297,15 +298,22 @@ impl Node {
         self.agent.as_mut().is_some_and(|a| matches!(a.0.try_wait(), Ok(None)))
     }
 
-    /// The health/metrics address the current agent logged (the last one
-    /// in the log, so a restarted agent's).
+    /// The `/metrics` address the current agent logged (the last one in
+    /// the log, so a restarted agent's).
     pub(crate) fn metrics_address(&self) -> std::net::SocketAddr {
-        eventually("the agent to log its metrics address", || {
+        self.logged_address("metrics_bind_address=")
+    }
+
+    /// The `/healthz`, `/livez` and `/readyz` address the current agent
+    /// logged (the last one in the log, so a restarted agent's).
+    pub(crate) fn healthz_address(&self) -> std::net::SocketAddr {
+        self.logged_address("healthz_bind_address=")
+    }
+
+    fn logged_address(&self, key: &str) -> std::net::SocketAddr {
+        eventually(&format!("the agent to log its {key}"), || {
             let log = self.agent_log();
-            log.rmatch_indices("metrics_address=")
-                .next()
-                .and_then(|(i, _)| log[i + "metrics_address=".len()..].split_whitespace().next()?.parse().ok())
-                .ok_or(())
+            log.rmatch_indices(key).next().and_then(|(i, _)| log[i + key.len()..].split_whitespace().next()?.parse().ok()).ok_or(())
         })
     }
 }
