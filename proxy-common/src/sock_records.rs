@@ -46,6 +46,25 @@ pub const SOCK_REC_COUNT_MAP: &str = "SOCK_REC_COUNT";
 /// costs the lookup it saves otherwise, never a wrong answer.
 pub const SOCK_REC_COUNT_SLOTS: u32 = 65_536;
 
+/// `map_flags` of `SOCK_REC_COUNT`: `BPF_F_MMAPABLE` (1 << 10,
+/// include/uapi/linux/bpf.h; Linux 5.5). The agent maps the array into its
+/// memory (kernel/bpf/arraymap.c `array_map_mmap` maps the pages the
+/// programs update) and changes a slot with an atomic read-modify-write,
+/// as the programs do, where a `BPF_MAP_UPDATE_ELEM` of a value read
+/// earlier could undo a concurrent connect's or release's update. Pins of
+/// an older build keep a map without the flag; the agent then only raises
+/// slots, as before.
+pub const SOCK_REC_COUNT_FLAGS: u32 = 1 << 10;
+
+/// What the agent adds to the slot of an uncounted record when it can
+/// change slots atomically (see [`SOCK_REC_COUNT_FLAGS`]): above
+/// [`SOCK_REC_UNCOUNTED`], so that the slot reads as covered, and a mark
+/// of its own, so that the agent can take exactly this much back once
+/// the slot holds no uncounted record. A slot that an older agent set to
+/// [`SOCK_REC_UNCOUNTED`] with a plain write (which may have overwritten
+/// increments) stays below it and is never lowered.
+pub const SOCK_REC_UNCOUNTED_ADDED: u64 = 1 << 41;
+
 /// The `SOCK_REC_COUNT` index of a cookie: its low bits.
 #[inline(always)]
 pub const fn sock_rec_count_slot(cookie: u64) -> u32 {
@@ -64,9 +83,11 @@ pub const SOCK_REC_COUNTED: u8 = 1;
 /// and a release subtracts only what a connect added, at most one per
 /// record of the slot (far fewer than 2^40: a billion records would take
 /// over 100 GiB of kernel memory), so the slot never comes back to 0 and each such
-/// record is still looked up and deleted at its release. The agent
-/// writes it with a plain map update that may overwrite a concurrent
-/// increment, which is harmless for the same reason.
+/// record is still looked up and deleted at its release. A slot at or
+/// above it is covered. On an array that cannot be mapped (an older
+/// build's pins) the agent writes it with a plain map update that may
+/// overwrite a concurrent increment, which is harmless for the same
+/// reason; on a mapped one it adds [`SOCK_REC_UNCOUNTED_ADDED`] instead.
 pub const SOCK_REC_UNCOUNTED: u64 = 1 << 40;
 
 /// Reverse translation for one socket: which frontend a socket meant when

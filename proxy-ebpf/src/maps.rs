@@ -17,7 +17,7 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, DEFAULT_MAX_AFFINITY, DEFAULT_MAX_BACKENDS,
-    DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCK_REVNAT, NodeNetns, SOCK_PORTS_ENTRIES, SOCK_REC_COUNT_SLOTS, ServiceKey,
+    DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCK_REVNAT, NodeNetns, SOCK_PORTS_ENTRIES, SOCK_REC_COUNT_FLAGS, SOCK_REC_COUNT_SLOTS, ServiceKey,
     ServiceValue, SlotKey, SlotValue, SockAffinityKey, SockConfig, SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue,
     SourceRangeKey, SvcConnValue, SvcTopoValue, counter, svc_conn_index,
 };
@@ -63,8 +63,10 @@ pub static SOCK_REC: HashMap<u64, SockRecValue, { DEFAULT_MAX_SOCK_REVNAT as usi
 /// `SOCK_REC_COUNT_SLOTS`): the release and reverse hooks read a cookie's
 /// slot before they look it up in `SOCK_REC`, and stop at a 0. A fixed
 /// 512 KiB array; the verifier inlines its lookups as address arithmetic.
+/// Mappable (`SOCK_REC_COUNT_FLAGS`), so that the agent takes back the
+/// counts of the records it deletes with an atomic subtraction.
 #[btf_map(name = "SOCK_REC_COUNT")]
-pub static SOCK_REC_COUNT: Array<u64, { SOCK_REC_COUNT_SLOTS as usize }> = Array::new();
+pub static SOCK_REC_COUNT: Array<u64, { SOCK_REC_COUNT_SLOTS as usize }, { SOCK_REC_COUNT_FLAGS as usize }> = Array::new();
 
 /// Per-socket storage of the first translation (see `SockPeerValue`).
 #[btf_map(name = "SOCK_PEER")]

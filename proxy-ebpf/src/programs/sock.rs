@@ -113,8 +113,10 @@ pub(crate) fn may_have_record(cookie: u64) -> bool {
 pub(crate) fn add_to_record_count(cookie: u64, delta: u64) {
     if let Some(c) = SOCK_REC_COUNT.get_ptr_mut(sock_rec_count_slot(cookie)) {
         // SAFETY: an aligned u64 of an array element, valid for the run;
-        // every writer (these programs) updates it atomically, and the
-        // agent's plain writes only raise it (`SOCK_REC_UNCOUNTED`).
+        // every writer (these programs, and the agent through its mapping
+        // of the array) updates it atomically; on an older pin that cannot
+        // be mapped the agent's plain writes only raise it
+        // (`SOCK_REC_UNCOUNTED`).
         unsafe { atomic_add(c, delta) };
     }
 }

@@ -279,7 +279,13 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: impl Into<MapSizes>) -> Resu
     // records of sockets released before either are deleted (see
     // `sock_rec_sweep`). A failed sweep only leaves slots taken.
     match sock_rec_sweep::sweep(pin_dir) {
-        Ok(s) if s.deleted > 0 => tracing::info!(records = s.records, deleted = s.deleted, "SOCK_REC: records of closed sockets deleted"),
+        Ok(s) if s.deleted > 0 || s.counts.lowered > 0 => tracing::info!(
+            records = s.records,
+            deleted = s.deleted,
+            counts_taken_back = s.counts.taken_back,
+            slots_lowered = s.counts.lowered,
+            "SOCK_REC: records of closed sockets deleted, their counts taken back"
+        ),
         Ok(_) => {}
         Err(e) => warnings.push(format!("sweeping SOCK_REC: {e}")),
     }

@@ -28,6 +28,11 @@
 //! another one, the pods' namespaces are not among `/proc/*/ns/net`, and
 //! the sweep deletes nothing.
 //!
+//! The records it deletes take their counts in `SOCK_REC_COUNT` with them,
+//! and a slot raised for records no program counted comes back down once
+//! none is left in it (`sock_rec_count::settle`), so that the release and
+//! reverse programs can again stop at a 0 there.
+//!
 //! What the walk cannot see: a socket whose network namespace is held by
 //! no process and no bind mount (one created in a namespace its owner
 //! left with setns(2)). Its record is deleted: its getpeername then shows
@@ -46,6 +51,7 @@ use crate::datapath::loader::pins;
 use crate::datapath::maps::bpf_batch;
 use crate::datapath::sockets::netns;
 use crate::datapath::sockets::sock_diag::DiagSocket;
+use crate::datapath::sockets::sock_rec_count;
 use crate::util::periodic::{self, Run};
 
 /// What one sweep did.
@@ -55,6 +61,8 @@ pub struct Swept {
     pub records: usize,
     /// Of those, deleted (no live socket has their cookie).
     pub deleted: usize,
+    /// What was taken back from `SOCK_REC_COUNT`.
+    pub counts: sock_rec_count::Settled,
 }
 
 /// Why a sweep of `SOCK_REC` did not run; nothing is deleted then.
@@ -106,9 +114,11 @@ pub fn sweep(pin_dir: &Path) -> Result<Swept, SweepError> {
     }
     let data = MapData::from_pin(&path).map_err(SweepError::Open)?;
     let map: HashMap<MapData, u64, SockRecValue> = HashMap::try_from(Map::HashMap(data)).map_err(SweepError::Open)?;
-    let records: Vec<u64> = bpf_batch::read_all(&map).map_err(SweepError::Read)?.into_iter().map(|(k, _)| k).collect();
+    let records: Vec<(u64, SockRecValue)> = bpf_batch::read_all(&map).map_err(SweepError::Read)?;
     if records.is_empty() {
-        return Ok(Swept::default());
+        // Nothing to delete, but slots raised for records since released
+        // can come down.
+        return Ok(Swept { counts: settle(pin_dir, &[], &[]), ..Swept::default() });
     }
     // Without the host's PID namespace the walk sees only the namespaces
     // of the agent's own processes, and every pod socket would look gone.
@@ -121,17 +131,29 @@ pub fn sweep(pin_dir: &Path) -> Result<Swept, SweepError> {
     let live = live_cookies(&namespaces)?;
     tracing::debug!(live = live.len(), "SOCK_REC sweep: sockets listed");
     let delete = MapData::from_pin(&path).map_err(SweepError::Open)?;
-    let mut deleted = 0;
-    for cookie in &records {
+    let (mut deleted, mut kept) = (Vec::new(), Vec::new());
+    for (cookie, rec) in &records {
         if live.contains(cookie) {
+            kept.push((*cookie, *rec));
             continue;
         }
-        // ENOENT: released meanwhile, the release program got there first.
+        // ENOENT: released meanwhile, the release program got there first
+        // (and took its count back).
         if bpf_batch::delete_elem(delete.fd().as_fd(), cookie).is_ok() {
-            deleted += 1;
+            deleted.push((*cookie, *rec));
         }
     }
-    Ok(Swept { records: records.len(), deleted })
+    let counts = settle(pin_dir, &deleted, &kept);
+    Ok(Swept { records: records.len(), deleted: deleted.len(), counts })
+}
+
+/// `sock_rec_count::settle`; a failure leaves slots raised (lookups,
+/// never a wrong answer) and is logged.
+fn settle(pin_dir: &Path, deleted: &[(u64, SockRecValue)], kept: &[(u64, SockRecValue)]) -> sock_rec_count::Settled {
+    sock_rec_count::settle(pin_dir, deleted, kept).unwrap_or_else(|e| {
+        tracing::warn!("SOCK_REC sweep: the counts of deleted records stay in SOCK_REC_COUNT: {e}");
+        sock_rec_count::Settled::default()
+    })
 }
 
 /// Sweeps every `interval` (the first one interval after start, which
@@ -146,10 +168,12 @@ pub fn spawn(pin_dir: std::path::PathBuf, interval: std::time::Duration) -> Opti
         interval,
         move || sweep(&pin_dir),
         |run| match run {
-            Run::Done(s) if s.deleted > 0 => {
+            Run::Done(s) if s.deleted > 0 || s.counts.lowered > 0 => {
                 tracing::info!(
                     records = s.records,
                     deleted = s.deleted,
+                    counts_taken_back = s.counts.taken_back,
+                    slots_lowered = s.counts.lowered,
                     "SOCK_REC: records of closed sockets deleted (releases the program did not see)"
                 );
             }
