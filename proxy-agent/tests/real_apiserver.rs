@@ -699,6 +699,18 @@ fn the_auto_service_monitor_appears_once_the_server_serves_prometheus_operators_
     let monitors: Vec<&Value> = after.iter().filter(|o| o["kind"] == "ServiceMonitor").collect();
     assert_eq!(monitors.len(), 1, "one ServiceMonitor once the API is served: {:?}", kinds(&after));
     assert!(after.iter().any(|o| o["kind"] == "Service"), "the ServiceMonitor's Service comes with it");
+    // /metrics stays on loopback until something scrapes it, then listens
+    // where the ServiceMonitor's Service reaches it.
+    let metrics_bind = |objects: &[Value]| {
+        objects
+            .iter()
+            .filter(|o| o["kind"] == "DaemonSet")
+            .flat_map(|d| d["spec"]["template"]["spec"]["containers"].as_array().cloned().unwrap_or_default())
+            .flat_map(|c| c["args"].as_array().cloned().unwrap_or_default())
+            .find_map(|a| a.as_str().and_then(|a| a.strip_prefix("--metrics-bind-address=")).map(str::to_string))
+    };
+    assert_eq!(metrics_bind(&before).as_deref(), Some("127.0.0.1:10249"));
+    assert_eq!(metrics_bind(&after).as_deref(), Some("0.0.0.0:10249"));
     let monitor = monitors[0].clone();
     assert_eq!(monitor["spec"]["endpoints"][0]["honorLabels"], true, "{monitor}");
     // Stored as rendered: a field the operator's schema did not know would
