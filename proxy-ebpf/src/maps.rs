@@ -17,9 +17,9 @@ use aya_ebpf::{
 };
 use proxy_common::{
     AffinityMatchKey, AffinityMatchValue, AffinityValue, BackendKey, BackendValue, DEFAULT_MAX_AFFINITY, DEFAULT_MAX_BACKENDS,
-    DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCK_REVNAT, NodeNetns, SOCK_PORTS_ENTRIES, SOCK_REC_COUNT_FLAGS, SOCK_REC_COUNT_SLOTS, ServiceKey,
-    ServiceValue, SlotKey, SlotValue, SockAffinityKey, SockConfig, SockPeerValue, SockRecValue, SockRevNatKey, SockRevNatValue,
-    SourceRangeKey, SvcConnValue, SvcTopoValue, counter, svc_conn_index,
+    DEFAULT_MAX_SERVICES, DEFAULT_MAX_SLOTS, DEFAULT_MAX_SOCK_REVNAT, NodeNetns, SOCK_PORTS_ENTRIES, SOCK_REC_COUNT_FLAGS,
+    SOCK_REC_COUNT_SLOTS, ServiceKey, ServiceValue, SlotKey, SlotValue, SockAffinityKey, SockConfig, SockPeerValue, SockRecValue,
+    SockRevNatKey, SockRevNatValue, SourceRangeKey, SvcConnValue, SvcTopoValue, counter, svc_conn_index,
 };
 
 // The capacity is part of the type (a const generic the BTF records as an
