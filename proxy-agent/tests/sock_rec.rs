@@ -341,6 +341,52 @@ fn records_of_a_build_without_counts_keep_getpeername_and_are_released() {
     assert_eq!(counted_slots(&node), Vec::new(), "after the adoption's records went, every slot is back at 0");
 }
 
+/// Pins of a build whose `SOCK_REC_COUNT` is not mappable (created without
+/// `BPF_F_MMAPABLE`): the agent adopts the array as it is, covers the
+/// uncounted records with a plain write of `SOCK_REC_UNCOUNTED`, and
+/// leaves those slots raised (a lookup, never a wrong answer), since it
+/// cannot change them atomically with the programs.
+#[test]
+fn an_older_count_array_that_cannot_be_mapped_is_kept_and_only_raised() {
+    let _serial = serial();
+    let (net, mut node) = setup(&[]);
+    let mut held = Talker::start(&node, &net, "held-peers");
+    assert_eq!(held.next()["ok"], true);
+    let held_records = records(&node);
+    assert_eq!(held_records.len(), 4, "{held_records:?}");
+    node.stop_agent();
+    let data = MapData::from_pin(node.pins.path().join(SOCK_REC_MAP)).expect("open SOCK_REC");
+    let mut map: HashMap<_, u64, SockRecValue> = HashMap::try_from(Map::HashMap(data)).expect("SOCK_REC");
+    for (k, v) in &held_records {
+        map.insert(k, SockRecValue { counted: 0, ..*v }, 0).expect("unmark a record");
+    }
+    drop(map);
+    let count_pin = node.pins.path().join(SOCK_REC_COUNT_MAP);
+    std::fs::remove_file(&count_pin).expect("remove SOCK_REC_COUNT pin");
+    let old: Array<MapData, u64> = Array::create(SOCK_REC_COUNT_SLOTS, 0).expect("create a count array without BPF_F_MMAPABLE");
+    old.pin(&count_pin).expect("pin it");
+    assert!(MappedCounts::open(node.pins.path()).expect("open").is_none(), "not mappable");
+
+    node.start_agent_with(&[]);
+    eventually("the upgraded agent covered the records' slots", || {
+        let slots = counted_slots(&node);
+        let covered = held_records.iter().all(|(k, _)| slots.iter().any(|&(i, c)| i == sock_rec_count_slot(*k) && c >= SOCK_REC_UNCOUNTED));
+        if covered { Ok(()) } else { Err(format!("slots {slots:?}")) }
+    });
+    let data = MapData::from_pin(&count_pin).expect("open SOCK_REC_COUNT");
+    assert_eq!(data.info().expect("map info").map_flags() & SOCK_REC_COUNT_FLAGS, 0, "the older array was adopted, not replaced");
+    wait_for_backends(&node, &net, "10.96.0.30:80", &[], &["pod-c"]);
+    let after = held.ask("peers");
+    assert_eq!(after["ok"], true, "the covered records keep their getpeername and recvmsg: {after}");
+    held.exit();
+    assert_eq!(records(&node), Vec::new(), "their release deletes the uncounted records");
+    let raised = counted_slots(&node);
+    let swept = sock_rec_sweep::sweep(node.pins.path()).expect("sweep");
+    assert_eq!(swept.counts, sock_rec_count::Settled::default(), "nothing is taken back without a mapping");
+    assert_eq!(counted_slots(&node), raised, "the raised slots stay raised");
+    assert!(raised.iter().all(|&(_, c)| c >= SOCK_REC_UNCOUNTED), "{raised:?}");
+}
+
 #[test]
 fn a_full_map_falls_back_to_socket_storage_and_an_upgrade_keeps_those_sockets() {
     let _serial = serial();
