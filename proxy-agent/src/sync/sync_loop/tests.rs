@@ -19,6 +19,7 @@ impl Harness {
             min_sync_interval: Duration::ZERO,
             sync_period: Duration::from_secs(30),
             terminate_tcp: TcpTermination::Gone,
+            node_label_wait: Duration::from_secs(10),
         };
         let maps = MemoryMaps { capacity, ..MemoryMaps::default() };
         let health = Arc::new(Health::new(Duration::from_mins(1)));
