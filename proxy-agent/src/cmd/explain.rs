@@ -84,21 +84,16 @@ impl Live {
     }
 
     /// What the running agent has programmed for `d`'s first ClusterIP
-    /// frontend, when it differs from `d`'s decision: `None` when they
-    /// agree (or `d` has no ClusterIP), `Some(None)` when the frontend is
-    /// not programmed at all.
-    fn differs(&self, d: &PortDecision) -> Option<Option<&[String]>> {
+    /// frontend, when it differs from `d`'s decision (empty: no backend,
+    /// or not programmed at all); `None` when they agree or `d` has no
+    /// ClusterIP.
+    fn differs(&self, d: &PortDecision) -> Option<&[String]> {
         let fe = d.frontends.first()?;
-        let key = fe.to_string();
         let mut want: Vec<String> = d.internal_backends().iter().map(ToString::to_string).collect();
         want.sort();
         want.dedup();
-        match self.programmed.get(&key) {
-            Some(set) if *set == want => None,
-            Some(set) => Some(Some(set.as_slice())),
-            None if want.is_empty() => None,
-            None => Some(None),
-        }
+        let programmed = self.programmed.get(&fe.to_string()).map_or(&[][..], Vec::as_slice);
+        (programmed != want.as_slice()).then_some(programmed)
     }
 
     /// The counts of every frontend of `d`: its ClusterIPs, and its
@@ -118,8 +113,8 @@ impl Live {
 /// Why a running agent may hold a set other than the decision: a Service
 /// whose topology reads labels of other Nodes keeps its last programmed
 /// set (or none) while its Node watch lists them (`decide::label_wait`).
-fn live_wait_label(programmed: Option<&[String]>, needs: Option<&std::collections::BTreeSet<String>>) -> String {
-    let set = programmed.map_or_else(|| "(not programmed)".to_string(), |s| join(s.iter().cloned()));
+fn live_wait_label(programmed: &[String], needs: Option<&std::collections::BTreeSet<String>>) -> String {
+    let set = join(programmed.iter().cloned());
     match needs {
         Some(labels) => format!(
             "{set}: the agent holds its last decision while its Node watch lists {} of other Nodes (up to --node-label-wait-secs; \
