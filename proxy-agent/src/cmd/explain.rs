@@ -2,7 +2,7 @@
 //! The manifests go through the same conversion, model and sync pass as
 //! `run`'s (against in-memory maps), so the decisions and the warnings,
 //! address clashes included, are the ones `run` would act on. Other Nodes
-//! are scoped as `run`'s Node watch lists them (`source::node_scope`):
+//! are scoped as `run`'s Node watch lists them (`sync::explain_input`):
 //! labels the manifests carry and the watch would not are left out, with a
 //! note.
 //!
@@ -24,7 +24,8 @@ use proxy_agent::datapath::{dump, maps};
 use proxy_agent::decide::decision::PortDecision;
 use proxy_agent::model::store::{Changes, Model};
 use proxy_agent::model::{Backend, Frontend};
-use proxy_agent::source::{manifest_watch, node_scope};
+use proxy_agent::source::manifest_watch;
+use proxy_agent::sync::explain_input;
 use proxy_agent::sync::pass::{CachedSync, MemoryMaps};
 use proxy_common::{SHARE_ONE, SvcConnValue, tier};
 use serde_json::json;
@@ -150,7 +151,7 @@ pub(crate) fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
     // Other Nodes as `run`'s Node watch would list them, not as the
     // manifests carry them (issue #47): the same decisions, and notes for
     // what was left out.
-    let scoped = node_scope::scope_manifest_deltas(read.deltas.into_values(), &args.node);
+    let scoped = explain_input::scope_manifest_deltas(read.deltas.into_values(), &args.node);
     let mut model = Model::default();
     model.apply(scoped.deltas);
     let mut pass = CachedSync::new(&args.node);

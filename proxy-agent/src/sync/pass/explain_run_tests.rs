@@ -1,6 +1,6 @@
 //! `explain` against `run` over the same objects, for every topology
 //! model (issue #47): `explain` scopes the manifests' Nodes as `run`'s
-//! Node watch lists them (`source::node_scope`) and decides in one pass;
+//! Node watch lists them (`sync::explain_input`) and decides in one pass;
 //! `run` is played here as it meets an API server: the Services and
 //! slices listed, or arriving by watch after a first sync without them,
 //! the other Nodes listed as the watch would (`node_labels_delta`, the
@@ -69,7 +69,7 @@ fn state(maps: &MemoryMaps) -> BTreeMap<Frontend, Vec<Backend>> {
 fn explain(yaml: &str) -> (Said, BTreeMap<Frontend, Vec<Backend>>, Vec<String>) {
     let read = crate::source::manifest_watch::read_text(yaml);
     assert!(read.errors.is_empty(), "{:?}", read.errors);
-    let scoped = node_scope::scope_manifest_deltas(read.deltas.into_values(), OWN);
+    let scoped = crate::sync::explain_input::scope_manifest_deltas(read.deltas.into_values(), OWN);
     let mut model = Model::default();
     model.apply(scoped.deltas);
     let mut pass = CachedSync::new(OWN);
