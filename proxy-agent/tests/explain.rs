@@ -109,3 +109,47 @@ endpoints: [{{addresses: [10.244.1.1], nodeName: a}}, {{addresses: [10.244.2.1],
         assert_eq!(&s["localEndpoints"], local, "{name}: {s}");
     }
 }
+
+/// Manifests as `kubectl get nodes,services,endpointslices -o yaml` writes
+/// them carry every Node whole; `explain` decides with what `run`'s Node
+/// watch would list (issue #47) and says what it left out. A
+/// trafficDistribution Service whose slice has no zone reads the zone of
+/// the endpoint's Node b (which `run` then watches for it), not c's, and
+/// not b's rack.
+#[test]
+fn explain_uses_only_what_runs_node_watch_lists_and_says_what_it_left_out() {
+    let node = |n: &str, zone: &str| {
+        format!(
+            "---\nkind: Node\nmetadata: {{name: {n}, labels: {{kubernetes.io/hostname: {n}, topology.kubernetes.io/zone: {zone}, example.com/rack: r-{n}}}}}\n"
+        )
+    };
+    let text = format!(
+        "{}{}{}---
+kind: Service
+metadata: {{name: close, namespace: shop}}
+spec: {{clusterIP: 10.96.0.40, ports: [{{port: 80, targetPort: 8080}}], trafficDistribution: PreferClose}}
+---
+kind: EndpointSlice
+metadata: {{name: close-1, namespace: shop, labels: {{kubernetes.io/service-name: close}}}}
+addressType: IPv4
+ports: [{{port: 8080}}]
+endpoints: [{{addresses: [10.244.2.1], nodeName: b}}, {{addresses: [10.244.3.1], nodeName: c}}]
+",
+        node("a", "z1"),
+        node("b", "z1"),
+        node("c", "z2")
+    );
+    let doc = explain(&text);
+    let svc = &doc["services"][0];
+    assert_eq!(svc["model"], "TrafficDistributionZone", "{svc}");
+    assert_eq!(svc["clusterEndpoints"], serde_json::json!(["10.244.2.1:8080"]), "b is in a's zone: {svc}");
+    assert_eq!(svc["otherNodeLabels"], serde_json::json!(["topology.kubernetes.io/zone"]), "{svc}");
+    let notes: Vec<&str> = doc["notes"].as_array().expect("notes").iter().filter_map(|n| n.as_str()).collect();
+    assert!(notes.is_empty() || notes.iter().all(|n| !n.contains("zone")), "the zone is what run watches: {notes:?}");
+
+    // No Service reads other Nodes: run watches none, explain uses none.
+    let plain = format!("{}{}{}", node("a", "z1"), node("b", "z1"), service("plain", "10.96.0.41", "10.244.1.1"));
+    let doc = explain(&plain);
+    let notes: Vec<&str> = doc["notes"].as_array().expect("notes").iter().filter_map(|n| n.as_str()).collect();
+    assert!(notes.iter().any(|n| n.starts_with("Nodes b left out: run does not watch them")), "{notes:?}");
+}

@@ -1553,3 +1553,139 @@ fn an_agent_restart_against_the_real_server_loses_no_connection() {
     let series = "topoproxy_sockets_terminated_total{protocol=\"udp\",reason=\"deleted\"}";
     assert!(metric(&m, series).is_some_and(|n| n >= 1.0), "{series}: {:?}", metric(&m, series));
 }
+
+// ---------------------------------------------------------------------------
+// Hold, don't guess (issue #47).
+// ---------------------------------------------------------------------------
+
+/// New connections from `node` to `to` one after the other, 1 ms apart,
+/// for as long as the test runs: a frontend programmed with another set
+/// for a moment is seen.
+fn tight_loop(node: &Node, net: &PodNetwork, to: &str) -> Stream {
+    let args = ["--to", to, "--count", "100000000", "--interval-ms", "1", "--timeout-ms", "300"];
+    Stream::start(&format!("new connections to {to}"), pod_probe(node, &net.netns, &args))
+}
+
+/// Waits until the tight loop has reached every backend of `want`, and
+/// 200 connections more; then no connection it made may have reached
+/// another backend than those `allowed`.
+fn assert_only(client: &Stream, want: &[&str], allowed: &[&str]) {
+    let want = set(want);
+    let seen = |c: &Stream| c.replies().into_iter().collect::<BTreeSet<String>>();
+    eventually(&format!("{} to reach {want:?}", client.name), || {
+        let got = seen(client);
+        if want.is_subset(&got) { Ok(()) } else { Err(got) }
+    });
+    let n = client.replies().len();
+    eventually(&format!("{} to make 200 more connections", client.name), || {
+        if client.replies().len() >= n + 200 { Ok(()) } else { Err(client.replies().len()) }
+    });
+    let allowed = set(allowed);
+    let outside: Vec<String> = client.replies().into_iter().filter(|r| !allowed.contains(r)).collect();
+    assert!(outside.is_empty(), "{}: {} connections reached a backend outside {allowed:?}: {:?}", client.name, outside.len(), {
+        let mut o = outside.clone();
+        o.dedup();
+        o
+    });
+}
+
+/// A Service with OpenYurt's `openyurt.io/nodepool, *` created by watch
+/// while the agent runs: its slice names other Nodes whose pool the agent
+/// has not listed (it watches other Nodes only for labels a Service
+/// needs). Before issue #47 the agent programmed it once from the slice
+/// alone (no endpoint matched a pool, so `*`: every endpoint), and
+/// connections went to the other pool until the Nodes were listed. Now
+/// it holds the Service until they are, and a client connecting in a
+/// tight loop from the moment the Service exists only ever reaches its
+/// pool. node-1 (the agent's, no Pod) and node-3 in hangzhou, node-2 in
+/// shanghai; Pods on node-2 and node-3.
+#[test]
+fn a_node_pool_service_created_by_watch_never_reaches_another_pool() {
+    require_root();
+    let mut net = PodNetwork::new();
+    for (pod, ip) in [("np-2", "10.244.47.2"), ("np-3", "10.244.47.3")] {
+        net.backend(pod, ip, &[9376]);
+    }
+    let cluster = RealCluster::start("hold-node-pool").expect("start the real cluster");
+    for (node, pool) in [("node-1", "hangzhou"), ("node-2", "shanghai"), ("node-3", "hangzhou")] {
+        cluster.create_node(node, &[(POOL, pool)]).expect("create node");
+    }
+    let pods: Vec<PodSpec> = [("np-2", "node-2", "10.244.47.2"), ("np-3", "node-3", "10.244.47.3")]
+        .iter()
+        .map(|(name, node, ip)| PodSpec { name, node, ip, labels: &[("app", "np")], ready: true })
+        .collect();
+    cluster.create_pods(NS, &pods).expect("create the Pods");
+    let mut n1 = Node::new("node-1");
+    n1.start_kube_agent(cluster.admin_kubeconfig(), &[]);
+    eventually("the agent to be ready", || if readyz(&n1).0 == 200 { Ok(()) } else { Err(readyz(&n1)) });
+
+    let frontend = "10.96.47.10:80";
+    let client = tight_loop(&n1, &net, frontend);
+    let port = [("http", 80, "TCP", 9376)];
+    cluster
+        .apply(&service("pooled", "10.96.47.10", "np", &port, "openyurt.io/topologyKeys: \"openyurt.io/nodepool, *\"", ""))
+        .expect("create the Service");
+    assert_only(&client, &["np-3"], &["np-3"]);
+    let log = n1.agent_log();
+    assert!(log.contains("holding the Service as programmed"), "the agent said it held the Service: {log}");
+    assert!(log.contains("the labels it waited for are listed: programmed"), "{log}");
+}
+
+/// A Service whose keys change to a label the agent does not watch yet:
+/// from OpenYurt's node pool to `example.com/rack, *`. Until the Node
+/// watch lists the racks, the agent keeps the pool's set (not a guess from
+/// the slices, which carry no rack: `*`, every endpoint); then the rack's.
+/// A client connecting in a tight loop never reaches node-4's Pod, in
+/// neither pool nor rack. node-1 (the agent's, no Pod): hangzhou, k1;
+/// node-2: shanghai, k1; node-3: hangzhou, k2; node-4: shanghai, k2.
+#[test]
+fn a_service_whose_keys_change_to_a_new_label_keeps_its_set_until_it_is_listed() {
+    const RACK: &str = "example.com/rack";
+    require_root();
+    let mut net = PodNetwork::new();
+    for (pod, ip) in [("kc-2", "10.244.48.2"), ("kc-3", "10.244.48.3"), ("kc-4", "10.244.48.4")] {
+        net.backend(pod, ip, &[9376]);
+    }
+    let cluster = RealCluster::start("hold-new-label").expect("start the real cluster");
+    for (node, pool, rack) in
+        [("node-1", "hangzhou", "k1"), ("node-2", "shanghai", "k1"), ("node-3", "hangzhou", "k2"), ("node-4", "shanghai", "k2")]
+    {
+        cluster.create_node(node, &[(POOL, pool), (RACK, rack)]).expect("create node");
+    }
+    let mut n1 = Node::new("node-1");
+    n1.start_kube_agent(cluster.admin_kubeconfig(), &[]);
+    eventually("the agent to be ready", || if readyz(&n1).0 == 200 { Ok(()) } else { Err(readyz(&n1)) });
+    let frontend = "10.96.48.10:80";
+    let client = tight_loop(&n1, &net, frontend);
+    let port = [("http", 80, "TCP", 9376)];
+    cluster
+        .apply(&service("racked", "10.96.48.10", "kc", &port, "openyurt.io/topologyKeys: openyurt.io/nodepool", ""))
+        .expect("create the Service");
+    let pods: Vec<PodSpec> = [("kc-2", "node-2", "10.244.48.2"), ("kc-3", "node-3", "10.244.48.3"), ("kc-4", "node-4", "10.244.48.4")]
+        .iter()
+        .map(|(name, node, ip)| PodSpec { name, node, ip, labels: &[("app", "kc")], ready: true })
+        .collect();
+    cluster.create_pods(NS, &pods).expect("create the Pods");
+    assert_only(&client, &["kc-3"], &["kc-3"]);
+
+    cluster
+        .kubectl(&[
+            "-n",
+            NS,
+            "annotate",
+            "service",
+            "racked",
+            "openyurt.io/topologyKeys-",
+            &format!("topoproxy.io/topology-keys={RACK}, *"),
+        ])
+        .expect("change the keys");
+    assert_only(&client, &["kc-2"], &["kc-2", "kc-3"]);
+    // Programmed once: from then on, the rack's set alone.
+    let since = Instant::now();
+    let n = client.replies().len();
+    eventually("200 more connections", || if client.replies().len() >= n + 200 { Ok(()) } else { Err(client.replies().len()) });
+    let after: BTreeSet<String> = client.replies_since(since).into_iter().collect();
+    assert_eq!(after, set(&["kc-2"]), "the rack's set once listed");
+    let log = n1.agent_log();
+    assert!(log.contains("holding the Service as programmed"), "the agent said it held the Service: {log}");
+}

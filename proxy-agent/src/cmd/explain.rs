@@ -1,7 +1,10 @@
 //! `proxy-agent explain`: the decisions `run` would program, in words.
 //! The manifests go through the same conversion, model and sync pass as
 //! `run`'s (against in-memory maps), so the decisions and the warnings,
-//! address clashes included, are the ones `run` would act on.
+//! address clashes included, are the ones `run` would act on. Other Nodes
+//! are scoped as `run`'s Node watch lists them (`sync::explain_input`):
+//! labels the manifests carry and the watch would not are left out, with a
+//! note.
 //!
 //! With `--live`, it also reads a running agent's pinned counting maps
 //! (read-only, like `dump`) and shows next to each decision the
@@ -22,6 +25,7 @@ use proxy_agent::decide::decision::PortDecision;
 use proxy_agent::model::store::{Changes, Model};
 use proxy_agent::model::{Backend, Frontend};
 use proxy_agent::source::manifest_watch;
+use proxy_agent::sync::explain_input;
 use proxy_agent::sync::pass::{CachedSync, MemoryMaps};
 use proxy_common::{SHARE_ONE, SvcConnValue, tier};
 use serde_json::json;
@@ -51,19 +55,46 @@ pub(crate) struct ExplainArgs {
     bpffs: PathBuf,
 }
 
-/// The counted connections per frontend of both datapaths.
+/// The counted connections per frontend of both datapaths, and the
+/// backends the socket datapath has programmed per ClusterIP frontend.
 struct Live {
     socket: BTreeMap<Frontend, SvcConnValue>,
     tc: BTreeMap<Frontend, SvcConnValue>,
+    programmed: BTreeMap<String, Vec<String>>,
 }
 
 impl Live {
     fn read(pin_dir: &std::path::Path) -> anyhow::Result<Live> {
         let ctx = || format!("reading the counting maps pinned in {}", pin_dir.display());
+        let snap = dump::read(pin_dir).with_context(|| format!("reading the maps pinned in {}", pin_dir.display()))?;
+        let programmed = dump::report(pin_dir, &snap)
+            .services
+            .into_iter()
+            .map(|v| {
+                let mut set: Vec<String> = v.slots.into_iter().filter_map(|s| s.backend).collect();
+                set.sort();
+                set.dedup();
+                (v.frontend, set)
+            })
+            .collect();
         Ok(Live {
             socket: dump::frontend_conn_counts(pin_dir, &maps::SERVICES, &maps::SVC_CONN).with_context(ctx)?,
             tc: dump::frontend_conn_counts(pin_dir, &maps::NP_SERVICES, &maps::NP_SVC_CONN).with_context(ctx)?,
+            programmed,
         })
+    }
+
+    /// What the running agent has programmed for `d`'s first ClusterIP
+    /// frontend, when it differs from `d`'s decision (empty: no backend,
+    /// or not programmed at all); `None` when they agree or `d` has no
+    /// ClusterIP.
+    fn differs(&self, d: &PortDecision) -> Option<&[String]> {
+        let fe = d.frontends.first()?;
+        let mut want: Vec<String> = d.internal_backends().iter().map(ToString::to_string).collect();
+        want.sort();
+        want.dedup();
+        let programmed = self.programmed.get(&fe.to_string()).map_or(&[][..], Vec::as_slice);
+        (programmed != want.as_slice()).then_some(programmed)
     }
 
     /// The counts of every frontend of `d`: its ClusterIPs, and its
@@ -77,6 +108,21 @@ impl Live {
         };
         let values: Vec<SvcConnValue> = self.socket.iter().chain(&self.tc).filter(|(fe, _)| mine(fe)).map(|(_, v)| *v).collect();
         dump::sum_conn(values.iter())
+    }
+}
+
+/// Why a running agent may hold a set other than the decision: a Service
+/// whose topology reads labels of other Nodes keeps its last programmed
+/// set (or none) while its Node watch lists them (`decide::label_wait`).
+fn live_wait_label(programmed: &[String], needs: Option<&std::collections::BTreeSet<String>>) -> String {
+    let set = join(programmed.iter().cloned());
+    match needs {
+        Some(labels) => format!(
+            "{set}: the agent holds its last decision while its Node watch lists {} of other Nodes (up to --node-label-wait-secs; \
+             topoproxy_node_label_waiting_services), or its cluster differs from these manifests",
+            join(labels.iter().cloned())
+        ),
+        None => format!("{set}: the agent's cluster differs from these manifests (or it has not synced them yet)"),
     }
 }
 
@@ -102,8 +148,12 @@ fn counts_json(v: &SvcConnValue) -> serde_json::Value {
 
 pub(crate) fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
     let read = manifest_watch::read(&args.manifests);
+    // Other Nodes as `run`'s Node watch would list them, not as the
+    // manifests carry them (issue #47): the same decisions, and notes for
+    // what was left out.
+    let scoped = explain_input::scope_manifest_deltas(read.deltas.into_values(), &args.node);
     let mut model = Model::default();
-    model.apply(read.deltas.into_values());
+    model.apply(scoped.deltas);
     let mut pass = CachedSync::new(&args.node);
     let mut maps = MemoryMaps::default();
     let outcome = pass.pass(&mut maps, None, &model.cluster, &Changes { all: true, ..Changes::default() }, true);
@@ -121,12 +171,22 @@ pub(crate) fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
                 "node": args.node,
                 "services": decisions.iter().map(|d| {
                     let mut v = to_json(d);
-                    if let (Some(o), Some(live)) = (v.as_object_mut(), &live) {
-                        o.insert("connections".into(), counts_json(&live.of(d)));
+                    if let Some(o) = v.as_object_mut() {
+                        o.insert("otherNodeLabels".into(), json!(pass.node_labels_of(&d.service)));
+                        if let Some(live) = &live {
+                            o.insert("connections".into(), counts_json(&live.of(d)));
+                            // The programmed set when it is not the decision's
+                            // (null: it is): the agent may be holding it.
+                            let differs = live.differs(d).map(|p| {
+                                json!({"programmed": p, "why": live_wait_label(p, pass.node_labels_of(&d.service))})
+                            });
+                            o.insert("liveDiffers".into(), json!(differs));
+                        }
                     }
                     v
                 }).collect::<Vec<_>>(),
                 "warnings": warnings,
+                "notes": scoped.notes,
             });
             writeln!(out, "{}", serde_json::to_string_pretty(&doc)?)?;
         }
@@ -147,8 +207,18 @@ pub(crate) fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
                 writeln!(out, "  local:     {}", used(d.uses_local_endpoints(), &d.local))?;
                 writeln!(out, "  affinity:  {}", affinity_label(d))?;
                 writeln!(out, "  counts in: {}", counted_label(d))?;
+                if let Some(labels) = pass.node_labels_of(&d.service) {
+                    writeln!(
+                        out,
+                        "  reads:     other Nodes' {} (run waits for its Node watch to list them before programming)",
+                        join(labels.iter().cloned())
+                    )?;
+                }
                 if let Some(live) = &live {
                     writeln!(out, "  counted:   {}", counts_label(&live.of(d)))?;
+                    if let Some(programmed) = live.differs(d) {
+                        writeln!(out, "  live:      {}", live_wait_label(programmed, pass.node_labels_of(&d.service)))?;
+                    }
                 }
                 if let Some(ranges) = &d.source_ranges {
                     writeln!(out, "  sources:   {} ({})", ranges_label(ranges), filtered_label(d))?;
@@ -156,6 +226,9 @@ pub(crate) fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
             }
             for w in &warnings {
                 writeln!(out, "\nwarning: {w}")?;
+            }
+            for n in &scoped.notes {
+                writeln!(out, "\nnote: {n}")?;
             }
         }
     }

@@ -109,6 +109,14 @@ pub(crate) struct RunArgs {
     /// not serving whatever this says, as kube-proxy does.
     #[arg(long, value_enum, default_value_t = TerminateTcp::Gone)]
     terminate_tcp: TerminateTcp,
+    /// Seconds a Service whose topology reads labels of other Nodes (a
+    /// node pool, a region or custom key) waits for the Node watch to list
+    /// them: it keeps what is programmed (or stays unprogrammed if new)
+    /// rather than be programmed without them. Past it, the Service is
+    /// programmed with what is known, with an Event, a metric and a log
+    /// line naming the label. 0: never wait.
+    #[arg(long, default_value_t = 10)]
+    node_label_wait_secs: u64,
     /// Seconds between two sweeps of `SOCK_REC` that delete the records of
     /// sockets that no longer exist (every TCP and UDP socket of every
     /// network namespace is listed with sock_diag); 0 sweeps only at
@@ -529,6 +537,7 @@ async fn run_async(args: RunArgs) -> anyhow::Result<ExitCode> {
         min_sync_interval: Duration::from_millis(args.min_sync_period_ms),
         sync_period: Duration::from_secs(args.sync_period_secs.max(1)),
         terminate_tcp: args.terminate_tcp.into(),
+        node_label_wait: Duration::from_secs(args.node_label_wait_secs),
     };
     let mut term = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     let mut int = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;

@@ -5,6 +5,7 @@
 pub(crate) mod cache;
 pub mod decision;
 pub mod departures;
+pub mod label_wait;
 pub mod maglev;
 pub mod plan;
 pub(crate) mod topology;

@@ -204,6 +204,8 @@ pub struct Metrics {
     syncs: Counter,
     last_sync: Gauge<f64, std::sync::atomic::AtomicU64>,
     services_programmed: Gauge,
+    node_label_waiting: Gauge,
+    node_label_wait_timeouts: Counter,
     frontends_programmed: Gauge,
     endpoints_programmed: Gauge,
     objects: Family<Labels, Gauge>,
@@ -272,6 +274,18 @@ impl Metrics {
         registry.register("last_sync_timestamp_seconds", "Unix time of the last completed sync", last_sync.clone());
         let services_programmed = Gauge::default();
         registry.register("services_programmed", "Services with at least one frontend in the maps", services_programmed.clone());
+        let node_label_waiting = Gauge::default();
+        registry.register(
+            "node_label_waiting_services",
+            "Services kept as programmed while the Node watch lists the labels of other Nodes their topology reads (--node-label-wait-secs)",
+            node_label_waiting.clone(),
+        );
+        let node_label_wait_timeouts = Counter::default();
+        registry.register(
+            "node_label_wait_timeouts",
+            "Services programmed without the labels of other Nodes their topology reads, after waiting --node-label-wait-secs for them",
+            node_label_wait_timeouts.clone(),
+        );
         let frontends_programmed = Gauge::default();
         registry.register("frontends_programmed", "Frontends (ClusterIP, port, protocol) in the maps", frontends_programmed.clone());
         let endpoints_programmed = Gauge::default();
@@ -411,6 +425,8 @@ impl Metrics {
             syncs,
             last_sync,
             services_programmed,
+            node_label_waiting,
+            node_label_wait_timeouts,
             frontends_programmed,
             endpoints_programmed,
             objects,
@@ -541,6 +557,18 @@ impl Metrics {
         if n > 0 {
             self.errors.get_or_create(&vec![("reason", reason.to_string())]).inc_by(n as u64);
         }
+    }
+
+    /// Services held for labels of other Nodes now
+    /// (`topoproxy_node_label_waiting_services`).
+    pub fn set_node_label_waiting(&self, n: usize) {
+        self.node_label_waiting.set(n as i64);
+    }
+
+    /// Counts one Service that waited past `--node-label-wait-secs`
+    /// (`topoproxy_node_label_wait_timeouts_total`).
+    pub fn node_label_wait_timeout(&self) {
+        self.node_label_wait_timeouts.inc();
     }
 
     /// Counts one watch event of `kind` (Service, EndpointSlice, Node).

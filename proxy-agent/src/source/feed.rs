@@ -29,6 +29,14 @@ pub enum Signal {
         /// The kind listed.
         kind: Kind,
     },
+    /// The watch of other Nodes completed a listing with these labels of
+    /// these Nodes (`node_scope::watched`; no labels: other Nodes are not
+    /// watched), sent before the `Listed` it comes with: the Services
+    /// waiting for those labels can be decided (`decide::label_wait`).
+    NodeLabelsListed {
+        /// What the listing covered.
+        listed: crate::model::OtherNodes,
+    },
     /// A list or watch failed; the watcher retries with backoff.
     Failed {
         /// The kind whose list or watch failed.

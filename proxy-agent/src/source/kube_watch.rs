@@ -57,6 +57,7 @@ use crate::model::{ObjectRef, OtherNodes};
 use crate::source::api_versions::{Negotiated, Version};
 use crate::source::delta::{node_delta, node_labels_delta, service_delta, slice_delta};
 use crate::source::feed::{Signal, Stores};
+use crate::source::node_scope;
 use crate::source::wire::{WireNode, WireService, WireSlice};
 use crate::source::wire_v1beta1::WireSliceV1beta1;
 use crate::util::error_chain::error_chain;
@@ -109,16 +110,11 @@ pub fn start(
     stores
 }
 
-/// Labels every watched Node keeps besides the ones Services need: the
-/// two an endpoint's `nodeName` and `zone` stand for when its Node is
-/// unknown (`decide::topology`, `View::endpoint_label`), so that a Node
-/// being known never hides them.
-const ALWAYS_KEPT: [&str; 2] = [crate::model::LABEL_HOSTNAME, crate::model::LABEL_ZONE];
-
 /// This node's Node, whole, by the field selector `metadata.name=<node>`
 /// (kube-proxy's own Node watch); and, while `needed` names labels, every
 /// other Node metadata-only (`metadata.name!=<node>`), keeping those labels
-/// and [`ALWAYS_KEPT`]. The Nodes' listing is announced to the sync loop
+/// and `node_scope::ALWAYS_KEPT` (`node_scope::watched`, which `explain`
+/// shares). The Nodes' listing is announced to the sync loop
 /// once this node's Node is listed, `needed` is known (the sync loop
 /// publishes it once Services and EndpointSlices are listed) and, if it
 /// names labels, the other Nodes are listed too: the first sync then
@@ -137,17 +133,13 @@ async fn watch_nodes(
     let own: Api<WireNode> = Api::all(client.clone());
     let own_config = watcher::Config::default().fields(&format!("metadata.name={node}"));
     tokio::spawn(watch_kind(own, own_config, stores.clone(), kind, own_tx, |_| None, Arc::new(|n| Some(node_delta(n)))));
-    let (other_tx, mut other_rx) = unbounded_channel();
     let mut others: HashMap<ObjectRef, String> = HashMap::new();
     let mut watching: Option<OtherNodes> = None;
     let mut listed = Listing::default();
     loop {
         let want = needed.borrow_and_update().clone();
         listed.need = want.as_ref().map(|_| ());
-        let keys = want.filter(OtherNodes::any).map(|mut k| {
-            k.labels.extend(ALWAYS_KEPT.iter().map(|l| (*l).to_string()));
-            k
-        });
+        let keys = want.as_ref().and_then(node_scope::watched);
         if keys != watching {
             match &keys {
                 None => {
@@ -176,11 +168,21 @@ async fn watch_nodes(
             }
             watching = keys;
             listed.others = false;
+            // Not watching other Nodes: nothing of theirs to wait for, and
+            // nothing listed.
+            if watching.is_none() {
+                let none = OtherNodes { labels: BTreeSet::new(), names: Some(BTreeSet::new()) };
+                if tx.send(Signal::NodeLabelsListed { listed: none }).is_err() {
+                    return;
+                }
+            }
         }
-        // Not watching other Nodes: nothing of theirs to wait for.
         if watching.is_none() {
             listed.others = true;
         }
+        // A channel per watch of other Nodes: a listing the previous watch
+        // queued before it was dropped must not pass for this one's.
+        let (other_tx, mut other_rx) = unbounded_channel();
         if !listed.announce(&tx) {
             return;
         }
@@ -214,6 +216,13 @@ async fn watch_nodes(
                 }
                 s = other_rx.recv() => {
                     let Some(s) = s else { return };
+                    // The sync loop learns what this listing covered
+                    // before it hears of it (`decide::label_wait`).
+                    if let (Signal::Listed { .. }, Some(w)) = (&s, &watching)
+                        && tx.send(Signal::NodeLabelsListed { listed: w.clone() }).is_err()
+                    {
+                        return;
+                    }
                     if !listed.forward(&tx, s, false) { return; }
                 }
                 r = needed.changed() => {

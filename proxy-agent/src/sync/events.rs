@@ -47,6 +47,11 @@ pub const REASON_INVALID_TOPOLOGY_KEYS: &str = "InvalidTopologyKeys";
 /// A Service's other topology settings (annotations, `trafficDistribution`) are invalid and were ignored.
 pub const REASON_INVALID_TOPOLOGY: &str = "InvalidTopologyConfiguration";
 
+/// A Service whose topology reads labels of other Nodes waited longer
+/// than `--node-label-wait-secs` for the Node watch to list them and was
+/// programmed without them (`decide::label_wait`).
+pub const REASON_NODE_LABELS_NOT_LISTED: &str = "TopologyNodeLabelsNotListed";
+
 /// The API server rejects Event notes longer than this (events.k8s.io/v1
 /// validation: note must be at most 1 kB).
 const MAX_NOTE: usize = 1024;

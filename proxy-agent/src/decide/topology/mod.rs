@@ -204,9 +204,31 @@ pub(crate) fn rank(svc: &Service, endpoints: &[&Endpoint], node: NodeContext<'_>
 /// OpenYurt's node pool (`apps.openyurt.io/nodepool`). A key every endpoint
 /// with a node reports in its `topology` needs nothing. An invalid key list
 /// is ignored by the ranking, and needs nothing either.
+///
+/// The zone is read from the slices, and from the endpoint's Node where a
+/// slice leaves it out ([`View::endpoint_zone`]: hand-written slices, or a
+/// Node labelled after its slice was written). A ranking that reads
+/// endpoints' zones (a key list naming the zone, `trafficDistribution`
+/// derived without hints) therefore asks for the zone label too when some
+/// endpoint on a Node has none in its slice, so that `run` reads the same
+/// zone `explain` finds on the manifests' Nodes (issue #47).
 pub(crate) fn other_node_labels(svc: &Service, endpoints: &[&Endpoint]) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
-    match constraint(svc, &mut Vec::new(), &mut Vec::new()) {
+    let zone_missing = || {
+        endpoints.iter().filter(|e| e.node_name.is_some()).any(|e| {
+            e.zone.as_deref().is_none_or(str::is_empty) && e.topology().is_none_or(|t| t.get(LABEL_ZONE).is_none_or(|z| z.is_empty()))
+        })
+    };
+    let constraint = constraint(svc, &mut Vec::new(), &mut Vec::new());
+    let reads_zone = match &constraint {
+        Some(Constraint::Keys { keys, .. }) => keys.iter().any(|k| k == LABEL_ZONE),
+        Some(Constraint::OpenYurt(_)) => false,
+        None => traffic_distribution::parse(svc, &mut Vec::new()).is_some(),
+    };
+    if reads_zone && zone_missing() {
+        out.insert(LABEL_ZONE.to_string());
+    }
+    match constraint {
         Some(Constraint::Keys { keys, .. }) => {
             for key in keys.into_iter().filter(|k| ![TOPOLOGY_KEY_ANY, LABEL_HOSTNAME, LABEL_ZONE].contains(&k.as_str())) {
                 let reported =
@@ -221,6 +243,30 @@ pub(crate) fn other_node_labels(svc: &Service, endpoints: &[&Endpoint]) -> BTree
             out.insert(openyurt::LABEL_OPENYURT_NODEPOOL.to_string());
         }
         Some(Constraint::OpenYurt(_)) | None => {}
+    }
+    out
+}
+
+/// Every label of the endpoints' Nodes that ranking `svc` can read,
+/// whether or not its slices carry it: the keys of its key list (but `*`
+/// and the hostname, which `nodeName` stands for), OpenYurt's node pool,
+/// and the zone when it reads endpoints' zones. `explain` names those of
+/// them that manifests carry and the Node watch would not.
+pub(crate) fn labels_read(svc: &Service) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    match constraint(svc, &mut Vec::new(), &mut Vec::new()) {
+        Some(Constraint::Keys { keys, .. }) => {
+            out.extend(keys.into_iter().filter(|k| ![TOPOLOGY_KEY_ANY, LABEL_HOSTNAME].contains(&k.as_str())));
+        }
+        Some(Constraint::OpenYurt(yurt)) if yurt.reads_pools() => {
+            out.insert(openyurt::LABEL_OPENYURT_NODEPOOL.to_string());
+        }
+        Some(Constraint::OpenYurt(_)) => {}
+        None => {
+            if traffic_distribution::parse(svc, &mut Vec::new()).is_some() {
+                out.insert(LABEL_ZONE.to_string());
+            }
+        }
     }
     out
 }
@@ -560,6 +606,16 @@ mod tests {
             ("OpenYurt node pools", svc().ann(YURT, "openyurt.io/nodepool"), v1(), vec![openyurt::LABEL_OPENYURT_NODEPOOL]),
             ("OpenYurt, same node only", svc().ann(YURT, "kubernetes.io/hostname"), v1(), vec![]),
             ("hints and trafficDistribution read the slices", svc().td("PreferClose"), v1(), vec![]),
+            (
+                "trafficDistribution, a slice without zone: the Node's",
+                svc().td("PreferClose"),
+                vec![ep(0, "a").zone("z1"), ep(1, "b")],
+                vec![LABEL_ZONE],
+            ),
+            ("zone key, a slice without zone", svc().keys(&[LABEL_ZONE, "*"]), vec![ep(0, "a"), ep(1, "b")], vec![LABEL_ZONE]),
+            ("zone key, v1beta1 topology carries it", svc().keys(&[LABEL_ZONE, "*"]), vec![ep(0, "a").topo(&[(LABEL_ZONE, "z1")])], vec![]),
+            ("no topology reads no zone", svc(), vec![ep(0, "a"), ep(1, "b")], vec![]),
+            ("an endpoint on no Node has no Node to ask", svc().td("PreferClose"), vec![ep(0, "").zone("z1")], vec![]),
             ("internalTrafficPolicy Local reads nodeName", svc().itp_local(), v1(), vec![]),
         ];
         for (name, s, eps, want) in cases {

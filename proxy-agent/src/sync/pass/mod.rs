@@ -17,6 +17,7 @@ use crate::datapath::service_topo::SharedTiers;
 use crate::decide::cache::DecisionCache;
 use crate::decide::decision::{self, PortDecision};
 use crate::decide::departures::{self, Departure, EndpointState, Step, TcpTermination, Watch};
+use crate::decide::label_wait::{self, Listed, Missing, Verdict};
 use crate::decide::plan::{self, Policies};
 use crate::decide::topology::tier::EndpointTiers;
 use crate::external::nodeport::ExternalDatapath;
@@ -57,8 +58,29 @@ pub struct SyncOutcome {
     pub tc_departures: Vec<Departure>,
     /// When a pass is owed even if nothing changes: a departed backend's
     /// endpoint is in no slice and the rules wait for that to settle
-    /// (`departures::GONE_SETTLE`).
+    /// (`departures::GONE_SETTLE`), or a Service held for other Nodes'
+    /// labels reaches the wait's limit.
     pub recheck_at: Option<Instant>,
+    /// Services that started waiting in this pass for labels of other
+    /// Nodes not listed yet (`decide::label_wait`), kept as programmed.
+    pub held: Vec<(ObjectRef, Missing)>,
+    /// Services that waited past the limit in this pass and were decided
+    /// with what is known.
+    pub gave_up: Vec<(ObjectRef, Missing)>,
+    /// Services that waited and were programmed in this pass, the labels
+    /// they needed now listed, and how long they waited.
+    pub released: Vec<(ObjectRef, std::time::Duration)>,
+}
+
+/// A Service waiting for labels of other Nodes (`decide::label_wait`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Waiting {
+    /// Since when.
+    pub since: Instant,
+    /// What it lacks.
+    pub missing: Missing,
+    /// It waited past the limit and was decided with what is known.
+    pub gave_up: bool,
 }
 
 /// A backend that left a frontend's set, watched until its protocol's
@@ -125,6 +147,14 @@ pub struct CachedSync {
     /// Nodes, metadata only, just while this is not empty.
     /// with the Nodes its endpoints run on (`endpoint_nodes`).
     label_needs: BTreeMap<ObjectRef, (BTreeSet<String>, BTreeSet<String>)>,
+    /// What the source has listed of other Nodes (`decide::label_wait`):
+    /// everything unless told otherwise (manifests, `explain`).
+    listed: Listed,
+    /// How long a Service waits for labels not listed yet
+    /// (`--node-label-wait-secs`).
+    label_wait: std::time::Duration,
+    /// The Services waiting for labels, held or given up.
+    waiting: BTreeMap<ObjectRef, Waiting>,
     /// The physical tier of every endpoint address, which the writers put
     /// with each backend (issue #34).
     tiers: SharedTiers,
@@ -151,6 +181,9 @@ impl CachedSync {
             seeded_tc: false,
             tcp: TcpTermination::default(),
             label_needs: BTreeMap::new(),
+            listed: Listed::Everything,
+            label_wait: DEFAULT_LABEL_WAIT,
+            waiting: BTreeMap::new(),
             tiers: std::sync::Arc::new(std::sync::RwLock::new(EndpointTiers::new(node))),
         }
     }
@@ -176,6 +209,12 @@ impl CachedSync {
         crate::decide::topology::other_nodes_needed(self.label_needs.values().map(|(l, n)| (l, n)), cluster.nodes.get(own), own)
     }
 
+    /// The labels of other Nodes that Service `id`'s topology needs beyond
+    /// what its slices carry, if any (`explain` shows them).
+    pub fn node_labels_of(&self, id: &ObjectRef) -> Option<&BTreeSet<String>> {
+        self.label_needs.get(id).map(|(l, _)| l)
+    }
+
     /// The labels of other Nodes that some Service's topology needs.
     pub fn node_labels_needed(&self) -> BTreeSet<String> {
         self.label_needs.values().flat_map(|(l, _)| l).cloned().collect()
@@ -190,6 +229,24 @@ impl CachedSync {
                 None => self.label_needs.remove(id),
             };
         }
+    }
+
+    /// Sets how long a Service waits for labels of other Nodes not listed
+    /// yet before it is decided with what is known (`decide::label_wait`).
+    pub fn with_label_wait(mut self, wait: std::time::Duration) -> Self {
+        self.label_wait = wait;
+        self
+    }
+
+    /// Says what the source has listed of other Nodes; a pass follows.
+    pub fn set_listed(&mut self, listed: Listed) {
+        self.listed = listed;
+    }
+
+    /// The Services waiting for labels of other Nodes (held, or decided
+    /// with what is known after the limit).
+    pub fn waiting(&self) -> &BTreeMap<ObjectRef, Waiting> {
+        &self.waiting
     }
 
     /// Sets what becomes of TCP connections to departed backends
@@ -359,6 +416,16 @@ impl CachedSync {
             self.track_external(services.iter().cloned());
         }
         self.follow_local_endpoints(external.as_deref().is_some_and(ExternalDatapath::uses_local_endpoints));
+        // What each Service needs of other Nodes, and which of them wait
+        // for it: their frontends are kept as they are (below).
+        if changes.all {
+            self.rebuild_label_needs(cluster);
+        } else {
+            self.track_label_needs(cluster, &services);
+        }
+        let node_addrs_now: Vec<IpAddr> = external.as_deref().map(|e| e.node_addrs.clone()).unwrap_or_default();
+        let wait = self.follow_label_waits(now, &node_addrs_now);
+        touched.extend(wait.release.iter().copied());
         // The endpoint tiers follow what changed since they were followed
         // last (ahead, with the decisions, or in the last pass).
         self.tiers.write().unwrap_or_else(std::sync::PoisonError::into_inner).update(cluster, tier_changes.all, &tier_changes.slices);
@@ -411,6 +478,15 @@ impl CachedSync {
             let desired_policies: Policies = touched.iter().filter_map(|fe| Some((*fe, want_policy(fe)?.clone()))).collect();
             plan::diff_with_policies(&current, &current_policies, &desired, &desired_policies)
         };
+        // A held Service's frontends keep what is programmed: written
+        // neither with the decision made without the labels it needs, nor
+        // removed (issue #47).
+        let mut plan = plan;
+        if !wait.hold.is_empty() {
+            plan.upserts.retain(|(fe, _)| !wait.hold.contains(fe));
+            plan.deletes.retain(|fe| !wait.hold.contains(fe));
+            plan.policies.retain(|fe, _| !wait.hold.contains(fe));
+        }
         // What each rewritten frontend loses, read before the write.
         let mut left: Vec<(Frontend, Vec<Backend>)> = plan
             .upserts
@@ -469,10 +545,8 @@ impl CachedSync {
         }
         if changes.all {
             self.rebuild_no_local();
-            self.rebuild_label_needs(cluster);
         } else {
             self.track_no_local(&services);
-            self.track_label_needs(cluster, &services);
         }
 
         let mut external_problems = Vec::new();
@@ -516,8 +590,56 @@ impl CachedSync {
             no_local_external: self.no_local.1,
             departures,
             tc_departures,
-            recheck_at,
+            recheck_at: earliest(recheck_at, wait.recheck_at),
+            held: wait.held,
+            gave_up: wait.gave_up,
+            released: wait.released,
         }
+    }
+
+    /// Which Services wait for labels of other Nodes at `now`
+    /// (`decide::label_wait`), from what each needs and what the source
+    /// listed: the frontends to keep as programmed, those to compare again
+    /// (a wait that ended), and what to report.
+    fn follow_label_waits(&mut self, now: Instant, node_addrs: &[IpAddr]) -> LabelWaits {
+        let own = self.cache.node().to_string();
+        let mut out = LabelWaits::default();
+        let mut before = std::mem::take(&mut self.waiting);
+        for (id, (labels, nodes)) in &self.label_needs {
+            let Some(missing) = label_wait::missing(labels, nodes, &own, &self.listed) else { continue };
+            let was = before.remove(id);
+            let since = was.as_ref().map_or(now, |w| w.since);
+            let gave_up = match label_wait::verdict(now.saturating_duration_since(since), self.label_wait) {
+                Verdict::Hold => {
+                    if was.is_none() {
+                        out.held.push((id.clone(), missing.clone()));
+                    }
+                    out.recheck_at = earliest(out.recheck_at, Some(since + self.label_wait));
+                    for d in self.cache.decisions_of(id) {
+                        out.hold.extend(d.frontends.iter().filter(|fe| self.cache.owner(fe) == Some(id)).copied());
+                        out.hold.extend(d.external_frontends(node_addrs));
+                    }
+                    false
+                }
+                Verdict::GiveUp => {
+                    if !was.as_ref().is_some_and(|w| w.gave_up) {
+                        out.gave_up.push((id.clone(), missing.clone()));
+                        out.release_service(self.cache.decisions_of(id), node_addrs);
+                    }
+                    true
+                }
+            };
+            self.waiting.insert(id.clone(), Waiting { since, missing, gave_up });
+        }
+        // No longer missing anything (or gone): compared again, now from
+        // the labels listed.
+        for (id, w) in before {
+            if !w.gave_up && self.label_needs.contains_key(&id) {
+                out.released.push((id.clone(), now.saturating_duration_since(w.since)));
+            }
+            out.release_service(self.cache.decisions_of(&id), node_addrs);
+        }
+        out
     }
 
     /// Issue #34: follows the endpoints' tiers and hands both datapaths'
@@ -716,6 +838,31 @@ fn label_needs(
     Some((labels, nodes))
 }
 
+/// The default of `--node-label-wait-secs`.
+pub const DEFAULT_LABEL_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// What [`CachedSync::follow_label_waits`] found.
+#[derive(Default)]
+struct LabelWaits {
+    /// Frontends of held Services: kept as programmed.
+    hold: BTreeSet<Frontend>,
+    /// Frontends of Services whose wait ended: compared again.
+    release: BTreeSet<Frontend>,
+    held: Vec<(ObjectRef, Missing)>,
+    gave_up: Vec<(ObjectRef, Missing)>,
+    released: Vec<(ObjectRef, std::time::Duration)>,
+    recheck_at: Option<Instant>,
+}
+
+impl LabelWaits {
+    fn release_service(&mut self, decisions: &[PortDecision], node_addrs: &[IpAddr]) {
+        for d in decisions {
+            self.release.extend(d.frontends.iter().copied());
+            self.release.extend(d.external_frontends(node_addrs));
+        }
+    }
+}
+
 /// Which watched backends a pass steps ([`CachedSync::departures_of`]),
 /// and its clock.
 #[derive(Clone, Copy)]
@@ -738,6 +885,8 @@ fn earliest(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
 
 #[cfg(test)]
 mod departure_tests;
+#[cfg(test)]
+mod explain_run_tests;
 #[cfg(test)]
 mod label_need_tests;
 #[cfg(test)]

@@ -35,6 +35,7 @@ use crate::datapath::map_writer::WriteError;
 use crate::datapath::sock_destroy::{Batch, Terminator};
 use crate::decide::cache::DecisionCache;
 use crate::decide::departures::TcpTermination;
+use crate::decide::label_wait::Listed;
 use crate::decide::topology::tier::EndpointTiers;
 use crate::external::nodeport::ExternalDatapath;
 use crate::model::OtherNodes;
@@ -60,6 +61,9 @@ pub struct SyncConfig {
     /// What becomes of TCP connections to departed backends
     /// (`--terminate-tcp`, `decide::departures`).
     pub terminate_tcp: TcpTermination,
+    /// How long a Service waits for labels of other Nodes not listed yet
+    /// (`--node-label-wait-secs`, `decide::label_wait`).
+    pub node_label_wait: Duration,
 }
 
 /// Applies what the sources queue to the maps, at most once per `min_sync_interval`, and reports it
@@ -120,7 +124,7 @@ impl<W: SocketMaps> SyncLoop<W> {
         events: Option<EventReporter>,
     ) -> Self {
         health.waiting_for("Services, EndpointSlices and Nodes to be listed");
-        let cached = CachedSync::new(&config.node).with_tcp_termination(config.terminate_tcp);
+        let cached = CachedSync::new(&config.node).with_tcp_termination(config.terminate_tcp).with_label_wait(config.node_label_wait);
         SyncLoop {
             config,
             writer,
@@ -152,6 +156,10 @@ impl<W: SocketMaps> SyncLoop<W> {
     /// pass that changes it.
     pub fn with_node_label_needs(mut self, tx: tokio::sync::watch::Sender<Option<OtherNodes>>) -> Self {
         self.node_labels = Some(tx);
+        // Nothing of other Nodes is listed until the source says so
+        // (`Signal::NodeLabelsListed`): a Service that needs their labels
+        // waits for them (`decide::label_wait`).
+        self.cached.set_listed(Listed::Only(OtherNodes { labels: BTreeSet::new(), names: Some(BTreeSet::new()) }));
         self
     }
 
@@ -289,6 +297,12 @@ impl<W: SocketMaps> SyncLoop<W> {
                 self.dirty = true;
                 self.mark_pending();
             }
+            Signal::NodeLabelsListed { listed } => {
+                tracing::debug!(labels = ?listed.labels, nodes = ?listed.names.as_ref().map(BTreeSet::len), "other Nodes listed");
+                self.cached.set_listed(Listed::Only(listed));
+                self.dirty = true;
+                self.mark_pending();
+            }
             Signal::Resync { reason } => {
                 tracing::info!(reason, "sync requested");
                 self.dirty = true;
@@ -417,6 +431,7 @@ impl<W: SocketMaps> SyncLoop<W> {
         if self.node_labels.is_some() {
             self.publish_node_labels(self.cached.other_nodes_needed(&self.model.cluster));
         }
+        self.report_label_waits(&outcome);
         if let Some(t) = &self.terminator {
             t.submit(Batch { sockets: std::mem::take(&mut outcome.departures), conntrack: std::mem::take(&mut outcome.tc_departures) });
         }
@@ -448,6 +463,16 @@ impl<W: SocketMaps> SyncLoop<W> {
                     },
                 });
             }
+        }
+        // A Service that waited past `--node-label-wait-secs` for labels of
+        // other Nodes: an Event while it still lacks them.
+        for (id, w) in self.cached.waiting().iter().filter(|(_, w)| w.gave_up) {
+            problems.push(ServiceProblem {
+                service: id.clone(),
+                uid: self.model.service_uids.get(id).cloned(),
+                reason: events::REASON_NODE_LABELS_NOT_LISTED,
+                message: label_wait_note(&w.missing, self.config.node_label_wait),
+            });
         }
         for d in self.cached.decisions_with_problems() {
             for problem in &d.problems {
@@ -536,6 +561,34 @@ impl<W: SocketMaps> SyncLoop<W> {
         if first {
             tracing::info!("first sync applied; ready");
         }
+    }
+}
+
+/// The Event note and log line of a Service that waited past the limit.
+fn label_wait_note(missing: &crate::decide::label_wait::Missing, limit: Duration) -> String {
+    format!(
+        "topology programmed without labels it reads: {missing} after {}s (--node-label-wait-secs); endpoints on those Nodes \
+         rank as if they had no such label until the Node watch lists them",
+        limit.as_secs()
+    )
+}
+
+impl<W: SocketMaps> SyncLoop<W> {
+    /// Logs and counts the Services that started or stopped waiting for
+    /// labels of other Nodes in this pass, and those that waited too long.
+    fn report_label_waits(&self, outcome: &crate::sync::pass::SyncOutcome) {
+        for (id, missing) in &outcome.held {
+            tracing::info!(service = %id, "holding the Service as programmed: its topology reads {missing}");
+        }
+        for (id, waited) in &outcome.released {
+            tracing::info!(service = %id, waited_ms = waited.as_millis() as u64, "the labels it waited for are listed: programmed");
+        }
+        for (id, missing) in &outcome.gave_up {
+            tracing::warn!(service = %id, "{}", label_wait_note(missing, self.config.node_label_wait));
+            self.metrics.node_label_wait_timeout();
+        }
+        let held = self.cached.waiting().values().filter(|w| !w.gave_up).count();
+        self.metrics.set_node_label_waiting(held);
     }
 }
 

@@ -14,11 +14,17 @@ struct Harness {
 
 impl Harness {
     fn new(node: &str, capacity: Option<u32>) -> Harness {
+        Self::waiting(node, capacity, Duration::from_secs(10))
+    }
+
+    /// With `node_label_wait` as `--node-label-wait-secs`.
+    fn waiting(node: &str, capacity: Option<u32>, node_label_wait: Duration) -> Harness {
         let config = SyncConfig {
             node: node.into(),
             min_sync_interval: Duration::ZERO,
             sync_period: Duration::from_secs(30),
             terminate_tcp: TcpTermination::Gone,
+            node_label_wait,
         };
         let maps = MemoryMaps { capacity, ..MemoryMaps::default() };
         let health = Arc::new(Health::new(Duration::from_mins(1)));
@@ -295,4 +301,62 @@ fn a_clash_is_warned_and_the_first_service_keeps_the_address() {
     h.read(&text);
     assert_eq!(h.backends("10.96.0.30", 80), Some(vec!["10.244.1.1:8080".into()]));
     assert!(h.sync.logged.iter().any(|l| l.contains("10.96.0.30")), "{:?}", h.sync.logged);
+}
+
+/// `run`'s loop against an API server whose Node watch has listed no
+/// other Node yet (`with_node_label_needs`): a region-keyed Service (v1
+/// slices carry no region) is held unprogrammed, counted as waiting, and
+/// programmed once the watch says it listed the region of the Node its
+/// endpoint runs on (`Signal::NodeLabelsListed`). With no wait allowed it
+/// is programmed at once and the timeout is counted.
+#[test]
+fn a_service_waits_for_other_nodes_labels_then_is_programmed_once() {
+    const REGION: &str = "topology.kubernetes.io/region";
+    let nodes = "
+kind: Node
+metadata: {name: a, labels: {kubernetes.io/hostname: a, topology.kubernetes.io/region: r1}}
+---
+kind: Node
+metadata: {name: b, labels: {kubernetes.io/hostname: b, topology.kubernetes.io/region: r2}}
+---
+kind: Node
+metadata: {name: c, labels: {kubernetes.io/hostname: c, topology.kubernetes.io/region: r1}}
+";
+    let keys = ", annotations: {topoproxy.io/topology-keys: \"topology.kubernetes.io/region, *\"}";
+    let text = format!("{nodes}{}{}", service("geo", "10.96.0.30", keys), slice("geo", &[("10.244.2.1", "b"), ("10.244.3.1", "c")]));
+    let listed = OtherNodes {
+        labels: [REGION, "kubernetes.io/hostname", "topology.kubernetes.io/zone"].iter().map(|s| (*s).to_string()).collect(),
+        names: Some(["b", "c"].iter().map(|s| (*s).to_string()).collect()),
+    };
+
+    let mut h = Harness::waiting("a", None, Duration::from_secs(10));
+    let (tx, _rx) = tokio::sync::watch::channel(None);
+    h.sync = h.sync.with_node_label_needs(tx);
+    h.read(&text);
+    assert_eq!(h.backends("10.96.0.30", 80), None, "held: not programmed with a guess");
+    assert_eq!(sample(&h.metrics(), "topoproxy_node_label_waiting_services"), Some(1.0));
+    assert_eq!(h.sync.cached.waiting().len(), 1);
+    h.sync.handle(Signal::NodeLabelsListed { listed: listed.clone() });
+    h.sync_if_listed();
+    assert_eq!(h.backends("10.96.0.30", 80), Some(vec!["10.244.3.1:8080".into()]), "region r1: c's endpoint");
+    assert_eq!(sample(&h.metrics(), "topoproxy_node_label_waiting_services"), Some(0.0));
+    assert_eq!(sample(&h.metrics(), "topoproxy_node_label_wait_timeouts_total"), Some(0.0));
+
+    let mut h = Harness::waiting("a", None, Duration::ZERO);
+    let (tx, _rx) = tokio::sync::watch::channel(None);
+    h.sync = h.sync.with_node_label_needs(tx);
+    h.read(&text);
+    assert!(h.backends("10.96.0.30", 80).is_some(), "no wait: programmed with what is known");
+    assert_eq!(sample(&h.metrics(), "topoproxy_node_label_wait_timeouts_total"), Some(1.0));
+    assert_eq!(sample(&h.metrics(), "topoproxy_node_label_waiting_services"), Some(0.0));
+    let w = h.sync.cached.waiting().values().next().cloned();
+    assert!(w.as_ref().is_some_and(|w| w.gave_up && w.missing.labels.contains(REGION)), "{w:?}");
+    let note = label_wait_note(&w.map(|w| w.missing).unwrap_or_default(), Duration::ZERO);
+    assert!(note.contains("label topology.kubernetes.io/region not listed yet"), "{note}");
+    // Listed later: no longer waiting, and counted once.
+    h.sync.handle(Signal::NodeLabelsListed { listed });
+    h.sync_if_listed();
+    assert!(h.sync.cached.waiting().is_empty());
+    assert_eq!(h.backends("10.96.0.30", 80), Some(vec!["10.244.3.1:8080".into()]));
+    assert_eq!(sample(&h.metrics(), "topoproxy_node_label_wait_timeouts_total"), Some(1.0));
 }
