@@ -42,12 +42,12 @@ fn datapath(caps: Capacities) -> Datapath {
 }
 
 fn affine(timeout_s: u32) -> FrontendPolicy {
-    FrontendPolicy { affinity_timeout_s: Some(timeout_s), affinity_scope: 77, source_ranges: None }
+    FrontendPolicy { affinity_timeout_s: Some(timeout_s), affinity_scope: 77, source_ranges: None, slot_weights: None }
 }
 
 fn filtered(cidrs: &[&str], node: bool) -> FrontendPolicy {
     let cidrs = cidrs.iter().map(|c| Cidr::parse(c).expect("literal")).collect();
-    FrontendPolicy { affinity_timeout_s: None, affinity_scope: 0, source_ranges: Some(SourceRanges { cidrs, node }) }
+    FrontendPolicy { affinity_timeout_s: None, affinity_scope: 0, source_ranges: Some(SourceRanges { cidrs, node }), slot_weights: None }
 }
 
 /// Brings the writer to `want` with `policies`, as a sync pass would.
