@@ -166,3 +166,42 @@ fn a_rolling_update_spills_new_connections_by_the_zones_health() {
     wait_for_step(&node, &net, &zone[..1]);
     eventually("the agent to log no problem", || if node.agent_log().contains("topology-spill") { Err(()) } else { Ok(()) });
 }
+
+/// `explain` (the decision path `run` uses) prints each tier's health,
+/// the factor and the share, in the table and in JSON.
+#[test]
+fn explain_shows_each_tiers_health_factor_and_share() {
+    let dir = TempDir::new("tpt-spill-explain");
+    std::fs::write(dir.0.join("cluster.yaml"), cluster(2, true)).expect("write");
+    let run = |json: bool| {
+        let mut cmd = std::process::Command::new(agent_bin());
+        cmd.args(["explain", "--node", "node-a", "--manifests"]).arg(&dir.0);
+        if json {
+            cmd.args(["--output", "json"]);
+        }
+        let out = cmd.output().expect("run explain");
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let text = run(false);
+    assert!(text.contains("  spill:     factor 1.4\n"), "{text}");
+    assert!(text.contains("    topology.kubernetes.io/zone=z1: 2/4 ready (health 50.0%), share 70.0%\n"), "{text}");
+    assert!(text.contains("    *: 2/2 ready (health 100.0%), share 30.0%\n"), "{text}");
+    let doc: serde_json::Value = serde_json::from_str(&run(true)).expect("json");
+    let web = doc["services"].as_array().expect("services").iter().find(|s| s["name"] == "web").expect("web");
+    assert_eq!(web["spill"]["factor"], "1.4");
+    let tiers = web["spill"]["tiers"].as_array().expect("tiers");
+    assert_eq!(tiers.len(), 2);
+    assert_eq!(tiers[0]["tier"], "topology.kubernetes.io/zone=z1");
+    assert_eq!((tiers[0]["ready"].as_u64(), tiers[0]["total"].as_u64()), (Some(2), Some(4)));
+    assert!((tiers[0]["share"].as_f64().unwrap_or_default() - 0.7).abs() < 1e-9, "{tiers:?}");
+    assert!((tiers[1]["share"].as_f64().unwrap_or_default() - 0.3).abs() < 1e-9, "{tiers:?}");
+    // Both tiers' ready endpoints are in the cluster set.
+    assert_eq!(web["clusterEndpoints"].as_array().map(Vec::len), Some(4), "{web}");
+    // Without the annotation: strict, no spill field.
+    std::fs::write(dir.0.join("cluster.yaml"), cluster(2, false)).expect("write");
+    let doc: serde_json::Value = serde_json::from_str(&run(true)).expect("json");
+    let web = doc["services"].as_array().expect("services").iter().find(|s| s["name"] == "web").expect("web");
+    assert_eq!(web["spill"], serde_json::Value::Null);
+    assert_eq!(web["clusterEndpoints"], serde_json::json!(["10.244.30.1:8080", "10.244.30.2:8080"]));
+}
