@@ -20,8 +20,9 @@
 //!
 //! The model is Envoy's priority load (envoyproxy.io, "Priority levels",
 //! intro/arch_overview/upstream/load_balancing/priority; the code is
-//! `LoadBalancerBase::recalculatePerPriorityState` and `distributeLoad` in
-//! source/common/upstream/load_balancer_impl.cc): a priority level's health
+//! `LoadBalancerBase::recalculatePerPriorityState` and `distributeLoad`,
+//! source/extensions/load_balancing_policies/common/load_balancer_impl.cc,
+//! source/common/upstream/ before 1.29): a priority level's health
 //! score is its healthy percentage times the overprovisioning factor
 //! (default 1.4), capped at 100, and each level takes up to its score of
 //! what the levels before it left. Where ours differs:
