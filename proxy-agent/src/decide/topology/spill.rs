@@ -22,7 +22,7 @@
 //! intro/arch_overview/upstream/load_balancing/priority; the code is
 //! `LoadBalancerBase::recalculatePerPriorityState` and `distributeLoad`,
 //! source/extensions/load_balancing_policies/common/load_balancer_impl.cc,
-//! source/common/upstream/ before 1.29): a priority level's health
+//! formerly under source/common/upstream/): a priority level's health
 //! score is its healthy percentage times the overprovisioning factor
 //! (default 1.4), capped at 100, and each level takes up to its score of
 //! what the levels before it left. Where ours differs:
