@@ -235,8 +235,11 @@ fn spill_for(
     let tiers = match (model, found) {
         (Model::TopologyKeys, Some(Constraint::Keys { keys, .. })) => spill_tiers::by_keys(view, keys),
         (Model::OpenYurt, _) => {
+            // Worded without the annotation's name, so that the Event's
+            // reason is InvalidTopology, not InvalidTopologyKeys (the key
+            // list itself is fine).
             problems.push(format!(
-                "annotation {ANNOTATION_TOPOLOGY_SPILL} ignored: {ANNOTATION_OPENYURT_TOPOLOGY_KEYS} stays strict, as yurthub's filter is"
+                "annotation {ANNOTATION_TOPOLOGY_SPILL} ignored: OpenYurt's node-pool topology stays strict, as yurthub's filter is"
             ));
             return None;
         }

@@ -352,6 +352,7 @@ mod tests {
         let r = ranked(&yurt, &[ep(1, "n1").unready(), ep(2, "n1"), ep(3, "n3")]);
         assert_eq!((r.model, r.cluster.clone(), r.spill.is_none()), (Model::OpenYurt, vec![1], true));
         assert!(r.problems[0].contains("stays strict"), "{:?}", r.problems);
+        assert!(!r.problems[0].contains("topologyKeys"), "the key list is fine: {:?}", r.problems);
         // No tiers to grade: a note, no problem.
         let r = ranked(&svc().ann(ANNOTATION_TOPOLOGY_SPILL, "1.4"), &zoned(2));
         assert!(r.problems.is_empty() && r.spill.is_none());
