@@ -42,12 +42,12 @@ fn datapath(caps: Capacities) -> Datapath {
 }
 
 fn affine(timeout_s: u32) -> FrontendPolicy {
-    FrontendPolicy { affinity_timeout_s: Some(timeout_s), affinity_scope: 77, source_ranges: None }
+    FrontendPolicy { affinity_timeout_s: Some(timeout_s), affinity_scope: 77, source_ranges: None, slot_weights: None }
 }
 
 fn filtered(cidrs: &[&str], node: bool) -> FrontendPolicy {
     let cidrs = cidrs.iter().map(|c| Cidr::parse(c).expect("literal")).collect();
-    FrontendPolicy { affinity_timeout_s: None, affinity_scope: 0, source_ranges: Some(SourceRanges { cidrs, node }) }
+    FrontendPolicy { affinity_timeout_s: None, affinity_scope: 0, source_ranges: Some(SourceRanges { cidrs, node }), slot_weights: None }
 }
 
 /// Brings the writer to `want` with `policies`, as a sync pass would.
@@ -225,4 +225,71 @@ fn source_ranges_follow_each_generation_and_are_read_back() {
     assert_eq!(service(pins, &a).flags, 0);
     let r = dump::report(pins, &dump::read(pins).expect("dump"));
     assert!(r.consistent, "{:?}", r.findings);
+}
+
+/// Graded spill-over (issue #48) on real maps: a weighted frontend's slot
+/// array lists each backend as often as its weight (the count the socket
+/// programs pick among), with one affinity match entry per backend; a
+/// share change rewrites it under a new generation; a restarted writer
+/// reads the weights back from the slots, so an unchanged cluster rewrites
+/// nothing; and the weights going away leaves one slot per backend.
+#[test]
+fn weighted_slots_carry_the_spill_shares_and_are_read_back() {
+    let dp = datapath(Capacities::default());
+    let pins = dp.pins.path();
+    let mut w = MapWriter::open(pins).expect("open");
+    let a = fe(1);
+    let want: State = [(a, [be(1), be(2), be(3)].into())].into();
+    let weighted = |w1: u32, w2: u32, w3: u32| FrontendPolicy {
+        affinity_timeout_s: Some(60),
+        affinity_scope: 77,
+        source_ranges: None,
+        slot_weights: plan::SlotWeights::new(vec![(be(1), w1), (be(2), w2), (be(3), w3)]),
+    };
+    let slots_of = |pins: &Path| -> Vec<Option<u32>> {
+        let snap = dump::read(pins).expect("dump");
+        let r = dump::report(pins, &snap);
+        let v = r.services.iter().find(|v| v.frontend == a.to_string()).expect("frontend in dump");
+        v.slots.iter().map(|s| s.backend_id).collect()
+    };
+    let count = |slots: &[Option<u32>]| -> std::collections::BTreeMap<u32, usize> {
+        let mut m = std::collections::BTreeMap::new();
+        for id in slots.iter().flatten() {
+            *m.entry(*id).or_insert(0) += 1;
+        }
+        m
+    };
+    sync(&mut w, &want, &[(a, weighted(350, 350, 300))].into());
+    let v = service(pins, &a);
+    assert_eq!(v.backend_count, 1000, "the slot array is the weights' sum");
+    let slots = slots_of(pins);
+    let mut counts: Vec<usize> = count(&slots).into_values().collect();
+    counts.sort_unstable();
+    assert_eq!(counts, vec![300, 350, 350]);
+    assert_eq!(matches(pins).len(), 3, "one match entry per backend, not per slot");
+    assert_eq!(w.endpoints(), 1000);
+
+    // The shares change: a new generation with the new counts, the old
+    // generation's slots and matches gone.
+    sync(&mut w, &want, &[(a, weighted(100, 100, 800))].into());
+    let v2 = service(pins, &a);
+    assert_eq!((v2.backend_count, v2.generation), (1000, v.generation + 1));
+    let mut counts: Vec<usize> = count(&slots_of(pins)).into_values().collect();
+    counts.sort_unstable();
+    assert_eq!(counts, vec![100, 100, 800]);
+    assert_eq!(matches(pins).iter().filter(|m| m.1 == v.generation).count(), 0, "the old generation's matches are gone");
+    assert_eq!(matches(pins).len(), 3);
+
+    // A restarted writer reads the weights back: nothing to rewrite.
+    drop(w);
+    let mut w = MapWriter::open(pins).expect("reopen");
+    let policies: Policies = [(a, weighted(100, 100, 800))].into();
+    assert_eq!(w.policies(), policies, "weights and affinity read back from the slots");
+    let plan = plan::diff_with_policies(&w.state(), &w.policies(), &want, &policies);
+    assert!(plan.is_empty(), "{plan:?}");
+
+    // No more spread (the nearest tier is healthy again): one slot each.
+    sync(&mut w, &want, &[(a, affine(60))].into());
+    assert_eq!(service(pins, &a).backend_count, 3);
+    assert_eq!(w.endpoints(), 3);
 }

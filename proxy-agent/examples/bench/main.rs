@@ -525,8 +525,11 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
         let affine = affine_frontend(size);
         let mut with_affine = desired.clone();
         with_affine.insert(affine, desired.values().next().cloned().unwrap_or_default());
-        let policies: plan::Policies =
-            [(affine, plan::FrontendPolicy { affinity_timeout_s: Some(10_800), affinity_scope: 1, source_ranges: None })].into();
+        let policies: plan::Policies = [(
+            affine,
+            plan::FrontendPolicy { affinity_timeout_s: Some(10_800), affinity_scope: 1, source_ranges: None, slot_weights: None },
+        )]
+        .into();
         let errors = writer.apply(&plan::diff_with_policies(&writer.state(), &writer.policies(), &with_affine, &policies));
         if let Some(e) = errors.first() {
             bail!("programming the affine Service failed: {e}");

@@ -21,7 +21,7 @@ use anyhow::Context;
 use clap::{Args, ValueEnum};
 use proxy_agent::DEFAULT_BPFFS;
 use proxy_agent::datapath::{dump, maps};
-use proxy_agent::decide::decision::PortDecision;
+use proxy_agent::decide::decision::{PortDecision, TierShare};
 use proxy_agent::model::store::{Changes, Model};
 use proxy_agent::model::{Backend, Frontend};
 use proxy_agent::source::manifest_watch;
@@ -214,6 +214,12 @@ pub(crate) fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
                         join(labels.iter().cloned())
                     )?;
                 }
+                if let Some(spill) = &d.spill {
+                    writeln!(out, "  spill:     factor {}", spill.factor)?;
+                    for t in &spill.tiers {
+                        writeln!(out, "    {}", tier_share_label(t))?;
+                    }
+                }
                 if let Some(live) = &live {
                     writeln!(out, "  counted:   {}", counts_label(&live.of(d)))?;
                     if let Some(programmed) = live.differs(d) {
@@ -233,6 +239,34 @@ pub(crate) fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
         }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// One tier of a spilling port for the table: its health, the factor's
+/// capacity and its share of new connections.
+fn tier_share_label(t: &TierShare) -> String {
+    let family = match t.family {
+        Some(proxy_agent::model::Family::V4) => "IPv4 ",
+        Some(proxy_agent::model::Family::V6) => "IPv6 ",
+        None => "",
+    };
+    let health = if t.total == 0 { 0.0 } else { 100.0 * t.ready as f64 / t.total as f64 };
+    format!("{family}{}: {}/{} ready (health {health:.1}%), share {:.1}%", t.name, t.ready, t.total, f64::from(t.share_ppm) / 10_000.0)
+}
+
+/// The spill shares for JSON: null without `topoproxy.io/topology-spill`.
+fn spill_json(d: &PortDecision) -> serde_json::Value {
+    let Some(spill) = &d.spill else { return serde_json::Value::Null };
+    json!({
+        "factor": spill.factor,
+        "tiers": spill.tiers.iter().map(|t| json!({
+            "tier": t.name,
+            "family": t.family.map(|f| if f == proxy_agent::model::Family::V4 { "IPv4" } else { "IPv6" }),
+            "ready": t.ready,
+            "total": t.total,
+            "health": if t.total == 0 { 0.0 } else { t.ready as f64 / t.total as f64 },
+            "share": f64::from(t.share_ppm) / 1_000_000.0,
+        })).collect::<Vec<_>>(),
+    })
 }
 
 fn sockaddr(ip: std::net::IpAddr, port: u16) -> String {
@@ -312,5 +346,8 @@ fn to_json(d: &PortDecision) -> serde_json::Value {
         // each backend's own), and the blind-remote share per connection.
         "countedTier": d.internal_tier().map(|t| tier::NAMES[usize::from(t)]),
         "blindRemoteShare": f64::from(d.blind_remote_share) / f64::from(SHARE_ONE),
+        // Issue #48: each tier's health and share of new connections with
+        // topoproxy.io/topology-spill (null without).
+        "spill": spill_json(d),
     })
 }

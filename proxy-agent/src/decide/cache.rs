@@ -197,6 +197,9 @@ pub(crate) struct DecisionCache {
     clashed: BTreeSet<Frontend>,
     /// Services with a decision that carries problems.
     with_problems: BTreeSet<ObjectRef>,
+    /// Services with a port whose tiers spill (`topoproxy.io/topology-spill`):
+    /// the ones `topoproxy_service_tier_share` reports.
+    with_spill: BTreeSet<ObjectRef>,
     /// What [`Self::prepare`] decided, until a pass takes it.
     prepared: Option<Update>,
 }
@@ -271,6 +274,11 @@ impl DecisionCache {
                     self.with_problems.insert(id.clone());
                 } else {
                     self.with_problems.remove(id);
+                }
+                if new.iter().flatten().any(|d| d.spill.is_some()) {
+                    self.with_spill.insert(id.clone());
+                } else {
+                    self.with_spill.remove(id);
                 }
                 let new_fes = frontends_of(new.as_deref().unwrap_or_default());
                 let old = match new {
@@ -379,6 +387,7 @@ impl DecisionCache {
         self.decisions = BTreeMap::new();
         let old_claims = std::mem::take(&mut self.claims);
         self.with_problems.clear();
+        self.with_spill.clear();
 
         let node = self.node.clone();
         let ctx = NodeContext { name: &node, nodes: &cluster.nodes };
@@ -393,6 +402,9 @@ impl DecisionCache {
                 let Some(decisions) = new else { continue };
                 if decisions.iter().any(|d| !d.problems.is_empty()) {
                     self.with_problems.insert(id.clone());
+                }
+                if decisions.iter().any(|d| d.spill.is_some()) {
+                    self.with_spill.insert(id.clone());
                 }
                 let first = claims.len();
                 for d in &decisions {
@@ -548,6 +560,11 @@ impl DecisionCache {
     /// The decisions that carry problems, in the order of [`Self::decisions`].
     pub(crate) fn decisions_with_problems(&self) -> impl Iterator<Item = &PortDecision> {
         self.with_problems.iter().filter_map(|id| self.decisions.get(id)).flatten().filter(|d| !d.problems.is_empty())
+    }
+
+    /// The decisions whose tiers spill, in the order of [`Self::decisions`].
+    pub(crate) fn decisions_with_spill(&self) -> impl Iterator<Item = &PortDecision> {
+        self.with_spill.iter().filter_map(|id| self.decisions.get(id)).flatten().filter(|d| d.spill.is_some())
     }
 
     /// The decisions of one Service.
@@ -727,6 +744,8 @@ mod tests {
             assert_eq!(got_clashes, clashes, "step {name}");
             let with_problems: Vec<&PortDecision> = full.iter().filter(|d| !d.problems.is_empty()).collect();
             assert_eq!(cache.decisions_with_problems().collect::<Vec<_>>(), with_problems, "step {name}");
+            let with_spill: Vec<&PortDecision> = full.iter().filter(|d| d.spill.is_some()).collect();
+            assert_eq!(cache.decisions_with_spill().collect::<Vec<_>>(), with_spill, "step {name}");
             // Every frontend whose entry differs is among the touched ones.
             for fe in want.keys().chain(before.keys()) {
                 if want.get(fe) != before.get(fe) {
@@ -755,6 +774,7 @@ mod tests {
         assert_eq!(a.desired_policies, b.desired_policies, "step {step}: policies");
         assert_eq!(a.clashed, b.clashed, "step {step}: clashes");
         assert_eq!(a.with_problems, b.with_problems, "step {step}: problems");
+        assert_eq!(a.with_spill, b.with_spill, "step {step}: spill");
         assert_eq!(slices(a), slices(b), "step {step}: slice index");
         assert_eq!(a.owner_of, b.owner_of, "step {step}: slice owners");
     }

@@ -21,6 +21,63 @@ pub struct FrontendPolicy {
     pub affinity_scope: u32,
     /// `loadBalancerSourceRanges` (LoadBalancer ingress IPs only).
     pub source_ranges: Option<SourceRanges>,
+    /// Graded spill-over between topology tiers (issue #48): how many
+    /// slots each backend takes. `None`: one each.
+    pub slot_weights: Option<SlotWeights>,
+}
+
+/// The slot count of each backend of a frontend, sorted by backend and
+/// never all equal (equal counts are one slot each, [`SlotWeights::new`]).
+/// The socket datapath picks a slot by hash modulo the slot count, so a
+/// backend's chance of a new connection is its slots over the total;
+/// the connect hit path does the same lookups as with one slot each.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotWeights(std::sync::Arc<[(Backend, u32)]>);
+
+impl SlotWeights {
+    /// Weights from `(backend, slots)` pairs; `None` when they are empty
+    /// or all the same (one slot each picks alike, and is what a frontend
+    /// without weights is programmed with).
+    pub fn new(mut w: Vec<(Backend, u32)>) -> Option<SlotWeights> {
+        w.sort();
+        w.dedup_by_key(|(b, _)| *b);
+        let first = w.first()?.1;
+        if w.iter().all(|(_, n)| *n == first) {
+            return None;
+        }
+        Some(SlotWeights(w.into()))
+    }
+
+    /// The weights read back from a slot array listing each backend as
+    /// many times as its weight (`None` when each is listed once, or all
+    /// equally often).
+    pub fn of_slots(slots: &[Backend]) -> Option<SlotWeights> {
+        let mut counts: BTreeMap<Backend, u32> = BTreeMap::new();
+        for b in slots {
+            *counts.entry(*b).or_default() += 1;
+        }
+        SlotWeights::new(counts.into_iter().collect())
+    }
+
+    /// Each backend with its slot count.
+    pub fn entries(&self) -> &[(Backend, u32)] {
+        &self.0
+    }
+
+    /// The slot array of `backends`: each listed as many times as its
+    /// weight, in order. A backend without a weight takes one slot (never
+    /// dropped), and one of weight 0 none.
+    pub fn expand(&self, backends: &[Backend]) -> Vec<Backend> {
+        let mut out = Vec::new();
+        for b in backends {
+            let n = match self.0.binary_search_by(|(x, _)| x.cmp(b)) {
+                Ok(i) => self.0[i].1,
+                Err(_) => 1,
+            };
+            out.extend(std::iter::repeat_n(*b, n as usize));
+        }
+        out
+    }
 }
 
 impl FrontendPolicy {
@@ -67,7 +124,8 @@ impl Plan {
 
     /// The policy an upserted frontend is to be written with.
     pub fn policy_of(&self, fe: &Frontend) -> &FrontendPolicy {
-        static DEFAULT: FrontendPolicy = FrontendPolicy { affinity_timeout_s: None, affinity_scope: 0, source_ranges: None };
+        static DEFAULT: FrontendPolicy =
+            FrontendPolicy { affinity_timeout_s: None, affinity_scope: 0, source_ranges: None, slot_weights: None };
         self.policies.get(fe).unwrap_or(&DEFAULT)
     }
 }
@@ -332,12 +390,29 @@ mod tests {
     }
 
     #[test]
+    fn slot_weights_expand_and_read_back() {
+        let (b1, b2, b3) = (be("10.244.0.1", 80), be("10.244.0.2", 80), be("10.244.0.3", 80));
+        assert_eq!(SlotWeights::new(vec![]), None);
+        assert_eq!(SlotWeights::new(vec![(b1, 5), (b2, 5)]), None, "equal weights are one slot each");
+        let w = SlotWeights::new(vec![(b2, 1), (b1, 3)]).unwrap();
+        assert_eq!(w.entries(), &[(b1, 3), (b2, 1)]);
+        let slots = w.expand(&[b1, b2, b3]);
+        assert_eq!(slots, vec![b1, b1, b1, b2, b3], "a backend without a weight keeps one slot");
+        assert_eq!(SlotWeights::of_slots(&w.expand(&[b1, b2])), Some(w));
+        assert_eq!(SlotWeights::of_slots(&[b1, b2, b3]), None);
+        assert_eq!(SlotWeights::of_slots(&[b2, b1, b2, b1]), None);
+    }
+
+    #[test]
     fn a_policy_change_rewrites_the_frontend_with_its_backends() {
         let a = fe("10.96.0.10", 80, Protocol::Tcp);
         let b1 = be("10.244.0.1", 8080);
-        let sticky = FrontendPolicy { affinity_timeout_s: Some(10_800), affinity_scope: 1, source_ranges: None };
-        let shorter = FrontendPolicy { affinity_timeout_s: Some(2), affinity_scope: 1, source_ranges: None };
-        let closed = FrontendPolicy { affinity_timeout_s: None, affinity_scope: 0, source_ranges: Some(SourceRanges::default()) };
+        let sticky = FrontendPolicy { affinity_timeout_s: Some(10_800), affinity_scope: 1, ..Default::default() };
+        let shorter = FrontendPolicy { affinity_timeout_s: Some(2), affinity_scope: 1, ..Default::default() };
+        let closed = FrontendPolicy { source_ranges: Some(SourceRanges::default()), ..Default::default() };
+        let b2 = be("10.244.0.2", 8080);
+        let weighted = FrontendPolicy { slot_weights: SlotWeights::new(vec![(b1, 3), (b2, 1)]), ..Default::default() };
+        let reweighted = FrontendPolicy { slot_weights: SlotWeights::new(vec![(b1, 1), (b2, 3)]), ..Default::default() };
         let pol = |p: Option<&FrontendPolicy>| -> Policies { p.map(|p| (a, p.clone())).into_iter().collect() };
         let st = state(&[(a, &[b1])]);
         // (name, current policy, desired policy, rewritten)
@@ -349,6 +424,10 @@ mod tests {
             ("affinity off", Some(&sticky), None, true),
             ("source filter on, fails closed", None, Some(&closed), true),
             ("a listed default is no policy", None, Some(&FrontendPolicy::default()), false),
+            ("spill weights on", None, Some(&weighted), true),
+            ("spill weights unchanged", Some(&weighted), Some(&weighted), false),
+            ("spill shares change", Some(&weighted), Some(&reweighted), true),
+            ("spill weights off", Some(&weighted), None, true),
         ];
         for (name, cur, want, rewritten) in cases {
             let plan = diff_with_policies(&st, &pol(cur), &st, &pol(want));

@@ -213,6 +213,7 @@ pub struct Metrics {
     map_entries: Family<Labels, Gauge>,
     map_capacity: Family<Labels, Gauge>,
     nodeport_ports: Family<Labels, Gauge>,
+    tier_share: Family<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     maglev_tables: Family<Labels, Gauge>,
     maglev_table_bytes: Family<Labels, Gauge>,
     maglev_tables_refused: Family<Labels, Gauge>,
@@ -303,6 +304,12 @@ impl Metrics {
             "nodeport_ports",
             "Ports with their bit set in the TC programs' port bitmap (NP_PORTS), by direction; other packets pass without a lookup",
             nodeport_ports.clone(),
+        );
+        let tier_share = Family::<Labels, Gauge<f64, std::sync::atomic::AtomicU64>>::default();
+        registry.register(
+            "service_tier_share",
+            "Share of a Service port's new connections each topology tier takes with topoproxy.io/topology-spill (0 to 1), by tier (and family on a dual-stack port)",
+            tier_share.clone(),
         );
         let maglev_tables = Family::<Labels, Gauge>::default();
         registry.register("maglev_tables", "Maglev lookup tables linked in, by datapath", maglev_tables.clone());
@@ -434,6 +441,7 @@ impl Metrics {
             map_entries,
             map_capacity,
             nodeport_ports,
+            tier_share,
             maglev_tables,
             maglev_table_bytes,
             maglev_tables_refused,
@@ -655,6 +663,33 @@ impl Metrics {
         self.maglev_tables_refused.get_or_create(&labels).set(i64::try_from(refused).unwrap_or(i64::MAX));
     }
 
+    /// `topoproxy_service_tier_share`: each tier's share of new
+    /// connections of every Service port whose tiers spill (issue #48).
+    /// The series of ports that no longer spill go away.
+    pub fn set_tier_shares<'a>(&self, decisions: impl Iterator<Item = &'a crate::decide::decision::PortDecision>) {
+        self.tier_share.clear();
+        for d in decisions {
+            let Some(spill) = &d.spill else { continue };
+            let label = d.port_label();
+            for t in &spill.tiers {
+                let family = match t.family {
+                    Some(crate::model::Family::V4) => "IPv4",
+                    Some(crate::model::Family::V6) => "IPv6",
+                    // One family only: the label stays empty (absent).
+                    None => "",
+                };
+                let labels = vec![
+                    ("namespace", label.namespace.to_string()),
+                    ("service", label.service.to_string()),
+                    ("port", label.port.clone()),
+                    ("family", family.to_string()),
+                    ("tier", t.name.clone()),
+                ];
+                self.tier_share.get_or_create(&labels).set(f64::from(t.share_ppm) / 1_000_000.0);
+            }
+        }
+    }
+
     /// The Maglev tables' share of the memory budget, set at start-up.
     pub fn set_maglev_budget(&self, bytes: u64) {
         self.maglev_budget_bytes.set(i64::try_from(bytes).unwrap_or(i64::MAX));
@@ -724,6 +759,34 @@ pub struct SyncFigures<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn tier_shares_are_gauges_per_spilling_port_and_tier() {
+        let yaml = "apiVersion: v1\nkind: Node\nmetadata: {name: n1, labels: {topology.kubernetes.io/zone: za}}\n---\n\
+             apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop, annotations: \
+             {topoproxy.io/topology-keys: \"topology.kubernetes.io/zone, *\", topoproxy.io/topology-spill: \"1.4\"}}\n\
+             spec: {clusterIP: 10.96.0.1, ports: [{name: http, port: 80}]}\n---\n\
+             apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}\n\
+             addressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints:\n\
+             - {addresses: [10.0.0.1], zone: za, conditions: {ready: true}}\n\
+             - {addresses: [10.0.0.2], zone: za, conditions: {ready: false}}\n\
+             - {addresses: [10.0.0.3], zone: zb, conditions: {ready: true}}\n";
+        let (cluster, errors) = crate::source::manifest_watch::cluster_from_text(yaml);
+        assert!(errors.is_empty(), "{errors:?}");
+        let decisions = crate::decide::decision::decide(&cluster, "n1");
+        let m = Metrics::new();
+        m.set_tier_shares(decisions.iter());
+        let text = m.encode();
+        assert!(text.contains("# TYPE topoproxy_service_tier_share gauge"), "{text}");
+        let series = |tier: &str, v: &str| {
+            format!("topoproxy_service_tier_share{{namespace=\"shop\",service=\"web\",port=\"http\",family=\"\",tier=\"{tier}\"}} {v}")
+        };
+        assert!(text.contains(&series("topology.kubernetes.io/zone=za", "0.7")), "{text}");
+        assert!(text.contains(&series("*", "0.3")), "{text}");
+        // A port that stops spilling loses its series.
+        m.set_tier_shares(std::iter::empty());
+        assert!(!m.encode().contains("topoproxy_service_tier_share{"));
+    }
 
     #[test]
     fn exposition_names_and_labels() {

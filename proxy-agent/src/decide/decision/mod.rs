@@ -4,7 +4,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 
-use crate::decide::plan::{FrontendPolicy, Policies, SourceRanges};
+use crate::decide::plan::{FrontendPolicy, Policies, SlotWeights, SourceRanges};
 use crate::decide::topology::{self, NodeContext};
 use crate::model::{Backend, Cidr, Cluster, Endpoint, EndpointSlice, Family, Frontend, ObjectRef, Service, ServicePort};
 pub use crate::observe::service_connections::PortLabel;
@@ -72,6 +72,26 @@ pub struct PortDecision {
     /// internalTrafficPolicy Local): its connection counts are exported one
     /// by one under `--service-metrics topology`.
     pub has_topology: bool,
+    /// Graded spill-over (issue #48): the slot count of each `cluster`
+    /// backend, sorted by backend, when its connections spread over more
+    /// than one tier; `None`: one slot per backend, as without spill.
+    pub cluster_weights: Option<std::sync::Arc<[(Backend, u32)]>>,
+    /// Graded spill-over: each tier's health and share, for `explain` and
+    /// `topoproxy_service_tier_share`. `None` without the annotation (or
+    /// when it does not apply).
+    pub spill: Option<std::sync::Arc<SpillShares>>,
+}
+
+pub use crate::decide::topology::spill_tiers::TierShare;
+
+/// How a Service port's new connections are shared between its topology
+/// tiers (`topoproxy.io/topology-spill`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SpillShares {
+    /// The overprovisioning factor, as a decimal (`1.4`).
+    pub factor: String,
+    /// The tiers in order, each family's on their own for a dual-stack port.
+    pub tiers: Vec<TierShare>,
 }
 
 impl PortDecision {
@@ -186,7 +206,33 @@ impl PortDecision {
             SourceRanges { cidrs, node: node && !at_tc }
         });
         let affinity_scope = if self.affinity_timeout_s.is_some() { self.affinity_scope(Family::of(&fe.ip)) } else { 0 };
-        FrontendPolicy { affinity_timeout_s: self.affinity_timeout_s, affinity_scope, source_ranges }
+        FrontendPolicy {
+            affinity_timeout_s: self.affinity_timeout_s,
+            affinity_scope,
+            source_ranges,
+            slot_weights: self.slot_weights(fe, at_tc),
+        }
+    }
+
+    /// The slot counts of frontend `fe`'s backends when they are weighted
+    /// (graded spill-over over `cluster`): the frontend's family only, and
+    /// only for a frontend whose traffic uses `cluster` (ClusterIPs unless
+    /// internalTrafficPolicy is Local; external frontends from outside
+    /// unless externalTrafficPolicy is Local; from the node itself, always).
+    fn slot_weights(&self, fe: &Frontend, at_tc: bool) -> Option<SlotWeights> {
+        let weights = self.cluster_weights.as_ref()?;
+        let uses_cluster = if self.frontends.contains(fe) {
+            !self.internal_local
+        } else if at_tc {
+            !self.external_local
+        } else {
+            true
+        };
+        if !uses_cluster {
+            return None;
+        }
+        let family = Family::of(&fe.ip);
+        SlotWeights::new(weights.iter().copied().filter(|(b, _)| Family::of(&b.ip) == family).collect())
     }
 
     /// The affinity scope of this port's frontends of `family`: kube-proxy
@@ -356,7 +402,17 @@ pub fn decide_service(svc: &Service, slices: &[&EndpointSlice], ctx: NodeContext
             maglev_size,
             tier: ranking.tier,
             blind_remote_share: ranking.blind_remote_share,
-            has_topology,
+            has_topology: has_topology || ranking.spill.is_some(),
+            cluster_weights: ranking.spill.as_ref().filter(|s| !s.weights.is_empty()).map(|s| {
+                let mut w: Vec<(Backend, u32)> = s
+                    .weights
+                    .iter()
+                    .filter_map(|&(i, n)| Some((Backend { ip: endpoints.get(i)?.address, port: *ports.get(i)? }, n)))
+                    .collect();
+                w.sort();
+                w.into()
+            }),
+            spill: ranking.spill.map(|s| std::sync::Arc::new(SpillShares { factor: s.factor.to_string(), tiers: s.tiers })),
         });
     }
 }

@@ -45,7 +45,7 @@ fn has_hints(h: Option<&[std::sync::Arc<str>]>) -> bool {
     h.is_some_and(|v| !v.is_empty())
 }
 
-fn hinted_for(h: Option<&[std::sync::Arc<str>]>, name: &str) -> bool {
+pub(super) fn hinted_for(h: Option<&[std::sync::Arc<str>]>, name: &str) -> bool {
     h.is_some_and(|v| v.iter().any(|x| &**x == name))
 }
 

@@ -33,6 +33,9 @@
 
 mod hints;
 mod openyurt;
+pub(crate) mod spill;
+mod spill_slots;
+pub(crate) mod spill_tiers;
 pub(crate) mod tier;
 mod topology_keys;
 mod traffic_distribution;
@@ -143,6 +146,11 @@ pub(crate) struct Ranking {
     /// The share of the port's usable endpoints outside this node's zone,
     /// in `proxy_common::SHARE_ONE`ths ([`tier::blind_remote_share`]).
     pub blind_remote_share: u32,
+    /// Graded spill-over between the tiers, when the Service asks for it
+    /// ([`spill::ANNOTATION_TOPOLOGY_SPILL`]) and some tier has a ready
+    /// endpoint: each tier's share and the backends' slot counts. `cluster`
+    /// is then the endpoints it selected.
+    pub spill: Option<spill_tiers::Spill>,
 }
 
 /// What the ranking needs to know about where it runs.
@@ -172,8 +180,19 @@ pub(crate) fn rank(svc: &Service, endpoints: &[&Endpoint], node: NodeContext<'_>
         }
         None => rank_by_preference(svc, &view, &mut problems),
     };
-    let cluster = sorted_unique(cluster);
-    let chosen = tier::chosen(&view, model, found.as_ref(), &cluster);
+    let mut cluster = sorted_unique(cluster);
+    let mut chosen = tier::chosen(&view, model, found.as_ref(), &cluster);
+    let mut spill_notes = Vec::new();
+    let spill = spill_for(svc, &view, model, found.as_ref(), &mut problems, &mut spill_notes);
+    if let Some(s) = &spill {
+        cluster.clone_from(&s.selected);
+        // Spread over several tiers, each connection counts in its
+        // backend's own tier, so the per-tier counters show the spill.
+        if s.spreads {
+            chosen = None;
+        }
+        spill_notes.push(s.describe());
+    }
 
     // kube-proxy computes the Local-policy set from node-local endpoints
     // only, ignoring topology ("topology ignored for Local endpoints" in
@@ -182,12 +201,67 @@ pub(crate) fn rank(svc: &Service, endpoints: &[&Endpoint], node: NodeContext<'_>
 
     let mut parts = notes;
     parts.push(decision);
+    parts.extend(spill_notes);
     if svc.internal_policy_local || svc.external_policy_local {
         parts.push(format!("local: {}", local.describe_on(view.node_name)));
     }
 
     let blind_remote_share = tier::blind_remote_share(&view);
-    Ranking { model, cluster, local: local.indices, decision: parts.join("; "), problems, tier: chosen, blind_remote_share }
+    Ranking { model, cluster, local: local.indices, decision: parts.join("; "), problems, tier: chosen, blind_remote_share, spill }
+}
+
+/// Graded spill-over for this port, when the Service's annotation asks for
+/// it and its model has tiers to grade: the topology keys, or a
+/// `trafficDistribution` the hints decided. OpenYurt's annotation stays
+/// strict, as yurthub's filter is. An invalid factor, or one that would
+/// need too many slots, is reported in `problems` and the tiers stay
+/// strict; an annotation without tiers to grade is noted in `notes`.
+fn spill_for(
+    svc: &Service,
+    view: &View<'_>,
+    model: Model,
+    found: Option<&Constraint>,
+    problems: &mut Vec<String>,
+    notes: &mut Vec<String>,
+) -> Option<spill_tiers::Spill> {
+    use spill::ANNOTATION_TOPOLOGY_SPILL;
+    let factor = match spill::annotated(&svc.annotations) {
+        Ok(f) => f?,
+        Err(e) => {
+            problems.push(format!("annotation {ANNOTATION_TOPOLOGY_SPILL}: {e}; the tiers stay strict"));
+            return None;
+        }
+    };
+    let tiers = match (model, found) {
+        (Model::TopologyKeys, Some(Constraint::Keys { keys, .. })) => spill_tiers::by_keys(view, keys),
+        (Model::OpenYurt, _) => {
+            // Worded without the annotation's name, so that the Event's
+            // reason is InvalidTopology, not InvalidTopologyKeys (the key
+            // list itself is fine).
+            problems.push(format!(
+                "annotation {ANNOTATION_TOPOLOGY_SPILL} ignored: OpenYurt's node-pool topology stays strict, as yurthub's filter is"
+            ));
+            return None;
+        }
+        (Model::HintsNode | Model::HintsZone, _) => {
+            let Some((dist, _)) = traffic_distribution::parse(svc, &mut Vec::new()) else {
+                notes.push("spill not applied: the hints were not asked for by trafficDistribution".to_string());
+                return None;
+            };
+            spill_tiers::by_hints(view, dist)
+        }
+        _ => {
+            notes.push("spill not applied: no topology keys or trafficDistribution hints decided".to_string());
+            return None;
+        }
+    };
+    match spill_tiers::grade(view, &tiers, factor) {
+        Ok(s) => s,
+        Err(e) => {
+            problems.push(format!("annotation {ANNOTATION_TOPOLOGY_SPILL}: {e}; the tiers stay strict"));
+            None
+        }
+    }
 }
 
 /// The labels of other Nodes that ranking `svc` reads and that its

@@ -282,6 +282,11 @@ impl CachedSync {
         self.cache.decisions_with_problems()
     }
 
+    /// The cached decisions whose tiers spill (`topoproxy_service_tier_share`).
+    pub fn decisions_with_spill(&self) -> impl Iterator<Item = &PortDecision> {
+        self.cache.decisions_with_spill()
+    }
+
     /// Follows the external side of the Services in `ids` after they were
     /// decided again.
     fn track_external(&mut self, ids: impl IntoIterator<Item = ObjectRef>) {

@@ -132,7 +132,8 @@ impl SocketMaps for MemoryMaps {
         self.policies.clone()
     }
     fn policy_of(&self, fe: &Frontend) -> Option<&FrontendPolicy> {
-        static DEFAULT: FrontendPolicy = FrontendPolicy { affinity_timeout_s: None, affinity_scope: 0, source_ranges: None };
+        static DEFAULT: FrontendPolicy =
+            FrontendPolicy { affinity_timeout_s: None, affinity_scope: 0, source_ranges: None, slot_weights: None };
         self.programmed.contains_key(fe).then(|| self.policies.get(fe).unwrap_or(&DEFAULT))
     }
     fn apply(&mut self, plan: &Plan) -> Vec<ApplyError> {

@@ -539,6 +539,7 @@ impl<W: SocketMaps> SyncLoop<W> {
         for kind in Kind::ALL {
             self.metrics.set_objects(kind.as_str(), self.stores.len(kind));
         }
+        self.metrics.set_tier_shares(self.cached.decisions_with_spill());
         self.health.synced();
         self.dirty = false;
         self.last_sync = Some(Instant::now());

@@ -33,6 +33,12 @@ impl MapWriter {
         policy: &FrontendPolicy,
     ) -> Result<(), WriteError> {
         let old = programmed_get(&self.programmed, &self.appended, fe);
+        // Graded spill-over: each backend in as many slots as its weight.
+        // The list becomes the slot array (and the writer's record of it,
+        // which `read_back` reads the weights back from).
+        if let Some(w) = &policy.slot_weights {
+            *backends = w.expand(backends);
+        }
         let n = u32::try_from(backends.len()).unwrap_or(u32::MAX);
 
         // Room as the maps will hold it while the chunk is written: the
@@ -59,7 +65,8 @@ impl MapWriter {
         if used_backends.saturating_add(new_backends) > self.max_backends {
             return Err(full(self.maps.backends, used_backends, self.max_backends, new_backends));
         }
-        let n_matches = if policy.affinity_timeout_s.is_some() { n } else { 0 };
+        // One match entry per distinct backend, however many slots it takes.
+        let n_matches = if policy.affinity_timeout_s.is_some() { distinct(backends) } else { 0 };
         let used_matches = self.matches_used.saturating_add(chunk.match_keys.len() as u32);
         if used_matches.saturating_add(n_matches) > self.max_matches {
             return Err(full(self.maps.affinity_match, used_matches, self.max_matches, n_matches));
@@ -114,10 +121,13 @@ impl MapWriter {
             chunk.new_services += 1;
         }
         let matches_from = chunk.match_keys.len();
+        let mut matched = std::collections::HashSet::new();
         for (slot, backend_id) in ids.enumerate() {
             chunk.slot_keys.push(SlotKey { service_id, generation, slot: slot as u32 });
             chunk.slot_values.push(SlotValue { backend_id });
-            if let Some(timeout_s) = policy.affinity_timeout_s {
+            if let Some(timeout_s) = policy.affinity_timeout_s
+                && matched.insert(backend_id)
+            {
                 chunk.match_keys.push(AffinityMatchKey { service_id, generation, backend_id });
                 chunk.match_values.push(AffinityMatchValue { timeout_s });
             }
@@ -382,11 +392,16 @@ impl MapWriter {
         // below: collect them first.
         if old.policy().affinity_timeout_s.is_some() {
             let from = dead.matches.len();
-            dead.matches.extend(old.backends.iter().filter_map(|b| self.backend_ids.get(b)).map(|(backend_id, _)| AffinityMatchKey {
-                service_id,
-                generation,
-                backend_id: *backend_id,
-            }));
+            // A weighted frontend lists a backend in several slots but has
+            // one match entry for it.
+            let mut seen = std::collections::HashSet::new();
+            dead.matches.extend(
+                old.backends
+                    .iter()
+                    .filter_map(|b| self.backend_ids.get(b))
+                    .filter(|(backend_id, _)| seen.insert(*backend_id))
+                    .map(|(backend_id, _)| AffinityMatchKey { service_id, generation, backend_id: *backend_id }),
+            );
             self.matches_used = self.matches_used.saturating_sub((dead.matches.len() - from) as u32);
         }
         if maglev_tables::size_of_value(&old.value).is_some() {
@@ -552,4 +567,14 @@ fn full(map: &'static MapSpec, used: u32, max: u32, needed: u32) -> WriteError {
 
 fn syscall_error(map: &'static str, e: BatchError) -> WriteError {
     WriteError::Syscall { map, source: MapError::SyscallError(aya::sys::SyscallError { call: "bpf_map_update_batch", io_error: e.source }) }
+}
+
+/// The distinct backends of a slot list (weighted frontends list some
+/// more than once).
+pub(super) fn distinct(backends: &[Backend]) -> u32 {
+    if backends.windows(2).all(|w| w[0] < w[1]) {
+        return u32::try_from(backends.len()).unwrap_or(u32::MAX);
+    }
+    let set: std::collections::BTreeSet<&Backend> = backends.iter().collect();
+    u32::try_from(set.len()).unwrap_or(u32::MAX)
 }

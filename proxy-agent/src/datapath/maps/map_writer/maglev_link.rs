@@ -117,14 +117,23 @@ impl MapWriter {
         let mut which = Vec::new();
         for (i, (st, value)) in c.staged.iter().zip(&c.service_values).enumerate() {
             let Some(size) = st.maglev else { continue };
+            // Sorted with its repeats: a weighted frontend (graded
+            // spill-over) lists a backend once per slot, and the sorted
+            // list with repeats is both the table's weights and the key
+            // tables are shared by.
             let mut set = st.backends.clone();
             set.sort_unstable();
-            set.dedup();
             // Every backend of a staged frontend has an id (stage reserved
             // the missing ones), so `compute` never comes back empty.
             let id_of = move |b: &Backend| backend_ids.get(b).map(|(id, _)| *id).or_else(|| created_ids.get(b).map(|i| created[*i].1));
-            let computed_from = set.clone();
-            let compute = Box::new(move || maglev_tables::table_ids(&maglev::table(&computed_from, size), id_of));
+            let mut weighted: Vec<maglev::Weighted> = Vec::new();
+            for b in &set {
+                match weighted.last_mut() {
+                    Some(w) if w.backend == *b => w.weight += 1,
+                    _ => weighted.push(maglev::Weighted { backend: *b, weight: 1 }),
+                }
+            }
+            let compute = Box::new(move || maglev_tables::table_ids(&maglev::weighted_table(&weighted, size), id_of));
             let key = pc::MaglevKey { service_id: value.service_id, generation: value.generation };
             requests.push(maglev_tables::LinkRequest { key, size, backends: set, compute });
             which.push(i);

@@ -166,7 +166,8 @@ impl Programmed {
     }
 
     fn policy(&self) -> &FrontendPolicy {
-        static DEFAULT: FrontendPolicy = FrontendPolicy { affinity_timeout_s: None, affinity_scope: 0, source_ranges: None };
+        static DEFAULT: FrontendPolicy =
+            FrontendPolicy { affinity_timeout_s: None, affinity_scope: 0, source_ranges: None, slot_weights: None };
         self.policy.as_deref().unwrap_or(&DEFAULT)
     }
 }

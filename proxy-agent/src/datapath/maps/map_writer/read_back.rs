@@ -69,13 +69,6 @@ impl MapWriter {
             if let Some(size) = maglev_tables::size_of_value(&value) {
                 live_tables.push((pc::MaglevKey { service_id: sid, generation }, size, fe));
             }
-            // A timeout of 0 (never written) stands for entries this agent
-            // cannot trust (some missing): the next plan rewrites the
-            // frontend, as for a missing slot.
-            let affinity_timeout_s = (value.flags & pc::SVC_FLAG_AFFINITY != 0).then(|| match matches_of.get(&(sid, generation)) {
-                Some((timeout, n)) if *n == value.backend_count => *timeout,
-                _ => 0,
-            });
             let source_ranges = (value.flags & pc::SVC_FLAG_SOURCE_RANGES != 0).then(|| {
                 let mut cidrs = ranges_of.get(&(sid, generation)).cloned().unwrap_or_default();
                 cidrs.sort();
@@ -84,7 +77,6 @@ impl MapWriter {
             // Scope 0 (an agent without scopes) reads as "none": the next
             // plan rewrites the frontend with its Service port's scope.
             let affinity_scope = value.flags >> pc::SVC_AFFINITY_SCOPE_SHIFT;
-            let policy = FrontendPolicy { affinity_timeout_s, affinity_scope, source_ranges };
             let mut list = Vec::new();
             for slot in 0..value.backend_count {
                 let sk = SlotKey { service_id: value.service_id, generation: value.generation, slot };
@@ -98,6 +90,18 @@ impl MapWriter {
                 // A missing slot or backend shows up as a shorter list, so
                 // the next plan rewrites this frontend completely.
             }
+            // A weighted frontend (graded spill-over) lists its backends
+            // as often as their weights, with one match entry each.
+            let slot_weights = crate::decide::plan::SlotWeights::of_slots(&list);
+            let listed = if slot_weights.is_some() { super::chunk::distinct(&list) } else { value.backend_count };
+            // A timeout of 0 (never written) stands for entries this agent
+            // cannot trust (some missing): the next plan rewrites the
+            // frontend, as for a missing slot.
+            let affinity_timeout_s = (value.flags & pc::SVC_FLAG_AFFINITY != 0).then(|| match matches_of.get(&(sid, generation)) {
+                Some((timeout, n)) if *n == listed => *timeout,
+                _ => 0,
+            });
+            let policy = FrontendPolicy { affinity_timeout_s, affinity_scope, source_ranges, slot_weights };
             self.slots_used += value.backend_count;
             self.service_id_set.insert(value.service_id);
             self.programmed.insert(fe, Programmed::new(value, list, policy));
