@@ -7,8 +7,8 @@
 //!
 //! # Keeping the host untouched
 //!
-//! Each namespace has loopback and one dummy interface holding the node's
-//! address, and no link to the host: nothing kube-proxy programs can see
+//! Each namespace has loopback and a veth pair (both ends inside) holding
+//! the node's address, and no link to the host: nothing kube-proxy programs can see
 //! a host packet. It reaches the API server (on the host's 127.0.0.1)
 //! through a relay: a listening socket created inside the namespace
 //! (sockets stay in the namespace they were made in) whose connections
@@ -72,8 +72,9 @@ pub fn kube_proxy_bin() -> io::Result<PathBuf> {
 const RELAY_PORT: u16 = 6443;
 /// kube-proxy's metrics port, on the node's address.
 const METRICS_PORT: u16 = 10249;
-/// The gauge kube-proxy sets after each sync (unix seconds).
-const SYNC_GAUGE: &str = "kubeproxy_sync_proxy_rules_last_timestamp_seconds";
+/// The gauge kube-proxy sets after each IPv4 sync (unix seconds; one
+/// series per family, and every generated object is IPv4).
+const SYNC_GAUGE: &str = "kubeproxy_sync_proxy_rules_last_timestamp_seconds{ip_family=\"IPv4\"}";
 /// How long one kube-proxy may take to start or to sync.
 const LIMIT: Duration = Duration::from_secs(90);
 
@@ -254,8 +255,11 @@ impl KubeProxies {
         let mut out = KubeProxies { nodes: Vec::new(), dir, host_before, finished: false };
         for (name, addr) in nodes {
             let netns = Netns::new("tpkp")?;
-            netns.ip(&["link", "add", "eth0", "type", "dummy"])?;
+            // A veth pair with both ends in the namespace (the kernel here
+            // has no dummy driver): an interface for the node's address.
+            netns.ip(&["link", "add", "eth0", "type", "veth", "peer", "name", "eth0-peer"])?;
             netns.ip(&["addr", "add", &format!("{addr}/32"), "dev", "eth0"])?;
+            netns.ip(&["link", "set", "eth0-peer", "up"])?;
             netns.ip(&["link", "set", "eth0", "up"])?;
             let relay = Relay::start(&netns, SocketAddr::from(([127, 0, 0, 1], RELAY_PORT)), api)?;
             let log = out.dir.join(format!("{name}.log"));
