@@ -268,7 +268,7 @@ fn gen_state(rng: &mut Rng, ns: &str, epoch: &str, labels: &[Vec<(String, String
 /// The epoch's probe: one endpoint per node, hinted for that node's zone.
 /// It is written last; a kube-proxy that programmed it as this epoch's
 /// zones say has every object of the epoch and its Node's new labels.
-fn probe(epoch: &str, labels: &[Vec<(String, String)>]) -> (Vec<Value>, Vec<BTreeSet<String>>) {
+fn probe(epoch: &str, ns: &str, labels: &[Vec<(String, String)>]) -> (Vec<Value>, Vec<BTreeSet<String>>) {
     let ip = |i: usize| format!("10.99.0.{}", i + 1);
     let endpoints: Vec<Value> = (0..NODES)
         .map(|i| {
@@ -284,10 +284,10 @@ fn probe(epoch: &str, labels: &[Vec<(String, String)>]) -> (Vec<Value>, Vec<BTre
         .collect();
     let objects = vec![
         json!({"apiVersion": "v1", "kind": "Service",
-               "metadata": {"name": "probe", "namespace": "probe", "labels": {EPOCH_LABEL: epoch}},
+               "metadata": {"name": "probe", "namespace": ns, "labels": {EPOCH_LABEL: epoch}},
                "spec": {"ports": [{"name": "p", "protocol": "TCP", "port": 80, "targetPort": 9000}]}}),
         json!({"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
-               "metadata": {"name": "probe", "namespace": "probe", "labels": {"kubernetes.io/service-name": "probe", EPOCH_LABEL: epoch}},
+               "metadata": {"name": "probe", "namespace": ns, "labels": {"kubernetes.io/service-name": "probe", EPOCH_LABEL: epoch}},
                "addressType": "IPv4", "ports": [{"name": "p", "protocol": "TCP", "port": 9000}], "endpoints": endpoints}),
     ];
     (objects, want)
@@ -323,10 +323,6 @@ fn kube_proxy_and_the_agent_choose_the_same_endpoints() {
             .kubectl(&["patch", "node", name, "--subresource=status", "--type=merge", "-p", &status.to_string()])
             .expect("Node status addresses");
     }
-    for k in 0..STATES_PER_EPOCH.min(states) {
-        cluster.create_namespace(&format!("d{k}")).expect("namespace");
-    }
-    cluster.create_namespace("probe").expect("namespace");
     let mut proxies = KubeProxies::start(&cluster, &nodes).expect("start the kube-proxies");
     let dir = TempDir::new("kube-proxy-diff");
 
@@ -345,14 +341,17 @@ fn kube_proxy_and_the_agent_choose_the_same_endpoints() {
         let tag = format!("e{seed}");
         let labels = node_labels(&mut rng, &tag);
         let in_epoch = STATES_PER_EPOCH.min(states - done_states);
-        let generated: Vec<State> = (0..in_epoch).map(|k| gen_state(&mut rng, &format!("d{k}"), &tag, &labels, k)).collect();
+        let generated: Vec<State> = (0..in_epoch).map(|k| gen_state(&mut rng, &format!("{tag}-d{k}"), &tag, &labels, k)).collect();
         done_states += in_epoch;
 
-        // The previous epoch's objects go, the Nodes get their labels,
-        // then the states and last the probe.
+        // The previous epoch's namespaces go (the namespace controller
+        // empties them in the background; only this epoch's namespaces
+        // are compared), the Nodes get their labels, then the states,
+        // each in a namespace of its own, and last the probe.
+        let started = std::time::Instant::now();
         if epoch > 0 {
             let prev = format!("{EPOCH_LABEL}=e{}", seed.wrapping_sub(1));
-            cluster.kubectl(&["delete", "services,endpointslices", "-A", "-l", &prev]).expect("delete the previous epoch");
+            cluster.kubectl(&["delete", "namespaces", "-l", &prev, "--wait=false"]).expect("delete the previous epoch");
         }
         let marks = proxies.sync_marks().expect("sync marks");
         let node_objs: Vec<Value> = (0..NODES)
@@ -362,11 +361,24 @@ fn kube_proxy_and_the_agent_choose_the_same_endpoints() {
             })
             .collect();
         cluster.apply(&list(node_objs)).expect("label the Nodes");
-        cluster.apply(&list(generated.iter().flat_map(|s| s.objects.iter().cloned()).collect())).expect("apply the states");
-        let (probe_objs, probe_want) = probe(&tag, &labels);
-        cluster.apply(&list(probe_objs)).expect("apply the probe");
-        let probe_key: PortKey = ("probe".into(), "probe".into(), "TCP".into(), "p".into());
+        let probe_ns = format!("{tag}-probe");
+        let mut objects: Vec<Value> = generated
+            .iter()
+            .map(|s| s.ns.as_str())
+            .chain([probe_ns.as_str()])
+            .map(|ns| json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns, "labels": {EPOCH_LABEL: tag}}}))
+            .collect();
+        objects.extend(generated.iter().flat_map(|s| s.objects.iter().cloned()));
+        let (probe_objs, probe_want) = probe(&tag, &probe_ns, &labels);
+        objects.extend(probe_objs);
+        // `create`, one request per object (apply reads each first).
+        let file = dir.0.join(format!("epoch-{epoch}-objects.json"));
+        fs::write(&file, list(objects)).expect("write the objects");
+        cluster.kubectl(&["create", "-f", &file.display().to_string()]).expect("create the states");
+        let written = started.elapsed();
+        let probe_key: PortKey = (probe_ns.clone(), "probe".into(), "TCP".into(), "p".into());
         proxies.wait_synced(&marks, &probe_key, &probe_want).unwrap_or_else(|e| panic!("epoch seed {seed}: {e}"));
+        let synced = started.elapsed();
 
         // The same objects, as the server has them, for the agent.
         let manifests = dir.0.join(format!("epoch-{epoch}.json"));
@@ -409,15 +421,23 @@ fn kube_proxy_and_the_agent_choose_the_same_endpoints() {
                         .map(Value::to_string)
                         .collect::<Vec<_>>()
                         .join("\n");
+                    let before = failures.len();
                     let _ = writeln!(
                         failures,
                         "\nepoch seed {seed} (reproduce: TOPOPROXY_DIFF_SEED={seed} TOPOPROXY_DIFF_STATES={STATES_PER_EPOCH}), node {node}, {}/{} {} port {:?}:\n  kube-proxy {a:?}\n  agent      {b:?}\n  objects:\n{svc}",
                         key.0, key.1, key.2, key.3
                     );
+                    eprint!("{}", &failures[before..]);
                 }
             }
         }
-        eprintln!("epoch {epoch} (seed {seed}): {in_epoch} states, {compared} node × port sets compared so far");
+        eprintln!(
+            "epoch {epoch} (seed {seed}): {in_epoch} states, {compared} node × port sets compared so far \
+             (written {:.1} s, synced {:.1} s, compared {:.1} s)",
+            written.as_secs_f64(),
+            synced.as_secs_f64(),
+            started.elapsed().as_secs_f64()
+        );
     }
     proxies.finish().expect("the host is as it was");
     eprintln!(
