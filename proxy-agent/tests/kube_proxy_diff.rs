@@ -26,7 +26,8 @@
 //! `service.kubernetes.io/topology-mode: Auto`, `publishNotReadyAddresses`;
 //! one to three hand-written slices per Service with ready, not ready,
 //! serving-terminating and terminating endpoints, on the state's Nodes, on
-//! a Node that does not exist, or on none; hints as the EndpointSlice
+//! a Node that does not exist, or on none; an address in two slices (one
+//! copy terminating); hints as the EndpointSlice
 //! controller would write them (own zone, own node), hand-written
 //! `forZones`/`forNodes`, none, or one endpoint's left out.
 //!
@@ -194,11 +195,31 @@ fn gen_state(rng: &mut Rng, ns: &str, epoch: &str, labels: &[Vec<(String, String
         let hinting = *rng.pick(&["none", "none", "controller", "controller", "zones", "nodes", "missing-one"]);
         let nslices = 1 + rng.below(3);
         let mut ep_ix = 0u8;
+        // Each address written so far, and whether it was terminating.
+        let mut written: Vec<(String, bool)> = Vec::new();
         for sl in 0..nslices {
             let mut endpoints = Vec::new();
             for _ in 0..rng.below(5) {
                 ep_ix += 1;
-                let ip = format!("10.{}.{}.{}", 100 + state_ix, s, ep_ix);
+                let mut ip = format!("10.{}.{}.{}", 100 + state_ix, s, ep_ix);
+                // Now and then an address of an earlier slice again, one
+                // copy terminating and the other not: kube-proxy keeps the
+                // one that is not (between two of a kind its choice is
+                // its map's order, so those are not generated).
+                let mut forced: Option<Value> = None;
+                if sl > 0 && !written.is_empty() && rng.chance(15) {
+                    let (prev_ip, prev_term): &(String, bool) = rng.pick(&written);
+                    ip = prev_ip.clone();
+                    forced = Some(if *prev_term {
+                        rng.pick(&[json!({"ready": true}), json!({"ready": false, "serving": false})]).clone()
+                    } else {
+                        rng.pick(&[
+                            json!({"ready": false, "serving": true, "terminating": true}),
+                            json!({"ready": false, "serving": false, "terminating": true}),
+                        ])
+                        .clone()
+                    });
+                }
                 let node = match rng.below(10) {
                     0 => None,
                     1 => Some("gone-node".to_string()),
@@ -212,6 +233,11 @@ fn gen_state(rng: &mut Rng, ns: &str, epoch: &str, labels: &[Vec<(String, String
                     3 => json!({}),
                     _ => json!({"ready": true, "serving": true, "terminating": false}),
                 };
+                let cond = forced.unwrap_or(cond);
+                let terminating = cond["terminating"].as_bool() == Some(true);
+                if !written.iter().any(|(w, _)| w == &ip) {
+                    written.push((ip.clone(), terminating));
+                }
                 e["conditions"] = cond;
                 let zone = node.as_deref().and_then(|n| n.strip_prefix("node-")?.parse::<usize>().ok()).and_then(|i| zone_of(labels, i));
                 if let Some(n) = &node {
