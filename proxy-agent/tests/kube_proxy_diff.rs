@@ -209,7 +209,7 @@ fn gen_state(rng: &mut Rng, ns: &str, epoch: &str, labels: &[Vec<(String, String
                 let mut forced: Option<Value> = None;
                 if sl > 0 && !written.is_empty() && rng.chance(15) {
                     let (prev_ip, prev_term): &(String, bool) = rng.pick(&written);
-                    ip = prev_ip.clone();
+                    ip.clone_from(prev_ip);
                     forced = Some(if *prev_term {
                         rng.pick(&[json!({"ready": true}), json!({"ready": false, "serving": false})]).clone()
                     } else {
@@ -248,7 +248,7 @@ fn gen_state(rng: &mut Rng, ns: &str, epoch: &str, labels: &[Vec<(String, String
                 {
                     e["zone"] = json!(z);
                 }
-                let own_zone = zone.map(str::to_string).unwrap_or_else(|| format!("{epoch}-z9"));
+                let own_zone = zone.map_or_else(|| format!("{epoch}-z9"), str::to_string);
                 let hints = match hinting {
                     "controller" => {
                         let mut h = json!({"forZones": [{"name": own_zone}]});
@@ -298,7 +298,7 @@ fn probe(epoch: &str, ns: &str, labels: &[Vec<(String, String)>]) -> (Vec<Value>
     let ip = |i: usize| format!("10.99.0.{}", i + 1);
     let endpoints: Vec<Value> = (0..NODES)
         .map(|i| {
-            let z = zone_of(labels, i).map(str::to_string).unwrap_or_else(|| format!("{epoch}-none"));
+            let z = zone_of(labels, i).map_or_else(|| format!("{epoch}-none"), str::to_string);
             json!({"addresses": [ip(i)], "nodeName": node_name(i), "conditions": {"ready": true}, "hints": {"forZones": [{"name": z}]}})
         })
         .collect();

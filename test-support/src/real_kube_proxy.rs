@@ -436,7 +436,7 @@ fn rules(doc: &Value) -> BTreeMap<String, Vec<&Vec<Value>>> {
 /// `dnat to A:P`, or `dnat … to numgen random mod N map { i : A . P, … }`.
 fn dnat_targets(exprs: &[&Vec<Value>], out: &mut BTreeSet<String>) -> io::Result<()> {
     for rule in exprs {
-        for e in rule.iter() {
+        for e in *rule {
             let Some(d) = e.get("dnat") else { continue };
             if let (Some(addr), Some(port)) = (d["addr"].as_str(), d["port"].as_u64()) {
                 out.insert(endpoint(addr, port)?);
@@ -529,7 +529,10 @@ mod tests {
             chain_key("service-ULMVA6XW-ns1/svc1/tcp/p80", CLUSTER_PREFIX),
             Some(("ns1".into(), "svc1".into(), "TCP".into(), "p80".into()))
         );
-        assert_eq!(chain_key("local-ULMVA6XW-ns1/svc1/udp/", LOCAL_PREFIX), Some(("ns1".into(), "svc1".into(), "UDP".into(), "".into())));
+        assert_eq!(
+            chain_key("local-ULMVA6XW-ns1/svc1/udp/", LOCAL_PREFIX),
+            Some(("ns1".into(), "svc1".into(), "UDP".into(), String::new()))
+        );
         assert_eq!(chain_key("services", CLUSTER_PREFIX), None);
         assert_eq!(chain_key("service-endpoints-check", CLUSTER_PREFIX), None);
     }
@@ -544,6 +547,6 @@ mod tests {
         .unwrap();
         let mut out = BTreeSet::new();
         dnat_targets(&[&single, &map], &mut out).unwrap();
-        assert_eq!(out, ["10.0.0.1:80", "[fd00::1]:80", "[fd00::2]:81"].iter().map(|s| s.to_string()).collect());
+        assert_eq!(out, ["10.0.0.1:80", "[fd00::1]:80", "[fd00::2]:81"].iter().map(ToString::to_string).collect());
     }
 }
