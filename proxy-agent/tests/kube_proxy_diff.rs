@@ -208,9 +208,11 @@ fn gen_state(rng: &mut Rng, ns: &str, epoch: &str, labels: &[Vec<(String, String
                 // its map's order, so those are not generated).
                 let mut forced: Option<Value> = None;
                 if sl > 0 && !written.is_empty() && rng.chance(15) {
-                    let (prev_ip, prev_term): &(String, bool) = rng.pick(&written);
-                    ip.clone_from(prev_ip);
-                    forced = Some(if *prev_term {
+                    // Taken out: an address has at most two copies (a
+                    // third would make two of a kind).
+                    let (prev_ip, prev_term) = written.remove(rng.below(written.len()));
+                    ip = prev_ip;
+                    forced = Some(if prev_term {
                         rng.pick(&[json!({"ready": true}), json!({"ready": false, "serving": false})]).clone()
                     } else {
                         rng.pick(&[
@@ -233,9 +235,10 @@ fn gen_state(rng: &mut Rng, ns: &str, epoch: &str, labels: &[Vec<(String, String
                     3 => json!({}),
                     _ => json!({"ready": true, "serving": true, "terminating": false}),
                 };
+                let duplicate = forced.is_some();
                 let cond = forced.unwrap_or(cond);
                 let terminating = cond["terminating"].as_bool() == Some(true);
-                if !written.iter().any(|(w, _)| w == &ip) {
+                if !duplicate {
                     written.push((ip.clone(), terminating));
                 }
                 e["conditions"] = cond;
