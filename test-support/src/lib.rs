@@ -31,6 +31,10 @@
 //!   kube-apiserver, kube-controller-manager from `cargo xtask k8s`) with
 //!   Nodes and Pods written as a kubelet would, for the agent against the
 //!   real EndpointSlice controller and API server.
+//! - [`real_kube_proxy`]: real kube-proxies (nftables mode), one per
+//!   simulated node namespace, against that control plane, and what each
+//!   programmed read back as per-Service-port endpoint sets, for the
+//!   differential test against the agent (issue #45).
 //!
 //! What needs the agent binary itself (`CARGO_BIN_EXE_proxy-agent`, which
 //! cargo sets only for proxy-agent's own tests) stays in
@@ -42,6 +46,7 @@ pub mod http;
 pub mod kube_proxy;
 pub mod prog_test_run;
 pub mod real_cluster;
+pub mod real_kube_proxy;
 pub mod sandbox;
 pub mod scenario;
 pub mod traffic;

@@ -802,7 +802,7 @@ mod tests {
     fn node_label_changes_need_a_full_update() {
         let yaml = format!(
             "{NODES}{}{}",
-            svc("web", "10.96.0.1", ", trafficDistribution: PreferClose"),
+            svc("web", "10.96.0.1", ", topologyKeys: [topology.kubernetes.io/zone]"),
             slice("web-1", "web", &[("10.244.0.1", "a"), ("10.244.0.2", "b")])
         );
         let mut cache = DecisionCache::new("a");

@@ -3,6 +3,7 @@
 //! Pure: it reads the model and calls the topology ranking.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::net::IpAddr;
 
 use crate::decide::plan::{FrontendPolicy, Policies, SlotWeights, SourceRanges};
 use crate::decide::topology::{self, NodeContext};
@@ -353,7 +354,7 @@ pub fn decide_service(svc: &Service, slices: &[&EndpointSlice], ctx: NodeContext
     for port in &svc.ports {
         // Endpoints of this port: slice ports are matched to Service
         // ports by name and protocol (discovery.k8s.io/v1 EndpointPort).
-        let mut seen = BTreeSet::new();
+        let mut seen: BTreeMap<(IpAddr, u16), usize> = BTreeMap::new();
         let mut endpoints: Vec<&Endpoint> = Vec::new();
         let mut ports: Vec<u16> = Vec::new();
         for slice in slices {
@@ -361,11 +362,26 @@ pub fn decide_service(svc: &Service, slices: &[&EndpointSlice], ctx: NodeContext
                 continue;
             };
             for ep in &slice.endpoints {
-                // During slice rebalancing an endpoint may briefly appear in
-                // two slices; keep the first.
-                if seen.insert((ep.address, sp.port)) {
-                    endpoints.push(ep);
-                    ports.push(sp.port);
+                // One address in two slices (a slice rebalanced, or a pod
+                // IP reused while the old pod terminates): kube-proxy
+                // keeps one, a terminating copy never over one that is
+                // not (pkg/proxy/endpointslicecache.go `addEndpoints`);
+                // between two of a kind it is whichever its map yields,
+                // here the first.
+                match seen.get(&(ep.address, sp.port)) {
+                    None => {
+                        seen.insert((ep.address, sp.port), endpoints.len());
+                        endpoints.push(ep);
+                        ports.push(sp.port);
+                    }
+                    Some(&i) => {
+                        if let Some(kept) = endpoints.get_mut(i)
+                            && kept.terminating
+                            && !ep.terminating
+                        {
+                            *kept = ep;
+                        }
+                    }
                 }
             }
         }
@@ -530,6 +546,41 @@ endpoints:
         assert_eq!(state[&v6].len(), 1, "IPv6 frontends get IPv6 backends only");
         let v6_metrics = Frontend { port: 9090, ..v6 };
         assert!(state[&v6_metrics].is_empty(), "no IPv6 endpoint serves metrics: refused, not mixed families");
+    }
+
+    /// One address in two slices: a copy that is not terminating wins
+    /// over a terminating one, whichever slice comes first, as in
+    /// kube-proxy's `addEndpoints`. (first slice's conditions, second's,
+    /// the cluster set, the local set on node a.)
+    #[test]
+    fn a_duplicate_address_keeps_the_copy_that_is_not_terminating() {
+        let term = "{ready: false, serving: true, terminating: true}";
+        let ready = "{ready: true}";
+        let unready = "{ready: false, serving: false}";
+        let cases: [(&str, &str, &[&str], &[&str]); 5] = [
+            (term, ready, &["10.244.0.1:8080"], &["10.244.0.1:8080"]),
+            (ready, term, &["10.244.0.1:8080"], &["10.244.0.1:8080"]),
+            (term, unready, &[], &[]),
+            (unready, term, &[], &[]),
+            (term, term, &["10.244.0.1:8080"], &["10.244.0.1:8080"]),
+        ];
+        for (first, second, cluster_want, local_want) in cases {
+            let slice = |name: &str, cond: &str| {
+                format!(
+                    "---\napiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {{name: {name}, labels: {{kubernetes.io/service-name: web}}}}\n\
+                     addressType: IPv4\nports: [{{name: http, port: 8080}}]\nendpoints:\n- addresses: [10.244.0.1]\n  nodeName: a\n  conditions: {cond}\n"
+                )
+            };
+            let yaml = format!(
+                "apiVersion: v1\nkind: Service\nmetadata: {{name: web}}\nspec: {{clusterIP: 10.96.0.10, internalTrafficPolicy: Local, type: NodePort, ports: [{{name: http, port: 80, nodePort: 30080}}]}}\n{}{}",
+                slice("web-1", first),
+                slice("web-2", second)
+            );
+            let d = decide(&cluster(&yaml), "a");
+            let names = |v: &[Backend]| v.iter().map(ToString::to_string).collect::<Vec<_>>();
+            assert_eq!(names(&d[0].cluster), cluster_want, "{first} then {second}");
+            assert_eq!(names(&d[0].local), local_want, "{first} then {second}");
+        }
     }
 
     #[test]

@@ -14,10 +14,10 @@
 //! 2. EndpointSlice hints as today's kube-proxy reads them
 //!    (`pkg/proxy/topology.go`: `CategorizeEndpoints`,
 //!    `topologyModeFromHints`, `availableForTopology`; KEP-2433; [`hints`]).
-//! 3. `spec.trafficDistribution` derived from the endpoints' node and zone
-//!    when the control plane wrote no hints (e.g. a control plane without
-//!    the controller that writes them; [`traffic_distribution`]).
-//! 4. Otherwise every usable endpoint, cluster-wide.
+//! 3. Otherwise every usable endpoint, cluster-wide. A Service's
+//!    `spec.trafficDistribution` alone narrows nothing: kube-proxy follows
+//!    only the hints the EndpointSlice controller writes for it
+//!    ([`traffic_distribution`]).
 //!
 //! Independently of all that, `local` is the node-local usable endpoints
 //! (internal/externalTrafficPolicy: Local): kube-proxy never applies
@@ -83,27 +83,13 @@ pub(crate) enum Model {
     /// EndpointSlice `hints.forZones` for this node's zone (PreferSameZone,
     /// PreferClose, topology-mode Auto).
     HintsZone,
-    /// `spec.trafficDistribution: PreferSameNode` without hints, derived from
-    /// the endpoints' `nodeName`: endpoints on this node.
-    TrafficDistributionNode,
-    /// `spec.trafficDistribution` without hints, derived from the endpoints'
-    /// zone: endpoints in this node's zone.
-    TrafficDistributionZone,
 }
 
 impl Model {
     /// Every model, in declaration order; the tests check that the names
     /// [`Model::as_str`] gives stay stable and distinct.
     #[cfg(test)]
-    pub(crate) const ALL: [Model; 7] = [
-        Model::Cluster,
-        Model::TopologyKeys,
-        Model::OpenYurt,
-        Model::HintsNode,
-        Model::HintsZone,
-        Model::TrafficDistributionNode,
-        Model::TrafficDistributionZone,
-    ];
+    pub(crate) const ALL: [Model; 5] = [Model::Cluster, Model::TopologyKeys, Model::OpenYurt, Model::HintsNode, Model::HintsZone];
 
     /// Stable name, used in JSON output.
     pub(crate) fn as_str(self) -> &'static str {
@@ -113,8 +99,6 @@ impl Model {
             Model::OpenYurt => "OpenYurt",
             Model::HintsNode => "HintsNode",
             Model::HintsZone => "HintsZone",
-            Model::TrafficDistributionNode => "TrafficDistributionNode",
-            Model::TrafficDistributionZone => "TrafficDistributionZone",
         }
     }
 }
@@ -601,12 +585,11 @@ fn constraint(svc: &Service, problems: &mut Vec<String>, notes: &mut Vec<String>
 /// set. With no ready endpoint at all, every serving terminating endpoint,
 /// without topology ("we would already have chosen to ignore topology if
 /// there were no ready endpoints for the given topology"). Otherwise the
-/// hints written on the EndpointSlices ([`hints::rank_by_hints`]); when no
-/// ready endpoint carries any hint and `spec.trafficDistribution` is set,
-/// the same preference derived from the endpoints' node and zone
-/// ([`traffic_distribution::derive`]). Hints that were written but do not
-/// apply are the control plane's call and lead to cluster-wide, as in
-/// kube-proxy: every ready endpoint.
+/// hints written on the EndpointSlices ([`hints::rank_by_hints`]); hints
+/// that do not apply, and no hints at all, lead to every ready endpoint,
+/// whatever `spec.trafficDistribution` says: kube-proxy never reads that
+/// field (`topologyModeFromHints` looks at the endpoints' hints only), it
+/// is the EndpointSlice controller's input.
 fn rank_by_preference(svc: &Service, view: &View<'_>, problems: &mut Vec<String>) -> (Model, Vec<usize>, String) {
     let td = traffic_distribution::parse(svc, problems);
     let all = view.all();
@@ -630,13 +613,8 @@ fn rank_by_preference(svc: &Service, view: &View<'_>, problems: &mut Vec<String>
     if let Hints::Used(model, sel) = by_hints {
         return (model, sel, log.join("; "));
     }
-
-    if let Some((dist, raw)) = td {
-        if by_hints == Hints::Ignored {
-            log.push(format!("trafficDistribution {raw}: hints were written, not deriving"));
-        } else if let Some((model, sel)) = traffic_distribution::derive(view, &ready, dist, raw, &mut log) {
-            return (model, sel, log.join("; "));
-        }
+    if let Some(raw) = td.filter(|_| by_hints == Hints::Absent) {
+        log.push(traffic_distribution::without_hints(raw));
     }
 
     let sel = indices_where(&ready, |_| true);
@@ -865,10 +843,7 @@ mod tests {
     #[test]
     fn model_names_are_stable_and_unique() {
         let names: Vec<&str> = Model::ALL.iter().map(|m| m.as_str()).collect();
-        assert_eq!(
-            names,
-            ["Cluster", "TopologyKeys", "OpenYurt", "HintsNode", "HintsZone", "TrafficDistributionNode", "TrafficDistributionZone"]
-        );
+        assert_eq!(names, ["Cluster", "TopologyKeys", "OpenYurt", "HintsNode", "HintsZone"]);
         let unique: BTreeSet<&str> = names.iter().copied().collect();
         assert_eq!(unique.len(), names.len());
         assert_eq!(Model::HintsZone.to_string(), "HintsZone");

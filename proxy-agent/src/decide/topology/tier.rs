@@ -13,8 +13,7 @@
 //!   when it chose them by one: a topology key (`kubernetes.io/hostname`
 //!   node, `topology.kubernetes.io/zone` zone, `.../region` region,
 //!   `apps.openyurt.io/nodepool` pool), OpenYurt's node or node pool, node
-//!   or zone hints, trafficDistribution's node or zone, a Local traffic
-//!   policy's node. Every connection of such a frontend counts in that
+//!   or zone hints, a Local traffic policy's node. Every connection of such a frontend counts in that
 //!   tier (`ServiceValue` flags): a pool-keyed Service's backend that
 //!   happens to run on this node was chosen for its pool. Without topology,
 //!   or when it fell through to `*`, each backend's physical tier counts.
@@ -79,8 +78,8 @@ pub(super) fn chosen(view: &View<'_>, model: Model, constraint: Option<&Constrai
     }
     let all_share = |t: u8| selected.iter().filter_map(|&i| view.endpoints.get(i)).all(|e| shares(view, e, t));
     match (model, constraint) {
-        (Model::HintsNode | Model::TrafficDistributionNode, _) => Some(tier::NODE),
-        (Model::HintsZone | Model::TrafficDistributionZone, _) => Some(tier::ZONE),
+        (Model::HintsNode, _) => Some(tier::NODE),
+        (Model::HintsZone, _) => Some(tier::ZONE),
         (Model::TopologyKeys, Some(Constraint::Keys { keys, .. })) => {
             for key in keys {
                 if key == TOPOLOGY_KEY_ANY {
@@ -335,7 +334,7 @@ mod tests {
             ("hostname, zone, region", svc().keys(&[LABEL_HOSTNAME, LABEL_ZONE, LABEL_REGION]), "node-1", Some(tier::NODE)),
             ("region only", svc().keys(&[LABEL_REGION]), "node-1", Some(tier::REGION)),
             ("a custom label is no domain", svc().ann(KEYS, "example.com/rack, *"), "node-1", None),
-            ("trafficDistribution PreferClose, no hints", svc().td("PreferClose"), "node-2", Some(tier::ZONE)),
+            ("trafficDistribution PreferClose, no hints: not filtered", svc().td("PreferClose"), "node-2", None),
         ];
         for (name, s, me, want) in cases {
             let r = rank(&s, &refs, NodeContext { name: me, nodes: &nodes });
