@@ -228,11 +228,11 @@ fn spill_for(
             return None;
         }
         (Model::HintsNode | Model::HintsZone, _) => {
-            let Some((dist, _)) = traffic_distribution::parse(svc, &mut Vec::new()) else {
+            if traffic_distribution::parse(svc, &mut Vec::new()).is_none() {
                 notes.push("spill not applied: the hints were not asked for by trafficDistribution".to_string());
                 return None;
-            };
-            spill_tiers::by_hints(view, dist)
+            }
+            spill_tiers::by_hints(view, model == Model::HintsNode)
         }
         _ => {
             notes.push("spill not applied: no topology keys or trafficDistribution hints decided".to_string());
@@ -266,8 +266,7 @@ fn spill_for(
 /// The zone is read from the slices, and from the endpoint's Node where a
 /// slice leaves it out ([`View::endpoint_zone`]: hand-written slices, or a
 /// Node labelled after its slice was written). A ranking that reads
-/// endpoints' zones (a key list naming the zone, `trafficDistribution`
-/// derived without hints) therefore asks for the zone label too when some
+/// endpoints' zones (a key list naming the zone) therefore asks for the zone label too when some
 /// endpoint on a Node has none in its slice, so that `run` reads the same
 /// zone `explain` finds on the manifests' Nodes (issue #47).
 pub(crate) fn other_node_labels(svc: &Service, endpoints: &[&Endpoint]) -> BTreeSet<String> {
@@ -281,7 +280,9 @@ pub(crate) fn other_node_labels(svc: &Service, endpoints: &[&Endpoint]) -> BTree
     let reads_zone = match &constraint {
         Some(Constraint::Keys { keys, .. }) => keys.iter().any(|k| k == LABEL_ZONE),
         Some(Constraint::OpenYurt(_)) => false,
-        None => traffic_distribution::parse(svc, &mut Vec::new()).is_some(),
+        // trafficDistribution reads only the hints and this node's own zone,
+        // never endpoints' zones (kube-proxy, pkg/proxy/topology.go).
+        None => false,
     };
     if reads_zone && zone_missing() {
         out.insert(LABEL_ZONE.to_string());
@@ -319,12 +320,7 @@ pub(crate) fn labels_read(svc: &Service) -> BTreeSet<String> {
         Some(Constraint::OpenYurt(yurt)) if yurt.reads_pools() => {
             out.insert(openyurt::LABEL_OPENYURT_NODEPOOL.to_string());
         }
-        Some(Constraint::OpenYurt(_)) => {}
-        None => {
-            if traffic_distribution::parse(svc, &mut Vec::new()).is_some() {
-                out.insert(LABEL_ZONE.to_string());
-            }
-        }
+        Some(Constraint::OpenYurt(_)) | None => {}
     }
     out
 }
@@ -659,10 +655,10 @@ mod tests {
             ("OpenYurt, same node only", svc().ann(YURT, "kubernetes.io/hostname"), v1(), vec![]),
             ("hints and trafficDistribution read the slices", svc().td("PreferClose"), v1(), vec![]),
             (
-                "trafficDistribution, a slice without zone: the Node's",
+                "trafficDistribution, a slice without zone: nothing (it reads only hints, as kube-proxy)",
                 svc().td("PreferClose"),
                 vec![ep(0, "a").zone("z1"), ep(1, "b")],
-                vec![LABEL_ZONE],
+                vec![],
             ),
             ("zone key, a slice without zone", svc().keys(&[LABEL_ZONE, "*"]), vec![ep(0, "a"), ep(1, "b")], vec![LABEL_ZONE]),
             ("zone key, v1beta1 topology carries it", svc().keys(&[LABEL_ZONE, "*"]), vec![ep(0, "a").topo(&[(LABEL_ZONE, "z1")])], vec![]),

@@ -11,7 +11,7 @@
 //!   never used.
 //! * `trafficDistribution: PreferSameNode | PreferSameZone` (and its older
 //!   name PreferClose) when the EndpointSlice hints decided: the endpoints
-//!   hinted for this node (PreferSameNode only), then those hinted for
+//!   hinted for this node (when the hints carry node hints), then those hinted for
 //!   this node's zone, then every other endpoint, which kube-proxy's
 //!   fallback would use too. The tiers are the control plane's hints, not
 //!   derived from zone labels.
@@ -23,7 +23,6 @@
 use super::hints::hinted_for;
 use super::spill::{self, Factor, Health};
 use super::spill_slots;
-use super::traffic_distribution::Distribution;
 use super::{TOPOLOGY_KEY_ANY, View};
 use crate::model::Family;
 
@@ -99,8 +98,11 @@ pub(super) fn by_keys(view: &View<'_>, keys: &[String]) -> Vec<Tier> {
     out
 }
 
-/// The tiers of a `trafficDistribution` whose hints decided.
-pub(super) fn by_hints(view: &View<'_>, dist: Distribution) -> Vec<Tier> {
+/// The tiers of a `trafficDistribution` whose hints decided: this node's
+/// hint first when the hints carry node hints (`by_node`, kube-proxy's
+/// PreferSameNode category in pkg/proxy/topology.go), then this zone's, then
+/// the rest. The hints decide, not the field, as for kube-proxy.
+pub(super) fn by_hints(view: &View<'_>, by_node: bool) -> Vec<Tier> {
     let mut taken = vec![false; view.endpoints.len()];
     let mut out = Vec::new();
     let mut take = |name: String, f: &dyn Fn(&crate::model::Endpoint) -> bool, out: &mut Vec<Tier>| {
@@ -110,7 +112,7 @@ pub(super) fn by_hints(view: &View<'_>, dist: Distribution) -> Vec<Tier> {
         }
         out.push(Tier { name, members });
     };
-    if dist == Distribution::SameNode {
+    if by_node {
         take(format!("node {}", view.node_name), &|e| hinted_for(e.hint_nodes(), view.node_name), &mut out);
     }
     if let Some(z) = view.zone() {

@@ -78,9 +78,16 @@ fn other_nodes_are_what_the_watch_lists() {
             vec!["Nodes a, b, c left out"],
         ),
         (
-            "trafficDistribution, slices without zone: the zone of the endpoints' Nodes",
+            "trafficDistribution, slices without zone: no other Node (it reads only hints, as kube-proxy)",
             service("close", "").replace("ports: [{port: 80}]", "ports: [{port: 80}], trafficDistribution: PreferClose")
                 + &slice("close", unzoned),
+            vec![],
+            vec!["Nodes a, b, c left out"],
+        ),
+        (
+            "zone keys, slices without zone: the zone of the endpoints' Nodes",
+            service("zonekeys", ", annotations: {topoproxy.io/topology-keys: \"topology.kubernetes.io/zone, *\"}")
+                + &slice("zonekeys", unzoned),
             vec![("a", &zone2), ("b", &zone2)],
             vec!["Nodes c left out"],
         ),
