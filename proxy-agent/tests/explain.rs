@@ -112,8 +112,8 @@ endpoints: [{{addresses: [10.244.1.1], nodeName: a}}, {{addresses: [10.244.2.1],
 
 /// Manifests as `kubectl get nodes,services,endpointslices -o yaml` writes
 /// them carry every Node whole; `explain` decides with what `run`'s Node
-/// watch would list (issue #47) and says what it left out. A
-/// trafficDistribution Service whose slice has no zone reads the zone of
+/// watch would list (issue #47) and says what it left out. A Service keyed
+/// by zone whose slice has no zone reads the zone of
 /// the endpoint's Node b (which `run` then watches for it), not c's, and
 /// not b's rack.
 #[test]
@@ -126,8 +126,8 @@ fn explain_uses_only_what_runs_node_watch_lists_and_says_what_it_left_out() {
     let text = format!(
         "{}{}{}---
 kind: Service
-metadata: {{name: close, namespace: shop}}
-spec: {{clusterIP: 10.96.0.40, ports: [{{port: 80, targetPort: 8080}}], trafficDistribution: PreferClose}}
+metadata: {{name: close, namespace: shop, annotations: {{topoproxy.io/topology-keys: topology.kubernetes.io/zone}}}}
+spec: {{clusterIP: 10.96.0.40, ports: [{{port: 80, targetPort: 8080}}]}}
 ---
 kind: EndpointSlice
 metadata: {{name: close-1, namespace: shop, labels: {{kubernetes.io/service-name: close}}}}
@@ -141,7 +141,7 @@ endpoints: [{{addresses: [10.244.2.1], nodeName: b}}, {{addresses: [10.244.3.1],
     );
     let doc = explain(&text);
     let svc = &doc["services"][0];
-    assert_eq!(svc["model"], "TrafficDistributionZone", "{svc}");
+    assert_eq!(svc["model"], "TopologyKeys", "{svc}");
     assert_eq!(svc["clusterEndpoints"], serde_json::json!(["10.244.2.1:8080"]), "b is in a's zone: {svc}");
     assert_eq!(svc["otherNodeLabels"], serde_json::json!(["topology.kubernetes.io/zone"]), "{svc}");
     let notes: Vec<&str> = doc["notes"].as_array().expect("notes").iter().filter_map(|n| n.as_str()).collect();

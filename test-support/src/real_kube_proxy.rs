@@ -117,8 +117,10 @@ const HOST_SYSCTLS: &[&str] = &[
 
 /// The host's sysctls above (read from this thread, which is in the host's
 /// namespace: /proc/sys/net is the reader's namespace's) and its whole
-/// netfilter ruleset (`nft list ruleset`, which shows iptables-nft's
-/// tables too).
+/// netfilter ruleset (`nft --stateless list ruleset`, which shows
+/// iptables-nft's tables too; stateless, so that the packet counters of
+/// the host's own rules, which count whatever else the host does, are not
+/// taken for a change).
 #[derive(Debug, PartialEq, Eq)]
 struct HostSnapshot {
     sysctls: BTreeMap<&'static str, Option<String>>,
@@ -128,7 +130,7 @@ struct HostSnapshot {
 impl HostSnapshot {
     fn take() -> io::Result<HostSnapshot> {
         let sysctls = HOST_SYSCTLS.iter().map(|p| (*p, fs::read_to_string(p).ok().map(|v| v.trim().to_string()))).collect();
-        let out = Command::new("nft").args(["list", "ruleset"]).stdin(Stdio::null()).output()?;
+        let out = Command::new("nft").args(["--stateless", "list", "ruleset"]).stdin(Stdio::null()).output()?;
         if !out.status.success() {
             return Err(other(format!("nft list ruleset failed: {}", String::from_utf8_lossy(&out.stderr).trim())));
         }
