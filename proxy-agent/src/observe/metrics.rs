@@ -250,6 +250,21 @@ impl Default for Metrics {
     }
 }
 
+/// One tier's share of a spilling Service port's new connections, in
+/// millionths, for `topoproxy_service_tier_share`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TierShare {
+    /// The Service port.
+    pub port: super::service_connections::PortLabel,
+    /// `IPv4` or `IPv6` for a dual-stack port graded family by family;
+    /// empty (the label absent) for a port of one family.
+    pub family: &'static str,
+    /// The tier's name as `explain` prints it.
+    pub tier: String,
+    /// Its share of new connections, in millionths.
+    pub share_ppm: u32,
+}
+
 impl Metrics {
     /// Every metric registered, at zero.
     pub fn new() -> Metrics {
@@ -664,29 +679,21 @@ impl Metrics {
     }
 
     /// `topoproxy_service_tier_share`: each tier's share of new
-    /// connections of every Service port whose tiers spill (issue #48).
-    /// The series of ports that no longer spill go away.
-    pub fn set_tier_shares<'a>(&self, decisions: impl Iterator<Item = &'a crate::decide::decision::PortDecision>) {
+    /// connections of every Service port whose tiers spill (issue #48),
+    /// one [`TierShare`] per port, family and tier, made by the sync loop
+    /// from the decisions (this module reads no decision: it sits below
+    /// `decide/`). The series of ports that no longer spill go away.
+    pub fn set_tier_shares(&self, shares: impl IntoIterator<Item = TierShare>) {
         self.tier_share.clear();
-        for d in decisions {
-            let Some(spill) = &d.spill else { continue };
-            let label = d.port_label();
-            for t in &spill.tiers {
-                let family = match t.family {
-                    Some(crate::model::Family::V4) => "IPv4",
-                    Some(crate::model::Family::V6) => "IPv6",
-                    // One family only: the label stays empty (absent).
-                    None => "",
-                };
-                let labels = vec![
-                    ("namespace", label.namespace.to_string()),
-                    ("service", label.service.to_string()),
-                    ("port", label.port.clone()),
-                    ("family", family.to_string()),
-                    ("tier", t.name.clone()),
-                ];
-                self.tier_share.get_or_create(&labels).set(f64::from(t.share_ppm) / 1_000_000.0);
-            }
+        for t in shares {
+            let labels = vec![
+                ("namespace", t.port.namespace.to_string()),
+                ("service", t.port.service.to_string()),
+                ("port", t.port.port),
+                ("family", t.family.to_string()),
+                ("tier", t.tier),
+            ];
+            self.tier_share.get_or_create(&labels).set(f64::from(t.share_ppm) / 1_000_000.0);
         }
     }
 
@@ -762,20 +769,15 @@ mod tests {
 
     #[test]
     fn tier_shares_are_gauges_per_spilling_port_and_tier() {
-        let yaml = "apiVersion: v1\nkind: Node\nmetadata: {name: n1, labels: {topology.kubernetes.io/zone: za}}\n---\n\
-             apiVersion: v1\nkind: Service\nmetadata: {name: web, namespace: shop, annotations: \
-             {topoproxy.io/topology-keys: \"topology.kubernetes.io/zone, *\", topoproxy.io/topology-spill: \"1.4\"}}\n\
-             spec: {clusterIP: 10.96.0.1, ports: [{name: http, port: 80}]}\n---\n\
-             apiVersion: discovery.k8s.io/v1\nkind: EndpointSlice\nmetadata: {name: web-1, namespace: shop, labels: {kubernetes.io/service-name: web}}\n\
-             addressType: IPv4\nports: [{name: http, port: 8080}]\nendpoints:\n\
-             - {addresses: [10.0.0.1], zone: za, conditions: {ready: true}}\n\
-             - {addresses: [10.0.0.2], zone: za, conditions: {ready: false}}\n\
-             - {addresses: [10.0.0.3], zone: zb, conditions: {ready: true}}\n";
-        let (cluster, errors) = crate::source::manifest_watch::cluster_from_text(yaml);
-        assert!(errors.is_empty(), "{errors:?}");
-        let decisions = crate::decide::decision::decide(&cluster, "n1");
+        let port = super::super::service_connections::PortLabel {
+            namespace: "shop".into(),
+            service: "web".into(),
+            port: "http".to_string(),
+            topology: true,
+        };
+        let share = |tier: &str, share_ppm: u32| TierShare { port: port.clone(), family: "", tier: tier.to_string(), share_ppm };
         let m = Metrics::new();
-        m.set_tier_shares(decisions.iter());
+        m.set_tier_shares([share("topology.kubernetes.io/zone=za", 700_000), share("*", 300_000)]);
         let text = m.encode();
         assert!(text.contains("# TYPE topoproxy_service_tier_share gauge"), "{text}");
         let series = |tier: &str, v: &str| {

@@ -539,7 +539,20 @@ impl<W: SocketMaps> SyncLoop<W> {
         for kind in Kind::ALL {
             self.metrics.set_objects(kind.as_str(), self.stores.len(kind));
         }
-        self.metrics.set_tier_shares(self.cached.decisions_with_spill());
+        self.metrics.set_tier_shares(self.cached.decisions_with_spill().flat_map(|d| {
+            let port = d.port_label();
+            d.spill.iter().flat_map(|s| s.tiers.iter()).map(move |t| crate::observe::metrics::TierShare {
+                port: port.clone(),
+                family: match t.family {
+                    Some(crate::model::Family::V4) => "IPv4",
+                    Some(crate::model::Family::V6) => "IPv6",
+                    // One family only: the label stays empty (absent).
+                    None => "",
+                },
+                tier: t.name.clone(),
+                share_ppm: t.share_ppm,
+            })
+        }));
         self.health.synced();
         self.dirty = false;
         self.last_sync = Some(Instant::now());
