@@ -203,7 +203,13 @@ fn check_port(cluster: &Cluster, node: &str, d: &PortDecision) {
     for slice in cluster.slices_of(&svc.id) {
         let Some(sp) = slice.ports.iter().find(|p| p.name == d.port.name && p.protocol == d.port.protocol) else { continue };
         for e in &slice.endpoints {
-            endpoints.entry(Backend { ip: e.address, port: sp.port }).or_insert(e);
+            // The decision's rule for an address in two slices: the first
+            // copy, unless it terminates and this one does not
+            // (kube-proxy's endpointslicecache.go `addEndpoints`).
+            let kept = endpoints.entry(Backend { ip: e.address, port: sp.port }).or_insert(e);
+            if kept.terminating && !e.terminating {
+                *kept = e;
+            }
         }
     }
     for (set, what) in [(&d.cluster, "cluster"), (&d.local, "local")] {
