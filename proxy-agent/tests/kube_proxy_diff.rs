@@ -44,6 +44,7 @@ use std::process::Command;
 
 use proxy_test_support::real_cluster::RealCluster;
 use proxy_test_support::real_kube_proxy::{KubeProxies, PortKey, Sets, explain_sets, kube_proxy_bin};
+use proxy_test_support::rng::Rng;
 use serde_json::{Value, json};
 use support::*;
 
@@ -56,28 +57,6 @@ const VERSION: &str = "1.37";
 /// The label every generated object carries, with its epoch.
 const EPOCH_LABEL: &str = "topoproxy.io/diff-epoch";
 const DEVIATIONS: &str = "docs/src/reference/kube-proxy-differences.md";
-
-/// splitmix64: small, seedable, and the same on every machine.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
-    fn pick<'a, T>(&mut self, v: &'a [T]) -> &'a T {
-        &v[self.below(v.len())]
-    }
-}
 
 fn node_name(i: usize) -> String {
     format!("node-{i}")

@@ -39,6 +39,7 @@ use proxy_agent::decide::decision::ExternalState;
 use proxy_agent::external::nodeport::NodePortWriter;
 use proxy_agent::model::{Backend, Frontend, Protocol};
 use proxy_common::np_counter;
+use proxy_test_support::rng::Rng;
 use proxy_test_support::sandbox::{Netns, PinDir, in_netns};
 use support::require_root;
 
@@ -90,39 +91,6 @@ fn may_match(frame: &[u8], addrs: &[Vec<u8>], ports: &[[u8; 2]]) -> bool {
 }
 
 // ---------------------------------------------------------------------------
-// A small deterministic PRNG (SplitMix64).
-// ---------------------------------------------------------------------------
-
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    /// Uniform in `0..n` (n > 0).
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    /// True with probability `percent`/100.
-    fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
-    fn byte(&mut self) -> u8 {
-        self.next() as u8
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.byte()).collect()
-    }
-    fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.below(items.len())]
-    }
-}
-
-// ---------------------------------------------------------------------------
 // Frames.
 // ---------------------------------------------------------------------------
 
@@ -136,18 +104,18 @@ fn checksum(data: &[u8]) -> u16 {
 
 fn addr4(r: &mut Rng) -> [u8; 4] {
     match r.below(10) {
-        0..=2 => r.pick(&[NODE, LB, SNAT, CLIENT, LOCAL_BE, REMOTE_BE]),
+        0..=2 => *r.pick(&[NODE, LB, SNAT, CLIENT, LOCAL_BE, REMOTE_BE]),
         // Near misses: the same networks, other hosts.
-        3..=5 => r.pick(&[[10, 0, 1, 3], [10, 0, 3, 2], [10, 0, 9, 2], [10, 244, 1, 2], [192, 0, 2, 11], [10, 0, 1, 255]]),
+        3..=5 => *r.pick(&[[10, 0, 1, 3], [10, 0, 3, 2], [10, 0, 9, 2], [10, 244, 1, 2], [192, 0, 2, 11], [10, 0, 1, 255]]),
         _ => [r.byte(), r.byte(), r.byte(), r.byte()],
     }
 }
 
 fn addr6(r: &mut Rng) -> [u8; 16] {
     match r.below(10) {
-        0..=2 => r.pick(&[NODE6, SNAT6, CLIENT6, REMOTE_BE6]),
+        0..=2 => *r.pick(&[NODE6, SNAT6, CLIENT6, REMOTE_BE6]),
         3..=5 => {
-            let mut a = r.pick(&[NODE6, SNAT6, CLIENT6, REMOTE_BE6]);
+            let mut a = *r.pick(&[NODE6, SNAT6, CLIENT6, REMOTE_BE6]);
             a[15] ^= 1 + r.byte() % 254;
             a
         }
@@ -163,9 +131,9 @@ fn addr6(r: &mut Rng) -> [u8; 16] {
 
 fn port(r: &mut Rng) -> u16 {
     if r.chance(15) {
-        r.pick(&[NODE_PORT_TCP, NODE_PORT_UDP, NODE_PORT_EMPTY, LB_PORT, BACKEND_PORT, CLIENT_PORT, SNAT_PORTS.0, SNAT_PORTS.1])
+        *r.pick(&[NODE_PORT_TCP, NODE_PORT_UDP, NODE_PORT_EMPTY, LB_PORT, BACKEND_PORT, CLIENT_PORT, SNAT_PORTS.0, SNAT_PORTS.1])
     } else if r.chance(30) {
-        r.pick(&[0, 1, 53, 80, 443, 30000, 32767, 60999, 61004, 65535])
+        *r.pick(&[0, 1, 53, 80, 443, 30000, 32767, 60999, 61004, 65535])
     } else {
         r.next() as u16
     }
@@ -179,7 +147,7 @@ fn l4(r: &mut Rng, proto: u8) -> Vec<u8> {
     if proto == 6 {
         h.extend_from_slice(&r.bytes(8)); // seq, ack
         let offset = if r.chance(80) { 5 } else { r.below(16) as u8 };
-        let flags = if r.chance(70) { r.pick(&[0x02, 0x10, 0x12, 0x11, 0x14, 0x04, 0x18, 0x01, 0x00, 0x3f]) } else { r.byte() };
+        let flags = if r.chance(70) { *r.pick(&[0x02, 0x10, 0x12, 0x11, 0x14, 0x04, 0x18, 0x01, 0x00, 0x3f]) } else { r.byte() };
         h.extend_from_slice(&[offset << 4, flags, 0xff, 0xff, 0, 0, 0, 0]);
         if offset > 5 {
             h.extend_from_slice(&r.bytes((usize::from(offset) - 5) * 4));
@@ -197,9 +165,9 @@ fn l4(r: &mut Rng, proto: u8) -> Vec<u8> {
 /// An ICMP or ICMPv6 message; errors quote a packet (often a whole
 /// header, sometimes truncated, of either family).
 fn icmp(r: &mut Rng, v6: bool, depth: u32) -> Vec<u8> {
-    let ty = if v6 { r.pick(&[1, 2, 3, 4, 128, 129, 135, 0, 255]) } else { r.pick(&[3, 11, 0, 8, 4, 5, 12, 255]) };
+    let ty = if v6 { *r.pick(&[1, 2, 3, 4, 128, 129, 135, 0, 255]) } else { *r.pick(&[3, 11, 0, 8, 4, 5, 12, 255]) };
     let any = r.byte();
-    let mut m = vec![ty, r.pick(&[0, 1, 3, 4, any]), 0, 0];
+    let mut m = vec![ty, *r.pick(&[0, 1, 3, 4, any]), 0, 0];
     m.extend_from_slice(&r.bytes(4));
     let quote_v6 = if r.chance(80) { v6 } else { !v6 };
     let mut quote = if depth < 2 {
@@ -241,7 +209,7 @@ fn proto(r: &mut Rng, v6: bool) -> u8 {
         }
         _ => {
             let any = r.byte();
-            r.pick(&[0, 1, 4, 41, 47, 50, 58, 132, 255, any])
+            *r.pick(&[0, 1, 4, 41, 47, 50, 58, 132, 255, any])
         }
     }
 }
@@ -259,11 +227,11 @@ fn ipv4_packet(r: &mut Rng, depth: u32) -> Vec<u8> {
         // NOP, end of list, record route, timestamp, router alert, or any
         // type with any length.
         let any = r.byte();
-        let kind = r.pick(&[1, 0, 7, 68, 148, any]);
+        let kind = *r.pick(&[1, 0, 7, 68, 148, any]);
         options.push(kind);
         if kind > 1 {
             let any = r.byte();
-            options.push(r.pick(&[0, 1, 2, 4, 40, any]));
+            options.push(*r.pick(&[0, 1, 2, 4, 40, any]));
         }
     }
     options.truncate(options_len);
@@ -295,7 +263,7 @@ fn ipv4_packet(r: &mut Rng, depth: u32) -> Vec<u8> {
 
 fn ipv6_packet(r: &mut Rng, depth: u32) -> Vec<u8> {
     let chain_len = if r.chance(50) { 0 } else { r.below(7) };
-    let exts: Vec<u8> = (0..chain_len).map(|_| r.pick(&[0, 43, 44, 60, 51, 59, 135])).collect();
+    let exts: Vec<u8> = (0..chain_len).map(|_| *r.pick(&[0, 43, 44, 60, 51, 59, 135])).collect();
     let last = proto(r, true);
     let mut body = Vec::new();
     for (i, ext) in exts.iter().enumerate() {
@@ -344,7 +312,8 @@ fn frame(r: &mut Rng) -> Vec<u8> {
         1 => f.extend_from_slice(&[0x88, 0xa8, 0, 1, 0x81, 0x00, 0, 2, ether_ip[0], ether_ip[1]]),
         2 => {
             let any = [r.byte(), r.byte()];
-            f.extend_from_slice(&r.pick(&[[0x08, 0x06], [0x88, 0xcc], [0x88, 0x47], any]));
+            let ethertype: [u8; 2] = *r.pick(&[[0x08, 0x06], [0x88, 0xcc], [0x88, 0x47], any]);
+            f.extend_from_slice(&ethertype);
         }
         3 => f.extend_from_slice(&if v6 { [0x08, 0x00] } else { [0x86, 0xdd] }),
         _ => f.extend_from_slice(&ether_ip),
@@ -363,7 +332,7 @@ fn mutate(r: &mut Rng, f: &mut Vec<u8>) {
         let at = r.below(f.len());
         match r.below(5) {
             0 => f[at] ^= 1 << r.below(8),
-            1 => f[at] = r.pick(&[0, 0xff, 0x45, 0x46, 0x4f, 0x60, 0x06, 0x11, 0x01, 0x3a, 0x2c, 0x20, 0x40]),
+            1 => f[at] = *r.pick(&[0, 0xff, 0x45, 0x46, 0x4f, 0x60, 0x06, 0x11, 0x01, 0x3a, 0x2c, 0x20, 0x40]),
             2 => f.insert(at, r.byte()),
             3 if f.len() > 15 => {
                 f.remove(at);

@@ -61,6 +61,10 @@ fn endpoints(slices: &Value) -> BTreeSet<(String, String, String, bool)> {
         .collect()
 }
 
+/// Ready Pods with `labels`, one per `(name, node, ip)`.
+fn ready_pods<'a>(labels: &'a [(&'a str, &'a str)], pods: &'a [(&'a str, &'a str, &'a str)]) -> Vec<PodSpec<'a>> {
+    pods.iter().map(|&(name, node, ip)| PodSpec { name, node, ip, labels, ready: true }).collect()
+}
 #[test]
 fn the_real_controllers_endpoint_slices_program_the_datapath_and_zone_topology() {
     require_root();
@@ -845,11 +849,10 @@ fn openyurt_node_pools_and_ordered_topology_keys_with_the_real_controller() {
             .join("---\n"),
         )
         .expect("create the Services");
-    let pods: Vec<PodSpec> =
-        [("ud1-n1", "node-1", "10.244.34.1"), ("ud1-n2", "node-2", "10.244.34.2"), ("ud1-n3", "node-3", "10.244.34.3")]
-            .iter()
-            .map(|(name, node, ip)| PodSpec { name, node, ip, labels: &[("app", "ud1")], ready: true })
-            .collect();
+    let pods = ready_pods(
+        &[("app", "ud1")],
+        &[("ud1-n1", "node-1", "10.244.34.1"), ("ud1-n2", "node-2", "10.244.34.2"), ("ud1-n3", "node-3", "10.244.34.3")],
+    );
     cluster.create_pods(NS, &pods).expect("create the Pods");
     wait_published(&cluster, "svc-ud1", &all_ready(&["10.244.34.1", "10.244.34.2", "10.244.34.3"]));
 
@@ -906,10 +909,10 @@ fn other_nodes_are_watched_by_name_while_a_region_keyed_service_needs_them() {
     cluster
         .apply(&service("regional", "10.96.36.10", "rg", &port, "topoproxy.io/topology-keys: \"topology.kubernetes.io/region, *\"", ""))
         .expect("create the Service");
-    let pods: Vec<PodSpec> = [("rg-1", "node-1", "10.244.36.1"), ("rg-2", "node-2", "10.244.36.2"), ("rg-3", "node-3", "10.244.36.3")]
-        .iter()
-        .map(|(name, node, ip)| PodSpec { name, node, ip, labels: &[("app", "rg")], ready: true })
-        .collect();
+    let pods = ready_pods(
+        &[("app", "rg")],
+        &[("rg-1", "node-1", "10.244.36.1"), ("rg-2", "node-2", "10.244.36.2"), ("rg-3", "node-3", "10.244.36.3")],
+    );
     cluster.create_pods(NS, &pods).expect("create the Pods");
     wait_published(&cluster, "regional", &all_ready(&["10.244.36.1", "10.244.36.2", "10.244.36.3"]));
 
@@ -976,10 +979,10 @@ fn traffic_distribution_hints_from_the_real_controller() {
         let got = cluster.kubectl(&["-n", NS, "get", "service", svc, "-o", "jsonpath={.spec.trafficDistribution}"]).expect("get Service");
         assert_eq!(got, td, "the API server keeps spec.trafficDistribution {td}");
     }
-    let pods: Vec<PodSpec> = [("td-1", "node-1", "10.244.35.1"), ("td-2", "node-2", "10.244.35.2"), ("td-3", "node-3", "10.244.35.3")]
-        .iter()
-        .map(|(name, node, ip)| PodSpec { name, node, ip, labels: &[("app", "td")], ready: true })
-        .collect();
+    let pods = ready_pods(
+        &[("app", "td")],
+        &[("td-1", "node-1", "10.244.35.1"), ("td-2", "node-2", "10.244.35.2"), ("td-3", "node-3", "10.244.35.3")],
+    );
     cluster.create_pods(NS, &pods).expect("create the Pods");
 
     // The hints are the controller's: each ready endpoint is hinted for its
@@ -1610,10 +1613,7 @@ fn a_node_pool_service_created_by_watch_never_reaches_another_pool() {
     for (node, pool) in [("node-1", "hangzhou"), ("node-2", "shanghai"), ("node-3", "hangzhou")] {
         cluster.create_node(node, &[(POOL, pool)]).expect("create node");
     }
-    let pods: Vec<PodSpec> = [("np-2", "node-2", "10.244.47.2"), ("np-3", "node-3", "10.244.47.3")]
-        .iter()
-        .map(|(name, node, ip)| PodSpec { name, node, ip, labels: &[("app", "np")], ready: true })
-        .collect();
+    let pods = ready_pods(&[("app", "np")], &[("np-2", "node-2", "10.244.47.2"), ("np-3", "node-3", "10.244.47.3")]);
     cluster.create_pods(NS, &pods).expect("create the Pods");
     let mut n1 = Node::new("node-1");
     n1.start_kube_agent(cluster.admin_kubeconfig(), &[]);
@@ -1661,10 +1661,10 @@ fn a_service_whose_keys_change_to_a_new_label_keeps_its_set_until_it_is_listed()
     cluster
         .apply(&service("racked", "10.96.48.10", "kc", &port, "openyurt.io/topologyKeys: openyurt.io/nodepool", ""))
         .expect("create the Service");
-    let pods: Vec<PodSpec> = [("kc-2", "node-2", "10.244.48.2"), ("kc-3", "node-3", "10.244.48.3"), ("kc-4", "node-4", "10.244.48.4")]
-        .iter()
-        .map(|(name, node, ip)| PodSpec { name, node, ip, labels: &[("app", "kc")], ready: true })
-        .collect();
+    let pods = ready_pods(
+        &[("app", "kc")],
+        &[("kc-2", "node-2", "10.244.48.2"), ("kc-3", "node-3", "10.244.48.3"), ("kc-4", "node-4", "10.244.48.4")],
+    );
     cluster.create_pods(NS, &pods).expect("create the Pods");
     assert_only(&client, &["kc-3"], &["kc-3"]);
 

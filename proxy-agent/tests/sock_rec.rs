@@ -144,6 +144,30 @@ fn expected_slots(records: &[(u64, SockRecValue)]) -> Vec<(u32, u64)> {
 
 /// `proxy-agent dump --output json` of the node's pins. Exit status 2
 /// (findings) still prints the report.
+/// Turns `records` into what a build without `SOCK_REC_COUNT` left: the
+/// same records in SOCK_REC, without the `counted` mark.
+fn unmark(node: &Node, records: &[(u64, SockRecValue)]) {
+    let data = MapData::from_pin(node.pins.path().join(SOCK_REC_MAP)).expect("open SOCK_REC");
+    let mut map: HashMap<_, u64, SockRecValue> = HashMap::try_from(Map::HashMap(data)).expect("SOCK_REC");
+    for (k, v) in records {
+        map.insert(k, SockRecValue { counted: 0, ..*v }, 0).expect("unmark a record");
+    }
+}
+
+/// Waits until an upgraded agent has covered the slots of the uncounted
+/// `records` in SOCK_REC_COUNT (pinned, each slot at least
+/// `SOCK_REC_UNCOUNTED`).
+fn wait_until_covered(node: &Node, records: &[(u64, SockRecValue)]) {
+    eventually("the upgraded agent covered the records' slots", || {
+        if !path_exists(&node.pins.path().join(SOCK_REC_COUNT_MAP)) {
+            return Err("no SOCK_REC_COUNT yet".to_string());
+        }
+        let slots = counted_slots(node);
+        let covered = records.iter().all(|(k, _)| slots.iter().any(|&(i, c)| i == sock_rec_count_slot(*k) && c >= SOCK_REC_UNCOUNTED));
+        if covered { Ok(()) } else { Err(format!("slots {slots:?}")) }
+    });
+}
+
 fn dump_json(node: &Node) -> Value {
     let dump = Command::new(agent_bin()).args(["dump", "--output", "json", "--bpffs"]).arg(node.pins.path()).output().expect("dump");
     serde_json::from_slice(&dump.stdout)
@@ -312,22 +336,10 @@ fn records_of_a_build_without_counts_keep_getpeername_and_are_released() {
     // no count map. Its programs keep running until the new ones replace
     // them.
     node.stop_agent();
-    let data = MapData::from_pin(node.pins.path().join(SOCK_REC_MAP)).expect("open SOCK_REC");
-    let mut map: HashMap<_, u64, SockRecValue> = HashMap::try_from(Map::HashMap(data)).expect("SOCK_REC");
-    for (k, v) in &held_records {
-        map.insert(k, SockRecValue { counted: 0, ..*v }, 0).expect("unmark a record");
-    }
-    drop(map);
+    unmark(&node, &held_records);
     std::fs::remove_file(node.pins.path().join(SOCK_REC_COUNT_MAP)).expect("remove SOCK_REC_COUNT pin");
     node.start_agent_with(&[]);
-    eventually("the upgraded agent covered the records' slots", || {
-        if !path_exists(&node.pins.path().join(SOCK_REC_COUNT_MAP)) {
-            return Err("no SOCK_REC_COUNT yet".to_string());
-        }
-        let slots = counted_slots(&node);
-        let covered = held_records.iter().all(|(k, _)| slots.iter().any(|&(i, c)| i == sock_rec_count_slot(*k) && c >= SOCK_REC_UNCOUNTED));
-        if covered { Ok(()) } else { Err(format!("slots {slots:?}")) }
-    });
+    wait_until_covered(&node, &held_records);
     wait_for_backends(&node, &net, "10.96.0.30:80", &[], &["pod-c"]);
     let after = held.ask("peers");
     assert_eq!(after["ok"], true, "sockets recorded by the older build keep their getpeername and recvmsg: {after}");
@@ -355,12 +367,7 @@ fn an_older_count_array_that_cannot_be_mapped_is_kept_and_only_raised() {
     let held_records = records(&node);
     assert_eq!(held_records.len(), 4, "{held_records:?}");
     node.stop_agent();
-    let data = MapData::from_pin(node.pins.path().join(SOCK_REC_MAP)).expect("open SOCK_REC");
-    let mut map: HashMap<_, u64, SockRecValue> = HashMap::try_from(Map::HashMap(data)).expect("SOCK_REC");
-    for (k, v) in &held_records {
-        map.insert(k, SockRecValue { counted: 0, ..*v }, 0).expect("unmark a record");
-    }
-    drop(map);
+    unmark(&node, &held_records);
     let count_pin = node.pins.path().join(SOCK_REC_COUNT_MAP);
     std::fs::remove_file(&count_pin).expect("remove SOCK_REC_COUNT pin");
     let old: Array<MapData, u64> = Array::create(SOCK_REC_COUNT_SLOTS, 0).expect("create a count array without BPF_F_MMAPABLE");
@@ -368,11 +375,7 @@ fn an_older_count_array_that_cannot_be_mapped_is_kept_and_only_raised() {
     assert!(MappedCounts::open(node.pins.path()).expect("open").is_none(), "not mappable");
 
     node.start_agent_with(&[]);
-    eventually("the upgraded agent covered the records' slots", || {
-        let slots = counted_slots(&node);
-        let covered = held_records.iter().all(|(k, _)| slots.iter().any(|&(i, c)| i == sock_rec_count_slot(*k) && c >= SOCK_REC_UNCOUNTED));
-        if covered { Ok(()) } else { Err(format!("slots {slots:?}")) }
-    });
+    wait_until_covered(&node, &held_records);
     let data = MapData::from_pin(&count_pin).expect("open SOCK_REC_COUNT");
     assert_eq!(data.info().expect("map info").map_flags() & SOCK_REC_COUNT_FLAGS, 0, "the older array was adopted, not replaced");
     wait_for_backends(&node, &net, "10.96.0.30:80", &[], &["pod-c"]);

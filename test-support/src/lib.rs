@@ -47,6 +47,7 @@ pub mod kube_proxy;
 pub mod prog_test_run;
 pub mod real_cluster;
 pub mod real_kube_proxy;
+pub mod rng;
 pub mod sandbox;
 pub mod scenario;
 pub mod traffic;
