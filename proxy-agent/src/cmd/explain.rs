@@ -244,13 +244,15 @@ pub(crate) fn explain(args: ExplainArgs) -> anyhow::Result<ExitCode> {
 /// One tier of a spilling port for the table: its health, the factor's
 /// capacity and its share of new connections.
 fn tier_share_label(t: &TierShare) -> String {
-    let family = match t.family {
-        Some(proxy_agent::model::Family::V4) => "IPv4 ",
-        Some(proxy_agent::model::Family::V6) => "IPv6 ",
-        None => "",
-    };
-    let health = if t.total == 0 { 0.0 } else { 100.0 * t.ready as f64 / t.total as f64 };
-    format!("{family}{}: {}/{} ready (health {health:.1}%), share {:.1}%", t.name, t.ready, t.total, f64::from(t.share_ppm) / 10_000.0)
+    let family = t.family.map_or(String::new(), |f| format!("{} ", f.as_str()));
+    format!(
+        "{family}{}: {}/{} ready (health {:.1}%), share {:.1}%",
+        t.name,
+        t.ready,
+        t.total,
+        100.0 * t.health(),
+        f64::from(t.share_ppm) / 10_000.0
+    )
 }
 
 /// The spill shares for JSON: null without `topoproxy.io/topology-spill`.
@@ -260,10 +262,10 @@ fn spill_json(d: &PortDecision) -> serde_json::Value {
         "factor": spill.factor,
         "tiers": spill.tiers.iter().map(|t| json!({
             "tier": t.name,
-            "family": t.family.map(|f| if f == proxy_agent::model::Family::V4 { "IPv4" } else { "IPv6" }),
+            "family": t.family.map(proxy_agent::model::Family::as_str),
             "ready": t.ready,
             "total": t.total,
-            "health": if t.total == 0 { 0.0 } else { t.ready as f64 / t.total as f64 },
+            "health": t.health(),
             "share": f64::from(t.share_ppm) / 1_000_000.0,
         })).collect::<Vec<_>>(),
     })

@@ -57,6 +57,14 @@ impl Family {
             IpAddr::V6(_) => Family::V6,
         }
     }
+
+    /// `IPv4` or `IPv6`, as an EndpointSlice's `addressType` names it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Family::V4 => "IPv4",
+            Family::V6 => "IPv6",
+        }
+    }
 }
 
 /// `namespace/name` of a namespaced object. Both are shared copies: the

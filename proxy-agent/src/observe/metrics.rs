@@ -253,7 +253,7 @@ impl Default for Metrics {
 /// One tier's share of a spilling Service port's new connections, in
 /// millionths, for `topoproxy_service_tier_share`.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct TierShare {
+pub struct TierShareSeries {
     /// The Service port.
     pub port: super::service_connections::PortLabel,
     /// `IPv4` or `IPv6` for a dual-stack port graded family by family;
@@ -680,10 +680,10 @@ impl Metrics {
 
     /// `topoproxy_service_tier_share`: each tier's share of new
     /// connections of every Service port whose tiers spill (issue #48),
-    /// one [`TierShare`] per port, family and tier, made by the sync loop
+    /// one [`TierShareSeries`] per port, family and tier, made by the sync loop
     /// from the decisions (this module reads no decision: it sits below
     /// `decide/`). The series of ports that no longer spill go away.
-    pub fn set_tier_shares(&self, shares: impl IntoIterator<Item = TierShare>) {
+    pub fn set_tier_shares(&self, shares: impl IntoIterator<Item = TierShareSeries>) {
         self.tier_share.clear();
         for t in shares {
             let labels = vec![
@@ -775,7 +775,7 @@ mod tests {
             port: "http".to_string(),
             topology: true,
         };
-        let share = |tier: &str, share_ppm: u32| TierShare { port: port.clone(), family: "", tier: tier.to_string(), share_ppm };
+        let share = |tier: &str, share_ppm: u32| TierShareSeries { port: port.clone(), family: "", tier: tier.to_string(), share_ppm };
         let m = Metrics::new();
         m.set_tier_shares([share("topology.kubernetes.io/zone=za", 700_000), share("*", 300_000)]);
         let text = m.encode();

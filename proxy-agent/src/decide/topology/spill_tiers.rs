@@ -50,6 +50,14 @@ pub struct TierShare {
     pub share_ppm: u32,
 }
 
+impl TierShare {
+    /// Its health: ready endpoints over those listed (0 with none listed),
+    /// as the rule graded it.
+    pub fn health(&self) -> f64 {
+        Health { ready: self.ready, total: self.total }.fraction()
+    }
+}
+
 /// The outcome of graded spill-over for a Service port.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Spill {
@@ -178,11 +186,7 @@ impl Spill {
             .tiers
             .iter()
             .map(|t| {
-                let fam = match t.family {
-                    Some(Family::V4) => "IPv4 ",
-                    Some(Family::V6) => "IPv6 ",
-                    None => "",
-                };
+                let fam = t.family.map_or(String::new(), |f| format!("{} ", f.as_str()));
                 format!("{fam}{} {}/{} ready {}", t.name, t.ready, t.total, percent(t.share_ppm))
             })
             .collect();

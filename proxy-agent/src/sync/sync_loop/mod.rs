@@ -541,14 +541,10 @@ impl<W: SocketMaps> SyncLoop<W> {
         }
         self.metrics.set_tier_shares(self.cached.decisions_with_spill().flat_map(|d| {
             let port = d.port_label();
-            d.spill.iter().flat_map(|s| s.tiers.iter()).map(move |t| crate::observe::metrics::TierShare {
+            d.spill.iter().flat_map(|s| s.tiers.iter()).map(move |t| crate::observe::metrics::TierShareSeries {
                 port: port.clone(),
-                family: match t.family {
-                    Some(crate::model::Family::V4) => "IPv4",
-                    Some(crate::model::Family::V6) => "IPv6",
-                    // One family only: the label stays empty (absent).
-                    None => "",
-                },
+                // One family only: the label stays empty (absent).
+                family: t.family.map_or("", crate::model::Family::as_str),
                 tier: t.name.clone(),
                 share_ppm: t.share_ppm,
             })
