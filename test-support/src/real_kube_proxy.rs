@@ -173,7 +173,8 @@ impl Relay {
                             pipe(inside, outside);
                         }
                     }
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::thread::sleep(Duration::from_millis(20)),
+                    // Nothing to accept yet (non-blocking), or a failed
+                    // accept: look again shortly.
                     Err(_) => std::thread::sleep(Duration::from_millis(20)),
                 }
             }

@@ -265,10 +265,10 @@ fn spill_for(
 ///
 /// The zone is read from the slices, and from the endpoint's Node where a
 /// slice leaves it out ([`View::endpoint_zone`]: hand-written slices, or a
-/// Node labelled after its slice was written). A ranking that reads
-/// endpoints' zones (a key list naming the zone) therefore asks for the zone label too when some
-/// endpoint on a Node has none in its slice, so that `run` reads the same
-/// zone `explain` finds on the manifests' Nodes (issue #47).
+/// Node labelled after its slice was written). A key list naming the zone
+/// therefore asks for the zone label too when some endpoint on a Node has
+/// none in its slice, so that `run` reads the same zone `explain` finds on
+/// the manifests' Nodes (issue #47).
 pub(crate) fn other_node_labels(svc: &Service, endpoints: &[&Endpoint]) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     let zone_missing = || {
@@ -277,13 +277,10 @@ pub(crate) fn other_node_labels(svc: &Service, endpoints: &[&Endpoint]) -> BTree
         })
     };
     let constraint = constraint(svc, &mut Vec::new(), &mut Vec::new());
-    let reads_zone = match &constraint {
-        Some(Constraint::Keys { keys, .. }) => keys.iter().any(|k| k == LABEL_ZONE),
-        Some(Constraint::OpenYurt(_)) => false,
-        // trafficDistribution reads only the hints and this node's own zone,
-        // never endpoints' zones (kube-proxy, pkg/proxy/topology.go).
-        None => false,
-    };
+    // Only a key list reads endpoints' zones: trafficDistribution reads the
+    // hints and this node's own zone (kube-proxy, pkg/proxy/topology.go),
+    // OpenYurt the node pools.
+    let reads_zone = matches!(&constraint, Some(Constraint::Keys { keys, .. }) if keys.iter().any(|k| k == LABEL_ZONE));
     if reads_zone && zone_missing() {
         out.insert(LABEL_ZONE.to_string());
     }
