@@ -80,6 +80,9 @@ struct Args {
     /// `SOCK_REVNAT` and `SOCK_REC` capacity (`--max-sock-revnat`) for
     /// `--only connect4` (default: the agent's).
     revnat_capacity: Option<u32>,
+    /// Slots of the weighted-slots Service of the connect4 breakdown
+    /// (`--weighted-slots`, default 1,000: what topology spill programs).
+    weighted_slots: u32,
 }
 
 fn parse_args() -> Result<Args> {
@@ -98,6 +101,7 @@ fn parse_args() -> Result<Args> {
         fwd: forwarding::Options::default(),
         xdp: xdp::Options::default(),
         revnat_capacity: None,
+        weighted_slots: 1_000,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -108,6 +112,7 @@ fn parse_args() -> Result<Args> {
             "--rounds" => a.rounds = val()?.parse()?,
             "--rules-max" => a.rules_max = val()?.parse()?,
             "--out" => a.out = PathBuf::from(val()?),
+            "--weighted-slots" => a.weighted_slots = val()?.parse()?,
             "--only" => a.only = Some(val()?),
             "--np-calls" => a.np_calls = val()?.parse()?,
             "--np-frontends" => a.np_frontends = val()?.parse()?,
@@ -135,7 +140,7 @@ fn parse_args() -> Result<Args> {
                 }
             }
             other => bail!(
-                "unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 6 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|control-plane-scale|nodeport|cold-start|manifest-input|kernel-memory|connect4|xdp|maglev-sync --np-calls 20000 --np-frontends 1000 --revnat-capacity 262144 --fwd-services 1000 --fwd-udp-ms 1000 --xdp-flood-ms 1000 --xdp-perf DIR {} {} {}",
+                "unknown flag {other}; flags: --sizes 1000,10000,100000 --repeats 6 --rounds 2000 --rules-max 10000 --out results/bench --only datapath|socket-lb|control-plane|control-plane-scale|nodeport|cold-start|manifest-input|kernel-memory|connect4|xdp|maglev-sync --np-calls 20000 --np-frontends 1000 --revnat-capacity 262144 --fwd-services 1000 --fwd-udp-ms 1000 --xdp-flood-ms 1000 --xdp-perf DIR --weighted-slots 1000 {} {} {}",
                 control_plane::FLAGS_HELP,
                 control_plane_scale::FLAGS_HELP,
                 manifest_input::FLAGS_HELP
@@ -218,6 +223,38 @@ fn frontends(size: usize) -> plan::State {
 /// affinity row.
 fn affine_frontend(size: usize) -> Frontend {
     Frontend { ip: IpAddr::V4(rules::service_ip(BPF_BASE, size)), port: 80, protocol: Protocol::Tcp }
+}
+
+/// One more TCP Service past the population and its affinity Service,
+/// with its 10 backends on `slots` weighted slots (1,000 by default, as
+/// topology spill programs): three share 70 %
+/// and seven 30 %, the shares topology spill gives a zone at half health
+/// with factor 1.4. Programmed next to `desired` with `writer`, as the sync
+/// loop programs a spill Service; returns its address.
+fn program_weighted(
+    writer: &mut MapWriter,
+    desired: &plan::State,
+    policies: &plan::Policies,
+    size: usize,
+    slots: u32,
+) -> Result<SocketAddr> {
+    let fe = Frontend { ip: IpAddr::V4(rules::service_ip(BPF_BASE, size + 1)), port: 80, protocol: Protocol::Tcp };
+    let backends: Vec<Backend> =
+        (0..rules::ENDPOINTS).map(|j| Backend { ip: IpAddr::V4(rules::endpoint_ip(j)), port: rules::ENDPOINT_PORT }).collect();
+    let (near, far) = backends.split_at(3.min(backends.len()));
+    let share = |total: u32, n: usize, k: usize| total / n as u32 + u32::from(k < (total as usize % n.max(1)));
+    let near_slots = slots * 7 / 10;
+    let mut weights: Vec<(Backend, u32)> = near.iter().enumerate().map(|(k, b)| (*b, share(near_slots, near.len(), k))).collect();
+    weights.extend(far.iter().enumerate().map(|(k, b)| (*b, share(slots - near_slots, far.len(), k))));
+    let mut with = desired.clone();
+    with.insert(fe, backends.iter().copied().collect());
+    let mut policies = policies.clone();
+    policies.insert(fe, plan::FrontendPolicy { slot_weights: plan::SlotWeights::new(weights), ..Default::default() });
+    let errors = writer.apply(&plan::diff_with_policies(&writer.state(), &writer.policies(), &with, &policies));
+    if let Some(e) = errors.first() {
+        bail!("programming the Service with weighted slots failed: {e}");
+    }
+    Ok(SocketAddr::new(fe.ip, 80))
 }
 
 /// Memory the kernel charges for a pinned map (`memlock` in fdinfo).
@@ -537,7 +574,15 @@ fn bench(args: &Args, scratch: &Path) -> Result<()> {
         connect_runtime.measure(size, &ns_bpf.path(), SocketAddr::new(affine.ip, 80), true, args.repeats, args.rounds)?;
         step(&format!("{size}: connect4 run time by path and its step breakdown"));
         let hit = SocketAddr::new(IpAddr::V4(rules::service_ip(BPF_BASE, last)), 80);
-        connect_runtime.breakdown(size, &ns_bpf.path(), hit, &listeners, args.repeats, args.rounds)?;
+        let weighted = program_weighted(&mut writer, &with_affine, &policies, size, args.weighted_slots)?;
+        connect_runtime.breakdown(
+            size,
+            &ns_bpf.path(),
+            programs::Hits { plain: hit, weighted: Some(weighted) },
+            &listeners,
+            args.repeats,
+            args.rounds,
+        )?;
     }
     // Listener threads block in accept(); they end with the process.
     stop.store(true, Ordering::Relaxed);
@@ -611,7 +656,16 @@ fn connect4_only(args: &Args) -> Result<()> {
             break;
         }
         let hit = SocketAddr::new(IpAddr::V4(rules::service_ip(BPF_BASE, size - 1)), 80);
-        if let Err(e) = connect_runtime.breakdown(size, &ns_bpf.path(), hit, &listeners, args.repeats, args.rounds) {
+        let weighted = match program_weighted(&mut writer, &desired, &plan::Policies::default(), size, args.weighted_slots) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                step(&format!("{size} Services: {e:#}; the weighted-slots row is left out"));
+                None
+            }
+        };
+        if let Err(e) =
+            connect_runtime.breakdown(size, &ns_bpf.path(), programs::Hits { plain: hit, weighted }, &listeners, args.repeats, args.rounds)
+        {
             step(&format!("{size} Services: {e:#}"));
             let _ = writeln!(not_measured, "\nNot measured completely: {size} Services ({e:#}).\n");
             break;

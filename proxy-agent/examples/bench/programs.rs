@@ -120,8 +120,20 @@ fn base_step(i: usize) -> Option<usize> {
     }
 }
 
+/// The Services the breakdown's hit runs connect to: one on plain slots,
+/// and one on weighted slots where it could be programmed.
+#[derive(Clone, Copy)]
+pub(crate) struct Hits {
+    pub(crate) plain: SocketAddr,
+    pub(crate) weighted: Option<SocketAddr>,
+}
+
 /// The connect4 paths of the `--only connect4` breakdown.
 const HIT: &str = "hit: connect to a Service";
+/// The same hit path to a Service whose slots are weighted (issue #48's
+/// spill: 1,000 slots listing each backend by its share), so that the two
+/// rows compare the one cost weights could add: a larger slot array.
+const HIT_WEIGHTED: &str = "hit, weighted slots: connect to a Service with topology spill (--weighted-slots, default 1,000)";
 const MISS: &str = "miss: connect to a non-Service address";
 
 /// The other programs measured on the same runs, against their empty
@@ -345,11 +357,12 @@ impl ConnectRuntime {
         &mut self,
         size: usize,
         ns_path: &Path,
-        hit: SocketAddr,
+        hits: Hits,
         miss: &[SocketAddr],
         repeats: usize,
         rounds: usize,
     ) -> Result<()> {
+        let Hits { plain: hit, weighted } = hits;
         let _stats = StatsOn::new()?;
         // Probes go to a child of the bench cgroup: the kernel runs a
         // descendant's programs before its ancestors' (`compute_effective_progs`
@@ -366,13 +379,20 @@ impl ConnectRuntime {
         let result = (|| -> Result<()> {
             let child_fd = File::open(&child)?;
             #[derive(Clone, Copy)]
+            enum To {
+                Hit,
+                Weighted(SocketAddr),
+                Miss,
+            }
+            #[derive(Clone, Copy)]
             enum Run {
-                Ours { to_miss: bool },
+                Ours(To),
                 Probe(usize),
                 ReleaseProbe(usize),
                 UdpUntranslated,
             }
-            let mut plan: Vec<Run> = vec![Run::Ours { to_miss: false }, Run::Ours { to_miss: true }, Run::UdpUntranslated];
+            let mut plan: Vec<Run> = vec![Run::Ours(To::Hit), Run::Ours(To::Miss), Run::UdpUntranslated];
+            plan.extend(weighted.map(|w| Run::Ours(To::Weighted(w))));
             plan.extend((0..STEPS.len()).map(Run::Probe));
             plan.extend((0..RELEASE_STEPS.len()).map(Run::ReleaseProbe));
             for rep in 0..repeats {
@@ -380,11 +400,17 @@ impl ConnectRuntime {
                 plan.rotate_left(1);
                 for &run in &plan {
                     match run {
-                        Run::Ours { to_miss } => {
-                            let to: Vec<SocketAddr> = if to_miss { miss.to_vec() } else { vec![hit] };
-                            let (figures, release) = self.run_once(ns_path, &to, rounds, None)?;
-                            figures.push_into(self.cases.entry((size, if to_miss { MISS } else { HIT })).or_default());
-                            release.push_into(self.others.entry((size, if to_miss { RELEASE_MISS } else { RELEASE_HIT })).or_default());
+                        Run::Ours(to) => {
+                            let (addrs, path, release_path) = match to {
+                                To::Hit => (vec![hit], HIT, Some(RELEASE_HIT)),
+                                To::Weighted(w) => (vec![w], HIT_WEIGHTED, None),
+                                To::Miss => (miss.to_vec(), MISS, Some(RELEASE_MISS)),
+                            };
+                            let (figures, release) = self.run_once(ns_path, &addrs, rounds, None)?;
+                            figures.push_into(self.cases.entry((size, path)).or_default());
+                            if let Some(r) = release_path {
+                                release.push_into(self.others.entry((size, r)).or_default());
+                            }
                         }
                         Run::Probe(i) => {
                             let (figures, _) =
@@ -651,6 +677,30 @@ Each probe (`bench_step<N>_connect4` and `bench_alt_*_connect4` in `proxy-ebpf/s
             "",
         );
         ratio_target("connect4 miss path vs an empty connect4 program".into(), 1.5, worst.get(MISS), "");
+        // Weighted against plain slots: per repeat, the two runs were
+        // interleaved, so their ratio cancels the machine's drift.
+        let mut weighted_vs_plain: Option<(f64, usize)> = None;
+        if self.cases.keys().any(|(_, p)| *p == HIT_WEIGHTED) {
+            md.push_str("Weighted slots (topology spill, issue #48) on the hit path: a Service past the population whose 10 backends split 70 % (three backends) and 30 % (seven) over 1,000 slots (`--weighted-slots`), as `topoproxy.io/topology-spill` programs a zone at half health with factor 1.4. The pick is the same hash modulo the slot count, so the only difference is the size of the slot array the lookup lands in.\n\n");
+        }
+        for ((size, path), w) in &self.cases {
+            if *path != HIT_WEIGHTED {
+                continue;
+            }
+            let Some(h) = self.cases.get(&(*size, HIT)) else { continue };
+            let ratios: Vec<f64> = w.ours.iter().zip(&h.ours).map(|(w, h)| w / h).collect();
+            let r = spread(&ratios);
+            let _ = writeln!(
+                md,
+                "- {size} Services: the hit path to the Service with weighted slots took {:.3}x the plain hit path's time per run (median of the per-repeat ratios, {:.3}–{:.3}).",
+                r.median, r.min, r.max
+            );
+            if weighted_vs_plain.is_none_or(|(x, _)| r.median > x) {
+                weighted_vs_plain = Some((r.median, *size));
+            }
+        }
+        md.push('\n');
+        ratio_target("connect4 hit path with weighted slots (topology spill) vs plain slots".into(), 1.05, weighted_vs_plain.as_ref(), "");
         ratio_target("sock_release per close on a miss vs an empty sock_release program".into(), 2.0, worst.get(RELEASE_MISS), "");
         for (path, label) in
             [(RELEASE_HIT, "sock_release per close on a hit"), (RECVMSG_UNTRANSLATED, "recvmsg4 on a UDP socket never translated")]
