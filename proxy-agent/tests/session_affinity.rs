@@ -163,7 +163,7 @@ fn use_refreshes_the_entry_and_after_the_timeout_new_choices_are_made() {
     // and then the next connect rightly chose again.
     let refreshed = node.probe(&net, &["--to", WEB, "--count", "7", "--interval-ms", "1000"]);
     assert_eq!(refreshed.len(), 7, "{refreshed:?}");
-    let mut backend = one_backend("refreshed every second", &refreshed);
+    one_backend("refreshed every second", &refreshed);
     // Idle for longer than the timeout: the entry has expired and the next
     // connection chooses again (and may well choose the same backend).
     let stale = counter(&node, "affinity_stale");
@@ -171,7 +171,7 @@ fn use_refreshes_the_entry_and_after_the_timeout_new_choices_are_made() {
     one_backend("after the timeout", &node.probe(&net, &["--to", WEB]));
     assert_eq!(counter(&node, "affinity_stale"), stale + 1, "the expired entry was not used");
     // With three backends, one of a few expirations lands elsewhere.
-    backend = one_backend("chosen again", &node.probe(&net, &["--to", WEB]));
+    let backend = one_backend("chosen again", &node.probe(&net, &["--to", WEB]));
     let mut changed = false;
     for _ in 0..10 {
         std::thread::sleep(Duration::from_millis(3600));
