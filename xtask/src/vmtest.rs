@@ -1037,7 +1037,9 @@ fn make_initramfs(k: &Kernel, kernel_dir: &Path, bins: &Binaries, work: &Path, o
 /// its own code while the other vCPU ran it, under TCG), and ran nothing.
 fn boot(k: &Kernel, kernel_dir: &Path, bins: &Binaries, cache: &Path, opts: &Options) -> Result<KernelRun> {
     let (run, reached_init) = boot_once(k, kernel_dir, bins, cache, opts)?;
-    if reached_init || run.problems.is_empty() || run.seconds > 120.0 {
+    // A guest that never reached /init cannot have finished, so it has
+    // problems; one that hung for long is a timeout, not a boot fault.
+    if reached_init || run.seconds > 120.0 {
         return Ok(run);
     }
     println!("the {} guest stopped in {:.0} s before /init ran ({}); booting it once more", k.label, run.seconds, run.problems.join("; "));

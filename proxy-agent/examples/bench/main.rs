@@ -206,9 +206,13 @@ fn load_file(ns: &Netns, tool: &[&str], text: &str, scratch: &Path, name: &str) 
     run(&mut cmd)
 }
 
+/// The 10 endpoints every bench Service has, in address order.
+fn endpoints() -> Vec<Backend> {
+    (0..rules::ENDPOINTS).map(|j| Backend { ip: IpAddr::V4(rules::endpoint_ip(j)), port: rules::ENDPOINT_PORT }).collect()
+}
+
 fn frontends(size: usize) -> plan::State {
-    let backends: std::collections::BTreeSet<Backend> =
-        (0..rules::ENDPOINTS).map(|j| Backend { ip: IpAddr::V4(rules::endpoint_ip(j)), port: rules::ENDPOINT_PORT }).collect();
+    let backends: std::collections::BTreeSet<Backend> = endpoints().into_iter().collect();
     let mut st = plan::State::new();
     for i in 0..size {
         let ip = IpAddr::V4(rules::service_ip(BPF_BASE, i));
@@ -239,13 +243,16 @@ fn program_weighted(
     slots: u32,
 ) -> Result<SocketAddr> {
     let fe = Frontend { ip: IpAddr::V4(rules::service_ip(BPF_BASE, size + 1)), port: 80, protocol: Protocol::Tcp };
-    let backends: Vec<Backend> =
-        (0..rules::ENDPOINTS).map(|j| Backend { ip: IpAddr::V4(rules::endpoint_ip(j)), port: rules::ENDPOINT_PORT }).collect();
-    let (near, far) = backends.split_at(3.min(backends.len()));
-    let share = |total: u32, n: usize, k: usize| total / n as u32 + u32::from(k < (total as usize % n.max(1)));
+    let backends = endpoints();
+    let (near, far) = backends.split_at(3);
+    // `total` slots over `group`, the first `total % len` one more.
+    let spread_over = |group: &[Backend], total: u32| -> Vec<(Backend, u32)> {
+        let n = group.len() as u32;
+        group.iter().zip(0u32..).map(|(b, k)| (*b, total / n + u32::from(k < total % n))).collect()
+    };
     let near_slots = slots * 7 / 10;
-    let mut weights: Vec<(Backend, u32)> = near.iter().enumerate().map(|(k, b)| (*b, share(near_slots, near.len(), k))).collect();
-    weights.extend(far.iter().enumerate().map(|(k, b)| (*b, share(slots - near_slots, far.len(), k))));
+    let mut weights = spread_over(near, near_slots);
+    weights.extend(spread_over(far, slots - near_slots));
     let mut with = desired.clone();
     with.insert(fe, backends.iter().copied().collect());
     let mut policies = policies.clone();

@@ -681,7 +681,7 @@ Each probe (`bench_step<N>_connect4` and `bench_alt_*_connect4` in `proxy-ebpf/s
         // interleaved, so their ratio cancels the machine's drift.
         let mut weighted_vs_plain: Option<(f64, usize)> = None;
         if self.cases.keys().any(|(_, p)| *p == HIT_WEIGHTED) {
-            md.push_str("Weighted slots (topology spill, issue #48) on the hit path: a Service past the population whose 10 backends split 70 % (three backends) and 30 % (seven) over 1,000 slots (`--weighted-slots`), as `topoproxy.io/topology-spill` programs a zone at half health with factor 1.4. The pick is the same hash modulo the slot count, so the only difference is the size of the slot array the lookup lands in.\n\n");
+            md.push_str("Weighted slots (topology spill, issue #48) on the hit path: a Service past the population whose 10 backends split 70 % (three backends) and 30 % (seven) over 1,000 slots unless `--weighted-slots` says otherwise, as `topoproxy.io/topology-spill` programs a zone at half health with factor 1.4. The pick is the same hash modulo the slot count, so the only difference is the size of the slot array the lookup lands in.\n\n");
         }
         for ((size, path), w) in &self.cases {
             if *path != HIT_WEIGHTED {
