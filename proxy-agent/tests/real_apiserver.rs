@@ -30,7 +30,8 @@ use std::time::{Duration, Instant};
 
 use proxy_test_support::http::{http_get, metric};
 use proxy_test_support::real_cluster::{PodSpec, RealCluster};
-use proxy_test_support::sandbox::{Guarded, Netns, in_netns};
+use proxy_test_support::relay::Relay;
+use proxy_test_support::sandbox::{Guarded, Netns, in_netns, spawn_backend};
 use proxy_test_support::wait::{eventually, wait_limit};
 use serde_json::{Value, json};
 use support::*;
@@ -1637,6 +1638,78 @@ fn a_node_pool_service_created_by_watch_never_reaches_another_pool() {
     let log = n1.agent_log();
     assert!(log.contains("holding the Service as programmed"), "the agent said it held the Service: {log}");
     assert!(log.contains("the labels it waited for are listed: programmed"), "{log}");
+}
+
+/// The same hold for traffic from outside (issue #47): a NodePort Service
+/// with `openyurt.io/nodepool, *` created by watch, reached from a client
+/// namespace on node-1's link in a tight loop from the moment it exists.
+/// The agent runs in node-1's own namespace, with its TC programs on the
+/// client-facing device, and reaches the API server through a relay. Its
+/// TC entry stays unwritten while the pools are not listed (a guess from
+/// the slice alone would be `*`, both Pods), then holds only np-3. The two
+/// Pods live in one pod namespace behind node-1 (the slices place them on
+/// node-2 and node-3; routing does not care):
+///
+/// ```text
+/// client 10.0.47.1 -- 10.0.47.2 node-1 10.244.47.1 -- pods 10.244.47.2 (np-2), .3 (np-3)
+/// ```
+#[test]
+fn a_node_pool_node_port_created_by_watch_never_reaches_another_pool_from_outside() {
+    require_root();
+    let cluster = RealCluster::start("hold-node-pool-tc").expect("start the real cluster");
+    for (node, pool) in [("node-1", "hangzhou"), ("node-2", "shanghai"), ("node-3", "hangzhou")] {
+        cluster.create_node(node, &[(POOL, pool)]).expect("create node");
+    }
+    let node_ns = Netns::new("tph").expect("node netns");
+    let client = Netns::new("tph").expect("client netns");
+    let pods_ns = Netns::new("tph").expect("pod netns");
+    node_ns.veth("n-c", &client, "c-n").expect("veth node-client");
+    node_ns.veth("n-pod", &pods_ns, "eth0").expect("veth node-pods");
+    for (ns, cidr, dev) in [
+        (&client, "10.0.47.1/24", "c-n"),
+        (&node_ns, "10.0.47.2/24", "n-c"),
+        (&node_ns, "10.244.47.1/24", "n-pod"),
+        (&pods_ns, "10.244.47.2/24", "eth0"),
+        (&pods_ns, "10.244.47.3/24", "eth0"),
+    ] {
+        ns.ip(&["addr", "add", cidr, "dev", dev]).unwrap_or_else(|e| panic!("{cidr} on {dev}: {e}"));
+    }
+    pods_ns.ip(&["route", "add", "default", "via", "10.244.47.1"]).expect("pod route");
+    node_ns.sysctl("net.ipv4.ip_forward", "1").expect("ip_forward");
+    let _pods: Vec<Guarded> = [("np-2", "10.244.47.2:9376"), ("np-3", "10.244.47.3:9376")]
+        .iter()
+        .map(|(name, listen)| spawn_backend(&agent_bin(), &pods_ns, name, &[listen.to_string()]).expect("backend"))
+        .collect();
+    let pods = ready_pods(&[("app", "tc")], &[("np-2", "node-2", "10.244.47.2"), ("np-3", "node-3", "10.244.47.3")]);
+    cluster.create_pods(NS, &pods).expect("create the Pods");
+
+    let api: std::net::SocketAddr = cluster.apiserver_url().trim_start_matches("https://").parse().expect("API server address");
+    let relayed = std::net::SocketAddr::from(([127, 0, 0, 1], 6443));
+    let _relay = Relay::start(&node_ns, relayed, api).expect("relay to the API server");
+    let kubeconfig = cluster.admin_kubeconfig().with_file_name("node-1-relayed.kubeconfig");
+    let admin = std::fs::read_to_string(cluster.admin_kubeconfig()).expect("read the kubeconfig");
+    std::fs::write(&kubeconfig, admin.replace(&cluster.apiserver_url(), &format!("https://{relayed}"))).expect("write the kubeconfig");
+    let mut n1 = Node::new("node-1");
+    // TC on both links: a Pod the slices place on another Node gets the
+    // client's flow from node-1's address (SNAT), and its reply comes back
+    // on n-pod, whose TC ingress turns it back.
+    n1.start_kube_agent_in(Some(&node_ns), &kubeconfig, "n-c,n-pod", &[]);
+    eventually("the agent to attach its TC programs and sync", || {
+        let log = n1.agent_log();
+        if log.contains("external traffic datapath ready") && log.contains("first sync applied; ready") { Ok(()) } else { Err(()) }
+    });
+
+    let mut probe = proxy_test_support::sandbox::command_in(agent_bin(), Some(&client), None).expect("probe command");
+    probe.arg("probe").args(["--to", "10.0.47.2:30047", "--count", "100000000", "--interval-ms", "1", "--timeout-ms", "300"]);
+    let from_outside = Stream::start("new connections from outside to node-1:30047", probe);
+    cluster
+        .apply(&format!(
+            "apiVersion: v1\nkind: Service\nmetadata:\n  name: pooled-np\n  namespace: {NS}\n  annotations: {{openyurt.io/topologyKeys: \"openyurt.io/nodepool, *\"}}\nspec:\n  type: NodePort\n  clusterIP: 10.96.47.20\n  selector: {{app: tc}}\n  ports:\n  - {{name: http, port: 80, protocol: TCP, targetPort: 9376, nodePort: 30047}}\n"
+        ))
+        .expect("create the Service");
+    assert_only(&from_outside, &["np-3"], &["np-3"]);
+    let log = n1.agent_log();
+    assert!(log.contains("holding the Service as programmed"), "the agent said it held the Service: {log}");
 }
 
 /// A Service whose keys change to a label the agent does not watch yet:

@@ -34,7 +34,9 @@
 //! - [`real_kube_proxy`]: real kube-proxies (nftables mode), one per
 //!   simulated node namespace, against that control plane, and what each
 //!   programmed read back as per-Service-port endpoint sets, for the
-//!   differential test against the agent (issue #45).
+//!   differential test against the agent (issue #45);
+//! - [`relay`]: a TCP relay from inside a namespace to the API server on
+//!   the host's loopback, for processes in namespaces with no link out.
 //!
 //! What needs the agent binary itself (`CARGO_BIN_EXE_proxy-agent`, which
 //! cargo sets only for proxy-agent's own tests) stays in
@@ -47,6 +49,7 @@ pub mod kube_proxy;
 pub mod prog_test_run;
 pub mod real_cluster;
 pub mod real_kube_proxy;
+pub mod relay;
 pub mod rng;
 pub mod sandbox;
 pub mod scenario;

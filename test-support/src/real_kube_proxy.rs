@@ -48,18 +48,16 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
-use std::io::{self, Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
 
 use crate::real_cluster::{RealCluster, bin_dir};
+use crate::relay::Relay;
 use crate::sandbox::{Guarded, Netns, command_in, in_netns};
 
 /// The kube-proxy binary, beside the control plane's (`cargo xtask k8s`).
@@ -148,73 +146,6 @@ impl HostSnapshot {
             out.push(format!("the host's netfilter ruleset changed:\nbefore:\n{}\nafter:\n{}", self.ruleset, after.ruleset));
         }
         out
-    }
-}
-
-/// Copies connections accepted on a listener made inside a namespace to
-/// an address in the host's namespace, until dropped.
-struct Relay {
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl Relay {
-    fn start(netns: &Netns, listen: SocketAddr, to: SocketAddr) -> io::Result<Relay> {
-        let listener = in_netns(netns, move || TcpListener::bind(listen))??;
-        listener.set_nonblocking(true)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let flag = stop.clone();
-        let thread = std::thread::spawn(move || {
-            while !flag.load(Ordering::Relaxed) {
-                match listener.accept() {
-                    Ok((inside, _)) => {
-                        let _ = inside.set_nonblocking(false);
-                        if let Ok(outside) = TcpStream::connect(to) {
-                            pipe(inside, outside);
-                        }
-                    }
-                    // Nothing to accept yet (non-blocking), or a failed
-                    // accept: look again shortly.
-                    Err(_) => std::thread::sleep(Duration::from_millis(20)),
-                }
-            }
-        });
-        Ok(Relay { stop, thread: Some(thread) })
-    }
-}
-
-/// Two threads copying each direction; each shuts its write side down at
-/// EOF, so both end when either peer closes.
-fn pipe(a: TcpStream, b: TcpStream) {
-    let copy = |mut from: TcpStream, mut to: TcpStream| {
-        std::thread::spawn(move || {
-            let mut buf = [0u8; 16 * 1024];
-            loop {
-                match from.read(&mut buf) {
-                    Ok(0) | Err(_) => break,
-                    Ok(n) => {
-                        if to.write_all(&buf[..n]).is_err() {
-                            break;
-                        }
-                    }
-                }
-            }
-            let _ = to.shutdown(Shutdown::Write);
-            let _ = from.shutdown(Shutdown::Read);
-        });
-    };
-    if let (Ok(a2), Ok(b2)) = (a.try_clone(), b.try_clone()) {
-        copy(a, b2);
-        copy(b, a2);
-    }
-}
-
-impl Drop for Relay {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
     }
 }
 

@@ -100,7 +100,10 @@ impl Nginx {
     /// response of `/file` at the server: on loopback the kernel's socket
     /// buffers would otherwise take megabytes at once, and nginx would be
     /// done with a response long before its client, so a graceful quit
-    /// would have nothing in flight to wait for.
+    /// would have nothing in flight to wait for. A request of
+    /// `/file?rate=N` is paced at N bytes per second instead (nginx's
+    /// writable `$limit_rate`), for a download whose length a test sets
+    /// once it knows how long its steps take.
     pub fn start(netns: &Netns, name: &str, listen: SocketAddr, file_bytes: u64, rate: Option<u64>) -> io::Result<Nginx> {
         let dir = scratch_dir("tpt-nginx")?;
         let www = dir.join("www");
@@ -141,7 +144,7 @@ http {{
     listen {listen} sndbuf=65536;
     add_header X-Backend {name} always;
     location = {name_path} {{ default_type text/plain; return 200 \"{name}\\n\"; }}
-    location = {file_path} {{ root {d}/www; {limit} }}
+    location = {file_path} {{ root {d}/www; {limit} if ($arg_rate) {{ set $limit_rate $arg_rate; }} }}
   }}
 }}
 ",

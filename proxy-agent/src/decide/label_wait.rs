@@ -25,7 +25,9 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use crate::model::OtherNodes;
+use crate::decide::decision::ExternalState;
+use crate::decide::plan::FrontendPolicy;
+use crate::model::{Backend, Frontend, OtherNodes};
 
 /// What the source has listed of other Nodes, completely.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -95,6 +97,34 @@ pub fn verdict(waited: Duration, limit: Duration) -> Verdict {
     if waited < limit { Verdict::Hold } else { Verdict::GiveUp }
 }
 
+/// What the TC maps hold for one frontend: its backends and its policy
+/// (`None`: the default one).
+pub type Programmed = (BTreeSet<Backend>, Option<FrontendPolicy>);
+
+/// `ext` with each held frontend's TC entry (traffic from outside:
+/// NodePorts, external and LoadBalancer IPs) kept as the TC maps hold it,
+/// as the socket maps keep a held Service's frontends: `programmed` says
+/// what they hold, and a frontend they do not hold yet (a new Service)
+/// stays unwritten, with no policy-local flag. A held Service's Maglev
+/// size and health check port come from its spec, not from other Nodes'
+/// labels, and follow the decision.
+pub fn hold_tc(mut ext: ExternalState, hold: &BTreeSet<Frontend>, programmed: impl Fn(&Frontend) -> Option<Programmed>) -> ExternalState {
+    for fe in hold {
+        let Some((backends, policy)) = programmed(fe) else {
+            ext.tc.remove(fe);
+            ext.tc_policies.remove(fe);
+            ext.policy_local.remove(fe);
+            continue;
+        };
+        ext.tc.insert(*fe, backends);
+        match policy {
+            Some(p) => ext.tc_policies.insert(*fe, p),
+            None => ext.tc_policies.remove(fe),
+        };
+    }
+    ext
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,5 +182,48 @@ mod tests {
         assert_eq!(m.to_string(), "other Nodes' label apps.openyurt.io/nodepool not listed yet");
         let m = Missing { labels: BTreeSet::new(), nodes: set(&["a", "b"]) };
         assert_eq!(m.to_string(), "Nodes a, b not listed yet");
+    }
+
+    /// (name, decided TC entries, programmed TC entries, held frontends,
+    /// the entries written).
+    #[test]
+    fn held_tc_frontends_keep_what_is_programmed() {
+        use std::collections::BTreeMap;
+        use std::net::{IpAddr, Ipv4Addr};
+
+        use crate::model::Protocol;
+        let fe = |port: u16| Frontend { ip: IpAddr::V4(Ipv4Addr::new(192, 0, 2, 1)), port, protocol: Protocol::Tcp };
+        let b = |last: u8| Backend { ip: IpAddr::V4(Ipv4Addr::new(10, 244, 0, last)), port: 9376 };
+        let state = |entries: &[(u16, &[u8])]| -> BTreeMap<Frontend, BTreeSet<Backend>> {
+            entries.iter().map(|(p, bs)| (fe(*p), bs.iter().map(|l| b(*l)).collect())).collect()
+        };
+        type Case<'a> = (&'a str, &'a [(u16, &'a [u8])], &'a [(u16, &'a [u8])], &'a [u16], &'a [(u16, &'a [u8])]);
+        let cases: Vec<Case<'_>> = vec![
+            ("nothing held: the decision", &[(30001, &[1, 2])], &[(30001, &[1])], &[], &[(30001, &[1, 2])]),
+            ("held: as programmed, not the guess", &[(30001, &[1, 2])], &[(30001, &[1])], &[30001], &[(30001, &[1])]),
+            ("held and new: unwritten", &[(30001, &[1, 2]), (30002, &[3])], &[(30002, &[3])], &[30001], &[(30002, &[3])]),
+            ("held, gone from the decision: kept", &[], &[(30001, &[1])], &[30001], &[(30001, &[1])]),
+            ("a held ClusterIP has no TC entry", &[(30001, &[1])], &[(30001, &[1])], &[80], &[(30001, &[1])]),
+        ];
+        for (name, decided, programmed, hold, want) in cases {
+            let mut ext = ExternalState { tc: state(decided), ..Default::default() };
+            ext.policy_local = ext.tc.keys().copied().collect();
+            let programmed = state(programmed);
+            let hold: BTreeSet<Frontend> = hold.iter().map(|p| fe(*p)).collect();
+            let got = hold_tc(ext, &hold, |f| programmed.get(f).map(|s| (s.clone(), None)));
+            assert_eq!(got.tc, state(want), "{name}");
+            let unwritten: Vec<&Frontend> = hold.iter().filter(|f| !got.tc.contains_key(f)).collect();
+            assert!(unwritten.iter().all(|f| !got.policy_local.contains(f)), "{name}: an unwritten frontend has no flag");
+        }
+        // A held frontend's policy is the programmed one, the default one
+        // included.
+        let p = FrontendPolicy { affinity_timeout_s: Some(10800), ..Default::default() };
+        let mut ext = ExternalState { tc: state(&[(30001, &[1, 2])]), ..Default::default() };
+        ext.tc_policies.insert(fe(30001), p.clone());
+        let held: BTreeSet<Frontend> = [fe(30001)].into();
+        let got = hold_tc(ext.clone(), &held, |_| Some((state(&[(30001, &[1])])[&fe(30001)].clone(), None)));
+        assert!(got.tc_policies.is_empty(), "{:?}", got.tc_policies);
+        let got = hold_tc(ExternalState { tc_policies: BTreeMap::default(), ..ext }, &held, |_| Some((BTreeSet::new(), Some(p.clone()))));
+        assert_eq!(got.tc_policies.get(&fe(30001)), Some(&p));
     }
 }

@@ -444,6 +444,14 @@ impl ExternalDatapath {
         self.tc.as_ref().map_or(0, NodePortWriter::frontends)
     }
 
+    /// What the TC maps hold for `fe` (its backends and policy), `None`
+    /// when they hold nothing for it or the TC datapath is off: what a
+    /// held Service keeps (`decide::label_wait::hold_tc`).
+    pub fn tc_programmed(&self, fe: &crate::model::Frontend) -> Option<crate::decide::label_wait::Programmed> {
+        let w = &self.tc.as_ref()?.writer;
+        Some((w.backends_of(fe)?.iter().copied().collect(), w.policy_of(fe).cloned()))
+    }
+
     /// Writes the TC maps and (re)configures the health check ports. Must
     /// run inside a tokio runtime (the health servers are tasks).
     pub fn apply(&mut self, ext: &ExternalState) -> (NodePortOutcome, Vec<String>) {

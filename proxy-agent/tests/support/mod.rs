@@ -271,8 +271,17 @@ pub(crate) fn path_exists(p: &Path) -> bool {
 /// /metrics on another.
 impl Node {
     pub(crate) fn start_kube_agent(&mut self, kubeconfig: &Path, extra: &[&str]) {
+        // Host network namespace: never TC on the host's interfaces.
+        self.start_kube_agent_in(None, kubeconfig, "none", extra);
+    }
+
+    /// [`start_kube_agent`](Self::start_kube_agent) inside `netns` (the
+    /// host's with `None`) with `--devices devices`: a node namespace's
+    /// agent reaches the API server through a relay
+    /// (`proxy_test_support::relay`) that `kubeconfig` names.
+    pub(crate) fn start_kube_agent_in(&mut self, netns: Option<&Netns>, kubeconfig: &Path, devices: &str, extra: &[&str]) {
         let log = fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("open log");
-        let mut cmd = std::process::Command::new(agent_bin());
+        let mut cmd = command_in(agent_bin(), netns, None).expect("agent command");
         cmd.arg("run")
             .arg("--node")
             .arg(&self.name)
@@ -283,8 +292,7 @@ impl Node {
             .arg("--bpffs")
             .arg(self.pins.path())
             .args(["--healthz-bind-address", "127.0.0.1:0", "--metrics-bind-address", "127.0.0.1:0"])
-            // Host network namespace: never TC on the host's interfaces.
-            .args(["--devices", "none"])
+            .args(["--devices", devices])
             .args(extra)
             .envs(self.agent_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
             .stdin(Stdio::null())
