@@ -259,34 +259,51 @@ fn weighted_slots_carry_the_spill_shares_and_are_read_back() {
         }
         m
     };
+    let group = |slot_end: u32, weight_end: u32| pc::SlotGroup { slot_end, weight_end };
     sync(&mut w, &want, &[(a, weighted(350, 350, 300))].into());
     let v = service(pins, &a);
-    assert_eq!(v.backend_count, 1000, "the slot array is the weights' sum");
+    assert_eq!(v.backend_count, 3, "one slot per backend, in weighted groups");
+    assert_eq!(v.groups, [group(2, 700), group(3, 1000), group(0, 0), group(0, 0)], "350 twice, then 300");
     let slots = slots_of(pins);
     let mut counts: Vec<usize> = count(&slots).into_values().collect();
     counts.sort_unstable();
-    assert_eq!(counts, vec![300, 350, 350]);
-    assert_eq!(matches(pins).len(), 3, "one match entry per backend, not per slot");
-    assert_eq!(w.endpoints(), 1000);
+    assert_eq!(counts, vec![1, 1, 1]);
+    let report = dump::report(pins, &dump::read(pins).expect("dump"));
+    let view = report.services.iter().find(|v| v.frontend == a.to_string()).expect("frontend in dump");
+    let groups: Vec<(u32, u32, u32)> = view.slot_groups.iter().map(|g| (g.first_slot, g.slot_end, g.weight)).collect();
+    assert_eq!(groups, vec![(0, 2, 700), (2, 3, 300)], "dump shows the groups");
+    assert_eq!(matches(pins).len(), 3, "one match entry per backend");
+    assert_eq!(w.endpoints(), 3);
 
-    // The shares change: a new generation with the new counts, the old
+    // The shares change: a new generation with the new groups, the old
     // generation's slots and matches gone.
     sync(&mut w, &want, &[(a, weighted(100, 100, 800))].into());
     let v2 = service(pins, &a);
-    assert_eq!((v2.backend_count, v2.generation), (1000, v.generation + 1));
-    let mut counts: Vec<usize> = count(&slots_of(pins)).into_values().collect();
-    counts.sort_unstable();
-    assert_eq!(counts, vec![100, 100, 800]);
+    assert_eq!((v2.backend_count, v2.generation), (3, v.generation + 1));
+    assert_eq!(v2.groups, [group(1, 800), group(3, 1000), group(0, 0), group(0, 0)], "800, then 100 twice");
     assert_eq!(matches(pins).iter().filter(|m| m.1 == v.generation).count(), 0, "the old generation's matches are gone");
     assert_eq!(matches(pins).len(), 3);
 
-    // A restarted writer reads the weights back: nothing to rewrite.
+    // More distinct weights than the groups hold: each backend in as many
+    // slots as its weight, no groups.
+    let b = fe(2);
+    let five: Vec<Backend> = (1..=5).map(be).collect();
+    let spread =
+        FrontendPolicy { slot_weights: plan::SlotWeights::new(five.iter().zip(1..).map(|(x, n)| (*x, n)).collect()), ..affine(60) };
+    let want: State = [(a, [be(1), be(2), be(3)].into()), (b, five.iter().copied().collect())].into();
+    sync(&mut w, &want, &[(a, weighted(100, 100, 800)), (b, spread.clone())].into());
+    let vb = service(pins, &b);
+    assert_eq!((vb.backend_count, vb.groups), (15, [group(0, 0); pc::SLOT_GROUPS]), "1 + 2 + 3 + 4 + 5 slots");
+
+    // A restarted writer reads the weights back, from the groups and from
+    // the repeated slots: nothing to rewrite.
     drop(w);
     let mut w = MapWriter::open(pins).expect("reopen");
-    let policies: Policies = [(a, weighted(100, 100, 800))].into();
+    let policies: Policies = [(a, weighted(100, 100, 800)), (b, spread)].into();
     assert_eq!(w.policies(), policies, "weights and affinity read back from the slots");
     let plan = plan::diff_with_policies(&w.state(), &w.policies(), &want, &policies);
     assert!(plan.is_empty(), "{plan:?}");
+    let want: State = [(a, [be(1), be(2), be(3)].into())].into();
 
     // No more spread (the nearest tier is healthy again): one slot each.
     sync(&mut w, &want, &[(a, affine(60))].into());

@@ -80,8 +80,9 @@ struct Args {
     /// `SOCK_REVNAT` and `SOCK_REC` capacity (`--max-sock-revnat`) for
     /// `--only connect4` (default: the agent's).
     revnat_capacity: Option<u32>,
-    /// Slots of the weighted-slots Service of the connect4 breakdown
-    /// (`--weighted-slots`, default 1,000: what topology spill programs).
+    /// The weights' total of the weighted-slots Service of the connect4
+    /// breakdown (`--weighted-slots`, default 1,000: what topology spill
+    /// apportions a frontend's shares over).
     weighted_slots: u32,
 }
 
@@ -230,11 +231,11 @@ fn affine_frontend(size: usize) -> Frontend {
 }
 
 /// One more TCP Service past the population and its affinity Service,
-/// with its 10 backends on `slots` weighted slots (1,000 by default, as
-/// topology spill programs): three share 70 %
-/// and seven 30 %, the shares topology spill gives a zone at half health
-/// with factor 1.4. Programmed next to `desired` with `writer`, as the sync
-/// loop programs a spill Service; returns its address.
+/// with its 10 backends weighted `slots` in all (1,000 by default, as
+/// topology spill apportions): three share 70 % and seven 30 %, the shares
+/// topology spill gives a zone at half health with factor 1.4. Programmed
+/// next to `desired` with `writer`, as the sync loop programs a spill
+/// Service (one slot per backend in weighted groups); returns its address.
 fn program_weighted(
     writer: &mut MapWriter,
     desired: &plan::State,

@@ -171,6 +171,10 @@ fn policy_note(s: &ServiceView) -> String {
         let ranges = if r.is_empty() { "none (closed)".to_string() } else { r.join(",") };
         note.push_str(&format!("  source ranges {ranges}{}", if s.source_ranges_node { " +node" } else { "" }));
     }
+    if !s.slot_groups.is_empty() {
+        let groups: Vec<String> = s.slot_groups.iter().map(|g| format!("{}..{} weight {}", g.first_slot, g.slot_end, g.weight)).collect();
+        note.push_str(&format!("  weighted slots {}", groups.join(", ")));
+    }
     note
 }
 

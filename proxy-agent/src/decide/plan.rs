@@ -26,6 +26,10 @@ pub struct FrontendPolicy {
     pub slot_weights: Option<SlotWeights>,
 }
 
+/// One group of a grouped slot array ([`SlotWeights::grouped`]): the slot
+/// index after its last, and the weights summed up to it.
+pub type SlotGroupBound = (u32, u32);
+
 /// The slot count of each backend of a frontend, sorted by backend and
 /// never all equal (equal counts are one slot each, [`SlotWeights::new`]).
 /// The socket datapath picks a slot by hash modulo the slot count, so a
@@ -64,17 +68,73 @@ impl SlotWeights {
         &self.0
     }
 
+    /// The slot array of `backends` in groups of equal weight, for
+    /// `ServiceValue::groups` (the datapath picks a group by its weight,
+    /// then a slot of it alike): each backend once, the groups from the
+    /// largest weight down, with each group's slot end and the weights
+    /// summed up to it. A backend without a weight takes 1, one of weight
+    /// 0 no slot. `None` with more distinct weights than
+    /// `proxy_common::SLOT_GROUPS` or a sum past `u32`: then
+    /// [`expand`](Self::expand).
+    pub fn grouped(&self, backends: &[Backend]) -> Option<(Vec<Backend>, Vec<SlotGroupBound>)> {
+        let mut by_weight: BTreeMap<std::cmp::Reverse<u32>, Vec<Backend>> = BTreeMap::new();
+        for b in backends {
+            let w = self.weight_of(b);
+            if w > 0 {
+                by_weight.entry(std::cmp::Reverse(w)).or_default().push(*b);
+            }
+        }
+        if by_weight.is_empty() || by_weight.len() > proxy_common::SLOT_GROUPS {
+            return None;
+        }
+        let (mut slots, mut groups, mut total) = (Vec::new(), Vec::new(), 0u32);
+        for (std::cmp::Reverse(w), members) in by_weight {
+            total = total.checked_add(w.checked_mul(u32::try_from(members.len()).ok()?)?)?;
+            slots.extend(members);
+            groups.push((u32::try_from(slots.len()).ok()?, total));
+        }
+        Some((slots, groups))
+    }
+
+    /// The weights of a grouped slot array read back from the maps:
+    /// `slots` as listed, `groups` its (slot end, summed weight) pairs
+    /// (see [`grouped`](Self::grouped)). `None` when a group's weight does
+    /// not split evenly over its slots or the groups do not fit the slots
+    /// (not what `grouped` writes: the frontend is written again).
+    pub fn of_groups(slots: &[Backend], groups: &[SlotGroupBound]) -> Option<SlotWeights> {
+        let (mut start, mut before) = (0u32, 0u32);
+        let mut w = Vec::new();
+        for &(end, sum) in groups.iter().take_while(|(end, _)| *end != 0) {
+            let n = end.checked_sub(start).filter(|n| *n > 0)?;
+            let group = sum.checked_sub(before)?;
+            if group % n != 0 {
+                return None;
+            }
+            for b in slots.get(start as usize..end as usize)? {
+                w.push((*b, group / n));
+            }
+            (start, before) = (end, sum);
+        }
+        if start as usize != slots.len() {
+            return None;
+        }
+        SlotWeights::new(w)
+    }
+
+    fn weight_of(&self, b: &Backend) -> u32 {
+        match self.0.binary_search_by(|(x, _)| x.cmp(b)) {
+            Ok(i) => self.0[i].1,
+            Err(_) => 1,
+        }
+    }
+
     /// The slot array of `backends`: each listed as many times as its
     /// weight, in order. A backend without a weight takes one slot (never
     /// dropped), and one of weight 0 none.
     pub fn expand(&self, backends: &[Backend]) -> Vec<Backend> {
         let mut out = Vec::new();
         for b in backends {
-            let n = match self.0.binary_search_by(|(x, _)| x.cmp(b)) {
-                Ok(i) => self.0[i].1,
-                Err(_) => 1,
-            };
-            out.extend(std::iter::repeat_n(*b, n as usize));
+            out.extend(std::iter::repeat_n(*b, self.weight_of(b) as usize));
         }
         out
     }
@@ -398,9 +458,22 @@ mod tests {
         assert_eq!(w.entries(), &[(b1, 3), (b2, 1)]);
         let slots = w.expand(&[b1, b2, b3]);
         assert_eq!(slots, vec![b1, b1, b1, b2, b3], "a backend without a weight keeps one slot");
-        assert_eq!(SlotWeights::of_slots(&w.expand(&[b1, b2])), Some(w));
+        assert_eq!(SlotWeights::of_slots(&w.expand(&[b1, b2])), Some(w.clone()));
         assert_eq!(SlotWeights::of_slots(&[b1, b2, b3]), None);
         assert_eq!(SlotWeights::of_slots(&[b2, b1, b2, b1]), None);
+        // Grouped: each backend once, the heaviest group first, and read
+        // back to the same weights.
+        let (slots, groups) = w.grouped(&[b1, b2, b3]).expect("two weights fit the groups");
+        assert_eq!((slots.clone(), groups.clone()), (vec![b1, b2, b3], vec![(1, 3), (3, 5)]));
+        let of = |bs: &[Backend]| SlotWeights::new(bs.iter().map(|b| (*b, w.weight_of(b))).collect());
+        assert_eq!(SlotWeights::of_groups(&slots, &groups), of(&[b1, b2, b3]));
+        assert_eq!(SlotWeights::of_groups(&slots, &[(1, 3), (3, 4)]), None, "a weight of 1 does not split over 2 slots");
+        assert_eq!(SlotWeights::of_groups(&slots, &[(1, 3)]), None, "the groups must cover the slots");
+        // More distinct weights than the groups hold: expanded instead.
+        let many: Vec<Backend> = (1..=5).map(|i| be(&format!("10.244.1.{i}"), 80)).collect();
+        let five = SlotWeights::new(many.iter().zip(1..).map(|(b, n)| (*b, n)).collect()).unwrap();
+        assert_eq!(five.grouped(&many), None);
+        assert_eq!(five.grouped(&many[..4]).map(|(_, g)| g), Some(vec![(1, 4), (2, 7), (3, 9), (4, 10)]));
     }
 
     #[test]

@@ -54,6 +54,35 @@ pub struct ServiceView {
     /// frontends of the same backends, see `Report::maglev_table_bytes`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub maglev_table_bytes: Option<u64>,
+    /// Weighted slots (graded spill-over): the groups of the service
+    /// entry (`ServiceValue::groups`), each with the slots it spans and
+    /// its weight.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub slot_groups: Vec<SlotGroupView>,
+}
+
+/// One weighted group of a frontend's slots.
+#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "camelCase")]
+pub struct SlotGroupView {
+    /// Its first slot.
+    pub first_slot: u32,
+    /// The slot after its last.
+    pub slot_end: u32,
+    /// The group's weight (its share of new connections is this over the
+    /// sum of the groups').
+    pub weight: u32,
+}
+
+/// The groups of a service entry as listed (all zero: none).
+fn slot_groups(value: &ServiceValue) -> Vec<SlotGroupView> {
+    let (mut first_slot, mut before) = (0, 0);
+    let mut out = Vec::new();
+    for g in value.groups.iter().take_while(|g| g.slot_end != 0) {
+        out.push(SlotGroupView { first_slot, slot_end: g.slot_end, weight: g.weight_end.wrapping_sub(before) });
+        (first_slot, before) = (g.slot_end, g.weight_end);
+    }
+    out
 }
 
 /// One slot of a frontend's current generation.
@@ -237,6 +266,7 @@ pub fn check_maps(
             source_ranges_node: false,
             maglev_table_size: Some(value.maglev_size()).filter(|m| *m > 0),
             maglev_table_bytes: Some(u64::from(value.maglev_size()) * crate::decide::maglev::KERNEL_BYTES_PER_ENTRY).filter(|b| *b > 0),
+            slot_groups: slot_groups(value),
         });
     }
 

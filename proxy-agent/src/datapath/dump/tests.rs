@@ -25,7 +25,7 @@ fn fe(s: &str, port: u16) -> ServiceKey {
     service_key(&Frontend { ip: s.parse().expect("literal"), port, protocol: Protocol::Tcp })
 }
 fn svc(id: u32, count: u32, generation: u32) -> ServiceValue {
-    ServiceValue { service_id: id, backend_count: count, generation, flags: 0 }
+    ServiceValue { service_id: id, backend_count: count, generation, flags: 0, ..Default::default() }
 }
 fn slot(id: u32, generation: u32, slot: u32, backend: u32) -> (SlotKey, SlotValue) {
     (SlotKey { service_id: id, generation, slot }, SlotValue { backend_id: backend })

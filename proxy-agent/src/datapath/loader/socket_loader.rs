@@ -244,7 +244,7 @@ pub fn install(cgroup: &Path, pin_dir: &Path, caps: impl Into<MapSizes>) -> Resu
             *n += map_migration::copy(pin_dir, m, true)?;
         }
         map_migration::commit(pin_dir, m)?;
-        warnings.push(format!("map {} resized from {} to {} entries ({n} entries carried over)", m.spec.name, m.from, m.to));
+        warnings.push(m.describe(*n));
     }
     // Which sockets are the node's own processes: those of the agent's
     // network namespace (it runs with the host's network). Written at every
@@ -375,7 +375,10 @@ fn check_pinned_maps(pin_dir: &Path) -> Result<Vec<String>, LoadError> {
         if ty != m.map_type {
             return Err(incompatible(format!("type {ty:?}, expected {:?}", m.map_type)));
         }
-        if info.key_size() as usize != m.key_size || info.value_size() as usize != m.value_size {
+        // An earlier build's smaller values of a map this one extends are
+        // migrated (`map_migration::GROWN_VALUES`).
+        let value_ok = info.value_size() as usize == m.value_size || map_migration::value_grew(m.name, info.value_size() as usize);
+        if info.key_size() as usize != m.key_size || !value_ok {
             return Err(incompatible(format!(
                 "key/value size {}/{}, expected {}/{}",
                 info.key_size(),

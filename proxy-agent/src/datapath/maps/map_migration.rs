@@ -24,7 +24,8 @@ use crate::datapath::loader::pins;
 use crate::datapath::maps::bpf_batch::{self, BPF_MAP_GET_NEXT_KEY, BPF_MAP_LOOKUP_ELEM, BPF_MAP_UPDATE_ELEM};
 use crate::datapath::maps::{self, MapSizes, MapSpec};
 
-/// A map to be recreated with another capacity.
+/// A map to be recreated with another capacity, or with the larger values
+/// of this build ([`GROWN_VALUES`]).
 #[derive(Debug)]
 pub struct Migration {
     /// The map's entry in the table.
@@ -33,6 +34,38 @@ pub struct Migration {
     pub from: u32,
     /// The capacity it gets.
     pub to: u32,
+    /// The value size it was pinned with, when smaller than this build's.
+    pub grown_from: Option<usize>,
+}
+
+impl Migration {
+    /// What changes, for the log.
+    pub fn describe(&self, carried: u64) -> String {
+        let name = self.spec.name;
+        match self.grown_from {
+            Some(old) if self.from == self.to => {
+                format!("map {name} recreated with {}-byte values (was {old}; {carried} entries carried over)", self.spec.value_size)
+            }
+            Some(old) => format!(
+                "map {name} resized from {} to {} entries, with {}-byte values (was {old}; {carried} entries carried over)",
+                self.from, self.to, self.spec.value_size
+            ),
+            None => format!("map {name} resized from {} to {} entries ({carried} entries carried over)", self.from, self.to),
+        }
+    }
+}
+
+/// Maps whose value this build extends, with the value size earlier builds
+/// pinned: their pins are migrated like a capacity change, each value
+/// copied into the start of the new one and the added bytes zero, which
+/// the programs read as the earlier meaning. `SERVICES` and `NP_SERVICES`
+/// gained `ServiceValue::groups` (issue #48): all zero is plain slots.
+pub const GROWN_VALUES: &[(&str, usize)] = &[(proxy_common::SERVICES_MAP, 16), (proxy_common::NP_SERVICES_MAP, 16)];
+
+/// Whether a pin of `name` with `value_size` bytes per value is an earlier
+/// build's layout that [`plan`] migrates.
+pub fn value_grew(name: &str, value_size: usize) -> bool {
+    GROWN_VALUES.iter().any(|(n, old)| *n == name && *old == value_size)
 }
 
 /// Why a map's capacity could not be changed; the old map stays in place and in use.
@@ -104,25 +137,32 @@ pub fn plan(pin_dir: &Path, caps: &MapSizes) -> (Vec<Migration>, Vec<String>) {
         if let Ok(info) = MapInfo::from_pin(pins::map(pin_dir, spec.name))
             && info.max_entries() < count
         {
-            out.push(Migration { spec, from: info.max_entries(), to: count });
+            out.push(Migration { spec, from: info.max_entries(), to: count, grown_from: None });
         }
     }
     for m in maps::MAPS {
-        let Some(to) = caps.of(m) else { continue };
         let path = pins::map(pin_dir, m.name);
         let Ok(info) = MapInfo::from_pin(&path) else { continue };
         let from = info.max_entries();
-        if from == to {
+        let pinned_value = info.value_size() as usize;
+        let grown_from = (pinned_value != m.value_size && value_grew(m.name, pinned_value)).then_some(pinned_value);
+        let to = caps.of(m).unwrap_or(from);
+        if from == to && grown_from.is_none() {
             continue;
         }
         if m.map_type != MapType::LruHash {
             let used = MapData::from_pin(&path).ok().map_or(0, |d| count(d.fd().as_fd(), m.key_size));
             if used > u64::from(to) {
                 warnings.push(format!("map {} holds {used} entries, more than the {to} asked for; it is kept at {from} entries", m.name));
+                if grown_from.is_none() {
+                    continue;
+                }
+                // Its values must grow all the same.
+                out.push(Migration { spec: m, from, to: from, grown_from });
                 continue;
             }
         }
-        out.push(Migration { spec: m, from, to });
+        out.push(Migration { spec: m, from, to, grown_from });
     }
     (out, warnings)
 }

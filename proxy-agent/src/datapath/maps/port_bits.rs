@@ -401,7 +401,11 @@ impl PortBits {
 }
 
 fn open_hash<K: aya::Pod, V: aya::Pod>(pin_dir: &Path, name: &str, lru: bool) -> Result<HashMap<MapData, K, V>, PortBitsError> {
-    let path = pins::map(pin_dir, name);
+    // A map being migrated (`map_migration`) is read from its staged copy,
+    // which holds the same entries in this build's layout (the pinned one
+    // may have an earlier build's smaller values).
+    let staged = pins::staged_map(pin_dir, name);
+    let path = if staged.exists() { staged } else { pins::map(pin_dir, name) };
     let err = |source| PortBitsError::Open { path: path.clone(), source };
     let data = MapData::from_pin(&path).map_err(err)?;
     let map = if lru { Map::LruHashMap(data) } else { Map::HashMap(data) };

@@ -33,11 +33,25 @@ impl MapWriter {
         policy: &FrontendPolicy,
     ) -> Result<(), WriteError> {
         let old = programmed_get(&self.programmed, &self.appended, fe);
-        // Graded spill-over: each backend in as many slots as its weight.
-        // The list becomes the slot array (and the writer's record of it,
-        // which `read_back` reads the weights back from).
+        // Graded spill-over: each backend once, in groups of equal weight
+        // that the service entry weighs (`ServiceValue::groups`), so the
+        // connect hit path looks up no more slots than without weights;
+        // with more distinct weights than the entry holds, or with a
+        // Maglev table (whose weights and sharing key are the repeats, see
+        // `link_tables`), each backend in as many slots as its weight. The
+        // list becomes the slot array (and the writer's record of it,
+        // which `read_back` reads the weights back from, with the groups).
+        let mut groups = [pc::SlotGroup::default(); pc::SLOT_GROUPS];
         if let Some(w) = &policy.slot_weights {
-            *backends = w.expand(backends);
+            match w.grouped(backends).filter(|_| self.maglev_size_for(fe).is_none()) {
+                Some((slots, bounds)) => {
+                    *backends = slots;
+                    for (g, (slot_end, weight_end)) in groups.iter_mut().zip(bounds) {
+                        *g = pc::SlotGroup { slot_end, weight_end };
+                    }
+                }
+                None => *backends = w.expand(backends),
+            }
         }
         let n = u32::try_from(backends.len()).unwrap_or(u32::MAX);
 
@@ -142,7 +156,7 @@ impl MapWriter {
         }
         let tier = self.topo.as_ref().map_or(0, |t| t.tier_bits_of(fe));
         let flags = policy_flags(policy) | maglev.map_or(0, maglev_tables::flags_of) | tier;
-        chunk.service_values.push(ServiceValue { service_id, backend_count: n, generation, flags });
+        chunk.service_values.push(ServiceValue { service_id, backend_count: n, generation, flags, groups });
         chunk.staged.push(Staged {
             maglev,
             frontend: *fe,

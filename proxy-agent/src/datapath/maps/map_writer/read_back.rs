@@ -91,8 +91,14 @@ impl MapWriter {
                 // the next plan rewrites this frontend completely.
             }
             // A weighted frontend (graded spill-over) lists its backends
-            // as often as their weights, with one match entry each.
-            let slot_weights = crate::decide::plan::SlotWeights::of_slots(&list);
+            // once in weighted groups, or as often as their weights, with
+            // one match entry each.
+            let slot_weights = if value.groups[0].slot_end == 0 {
+                crate::decide::plan::SlotWeights::of_slots(&list)
+            } else {
+                let groups: Vec<(u32, u32)> = value.groups.iter().map(|g| (g.slot_end, g.weight_end)).collect();
+                crate::decide::plan::SlotWeights::of_groups(&list, &groups)
+            };
             let listed = if slot_weights.is_some() { super::chunk::distinct(&list) } else { value.backend_count };
             // A timeout of 0 (never written) stands for entries this agent
             // cannot trust (some missing): the next plan rewrites the
