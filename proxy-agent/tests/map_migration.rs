@@ -145,8 +145,8 @@ fn services_pinned_with_an_earlier_builds_smaller_values_are_migrated_without_a_
     node.stop_agent();
     let pins = node.pins.path().to_path_buf();
     let value_size = |map: &str| MapInfo::from_pin(pins.join(map)).expect("map info").value_size();
-    let entries_before = earlier_layout(&pins.join("SERVICES"), 16);
-    earlier_layout(&pins.join("NP_SERVICES"), 16);
+    let entries_before = earlier_layout(&pins.join("SERVICES"));
+    earlier_layout(&pins.join("NP_SERVICES"));
     assert_eq!((value_size("SERVICES"), value_size("NP_SERVICES")), (16, 16));
     assert_eq!(entries_before, 1, "web's frontend");
 
@@ -163,73 +163,30 @@ fn services_pinned_with_an_earlier_builds_smaller_values_are_migrated_without_a_
     assert!(log.contains(&format!("map NP_SERVICES recreated with {full}-byte values (was 16;")), "{log}");
 }
 
-/// Replaces the hash map pinned at `pin` by one with the same keys, flags
-/// and capacity whose values are the first `value_size` bytes of the old
-/// ones, pinned at the same path. Returns how many entries it copied.
-fn earlier_layout(pin: &std::path::Path, value_size: u32) -> usize {
-    use std::os::fd::{AsFd, AsRawFd};
-    const BPF_MAP_CREATE: libc::c_long = 0;
-    const BPF_MAP_LOOKUP_ELEM: libc::c_long = 1;
-    const BPF_MAP_UPDATE_ELEM: libc::c_long = 2;
-    const BPF_MAP_GET_NEXT_KEY: libc::c_long = 4;
-    const BPF_OBJ_PIN: libc::c_long = 6;
-    #[repr(C)]
-    struct Create {
-        map_type: u32,
-        key_size: u32,
-        value_size: u32,
-        max_entries: u32,
-        map_flags: u32,
-    }
-    #[repr(C)]
-    struct Elem {
-        map_fd: u32,
-        _pad: u32,
-        key: u64,
-        value: u64,
-        flags: u64,
-    }
-    #[repr(C)]
-    struct Pin {
-        pathname: u64,
-        bpf_fd: u32,
-        file_flags: u32,
-    }
-    fn bpf<T>(cmd: libc::c_long, attr: &T) -> i64 {
-        // SAFETY: `attr` is the member of `union bpf_attr` that `cmd`
-        // reads, with every pointer in it valid for the call.
-        unsafe { libc::syscall(libc::SYS_bpf, cmd, std::ptr::from_ref(attr), size_of::<T>()) }
-    }
-    let old = aya::maps::MapData::from_pin(pin).expect("open the pinned map");
+/// Replaces the `SERVICES`-layout hash map pinned at `pin` by one with the
+/// same keys, flags and capacity whose values are the first 16 bytes of
+/// the old ones (the layout before `ServiceValue::groups`), pinned at the
+/// same path. Returns how many entries it copied.
+fn earlier_layout(pin: &std::path::Path) -> usize {
+    use aya::maps::{HashMap, Map, MapData};
+    use proxy_common::{ServiceKey, ServiceValue};
+    const BPF_MAP_TYPE_HASH: u32 = 1;
     let info = MapInfo::from_pin(pin).expect("map info");
-    let (ks, vs) = (info.key_size() as usize, info.value_size() as usize);
-    let old_fd = old.fd().as_fd().as_raw_fd() as u32;
-    let create = Create { map_type: 1, key_size: ks as u32, value_size, max_entries: info.max_entries(), map_flags: info.map_flags() };
-    let new_fd = bpf(BPF_MAP_CREATE, &create);
-    assert!(new_fd >= 0, "BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
-    let (mut key, mut next, mut value) = (vec![0u8; ks], vec![0u8; ks], vec![0u8; vs]);
-    let mut copied = 0;
-    let mut first = true;
-    loop {
-        let prev = if first { 0 } else { key.as_ptr() as u64 };
-        let walk = Elem { map_fd: old_fd, _pad: 0, key: prev, value: next.as_mut_ptr() as u64, flags: 0 };
-        if bpf(BPF_MAP_GET_NEXT_KEY, &walk) != 0 {
-            break;
-        }
-        first = false;
-        std::mem::swap(&mut key, &mut next);
-        let lookup = Elem { map_fd: old_fd, _pad: 0, key: key.as_ptr() as u64, value: value.as_mut_ptr() as u64, flags: 0 };
-        assert_eq!(bpf(BPF_MAP_LOOKUP_ELEM, &lookup), 0, "lookup: {}", std::io::Error::last_os_error());
-        let update = Elem { map_fd: new_fd as u32, _pad: 0, key: key.as_ptr() as u64, value: value.as_ptr() as u64, flags: 0 };
-        assert_eq!(bpf(BPF_MAP_UPDATE_ELEM, &update), 0, "update: {}", std::io::Error::last_os_error());
-        copied += 1;
-    }
+    let old: HashMap<MapData, ServiceKey, ServiceValue> =
+        HashMap::try_from(Map::HashMap(MapData::from_pin(pin).expect("open the pinned map"))).expect("a SERVICES-layout map");
+    let entries = proxy_agent::datapath::bpf_batch::read_all(&old).expect("read the entries");
     std::fs::remove_file(pin).expect("unpin the map");
-    let path = std::ffi::CString::new(pin.as_os_str().as_encoded_bytes()).expect("pin path");
-    let pin_attr = Pin { pathname: path.as_ptr() as u64, bpf_fd: new_fd as u32, file_flags: 0 };
-    assert_eq!(bpf(BPF_OBJ_PIN, &pin_attr), 0, "BPF_OBJ_PIN: {}", std::io::Error::last_os_error());
-    // SAFETY: the fd came from BPF_MAP_CREATE above and is ours; the pin
-    // keeps the map.
-    unsafe { libc::close(new_fd as i32) };
-    copied
+    let fd = pin_new_map(pin, BPF_MAP_TYPE_HASH, info.key_size(), 16, info.max_entries(), info.map_flags());
+    let mut new: HashMap<MapData, ServiceKey, [u8; 16]> =
+        HashMap::try_from(Map::HashMap(MapData::from_fd(fd).expect("the new map"))).expect("a 16-byte-value map");
+    for (k, v) in &entries {
+        // The earlier layout is this one's first 16 bytes: service_id,
+        // backend_count, generation, flags.
+        let mut short = [0u8; 16];
+        for (at, word) in [v.service_id, v.backend_count, v.generation, v.flags].into_iter().enumerate() {
+            short[at * 4..at * 4 + 4].copy_from_slice(&word.to_ne_bytes());
+        }
+        new.insert(k, short, 0).expect("copy an entry");
+    }
+    entries.len()
 }

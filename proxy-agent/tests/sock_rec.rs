@@ -664,41 +664,11 @@ fn records_of_sockets_gone_before_the_release_program_are_swept() {
     assert_eq!(records(&node), Vec::new());
 }
 
-/// `BPF_MAP_CREATE` of a per-CPU array of u64 with `entries` entries,
-/// pinned at `path` (`BPF_OBJ_PIN`): the counter array of an older build.
+/// A per-CPU array of u64 with `entries` entries pinned at `path`: the
+/// counter array of an older build.
 fn pin_counter_array(path: &std::path::Path, entries: u32) {
-    // Kernels before 5.11 charge map memory to RLIMIT_MEMLOCK (the agent
-    // raises it for itself the same way); later ones ignore it.
-    let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
-    // SAFETY: setrlimit reads one rlimit; failing leaves the limit as it was.
-    let _ = unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &raw const unlimited) };
-    #[repr(C)]
-    struct CreateAttr {
-        map_type: u32,
-        key_size: u32,
-        value_size: u32,
-        max_entries: u32,
-        map_flags: u32,
-    }
-    #[repr(C)]
-    struct PinAttr {
-        pathname: u64,
-        bpf_fd: u32,
-        file_flags: u32,
-    }
     const BPF_MAP_TYPE_PERCPU_ARRAY: u32 = 6;
-    let attr = CreateAttr { map_type: BPF_MAP_TYPE_PERCPU_ARRAY, key_size: 4, value_size: 8, max_entries: entries, map_flags: 0 };
-    // SAFETY: the first members of `union bpf_attr` for BPF_MAP_CREATE (0),
-    // read by the kernel during the call.
-    let fd = unsafe { libc::syscall(libc::SYS_bpf, 0, std::ptr::from_ref(&attr), size_of::<CreateAttr>()) };
-    assert!(fd >= 0, "BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
-    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).expect("path");
-    let pin = PinAttr { pathname: c_path.as_ptr() as u64, bpf_fd: fd as u32, file_flags: 0 };
-    // SAFETY: BPF_OBJ_PIN (6) with a NUL-terminated path alive across the call.
-    let rc = unsafe { libc::syscall(libc::SYS_bpf, 6, std::ptr::from_ref(&pin), size_of::<PinAttr>()) };
-    assert_eq!(rc, 0, "BPF_OBJ_PIN: {}", std::io::Error::last_os_error());
-    // SAFETY: our descriptor; the pin keeps the map.
-    unsafe { libc::close(fd as i32) };
+    pin_new_map(path, BPF_MAP_TYPE_PERCPU_ARRAY, 4, 8, entries, 0);
 }
 
 /// A datapath pinned by a build with 16 socket counters (before

@@ -167,9 +167,11 @@ impl ServiceValue {
     /// end past it, or not after the previous one) are read as none.
     #[inline(always)]
     pub fn slot_index(&self, hash: u32) -> u32 {
-        let plain = select_slot(hash, self.backend_count);
+        // Only computed where it is the answer: the weighted path takes
+        // its own modulos.
+        let plain = || select_slot(hash, self.backend_count);
         if self.groups[0].slot_end == 0 {
-            return plain;
+            return plain();
         }
         // The groups in use must fit the slot count, in order.
         let (mut total, mut end) = (0, 0);
@@ -178,12 +180,12 @@ impl ServiceValue {
                 break;
             }
             if g.slot_end <= end || g.slot_end > self.backend_count || g.weight_end < total {
-                return plain;
+                return plain();
             }
             (total, end) = (g.weight_end, g.slot_end);
         }
         if total == 0 {
-            return plain;
+            return plain();
         }
         // fmix32 of a remixed hash: independent of `hash % n` below, so the
         // group and the slot in it are picked apart.
@@ -195,7 +197,7 @@ impl ServiceValue {
             }
             start = g.slot_end;
         }
-        plain
+        plain()
     }
 }
 

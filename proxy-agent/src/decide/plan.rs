@@ -1,6 +1,7 @@
 //! The difference between what the datapath holds and what the decisions
 //! call for. Pure: the map writer applies the result.
 
+use proxy_common::{SLOT_GROUPS, SlotGroup};
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::model::{Backend, Cidr, Frontend};
@@ -25,10 +26,6 @@ pub struct FrontendPolicy {
     /// slots each backend takes. `None`: one each.
     pub slot_weights: Option<SlotWeights>,
 }
-
-/// One group of a grouped slot array ([`SlotWeights::grouped`]): the slot
-/// index after its last, and the weights summed up to it.
-pub type SlotGroupBound = (u32, u32);
 
 /// The slot count of each backend of a frontend, sorted by backend and
 /// never all equal (equal counts are one slot each, [`SlotWeights::new`]).
@@ -72,11 +69,11 @@ impl SlotWeights {
     /// `ServiceValue::groups` (the datapath picks a group by its weight,
     /// then a slot of it alike): each backend once, the groups from the
     /// largest weight down, with each group's slot end and the weights
-    /// summed up to it. A backend without a weight takes 1, one of weight
-    /// 0 no slot. `None` with more distinct weights than
-    /// `proxy_common::SLOT_GROUPS` or a sum past `u32`: then
+    /// summed up to it, the unused groups zero. A backend without a
+    /// weight takes 1, one of weight 0 no slot. `None` with more distinct
+    /// weights than `proxy_common::SLOT_GROUPS` or a sum past `u32`: then
     /// [`expand`](Self::expand).
-    pub fn grouped(&self, backends: &[Backend]) -> Option<(Vec<Backend>, Vec<SlotGroupBound>)> {
+    pub fn grouped(&self, backends: &[Backend]) -> Option<(Vec<Backend>, [SlotGroup; SLOT_GROUPS])> {
         let mut by_weight: BTreeMap<std::cmp::Reverse<u32>, Vec<Backend>> = BTreeMap::new();
         for b in backends {
             let w = self.weight_of(b);
@@ -87,24 +84,24 @@ impl SlotWeights {
         if by_weight.is_empty() || by_weight.len() > proxy_common::SLOT_GROUPS {
             return None;
         }
-        let (mut slots, mut groups, mut total) = (Vec::new(), Vec::new(), 0u32);
-        for (std::cmp::Reverse(w), members) in by_weight {
+        let (mut slots, mut groups, mut total) = (Vec::new(), [SlotGroup::default(); SLOT_GROUPS], 0u32);
+        for (g, (std::cmp::Reverse(w), members)) in groups.iter_mut().zip(by_weight) {
             total = total.checked_add(w.checked_mul(u32::try_from(members.len()).ok()?)?)?;
             slots.extend(members);
-            groups.push((u32::try_from(slots.len()).ok()?, total));
+            *g = SlotGroup { slot_end: u32::try_from(slots.len()).ok()?, weight_end: total };
         }
         Some((slots, groups))
     }
 
     /// The weights of a grouped slot array read back from the maps:
-    /// `slots` as listed, `groups` its (slot end, summed weight) pairs
-    /// (see [`grouped`](Self::grouped)). `None` when a group's weight does
-    /// not split evenly over its slots or the groups do not fit the slots
-    /// (not what `grouped` writes: the frontend is written again).
-    pub fn of_groups(slots: &[Backend], groups: &[SlotGroupBound]) -> Option<SlotWeights> {
+    /// `slots` as listed, `groups` the service entry's (see
+    /// [`grouped`](Self::grouped)). `None` when a group's weight does not
+    /// split evenly over its slots or the groups do not fit the slots (not
+    /// what `grouped` writes: the frontend is written again).
+    pub fn of_groups(slots: &[Backend], groups: &[SlotGroup]) -> Option<SlotWeights> {
         let (mut start, mut before) = (0u32, 0u32);
         let mut w = Vec::new();
-        for &(end, sum) in groups.iter().take_while(|(end, _)| *end != 0) {
+        for &SlotGroup { slot_end: end, weight_end: sum } in groups.iter().take_while(|g| g.slot_end != 0) {
             let n = end.checked_sub(start).filter(|n| *n > 0)?;
             let group = sum.checked_sub(before)?;
             if group % n != 0 {
@@ -463,17 +460,18 @@ mod tests {
         assert_eq!(SlotWeights::of_slots(&[b2, b1, b2, b1]), None);
         // Grouped: each backend once, the heaviest group first, and read
         // back to the same weights.
+        let g = |slot_end: u32, weight_end: u32| SlotGroup { slot_end, weight_end };
         let (slots, groups) = w.grouped(&[b1, b2, b3]).expect("two weights fit the groups");
-        assert_eq!((slots.clone(), groups.clone()), (vec![b1, b2, b3], vec![(1, 3), (3, 5)]));
+        assert_eq!((slots.clone(), groups), (vec![b1, b2, b3], [g(1, 3), g(3, 5), g(0, 0), g(0, 0)]));
         let of = |bs: &[Backend]| SlotWeights::new(bs.iter().map(|b| (*b, w.weight_of(b))).collect());
         assert_eq!(SlotWeights::of_groups(&slots, &groups), of(&[b1, b2, b3]));
-        assert_eq!(SlotWeights::of_groups(&slots, &[(1, 3), (3, 4)]), None, "a weight of 1 does not split over 2 slots");
-        assert_eq!(SlotWeights::of_groups(&slots, &[(1, 3)]), None, "the groups must cover the slots");
+        assert_eq!(SlotWeights::of_groups(&slots, &[g(1, 3), g(3, 4)]), None, "a weight of 1 does not split over 2 slots");
+        assert_eq!(SlotWeights::of_groups(&slots, &[g(1, 3)]), None, "the groups must cover the slots");
         // More distinct weights than the groups hold: expanded instead.
         let many: Vec<Backend> = (1..=5).map(|i| be(&format!("10.244.1.{i}"), 80)).collect();
         let five = SlotWeights::new(many.iter().zip(1..).map(|(b, n)| (*b, n)).collect()).unwrap();
         assert_eq!(five.grouped(&many), None);
-        assert_eq!(five.grouped(&many[..4]).map(|(_, g)| g), Some(vec![(1, 4), (2, 7), (3, 9), (4, 10)]));
+        assert_eq!(five.grouped(&many[..4]).map(|(_, groups)| groups), Some([g(1, 4), g(2, 7), g(3, 9), g(4, 10)]));
     }
 
     #[test]

@@ -506,3 +506,50 @@ pub(crate) fn pod_probe(node: &Node, net: &Netns, args: &[&str]) -> Command {
     cmd.arg("probe").args(args);
     cmd
 }
+
+/// `BPF_MAP_CREATE` of a map of `map_type` (a `BPF_MAP_TYPE_*` number)
+/// with the given sizes, capacity and flags, pinned at `path`
+/// (`BPF_OBJ_PIN`): a map as an older build made it, for the upgrade
+/// tests. Returns its descriptor; the pin keeps the map after it closes.
+pub(crate) fn pin_new_map(
+    path: &Path,
+    map_type: u32,
+    key_size: u32,
+    value_size: u32,
+    max_entries: u32,
+    map_flags: u32,
+) -> std::os::fd::OwnedFd {
+    use std::os::fd::FromRawFd;
+    // Kernels before 5.11 charge map memory to RLIMIT_MEMLOCK (the agent
+    // raises it for itself the same way); later ones ignore it.
+    let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: setrlimit reads one rlimit; failing leaves the limit as it was.
+    let _ = unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &raw const unlimited) };
+    #[repr(C)]
+    struct CreateAttr {
+        map_type: u32,
+        key_size: u32,
+        value_size: u32,
+        max_entries: u32,
+        map_flags: u32,
+    }
+    #[repr(C)]
+    struct PinAttr {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+    }
+    let attr = CreateAttr { map_type, key_size, value_size, max_entries, map_flags };
+    // SAFETY: the first members of `union bpf_attr` for BPF_MAP_CREATE (0),
+    // read by the kernel during the call.
+    let fd = unsafe { libc::syscall(libc::SYS_bpf, 0, std::ptr::from_ref(&attr), size_of::<CreateAttr>()) };
+    assert!(fd >= 0, "BPF_MAP_CREATE: {}", std::io::Error::last_os_error());
+    // SAFETY: the kernel returned a new descriptor that nobody else owns.
+    let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) };
+    let c_path = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).expect("path");
+    let pin = PinAttr { pathname: c_path.as_ptr() as u64, bpf_fd: std::os::fd::AsRawFd::as_raw_fd(&fd) as u32, file_flags: 0 };
+    // SAFETY: BPF_OBJ_PIN (6) with a NUL-terminated path alive across the call.
+    let rc = unsafe { libc::syscall(libc::SYS_bpf, 6, std::ptr::from_ref(&pin), size_of::<PinAttr>()) };
+    assert_eq!(rc, 0, "BPF_OBJ_PIN: {}", std::io::Error::last_os_error());
+    fd
+}

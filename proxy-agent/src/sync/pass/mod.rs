@@ -557,7 +557,7 @@ impl CachedSync {
         let mut external_problems = Vec::new();
         if let (Some(e), Some(ext)) = (external, ext) {
             // A held Service's TC entries keep what is programmed too.
-            let ext = if wait.hold.is_empty() { ext } else { label_wait::hold_tc(ext, &wait.hold, |fe| e.tc_programmed(fe)) };
+            let ext = label_wait::hold_tc(ext, &wait.hold, |fe| e.tc_programmed(fe));
             let (np, problems) = e.apply(&ext);
             let mut watched = std::mem::take(&mut self.watched_tc);
             let tc_set = |fe: &Frontend| ext.tc.get(fe).map(|s| s.iter().copied().collect());

@@ -44,12 +44,7 @@ impl MapWriter {
         let mut groups = [pc::SlotGroup::default(); pc::SLOT_GROUPS];
         if let Some(w) = &policy.slot_weights {
             match w.grouped(backends).filter(|_| self.maglev_size_for(fe).is_none()) {
-                Some((slots, bounds)) => {
-                    *backends = slots;
-                    for (g, (slot_end, weight_end)) in groups.iter_mut().zip(bounds) {
-                        *g = pc::SlotGroup { slot_end, weight_end };
-                    }
-                }
+                Some((slots, weighted)) => (*backends, groups) = (slots, weighted),
                 None => *backends = w.expand(backends),
             }
         }

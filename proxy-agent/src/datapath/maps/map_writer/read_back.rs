@@ -96,8 +96,7 @@ impl MapWriter {
             let slot_weights = if value.groups[0].slot_end == 0 {
                 crate::decide::plan::SlotWeights::of_slots(&list)
             } else {
-                let groups: Vec<(u32, u32)> = value.groups.iter().map(|g| (g.slot_end, g.weight_end)).collect();
-                crate::decide::plan::SlotWeights::of_groups(&list, &groups)
+                crate::decide::plan::SlotWeights::of_groups(&list, &value.groups)
             };
             let listed = if slot_weights.is_some() { super::chunk::distinct(&list) } else { value.backend_count };
             // A timeout of 0 (never written) stands for entries this agent
