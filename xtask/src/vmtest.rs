@@ -1401,9 +1401,9 @@ mod tests {
             release: "5.10.0-46-amd64".into(),
             totals: Totals { passed, failed: 0, ignored: 0, binaries },
             seconds: 100.0,
-            problems: problems.iter().map(|p| p.to_string()).collect(),
+            problems: problems.iter().map(ToString::to_string).collect(),
             notes: Vec::new(),
-            ended: ended.iter().map(|e| e.to_string()).collect(),
+            ended: ended.iter().map(ToString::to_string).collect(),
             lockup: None,
         }
     }

@@ -255,7 +255,7 @@ impl Default for Metrics {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct TierShareSeries {
     /// The Service port.
-    pub port: super::service_connections::PortLabel,
+    pub port: crate::model::PortLabel,
     /// `IPv4` or `IPv6` for a dual-stack port graded family by family;
     /// empty (the label absent) for a port of one family.
     pub family: &'static str,
@@ -769,12 +769,7 @@ mod tests {
 
     #[test]
     fn tier_shares_are_gauges_per_spilling_port_and_tier() {
-        let port = super::super::service_connections::PortLabel {
-            namespace: "shop".into(),
-            service: "web".into(),
-            port: "http".to_string(),
-            topology: true,
-        };
+        let port = crate::model::PortLabel { namespace: "shop".into(), service: "web".into(), port: "http".to_string(), topology: true };
         let share = |tier: &str, share_ppm: u32| TierShareSeries { port: port.clone(), family: "", tier: tier.to_string(), share_ppm };
         let m = Metrics::new();
         m.set_tier_shares([share("topology.kubernetes.io/zone=za", 700_000), share("*", 300_000)]);

@@ -28,19 +28,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::metrics::counter::ConstCounter;
 use proxy_common::{SHARE_ONE, SvcConnValue, tier};
 
-/// Who a frontend's counts belong to: a Service port.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct PortLabel {
-    /// The Service's namespace.
-    pub namespace: Arc<str>,
-    /// The Service's name.
-    pub service: Arc<str>,
-    /// The port's name, or its number when it has none.
-    pub port: String,
-    /// Whether the Service has a topology setting (exported one by one
-    /// under `--service-metrics topology`).
-    pub topology: bool,
-}
+use crate::model::PortLabel;
 
 /// `--service-metrics`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]

@@ -28,8 +28,9 @@ use crate::datapath::maps::ServiceMaps;
 use crate::datapath::maps::bpf_batch::{self, BatchError};
 use crate::decide::decision::FrontendTopo;
 use crate::decide::topology::tier::EndpointTiers;
+use crate::model::PortLabel;
 use crate::model::{Backend, Frontend};
-use crate::observe::service_connections::{Owners, PortLabel};
+use crate::observe::service_connections::Owners;
 
 /// The endpoint tier table, shared by the sync pass (which updates it) and
 /// both datapaths' writers (which read it when they write a backend).

@@ -7,8 +7,8 @@ use std::net::IpAddr;
 
 use crate::decide::plan::{FrontendPolicy, Policies, SlotWeights, SourceRanges};
 use crate::decide::topology::{self, NodeContext};
+use crate::model::PortLabel;
 use crate::model::{Backend, Cidr, Cluster, Endpoint, EndpointSlice, Family, Frontend, ObjectRef, Service, ServicePort};
-pub use crate::observe::service_connections::PortLabel;
 
 mod external;
 pub use external::{ExternalState, HealthCheck, external_state, external_state_of, has_external};
