@@ -9,15 +9,17 @@
 //!                            plan)
 //!                                 external/ (NodePort devices, addresses,
 //!                                            health check node ports)
-//! sync/ drives one loop over all of them; observe/ (metrics, HTTP) and
-//! util/ sit below everything and import nothing from the crate's folders.
+//! sync/ drives one loop over all of them; util/ sits below everything and
+//! imports nothing from the crate's folders; observe/ (metrics, HTTP) sits
+//! just above model/, whose `PortLabel` names the per-Service counts, and
+//! below everything that reports to it.
 //! migrate/ stands beside the flow: it reads what kube-proxy left on a node
 //! (`proxy-agent cleanup-kube-proxy`) and uses nothing above util.
 //! `fuzzing` sits on top: the fuzz targets' entry points into all of it.
 //! ```
 //!
 //! A folder imports only from folders below it in this order: `util`,
-//! `observe`, `model`/`migrate`, `source`/`decide`, `datapath`, `external`,
+//! `model`/`migrate`, `observe`, `source`/`decide`, `datapath`, `external`,
 //! `sync` (`tests/layers.rs` checks it). Modules are `pub` only where another
 //! crate (the binary, the tests, the bench, proxy-test-support) uses them.
 
