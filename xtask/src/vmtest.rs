@@ -115,7 +115,11 @@ static KERNELS: [Kernel; 4] = [
         binaries: EDGE_BINARIES,
         // The packet-level cases run under 5.10 (the compat TC programs)
         // and 6.1/6.12 already; here they would only add emulated minutes.
-        skip: &["test_run::"],
+        // So does the restart in auto mode: it must pick tcx here as on
+        // 6.12, which runs it, and it took 390 s of this guest's 779 s of
+        // NodePort tests in the CI run of 559a033 (82 minutes in all, the
+        // second lane, which this guest ends, the longest).
+        skip: &["test_run::", "in_auto_mode_an_established_flow_survives_an_agent_restart"],
         suite: Some("sid"),
     },
 ];
@@ -316,10 +320,12 @@ pub(crate) enum Outcome {
 #[derive(Clone)]
 pub(crate) struct Options {
     pub kernels: Vec<String>,
-    /// Per boot. 35 minutes: in CI the first lane's guests run beside
+    /// Per boot. 45 minutes: in CI the first lane's guests run beside
     /// the host's tests, fuzzing and the image build, and 6.1 and 6.12
-    /// ran out of 25 there (29 and 25 tests done; CI log of 9d4d81c)
-    /// while 6.12 alone had needed 1,395 s in the run before.
+    /// ran out of 25 there (29 and 25 tests done; CI log of 9d4d81c);
+    /// with 35, 6.1 took 1,968 s and 6.12 ran out two tests short
+    /// (CI log of 559a033). A guest that locks up is stopped at once
+    /// (see [`boot`]), so the limit is paid only by one that is slow.
     pub timeout: Duration,
     /// libtest filters run in every test binary instead of [`TESTS`].
     pub only: Vec<String>,
@@ -341,7 +347,7 @@ pub(crate) struct Options {
 
 impl Default for Options {
     fn default() -> Self {
-        Options { kernels: Vec::new(), timeout: Duration::from_mins(35), only: Vec::new(), guests: 2, smp: 2, live: true }
+        Options { kernels: Vec::new(), timeout: Duration::from_mins(45), only: Vec::new(), guests: 2, smp: 2, live: true }
     }
 }
 
@@ -369,7 +375,7 @@ pub(crate) fn run(args: &[String]) -> Result<()> {
             }
             "-h" | "--help" => {
                 println!(
-                    "cargo xtask vmtest [--kernel 5.10|6.1|6.12|sid]... [--timeout-secs N (per kernel, default 2100)] [--only FILTER]...\n\
+                    "cargo xtask vmtest [--kernel 5.10|6.1|6.12|sid]... [--timeout-secs N (per kernel, default 2700)] [--only FILTER]...\n\
                      \x20   [--guests N|--concurrent|--sequential] [--smp N]\n\
                      --only runs the tests matching FILTER (libtest substring) in each test binary instead of the chosen set.\n\
                      --guests N boots N kernels at a time (default 2), --concurrent all at once, --sequential one after the other.\n\
