@@ -1067,7 +1067,7 @@ fn make_initramfs(k: &Kernel, binaries: &[&str], kernel_dir: &Path, bins: &Binar
 /// detached, as every agent start and stop in the tests does). A lockup
 /// with a BPF program on the stack is ours and fails the kernel.
 fn boot(k: &Kernel, kernel_dir: &Path, bins: &Binaries, cache: &Path, opts: &Options) -> Result<KernelRun> {
-    let (run, reached_init) = boot_once(k, k.binaries, kernel_dir, bins, cache, opts, opts.timeout)?;
+    let (run, reached_init) = boot_once(k, k.binaries, kernel_dir, bins, cache, opts)?;
     // A guest that never reached /init cannot have finished, so it has
     // problems; one that hung for long is a timeout, not a boot fault.
     let run = if reached_init || run.seconds > 120.0 {
@@ -1079,7 +1079,7 @@ fn boot(k: &Kernel, kernel_dir: &Path, bins: &Binaries, cache: &Path, opts: &Opt
             run.seconds,
             run.problems.join("; ")
         );
-        boot_once(k, k.binaries, kernel_dir, bins, cache, opts, opts.timeout)?.0
+        boot_once(k, k.binaries, kernel_dir, bins, cache, opts)?.0
     };
     let Some(lockup) = run.lockup.clone() else { return Ok(run) };
     let left = binaries_left(k.binaries, &run.ended, bins);
@@ -1092,7 +1092,7 @@ fn boot(k: &Kernel, kernel_dir: &Path, bins: &Binaries, cache: &Path, opts: &Opt
         run.seconds,
         left.join(", ")
     );
-    let (again, _) = boot_once(k, &left, kernel_dir, bins, cache, opts, opts.timeout)?;
+    let (again, _) = boot_once(k, &left, kernel_dir, bins, cache, opts)?;
     Ok(resumed(run, again, &left))
 }
 
@@ -1161,15 +1161,8 @@ const LOCKUP_GRACE: Duration = Duration::from_secs(20);
 
 /// One boot of `k` running `binaries`: the run, and whether our /init got
 /// as far as printing the kernel's release.
-fn boot_once(
-    k: &Kernel,
-    binaries: &[&str],
-    kernel_dir: &Path,
-    bins: &Binaries,
-    cache: &Path,
-    opts: &Options,
-    timeout: Duration,
-) -> Result<(KernelRun, bool)> {
+fn boot_once(k: &Kernel, binaries: &[&str], kernel_dir: &Path, bins: &Binaries, cache: &Path, opts: &Options) -> Result<(KernelRun, bool)> {
+    let timeout = opts.timeout;
     let release = modules_dir(kernel_dir)
         .and_then(|m| m.file_name().map(|n| n.to_string_lossy().into_owned()))
         .unwrap_or_else(|| k.label.to_string());

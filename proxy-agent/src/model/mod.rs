@@ -6,7 +6,7 @@
 //! decision code (`topology.rs`, `decision.rs`, `plan.rs`), which therefore
 //! never sees kube, aya or tokio types.
 
-pub mod port_label;
+mod port_label;
 pub mod store;
 
 pub use port_label::PortLabel;

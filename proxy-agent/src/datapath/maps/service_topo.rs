@@ -28,8 +28,7 @@ use crate::datapath::maps::ServiceMaps;
 use crate::datapath::maps::bpf_batch::{self, BatchError};
 use crate::decide::decision::FrontendTopo;
 use crate::decide::topology::tier::EndpointTiers;
-use crate::model::PortLabel;
-use crate::model::{Backend, Frontend};
+use crate::model::{Backend, Frontend, PortLabel};
 use crate::observe::service_connections::Owners;
 
 /// The endpoint tier table, shared by the sync pass (which updates it) and

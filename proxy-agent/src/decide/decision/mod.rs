@@ -7,8 +7,7 @@ use std::net::IpAddr;
 
 use crate::decide::plan::{FrontendPolicy, Policies, SlotWeights, SourceRanges};
 use crate::decide::topology::{self, NodeContext};
-use crate::model::PortLabel;
-use crate::model::{Backend, Cidr, Cluster, Endpoint, EndpointSlice, Family, Frontend, ObjectRef, Service, ServicePort};
+use crate::model::{Backend, Cidr, Cluster, Endpoint, EndpointSlice, Family, Frontend, ObjectRef, PortLabel, Service, ServicePort};
 
 mod external;
 pub use external::{ExternalState, HealthCheck, external_state, external_state_of, has_external};
