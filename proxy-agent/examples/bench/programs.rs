@@ -36,6 +36,8 @@ const EMPTY_RECVMSG4: &str = "bench_empty_recvmsg4";
 /// like the agent's `SOCK_REC` and `SOCK_REVNAT`.
 const BENCH_SOCK_REC: &str = "BENCH_SOCK_REC";
 const BENCH_LRU_SHARED: &str = "BENCH_LRU_SHARED";
+/// The cookie-indexed record array, given `SOCK_REC_COUNT`'s slots.
+const BENCH_REC_ARRAY: &str = "BENCH_REC_ARRAY";
 const MINIMAL_TC: &str = "bench_minimal_tc";
 const EMPTY_TC: &str = "bench_empty_tc";
 
@@ -70,7 +72,7 @@ fn prog_stats(id: u32) -> Result<(u64, u64)> {
 /// The step probes of `proxy-ebpf/src/programs/baseline.rs` (`probe`): each one is
 /// our connect4's work on a plain Service cut off after one more step, and
 /// what that step adds; then the whole path with the other records.
-const STEPS: [(&str, &str); 10] = [
+const STEPS: [(&str, &str); 11] = [
     ("bench_step1_connect4", "context reads (protocol, address, port)"),
     ("bench_step2_connect4", "+ SERVICES lookup"),
     ("bench_step3_connect4", "+ random pick and SLOTS lookup"),
@@ -81,6 +83,7 @@ const STEPS: [(&str, &str); 10] = [
     ("bench_alt_storage_connect4", "whole hit path, record in socket storage (previous build)"),
     ("bench_alt_cilium_connect4", "whole hit path, Cilium-shaped (shared-list LRU insert keyed by {cookie, backend})"),
     ("bench_step8_connect4", "+ per-Service tier count (SVC_CONN, SVC_TOPO; issue #34), after the counter"),
+    ("bench_alt_cookie_array_connect4", "whole hit path, record in a cookie-indexed array (the hash only on a collision; issue #47)"),
 ];
 
 /// The `sock_release` probes (proxy-ebpf/src/programs/baseline.rs,
@@ -106,6 +109,8 @@ const WHOLE_CILIUM: usize = 8;
 /// Index into `STEPS` of the per-Service tier count, on top of the whole
 /// SOCK_REC path.
 const TIER_COUNT: usize = 9;
+/// Index into `STEPS` of the whole path with the cookie-indexed record.
+const WHOLE_COOKIE_ARRAY: usize = 10;
 
 /// The probe each step of `STEPS` is measured against: the one before it,
 /// but for the whole-path variants, which replace the record and the
@@ -114,7 +119,7 @@ const TIER_COUNT: usize = 9;
 fn base_step(i: usize) -> Option<usize> {
     match i {
         0 => None,
-        WHOLE_STORAGE | WHOLE_CILIUM => Some(4),
+        WHOLE_STORAGE | WHOLE_CILIUM | WHOLE_COOKIE_ARRAY => Some(4),
         TIER_COUNT => Some(WHOLE_SOCK_REC),
         _ => Some(i - 1),
     }
@@ -213,6 +218,7 @@ impl ConnectRuntime {
         loader.map_max_entries(BENCH_SOCK_REC, capacity(proxy_common::SOCK_REC_MAP)?);
         loader.map_max_entries(BENCH_LRU_SHARED, capacity(proxy_common::SOCK_REVNAT_MAP)?);
         loader.map_max_entries(BENCH_SOCK_REC_COUNT, proxy_common::SOCK_REC_COUNT_SLOTS);
+        loader.map_max_entries(BENCH_REC_ARRAY, proxy_common::SOCK_REC_COUNT_SLOTS);
         let mut ebpf = loader.load(proxy_agent::datapath::object::EBPF_OBJECT).context("loading the eBPF object")?;
         let mut load_addr = |name: &str| -> Result<u32> {
             let prog: &mut CgroupSockAddr =
@@ -637,7 +643,28 @@ Each probe (`bench_step<N>_connect4` and `bench_alt_*_connect4` in `proxy-ebpf/s
                 adds(WHOLE_CILIUM),
                 insert + counter,
             );
-            variant_rows.push(json!({"services": size, "sock_rec_ns": rec, "socket_storage_ns": storage, "cilium_ns": cilium, "sock_rec_vs_cilium": rec / cilium}));
+            // The proposed cookie-indexed record against today's, per
+            // repeat (the two probes ran in the same repeat, so the ratio
+            // cancels the machine's drift): the whole paths, and what each
+            // record (with its count and the counter) adds to the probe
+            // through the cookie.
+            let per_repeat = |a: usize, b: usize| -> Option<Spread> {
+                let (a, b) = (self.steps.get(&(size, a))?, self.steps.get(&(size, b))?);
+                Some(spread(&a.ours.iter().zip(&b.ours).map(|(a, b)| a / b).collect::<Vec<_>>()))
+            };
+            let array = whole(WHOLE_COOKIE_ARRAY);
+            if let Some(r) = per_repeat(WHOLE_COOKIE_ARRAY, WHOLE_SOCK_REC) {
+                let _ = writeln!(
+                    md,
+                    "  Cookie-indexed record array (issue #47): whole hit path {array:.0} ns, {:.3}x SOCK_REC's (median of the per-repeat ratios, {:.3}–{:.3}); its record and counter add {:.0} ns against SOCK_REC's {:.0} ns.",
+                    r.median,
+                    r.min,
+                    r.max,
+                    adds(WHOLE_COOKIE_ARRAY),
+                    insert + counter,
+                );
+            }
+            variant_rows.push(json!({"services": size, "sock_rec_ns": rec, "socket_storage_ns": storage, "cilium_ns": cilium, "cookie_array_ns": array, "sock_rec_vs_cilium": rec / cilium, "cookie_array_vs_sock_rec": per_repeat(WHOLE_COOKIE_ARRAY, WHOLE_SOCK_REC).map(|r| r.json())}));
             let r = rec / cilium;
             if sock_rec_vs_cilium.is_none_or(|(w, _)| r > w) {
                 sock_rec_vs_cilium = Some((r, size));

@@ -17,6 +17,9 @@
 //!   the address the application asked for. `bench_alt_{storage,cilium}_connect4`:
 //!   the same whole path with the previous build's record (socket storage)
 //!   and Cilium's (a shared-list LRU insert keyed by {cookie, backend}).
+//!   `bench_alt_cookie_array_connect4`: the record in an array indexed by
+//!   the cookie's low bits, the whole cookie in the element, the hash only
+//!   on a collision (issue #47's proposal, measured before it is built).
 //! * `bench_empty_sock_release`, `bench_empty_recvmsg4`: the references for
 //!   our `sock_release` per close and `recvmsg4` per received datagram.
 //! * `bench_minimal_tc`: the least a TC program that looks at the same
@@ -45,7 +48,7 @@ use proxy_common::{
     sock_rec_count_slot,
 };
 
-use core::ptr::{addr_of, read_volatile};
+use core::ptr::{addr_of, addr_of_mut, read_volatile};
 
 use crate::maps::{SERVICES, count};
 use crate::packet::{Parsed, parse};
@@ -103,8 +106,9 @@ pub fn bench_step8_connect4(ctx: SockAddrContext) -> i32 {
 /// socket cookie; 6 the per-socket record (an insert into a preallocated
 /// hash with `SOCK_REC`'s key, value and capacity); 7 the `TRANSLATED`
 /// counter; 8 the per-Service tier count (`SVC_CONN`, `SVC_TOPO`).
-/// `ALT_STORAGE` and `ALT_CILIUM` replace step 6 with the
-/// previous build's record and Cilium's.
+/// `ALT_STORAGE`, `ALT_CILIUM` and `ALT_COOKIE_ARRAY` replace steps 6
+/// and 7 with the previous build's record, Cilium's and the proposed
+/// cookie-indexed array.
 /// `connect4` itself adds the address stores to step 7. Every probe lets
 /// the call through unchanged; the compiler keeps each step all the same
 /// (context loads are volatile, map operations and helpers are calls).
@@ -155,6 +159,22 @@ fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
         let rev_key = SockRevNatKey::new(cookie, backend.ip_be, backend.port_be, backend.family);
         let rev_val = SockRevNatValue { ip_be: dst.ip_be, port_be: dst.port_be, family: dst.family, _pad: 0 };
         let _ = BENCH_LRU_SHARED.insert(&rev_key, &rev_val, 0);
+        count(counter::TRANSLATED);
+        return 1;
+    }
+    if STEPS == ALT_COOKIE_ARRAY {
+        let rec = SockRecValue {
+            backend_ip_be: backend.ip_be,
+            frontend_ip_be: dst.ip_be,
+            service_id: svc.service_id,
+            backend_port_be: backend.port_be,
+            frontend_port_be: dst.port_be,
+            family: backend.family,
+            proto,
+            counted: SOCK_REC_COUNTED,
+            _pad: 0,
+        };
+        cookie_array_record(cookie, rec);
         count(counter::TRANSLATED);
         return 1;
     }
@@ -231,6 +251,97 @@ fn bench_count_add(cookie: u64, delta: u64) {
     }
 }
 
+/// One element of the cookie-indexed record array: exactly a 64-byte
+/// cache line's worth (the array rounds values to 8 bytes, so consecutive
+/// cookies take consecutive lines). Bench-only: userspace never reads it,
+/// so it stays here rather than in proxy-common.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct CookieRecSlot {
+    /// The cookie whose record this is; 0 when free (the kernel never
+    /// hands out cookie 0: `sock_gen_cookie` starts its counter at 1).
+    cookie: u64,
+    /// Records of cookies with this slot that went to the hash because the
+    /// slot was taken: the release looks the hash up only when it is not 0,
+    /// as `SOCK_REC_COUNT` tells it today.
+    in_hash: u64,
+    rec: SockRecValue,
+    _pad: u32,
+}
+
+const _: () = assert!(core::mem::size_of::<CookieRecSlot>() == 64);
+
+/// The cookie-indexed records; the benchmark gives it `SOCK_REC_COUNT`'s
+/// number of slots, the lines today's count already touches.
+#[btf_map(name = "BENCH_REC_ARRAY")]
+static BENCH_REC_ARRAY: Array<CookieRecSlot, 1> = Array::new();
+
+/// `*p = new` if `*p == expected`, as one atomic instruction
+/// (`BPF_ATOMIC | BPF_CMPXCHG`, Linux 5.12); returns what `*p` was.
+/// Needed because connects of sockets whose cookies share a slot run on
+/// every CPU at once: only one of them may take a free slot.
+///
+/// # Safety
+/// `p` must point to an aligned u64 of map value memory valid for the run.
+#[inline(always)]
+unsafe fn compare_exchange(p: *mut u64, expected: u64, new: u64) -> u64 {
+    let old: u64;
+    // SAFETY: as the caller vouches; the instruction writes only `*p`
+    // (and r0, declared).
+    unsafe {
+        core::arch::asm!(
+            "r0 = cmpxchg_64({p} + 0, r0, {v})",
+            p = in(reg) p,
+            v = in(reg) new,
+            inout("r0") expected => old,
+            options(nostack),
+        );
+    }
+    old
+}
+
+/// The proposed record: the cookie's own slot when it is free (one
+/// compare-and-exchange and the stores, on the line of the slot next to
+/// the last sockets'), the preallocated hash when another live socket's
+/// cookie holds the slot (and the slot's `in_hash` raised, so that the
+/// release knows to look there).
+#[inline(always)]
+fn cookie_array_record(cookie: u64, rec: SockRecValue) {
+    let Some(slot) = BENCH_REC_ARRAY.get_ptr_mut(sock_rec_count_slot(cookie)) else {
+        return;
+    };
+    // SAFETY: an array element, never freed while the map exists; its
+    // first field is an aligned u64.
+    let owner = unsafe { compare_exchange(addr_of_mut!((*slot).cookie), 0, cookie) };
+    if owner == 0 || owner == cookie {
+        // SAFETY: the slot is this socket's now; only its connect (under
+        // the socket lock) and its release write the record.
+        unsafe { (*slot).rec = rec };
+        return;
+    }
+    if BENCH_SOCK_REC.insert(cookie, rec, u64::from(BPF_NOEXIST)).is_ok() {
+        // SAFETY: an aligned u64 of the element, updated only atomically.
+        unsafe { super::sock::atomic_add(addr_of_mut!((*slot).in_hash), 1) };
+    }
+}
+
+/// The release side of `cookie_array_record`.
+#[inline(always)]
+fn cookie_array_release(cookie: u64) {
+    let Some(slot) = BENCH_REC_ARRAY.get_ptr_mut(sock_rec_count_slot(cookie)) else {
+        return;
+    };
+    // SAFETY: as in `cookie_array_record`.
+    unsafe {
+        if compare_exchange(addr_of_mut!((*slot).cookie), cookie, 0) == cookie {
+            return;
+        }
+        if read_volatile(addr_of!((*slot).in_hash)) != 0 && BENCH_SOCK_REC.remove(cookie).is_ok() {
+            super::sock::atomic_add(addr_of_mut!((*slot).in_hash), u64::MAX);
+        }
+    }
+}
+
 #[btf_map(name = "BENCH_SK_STORAGE")]
 static BENCH_SK_STORAGE: SkStorage<SockPeerValue> = SkStorage::new();
 
@@ -250,8 +361,17 @@ pub fn bench_alt_cilium_connect4(ctx: SockAddrContext) -> i32 {
     probe::<{ ALT_CILIUM }>(&ctx)
 }
 
+/// The whole hit path with the cookie-indexed record array: the steps up
+/// to the socket cookie, the record in the cookie's slot (the hash on a
+/// collision), the counter.
+#[cgroup_sock_addr(connect4)]
+pub fn bench_alt_cookie_array_connect4(ctx: SockAddrContext) -> i32 {
+    probe::<{ ALT_COOKIE_ARRAY }>(&ctx)
+}
+
 const ALT_STORAGE: u8 = 100;
 const ALT_CILIUM: u8 = 101;
+const ALT_COOKIE_ARRAY: u8 = 102;
 
 /// The reference for `sock_release`: runs on the same closes, does nothing.
 #[cgroup_sock(sock_release)]
@@ -268,6 +388,7 @@ pub fn bench_empty_sock_release(_ctx: SockContext) -> i32 {
 pub fn bench_release_probe_maps(ctx: SockContext) -> i32 {
     // SAFETY: the helper gets this program's own context.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.as_ptr()) };
+    cookie_array_release(cookie);
     if BENCH_SOCK_REC.remove(cookie).is_ok() {
         bench_count_add(cookie, u64::MAX);
     }
