@@ -153,6 +153,21 @@ fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
     if STEPS < 6 {
         return 1;
     }
+    // The record of `connect4` (`record` in sock.rs), for the SOCK_REC
+    // step and the cookie-indexed array; the other variants store their
+    // own values, and their copies of this function drop it (`STEPS` is a
+    // constant).
+    let rec = SockRecValue {
+        backend_ip_be: backend.ip_be,
+        frontend_ip_be: dst.ip_be,
+        service_id: svc.service_id,
+        backend_port_be: backend.port_be,
+        frontend_port_be: dst.port_be,
+        family: backend.family,
+        proto,
+        counted: SOCK_REC_COUNTED,
+        _pad: 0,
+    };
     if STEPS == ALT_CILIUM {
         // Cilium's `sock4_update_revnat`: a shared-list LRU hash keyed by
         // {cookie, backend address, port}.
@@ -163,17 +178,6 @@ fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
         return 1;
     }
     if STEPS == ALT_COOKIE_ARRAY {
-        let rec = SockRecValue {
-            backend_ip_be: backend.ip_be,
-            frontend_ip_be: dst.ip_be,
-            service_id: svc.service_id,
-            backend_port_be: backend.port_be,
-            frontend_port_be: dst.port_be,
-            family: backend.family,
-            proto,
-            counted: SOCK_REC_COUNTED,
-            _pad: 0,
-        };
         cookie_array_record(cookie, rec);
         count(counter::TRANSLATED);
         return 1;
@@ -201,17 +205,6 @@ fn probe<const STEPS: u8>(ctx: &SockAddrContext) -> i32 {
     // then records in SOCK_REC as it would without the probe; the
     // benchmark empties them after each run, as the release program
     // keeps SOCK_REC.
-    let rec = SockRecValue {
-        backend_ip_be: backend.ip_be,
-        frontend_ip_be: dst.ip_be,
-        service_id: svc.service_id,
-        backend_port_be: backend.port_be,
-        frontend_port_be: dst.port_be,
-        family: backend.family,
-        proto,
-        counted: SOCK_REC_COUNTED,
-        _pad: 0,
-    };
     if BENCH_SOCK_REC.insert(cookie, rec, u64::from(BPF_NOEXIST)).is_ok() {
         bench_count_add(cookie, 1);
     }
